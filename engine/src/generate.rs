@@ -1,0 +1,281 @@
+//! Turning sampled tokens into a finished generation: end-of-generation ids, `max_tokens`, stop
+//! strings, and streaming-safe text. [`Stream`] is the per-request state any loop (the local
+//! CLI, a decode server's scheduler) feeds one token at a time; [`Engine::generate_batch`] is
+//! the simple blocking loop used by the CLI, the benchmarks and the tests.
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::engine::{Engine, SeqId};
+use crate::error::{Error, Result};
+use crate::sampling::{SamplingParams, sample};
+use crate::tokenizer::{TokenDecoder, Tokenizer};
+
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct GenerateParams {
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    /// Text that ends the generation; it is not included in the output text.
+    pub stop: Vec<String>,
+}
+
+impl GenerateParams {
+    pub fn validate(&self) -> Result<()> {
+        self.sampling.validate()?;
+        if self.max_tokens == 0 {
+            return Err(Error::InvalidArgument {
+                field: "max_tokens",
+                reason: "must be at least 1".into(),
+            });
+        }
+        if self.stop.iter().any(String::is_empty) {
+            return Err(Error::InvalidArgument {
+                field: "stop",
+                reason: "stop strings must not be empty".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    Stop,
+    Length,
+}
+
+/// What one accepted token produced.
+#[derive(Debug, PartialEq)]
+pub struct Emission {
+    /// The token to output; `None` for an end-of-generation id, which is never output.
+    pub token: Option<u32>,
+    /// Text that is now safe to show.
+    pub text: String,
+    pub finished: Option<FinishReason>,
+}
+
+/// One request's generation state.
+#[derive(Debug)]
+pub struct Stream {
+    params: GenerateParams,
+    decoder: TokenDecoder,
+    /// Decoded text not yet shown because it might begin a stop string.
+    held: String,
+    generated: usize,
+}
+
+impl Stream {
+    pub fn new(params: GenerateParams) -> Self {
+        Self {
+            params,
+            decoder: TokenDecoder::default(),
+            held: String::new(),
+            generated: 0,
+        }
+    }
+
+    pub fn params(&self) -> &GenerateParams {
+        &self.params
+    }
+
+    /// Samples the token at absolute `position` from `logits`.
+    pub fn sample(&self, logits: &[f32], position: usize) -> u32 {
+        sample(logits, &self.params.sampling, position as u64)
+    }
+
+    /// Accepts a sampled token.
+    pub fn accept(&mut self, tokenizer: &Tokenizer, token: u32) -> Emission {
+        if tokenizer.eog_ids().contains(&token) {
+            let text = self.flush();
+            return Emission {
+                token: None,
+                text,
+                finished: Some(FinishReason::Stop),
+            };
+        }
+        self.generated += 1;
+        self.held.push_str(&self.decoder.push(tokenizer, token));
+        let mut text = self.release_text();
+        let mut finished = text.1.then_some(FinishReason::Stop);
+        if finished.is_none() && self.generated >= self.params.max_tokens {
+            text.0.push_str(&self.flush());
+            finished = Some(FinishReason::Length);
+        }
+        Emission {
+            token: Some(token),
+            text: text.0,
+            finished,
+        }
+    }
+
+    /// Returns the text that can be shown and whether a stop string was hit.
+    fn release_text(&mut self) -> (String, bool) {
+        let hit = self
+            .params
+            .stop
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()))
+            .min();
+        if let Some(at) = hit {
+            let text = self.held[..at].to_string();
+            self.held.clear();
+            return (text, true);
+        }
+        // Hold back the longest tail that could still grow into a stop string.
+        let keep = self
+            .params
+            .stop
+            .iter()
+            .flat_map(|s| {
+                (1..s.len())
+                    .filter(|&n| s.is_char_boundary(n) && self.held.ends_with(&s[..n]))
+                    .max()
+            })
+            .max()
+            .unwrap_or(0);
+        let cut = self.held.len() - keep;
+        let rest = self.held.split_off(cut);
+        (std::mem::replace(&mut self.held, rest), false)
+    }
+
+    fn flush(&mut self) -> String {
+        let tail = self.decoder.finish();
+        self.held.push_str(&tail);
+        std::mem::take(&mut self.held)
+    }
+}
+
+/// The result of a blocking generation (the JSON `tandem generate --json` prints).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct GenerateOutput {
+    pub prompt_token_ids: Vec<u32>,
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    pub finish_reason: FinishReason,
+    pub prefill_ms: f64,
+    pub decode_ms: f64,
+}
+
+/// One prompt and its parameters.
+#[derive(Clone, Debug)]
+pub struct GenerateRequest {
+    pub prompt: Vec<u32>,
+    pub params: GenerateParams,
+}
+
+struct Active {
+    seq: SeqId,
+    stream: Stream,
+    next: u32,
+    out: GenerateOutput,
+}
+
+impl Engine {
+    /// Generates for every request: each is prefilled alone, then all decode in one continuous
+    /// batch until each finishes. Sequences are freed at the end, also on error.
+    pub fn generate_batch(&mut self, requests: &[GenerateRequest]) -> Result<Vec<GenerateOutput>> {
+        self.generate_with(requests, &mut |_, _| {})
+    }
+
+    /// Generates for one request, handing each piece of text to `on_text` as it is produced.
+    pub fn generate_streaming(
+        &mut self,
+        request: &GenerateRequest,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<GenerateOutput> {
+        let mut out = self.generate_with(std::slice::from_ref(request), &mut |_, t| on_text(t))?;
+        Ok(out.remove(0))
+    }
+
+    fn generate_with(
+        &mut self,
+        requests: &[GenerateRequest],
+        on_text: &mut dyn FnMut(usize, &str),
+    ) -> Result<Vec<GenerateOutput>> {
+        let mut active = Vec::with_capacity(requests.len());
+        let result = self.run_batch(requests, &mut active, on_text);
+        for a in &active {
+            let _ = self.free(a.seq);
+        }
+        result?;
+        Ok(active.into_iter().map(|a| a.out).collect())
+    }
+
+    fn run_batch(
+        &mut self,
+        requests: &[GenerateRequest],
+        active: &mut Vec<Active>,
+        on_text: &mut dyn FnMut(usize, &str),
+    ) -> Result<()> {
+        let model = self.model().clone();
+        for req in requests {
+            req.params.validate()?;
+            let total = req.prompt.len() + req.params.max_tokens;
+            if total > model.config.context_len {
+                return Err(Error::InvalidArgument {
+                    field: "max_tokens",
+                    reason: format!(
+                        "prompt of {} tokens plus max_tokens {} exceeds the context of {}",
+                        req.prompt.len(),
+                        req.params.max_tokens,
+                        model.config.context_len
+                    ),
+                });
+            }
+            let seq = self.new_sequence();
+            let t0 = Instant::now();
+            active.push(Active {
+                seq,
+                stream: Stream::new(req.params.clone()),
+                next: 0,
+                out: GenerateOutput {
+                    prompt_token_ids: req.prompt.clone(),
+                    token_ids: Vec::new(),
+                    text: String::new(),
+                    finish_reason: FinishReason::Length,
+                    prefill_ms: 0.0,
+                    decode_ms: 0.0,
+                },
+            });
+            let logits = self.prefill(seq, &req.prompt)?;
+            let a = active.last_mut().expect("just pushed");
+            a.next = a.stream.sample(&logits, req.prompt.len());
+            a.out.prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
+        }
+        let t0 = Instant::now();
+        let mut running: Vec<usize> = (0..active.len()).collect();
+        while !running.is_empty() {
+            // Accept each sequence's pending token; those that finish leave the batch.
+            running.retain(|&i| {
+                let a = &mut active[i];
+                let e = a.stream.accept(&model.tokenizer, a.next);
+                a.out.token_ids.extend(e.token);
+                a.out.text.push_str(&e.text);
+                if !e.text.is_empty() {
+                    on_text(i, &e.text);
+                }
+                if let Some(reason) = e.finished {
+                    a.out.finish_reason = reason;
+                    a.out.decode_ms = t0.elapsed().as_secs_f64() * 1e3;
+                }
+                e.finished.is_none()
+            });
+            if running.is_empty() {
+                break;
+            }
+            let batch: Vec<(SeqId, u32)> = running
+                .iter()
+                .map(|&i| (active[i].seq, active[i].next))
+                .collect();
+            let logits = self.step(&batch)?;
+            for (&i, l) in running.iter().zip(&logits) {
+                let a = &mut active[i];
+                let pos = a.out.prompt_token_ids.len() + a.out.token_ids.len();
+                a.next = a.stream.sample(l, pos);
+            }
+        }
+        Ok(())
+    }
+}

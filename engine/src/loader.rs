@@ -1,0 +1,299 @@
+//! Reads a llama-architecture GGUF file (through candle's GGUF reader) into [`Weights`],
+//! [`ModelConfig`] and a [`TokenizerSpec`], validating everything before it is used.
+//!
+//! `Q4_1` and `Q8_0` tensors keep their bytes; any other type is dequantized by candle and
+//! requantized to `Q8_0`, which has a fast kernel. The fingerprint is the SHA-256 of the file.
+
+use std::io::Cursor;
+use std::path::Path;
+
+use candle_core::Device;
+use candle_core::quantized::GgmlDType;
+use candle_core::quantized::gguf_file::{Content, TensorInfo};
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, Result};
+use crate::kernels::{QData, QMatrix};
+use crate::model::{LayerWeights, ModelConfig, Weights};
+use crate::quant::{BlockQ4_1, BlockQ8_0, QK, quantize_row_q8_0};
+use crate::tokenizer::TokenizerSpec;
+
+/// The SHA-256 of a model's weights file: the KV wire format carries it, so KV computed by
+/// one model is never used by another.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ModelFingerprint(pub [u8; 32]);
+
+impl ModelFingerprint {
+    /// The first 8 bytes, for seeding block hashes.
+    pub fn as_u64(&self) -> u64 {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&self.0[..8]);
+        u64::from_le_bytes(b)
+    }
+}
+
+impl std::fmt::Display for ModelFingerprint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
+    }
+}
+
+/// Everything read from one GGUF file.
+#[derive(Debug)]
+pub struct LoadedModel {
+    pub config: ModelConfig,
+    pub weights: Weights,
+    pub tokenizer: TokenizerSpec,
+    pub fingerprint: ModelFingerprint,
+}
+
+/// Loads a GGUF file from disk.
+pub fn load_file(path: &Path) -> Result<LoadedModel> {
+    let bytes = std::fs::read(path).map_err(|source| match source.kind() {
+        std::io::ErrorKind::NotFound => Error::ModelNotFound {
+            path: path.to_path_buf(),
+            hint: String::new(),
+        },
+        _ => Error::Io {
+            path: path.to_path_buf(),
+            source,
+        },
+    })?;
+    load_bytes(&bytes, path)
+}
+
+/// Loads a GGUF image held in memory; `path` only names it in errors.
+pub fn load_bytes(bytes: &[u8], path: &Path) -> Result<LoadedModel> {
+    let bad = |reason: String| Error::invalid_model(path, reason);
+    let fingerprint = ModelFingerprint(Sha256::digest(bytes).into());
+    let content = Content::read(&mut Cursor::new(bytes))
+        .map_err(|e| bad(format!("cannot parse the GGUF header: {e}")))?;
+    let md = &content.metadata;
+    let arch = md
+        .get("general.architecture")
+        .and_then(|v| v.to_string().ok())
+        .cloned()
+        .ok_or_else(|| bad("metadata general.architecture is missing".into()))?;
+    if arch != "llama" {
+        return Err(Error::UnsupportedArchitecture {
+            path: path.to_path_buf(),
+            arch,
+        });
+    }
+    let config = read_config(&content, path)?;
+    let tokenizer = TokenizerSpec::from_gguf(md).map_err(|e| bad(e.to_string()))?;
+    let reader = TensorReader {
+        content: &content,
+        bytes,
+        path,
+    };
+    // Check that every tensor lies inside the file before reading any of them, so a
+    // truncated file is reported as such.
+    for (name, info) in &content.tensor_infos {
+        let end = reader.tensor_end(info);
+        if end > bytes.len() as u64 {
+            return Err(bad(format!(
+                "truncated: tensor {name} ends at byte {end}, the file has {} bytes",
+                bytes.len()
+            )));
+        }
+    }
+    let (h, kv) = (config.hidden, config.n_kv_heads * config.head_dim);
+    let layers = (0..config.n_layers)
+        .map(|i| {
+            let t = |n: &str| format!("blk.{i}.{n}.weight");
+            let qkv = vec![
+                reader.matrix(&t("attn_q"), config.n_heads * config.head_dim, h)?,
+                reader.matrix(&t("attn_k"), kv, h)?,
+                reader.matrix(&t("attn_v"), kv, h)?,
+            ];
+            let gate_up = vec![
+                reader.matrix(&t("ffn_gate"), config.ffn, h)?,
+                reader.matrix(&t("ffn_up"), config.ffn, h)?,
+            ];
+            Ok(LayerWeights {
+                attn_norm: reader.vector(&t("attn_norm"), h)?,
+                wqkv: reader.stack(qkv)?,
+                wo: reader.matrix(&t("attn_output"), h, config.n_heads * config.head_dim)?,
+                ffn_norm: reader.vector(&t("ffn_norm"), h)?,
+                w_gate_up: reader.stack(gate_up)?,
+                w_down: reader.matrix(&t("ffn_down"), h, config.ffn)?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let embed = reader.matrix("token_embd.weight", config.vocab, h)?;
+    let output = match content.tensor_infos.contains_key("output.weight") {
+        true => Some(reader.matrix("output.weight", config.vocab, h)?),
+        false => None,
+    };
+    if tokenizer.tokens.len() != config.vocab {
+        return Err(bad(format!(
+            "the tokenizer has {} tokens but the embedding has {} rows",
+            tokenizer.tokens.len(),
+            config.vocab
+        )));
+    }
+    let weights = Weights {
+        embed,
+        output,
+        output_norm: reader.vector("output_norm.weight", h)?,
+        layers,
+    };
+    Ok(LoadedModel {
+        config,
+        weights,
+        tokenizer,
+        fingerprint,
+    })
+}
+
+fn read_config(content: &Content, path: &Path) -> Result<ModelConfig> {
+    let md = &content.metadata;
+    let bad = |reason: String| Error::invalid_model(path, reason);
+    let get_u = |key: &str| -> Result<usize> {
+        md.get(key)
+            .ok_or_else(|| bad(format!("metadata {key} is missing")))?
+            .to_u32()
+            .map(|v| v as usize)
+            .map_err(|e| bad(format!("metadata {key}: {e}")))
+    };
+    let get_f = |key: &str, default: f32| -> Result<f32> {
+        md.get(key).map_or(Ok(default), |v| {
+            v.to_f32().map_err(|e| bad(format!("metadata {key}: {e}")))
+        })
+    };
+    let hidden = get_u("llama.embedding_length")?;
+    let n_heads = get_u("llama.attention.head_count")?;
+    let n_kv_heads = get_u("llama.attention.head_count_kv").unwrap_or(n_heads);
+    let vocab = content
+        .tensor_infos
+        .get("token_embd.weight")
+        .map(|t| t.shape.dims()[0])
+        .ok_or_else(|| bad("tensor token_embd.weight is missing".into()))?;
+    let config = ModelConfig {
+        n_layers: get_u("llama.block_count")?,
+        hidden,
+        n_heads,
+        n_kv_heads,
+        head_dim: if n_heads == 0 { 0 } else { hidden / n_heads },
+        ffn: get_u("llama.feed_forward_length")?,
+        vocab,
+        rope_theta: get_f("llama.rope.freq_base", 10_000.0)?,
+        context_len: get_u("llama.context_length")?,
+        rms_eps: get_f("llama.attention.layer_norm_rms_epsilon", 1e-5)?,
+    };
+    config.validate().map_err(bad)?;
+    Ok(config)
+}
+
+struct TensorReader<'a> {
+    content: &'a Content,
+    bytes: &'a [u8],
+    path: &'a Path,
+}
+
+impl TensorReader<'_> {
+    fn bad(&self, reason: String) -> Error {
+        Error::invalid_model(self.path, reason)
+    }
+
+    fn tensor_end(&self, info: &TensorInfo) -> u64 {
+        let elems = info.shape.elem_count() as u64;
+        let size = elems / info.ggml_dtype.block_size() as u64 * info.ggml_dtype.type_size() as u64;
+        self.content
+            .tensor_data_offset
+            .saturating_add(info.offset)
+            .saturating_add(size)
+    }
+
+    fn info(&self, name: &str, dims: &[usize]) -> Result<&TensorInfo> {
+        let info = self
+            .content
+            .tensor_infos
+            .get(name)
+            .ok_or_else(|| self.bad(format!("tensor {name} is missing")))?;
+        if info.shape.dims() != dims {
+            return Err(self.bad(format!(
+                "tensor {name} has shape {:?}, expected {dims:?}",
+                info.shape.dims()
+            )));
+        }
+        Ok(info)
+    }
+
+    fn raw(&self, info: &TensorInfo) -> &[u8] {
+        let start = (self.content.tensor_data_offset + info.offset) as usize;
+        &self.bytes[start..self.tensor_end(info) as usize]
+    }
+
+    /// Any tensor as f32 values, through candle's dequantization.
+    fn f32_values(&self, name: &str, info: &TensorInfo) -> Result<Vec<f32>> {
+        let err = |e: candle_core::Error| self.bad(format!("tensor {name}: {e}"));
+        info.read(
+            &mut Cursor::new(self.bytes),
+            self.content.tensor_data_offset,
+            &Device::Cpu,
+        )
+        .and_then(|q| q.dequantize(&Device::Cpu))
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.to_vec1::<f32>())
+        .map_err(err)
+    }
+
+    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        let info = self.info(name, &[len])?;
+        self.f32_values(name, info)
+    }
+
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<QMatrix> {
+        let info = self.info(name, &[rows, cols])?;
+        let data = match info.ggml_dtype {
+            GgmlDType::Q4_1 => QData::Q4_1(bytemuck::pod_collect_to_vec::<u8, BlockQ4_1>(
+                self.raw(info),
+            )),
+            GgmlDType::Q8_0 => QData::Q8_0(bytemuck::pod_collect_to_vec::<u8, BlockQ8_0>(
+                self.raw(info),
+            )),
+            _ => {
+                let values = self.f32_values(name, info)?;
+                let mut blocks = vec![bytemuck::Zeroable::zeroed(); rows * cols / QK];
+                for (x, b) in values.chunks(cols).zip(blocks.chunks_mut(cols / QK)) {
+                    quantize_row_q8_0(x, b);
+                }
+                QData::Q8_0(blocks)
+            }
+        };
+        Ok(QMatrix { rows, cols, data })
+    }
+
+    /// Stacks matrices into one; if their types differ, requantizes all of them to `Q8_0`.
+    fn stack(&self, parts: Vec<QMatrix>) -> Result<QMatrix> {
+        let uniform = parts
+            .windows(2)
+            .all(|w| std::mem::discriminant(&w[0].data) == std::mem::discriminant(&w[1].data));
+        let parts = if uniform {
+            parts
+        } else {
+            parts.into_iter().map(to_q8_0).collect()
+        };
+        QMatrix::concat(parts).ok_or_else(|| self.bad("cannot stack projection matrices".into()))
+    }
+}
+
+fn to_q8_0(m: QMatrix) -> QMatrix {
+    let QData::Q4_1(blocks) = &m.data else {
+        return m;
+    };
+    let mut row = vec![0f32; m.cols];
+    let nb = m.blocks_per_row();
+    let mut out = vec![bytemuck::Zeroable::zeroed(); blocks.len()];
+    for (src, dst) in blocks.chunks(nb).zip(out.chunks_mut(nb)) {
+        crate::quant::dequantize_row_q4_1(src, &mut row);
+        quantize_row_q8_0(&row, dst);
+    }
+    QMatrix {
+        rows: m.rows,
+        cols: m.cols,
+        data: QData::Q8_0(out),
+    }
+}

@@ -1,0 +1,285 @@
+//! The llama forward pass over a batch of rows, each a (sequence, position, token).
+//!
+//! A prefill chunk is many rows of one sequence; a decode step is one row per sequence. Both
+//! take this one path: the linear layers run once over all rows (so weights are streamed once
+//! per step, whatever the batch), then each row attends over its own sequence's paged KV.
+//!
+//! ```text
+//! tokens ─ embed ─┬─ [rmsnorm ─ qkv ─ rope ─ KV write ─ attention ─ o] ─ + ─┬─ [rmsnorm ─ gate|up ─ silu·up ─ down] ─ + ─► next layer
+//!                 └──────────────────────── residual ───────────────────────┘                   residual
+//! last rows ─ rmsnorm ─ lm head ─► logits
+//! ```
+
+use rayon::prelude::*;
+
+use crate::attention::{GroupQuery, attend_group};
+use crate::kernels::{QData, QMatrix};
+use crate::kv::{KvKind, KvLayout, KvPool};
+use crate::quant::{BlockQ8_1, QK, dequantize_row_q4_1, dequantize_row_q8_0, quantize_row_q8_1};
+
+/// Hyperparameters of a llama model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    pub n_layers: usize,
+    pub hidden: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub ffn: usize,
+    pub vocab: usize,
+    pub rope_theta: f32,
+    pub context_len: usize,
+    pub rms_eps: f32,
+}
+
+impl ModelConfig {
+    /// Checks the shape constraints the kernels rely on.
+    pub fn validate(&self) -> Result<(), String> {
+        let positive = [
+            ("block_count", self.n_layers),
+            ("embedding_length", self.hidden),
+            ("head_count", self.n_heads),
+            ("head_count_kv", self.n_kv_heads),
+            ("feed_forward_length", self.ffn),
+            ("vocab", self.vocab),
+            ("context_length", self.context_len),
+        ];
+        if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(format!("{name} is 0"));
+        }
+        if self.hidden % self.n_heads != 0 || self.n_heads % self.n_kv_heads != 0 {
+            return Err(format!(
+                "{} heads and {} KV heads do not divide hidden size {}",
+                self.n_heads, self.n_kv_heads, self.hidden
+            ));
+        }
+        if self.hidden % QK != 0 || self.ffn % QK != 0 || self.head_dim % 2 != 0 {
+            return Err(format!(
+                "hidden {} and ffn {} must be multiples of {QK} (head_dim {} even)",
+                self.hidden, self.ffn, self.head_dim
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn kv_layout(&self) -> KvLayout {
+        KvLayout {
+            n_layers: self.n_layers,
+            n_kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+        }
+    }
+
+    fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+
+    fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+}
+
+#[derive(Debug)]
+pub struct LayerWeights {
+    pub attn_norm: Vec<f32>,
+    /// q, k and v projections stacked: `q_dim + 2 * kv_dim` rows.
+    pub wqkv: QMatrix,
+    pub wo: QMatrix,
+    pub ffn_norm: Vec<f32>,
+    /// gate and up projections stacked: `2 * ffn` rows.
+    pub w_gate_up: QMatrix,
+    pub w_down: QMatrix,
+}
+
+#[derive(Debug)]
+pub struct Weights {
+    pub embed: QMatrix,
+    /// The LM head; `None` means it is tied to the embedding.
+    pub output: Option<QMatrix>,
+    pub output_norm: Vec<f32>,
+    pub layers: Vec<LayerWeights>,
+}
+
+impl Weights {
+    pub fn size_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                l.wqkv.size_bytes()
+                    + l.wo.size_bytes()
+                    + l.w_gate_up.size_bytes()
+                    + l.w_down.size_bytes()
+            })
+            .sum();
+        layers + self.embed.size_bytes() + self.output.as_ref().map_or(0, QMatrix::size_bytes)
+    }
+}
+
+/// One row of a forward pass.
+#[derive(Clone, Copy, Debug)]
+pub struct Row<'a> {
+    pub blocks: &'a [u32],
+    pub pos: usize,
+    pub token: u32,
+    pub want_logits: bool,
+}
+
+/// Runs the rows through the model, writing their KV into `pool` (their blocks must already
+/// cover `pos`), and returns the logits of the rows that asked for them, in order. Must be
+/// called on the engine's rayon pool.
+pub fn forward(
+    cfg: &ModelConfig,
+    w: &Weights,
+    pool: &mut KvPool,
+    rows: &[Row<'_>],
+) -> Vec<Vec<f32>> {
+    let n = rows.len();
+    let (h, qd, kvd, hd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+    let mut x = vec![0f32; n * h];
+    for (r, xr) in rows.iter().zip(x.chunks_exact_mut(h)) {
+        embed_row(&w.embed, r.token as usize, xr);
+    }
+    let rope = rope_tables(cfg, rows);
+    let mut xn = vec![0f32; n * h];
+    let mut acts_h = vec![bytemuck::Zeroable::zeroed(); n * h / QK];
+    let mut acts_f = vec![bytemuck::Zeroable::zeroed(); n * cfg.ffn / QK];
+    let mut qkv = vec![0f32; n * (qd + 2 * kvd)];
+    let mut attn = vec![0f32; n * qd];
+    let mut acts_q = vec![bytemuck::Zeroable::zeroed(); n * qd / QK];
+    let mut proj = vec![0f32; n * h];
+    let mut gate_up = vec![0f32; n * 2 * cfg.ffn];
+    let mut ffn_act = vec![0f32; n * cfg.ffn];
+
+    for (li, lw) in w.layers.iter().enumerate() {
+        rms_norm_rows(&x, &lw.attn_norm, cfg.rms_eps, &mut xn);
+        quantize_rows(&xn, h, &mut acts_h);
+        lw.wqkv.matmul(&acts_h, n, &mut qkv);
+        for (ri, r) in rows.iter().enumerate() {
+            let row = &mut qkv[ri * (qd + 2 * kvd)..(ri + 1) * (qd + 2 * kvd)];
+            let (cos, sin) = &rope[ri];
+            for head in row[..qd + kvd].chunks_exact_mut(hd) {
+                apply_rope(head, cos, sin);
+            }
+            for g in 0..cfg.n_kv_heads {
+                let k = &row[qd + g * hd..qd + (g + 1) * hd];
+                pool.write(r.blocks, r.pos, li, KvKind::Key, g, k);
+                let v = &row[qd + kvd + g * hd..qd + kvd + (g + 1) * hd];
+                pool.write(r.blocks, r.pos, li, KvKind::Value, g, v);
+            }
+        }
+        let group = qd / cfg.n_kv_heads;
+        let pool_ref = &*pool;
+        attn.par_chunks_mut(group).enumerate().for_each(|(i, out)| {
+            let (ri, g) = (i / cfg.n_kv_heads, i % cfg.n_kv_heads);
+            let base = ri * (qd + 2 * kvd) + g * group;
+            let query = GroupQuery {
+                layer: li,
+                kv_head: g,
+                blocks: rows[ri].blocks,
+                n_keys: rows[ri].pos + 1,
+                q: &qkv[base..base + group],
+            };
+            attend_group(pool_ref, &query, out);
+        });
+        quantize_rows(&attn, qd, &mut acts_q);
+        lw.wo.matmul(&acts_q, n, &mut proj);
+        add_in_place(&mut x, &proj);
+
+        rms_norm_rows(&x, &lw.ffn_norm, cfg.rms_eps, &mut xn);
+        quantize_rows(&xn, h, &mut acts_h);
+        lw.w_gate_up.matmul(&acts_h, n, &mut gate_up);
+        for (gu, out) in gate_up
+            .chunks_exact(2 * cfg.ffn)
+            .zip(ffn_act.chunks_exact_mut(cfg.ffn))
+        {
+            let (gate, up) = gu.split_at(cfg.ffn);
+            for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+                *o = g / (1.0 + (-g).exp()) * u;
+            }
+        }
+        quantize_rows(&ffn_act, cfg.ffn, &mut acts_f);
+        lw.w_down.matmul(&acts_f, n, &mut proj);
+        add_in_place(&mut x, &proj);
+    }
+
+    let wanted: Vec<usize> = (0..n).filter(|&i| rows[i].want_logits).collect();
+    if wanted.is_empty() {
+        return Vec::new();
+    }
+    let mut last = vec![0f32; wanted.len() * h];
+    for (dst, &i) in last.chunks_exact_mut(h).zip(&wanted) {
+        dst.copy_from_slice(&x[i * h..(i + 1) * h]);
+    }
+    let mut normed = vec![0f32; last.len()];
+    rms_norm_rows(&last, &w.output_norm, cfg.rms_eps, &mut normed);
+    let mut acts = vec![bytemuck::Zeroable::zeroed(); normed.len() / QK];
+    quantize_rows(&normed, h, &mut acts);
+    let head = w.output.as_ref().unwrap_or(&w.embed);
+    let mut logits = vec![0f32; wanted.len() * cfg.vocab];
+    head.matmul(&acts, wanted.len(), &mut logits);
+    logits
+        .chunks_exact(cfg.vocab)
+        .map(<[f32]>::to_vec)
+        .collect()
+}
+
+fn embed_row(embed: &QMatrix, token: usize, out: &mut [f32]) {
+    let nb = embed.blocks_per_row();
+    match &embed.data {
+        QData::Q4_1(b) => dequantize_row_q4_1(&b[token * nb..(token + 1) * nb], out),
+        QData::Q8_0(b) => dequantize_row_q8_0(&b[token * nb..(token + 1) * nb], out),
+    }
+}
+
+fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let h = weight.len();
+    for (xr, or) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
+        let ms = xr.iter().map(|v| v * v).sum::<f32>() / h as f32;
+        let scale = 1.0 / (ms + eps).sqrt();
+        for ((o, v), g) in or.iter_mut().zip(xr).zip(weight) {
+            *o = v * scale * g;
+        }
+    }
+}
+
+fn quantize_rows(x: &[f32], cols: usize, out: &mut [BlockQ8_1]) {
+    for (xr, or) in x.chunks_exact(cols).zip(out.chunks_exact_mut(cols / QK)) {
+        quantize_row_q8_1(xr, or);
+    }
+}
+
+fn add_in_place(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// Per row, the cos and sin of each rotated pair's angle, computed the way llama.cpp does
+/// (`theta = pos · base^(-2i/d)`, advanced by repeated multiplication in f32).
+fn rope_tables(cfg: &ModelConfig, rows: &[Row<'_>]) -> Vec<(Vec<f32>, Vec<f32>)> {
+    let half = cfg.head_dim / 2;
+    let theta_scale = cfg.rope_theta.powf(-2.0 / cfg.head_dim as f32);
+    rows.iter()
+        .map(|r| {
+            let mut theta = r.pos as f32;
+            let mut cos = Vec::with_capacity(half);
+            let mut sin = Vec::with_capacity(half);
+            for _ in 0..half {
+                cos.push(theta.cos());
+                sin.push(theta.sin());
+                theta *= theta_scale;
+            }
+            (cos, sin)
+        })
+        .collect()
+}
+
+/// GGUF llama weights are permuted for adjacent-pair ("normal") rotary embedding.
+fn apply_rope(head: &mut [f32], cos: &[f32], sin: &[f32]) {
+    for (pair, (c, s)) in head.chunks_exact_mut(2).zip(cos.iter().zip(sin)) {
+        let (x0, x1) = (pair[0], pair[1]);
+        pair[0] = x0 * c - x1 * s;
+        pair[1] = x0 * s + x1 * c;
+    }
+}

@@ -1,0 +1,201 @@
+//! Quantized block formats and their scalar reference arithmetic.
+//!
+//! Weights keep GGML's on-disk block layouts (`Q4_1`, `Q8_0`) so the file's bytes are used as
+//! they are. Activations are quantized per 32-value block to [`BlockQ8_1`], like llama.cpp's
+//! `q8_1`: one scale, the scaled sum of the quants (which folds `Q4_1`'s per-block minimum into
+//! one multiply), and 32 signed bytes. The SIMD kernels in `kernels.rs` must agree with the
+//! scalar functions here; the tests at the bottom of that file check it.
+
+use bytemuck::{Pod, Zeroable};
+use half::f16;
+
+/// Values per quantization block, for every format used here.
+pub const QK: usize = 32;
+
+/// GGML `Q4_1`: `x = d * q + m` with `q` in `0..16`. Byte `j` holds element `j` in its low
+/// nibble and element `j + 16` in its high nibble.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockQ4_1 {
+    pub d: f16,
+    pub m: f16,
+    pub qs: [u8; QK / 2],
+}
+
+/// GGML `Q8_0`: `x = d * q` with `q` in `-127..=127`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockQ8_0 {
+    pub d: f16,
+    pub qs: [i8; QK],
+}
+
+/// A quantized activation block: `x ≈ d * q`, and `s = d * Σq`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockQ8_1 {
+    pub d: f32,
+    pub s: f32,
+    pub qs: [i8; QK],
+}
+
+/// Quantizes one row (length a multiple of [`QK`]) into `out`.
+pub fn quantize_row_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
+    debug_assert_eq!(x.len(), out.len() * QK);
+    for (chunk, block) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, v) in block.qs.iter_mut().zip(chunk) {
+            // `round` (half away from zero) is what llama.cpp's reference quantizer uses.
+            let r = (v * id).round() as i32;
+            *q = r as i8;
+            sum += r;
+        }
+        block.d = d;
+        block.s = d * sum as f32;
+    }
+}
+
+/// Quantizes one row into GGML `Q8_0` blocks (used to bring other weight types to a format
+/// with a fast kernel).
+pub fn quantize_row_q8_0(x: &[f32], out: &mut [BlockQ8_0]) {
+    debug_assert_eq!(x.len(), out.len() * QK);
+    for (chunk, block) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+        for (q, v) in block.qs.iter_mut().zip(chunk) {
+            *q = (v * id).round() as i8;
+        }
+        block.d = f16::from_f32(d);
+    }
+}
+
+/// Quantizes one row into GGML `Q4_1` blocks (kernel tests build weights with it).
+#[cfg(test)]
+pub fn quantize_row_q4_1(x: &[f32], out: &mut [BlockQ4_1]) {
+    debug_assert_eq!(x.len(), out.len() * QK);
+    for (chunk, block) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        let min = chunk.iter().copied().fold(f32::INFINITY, f32::min);
+        let max = chunk.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let d = (max - min) / 15.0;
+        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+        block.d = f16::from_f32(d);
+        block.m = f16::from_f32(min);
+        for j in 0..QK / 2 {
+            let lo = ((chunk[j] - min) * id + 0.5).min(15.0) as u8;
+            let hi = ((chunk[j + QK / 2] - min) * id + 0.5).min(15.0) as u8;
+            block.qs[j] = lo | (hi << 4);
+        }
+    }
+}
+
+pub fn dequantize_row_q4_1(blocks: &[BlockQ4_1], out: &mut [f32]) {
+    for (block, chunk) in blocks.iter().zip(out.chunks_exact_mut(QK)) {
+        let (d, m) = (block.d.to_f32(), block.m.to_f32());
+        for j in 0..QK / 2 {
+            chunk[j] = d * f32::from(block.qs[j] & 0x0F) + m;
+            chunk[j + QK / 2] = d * f32::from(block.qs[j] >> 4) + m;
+        }
+    }
+}
+
+pub fn dequantize_row_q8_0(blocks: &[BlockQ8_0], out: &mut [f32]) {
+    for (block, chunk) in blocks.iter().zip(out.chunks_exact_mut(QK)) {
+        let d = block.d.to_f32();
+        for (o, q) in chunk.iter_mut().zip(block.qs) {
+            *o = d * f32::from(q);
+        }
+    }
+}
+
+/// Scalar reference for one `Q4_1` row against one activation row.
+#[cfg(any(
+    test,
+    not(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))
+))]
+pub fn dot_q4_1_ref(w: &[BlockQ4_1], a: &[BlockQ8_1]) -> f32 {
+    w.iter()
+        .zip(a)
+        .map(|(w, a)| {
+            let mut sum = 0i32;
+            for j in 0..QK / 2 {
+                sum += i32::from(w.qs[j] & 0x0F) * i32::from(a.qs[j]);
+                sum += i32::from(w.qs[j] >> 4) * i32::from(a.qs[j + QK / 2]);
+            }
+            w.d.to_f32() * a.d * sum as f32 + w.m.to_f32() * a.s
+        })
+        .sum()
+}
+
+/// Scalar reference for one `Q8_0` row against one activation row.
+#[cfg(any(
+    test,
+    not(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))
+))]
+pub fn dot_q8_0_ref(w: &[BlockQ8_0], a: &[BlockQ8_1]) -> f32 {
+    w.iter()
+        .zip(a)
+        .map(|(w, a)| {
+            let sum: i32 =
+                w.qs.iter()
+                    .zip(a.qs)
+                    .map(|(&x, y)| i32::from(x) * i32::from(y))
+                    .sum();
+            w.d.to_f32() * a.d * sum as f32
+        })
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q8_1_round_trip_is_close() {
+        let x: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        let mut q = vec![BlockQ8_1::zeroed(); 2];
+        quantize_row_q8_1(&x, &mut q);
+        for (b, chunk) in q.iter().zip(x.chunks(QK)) {
+            for (v, &qq) in chunk.iter().zip(&b.qs) {
+                assert!((v - b.d * f32::from(qq)).abs() <= b.d * 0.5 + 1e-6);
+            }
+            let sum: i32 = b.qs.iter().map(|&v| i32::from(v)).sum();
+            assert_eq!(b.s, b.d * sum as f32);
+        }
+    }
+
+    #[test]
+    fn q4_1_round_trip_is_close() {
+        let x: Vec<f32> = (0..64).map(|i| (i as f32 * 0.91).cos()).collect();
+        let mut q = vec![BlockQ4_1::zeroed(); 2];
+        quantize_row_q4_1(&x, &mut q);
+        let mut y = vec![0f32; 64];
+        dequantize_row_q4_1(&q, &mut y);
+        for (a, b) in x.iter().zip(&y) {
+            assert!((a - b).abs() < 2.0 / 15.0 * 0.5 + 1e-2, "{a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn q8_0_round_trip_is_close() {
+        let x: Vec<f32> = (0..32).map(|i| i as f32 - 16.0).collect();
+        let mut q = vec![BlockQ8_0::zeroed(); 1];
+        quantize_row_q8_0(&x, &mut q);
+        let mut y = vec![0f32; 32];
+        dequantize_row_q8_0(&q, &mut y);
+        for (a, b) in x.iter().zip(&y) {
+            assert!((a - b).abs() < 0.1, "{a} vs {b}");
+        }
+    }
+}

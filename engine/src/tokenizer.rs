@@ -1,0 +1,368 @@
+//! Tokenizer and chat template, built from a GGUF file's metadata.
+//!
+//! Encoding uses the HF `tokenizers` crate (BPE with the pure-Rust regex engine), assembled from
+//! `tokenizer.ggml.*`: the vocabulary, the merges, and the token types, where control and
+//! user-defined tokens become special tokens so `<|im_start|>` is one id. Decoding goes through
+//! a precomputed token → bytes table, because streaming needs bytes: [`TokenDecoder`] emits text
+//! only up to the last complete UTF-8 character.
+
+use std::collections::HashMap;
+
+use candle_core::quantized::gguf_file::Value;
+use minijinja::{Environment, context};
+use serde::Serialize;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::{AddedToken, PreTokenizerWrapper};
+
+use crate::error::{Error, Result};
+
+/// GGUF token types (llama.cpp's `llama_token_type`).
+const TOKEN_TYPE_CONTROL: i32 = 3;
+const TOKEN_TYPE_USER_DEFINED: i32 = 4;
+
+/// Texts of control tokens that end a generation (llama.cpp's end-of-generation detection,
+/// which includes the fill-in-the-middle repository/padding markers).
+const EOG_TEXTS: &[&str] = &[
+    "<|endoftext|>",
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<end_of_turn>",
+    "<|end|>",
+    "<EOT>",
+    "<|end_of_text|>",
+    "<|fim_pad|>",
+    "<fim-pad>",
+    "<|fim_repo|>",
+    "<|repo_name|>",
+    "<fim-repo>",
+    "<REPO>",
+    "<reponame>",
+    "<|file_sep|>",
+];
+
+/// One chat message, as given to the chat template.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// What the tokenizer is built from (read from GGUF metadata, or made by the tiny model).
+#[derive(Debug, Clone)]
+pub struct TokenizerSpec {
+    pub pre: String,
+    pub tokens: Vec<String>,
+    pub token_types: Vec<i32>,
+    pub merges: Vec<(String, String)>,
+    pub bos_id: Option<u32>,
+    pub eos_id: Option<u32>,
+    pub eot_id: Option<u32>,
+    pub add_bos: bool,
+    pub chat_template: Option<String>,
+}
+
+impl TokenizerSpec {
+    /// Reads `tokenizer.ggml.*` and `tokenizer.chat_template` from GGUF metadata.
+    pub fn from_gguf(md: &HashMap<String, Value>) -> Result<Self> {
+        let err = |reason: String| Error::Tokenizer { reason };
+        let model = md_string(md, "tokenizer.ggml.model").unwrap_or_default();
+        if model != "gpt2" {
+            return Err(err(format!(
+                "tokenizer.ggml.model is {model:?}; only byte-level BPE (\"gpt2\") is supported"
+            )));
+        }
+        let strings = |key: &str| -> Result<Vec<String>> {
+            let v = md
+                .get(key)
+                .ok_or_else(|| err(format!("metadata {key} is missing")))?;
+            let arr = v.to_vec().map_err(|e| err(format!("{key}: {e}")))?;
+            arr.iter()
+                .map(|s| {
+                    s.to_string()
+                        .cloned()
+                        .map_err(|e| err(format!("{key}: {e}")))
+                })
+                .collect()
+        };
+        let tokens = strings("tokenizer.ggml.tokens")?;
+        let merges = strings("tokenizer.ggml.merges")?
+            .into_iter()
+            .map(|m| {
+                m.split_once(' ')
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .ok_or_else(|| err(format!("merge {m:?} has no space")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let token_types = match md.get("tokenizer.ggml.token_type") {
+            Some(v) => v
+                .to_vec()
+                .and_then(|a| a.iter().map(|t| t.to_i32()).collect())
+                .map_err(|e| err(format!("tokenizer.ggml.token_type: {e}")))?,
+            None => vec![1; tokens.len()],
+        };
+        if token_types.len() != tokens.len() {
+            return Err(err(format!(
+                "{} token types for {} tokens",
+                token_types.len(),
+                tokens.len()
+            )));
+        }
+        let id = |key: &str| md.get(key).and_then(|v| v.to_u32().ok());
+        Ok(Self {
+            pre: md_string(md, "tokenizer.ggml.pre").unwrap_or_else(|| "default".into()),
+            tokens,
+            token_types,
+            merges,
+            bos_id: id("tokenizer.ggml.bos_token_id"),
+            eos_id: id("tokenizer.ggml.eos_token_id"),
+            eot_id: id("tokenizer.ggml.eot_token_id"),
+            add_bos: md
+                .get("tokenizer.ggml.add_bos_token")
+                .and_then(|v| v.to_bool().ok())
+                .unwrap_or(false),
+            chat_template: md_string(md, "tokenizer.chat_template"),
+        })
+    }
+}
+
+fn md_string(md: &HashMap<String, Value>, key: &str) -> Option<String> {
+    md.get(key).and_then(|v| v.to_string().ok()).cloned()
+}
+
+/// Text ↔ token ids for one model.
+#[derive(Debug)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// The bytes each id decodes to; empty for control tokens, which are not rendered.
+    token_bytes: Vec<Vec<u8>>,
+    eog_ids: Vec<u32>,
+    bos_id: Option<u32>,
+    add_bos: bool,
+    chat_template: Option<String>,
+    bos_text: String,
+    eos_text: String,
+}
+
+impl Tokenizer {
+    pub fn new(spec: TokenizerSpec) -> Result<Self> {
+        let err = |reason: String| Error::Tokenizer { reason };
+        let vocab: tokenizers::models::bpe::Vocab = spec
+            .tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, spec.merges.clone())
+            .build()
+            .map_err(|e| err(format!("building BPE: {e}")))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        let byte_level = ByteLevel::new(false, false, true);
+        let pre: PreTokenizerWrapper = match spec.pre.as_str() {
+            // llama.cpp's "smollm" pre-tokenizer splits every digit, then applies GPT-2's regex.
+            "smollm" | "starcoder" | "refact" => {
+                Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
+            }
+            "default" | "gpt2" | "gpt-2" => byte_level.into(),
+            other => {
+                return Err(err(format!("pre-tokenizer {other:?} is not supported")));
+            }
+        };
+        inner.with_pre_tokenizer(Some(pre));
+        let special: Vec<AddedToken> = spec
+            .tokens
+            .iter()
+            .zip(&spec.token_types)
+            .filter(|(_, t)| matches!(**t, TOKEN_TYPE_CONTROL | TOKEN_TYPE_USER_DEFINED))
+            .map(|(s, _)| AddedToken::from(s.clone(), true))
+            .collect();
+        inner.add_special_tokens(&special);
+
+        let unicode_to_byte = byte_level_decode_table();
+        let token_bytes = spec
+            .tokens
+            .iter()
+            .zip(&spec.token_types)
+            .map(|(tok, &ty)| match ty {
+                TOKEN_TYPE_CONTROL => Vec::new(),
+                TOKEN_TYPE_USER_DEFINED => tok.as_bytes().to_vec(),
+                _ => tok
+                    .chars()
+                    .map(|c| unicode_to_byte.get(&c).copied())
+                    .collect::<Option<Vec<u8>>>()
+                    .unwrap_or_else(|| tok.as_bytes().to_vec()),
+            })
+            .collect();
+        let mut eog_ids: Vec<u32> = spec
+            .tokens
+            .iter()
+            .zip(&spec.token_types)
+            .enumerate()
+            .filter(|(_, (s, t))| **t == TOKEN_TYPE_CONTROL && EOG_TEXTS.contains(&s.as_str()))
+            .map(|(i, _)| i as u32)
+            .chain(spec.eos_id)
+            .chain(spec.eot_id)
+            .collect();
+        eog_ids.sort_unstable();
+        eog_ids.dedup();
+        let text_of = |id: Option<u32>| {
+            id.and_then(|i| spec.tokens.get(i as usize))
+                .cloned()
+                .unwrap_or_default()
+        };
+        Ok(Self {
+            inner,
+            token_bytes,
+            eog_ids,
+            bos_id: spec.bos_id,
+            add_bos: spec.add_bos,
+            bos_text: text_of(spec.bos_id),
+            eos_text: text_of(spec.eos_id),
+            chat_template: spec.chat_template,
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.token_bytes.len()
+    }
+
+    /// The ids that end a generation (never emitted as output).
+    pub fn eog_ids(&self) -> &[u32] {
+        &self.eog_ids
+    }
+
+    /// Tokenizes `text`, parsing special tokens; adds BOS only if the model asks for it.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| Error::Tokenizer {
+                reason: format!("encoding failed: {e}"),
+            })?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        if self.add_bos
+            && let Some(bos) = self.bos_id
+        {
+            ids.push(bos);
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// The bytes of one token (empty for control tokens and unknown ids).
+    pub fn token_bytes(&self, id: u32) -> &[u8] {
+        self.token_bytes
+            .get(id as usize)
+            .map_or(&[][..], Vec::as_slice)
+    }
+
+    /// Decodes a whole sequence (invalid UTF-8 is replaced).
+    pub fn decode(&self, ids: &[u32]) -> String {
+        let bytes: Vec<u8> = ids
+            .iter()
+            .flat_map(|&i| self.token_bytes(i).iter().copied())
+            .collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// Renders `messages` with the model's chat template and a generation prompt.
+    pub fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String> {
+        let template = self
+            .chat_template
+            .as_deref()
+            .ok_or_else(|| Error::Template {
+                reason: "the model has no tokenizer.chat_template".into(),
+            })?;
+        if messages.is_empty() {
+            return Err(Error::InvalidArgument {
+                field: "messages",
+                reason: "at least one message is required".into(),
+            });
+        }
+        let terr = |e: minijinja::Error| Error::Template {
+            reason: e.to_string(),
+        };
+        let mut env = Environment::new();
+        env.add_function("raise_exception", |msg: String| -> Result<String, _> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        });
+        env.add_template("chat", template).map_err(terr)?;
+        env.get_template("chat")
+            .and_then(|t| {
+                t.render(context! {
+                    messages => messages,
+                    add_generation_prompt => true,
+                    bos_token => &self.bos_text,
+                    eos_token => &self.eos_text,
+                })
+            })
+            .map_err(terr)
+    }
+}
+
+/// GPT-2's byte-level alphabet: the printable stand-in character of each byte, by byte.
+/// (The `tokenizers` crate keeps its copy private, and this table is a few lines.)
+pub(crate) fn byte_level_chars() -> Vec<char> {
+    let printable = |b: u32| (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
+    let mut next = 256;
+    (0..256u32)
+        .map(|b| {
+            let c = if printable(b) {
+                b
+            } else {
+                next += 1;
+                next - 1
+            };
+            char::from_u32(c).unwrap_or(char::REPLACEMENT_CHARACTER)
+        })
+        .collect()
+}
+
+fn byte_level_decode_table() -> HashMap<char, u8> {
+    byte_level_chars()
+        .into_iter()
+        .enumerate()
+        .map(|(b, c)| (c, b as u8))
+        .collect()
+}
+
+/// Streaming detokenizer: feeds token bytes in and hands out only complete UTF-8 text, so a
+/// character split across tokens is never emitted half-done.
+#[derive(Debug, Default)]
+pub struct TokenDecoder {
+    pending: Vec<u8>,
+}
+
+impl TokenDecoder {
+    pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> String {
+        self.pending.extend_from_slice(tokenizer.token_bytes(id));
+        let valid = match std::str::from_utf8(&self.pending) {
+            Ok(_) => self.pending.len(),
+            // A sequence that can never become valid is replaced rather than held forever.
+            Err(e) if e.error_len().is_some() => {
+                let text = String::from_utf8_lossy(&self.pending).into_owned();
+                self.pending.clear();
+                return text;
+            }
+            Err(e) => e.valid_up_to(),
+        };
+        let rest = self.pending.split_off(valid);
+        let text = String::from_utf8(std::mem::replace(&mut self.pending, rest))
+            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
+        text
+    }
+
+    /// Whatever is still held back at the end of the stream (replaced if incomplete).
+    pub fn finish(&mut self) -> String {
+        let text = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        text
+    }
+}
