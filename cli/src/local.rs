@@ -41,7 +41,7 @@ pub(crate) struct GenerateArgs {
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
     /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
     /// Keep only the K most likely tokens (0 = all).
     #[arg(long, default_value_t = 0)]

@@ -83,6 +83,8 @@ impl ModelSource {
     }
 }
 
+pub use tiny::gguf_image as tiny_gguf_image;
+
 /// The model directory: `$TANDEM_MODEL_DIR`, else `~/.cache/tandem/models`.
 pub fn model_dir_from_env() -> PathBuf {
     if let Some(dir) = std::env::var_os("TANDEM_MODEL_DIR") {

@@ -28,11 +28,15 @@ const CHAT_TEMPLATE: &str = "{% for message in messages %}{% if loop.first and m
 
 /// Builds the tiny model's GGUF image in memory and loads it.
 pub fn load() -> Result<LoadedModel> {
-    let bytes = gguf_image().map_err(|e| Error::invalid_model("tiny", e.to_string()))?;
-    load_bytes(&bytes, Path::new("tiny"))
+    load_bytes(&gguf_image()?, Path::new("tiny"))
 }
 
-fn gguf_image() -> candle_core::Result<Vec<u8>> {
+/// The tiny model as a GGUF file image (tests write it to disk, whole or damaged).
+pub fn gguf_image() -> Result<Vec<u8>> {
+    build_image().map_err(|e| Error::invalid_model("tiny", e.to_string()))
+}
+
+fn build_image() -> candle_core::Result<Vec<u8>> {
     let specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
     let mut tokens: Vec<Value> = specials
         .iter()

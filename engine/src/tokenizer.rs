@@ -366,3 +366,54 @@ impl TokenDecoder {
         text
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ModelSource;
+
+    #[test]
+    fn a_character_split_across_tokens_is_emitted_whole() {
+        let model = ModelSource::Tiny.load().expect("tiny");
+        let tok = &model.tokenizer;
+        let ids = tok.encode("é!").expect("encode");
+        assert_eq!(ids.len(), 3, "the tiny vocabulary is one token per byte");
+        let mut dec = TokenDecoder::default();
+        assert_eq!(dec.push(tok, ids[0]), "");
+        assert_eq!(dec.push(tok, ids[1]), "é");
+        assert_eq!(dec.push(tok, ids[2]), "!");
+        assert_eq!(dec.finish(), "");
+    }
+
+    #[test]
+    fn special_tokens_are_single_ids_and_not_rendered() {
+        let model = ModelSource::Tiny.load().expect("tiny");
+        let tok = &model.tokenizer;
+        let ids = tok.encode("<|im_start|>hi<|im_end|>").expect("encode");
+        assert_eq!(ids.first(), Some(&1));
+        assert_eq!(ids.last(), Some(&2));
+        assert_eq!(tok.decode(&ids), "hi");
+        assert!(tok.eog_ids().contains(&2));
+    }
+
+    #[test]
+    fn chat_template_renders_roles_and_generation_prompt() {
+        let model = ModelSource::Tiny.load().expect("tiny");
+        let text = model
+            .tokenizer
+            .apply_chat_template(&[ChatMessage {
+                role: "user".into(),
+                content: "Hi".into(),
+            }])
+            .expect("render");
+        assert!(text.starts_with("<|im_start|>system\n"));
+        assert!(text.ends_with("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"));
+        assert!(matches!(
+            model.tokenizer.apply_chat_template(&[]),
+            Err(Error::InvalidArgument {
+                field: "messages",
+                ..
+            })
+        ));
+    }
+}

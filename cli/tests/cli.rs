@@ -1,0 +1,171 @@
+//! The `tandem` binary's contract with the tools that call it: flags, JSON fields, exit codes
+//! and error messages. Runs on the built-in tiny model.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+fn tandem(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(args)
+        .env_remove("TANDEM_MODEL")
+        .output()
+        .expect("run tandem");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn json(stdout: &str) -> Value {
+    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout:?}"))
+}
+
+#[test]
+fn tokenize_json_parses_special_tokens() {
+    let (ok, out, err) = tandem(&[
+        "tokenize",
+        "--model",
+        "tiny",
+        "--text",
+        "<|im_start|>hi",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let ids: Vec<u64> = json(&out)["token_ids"]
+        .as_array()
+        .expect("token_ids")
+        .iter()
+        .map(|v| v.as_u64().expect("id"))
+        .collect();
+    assert_eq!(ids.len(), 3);
+    assert_eq!(ids[0], 1, "<|im_start|> is one id");
+}
+
+#[test]
+fn generate_json_has_the_documented_fields() {
+    let (ok, out, err) = tandem(&[
+        "generate",
+        "--model",
+        "tiny",
+        "--messages",
+        r#"[{"role":"user","content":"Hi"}]"#,
+        "--max-tokens",
+        "5",
+        "--temperature",
+        "0.7",
+        "--top-k",
+        "20",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "3",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v = json(&out);
+    let generated = v["token_ids"].as_array().expect("token_ids");
+    assert!(generated.len() <= 5);
+    assert!(
+        !v["prompt_token_ids"]
+            .as_array()
+            .expect("prompt ids")
+            .is_empty()
+    );
+    assert!(v["text"].is_string());
+    let reason = v["finish_reason"].as_str().expect("finish_reason");
+    assert!(
+        reason == "length" && generated.len() == 5 || reason == "stop",
+        "{v}"
+    );
+    assert!(v["prefill_ms"].as_f64().expect("prefill_ms") > 0.0);
+    assert!(v["decode_ms"].as_f64().expect("decode_ms") >= 0.0);
+    // The same seed gives the same output.
+    let (_, again, _) = tandem(&[
+        "generate",
+        "--model",
+        "tiny",
+        "--messages",
+        r#"[{"role":"user","content":"Hi"}]"#,
+        "--max-tokens",
+        "5",
+        "--temperature",
+        "0.7",
+        "--top-k",
+        "20",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "3",
+        "--json",
+    ]);
+    assert_eq!(json(&again)["token_ids"], v["token_ids"]);
+}
+
+#[test]
+fn bad_input_fails_with_a_clear_message() {
+    let (ok, _, err) = tandem(&[
+        "generate",
+        "--model",
+        "tiny",
+        "--prompt",
+        "x",
+        "--temperature",
+        "-1",
+    ]);
+    assert!(!ok);
+    assert!(err.contains("temperature"), "{err}");
+    let (ok, _, err) = tandem(&["generate", "--model", "tiny", "--messages", "not json"]);
+    assert!(!ok);
+    assert!(err.contains("--messages"), "{err}");
+    let (ok, _, err) = tandem(&[
+        "generate",
+        "--model",
+        "/nonexistent/m.gguf",
+        "--prompt",
+        "x",
+    ]);
+    assert!(!ok);
+    assert!(err.contains("/nonexistent/m.gguf"), "{err}");
+    let (ok, _, err) = tandem(&[
+        "generate",
+        "--model",
+        "tiny",
+        "--prompt",
+        "x",
+        "--max-tokens",
+        "5000",
+    ]);
+    assert!(!ok);
+    assert!(err.contains("max_tokens"), "{err}");
+}
+
+#[test]
+fn bench_engine_json_shape() {
+    let (ok, out, err) = tandem(&[
+        "bench",
+        "engine",
+        "--model",
+        "tiny",
+        "--prompt-tokens",
+        "64",
+        "--gen-tokens",
+        "8",
+        "--batch",
+        "1,3",
+        "--runs",
+        "1",
+        "--threads",
+        "1",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v = json(&out);
+    assert!(v["prefill_tok_s"].as_f64().expect("prefill") > 0.0);
+    let decode = v["decode"].as_array().expect("decode");
+    assert_eq!(decode.len(), 2);
+    assert_eq!(decode[1]["batch"], 3);
+    assert!(decode[1]["tok_s"].as_f64().expect("tok_s") > 0.0);
+    assert_eq!(v["threads"], 1);
+}

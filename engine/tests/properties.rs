@@ -1,0 +1,348 @@
+//! Engine properties on the built-in tiny model: KV export/import, batching and chunking do not
+//! change a single token, and bad input is refused with a precise error.
+
+use std::sync::Arc;
+
+use tandem_engine::{
+    Engine, EngineConfig, Error, GenerateParams, GenerateRequest, Model, ModelSource,
+    SamplingParams, SeqId,
+};
+
+fn tiny() -> Arc<Model> {
+    ModelSource::Tiny.load().expect("tiny model")
+}
+
+fn engine_with(model: &Arc<Model>, chunk: usize) -> Engine {
+    Engine::new(
+        model.clone(),
+        EngineConfig {
+            threads: 2,
+            kv_budget_bytes: 4 << 20,
+            prefill_chunk_tokens: chunk,
+        },
+    )
+    .expect("engine")
+}
+
+fn prompt(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| 3 + (i * 31 + salt * 17) % 256)
+        .collect()
+}
+
+/// Greedy (or seeded) decode of `steps` tokens by hand, ignoring end-of-generation ids so every
+/// step is compared.
+fn decode(
+    engine: &mut Engine,
+    seq: SeqId,
+    mut logits: Vec<f32>,
+    steps: usize,
+    p: &SamplingParams,
+) -> Vec<u32> {
+    let mut out = Vec::new();
+    for _ in 0..steps {
+        let pos = engine.seq_len(seq).expect("len");
+        let tok = tandem_engine::sample(&logits, p, pos as u64);
+        out.push(tok);
+        logits = engine.step(&[(seq, tok)]).expect("step").remove(0);
+    }
+    out
+}
+
+#[test]
+fn export_import_then_decode_equals_uninterrupted_run() {
+    let model = tiny();
+    let p = SamplingParams::default();
+    let tokens = prompt(45, 1);
+
+    let mut a = engine_with(&model, 256);
+    let seq = a.new_sequence();
+    let logits = a.prefill(seq, &tokens).expect("prefill");
+    let want = decode(&mut a, seq, logits.clone(), 20, &p);
+
+    // Prefill on one engine, move the KV as bytes to another, decode there.
+    let mut src = engine_with(&model, 256);
+    let s = src.new_sequence();
+    let l = src.prefill(s, &tokens).expect("prefill");
+    assert_eq!(l, logits, "prefill logits are deterministic");
+    let kv = src.export_kv(s, 0..tokens.len()).expect("export");
+    let mut dst = engine_with(&model, 256);
+    let d = dst.new_sequence();
+    dst.import_kv(d, &kv).expect("import");
+    assert_eq!(
+        dst.export_kv(d, 0..tokens.len()).expect("re-export"),
+        kv,
+        "bit-exact round trip"
+    );
+    assert_eq!(decode(&mut dst, d, l, 20, &p), want);
+}
+
+#[test]
+fn import_of_a_suffix_extends_a_cached_prefix() {
+    let model = tiny();
+    let tokens = prompt(40, 2);
+    let mut src = engine_with(&model, 256);
+    let s = src.new_sequence();
+    let logits = src.prefill(s, &tokens).expect("prefill");
+    let want = decode(&mut src, s, logits.clone(), 8, &SamplingParams::default());
+
+    let mut dst = engine_with(&model, 256);
+    let d = dst.new_sequence();
+    dst.prefill(d, &tokens[..16]).expect("prefix");
+    let suffix = src.export_kv(s, 16..40).expect("export");
+    dst.import_kv(d, &suffix).expect("import suffix");
+    assert_eq!(dst.seq_len(d).expect("len"), 40);
+    assert_eq!(
+        decode(&mut dst, d, logits, 8, &SamplingParams::default()),
+        want
+    );
+}
+
+#[test]
+fn batched_decode_equals_each_sequence_alone() {
+    let model = tiny();
+    let params: Vec<SamplingParams> = (0..5)
+        .map(|i| SamplingParams {
+            temperature: if i % 2 == 0 { 0.0 } else { 0.9 },
+            top_k: 40,
+            top_p: 0.95,
+            seed: 7 + i,
+        })
+        .collect();
+    let requests: Vec<GenerateRequest> = (0..5)
+        .map(|i| GenerateRequest {
+            prompt: prompt(5 + i * 9, i as u32),
+            params: GenerateParams {
+                sampling: params[i].clone(),
+                max_tokens: 24,
+                stop: Vec::new(),
+            },
+        })
+        .collect();
+    let mut engine = engine_with(&model, 256);
+    let batched = engine.generate_batch(&requests).expect("batch");
+    for (req, got) in requests.iter().zip(&batched) {
+        let alone = engine
+            .generate_batch(std::slice::from_ref(req))
+            .expect("alone");
+        assert_eq!(alone[0].token_ids, got.token_ids);
+        assert_eq!(alone[0].text, got.text);
+        assert!(
+            !got.token_ids.is_empty() || got.finish_reason == tandem_engine::FinishReason::Stop
+        );
+    }
+    assert_eq!(
+        engine.kv_blocks_free(),
+        engine.kv_blocks_total(),
+        "all KV returned"
+    );
+}
+
+#[test]
+fn chunked_prefill_equals_unchunked() {
+    let model = tiny();
+    let tokens = prompt(100, 3);
+    let mut whole = engine_with(&model, 1000);
+    let s = whole.new_sequence();
+    let want = whole.prefill(s, &tokens).expect("prefill");
+    let want_kv = whole.export_kv(s, 0..100).expect("export");
+    for chunk in [1, 7, 16, 33] {
+        let mut e = engine_with(&model, chunk);
+        let s = e.new_sequence();
+        assert_eq!(
+            e.prefill(s, &tokens).expect("prefill"),
+            want,
+            "chunk {chunk}"
+        );
+        assert_eq!(
+            e.export_kv(s, 0..100).expect("export"),
+            want_kv,
+            "chunk {chunk}"
+        );
+    }
+}
+
+#[test]
+fn bad_requests_get_precise_errors_and_change_nothing() {
+    let model = tiny();
+    let mut e = engine_with(&model, 64);
+    let s = e.new_sequence();
+    assert!(matches!(
+        e.prefill(s, &[]),
+        Err(Error::InvalidArgument {
+            field: "tokens",
+            ..
+        })
+    ));
+    assert!(matches!(
+        e.prefill(s, &[999_999]),
+        Err(Error::InvalidArgument {
+            field: "token_ids",
+            ..
+        })
+    ));
+    let too_long = prompt(model.config.context_len + 1, 0);
+    assert!(matches!(
+        e.prefill(s, &too_long),
+        Err(Error::InvalidArgument {
+            field: "tokens",
+            ..
+        })
+    ));
+    assert_eq!(e.seq_len(s).expect("len"), 0);
+    assert!(matches!(
+        e.step(&[(s, 5), (s, 6)]),
+        Err(Error::InvalidArgument { field: "batch", .. })
+    ));
+    assert!(matches!(
+        e.step(&[(SeqId(4242), 5)]),
+        Err(Error::UnknownSequence(4242))
+    ));
+    let bad = GenerateRequest {
+        prompt: prompt(4, 0),
+        params: GenerateParams {
+            max_tokens: 0,
+            ..Default::default()
+        },
+    };
+    assert!(matches!(
+        e.generate_batch(&[bad]),
+        Err(Error::InvalidArgument {
+            field: "max_tokens",
+            ..
+        })
+    ));
+    e.free(s).expect("free");
+    assert_eq!(e.kv_blocks_free(), e.kv_blocks_total());
+}
+
+#[test]
+fn kv_exhaustion_is_an_error_not_a_panic() {
+    let model = tiny();
+    let layout = model.config.kv_layout();
+    let mut e = Engine::new(
+        model.clone(),
+        EngineConfig {
+            threads: 1,
+            kv_budget_bytes: layout.block_bytes() * 2,
+            prefill_chunk_tokens: 64,
+        },
+    )
+    .expect("engine");
+    let s = e.new_sequence();
+    let err = e.prefill(s, &prompt(40, 0)).expect_err("needs 3 blocks");
+    assert!(
+        matches!(
+            err,
+            Error::KvExhausted {
+                needed_blocks: 3,
+                free_blocks: 2
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(e.kv_blocks_free(), 2);
+}
+
+#[test]
+fn import_rejects_mismatched_kv() {
+    let model = tiny();
+    let mut e = engine_with(&model, 64);
+    let s = e.new_sequence();
+    e.prefill(s, &prompt(20, 0)).expect("prefill");
+    let kv = e.export_kv(s, 0..20).expect("export");
+    let d = e.new_sequence();
+    let mut wrong_range = kv.clone();
+    wrong_range.tokens = 4..24;
+    assert!(matches!(
+        e.import_kv(d, &wrong_range),
+        Err(Error::KvImport { .. })
+    ));
+    let mut short = kv.clone();
+    short.layers[1][0].pop();
+    assert!(matches!(
+        e.import_kv(d, &short),
+        Err(Error::KvImport { .. })
+    ));
+    assert_eq!(
+        e.seq_len(d).expect("len"),
+        0,
+        "a rejected import changes nothing"
+    );
+    let free_before = e.kv_blocks_free();
+    let mut other_layout = kv;
+    other_layout.layout.head_dim *= 2;
+    assert!(matches!(
+        e.import_kv(d, &other_layout),
+        Err(Error::KvImport { .. })
+    ));
+    assert_eq!(e.kv_blocks_free(), free_before);
+}
+
+#[test]
+fn stop_strings_and_streaming_text() {
+    let model = tiny();
+    let mut e = engine_with(&model, 64);
+    let base = GenerateRequest {
+        prompt: prompt(10, 5),
+        params: GenerateParams {
+            max_tokens: 30,
+            ..Default::default()
+        },
+    };
+    let full = e
+        .generate_batch(std::slice::from_ref(&base))
+        .expect("generate")
+        .remove(0);
+    let mut pieces = Vec::new();
+    let streamed = e
+        .generate_streaming(&base, &mut |t| pieces.push(t.to_string()))
+        .expect("stream");
+    assert_eq!(pieces.concat(), streamed.text);
+    assert_eq!(streamed.text, full.text);
+    // Stop on a piece of the text the model produces: output ends right before it.
+    let chars: Vec<char> = full.text.chars().collect();
+    assert!(chars.len() >= 6, "the tiny model produced {:?}", full.text);
+    let stop: String = chars[3..5].iter().collect();
+    let mut req = base.clone();
+    req.params.stop = vec![stop.clone()];
+    let out = e.generate_batch(&[req]).expect("generate").remove(0);
+    let cut = full.text.find(&stop).expect("stop occurs");
+    assert_eq!(out.text, full.text[..cut]);
+    assert_eq!(out.finish_reason, tandem_engine::FinishReason::Stop);
+}
+
+#[test]
+fn damaged_model_files_fail_with_a_clear_error() {
+    let dir = std::env::temp_dir().join(format!("tandem-engine-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("tmp");
+    let image = tandem_engine::tiny_gguf_image().expect("image");
+    let load = |name: &str, bytes: &[u8]| {
+        let path = dir.join(name);
+        std::fs::write(&path, bytes).expect("write");
+        let err = ModelSource::parse(path.to_str().expect("utf8"), &dir)
+            .load()
+            .expect_err("must fail");
+        let msg = err.to_string();
+        assert!(msg.contains(name), "{msg} names the file");
+        msg
+    };
+    assert!(load("truncated.gguf", &image[..image.len() - 1000]).contains("truncated"));
+    assert!(load("header.gguf", &image[..100]).contains("not a usable GGUF"));
+    assert!(load("garbage.gguf", b"this is not a model at all").contains("not a usable GGUF"));
+    let mut other_arch = image.clone();
+    let at = other_arch
+        .windows(5)
+        .position(|w| w == b"llama")
+        .expect("architecture string");
+    other_arch[at..at + 5].copy_from_slice(b"gemma");
+    assert!(load("gemma.gguf", &other_arch).contains("architecture"));
+    let missing = ModelSource::parse("default", &dir)
+        .load()
+        .expect_err("missing");
+    assert!(
+        missing.to_string().contains("tandem model fetch"),
+        "{missing}"
+    );
+    std::fs::remove_dir_all(&dir).expect("cleanup");
+}

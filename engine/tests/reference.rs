@@ -1,0 +1,207 @@
+//! Fidelity against llama.cpp on the default model, using `../shared/fixtures/`.
+//!
+//! Needs the real model file (`tandem model fetch`); the test fails, saying so, without it.
+//! The fixtures directory is `$TANDEM_FIXTURES_DIR`, else `shared/fixtures` beside the checkout.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use serde_json::Value;
+use tandem_engine::{
+    ChatMessage, Engine, EngineConfig, GenerateParams, GenerateRequest, Model, ModelSource,
+};
+
+fn fixtures_dir() -> PathBuf {
+    std::env::var_os("TANDEM_FIXTURES_DIR").map_or_else(
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"),
+        PathBuf::from,
+    )
+}
+
+fn records(name: &str) -> Vec<Value> {
+    let path = fixtures_dir().join(name);
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("cannot read fixture {}: {e}", path.display()));
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).expect("fixture line is JSON"))
+        .collect()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .expect("array of ids")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
+}
+
+fn model() -> Arc<Model> {
+    let source = ModelSource::parse("default", &tandem_engine::model_dir_from_env());
+    source
+        .load()
+        .unwrap_or_else(|e| panic!("the reference tests need the real model: {e}"))
+}
+
+#[test]
+fn tokenizer_ids_equal_llama_cpp() {
+    let model = model();
+    let recs = records("smollm2-tokenize.jsonl");
+    assert!(!recs.is_empty());
+    for r in recs {
+        let text = r["text"].as_str().expect("text");
+        assert_eq!(
+            model.tokenizer.encode(text).expect("encode"),
+            ids(&r["token_ids"]),
+            "tokenizing {text:?}"
+        );
+    }
+}
+
+#[test]
+fn eog_ids_match_llama_cpp() {
+    let model = model();
+    let facts: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures_dir().join("smollm2-facts.json")).expect("facts"),
+    )
+    .expect("json");
+    assert_eq!(
+        model.tokenizer.eog_ids(),
+        ids(&facts["tokenizer"]["eog_ids (llama_vocab_is_eog)"])
+    );
+}
+
+#[test]
+fn greedy_generation_and_logits_agree_with_llama_cpp() {
+    let model = model();
+    let mut engine = Engine::new(model.clone(), EngineConfig::default()).expect("engine");
+    let recs = records("smollm2-greedy.jsonl");
+    let mut prefix16_matches = 0;
+    for r in &recs {
+        let prompt_text = r["prompt_text"].as_str().expect("prompt_text");
+        // The chat template renders the same text llama.cpp was given.
+        if r["templated"].as_bool() == Some(true) {
+            let messages: Vec<ChatMessage> =
+                serde_json::from_value(r["messages"].clone()).expect("messages");
+            assert_eq!(
+                model
+                    .tokenizer
+                    .apply_chat_template(&messages)
+                    .expect("template"),
+                prompt_text
+            );
+        }
+        let prompt = model.tokenizer.encode(prompt_text).expect("encode");
+        assert_eq!(
+            prompt,
+            ids(&r["prompt_token_ids"]),
+            "prompt ids of {prompt_text:?}"
+        );
+
+        // First-position logits: the reference's top 20 agree within a few tenths.
+        let seq = engine.new_sequence();
+        let logits = engine.prefill(seq, &prompt).expect("prefill");
+        engine.free(seq).expect("free");
+        let top20 = r["first_position_logits"]["top20"]
+            .as_array()
+            .expect("top20");
+        let mut max_diff = 0f32;
+        for pair in top20 {
+            let (id, want) = (
+                pair[0].as_u64().expect("id") as usize,
+                pair[1].as_f64().expect("logit") as f32,
+            );
+            max_diff = max_diff.max((logits[id] - want).abs());
+        }
+        eprintln!("{prompt_text:?}: max |Δlogit| over llama.cpp's top 20 = {max_diff:.3}");
+        assert!(
+            max_diff < 0.5,
+            "top-20 logits differ by {max_diff} for {prompt_text:?}"
+        );
+
+        // Greedy continuation.
+        let want = ids(&r["generated_token_ids"]);
+        let margin = top20[0][1].as_f64().expect("l0") - top20[1][1].as_f64().expect("l1");
+        let out = engine
+            .generate_batch(&[GenerateRequest {
+                prompt: prompt.clone(),
+                params: GenerateParams {
+                    max_tokens: 48,
+                    ..Default::default()
+                },
+            }])
+            .expect("generate")
+            .remove(0);
+        if margin >= 0.3 {
+            assert_eq!(
+                out.token_ids.first(),
+                want.first(),
+                "first token for {prompt_text:?}"
+            );
+        }
+        // llama.cpp keeps the end-of-generation id in its list; we stop before it.
+        let want_visible: Vec<u32> = want
+            .iter()
+            .copied()
+            .filter(|t| !model.tokenizer.eog_ids().contains(t))
+            .collect();
+        let n = want_visible.len().min(16);
+        if out.token_ids.len() >= n && out.token_ids[..n] == want_visible[..n] {
+            prefix16_matches += 1;
+        }
+        eprintln!(
+            "{prompt_text:?}: {} of {} tokens equal llama.cpp's",
+            out.token_ids
+                .iter()
+                .zip(&want_visible)
+                .take_while(|(a, b)| a == b)
+                .count(),
+            want_visible.len()
+        );
+    }
+    // Most continuations share their first 16 tokens (a near-tie may flip one).
+    assert!(
+        prefix16_matches * 2 > recs.len(),
+        "only {prefix16_matches} of {} continuations share their first 16 tokens",
+        recs.len()
+    );
+}
+
+/// Where our greedy choice differs from llama.cpp's, it must be a near-tie: fed llama.cpp's own
+/// tokens (teacher forcing), at every position its token scores within `MAX_GAP` of our best.
+#[test]
+fn every_divergence_from_llama_cpp_is_a_near_tie() {
+    const MAX_GAP: f32 = 0.5;
+    let model = model();
+    let mut engine = Engine::new(model.clone(), EngineConfig::default()).expect("engine");
+    let mut positions = 0;
+    let mut flips = 0;
+    for r in records("smollm2-greedy.jsonl") {
+        let prompt = ids(&r["prompt_token_ids"]);
+        let want = ids(&r["generated_token_ids"]);
+        let seq = engine.new_sequence();
+        let mut logits = engine.prefill(seq, &prompt).expect("prefill");
+        for (i, &tok) in want.iter().enumerate() {
+            let best = tandem_engine::argmax(&logits);
+            let gap = logits[best as usize] - logits[tok as usize];
+            positions += 1;
+            if best != tok {
+                flips += 1;
+                eprintln!("position {i}: we pick {best}, llama.cpp {tok}, gap {gap:.3}");
+            }
+            assert!(
+                gap <= MAX_GAP,
+                "llama.cpp's token {tok} at position {i} is {gap} below our best"
+            );
+            if i + 1 < want.len() {
+                logits = engine.step(&[(seq, tok)]).expect("step").remove(0);
+            }
+        }
+        engine.free(seq).expect("free");
+    }
+    eprintln!("{flips} near-tie flips in {positions} positions");
+    assert!(
+        flips * 10 <= positions,
+        "{flips} flips in {positions} positions"
+    );
+}
