@@ -53,7 +53,9 @@ impl KvLayout {
 #[derive(Debug)]
 pub struct KvPool {
     layout: KvLayout,
-    data: Vec<f16>,
+    /// f16 bit patterns. Held as `u16` because `vec![0u16; n]` is a zeroed allocation (pages
+    /// committed on first write), which `vec![f16::ZERO; n]` is not.
+    data: Vec<u16>,
     free: Vec<u32>,
     total: usize,
 }
@@ -64,8 +66,7 @@ impl KvPool {
         let total = (budget_bytes / layout.block_bytes()).max(1);
         Self {
             layout,
-            // Zeroed allocation: pages are committed on first write.
-            data: vec![f16::ZERO; total * layout.block_elems()],
+            data: vec![0u16; total * layout.block_elems()],
             free: (0..total as u32).rev().collect(),
             total,
         }
@@ -102,7 +103,7 @@ impl KvPool {
     pub fn slab(&self, block: u32, layer: usize, kind: KvKind, head: usize) -> &[f16] {
         let start =
             block as usize * self.layout.block_elems() + self.layout.slab(layer, kind, head);
-        &self.data[start..start + BLOCK_TOKENS * self.layout.head_dim]
+        bytemuck::cast_slice(&self.data[start..start + BLOCK_TOKENS * self.layout.head_dim])
     }
 
     /// Stores one position's vector for `(layer, kind, head)`, rounding to f16.
@@ -119,7 +120,8 @@ impl KvPool {
         let start = blocks[pos / BLOCK_TOKENS] as usize * self.layout.block_elems()
             + self.layout.slab(layer, kind, head)
             + (pos % BLOCK_TOKENS) * hd;
-        self.data[start..start + hd].convert_from_f32_slice(values);
+        bytemuck::cast_slice_mut::<u16, f16>(&mut self.data[start..start + hd])
+            .convert_from_f32_slice(values);
     }
 
     /// Copies positions `range` of `(layer, kind)` out as `[kv_head][token][head_dim]` f16
@@ -167,13 +169,14 @@ impl KvPool {
         let mut values = bytes
             .chunks_exact(2)
             .map(|b| f16::from_bits(u16::from_le_bytes([b[0], b[1]])));
+
         for head in 0..self.layout.n_kv_heads {
             for pos in range.clone() {
                 let start = blocks[pos / BLOCK_TOKENS] as usize * self.layout.block_elems()
                     + self.layout.slab(layer, kind, head)
                     + (pos % BLOCK_TOKENS) * hd;
                 for (dst, src) in self.data[start..start + hd].iter_mut().zip(&mut values) {
-                    *dst = src;
+                    *dst = src.to_bits();
                 }
             }
         }
