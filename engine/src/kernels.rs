@@ -1,62 +1,44 @@
 //! Quantized matrix multiply: `out[n][rows] = acts[n] · W[rows]ᵀ`, int8 dot products.
 //!
 //! Written by hand because candle 0.11 has no SIMD kernel for `Q4_1` on the CPU, and because
-//! batched decode needs a kernel that loads each weight block once for several sequences: the
-//! inner tile decodes one weight row's block and multiplies it with up to [`TILE`] activation
-//! rows. Every (weight row, activation row) pair is accumulated by the same instruction
-//! sequence whatever the tile or batch, so a sequence's logits are bit-identical alone or in a
-//! batch, and in a prefill chunk of any size.
+//! batched decode and prefill need a kernel that loads each weight block once for several
+//! activation rows. Weights are repacked at load into groups of 8 interleaved rows (see
+//! `packed.rs`); the inner tile multiplies one group's block with up to [`TILE`] activation rows,
+//! summing integer products exactly and applying the scales once per block for 8 rows. Every
+//! (weight row, activation row) pair is accumulated by the same instruction sequence whatever the
+//! tile or batch, so a sequence's logits are bit-identical alone or in a batch, and in a prefill
+//! chunk of any size.
 //!
-//! The AVX2 path (`maddubs` + `madd`, as in llama.cpp's `ggml_vec_dot_q4_1_q8_1`) is compiled
-//! when the build targets x86-64-v3 (see `.cargo/config.toml`); otherwise the scalar reference
-//! runs.
+//! The AVX2 path (`maddubs` on a broadcast 4-byte activation chunk) is compiled when the build
+//! targets x86-64-v3 (see `.cargo/config.toml`); otherwise a scalar version runs.
 
 use rayon::prelude::*;
 
+use crate::packed::{BlockQ4_1x8, BlockQ8_0x8, GROUP, pack_q4_1, pack_q8_0};
 use crate::quant::{BlockQ4_1, BlockQ8_0, BlockQ8_1, QK};
-#[cfg(any(
-    test,
-    not(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    ))
-))]
-use crate::quant::{dot_q4_1_ref, dot_q8_0_ref};
 
 /// Activation rows multiplied per decoded weight block.
 const TILE: usize = 4;
 
-/// A weight matrix of `rows` output features, each a row of `cols / QK` blocks.
+/// Weights as read from a file, one row after another.
 #[derive(Debug)]
-pub struct QMatrix {
-    pub rows: usize,
-    pub cols: usize,
-    pub data: QData,
-}
-
-#[derive(Debug)]
-pub enum QData {
+pub enum RawWeights {
     Q4_1(Vec<BlockQ4_1>),
     Q8_0(Vec<BlockQ8_0>),
 }
 
-impl QMatrix {
-    pub fn blocks_per_row(&self) -> usize {
-        self.cols / QK
-    }
+/// A weight matrix as read from a file: `rows` output features of `cols / QK` blocks each.
+#[derive(Debug)]
+pub struct RawMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: RawWeights,
+}
 
-    /// Bytes of weight data, i.e. what one pass over the matrix streams from memory.
-    pub fn size_bytes(&self) -> usize {
-        match &self.data {
-            QData::Q4_1(b) => std::mem::size_of_val(b.as_slice()),
-            QData::Q8_0(b) => std::mem::size_of_val(b.as_slice()),
-        }
-    }
-
+impl RawMatrix {
     /// Stacks matrices with the same `cols` and block type into one, so a single pass computes
     /// all of them (q|k|v, gate|up). Returns `None` if they do not share a type.
-    pub fn concat(parts: Vec<QMatrix>) -> Option<QMatrix> {
+    pub fn concat(parts: Vec<RawMatrix>) -> Option<RawMatrix> {
         let cols = parts.first()?.cols;
         let rows = parts.iter().map(|p| p.rows).sum();
         let mut q4 = Vec::new();
@@ -66,51 +48,118 @@ impl QMatrix {
                 return None;
             }
             match p.data {
-                QData::Q4_1(b) => q4.extend(b),
-                QData::Q8_0(b) => q8.extend(b),
+                RawWeights::Q4_1(b) => q4.extend(b),
+                RawWeights::Q8_0(b) => q8.extend(b),
             }
         }
         let data = match (q4.is_empty(), q8.is_empty()) {
-            (false, true) => QData::Q4_1(q4),
-            (true, false) => QData::Q8_0(q8),
+            (false, true) => RawWeights::Q4_1(q4),
+            (true, false) => RawWeights::Q8_0(q8),
             _ => return None,
         };
-        Some(QMatrix { rows, cols, data })
+        Some(RawMatrix { rows, cols, data })
+    }
+}
+
+/// A weight matrix repacked for the kernels.
+#[derive(Debug)]
+pub struct QMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    data: Packed,
+}
+
+#[derive(Debug)]
+enum Packed {
+    Q4_1(Vec<BlockQ4_1x8>),
+    Q8_0(Vec<BlockQ8_0x8>),
+}
+
+impl QMatrix {
+    pub fn new(raw: RawMatrix) -> Self {
+        let nb = raw.cols / QK;
+        let data = match &raw.data {
+            RawWeights::Q4_1(b) => Packed::Q4_1(pack_q4_1(raw.rows, nb, b)),
+            RawWeights::Q8_0(b) => Packed::Q8_0(pack_q8_0(raw.rows, nb, b)),
+        };
+        Self {
+            rows: raw.rows,
+            cols: raw.cols,
+            data,
+        }
+    }
+
+    pub fn blocks_per_row(&self) -> usize {
+        self.cols / QK
+    }
+
+    /// Bytes of weight data, i.e. what one pass over the matrix streams from memory.
+    pub fn size_bytes(&self) -> usize {
+        match &self.data {
+            Packed::Q4_1(b) => std::mem::size_of_val(b.as_slice()),
+            Packed::Q8_0(b) => std::mem::size_of_val(b.as_slice()),
+        }
+    }
+
+    /// Row `r` as f32 values (the embedding lookup).
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        let nb = self.blocks_per_row();
+        let (g, ri) = (r / GROUP, r % GROUP);
+        for (b, chunk) in out.chunks_exact_mut(QK).enumerate() {
+            match &self.data {
+                Packed::Q4_1(w) => {
+                    let blk = &w[g * nb + b];
+                    let (d, m) = (blk.d[ri].to_f32(), blk.m[ri].to_f32());
+                    let q = crate::packed::q4_1_quants(blk, ri);
+                    for (o, q) in chunk.iter_mut().zip(q) {
+                        *o = d * f32::from(q) + m;
+                    }
+                }
+                Packed::Q8_0(w) => {
+                    let blk = &w[g * nb + b];
+                    let d = blk.d[ri].to_f32();
+                    let q = crate::packed::q8_0_quants(blk, ri);
+                    for (o, q) in chunk.iter_mut().zip(q) {
+                        *o = d * f32::from(q);
+                    }
+                }
+            }
+        }
     }
 
     /// `out[j * rows + r] = dot(W[r], acts[j])` for `n` activation rows of `cols / QK` blocks.
-    /// Runs on the current rayon pool, split by weight rows.
+    /// Runs on the current rayon pool, split by groups of rows.
     pub fn matmul(&self, acts: &[BlockQ8_1], n: usize, out: &mut [f32]) {
         let nb = self.blocks_per_row();
         assert_eq!(acts.len(), n * nb, "activation shape");
         assert_eq!(out.len(), n * self.rows, "output shape");
+        let groups = self.rows.div_ceil(GROUP);
         let threads = rayon::current_num_threads().max(1);
         // Enough chunks for work stealing to even out, few enough to keep hand-offs cheap.
-        let chunk_rows = self.rows.div_ceil(threads * 4).max(16);
+        let chunk = groups.div_ceil(threads * 4).max(2);
         let out_ptr = SendPtr(out.as_mut_ptr());
         let rows = self.rows;
-        (0..rows.div_ceil(chunk_rows))
-            .into_par_iter()
-            .for_each(|c| {
-                let r0 = c * chunk_rows;
-                let r1 = (r0 + chunk_rows).min(rows);
-                for r in r0..r1 {
-                    for j0 in (0..n).step_by(TILE) {
-                        let t = (n - j0).min(TILE);
-                        let mut res = [0f32; TILE];
-                        let a = &acts[j0 * nb..(j0 + t) * nb];
-                        match &self.data {
-                            QData::Q4_1(w) => tile_q4_1(&w[r * nb..(r + 1) * nb], a, t, &mut res),
-                            QData::Q8_0(w) => tile_q8_0(&w[r * nb..(r + 1) * nb], a, t, &mut res),
-                        }
-                        for (k, v) in res[..t].iter().enumerate() {
-                            // SAFETY: each (j, r) cell is written by exactly one task, since
-                            // tasks own disjoint row ranges; the index is within `out`.
-                            unsafe { *out_ptr.get().add((j0 + k) * rows + r) = *v };
+        (0..groups.div_ceil(chunk)).into_par_iter().for_each(|c| {
+            for g in c * chunk..((c + 1) * chunk).min(groups) {
+                for j0 in (0..n).step_by(TILE) {
+                    let t = (n - j0).min(TILE);
+                    let a = &acts[j0 * nb..(j0 + t) * nb];
+                    let mut res = [[0f32; GROUP]; TILE];
+                    match &self.data {
+                        Packed::Q4_1(w) => tile_q4_1(&w[g * nb..(g + 1) * nb], a, t, &mut res),
+                        Packed::Q8_0(w) => tile_q8_0(&w[g * nb..(g + 1) * nb], a, t, &mut res),
+                    }
+                    let live = GROUP.min(rows - g * GROUP);
+                    for (k, r) in res[..t].iter().enumerate() {
+                        for (ri, v) in r[..live].iter().enumerate() {
+                            // SAFETY: each (j, row) cell is written by exactly one task, since
+                            // tasks own disjoint groups of rows; the index is within `out`.
+                            unsafe { *out_ptr.get().add((j0 + k) * rows + g * GROUP + ri) = *v };
                         }
                     }
                 }
-            });
+            }
+        });
     }
 }
 
@@ -126,48 +175,22 @@ impl SendPtr {
     }
 }
 
-fn tile_q4_1(w: &[BlockQ4_1], acts: &[BlockQ8_1], t: usize, out: &mut [f32; TILE]) {
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    ))]
-    {
-        // SAFETY: the cfg guarantees AVX2 and FMA; slices are sized by the caller.
-        unsafe { avx2::tile_q4_1(w, acts, t, out) }
-    }
-    #[cfg(not(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    )))]
-    {
-        let nb = w.len();
-        for (k, o) in out[..t].iter_mut().enumerate() {
-            *o = dot_q4_1_ref(w, &acts[k * nb..(k + 1) * nb]);
-        }
-    }
-}
+type TileOut = [[f32; GROUP]; TILE];
 
-fn tile_q8_0(w: &[BlockQ8_0], acts: &[BlockQ8_1], t: usize, out: &mut [f32; TILE]) {
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    ))]
-    {
-        // SAFETY: as above.
-        unsafe { avx2::tile_q8_0(w, acts, t, out) }
-    }
-    #[cfg(not(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    )))]
-    {
-        let nb = w.len();
-        for (k, o) in out[..t].iter_mut().enumerate() {
-            *o = dot_q8_0_ref(w, &acts[k * nb..(k + 1) * nb]);
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+fn tile_q4_1(w: &[BlockQ4_1x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+    // SAFETY: the cfg guarantees AVX2 and FMA; slices are sized by the caller.
+    unsafe {
+        match t {
+            1 => avx2::tile_q4_1::<1>(w, acts, out),
+            2 => avx2::tile_q4_1::<2>(w, acts, out),
+            3 => avx2::tile_q4_1::<3>(w, acts, out),
+            _ => avx2::tile_q4_1::<TILE>(w, acts, out),
         }
     }
 }
@@ -175,89 +198,175 @@ fn tile_q8_0(w: &[BlockQ8_0], acts: &[BlockQ8_1], t: usize, out: &mut [f32; TILE
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
-    target_feature = "fma"
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+fn tile_q8_0(w: &[BlockQ8_0x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+    // SAFETY: as above.
+    unsafe {
+        match t {
+            1 => avx2::tile_q8_0::<1>(w, acts, out),
+            2 => avx2::tile_q8_0::<2>(w, acts, out),
+            3 => avx2::tile_q8_0::<3>(w, acts, out),
+            _ => avx2::tile_q8_0::<TILE>(w, acts, out),
+        }
+    }
+}
+
+#[cfg(not(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+)))]
+fn tile_q4_1(w: &[BlockQ4_1x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+    let nb = w.len();
+    for (k, o) in out[..t].iter_mut().enumerate() {
+        for (ri, o) in o.iter_mut().enumerate() {
+            *o = w
+                .iter()
+                .zip(&acts[k * nb..(k + 1) * nb])
+                .map(|(blk, a)| {
+                    let q = crate::packed::q4_1_quants(blk, ri);
+                    let isum: i32 = q
+                        .iter()
+                        .zip(a.qs)
+                        .map(|(&x, y)| i32::from(x) * i32::from(y))
+                        .sum();
+                    blk.d[ri].to_f32() * a.d * isum as f32 + blk.m[ri].to_f32() * a.s
+                })
+                .sum();
+        }
+    }
+}
+
+#[cfg(not(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+)))]
+fn tile_q8_0(w: &[BlockQ8_0x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+    let nb = w.len();
+    for (k, o) in out[..t].iter_mut().enumerate() {
+        for (ri, o) in o.iter_mut().enumerate() {
+            *o = w
+                .iter()
+                .zip(&acts[k * nb..(k + 1) * nb])
+                .map(|(blk, a)| {
+                    let q = crate::packed::q8_0_quants(blk, ri);
+                    let isum: i32 = q
+                        .iter()
+                        .zip(a.qs)
+                        .map(|(&x, y)| i32::from(x) * i32::from(y))
+                        .sum();
+                    blk.d[ri].to_f32() * a.d * isum as f32
+                })
+                .sum();
+        }
+    }
+}
+
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
 ))]
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::TILE;
-    use crate::quant::{BlockQ4_1, BlockQ8_0, BlockQ8_1};
+    use super::TileOut;
+    use crate::packed::{BlockQ4_1x8, BlockQ8_0x8};
+    use crate::quant::BlockQ8_1;
 
+    /// Four activation quants starting at `at`, broadcast to every 32-bit lane.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    fn hsum(v: __m256) -> f32 {
-        let lo = _mm256_castps256_ps128(v);
-        let hi = _mm256_extractf128_ps::<1>(v);
-        let s = _mm_add_ps(lo, hi);
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn bcast4(a: &BlockQ8_1, at: usize) -> __m256i {
+        let mut b = [0u8; 4];
+        for (d, s) in b.iter_mut().zip(&a.qs[at..at + 4]) {
+            *d = *s as u8;
+        }
+        _mm256_set1_epi32(i32::from_ne_bytes(b))
     }
 
-    /// Σ pairs of u8 × i8 into 8 f32 lanes.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    fn mul_sum_us8(ux: __m256i, sy: __m256i) -> __m256 {
-        let dot16 = _mm256_maddubs_epi16(ux, sy);
-        _mm256_cvtepi32_ps(_mm256_madd_epi16(dot16, _mm256_set1_epi16(1)))
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn tile_q4_1(
-        w: &[BlockQ4_1],
+    /// One 8-row group against `T` activation rows. Per block, the integer sums are exact
+    /// (≤ 8 · 2 · 15 · 128 = 30720 fits an i16 lane), then scaled once for 8 rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tile_q4_1<const T: usize>(
+        w: &[BlockQ4_1x8],
         acts: &[BlockQ8_1],
-        t: usize,
-        out: &mut [f32; TILE],
+        out: &mut TileOut,
     ) {
         let nb = w.len();
-        let mask = _mm_set1_epi8(0x0F);
-        let mut acc = [_mm256_setzero_ps(); TILE];
-        let mut summ = [0f32; TILE];
-        for (b, wb) in w.iter().enumerate() {
-            let (wd, wm) = (wb.d.to_f32(), wb.m.to_f32());
-            // SAFETY: `qs` is 16 bytes; unaligned loads.
-            let raw = unsafe { _mm_loadu_si128(wb.qs.as_ptr().cast()) };
-            let lo = _mm_and_si128(raw, mask);
-            let hi = _mm_and_si128(_mm_srli_epi16::<4>(raw), mask);
-            let wq = _mm256_set_m128i(hi, lo);
-            for k in 0..t {
+        let mask = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); T];
+        for (b, blk) in w.iter().enumerate() {
+            let mut isum = [_mm256_setzero_si256(); T];
+            for j in 0..4 {
+                // SAFETY: chunk j is 32 bytes inside `qs` (128 bytes).
+                let raw = unsafe { _mm256_loadu_si256(blk.qs.as_ptr().add(32 * j).cast()) };
+                let lo = _mm256_and_si256(raw, mask);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
+                for k in 0..T {
+                    let a = &acts[k * nb + b];
+                    let plo = _mm256_maddubs_epi16(lo, bcast4(a, 4 * j));
+                    let phi = _mm256_maddubs_epi16(hi, bcast4(a, 16 + 4 * j));
+                    isum[k] = _mm256_add_epi16(isum[k], _mm256_add_epi16(plo, phi));
+                }
+            }
+            // SAFETY: `d` and `m` are 8 f16 values (16 bytes) each.
+            let dw = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(blk.d.as_ptr().cast()) });
+            let mw = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(blk.m.as_ptr().cast()) });
+            for k in 0..T {
                 let a = &acts[k * nb + b];
-                // SAFETY: `qs` is 32 bytes.
-                let aq = unsafe { _mm256_loadu_si256(a.qs.as_ptr().cast()) };
-                let p = mul_sum_us8(wq, aq);
-                acc[k] = _mm256_fmadd_ps(p, _mm256_set1_ps(wd * a.d), acc[k]);
-                summ[k] += wm * a.s;
+                let f = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[k], ones));
+                acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d)), acc[k]);
+                acc[k] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s), acc[k]);
             }
         }
-        for k in 0..t {
-            out[k] = hsum(acc[k]) + summ[k];
+        for k in 0..T {
+            // SAFETY: `out[k]` is 8 f32.
+            unsafe { _mm256_storeu_ps(out[k].as_mut_ptr(), acc[k]) };
         }
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn tile_q8_0(
-        w: &[BlockQ8_0],
+    /// One 8-row `Q8_0` group against `T` activation rows. `maddubs` needs an unsigned
+    /// operand: use |w| and move w's sign onto the activations.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tile_q8_0<const T: usize>(
+        w: &[BlockQ8_0x8],
         acts: &[BlockQ8_1],
-        t: usize,
-        out: &mut [f32; TILE],
+        out: &mut TileOut,
     ) {
         let nb = w.len();
-        let mut acc = [_mm256_setzero_ps(); TILE];
-        for (b, wb) in w.iter().enumerate() {
-            let wd = wb.d.to_f32();
-            // SAFETY: `qs` is 32 bytes.
-            let wq = unsafe { _mm256_loadu_si256(wb.qs.as_ptr().cast()) };
-            // maddubs needs one unsigned operand: use |w| and move w's sign onto a.
-            let wabs = _mm256_sign_epi8(wq, wq);
-            for k in 0..t {
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); T];
+        for (b, blk) in w.iter().enumerate() {
+            let mut isum = [_mm256_setzero_si256(); T];
+            for j in 0..8 {
+                // SAFETY: chunk j is 32 bytes inside `qs` (256 bytes).
+                let wq = unsafe { _mm256_loadu_si256(blk.qs.as_ptr().add(32 * j).cast()) };
+                let wabs = _mm256_sign_epi8(wq, wq);
+                for k in 0..T {
+                    let a = bcast4(&acts[k * nb + b], 4 * j);
+                    let p = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(a, wq));
+                    isum[k] = _mm256_add_epi32(isum[k], _mm256_madd_epi16(p, ones));
+                }
+            }
+            // SAFETY: `d` is 8 f16 values.
+            let dw = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(blk.d.as_ptr().cast()) });
+            for k in 0..T {
                 let a = &acts[k * nb + b];
-                let aq = unsafe { _mm256_loadu_si256(a.qs.as_ptr().cast()) };
-                let p = mul_sum_us8(wabs, _mm256_sign_epi8(aq, wq));
-                acc[k] = _mm256_fmadd_ps(p, _mm256_set1_ps(wd * a.d), acc[k]);
+                let f = _mm256_cvtepi32_ps(isum[k]);
+                acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d)), acc[k]);
             }
         }
-        for k in 0..t {
-            out[k] = hsum(acc[k]);
+        for k in 0..T {
+            // SAFETY: `out[k]` is 8 f32.
+            unsafe { _mm256_storeu_ps(out[k].as_mut_ptr(), acc[k]) };
         }
     }
 }
@@ -267,7 +376,9 @@ mod tests {
     use bytemuck::Zeroable;
 
     use super::*;
-    use crate::quant::{quantize_row_q4_1, quantize_row_q8_0, quantize_row_q8_1};
+    use crate::quant::{
+        dot_q4_1_ref, dot_q8_0_ref, quantize_row_q4_1, quantize_row_q8_0, quantize_row_q8_1,
+    };
 
     fn rows(n: usize, cols: usize, seed: f32) -> Vec<f32> {
         (0..n * cols)
@@ -284,7 +395,15 @@ mod tests {
         a
     }
 
-    fn check(m: &QMatrix, n: usize) {
+    fn check(raw: &RawMatrix, n: usize) {
+        let m = &QMatrix::new(RawMatrix {
+            rows: raw.rows,
+            cols: raw.cols,
+            data: match &raw.data {
+                RawWeights::Q4_1(b) => RawWeights::Q4_1(b.clone()),
+                RawWeights::Q8_0(b) => RawWeights::Q8_0(b.clone()),
+            },
+        });
         let nb = m.blocks_per_row();
         let a = acts(n, m.cols);
         let mut out = vec![0f32; n * m.rows];
@@ -292,9 +411,9 @@ mod tests {
         for j in 0..n {
             for r in 0..m.rows {
                 let aj = &a[j * nb..(j + 1) * nb];
-                let want = match &m.data {
-                    QData::Q4_1(w) => dot_q4_1_ref(&w[r * nb..(r + 1) * nb], aj),
-                    QData::Q8_0(w) => dot_q8_0_ref(&w[r * nb..(r + 1) * nb], aj),
+                let want = match &raw.data {
+                    RawWeights::Q4_1(w) => dot_q4_1_ref(&w[r * nb..(r + 1) * nb], aj),
+                    RawWeights::Q8_0(w) => dot_q8_0_ref(&w[r * nb..(r + 1) * nb], aj),
                 };
                 let got = out[j * m.rows + r];
                 assert!(
@@ -319,10 +438,10 @@ mod tests {
         for (xr, wr) in x.chunks(c).zip(w.chunks_mut(c / QK)) {
             quantize_row_q4_1(xr, wr);
         }
-        let m = QMatrix {
+        let m = RawMatrix {
             rows: r,
             cols: c,
-            data: QData::Q4_1(w),
+            data: RawWeights::Q4_1(w),
         };
         for n in [1, 3, 4, 9] {
             check(&m, n);
@@ -337,10 +456,10 @@ mod tests {
         for (xr, wr) in x.chunks(c).zip(w.chunks_mut(c / QK)) {
             quantize_row_q8_0(xr, wr);
         }
-        let m = QMatrix {
+        let m = RawMatrix {
             rows: r,
             cols: c,
-            data: QData::Q8_0(w),
+            data: RawWeights::Q8_0(w),
         };
         for n in [1, 5, 8] {
             check(&m, n);

@@ -11,6 +11,7 @@ mod kernels;
 mod kv;
 mod loader;
 mod model;
+mod packed;
 mod quant;
 mod sampling;
 mod tiny;

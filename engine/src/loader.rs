@@ -13,7 +13,7 @@ use candle_core::quantized::gguf_file::{Content, TensorInfo};
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
-use crate::kernels::{QData, QMatrix};
+use crate::kernels::{QMatrix, RawMatrix, RawWeights};
 use crate::model::{LayerWeights, ModelConfig, Weights};
 use crate::quant::{BlockQ4_1, BlockQ8_0, QK, quantize_row_q8_0};
 use crate::tokenizer::TokenizerSpec;
@@ -103,13 +103,13 @@ pub fn load_bytes(bytes: &[u8], path: &Path) -> Result<LoadedModel> {
         .map(|i| {
             let t = |n: &str| format!("blk.{i}.{n}.weight");
             let qkv = vec![
-                reader.matrix(&t("attn_q"), config.n_heads * config.head_dim, h)?,
-                reader.matrix(&t("attn_k"), kv, h)?,
-                reader.matrix(&t("attn_v"), kv, h)?,
+                reader.raw_matrix(&t("attn_q"), config.n_heads * config.head_dim, h)?,
+                reader.raw_matrix(&t("attn_k"), kv, h)?,
+                reader.raw_matrix(&t("attn_v"), kv, h)?,
             ];
             let gate_up = vec![
-                reader.matrix(&t("ffn_gate"), config.ffn, h)?,
-                reader.matrix(&t("ffn_up"), config.ffn, h)?,
+                reader.raw_matrix(&t("ffn_gate"), config.ffn, h)?,
+                reader.raw_matrix(&t("ffn_up"), config.ffn, h)?,
             ];
             Ok(LayerWeights {
                 attn_norm: reader.vector(&t("attn_norm"), h)?,
@@ -246,12 +246,16 @@ impl TensorReader<'_> {
     }
 
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<QMatrix> {
+        Ok(QMatrix::new(self.raw_matrix(name, rows, cols)?))
+    }
+
+    fn raw_matrix(&self, name: &str, rows: usize, cols: usize) -> Result<RawMatrix> {
         let info = self.info(name, &[rows, cols])?;
         let data = match info.ggml_dtype {
-            GgmlDType::Q4_1 => QData::Q4_1(bytemuck::pod_collect_to_vec::<u8, BlockQ4_1>(
+            GgmlDType::Q4_1 => RawWeights::Q4_1(bytemuck::pod_collect_to_vec::<u8, BlockQ4_1>(
                 self.raw(info),
             )),
-            GgmlDType::Q8_0 => QData::Q8_0(bytemuck::pod_collect_to_vec::<u8, BlockQ8_0>(
+            GgmlDType::Q8_0 => RawWeights::Q8_0(bytemuck::pod_collect_to_vec::<u8, BlockQ8_0>(
                 self.raw(info),
             )),
             _ => {
@@ -260,14 +264,14 @@ impl TensorReader<'_> {
                 for (x, b) in values.chunks(cols).zip(blocks.chunks_mut(cols / QK)) {
                     quantize_row_q8_0(x, b);
                 }
-                QData::Q8_0(blocks)
+                RawWeights::Q8_0(blocks)
             }
         };
-        Ok(QMatrix { rows, cols, data })
+        Ok(RawMatrix { rows, cols, data })
     }
 
     /// Stacks matrices into one; if their types differ, requantizes all of them to `Q8_0`.
-    fn stack(&self, parts: Vec<QMatrix>) -> Result<QMatrix> {
+    fn stack(&self, parts: Vec<RawMatrix>) -> Result<QMatrix> {
         let uniform = parts
             .windows(2)
             .all(|w| std::mem::discriminant(&w[0].data) == std::mem::discriminant(&w[1].data));
@@ -276,24 +280,26 @@ impl TensorReader<'_> {
         } else {
             parts.into_iter().map(to_q8_0).collect()
         };
-        QMatrix::concat(parts).ok_or_else(|| self.bad("cannot stack projection matrices".into()))
+        RawMatrix::concat(parts)
+            .map(QMatrix::new)
+            .ok_or_else(|| self.bad("cannot stack projection matrices".into()))
     }
 }
 
-fn to_q8_0(m: QMatrix) -> QMatrix {
-    let QData::Q4_1(blocks) = &m.data else {
+fn to_q8_0(m: RawMatrix) -> RawMatrix {
+    let RawWeights::Q4_1(blocks) = &m.data else {
         return m;
     };
     let mut row = vec![0f32; m.cols];
-    let nb = m.blocks_per_row();
+    let nb = m.cols / QK;
     let mut out = vec![bytemuck::Zeroable::zeroed(); blocks.len()];
     for (src, dst) in blocks.chunks(nb).zip(out.chunks_mut(nb)) {
         crate::quant::dequantize_row_q4_1(src, &mut row);
         quantize_row_q8_0(&row, dst);
     }
-    QMatrix {
+    RawMatrix {
         rows: m.rows,
         cols: m.cols,
-        data: QData::Q8_0(out),
+        data: RawWeights::Q8_0(out),
     }
 }

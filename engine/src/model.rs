@@ -13,9 +13,9 @@
 use rayon::prelude::*;
 
 use crate::attention::{GroupQuery, attend_group};
-use crate::kernels::{QData, QMatrix};
+use crate::kernels::QMatrix;
 use crate::kv::{KvKind, KvLayout, KvPool};
-use crate::quant::{BlockQ8_1, QK, dequantize_row_q4_1, dequantize_row_q8_0, quantize_row_q8_1};
+use crate::quant::{BlockQ8_1, QK, quantize_row_q8_1};
 
 /// Hyperparameters of a llama model.
 #[derive(Clone, Debug, PartialEq)]
@@ -138,7 +138,7 @@ pub fn forward(
     let (h, qd, kvd, hd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
     let mut x = vec![0f32; n * h];
     for (r, xr) in rows.iter().zip(x.chunks_exact_mut(h)) {
-        embed_row(&w.embed, r.token as usize, xr);
+        w.embed.dequantize_row(r.token as usize, xr);
     }
     let rope = rope_tables(cfg, rows);
     let mut xn = vec![0f32; n * h];
@@ -222,14 +222,6 @@ pub fn forward(
         .chunks_exact(cfg.vocab)
         .map(<[f32]>::to_vec)
         .collect()
-}
-
-fn embed_row(embed: &QMatrix, token: usize, out: &mut [f32]) {
-    let nb = embed.blocks_per_row();
-    match &embed.data {
-        QData::Q4_1(b) => dequantize_row_q4_1(&b[token * nb..(token + 1) * nb], out),
-        QData::Q8_0(b) => dequantize_row_q8_0(&b[token * nb..(token + 1) * nb], out),
-    }
 }
 
 fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {

@@ -102,6 +102,7 @@ pub fn dequantize_row_q4_1(blocks: &[BlockQ4_1], out: &mut [f32]) {
     }
 }
 
+#[cfg(test)]
 pub fn dequantize_row_q8_0(blocks: &[BlockQ8_0], out: &mut [f32]) {
     for (block, chunk) in blocks.iter().zip(out.chunks_exact_mut(QK)) {
         let d = block.d.to_f32();
@@ -112,14 +113,7 @@ pub fn dequantize_row_q8_0(blocks: &[BlockQ8_0], out: &mut [f32]) {
 }
 
 /// Scalar reference for one `Q4_1` row against one activation row.
-#[cfg(any(
-    test,
-    not(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    ))
-))]
+#[cfg(test)]
 pub fn dot_q4_1_ref(w: &[BlockQ4_1], a: &[BlockQ8_1]) -> f32 {
     w.iter()
         .zip(a)
@@ -135,14 +129,7 @@ pub fn dot_q4_1_ref(w: &[BlockQ4_1], a: &[BlockQ8_1]) -> f32 {
 }
 
 /// Scalar reference for one `Q8_0` row against one activation row.
-#[cfg(any(
-    test,
-    not(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    ))
-))]
+#[cfg(test)]
 pub fn dot_q8_0_ref(w: &[BlockQ8_0], a: &[BlockQ8_1]) -> f32 {
     w.iter()
         .zip(a)
