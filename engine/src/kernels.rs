@@ -184,13 +184,19 @@ type TileOut = [[f32; GROUP]; TILE];
     target_feature = "f16c"
 ))]
 fn tile_q4_1(w: &[BlockQ4_1x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
-    // SAFETY: the cfg guarantees AVX2 and FMA; slices are sized by the caller.
+    use x86::Avx2;
+    // SAFETY: the cfg guarantees AVX2, FMA and F16C; VNNI is checked at run time; slices are
+    // sized by the caller.
     unsafe {
-        match t {
-            1 => avx2::tile_q4_1::<1>(w, acts, out),
-            2 => avx2::tile_q4_1::<2>(w, acts, out),
-            3 => avx2::tile_q4_1::<3>(w, acts, out),
-            _ => avx2::tile_q4_1::<TILE>(w, acts, out),
+        match (x86::has_vnni(), t) {
+            (true, 1) => x86::tile_q4_1_vnni::<1>(w, acts, out),
+            (true, 2) => x86::tile_q4_1_vnni::<2>(w, acts, out),
+            (true, 3) => x86::tile_q4_1_vnni::<3>(w, acts, out),
+            (true, _) => x86::tile_q4_1_vnni::<TILE>(w, acts, out),
+            (false, 1) => x86::tile_q4_1::<Avx2, 1>(w, acts, out),
+            (false, 2) => x86::tile_q4_1::<Avx2, 2>(w, acts, out),
+            (false, 3) => x86::tile_q4_1::<Avx2, 3>(w, acts, out),
+            (false, _) => x86::tile_q4_1::<Avx2, TILE>(w, acts, out),
         }
     }
 }
@@ -202,13 +208,18 @@ fn tile_q4_1(w: &[BlockQ4_1x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut)
     target_feature = "f16c"
 ))]
 fn tile_q8_0(w: &[BlockQ8_0x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+    use x86::Avx2;
     // SAFETY: as above.
     unsafe {
-        match t {
-            1 => avx2::tile_q8_0::<1>(w, acts, out),
-            2 => avx2::tile_q8_0::<2>(w, acts, out),
-            3 => avx2::tile_q8_0::<3>(w, acts, out),
-            _ => avx2::tile_q8_0::<TILE>(w, acts, out),
+        match (x86::has_vnni(), t) {
+            (true, 1) => x86::tile_q8_0_vnni::<1>(w, acts, out),
+            (true, 2) => x86::tile_q8_0_vnni::<2>(w, acts, out),
+            (true, 3) => x86::tile_q8_0_vnni::<3>(w, acts, out),
+            (true, _) => x86::tile_q8_0_vnni::<TILE>(w, acts, out),
+            (false, 1) => x86::tile_q8_0::<Avx2, 1>(w, acts, out),
+            (false, 2) => x86::tile_q8_0::<Avx2, 2>(w, acts, out),
+            (false, 3) => x86::tile_q8_0::<Avx2, 3>(w, acts, out),
+            (false, _) => x86::tile_q8_0::<Avx2, TILE>(w, acts, out),
         }
     }
 }
@@ -267,107 +278,186 @@ fn tile_q8_0(w: &[BlockQ8_0x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut)
     }
 }
 
+/// The x86 kernels, in two instruction sets that give bit-identical results: the per-block
+/// integer sums are exact either way, and the float steps after them are the same.
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
     target_feature = "fma",
     target_feature = "f16c"
 ))]
-mod avx2 {
+mod x86 {
     use std::arch::x86_64::*;
 
     use super::TileOut;
     use crate::packed::{BlockQ4_1x8, BlockQ8_0x8};
     use crate::quant::BlockQ8_1;
 
-    /// Four activation quants starting at `at`, broadcast to every 32-bit lane.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn bcast4(a: &BlockQ8_1, at: usize) -> __m256i {
-        let mut b = [0u8; 4];
-        for (d, s) in b.iter_mut().zip(&a.qs[at..at + 4]) {
-            *d = *s as u8;
+    /// AVX-512 VNNI (with VL, for 256-bit registers), detected once.
+    pub(super) fn has_vnni() -> bool {
+        static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *VNNI.get_or_init(|| {
+            is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
+        })
+    }
+
+    /// Sums u8 × i8 products of 4-byte groups into per-lane integers.
+    pub(super) trait DotU8I8 {
+        /// `acc += u0·s0 + u1·s1`, 4-byte groups per 32-bit lane, in the accumulator's width.
+        unsafe fn add2(acc: __m256i, u0: __m256i, s0: __m256i, u1: __m256i, s1: __m256i)
+        -> __m256i;
+        /// The accumulator as i32 lanes.
+        unsafe fn finish(acc: __m256i) -> __m256i;
+    }
+
+    /// `maddubs` into i16 lanes, widened by `finish`.
+    pub(super) struct Avx2;
+    impl DotU8I8 for Avx2 {
+        #[inline(always)]
+        unsafe fn add2(
+            acc: __m256i,
+            u0: __m256i,
+            s0: __m256i,
+            u1: __m256i,
+            s1: __m256i,
+        ) -> __m256i {
+            // SAFETY: the caller runs with AVX2.
+            unsafe {
+                let p =
+                    _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
+                _mm256_add_epi16(acc, p)
+            }
         }
-        _mm256_set1_epi32(i32::from_ne_bytes(b))
+        #[inline(always)]
+        unsafe fn finish(acc: __m256i) -> __m256i {
+            // SAFETY: as above.
+            unsafe { _mm256_madd_epi16(acc, _mm256_set1_epi16(1)) }
+        }
+    }
+
+    /// `vpdpbusd`: four u8 × i8 products summed straight into i32 lanes.
+    pub(super) struct Vnni;
+    impl DotU8I8 for Vnni {
+        #[inline(always)]
+        unsafe fn add2(
+            acc: __m256i,
+            u0: __m256i,
+            s0: __m256i,
+            u1: __m256i,
+            s1: __m256i,
+        ) -> __m256i {
+            // SAFETY: the caller runs with AVX-512 VNNI and VL.
+            unsafe { _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, u0, s0), u1, s1) }
+        }
+        #[inline(always)]
+        unsafe fn finish(acc: __m256i) -> __m256i {
+            acc
+        }
+    }
+
+    /// Four activation quants starting at `at`, broadcast to every 32-bit lane.
+    #[inline(always)]
+    unsafe fn bcast4(a: &BlockQ8_1, at: usize) -> __m256i {
+        // SAFETY: `at + 4 <= 32`; the read is unaligned; AVX is compiled in.
+        unsafe { _mm256_set1_epi32(a.qs.as_ptr().add(at).cast::<i32>().read_unaligned()) }
     }
 
     /// One 8-row group against `T` activation rows. Per block, the integer sums are exact
-    /// (≤ 8 · 2 · 15 · 128 = 30720 fits an i16 lane), then scaled once for 8 rows.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn tile_q4_1<const T: usize>(
+    /// (for AVX2: ≤ 8 · 2 · 15 · 128 = 30720 fits an i16 lane), then scaled once for 8 rows.
+    #[inline(always)]
+    pub(super) unsafe fn tile_q4_1<D: DotU8I8, const T: usize>(
         w: &[BlockQ4_1x8],
         acts: &[BlockQ8_1],
         out: &mut TileOut,
     ) {
         let nb = w.len();
-        let mask = _mm256_set1_epi8(0x0F);
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); T];
-        for (b, blk) in w.iter().enumerate() {
-            let mut isum = [_mm256_setzero_si256(); T];
-            for j in 0..4 {
-                // SAFETY: chunk j is 32 bytes inside `qs` (128 bytes).
-                let raw = unsafe { _mm256_loadu_si256(blk.qs.as_ptr().add(32 * j).cast()) };
-                let lo = _mm256_and_si256(raw, mask);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
+        // SAFETY (whole body): the caller guarantees AVX2, FMA, F16C (and VNNI for `Vnni`);
+        // every load reads inside a block.
+        unsafe {
+            let mask = _mm256_set1_epi8(0x0F);
+            let mut acc = [_mm256_setzero_ps(); T];
+            for (b, blk) in w.iter().enumerate() {
+                let mut isum = [_mm256_setzero_si256(); T];
+                for j in 0..4 {
+                    let raw = _mm256_loadu_si256(blk.qs.as_ptr().add(32 * j).cast());
+                    let lo = _mm256_and_si256(raw, mask);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
+                    for k in 0..T {
+                        let a = &acts[k * nb + b];
+                        isum[k] = D::add2(isum[k], lo, bcast4(a, 4 * j), hi, bcast4(a, 16 + 4 * j));
+                    }
+                }
+                let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
+                let mw = _mm256_cvtph_ps(_mm_loadu_si128(blk.m.as_ptr().cast()));
                 for k in 0..T {
                     let a = &acts[k * nb + b];
-                    let plo = _mm256_maddubs_epi16(lo, bcast4(a, 4 * j));
-                    let phi = _mm256_maddubs_epi16(hi, bcast4(a, 16 + 4 * j));
-                    isum[k] = _mm256_add_epi16(isum[k], _mm256_add_epi16(plo, phi));
+                    let f = _mm256_cvtepi32_ps(D::finish(isum[k]));
+                    acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d)), acc[k]);
+                    acc[k] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s), acc[k]);
                 }
             }
-            // SAFETY: `d` and `m` are 8 f16 values (16 bytes) each.
-            let dw = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(blk.d.as_ptr().cast()) });
-            let mw = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(blk.m.as_ptr().cast()) });
             for k in 0..T {
-                let a = &acts[k * nb + b];
-                let f = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[k], ones));
-                acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d)), acc[k]);
-                acc[k] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s), acc[k]);
+                _mm256_storeu_ps(out[k].as_mut_ptr(), acc[k]);
             }
-        }
-        for k in 0..T {
-            // SAFETY: `out[k]` is 8 f32.
-            unsafe { _mm256_storeu_ps(out[k].as_mut_ptr(), acc[k]) };
         }
     }
 
-    /// One 8-row `Q8_0` group against `T` activation rows. `maddubs` needs an unsigned
-    /// operand: use |w| and move w's sign onto the activations.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn tile_q8_0<const T: usize>(
+    /// One 8-row `Q8_0` group against `T` activation rows. The unsigned operand is |w|, with
+    /// w's sign moved onto the activations. Each pair of 4-byte steps is widened to i32 at once
+    /// (the AVX2 i16 lanes hold one pair: 2 · 2 · 127 · 128 < 2¹⁶ only barely, so no more).
+    #[inline(always)]
+    pub(super) unsafe fn tile_q8_0<D: DotU8I8, const T: usize>(
         w: &[BlockQ8_0x8],
         acts: &[BlockQ8_1],
         out: &mut TileOut,
     ) {
         let nb = w.len();
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); T];
-        for (b, blk) in w.iter().enumerate() {
-            let mut isum = [_mm256_setzero_si256(); T];
-            for j in 0..8 {
-                // SAFETY: chunk j is 32 bytes inside `qs` (256 bytes).
-                let wq = unsafe { _mm256_loadu_si256(blk.qs.as_ptr().add(32 * j).cast()) };
-                let wabs = _mm256_sign_epi8(wq, wq);
+        // SAFETY (whole body): as in `tile_q4_1`.
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); T];
+            for (b, blk) in w.iter().enumerate() {
+                let mut isum = [_mm256_setzero_si256(); T];
+                for j in 0..8 {
+                    let wq = _mm256_loadu_si256(blk.qs.as_ptr().add(32 * j).cast());
+                    let u = _mm256_sign_epi8(wq, wq);
+                    for k in 0..T {
+                        let s = _mm256_sign_epi8(bcast4(&acts[k * nb + b], 4 * j), wq);
+                        let zero = _mm256_setzero_si256();
+                        let part = D::finish(D::add2(zero, u, s, zero, zero));
+                        isum[k] = _mm256_add_epi32(isum[k], part);
+                    }
+                }
+                let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
                 for k in 0..T {
-                    let a = bcast4(&acts[k * nb + b], 4 * j);
-                    let p = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(a, wq));
-                    isum[k] = _mm256_add_epi32(isum[k], _mm256_madd_epi16(p, ones));
+                    let a = &acts[k * nb + b];
+                    let f = _mm256_cvtepi32_ps(isum[k]);
+                    acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d)), acc[k]);
                 }
             }
-            // SAFETY: `d` is 8 f16 values.
-            let dw = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(blk.d.as_ptr().cast()) });
             for k in 0..T {
-                let a = &acts[k * nb + b];
-                let f = _mm256_cvtepi32_ps(isum[k]);
-                acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d)), acc[k]);
+                _mm256_storeu_ps(out[k].as_mut_ptr(), acc[k]);
             }
         }
-        for k in 0..T {
-            // SAFETY: `out[k]` is 8 f32.
-            unsafe { _mm256_storeu_ps(out[k].as_mut_ptr(), acc[k]) };
-        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    pub(super) unsafe fn tile_q4_1_vnni<const T: usize>(
+        w: &[BlockQ4_1x8],
+        acts: &[BlockQ8_1],
+        out: &mut TileOut,
+    ) {
+        // SAFETY: the caller checked `has_vnni`.
+        unsafe { tile_q4_1::<Vnni, T>(w, acts, out) }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    pub(super) unsafe fn tile_q8_0_vnni<const T: usize>(
+        w: &[BlockQ8_0x8],
+        acts: &[BlockQ8_1],
+        out: &mut TileOut,
+    ) {
+        // SAFETY: as above.
+        unsafe { tile_q8_0::<Vnni, T>(w, acts, out) }
     }
 }
 
@@ -464,5 +554,59 @@ mod tests {
         for n in [1, 5, 8] {
             check(&m, n);
         }
+    }
+}
+
+/// The AVX2 and VNNI paths must agree bit for bit, so a node's results do not depend on which
+/// one its CPU runs.
+#[cfg(all(
+    test,
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+mod x86_tests {
+    use bytemuck::Zeroable;
+
+    use super::*;
+    use crate::quant::{quantize_row_q4_1, quantize_row_q8_0, quantize_row_q8_1};
+
+    #[test]
+    fn avx2_and_vnni_kernels_are_bit_identical() {
+        if !x86::has_vnni() {
+            eprintln!("no AVX-512 VNNI on this CPU: only the AVX2 path exists here");
+            return;
+        }
+        let (rows, cols) = (8, 256);
+        let nb = cols / QK;
+        let x: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i as f32) * 0.377).sin() * 3.0)
+            .collect();
+        let mut q4 = vec![BlockQ4_1::zeroed(); rows * nb];
+        let mut q8 = vec![BlockQ8_0::zeroed(); rows * nb];
+        for r in 0..rows {
+            quantize_row_q4_1(&x[r * cols..(r + 1) * cols], &mut q4[r * nb..(r + 1) * nb]);
+            quantize_row_q8_0(&x[r * cols..(r + 1) * cols], &mut q8[r * nb..(r + 1) * nb]);
+        }
+        let p4 = crate::packed::pack_q4_1(rows, nb, &q4);
+        let p8 = crate::packed::pack_q8_0(rows, nb, &q8);
+        let xa: Vec<f32> = (0..TILE * cols)
+            .map(|i| ((i as f32) * 0.91).cos() * 2.0)
+            .collect();
+        let mut acts = vec![BlockQ8_1::zeroed(); TILE * nb];
+        quantize_row_q8_1(&xa, &mut acts);
+        let (mut a, mut b) = ([[0f32; GROUP]; TILE], [[0f32; GROUP]; TILE]);
+        // SAFETY: AVX2/FMA/F16C are compiled in and VNNI was detected above.
+        unsafe {
+            x86::tile_q4_1::<x86::Avx2, TILE>(&p4, &acts, &mut a);
+            x86::tile_q4_1_vnni::<TILE>(&p4, &acts, &mut b);
+        }
+        assert_eq!(a, b);
+        unsafe {
+            x86::tile_q8_0::<x86::Avx2, TILE>(&p8, &acts, &mut a);
+            x86::tile_q8_0_vnni::<TILE>(&p8, &acts, &mut b);
+        }
+        assert_eq!(a, b);
     }
 }
