@@ -308,6 +308,8 @@ mod x86 {
         -> __m256i;
         /// The accumulator as i32 lanes.
         unsafe fn finish(acc: __m256i) -> __m256i;
+        /// `acc += u·s`, 4-byte groups per i32 lane (`acc` already in i32).
+        unsafe fn add1_i32(acc: __m256i, u: __m256i, s: __m256i) -> __m256i;
     }
 
     /// `maddubs` into i16 lanes, widened by `finish`.
@@ -333,6 +335,11 @@ mod x86 {
             // SAFETY: as above.
             unsafe { _mm256_madd_epi16(acc, _mm256_set1_epi16(1)) }
         }
+        #[inline(always)]
+        unsafe fn add1_i32(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+            // SAFETY: as above.
+            unsafe { _mm256_add_epi32(acc, Self::finish(_mm256_maddubs_epi16(u, s))) }
+        }
     }
 
     /// `vpdpbusd`: four u8 × i8 products summed straight into i32 lanes.
@@ -352,6 +359,11 @@ mod x86 {
         #[inline(always)]
         unsafe fn finish(acc: __m256i) -> __m256i {
             acc
+        }
+        #[inline(always)]
+        unsafe fn add1_i32(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+            // SAFETY: as above.
+            unsafe { _mm256_dpbusd_epi32(acc, u, s) }
         }
     }
 
@@ -403,8 +415,8 @@ mod x86 {
     }
 
     /// One 8-row `Q8_0` group against `T` activation rows. The unsigned operand is |w|, with
-    /// w's sign moved onto the activations. Each pair of 4-byte steps is widened to i32 at once
-    /// (the AVX2 i16 lanes hold one pair: 2 · 2 · 127 · 128 < 2¹⁶ only barely, so no more).
+    /// w's sign moved onto the activations. Each 4-byte step is widened to i32 at once, since
+    /// two AVX2 `maddubs` results (up to 2 · 127 · 128 each) would overflow an i16 lane.
     #[inline(always)]
     pub(super) unsafe fn tile_q8_0<D: DotU8I8, const T: usize>(
         w: &[BlockQ8_0x8],
@@ -422,9 +434,7 @@ mod x86 {
                     let u = _mm256_sign_epi8(wq, wq);
                     for k in 0..T {
                         let s = _mm256_sign_epi8(bcast4(&acts[k * nb + b], 4 * j), wq);
-                        let zero = _mm256_setzero_si256();
-                        let part = D::finish(D::add2(zero, u, s, zero, zero));
-                        isum[k] = _mm256_add_epi32(isum[k], part);
+                        isum[k] = D::add1_i32(isum[k], u, s);
                     }
                 }
                 let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
