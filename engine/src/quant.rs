@@ -48,22 +48,54 @@ pub fn quantize_row_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
         let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
         let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-        let mut sum = 0i32;
-        for (q, v) in block.qs.iter_mut().zip(chunk) {
-            let r = round_half_away(v * id) as i32;
-            *q = r as i8;
-            sum += r;
-        }
+        let sum = quantize_block(chunk, id, &mut block.qs);
         block.d = d;
         block.s = d * sum as f32;
     }
 }
 
-/// `f32::round` without the library call: `floor(|x| + 0.5)` with x's sign, which compiles to
-/// SIMD. Differs from `round` only where `|x| + 0.5` rounds up in f32 (|x| = 0.5 − 2⁻²⁵).
-#[inline]
-fn round_half_away(x: f32) -> f32 {
-    (x.abs() + 0.5).floor().copysign(x)
+/// `q = round_half_away(x · id)` for one block (|x · id| ≤ 127), returning `Σq`.
+#[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+fn quantize_block(x: &[f32], id: f32, q: &mut [i8; QK]) -> i32 {
+    use std::arch::x86_64::*;
+    // SAFETY: AVX2 is compiled in; `x` holds QK = 32 floats and `q` 32 bytes.
+    unsafe {
+        let scale = _mm256_set1_ps(id);
+        let half = _mm256_set1_ps(0.5);
+        let sign = _mm256_set1_ps(-0.0);
+        let mut ints = [_mm256_setzero_si256(); 4];
+        for (i, v) in ints.iter_mut().enumerate() {
+            let r = _mm256_mul_ps(_mm256_loadu_ps(x.as_ptr().add(8 * i)), scale);
+            // floor(|r| + 0.5) with r's sign: rounds half away from zero.
+            let mag = _mm256_floor_ps(_mm256_add_ps(_mm256_andnot_ps(sign, r), half));
+            *v = _mm256_cvtps_epi32(_mm256_or_ps(mag, _mm256_and_ps(sign, r)));
+        }
+        let total = _mm256_add_epi32(
+            _mm256_add_epi32(ints[0], ints[1]),
+            _mm256_add_epi32(ints[2], ints[3]),
+        );
+        let mut lanes = [0i32; 8];
+        _mm256_storeu_si256(lanes.as_mut_ptr().cast(), total);
+        // Pack 32 i32 → 32 i8 (saturating, values are within ±127), then undo the lane
+        // interleaving of the 256-bit packs.
+        let p16a = _mm256_packs_epi32(ints[0], ints[1]);
+        let p16b = _mm256_packs_epi32(ints[2], ints[3]);
+        let p8 = _mm256_packs_epi16(p16a, p16b);
+        let fixed = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(q.as_mut_ptr().cast(), fixed);
+        lanes.iter().sum()
+    }
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_feature = "avx2")))]
+fn quantize_block(x: &[f32], id: f32, q: &mut [i8; QK]) -> i32 {
+    let mut sum = 0;
+    for (q, v) in q.iter_mut().zip(x) {
+        let r = (v * id).round() as i32;
+        *q = r as i8;
+        sum += r;
+    }
+    sum
 }
 
 /// Quantizes one row into GGML `Q8_0` blocks (used to bring other weight types to a format
@@ -168,6 +200,27 @@ mod tests {
             let sum: i32 = b.qs.iter().map(|&v| i32::from(v)).sum();
             assert_eq!(b.s, b.d * sum as f32);
         }
+    }
+
+    #[test]
+    fn q8_1_quantizer_rounds_half_away_from_zero() {
+        let x: Vec<f32> = (0..QK)
+            .map(|i| (i as f32 - 15.5) * 0.37 + if i % 3 == 0 { 0.123 } else { 0.0 })
+            .collect();
+        let mut q = [BlockQ8_1::zeroed()];
+        quantize_row_q8_1(&x, &mut q);
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let id = 127.0 / amax;
+        for (v, got) in x.iter().zip(q[0].qs) {
+            assert_eq!(
+                i32::from(got),
+                (v * (1.0 / (amax / 127.0))).round() as i32,
+                "{v} ({})",
+                v * id
+            );
+        }
+        let sum: i32 = q[0].qs.iter().map(|&v| i32::from(v)).sum();
+        assert_eq!(q[0].s, q[0].d * sum as f32);
     }
 
     #[test]
