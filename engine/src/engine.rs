@@ -130,10 +130,6 @@ impl Engine {
         self.pool.free_blocks()
     }
 
-    pub fn active_sequences(&self) -> usize {
-        self.seqs.len()
-    }
-
     /// Starts an empty sequence.
     pub fn new_sequence(&mut self) -> SeqId {
         let id = SeqId(self.next_id);

@@ -76,10 +76,6 @@ impl Stream {
         }
     }
 
-    pub fn params(&self) -> &GenerateParams {
-        &self.params
-    }
-
     /// Samples the token at absolute `position` from `logits`.
     pub fn sample(&self, logits: &[f32], position: usize) -> u32 {
         sample(logits, &self.params.sampling, position as u64)

@@ -23,15 +23,6 @@ use crate::tokenizer::TokenizerSpec;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ModelFingerprint(pub [u8; 32]);
 
-impl ModelFingerprint {
-    /// The first 8 bytes, for seeding block hashes.
-    pub fn as_u64(&self) -> u64 {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(&self.0[..8]);
-        u64::from_le_bytes(b)
-    }
-}
-
 impl std::fmt::Display for ModelFingerprint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))

@@ -100,22 +100,6 @@ pub struct Weights {
     pub layers: Vec<LayerWeights>,
 }
 
-impl Weights {
-    pub fn size_bytes(&self) -> usize {
-        let layers: usize = self
-            .layers
-            .iter()
-            .map(|l| {
-                l.wqkv.size_bytes()
-                    + l.wo.size_bytes()
-                    + l.w_gate_up.size_bytes()
-                    + l.w_down.size_bytes()
-            })
-            .sum();
-        layers + self.embed.size_bytes() + self.output.as_ref().map_or(0, QMatrix::size_bytes)
-    }
-}
-
 /// One row of a forward pass.
 #[derive(Clone, Copy, Debug)]
 pub struct Row<'a> {

@@ -180,7 +180,9 @@ impl Tokenizer {
             .filter(|(_, t)| matches!(**t, TOKEN_TYPE_CONTROL | TOKEN_TYPE_USER_DEFINED))
             .map(|(s, _)| AddedToken::from(s.clone(), true))
             .collect();
-        inner.add_special_tokens(&special);
+        inner
+            .add_special_tokens(special)
+            .map_err(|e| err(format!("adding special tokens: {e}")))?;
 
         let unicode_to_byte = byte_level_decode_table();
         let token_bytes = spec
