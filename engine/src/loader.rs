@@ -166,7 +166,7 @@ fn read_config(content: &Content, path: &Path) -> Result<ModelConfig> {
         hidden,
         n_heads,
         n_kv_heads,
-        head_dim: if n_heads == 0 { 0 } else { hidden / n_heads },
+        head_dim: hidden.checked_div(n_heads).unwrap_or(0),
         ffn: get_u("llama.feed_forward_length")?,
         vocab,
         rope_theta: get_f("llama.rope.freq_base", 10_000.0)?,

@@ -47,13 +47,18 @@ impl ModelConfig {
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("{name} is 0"));
         }
-        if self.hidden % self.n_heads != 0 || self.n_heads % self.n_kv_heads != 0 {
+        if !self.hidden.is_multiple_of(self.n_heads)
+            || !self.n_heads.is_multiple_of(self.n_kv_heads)
+        {
             return Err(format!(
                 "{} heads and {} KV heads do not divide hidden size {}",
                 self.n_heads, self.n_kv_heads, self.hidden
             ));
         }
-        if self.hidden % QK != 0 || self.ffn % QK != 0 || self.head_dim % 2 != 0 {
+        if !self.hidden.is_multiple_of(QK)
+            || !self.ffn.is_multiple_of(QK)
+            || !self.head_dim.is_multiple_of(2)
+        {
             return Err(format!(
                 "hidden {} and ffn {} must be multiples of {QK} (head_dim {} even)",
                 self.hidden, self.ffn, self.head_dim

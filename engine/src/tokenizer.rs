@@ -356,9 +356,9 @@ impl TokenDecoder {
             Err(e) => e.valid_up_to(),
         };
         let rest = self.pending.split_off(valid);
-        let text = String::from_utf8(std::mem::replace(&mut self.pending, rest))
-            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
-        text
+
+        String::from_utf8(std::mem::replace(&mut self.pending, rest))
+            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
     }
 
     /// Whatever is still held back at the end of the stream (replaced if incomplete).
