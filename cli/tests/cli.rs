@@ -43,26 +43,29 @@ fn tokenize_json_parses_special_tokens() {
     assert_eq!(ids[0], 1, "<|im_start|> is one id");
 }
 
+/// A sampled (not greedy) generation with every sampling flag set.
+const SEEDED: &[&str] = &[
+    "generate",
+    "--model",
+    "tiny",
+    "--messages",
+    r#"[{"role":"user","content":"Hi"}]"#,
+    "--max-tokens",
+    "5",
+    "--temperature",
+    "0.7",
+    "--top-k",
+    "20",
+    "--top-p",
+    "0.9",
+    "--seed",
+    "3",
+    "--json",
+];
+
 #[test]
 fn generate_json_has_the_documented_fields() {
-    let (ok, out, err) = tandem(&[
-        "generate",
-        "--model",
-        "tiny",
-        "--messages",
-        r#"[{"role":"user","content":"Hi"}]"#,
-        "--max-tokens",
-        "5",
-        "--temperature",
-        "0.7",
-        "--top-k",
-        "20",
-        "--top-p",
-        "0.9",
-        "--seed",
-        "3",
-        "--json",
-    ]);
+    let (ok, out, err) = tandem(SEEDED);
     assert!(ok, "{err}");
     let v = json(&out);
     let generated = v["token_ids"].as_array().expect("token_ids");
@@ -82,24 +85,7 @@ fn generate_json_has_the_documented_fields() {
     assert!(v["prefill_ms"].as_f64().expect("prefill_ms") > 0.0);
     assert!(v["decode_ms"].as_f64().expect("decode_ms") >= 0.0);
     // The same seed gives the same output.
-    let (_, again, _) = tandem(&[
-        "generate",
-        "--model",
-        "tiny",
-        "--messages",
-        r#"[{"role":"user","content":"Hi"}]"#,
-        "--max-tokens",
-        "5",
-        "--temperature",
-        "0.7",
-        "--top-k",
-        "20",
-        "--top-p",
-        "0.9",
-        "--seed",
-        "3",
-        "--json",
-    ]);
+    let (_, again, _) = tandem(SEEDED);
     assert_eq!(json(&again)["token_ids"], v["token_ids"]);
 }
 

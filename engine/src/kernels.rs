@@ -169,6 +169,32 @@ impl SendPtr {
 
 type TileOut = [[f32; GROUP]; TILE];
 
+/// Runs an x86 kernel for a runtime tile size `t`, in the VNNI or the AVX2 instruction set.
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+macro_rules! dispatch_tile {
+    ($avx2:ident, $vnni:ident, $w:expr, $acts:expr, $t:expr, $out:expr) => {
+        // SAFETY: the cfg guarantees AVX2, FMA and F16C; VNNI is checked at run time; the
+        // slices are sized by `QMatrix::matmul`.
+        unsafe {
+            match (x86::has_vnni(), $t) {
+                (true, 1) => x86::$vnni::<1>($w, $acts, $out),
+                (true, 2) => x86::$vnni::<2>($w, $acts, $out),
+                (true, 3) => x86::$vnni::<3>($w, $acts, $out),
+                (true, _) => x86::$vnni::<TILE>($w, $acts, $out),
+                (false, 1) => x86::$avx2::<x86::Avx2, 1>($w, $acts, $out),
+                (false, 2) => x86::$avx2::<x86::Avx2, 2>($w, $acts, $out),
+                (false, 3) => x86::$avx2::<x86::Avx2, 3>($w, $acts, $out),
+                (false, _) => x86::$avx2::<x86::Avx2, TILE>($w, $acts, $out),
+            }
+        }
+    };
+}
+
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
@@ -176,21 +202,7 @@ type TileOut = [[f32; GROUP]; TILE];
     target_feature = "f16c"
 ))]
 fn tile_q4_1(w: &[BlockQ4_1x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
-    use x86::Avx2;
-    // SAFETY: the cfg guarantees AVX2, FMA and F16C; VNNI is checked at run time; slices are
-    // sized by the caller.
-    unsafe {
-        match (x86::has_vnni(), t) {
-            (true, 1) => x86::tile_q4_1_vnni::<1>(w, acts, out),
-            (true, 2) => x86::tile_q4_1_vnni::<2>(w, acts, out),
-            (true, 3) => x86::tile_q4_1_vnni::<3>(w, acts, out),
-            (true, _) => x86::tile_q4_1_vnni::<TILE>(w, acts, out),
-            (false, 1) => x86::tile_q4_1::<Avx2, 1>(w, acts, out),
-            (false, 2) => x86::tile_q4_1::<Avx2, 2>(w, acts, out),
-            (false, 3) => x86::tile_q4_1::<Avx2, 3>(w, acts, out),
-            (false, _) => x86::tile_q4_1::<Avx2, TILE>(w, acts, out),
-        }
-    }
+    dispatch_tile!(tile_q4_1, tile_q4_1_vnni, w, acts, t, out)
 }
 
 #[cfg(all(
@@ -200,20 +212,7 @@ fn tile_q4_1(w: &[BlockQ4_1x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut)
     target_feature = "f16c"
 ))]
 fn tile_q8_0(w: &[BlockQ8_0x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
-    use x86::Avx2;
-    // SAFETY: as above.
-    unsafe {
-        match (x86::has_vnni(), t) {
-            (true, 1) => x86::tile_q8_0_vnni::<1>(w, acts, out),
-            (true, 2) => x86::tile_q8_0_vnni::<2>(w, acts, out),
-            (true, 3) => x86::tile_q8_0_vnni::<3>(w, acts, out),
-            (true, _) => x86::tile_q8_0_vnni::<TILE>(w, acts, out),
-            (false, 1) => x86::tile_q8_0::<Avx2, 1>(w, acts, out),
-            (false, 2) => x86::tile_q8_0::<Avx2, 2>(w, acts, out),
-            (false, 3) => x86::tile_q8_0::<Avx2, 3>(w, acts, out),
-            (false, _) => x86::tile_q8_0::<Avx2, TILE>(w, acts, out),
-        }
-    }
+    dispatch_tile!(tile_q8_0, tile_q8_0_vnni, w, acts, t, out)
 }
 
 #[cfg(not(all(
