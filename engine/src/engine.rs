@@ -206,12 +206,16 @@ impl Engine {
         for (ci, chunk) in tokens.chunks(self.config.prefill_chunk_tokens).enumerate() {
             let pos0 = start + ci * self.config.prefill_chunk_tokens;
             let last_chunk = pos0 + chunk.len() == start + tokens.len();
-            let blocks = self.seq(seq)?.blocks.clone();
+            let blocks = &self
+                .seqs
+                .get(&seq)
+                .ok_or(Error::UnknownSequence(seq.0))?
+                .blocks;
             let rows: Vec<Row<'_>> = chunk
                 .iter()
                 .enumerate()
                 .map(|(i, &token)| Row {
-                    blocks: &blocks,
+                    blocks,
                     pos: pos0 + i,
                     token,
                     want_logits: last_chunk && i + 1 == chunk.len(),
