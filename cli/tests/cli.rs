@@ -91,40 +91,29 @@ fn generate_json_has_the_documented_fields() {
 
 #[test]
 fn bad_input_fails_with_a_clear_message() {
-    let (ok, _, err) = tandem(&[
-        "generate",
-        "--model",
-        "tiny",
-        "--prompt",
-        "x",
-        "--temperature",
-        "-1",
-    ]);
-    assert!(!ok);
-    assert!(err.contains("temperature"), "{err}");
-    let (ok, _, err) = tandem(&["generate", "--model", "tiny", "--messages", "not json"]);
-    assert!(!ok);
-    assert!(err.contains("--messages"), "{err}");
-    let (ok, _, err) = tandem(&[
-        "generate",
-        "--model",
-        "/nonexistent/m.gguf",
-        "--prompt",
-        "x",
-    ]);
-    assert!(!ok);
-    assert!(err.contains("/nonexistent/m.gguf"), "{err}");
-    let (ok, _, err) = tandem(&[
-        "generate",
-        "--model",
-        "tiny",
-        "--prompt",
-        "x",
-        "--max-tokens",
-        "5000",
-    ]);
-    assert!(!ok);
-    assert!(err.contains("max_tokens"), "{err}");
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["--model", "tiny", "--prompt", "x", "--temperature", "-1"],
+            "temperature",
+        ),
+        (&["--model", "tiny", "--messages", "not json"], "--messages"),
+        (
+            &["--model", "/nonexistent/m.gguf", "--prompt", "x"],
+            "/nonexistent/m.gguf",
+        ),
+        (
+            &["--model", "tiny", "--prompt", "x", "--max-tokens", "5000"],
+            "max_tokens",
+        ),
+    ];
+    for (args, needle) in cases {
+        let argv: Vec<&str> = std::iter::once("generate")
+            .chain(args.iter().copied())
+            .collect();
+        let (ok, _, err) = tandem(&argv);
+        assert!(!ok, "{args:?} must fail");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
 }
 
 #[test]

@@ -222,21 +222,46 @@ fn tile_q8_0(w: &[BlockQ8_0x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut)
     target_feature = "f16c"
 )))]
 fn tile_q4_1(w: &[BlockQ4_1x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+    scalar_tile(w, acts, t, out, |blk, ri, a| {
+        let isum = int_dot(crate::packed::q4_1_quants(blk, ri).map(i32::from), a);
+        blk.d[ri].to_f32() * a.d * isum as f32 + blk.m[ri].to_f32() * a.s
+    });
+}
+
+#[cfg(not(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+)))]
+fn tile_q8_0(w: &[BlockQ8_0x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+    scalar_tile(w, acts, t, out, |blk, ri, a| {
+        let isum = int_dot(crate::packed::q8_0_quants(blk, ri).map(i32::from), a);
+        blk.d[ri].to_f32() * a.d * isum as f32
+    });
+}
+
+/// The portable fallback: each output is the sum over blocks of `block_dot(block, row, act)`.
+#[cfg(not(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+)))]
+fn scalar_tile<B>(
+    w: &[B],
+    acts: &[BlockQ8_1],
+    t: usize,
+    out: &mut TileOut,
+    block_dot: impl Fn(&B, usize, &BlockQ8_1) -> f32,
+) {
     let nb = w.len();
     for (k, o) in out[..t].iter_mut().enumerate() {
         for (ri, o) in o.iter_mut().enumerate() {
             *o = w
                 .iter()
                 .zip(&acts[k * nb..(k + 1) * nb])
-                .map(|(blk, a)| {
-                    let q = crate::packed::q4_1_quants(blk, ri);
-                    let isum: i32 = q
-                        .iter()
-                        .zip(a.qs)
-                        .map(|(&x, y)| i32::from(x) * i32::from(y))
-                        .sum();
-                    blk.d[ri].to_f32() * a.d * isum as f32 + blk.m[ri].to_f32() * a.s
-                })
+                .map(|(blk, a)| block_dot(blk, ri, a))
                 .sum();
         }
     }
@@ -248,25 +273,8 @@ fn tile_q4_1(w: &[BlockQ4_1x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut)
     target_feature = "fma",
     target_feature = "f16c"
 )))]
-fn tile_q8_0(w: &[BlockQ8_0x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
-    let nb = w.len();
-    for (k, o) in out[..t].iter_mut().enumerate() {
-        for (ri, o) in o.iter_mut().enumerate() {
-            *o = w
-                .iter()
-                .zip(&acts[k * nb..(k + 1) * nb])
-                .map(|(blk, a)| {
-                    let q = crate::packed::q8_0_quants(blk, ri);
-                    let isum: i32 = q
-                        .iter()
-                        .zip(a.qs)
-                        .map(|(&x, y)| i32::from(x) * i32::from(y))
-                        .sum();
-                    blk.d[ri].to_f32() * a.d * isum as f32
-                })
-                .sum();
-        }
-    }
+fn int_dot(q: [i32; QK], a: &BlockQ8_1) -> i32 {
+    q.iter().zip(a.qs).map(|(&x, y)| x * i32::from(y)).sum()
 }
 
 /// The x86 kernels, in two instruction sets that give bit-identical results: the per-block
