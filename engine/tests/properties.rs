@@ -346,3 +346,16 @@ fn damaged_model_files_fail_with_a_clear_error() {
     );
     std::fs::remove_dir_all(&dir).expect("cleanup");
 }
+
+#[test]
+fn an_engine_moves_to_its_own_thread() {
+    // A decode server runs its engine on a scheduler thread: `Engine` must be `Send`.
+    let model = tiny();
+    let mut engine = engine_with(&model, 64);
+    let worker = std::thread::spawn(move || {
+        let s = engine.new_sequence();
+        engine.prefill(s, &prompt(5, 0)).map(|logits| logits.len())
+    });
+    let len = worker.join().expect("worker").expect("prefill");
+    assert_eq!(len, model.config.vocab);
+}
