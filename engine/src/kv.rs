@@ -106,6 +106,13 @@ impl KvPool {
         bytemuck::cast_slice(&self.data[start..start + BLOCK_TOKENS * self.layout.head_dim])
     }
 
+    /// Where position `pos`'s `head_dim` values for `(layer, kind, head)` start in `data`.
+    fn offset(&self, blocks: &[u32], pos: usize, layer: usize, kind: KvKind, head: usize) -> usize {
+        blocks[pos / BLOCK_TOKENS] as usize * self.layout.block_elems()
+            + self.layout.slab(layer, kind, head)
+            + (pos % BLOCK_TOKENS) * self.layout.head_dim
+    }
+
     /// Stores one position's vector for `(layer, kind, head)`, rounding to f16.
     pub fn write(
         &mut self,
@@ -116,11 +123,8 @@ impl KvPool {
         head: usize,
         values: &[f32],
     ) {
-        let hd = self.layout.head_dim;
-        let start = blocks[pos / BLOCK_TOKENS] as usize * self.layout.block_elems()
-            + self.layout.slab(layer, kind, head)
-            + (pos % BLOCK_TOKENS) * hd;
-        bytemuck::cast_slice_mut::<u16, f16>(&mut self.data[start..start + hd])
+        let start = self.offset(blocks, pos, layer, kind, head);
+        bytemuck::cast_slice_mut::<u16, f16>(&mut self.data[start..start + values.len()])
             .convert_from_f32_slice(values);
     }
 
@@ -137,10 +141,9 @@ impl KvPool {
         let mut out = Vec::with_capacity(range.len() * self.layout.n_kv_heads * hd * 2);
         for head in 0..self.layout.n_kv_heads {
             for pos in range.clone() {
-                let slab = self.slab(blocks[pos / BLOCK_TOKENS], layer, kind, head);
-                let t = pos % BLOCK_TOKENS;
-                for v in &slab[t * hd..(t + 1) * hd] {
-                    out.extend_from_slice(&v.to_bits().to_le_bytes());
+                let start = self.offset(blocks, pos, layer, kind, head);
+                for bits in &self.data[start..start + hd] {
+                    out.extend_from_slice(&bits.to_le_bytes());
                 }
             }
         }
@@ -166,17 +169,14 @@ impl KvPool {
                 ),
             });
         }
-        let mut values = bytes
+        let mut bits = bytes
             .chunks_exact(2)
-            .map(|b| f16::from_bits(u16::from_le_bytes([b[0], b[1]])));
-
+            .map(|b| u16::from_le_bytes([b[0], b[1]]));
         for head in 0..self.layout.n_kv_heads {
             for pos in range.clone() {
-                let start = blocks[pos / BLOCK_TOKENS] as usize * self.layout.block_elems()
-                    + self.layout.slab(layer, kind, head)
-                    + (pos % BLOCK_TOKENS) * hd;
-                for (dst, src) in self.data[start..start + hd].iter_mut().zip(&mut values) {
-                    *dst = src.to_bits();
+                let start = self.offset(blocks, pos, layer, kind, head);
+                for (dst, src) in self.data[start..start + hd].iter_mut().zip(&mut bits) {
+                    *dst = src;
                 }
             }
         }

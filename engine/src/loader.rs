@@ -252,9 +252,7 @@ impl TensorReader<'_> {
             _ => {
                 let values = self.f32_values(name, info)?;
                 let mut blocks = vec![bytemuck::Zeroable::zeroed(); rows * cols / QK];
-                for (x, b) in values.chunks(cols).zip(blocks.chunks_mut(cols / QK)) {
-                    quantize_row_q8_0(x, b);
-                }
+                quantize_row_q8_0(&values, &mut blocks);
                 RawWeights::Q8_0(blocks)
             }
         };

@@ -15,7 +15,7 @@ use rayon::prelude::*;
 use crate::attention::{GroupQuery, attend_group};
 use crate::kernels::QMatrix;
 use crate::kv::{KvKind, KvLayout, KvPool};
-use crate::quant::{BlockQ8_1, QK, quantize_row_q8_1};
+use crate::quant::{QK, quantize_row_q8_1};
 
 /// Hyperparameters of a llama model.
 #[derive(Clone, Debug, PartialEq)]
@@ -142,7 +142,7 @@ pub fn forward(
 
     for (li, lw) in w.layers.iter().enumerate() {
         rms_norm_rows(&x, &lw.attn_norm, cfg.rms_eps, &mut xn);
-        quantize_rows(&xn, h, &mut acts_h);
+        quantize_row_q8_1(&xn, &mut acts_h);
         lw.wqkv.matmul(&acts_h, n, &mut qkv);
         for (ri, r) in rows.iter().enumerate() {
             let row = &mut qkv[ri * (qd + 2 * kvd)..(ri + 1) * (qd + 2 * kvd)];
@@ -171,12 +171,12 @@ pub fn forward(
             };
             attend_group(pool_ref, &query, out);
         });
-        quantize_rows(&attn, qd, &mut acts_q);
+        quantize_row_q8_1(&attn, &mut acts_q);
         lw.wo.matmul(&acts_q, n, &mut proj);
         add_in_place(&mut x, &proj);
 
         rms_norm_rows(&x, &lw.ffn_norm, cfg.rms_eps, &mut xn);
-        quantize_rows(&xn, h, &mut acts_h);
+        quantize_row_q8_1(&xn, &mut acts_h);
         lw.w_gate_up.matmul(&acts_h, n, &mut gate_up);
         for (gu, out) in gate_up
             .chunks_exact(2 * cfg.ffn)
@@ -187,7 +187,7 @@ pub fn forward(
                 *o = g / (1.0 + (-g).exp()) * u;
             }
         }
-        quantize_rows(&ffn_act, cfg.ffn, &mut acts_f);
+        quantize_row_q8_1(&ffn_act, &mut acts_f);
         lw.w_down.matmul(&acts_f, n, &mut proj);
         add_in_place(&mut x, &proj);
     }
@@ -203,7 +203,7 @@ pub fn forward(
     let mut normed = vec![0f32; last.len()];
     rms_norm_rows(&last, &w.output_norm, cfg.rms_eps, &mut normed);
     let mut acts = vec![bytemuck::Zeroable::zeroed(); normed.len() / QK];
-    quantize_rows(&normed, h, &mut acts);
+    quantize_row_q8_1(&normed, &mut acts);
     let head = w.output.as_ref().unwrap_or(&w.embed);
     let mut logits = vec![0f32; wanted.len() * cfg.vocab];
     head.matmul(&acts, wanted.len(), &mut logits);
@@ -221,12 +221,6 @@ fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
         for ((o, v), g) in or.iter_mut().zip(xr).zip(weight) {
             *o = v * scale * g;
         }
-    }
-}
-
-fn quantize_rows(x: &[f32], cols: usize, out: &mut [BlockQ8_1]) {
-    for (xr, or) in x.chunks_exact(cols).zip(out.chunks_exact_mut(cols / QK)) {
-        quantize_row_q8_1(xr, or);
     }
 }
 

@@ -101,10 +101,8 @@ mod tests {
             .collect();
         let mut q4 = vec![BlockQ4_1::zeroed(); rows * nb];
         let mut q8 = vec![BlockQ8_0::zeroed(); rows * nb];
-        for r in 0..rows {
-            quantize_row_q4_1(&x[r * cols..(r + 1) * cols], &mut q4[r * nb..(r + 1) * nb]);
-            quantize_row_q8_0(&x[r * cols..(r + 1) * cols], &mut q8[r * nb..(r + 1) * nb]);
-        }
+        quantize_row_q4_1(&x, &mut q4);
+        quantize_row_q8_0(&x, &mut q8);
         let p4 = pack_q4_1(rows, nb, &q4);
         let p8 = pack_q8_0(rows, nb, &q8);
         assert_eq!(p4.len(), 2 * nb);

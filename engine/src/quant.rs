@@ -4,7 +4,10 @@
 //! they are. Activations are quantized per 32-value block to [`BlockQ8_1`], like llama.cpp's
 //! `q8_1`: one scale, the scaled sum of the quants (which folds `Q4_1`'s per-block minimum into
 //! one multiply), and 32 signed bytes. The SIMD kernels in `kernels.rs` must agree with the
-//! scalar functions here; the tests at the bottom of that file check it.
+//! scalar functions here; `kernels/tests.rs` checks it.
+//!
+//! Every `quantize_row_*` / `dequantize_row_*` function also takes several rows back to back:
+//! a row is a whole number of blocks, so a matrix is just a longer run of blocks.
 
 use bytemuck::{Pod, Zeroable};
 use half::f16;

@@ -356,7 +356,6 @@ impl TokenDecoder {
             Err(e) => e.valid_up_to(),
         };
         let rest = self.pending.split_off(valid);
-
         String::from_utf8(std::mem::replace(&mut self.pending, rest))
             .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
     }

@@ -16,9 +16,7 @@ fn rows(n: usize, cols: usize, seed: f32) -> Vec<f32> {
 fn acts(n: usize, cols: usize) -> Vec<BlockQ8_1> {
     let x = rows(n, cols, 3.0);
     let mut a = vec![BlockQ8_1::zeroed(); n * cols / QK];
-    for (xr, ar) in x.chunks(cols).zip(a.chunks_mut(cols / QK)) {
-        quantize_row_q8_1(xr, ar);
-    }
+    quantize_row_q8_1(&x, &mut a);
     a
 }
 
@@ -62,9 +60,7 @@ fn q4_1_matches_reference_and_is_batch_invariant() {
     let (r, c) = (37, 128);
     let x = rows(r, c, 0.0);
     let mut w = vec![BlockQ4_1::zeroed(); r * c / QK];
-    for (xr, wr) in x.chunks(c).zip(w.chunks_mut(c / QK)) {
-        quantize_row_q4_1(xr, wr);
-    }
+    quantize_row_q4_1(&x, &mut w);
     let m = RawMatrix {
         rows: r,
         cols: c,
@@ -80,9 +76,7 @@ fn q8_0_matches_reference_and_is_batch_invariant() {
     let (r, c) = (33, 96);
     let x = rows(r, c, 1.0);
     let mut w = vec![BlockQ8_0::zeroed(); r * c / QK];
-    for (xr, wr) in x.chunks(c).zip(w.chunks_mut(c / QK)) {
-        quantize_row_q8_0(xr, wr);
-    }
+    quantize_row_q8_0(&x, &mut w);
     let m = RawMatrix {
         rows: r,
         cols: c,
@@ -114,10 +108,8 @@ fn avx2_and_vnni_kernels_are_bit_identical() {
         .collect();
     let mut q4 = vec![BlockQ4_1::zeroed(); rows * nb];
     let mut q8 = vec![BlockQ8_0::zeroed(); rows * nb];
-    for r in 0..rows {
-        quantize_row_q4_1(&x[r * cols..(r + 1) * cols], &mut q4[r * nb..(r + 1) * nb]);
-        quantize_row_q8_0(&x[r * cols..(r + 1) * cols], &mut q8[r * nb..(r + 1) * nb]);
-    }
+    quantize_row_q4_1(&x, &mut q4);
+    quantize_row_q8_0(&x, &mut q8);
     let p4 = crate::packed::pack_q4_1(rows, nb, &q4);
     let p8 = crate::packed::pack_q8_0(rows, nb, &q8);
     let xa: Vec<f32> = (0..TILE * cols)
