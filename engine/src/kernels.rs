@@ -223,60 +223,57 @@ fn tile_q8_0(w: &[BlockQ8_0x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut)
     target_feature = "fma",
     target_feature = "f16c"
 )))]
-fn tile_q4_1(w: &[BlockQ4_1x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
-    scalar_tile(w, acts, t, out, |blk, ri, a| {
-        let isum = int_dot(crate::packed::q4_1_quants(blk, ri).map(i32::from), a);
-        blk.d[ri].to_f32() * a.d * isum as f32 + blk.m[ri].to_f32() * a.s
-    });
-}
+use scalar::{tile_q4_1, tile_q8_0};
 
+/// The portable fallback, for builds without x86-64-v3.
 #[cfg(not(all(
     target_arch = "x86_64",
     target_feature = "avx2",
     target_feature = "fma",
     target_feature = "f16c"
 )))]
-fn tile_q8_0(w: &[BlockQ8_0x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
-    scalar_tile(w, acts, t, out, |blk, ri, a| {
-        let isum = int_dot(crate::packed::q8_0_quants(blk, ri).map(i32::from), a);
-        blk.d[ri].to_f32() * a.d * isum as f32
-    });
-}
+mod scalar {
+    use super::TileOut;
+    use crate::packed::{BlockQ4_1x8, BlockQ8_0x8};
+    use crate::quant::{BlockQ8_1, QK};
 
-/// The portable fallback: each output is the sum over blocks of `block_dot(block, row, act)`.
-#[cfg(not(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-)))]
-fn scalar_tile<B>(
-    w: &[B],
-    acts: &[BlockQ8_1],
-    t: usize,
-    out: &mut TileOut,
-    block_dot: impl Fn(&B, usize, &BlockQ8_1) -> f32,
-) {
-    let nb = w.len();
-    for (k, o) in out[..t].iter_mut().enumerate() {
-        for (ri, o) in o.iter_mut().enumerate() {
-            *o = w
-                .iter()
-                .zip(&acts[k * nb..(k + 1) * nb])
-                .map(|(blk, a)| block_dot(blk, ri, a))
-                .sum();
+    pub(super) fn tile_q4_1(w: &[BlockQ4_1x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+        scalar_tile(w, acts, t, out, |blk, ri, a| {
+            let isum = int_dot(crate::packed::q4_1_quants(blk, ri).map(i32::from), a);
+            blk.d[ri].to_f32() * a.d * isum as f32 + blk.m[ri].to_f32() * a.s
+        });
+    }
+
+    pub(super) fn tile_q8_0(w: &[BlockQ8_0x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+        scalar_tile(w, acts, t, out, |blk, ri, a| {
+            let isum = int_dot(crate::packed::q8_0_quants(blk, ri).map(i32::from), a);
+            blk.d[ri].to_f32() * a.d * isum as f32
+        });
+    }
+
+    /// Each output is the sum over blocks of `block_dot(block, row, act)`.
+    fn scalar_tile<B>(
+        w: &[B],
+        acts: &[BlockQ8_1],
+        t: usize,
+        out: &mut TileOut,
+        block_dot: impl Fn(&B, usize, &BlockQ8_1) -> f32,
+    ) {
+        let nb = w.len();
+        for (k, o) in out[..t].iter_mut().enumerate() {
+            for (ri, o) in o.iter_mut().enumerate() {
+                *o = w
+                    .iter()
+                    .zip(&acts[k * nb..(k + 1) * nb])
+                    .map(|(blk, a)| block_dot(blk, ri, a))
+                    .sum();
+            }
         }
     }
-}
 
-#[cfg(not(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-)))]
-fn int_dot(q: [i32; QK], a: &BlockQ8_1) -> i32 {
-    q.iter().zip(a.qs).map(|(&x, y)| x * i32::from(y)).sum()
+    fn int_dot(q: [i32; QK], a: &BlockQ8_1) -> i32 {
+        q.iter().zip(a.qs).map(|(&x, y)| x * i32::from(y)).sum()
+    }
 }
 
 /// The x86 kernels, in two instruction sets that give bit-identical results: the per-block
