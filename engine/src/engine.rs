@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::kv::{BLOCK_TOKENS, KvKind, KvLayout, KvPool};
 use crate::loader::{LoadedModel, ModelFingerprint};
 use crate::model::{self, ModelConfig, Row, Weights};
-use crate::tokenizer::Tokenizer;
+use tandem_tokenizer::Tokenizer;
 
 /// A loaded model, shareable between engines.
 #[derive(Debug)]

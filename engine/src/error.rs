@@ -26,8 +26,8 @@ pub enum Error {
     #[error("tokenizer: {reason}")]
     Tokenizer { reason: String },
 
-    #[error("chat template: {reason}")]
-    Template { reason: String },
+    #[error(transparent)]
+    Text(#[from] tandem_tokenizer::Error),
 
     #[error("invalid {field}: {reason}")]
     InvalidArgument { field: &'static str, reason: String },

