@@ -77,7 +77,8 @@ fn md_string(md: &HashMap<String, Value>, key: &str) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use crate::{ChatMessage, Error, ModelSource, TokenDecoder};
+    use crate::{ChatMessage, ModelSource, TokenDecoder};
+    use tandem_tokenizer::Error;
 
     #[test]
     fn a_character_split_across_tokens_is_emitted_whole() {
