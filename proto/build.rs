@@ -20,8 +20,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         out.join("tandem_descriptor.bin"),
         prost::Message::encode_to_vec(&fds),
     )?;
-    tonic_prost_build::configure()
-        .bytes(".")
-        .compile_fds(fds)?;
+    tonic_prost_build::configure().bytes(".").compile_fds(fds)?;
     Ok(())
 }

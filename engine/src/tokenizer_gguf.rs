@@ -74,7 +74,6 @@ fn md_string(md: &HashMap<String, Value>, key: &str) -> Option<String> {
     md.get(key).and_then(|v| v.to_string().ok()).cloned()
 }
 
-
 #[cfg(test)]
 mod tests {
     use crate::{ChatMessage, ModelSource, TokenDecoder};

@@ -5,6 +5,8 @@
 //! Only generated code and constants live here; conversions to domain types belong to the crate
 //! that owns each domain type.
 
+pub mod net;
+
 pub mod v1 {
     #![allow(missing_debug_implementations, clippy::all)]
     tonic::include_proto!("tandem.v1");

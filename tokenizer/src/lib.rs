@@ -175,12 +175,9 @@ impl Tokenizer {
 
     /// Tokenizes `text`, parsing special tokens; adds BOS only if the model asks for it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode(text, false)
-            .map_err(|e| Error::Encode {
-                reason: e.to_string(),
-            })?;
+        let enc = self.inner.encode(text, false).map_err(|e| Error::Encode {
+            reason: e.to_string(),
+        })?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
         if self.add_bos
             && let Some(bos) = self.bos_id
@@ -303,4 +300,3 @@ impl TokenDecoder {
         text
     }
 }
-

@@ -1,1 +1,20 @@
-//! KV wire format v1 and the KvTransfer service and client. Never links candle: bytes in, bytes out. Empty until the disaggregated-serving issue adds it.
+//! KV wire format v1 and the `KvTransfer` service and client: how a prefill node streams a
+//! sequence's KV cache to a decode node. No candle here: bytes in, bytes out.
+//!
+//! - [`format`]: the header, chunk and trailer as domain types, and the receiver's validation.
+//! - [`reservation`]: transfer ids bound to a waiting request, single-use, with a lease.
+//! - [`service`]: the receiving gRPC service; [`client`]: the sending side.
+
+pub mod client;
+mod error;
+pub mod format;
+pub mod metrics;
+pub mod reservation;
+pub mod service;
+
+pub use client::KvPush;
+pub use error::{Error, Result};
+pub use format::{Chunk, Expectation, Header, KvKind, ReceivedKv, WireLayout};
+pub use metrics::TransferMetrics;
+pub use reservation::{ReservationGuard, Reservations};
+pub use service::KvTransferService;

@@ -1,0 +1,152 @@
+//! Transport settings every Tandem process shares, so that both ends of each hop agree: message
+//! size limits, HTTP/2 keepalive, and one way to serve a set of gRPC services with health,
+//! reflection, Prometheus metrics and graceful shutdown.
+//!
+//! Shutdown order (linkerd's): health turns NOT_SERVING, then the server stops accepting and
+//! drains in-flight calls, then, after `grace`, whatever is still running is dropped.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::response::IntoResponse;
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::service::Routes;
+use tonic::transport::{Channel, Endpoint, Server};
+use tonic_health::ServingStatus;
+use tonic_health::server::HealthReporter;
+
+/// HTTP/2 PING interval on idle and busy connections, on both ends.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+/// How long a PING may go unanswered before the connection is declared dead.
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Bound on establishing a connection.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A client endpoint for `addr` (`host:port`, or a full `http://` URI) with Tandem's keepalive
+/// and connect timeout. Connection happens lazily, on first use.
+pub fn channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
+    let uri = if addr.contains("://") {
+        addr.to_string()
+    } else {
+        format!("http://{addr}")
+    };
+    Ok(Endpoint::from_shared(uri)?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+        .keep_alive_while_idle(true)
+        .tcp_nodelay(true)
+        .connect_lazy())
+}
+
+/// Applies Tandem's message limits to a generated client or server.
+#[macro_export]
+macro_rules! limits {
+    ($svc:expr) => {
+        $svc.max_decoding_message_size($crate::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size($crate::MAX_MESSAGE_BYTES)
+    };
+}
+
+/// What [`serve`] needs besides the listener and the services.
+#[derive(Debug)]
+pub struct ServeOptions {
+    /// The fully qualified names of the services, reported through `grpc.health.v1`.
+    pub service_names: Vec<&'static str>,
+    /// The health reporter whose server is part of the routes.
+    pub health: HealthReporter,
+    /// Exposed as Prometheus text at `GET /metrics` (HTTP/1.1) on the same port.
+    pub metrics: Arc<Registry>,
+    /// How long in-flight calls may run after shutdown begins.
+    pub grace: Duration,
+}
+
+/// Serves `routes` (plus reflection and `/metrics`) on `listener` until `shutdown` completes,
+/// then drains for at most `options.grace`.
+pub async fn serve(
+    listener: TcpListener,
+    routes: Routes,
+    options: ServeOptions,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), tonic::transport::Error> {
+    let addr: Option<SocketAddr> = listener.local_addr().ok();
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(crate::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1();
+    let mut routes = match reflection {
+        Ok(svc) => routes.add_service(svc),
+        Err(e) => {
+            tracing::warn!(error = %e, "server reflection is unavailable");
+            routes
+        }
+    };
+    let registry = options.metrics;
+    let router = std::mem::take(routes.axum_router_mut());
+    *routes.axum_router_mut() = router.route(
+        "/metrics",
+        axum::routing::get(move || {
+            let registry = registry.clone();
+            async move {
+                let mut text = String::new();
+                match prometheus_client::encoding::text::encode(&mut text, &registry) {
+                    Ok(()) => (
+                        [(
+                            axum::http::header::CONTENT_TYPE,
+                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        )],
+                        text,
+                    )
+                        .into_response(),
+                    Err(_) => (
+                        axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                        "metrics encoding failed",
+                    )
+                        .into_response(),
+                }
+            }
+        }),
+    );
+
+    for name in std::iter::once("").chain(options.service_names.iter().copied()) {
+        options
+            .health
+            .set_service_status(name, ServingStatus::Serving)
+            .await;
+    }
+    let stop_accepting = tokio_util::sync::CancellationToken::new();
+    let server = Server::builder()
+        .accept_http1(true)
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        .tcp_nodelay(true)
+        .add_routes(routes)
+        .serve_with_incoming_shutdown(
+            TcpListenerStream::new(listener),
+            stop_accepting.clone().cancelled_owned(),
+        );
+    tokio::pin!(server);
+    tokio::select! {
+        result = &mut server => return result,
+        () = shutdown => {}
+    }
+    tracing::info!(?addr, "shutting down: NOT_SERVING, draining");
+    for name in std::iter::once("").chain(options.service_names.iter().copied()) {
+        options
+            .health
+            .set_service_status(name, ServingStatus::NotServing)
+            .await;
+    }
+    stop_accepting.cancel();
+    match tokio::time::timeout(options.grace, server).await {
+        Ok(result) => result,
+        Err(_) => {
+            tracing::warn!(grace = ?options.grace, "grace period over; dropping in-flight calls");
+            Ok(())
+        }
+    }
+}

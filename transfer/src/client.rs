@@ -1,0 +1,101 @@
+//! The sending side: [`KvPush`] streams one transfer to a decode node's `KvTransfer` service.
+//!
+//! Frames go through a bounded channel of [`PUSH_BUFFER_FRAMES`] into the gRPC stream, so a slow
+//! receiver (HTTP/2 flow control) blocks the producer instead of growing its memory. The producer
+//! may be async ([`KvPush::send`]) or a compute thread ([`KvPush::blocking_send`]).
+
+use tandem_proto::v1 as pb;
+use tandem_proto::v1::push_frame::Frame;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+
+use crate::error::{Error, Result};
+use crate::format::{Chunk, Header};
+
+/// Frames buffered between the producer and the gRPC stream.
+pub const PUSH_BUFFER_FRAMES: usize = 8;
+
+/// One transfer in progress.
+#[derive(Debug)]
+pub struct KvPush {
+    tx: mpsc::Sender<pb::PushFrame>,
+    task: JoinHandle<Result<pb::PushAck>>,
+    digest: u32,
+}
+
+impl KvPush {
+    /// Opens the push on `channel` and queues the header.
+    pub fn start(channel: Channel, header: &Header) -> Self {
+        let (tx, rx) = mpsc::channel(PUSH_BUFFER_FRAMES);
+        let first = pb::PushFrame {
+            frame: Some(Frame::Header(header.to_pb())),
+        };
+        // Capacity is at least one, so the header always fits.
+        let _ = tx.try_send(first);
+        let task = tokio::spawn(async move {
+            let mut client =
+                tandem_proto::limits!(pb::kv_transfer_client::KvTransferClient::new(channel));
+            Ok(client
+                .push(ReceiverStream::new(rx))
+                .await
+                .map_err(Error::from)?
+                .into_inner())
+        });
+        Self {
+            tx,
+            task,
+            digest: 0,
+        }
+    }
+
+    fn frame(&mut self, chunk: &Chunk) -> pb::PushFrame {
+        self.digest = crc32c::crc32c_append(self.digest, &chunk.data);
+        pb::PushFrame {
+            frame: Some(Frame::Chunk(chunk.to_pb())),
+        }
+    }
+
+    /// Queues a chunk, waiting while the buffer is full. An error means the push already
+    /// ended; [`KvPush::finish`] returns why.
+    pub async fn send(&mut self, chunk: &Chunk) -> Result<()> {
+        let frame = self.frame(chunk);
+        self.tx.send(frame).await.map_err(|_| Error::ReceiverGone)
+    }
+
+    /// [`KvPush::send`] for a thread outside the async runtime.
+    pub fn blocking_send(&mut self, chunk: &Chunk) -> Result<()> {
+        let frame = self.frame(chunk);
+        self.tx
+            .blocking_send(frame)
+            .map_err(|_| Error::ReceiverGone)
+    }
+
+    /// Sends the trailer and waits for the receiver's verdict.
+    pub async fn finish(self, first_token: u32) -> Result<pb::PushAck> {
+        let trailer = pb::PushFrame {
+            frame: Some(Frame::Trailer(pb::KvTrailer {
+                digest: self.digest,
+                first_token,
+            })),
+        };
+        // If this fails the task has ended, and its result says why.
+        let _ = self.tx.send(trailer).await;
+        drop(self.tx);
+        self.task.await.map_err(|e| Error::Transport {
+            code: tonic::Code::Internal,
+            message: format!("push task failed: {e}"),
+        })?
+    }
+
+    /// Tells the receiver why the transfer stops, and ends it.
+    pub async fn abort(self, reason: String) {
+        let frame = pb::PushFrame {
+            frame: Some(Frame::Abort(pb::KvAbort { reason })),
+        };
+        let _ = self.tx.send(frame).await;
+        drop(self.tx);
+        let _ = self.task.await;
+    }
+}

@@ -1,0 +1,134 @@
+//! The receiving side: the `KvTransfer` gRPC service a decode node hosts.
+//!
+//! ```text
+//! prefill ──Push(header, chunk…, trailer)──▶ KvTransferService ──claim(transfer_id)──▶ Reservations
+//!                                               │ Assembler: validate, CRC, re-lay
+//!                                               └──deliver(Ok(ReceivedKv) | Err(reason))──▶ waiting Decode request
+//! ```
+//!
+//! A rejection is reported three ways: the push's status (so the sender knows why), the waiting
+//! request (so it fails at once rather than at its lease), and the rejects metric.
+
+use std::time::Instant;
+
+use tandem_proto::v1 as pb;
+use tandem_proto::v1::push_frame::Frame;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::error::{Error, Result};
+use crate::format::Assembler;
+use crate::metrics::{ReasonLabel, TransferMetrics};
+use crate::reservation::{Pending, Reservations};
+
+#[derive(Clone, Debug)]
+pub struct KvTransferService {
+    reservations: Reservations,
+    metrics: TransferMetrics,
+}
+
+impl KvTransferService {
+    pub fn new(reservations: Reservations, metrics: TransferMetrics) -> Self {
+        Self {
+            reservations,
+            metrics,
+        }
+    }
+
+    /// The tonic server for this service, with Tandem's message limits.
+    pub fn into_server(self) -> pb::kv_transfer_server::KvTransferServer<Self> {
+        tandem_proto::limits!(pb::kv_transfer_server::KvTransferServer::new(self))
+    }
+
+    async fn receive(&self, frames: &mut Streaming<pb::PushFrame>) -> Result<u64> {
+        let header = match next_frame(frames).await? {
+            Frame::Header(h) => h,
+            Frame::Abort(a) => return Err(Error::Aborted { reason: a.reason }),
+            _ => {
+                return Err(Error::Malformed {
+                    detail: "the first frame must be a header".into(),
+                });
+            }
+        };
+        let Pending { want, mut deliver } = self.reservations.claim(&header.transfer_id)?;
+        let assembled = async {
+            let mut asm = Assembler::new(&header, want)?;
+            loop {
+                let frame = tokio::select! {
+                    frame = next_frame(frames) => frame?,
+                    () = deliver.closed() => return Err(Error::ReceiverGone),
+                };
+                match frame {
+                    Frame::Chunk(c) => asm.chunk(&c)?,
+                    Frame::Trailer(t) => {
+                        let bytes = asm.bytes_received();
+                        return asm.finish(&t).map(|kv| (kv, bytes));
+                    }
+                    Frame::Abort(a) => return Err(Error::Aborted { reason: a.reason }),
+                    Frame::Header(_) => {
+                        return Err(Error::Malformed {
+                            detail: "a second header".into(),
+                        });
+                    }
+                }
+            }
+        }
+        .await;
+        match assembled {
+            Ok((kv, bytes)) => deliver
+                .send(Ok(kv))
+                .map(|()| bytes)
+                .map_err(|_| Error::ReceiverGone),
+            Err(e) => {
+                // The waiter may be gone already; then only the sender needs to hear it.
+                let _ = deliver.send(Err(e.clone()));
+                Err(e)
+            }
+        }
+    }
+}
+
+async fn next_frame(frames: &mut Streaming<pb::PushFrame>) -> Result<Frame> {
+    match frames.message().await {
+        Ok(Some(pb::PushFrame { frame: Some(f) })) => Ok(f),
+        Ok(Some(pb::PushFrame { frame: None })) => Err(Error::Malformed {
+            detail: "an empty frame".into(),
+        }),
+        Ok(None) => Err(Error::Malformed {
+            detail: "the stream ended before the trailer".into(),
+        }),
+        Err(status) => Err(status.into()),
+    }
+}
+
+#[tonic::async_trait]
+impl pb::kv_transfer_server::KvTransfer for KvTransferService {
+    #[tracing::instrument(skip_all)]
+    async fn push(
+        &self,
+        request: Request<Streaming<pb::PushFrame>>,
+    ) -> Result<Response<pb::PushAck>, Status> {
+        let started = Instant::now();
+        let mut frames = request.into_inner();
+        match self.receive(&mut frames).await {
+            Ok(bytes) => {
+                let secs = started.elapsed().as_secs_f64();
+                self.metrics.bytes.inc_by(bytes);
+                self.metrics.duration.observe(secs);
+                self.metrics
+                    .throughput
+                    .observe(bytes as f64 / secs.max(1e-9));
+                Ok(Response::new(pb::PushAck {
+                    bytes_received: bytes,
+                }))
+            }
+            Err(e) => {
+                self.metrics
+                    .rejects
+                    .get_or_create(&ReasonLabel { reason: e.reason() })
+                    .inc();
+                tracing::warn!(reason = e.reason(), error = %e, "KV push rejected");
+                Err(e.into())
+            }
+        }
+    }
+}
