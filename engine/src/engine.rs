@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::kv::{BLOCK_TOKENS, KvKind, KvLayout, KvPool};
 use crate::loader::{LoadedModel, ModelFingerprint};
 use crate::model::{self, ModelConfig, Row, Weights};
-use tandem_tokenizer::Tokenizer;
+use tandem_tokenizer::{Tokenizer, TokenizerSpec};
 
 /// A loaded model, shareable between engines.
 #[derive(Debug)]
@@ -23,6 +23,8 @@ pub struct Model {
     pub config: ModelConfig,
     pub weights: Weights,
     pub tokenizer: Tokenizer,
+    /// What the tokenizer was built from; workers hand it to the router, which has no model.
+    pub tokenizer_spec: TokenizerSpec,
     pub fingerprint: ModelFingerprint,
 }
 
@@ -30,7 +32,8 @@ impl Model {
     pub fn from_loaded(name: String, loaded: LoadedModel) -> Result<Self> {
         Ok(Self {
             name,
-            tokenizer: Tokenizer::new(loaded.tokenizer)?,
+            tokenizer: Tokenizer::new(loaded.tokenizer.clone())?,
+            tokenizer_spec: loaded.tokenizer,
             config: loaded.config,
             weights: loaded.weights,
             fingerprint: loaded.fingerprint,

@@ -150,3 +150,37 @@ pub async fn serve(
         }
     }
 }
+
+/// The deadline a caller set with the `grpc-timeout` header, as an instant; `None` when the
+/// caller set none (or sent one that does not parse, which tonic would have rejected anyway).
+pub fn deadline(metadata: &tonic::metadata::MetadataMap) -> Option<tokio::time::Instant> {
+    let value = metadata.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    let n: u64 = digits.parse().ok()?;
+    let timeout = match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    };
+    tokio::time::Instant::now().checked_add(timeout)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeout_header_becomes_a_deadline() {
+        let mut md = tonic::metadata::MetadataMap::new();
+        assert!(deadline(&md).is_none());
+        md.insert("grpc-timeout", "1500m".parse().expect("ascii"));
+        let left = deadline(&md).expect("set") - tokio::time::Instant::now();
+        assert!(left <= Duration::from_millis(1500) && left > Duration::from_millis(1000));
+        md.insert("grpc-timeout", "2x".parse().expect("ascii"));
+        assert!(deadline(&md).is_none());
+    }
+}

@@ -1,0 +1,30 @@
+//! The decode node's configuration.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tandem_engine::{EngineConfig, Model};
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub model: Arc<Model>,
+    pub engine: EngineConfig,
+    /// Sequences decoded together at most (batch slots).
+    pub max_slots: usize,
+    /// How long an admitted request waits for its KV when the caller sets no bound.
+    pub kv_wait: Duration,
+    /// How long in-flight streams may run after shutdown begins.
+    pub grace: Duration,
+}
+
+impl Config {
+    pub fn new(model: Arc<Model>) -> Self {
+        Self {
+            model,
+            engine: EngineConfig::default(),
+            max_slots: 16,
+            kv_wait: Duration::from_secs(10),
+            grace: Duration::from_secs(10),
+        }
+    }
+}

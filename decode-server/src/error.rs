@@ -1,0 +1,61 @@
+//! The decode node's errors, and their one mapping to gRPC statuses.
+
+use tonic::Status;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid {field}: {reason}")]
+    InvalidArgument { field: &'static str, reason: String },
+
+    #[error("decode node full: {detail}")]
+    Capacity { detail: String },
+
+    #[error("the KV did not arrive within {waited_ms} ms")]
+    KvTimeout { waited_ms: u64 },
+
+    #[error(transparent)]
+    Transfer(#[from] tandem_transfer::Error),
+
+    #[error("engine: {0}")]
+    Engine(#[from] tandem_engine::Error),
+
+    /// The scheduler's step or KV import failed; the sequence is gone.
+    #[error("engine: {0}")]
+    Step(std::sync::Arc<tandem_engine::Error>),
+
+    #[error("deadline exceeded")]
+    Deadline,
+
+    #[error("the decode node is shutting down")]
+    ShuttingDown,
+
+    #[error("serving failed: {0}")]
+    Serve(#[from] tonic::transport::Error),
+}
+
+impl From<Error> for Status {
+    fn from(e: Error) -> Self {
+        let status = match &e {
+            Error::InvalidArgument { .. } => Status::invalid_argument(e.to_string()),
+            Error::Capacity { .. } => Status::resource_exhausted(e.to_string()),
+            Error::KvTimeout { .. } | Error::ShuttingDown => Status::unavailable(e.to_string()),
+            Error::Transfer(t) => match t.code() {
+                tonic::Code::DataLoss => Status::data_loss(e.to_string()),
+                _ => Status::unavailable(e.to_string()),
+            },
+            Error::Deadline => Status::deadline_exceeded(e.to_string()),
+            Error::Engine(tandem_engine::Error::InvalidArgument { .. }) => {
+                Status::invalid_argument(e.to_string())
+            }
+            Error::Engine(_) | Error::Step(_) | Error::Serve(_) => Status::internal("decode failed"),
+        };
+        if matches!(e, Error::Engine(_) | Error::Step(_) | Error::Serve(_)) {
+            tracing::error!(error = %e, "decode request failed");
+        } else {
+            tracing::debug!(error = %e, code = ?status.code(), "decode request ended with an error");
+        }
+        status
+    }
+}

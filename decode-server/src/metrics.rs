@@ -1,0 +1,44 @@
+//! The decode node's Prometheus metrics.
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+pub const ACTIVE_SLOTS: &str = "tandem_decode_active_slots";
+pub const KV_BLOCKS_IN_USE: &str = "tandem_decode_kv_blocks_in_use";
+pub const KV_BLOCKS_FREE: &str = "tandem_decode_kv_blocks_free";
+pub const STEPS: &str = "tandem_decode_steps";
+pub const STEP_SECONDS: &str = "tandem_decode_step_seconds";
+pub const TOKENS: &str = "tandem_decode_tokens";
+
+#[derive(Clone, Debug)]
+pub struct DecodeMetrics {
+    pub active_slots: Gauge,
+    pub kv_blocks_in_use: Gauge,
+    pub kv_blocks_free: Gauge,
+    /// Batched decode steps; `rate()` of it is steps per second.
+    pub steps: Counter,
+    pub step_seconds: Histogram,
+    pub tokens: Counter,
+}
+
+impl DecodeMetrics {
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self {
+            active_slots: Gauge::default(),
+            kv_blocks_in_use: Gauge::default(),
+            kv_blocks_free: Gauge::default(),
+            steps: Counter::default(),
+            step_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
+            tokens: Counter::default(),
+        };
+        registry.register(ACTIVE_SLOTS, "Sequences in the decode batch", m.active_slots.clone());
+        registry.register(KV_BLOCKS_IN_USE, "KV blocks holding sequences", m.kv_blocks_in_use.clone());
+        registry.register(KV_BLOCKS_FREE, "KV blocks free in the pool", m.kv_blocks_free.clone());
+        registry.register(STEPS, "Batched decode steps (rate() = steps per second)", m.steps.clone());
+        registry.register(STEP_SECONDS, "Duration of one batched decode step", m.step_seconds.clone());
+        registry.register(TOKENS, "Tokens generated", m.tokens.clone());
+        m
+    }
+}
