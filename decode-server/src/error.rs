@@ -49,7 +49,9 @@ impl From<Error> for Status {
             Error::Engine(tandem_engine::Error::InvalidArgument { .. }) => {
                 Status::invalid_argument(e.to_string())
             }
-            Error::Engine(_) | Error::Step(_) | Error::Serve(_) => Status::internal("decode failed"),
+            Error::Engine(_) | Error::Step(_) | Error::Serve(_) => {
+                Status::internal("decode failed")
+            }
         };
         if matches!(e, Error::Engine(_) | Error::Step(_) | Error::Serve(_)) {
             tracing::error!(error = %e, "decode request failed");

@@ -54,11 +54,12 @@ pub async fn run(
     let mut registry = Registry::default();
     let decode_metrics = DecodeMetrics::register(&mut registry);
     let transfer_metrics = TransferMetrics::register(&mut registry);
-    let (scheduler, thread) = SchedulerHandle::spawn(engine, decode_metrics)
-        .map_err(|e| Error::Engine(tandem_engine::Error::InvalidArgument {
+    let (scheduler, thread) = SchedulerHandle::spawn(engine, decode_metrics).map_err(|e| {
+        Error::Engine(tandem_engine::Error::InvalidArgument {
             field: "threads",
             reason: format!("cannot start the scheduler thread: {e}"),
-        }))?;
+        })
+    })?;
     let reservations = Reservations::default();
     let root = CancellationToken::new();
     let tracker = TaskTracker::new();

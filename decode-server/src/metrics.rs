@@ -33,11 +33,31 @@ impl DecodeMetrics {
             step_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
             tokens: Counter::default(),
         };
-        registry.register(ACTIVE_SLOTS, "Sequences in the decode batch", m.active_slots.clone());
-        registry.register(KV_BLOCKS_IN_USE, "KV blocks holding sequences", m.kv_blocks_in_use.clone());
-        registry.register(KV_BLOCKS_FREE, "KV blocks free in the pool", m.kv_blocks_free.clone());
-        registry.register(STEPS, "Batched decode steps (rate() = steps per second)", m.steps.clone());
-        registry.register(STEP_SECONDS, "Duration of one batched decode step", m.step_seconds.clone());
+        registry.register(
+            ACTIVE_SLOTS,
+            "Sequences in the decode batch",
+            m.active_slots.clone(),
+        );
+        registry.register(
+            KV_BLOCKS_IN_USE,
+            "KV blocks holding sequences",
+            m.kv_blocks_in_use.clone(),
+        );
+        registry.register(
+            KV_BLOCKS_FREE,
+            "KV blocks free in the pool",
+            m.kv_blocks_free.clone(),
+        );
+        registry.register(
+            STEPS,
+            "Batched decode steps (rate() = steps per second)",
+            m.steps.clone(),
+        );
+        registry.register(
+            STEP_SECONDS,
+            "Duration of one batched decode step",
+            m.step_seconds.clone(),
+        );
         registry.register(TOKENS, "Tokens generated", m.tokens.clone());
         m
     }

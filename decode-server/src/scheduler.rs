@@ -67,7 +67,10 @@ pub struct SchedulerHandle {
 
 impl SchedulerHandle {
     /// Starts the thread. It ends when every handle is dropped.
-    pub fn spawn(engine: Engine, metrics: DecodeMetrics) -> std::io::Result<(Self, JoinHandle<()>)> {
+    pub fn spawn(
+        engine: Engine,
+        metrics: DecodeMetrics,
+    ) -> std::io::Result<(Self, JoinHandle<()>)> {
         let (tx, rx) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("tandem-decode-scheduler".into())

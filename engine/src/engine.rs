@@ -125,6 +125,11 @@ impl Engine {
         self.threads.current_num_threads()
     }
 
+    /// Prompt tokens per forward pass in [`Engine::prefill`].
+    pub fn prefill_chunk_tokens(&self) -> usize {
+        self.config.prefill_chunk_tokens
+    }
+
     pub fn kv_blocks_total(&self) -> usize {
         self.pool.total_blocks()
     }

@@ -1,0 +1,53 @@
+//! The prefill node's errors, and their one mapping to gRPC statuses.
+
+use tonic::Status;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid {field}: {reason}")]
+    InvalidArgument { field: &'static str, reason: String },
+
+    #[error("prefill queue full ({depth} requests waiting)")]
+    QueueFull { depth: usize },
+
+    #[error("KV transfer failed: {0}")]
+    Transfer(#[from] tandem_transfer::Error),
+
+    #[error("engine: {0}")]
+    Engine(#[from] tandem_engine::Error),
+
+    #[error("the request was cancelled")]
+    Cancelled,
+
+    #[error("the prefill node is shutting down")]
+    ShuttingDown,
+
+    #[error("serving failed: {0}")]
+    Serve(#[from] tonic::transport::Error),
+}
+
+impl From<Error> for Status {
+    fn from(e: Error) -> Self {
+        let status = match &e {
+            Error::InvalidArgument { .. } => Status::invalid_argument(e.to_string()),
+            Error::QueueFull { .. } => Status::resource_exhausted(e.to_string()),
+            // The receiver's verdict keeps its code (DATA_LOSS, FAILED_PRECONDITION, ...), so
+            // the router can tell corruption from an unreachable node.
+            Error::Transfer(t) => Status::new(t.code(), e.to_string()),
+            Error::Engine(tandem_engine::Error::InvalidArgument { .. }) => {
+                Status::invalid_argument(e.to_string())
+            }
+            Error::Cancelled => Status::cancelled(e.to_string()),
+            Error::ShuttingDown => Status::unavailable(e.to_string()),
+            Error::Engine(_) | Error::Serve(_) => Status::internal("prefill failed"),
+        };
+        if matches!(e, Error::Engine(_) | Error::Serve(_)) {
+            tracing::error!(error = %e, "prefill request failed");
+        } else {
+            tracing::debug!(error = %e, code = ?status.code(), "prefill request ended with an error");
+        }
+        status
+    }
+}

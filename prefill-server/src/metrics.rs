@@ -1,0 +1,49 @@
+//! The prefill node's Prometheus metrics.
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+pub const QUEUE_DEPTH: &str = "tandem_prefill_queue_depth";
+pub const TOKENS: &str = "tandem_prefill_tokens";
+pub const TOKENS_PER_SECOND: &str = "tandem_prefill_tokens_per_second";
+pub const SECONDS: &str = "tandem_prefill_seconds";
+
+#[derive(Clone, Debug)]
+pub struct PrefillMetrics {
+    pub queue_depth: Gauge,
+    /// Prompt tokens computed; `rate()` of it is the node's throughput.
+    pub tokens: Counter,
+    /// Throughput of each request's compute.
+    pub tokens_per_second: Histogram,
+    pub seconds: Histogram,
+}
+
+impl PrefillMetrics {
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self {
+            queue_depth: Gauge::default(),
+            tokens: Counter::default(),
+            tokens_per_second: Histogram::new(exponential_buckets(16.0, 2.0, 12)),
+            seconds: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
+        };
+        registry.register(
+            QUEUE_DEPTH,
+            "Prefill requests waiting or running",
+            m.queue_depth.clone(),
+        );
+        registry.register(TOKENS, "Prompt tokens computed", m.tokens.clone());
+        registry.register(
+            TOKENS_PER_SECOND,
+            "Prompt tokens per second, per request",
+            m.tokens_per_second.clone(),
+        );
+        registry.register(
+            SECONDS,
+            "Compute time per prefill request",
+            m.seconds.clone(),
+        );
+        m
+    }
+}
