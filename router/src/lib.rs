@@ -1,1 +1,118 @@
-//! The router: client gRPC API, routing policy, cache index and health. Never links candle. Empty until the disaggregated-serving issue adds it.
+//! The router: serves the client API (`tandem.v1.Generation`) and dispatches each request to a
+//! decode and a prefill replica. It tokenizes and renders chat templates itself, with a
+//! tokenizer learned from the workers, and never links candle. Health, reflection and
+//! `/metrics` share its port.
+
+mod config;
+mod error;
+mod generation;
+mod log;
+mod metrics;
+mod replicas;
+mod service;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+
+use prometheus_client::registry::Registry;
+use tandem_proto::v1 as pb;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tonic::service::Routes;
+use tonic_health::ServingStatus;
+
+pub use config::Config;
+pub use error::{Error, Result};
+
+use crate::generation::Dispatcher;
+use crate::metrics::RouterMetrics;
+use crate::replicas::Replicas;
+use crate::service::GenerationService;
+
+const SERVICE_NAME: &str = "tandem.v1.Generation";
+
+/// Serves the router on `listener` until `shutdown` completes, then drains.
+pub async fn run(
+    listener: TcpListener,
+    config: Config,
+    shutdown: impl Future<Output = ()>,
+) -> Result<()> {
+    if config.prefill.is_empty() || config.decode.is_empty() {
+        return Err(Error::InvalidArgument {
+            field: "replicas",
+            reason: "at least one prefill and one decode replica are required".into(),
+        });
+    }
+    if config.max_inflight == 0 {
+        return Err(Error::InvalidArgument {
+            field: "max_inflight",
+            reason: "must be at least 1".into(),
+        });
+    }
+    let replicas = Arc::new(Replicas::new(&config.prefill, &config.decode)?);
+    let mut registry = Registry::default();
+    let metrics = RouterMetrics::register(&mut registry);
+    let root = CancellationToken::new();
+    let tracker = TaskTracker::new();
+    replicas.spawn_monitors(&tracker, &root.child_token(), config.load_poll);
+
+    let (health, health_service) = tonic_health::server::health_reporter();
+    let generation = GenerationService {
+        dispatcher: Dispatcher {
+            replicas: replicas.clone(),
+            metrics,
+            kv_wait: config.kv_wait,
+        },
+        admission: Arc::new(Semaphore::new(config.max_inflight)),
+        max_inflight: config.max_inflight,
+        default_timeout: config.default_timeout,
+        running: Arc::new(Mutex::new(HashMap::new())),
+        shutdown: root.child_token(),
+        tracker: tracker.clone(),
+    };
+    // The router's own Generation service is SERVING only while it can route: it knows the
+    // model and each role has a healthy replica.
+    {
+        let (health, replicas, cancel) = (health.clone(), replicas.clone(), root.child_token());
+        tracker.spawn(async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_millis(100));
+            let mut last = None;
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    () = cancel.cancelled() => return,
+                }
+                let ready = replicas.ready();
+                if last != Some(ready) {
+                    let status = if ready { ServingStatus::Serving } else { ServingStatus::NotServing };
+                    health.set_service_status(SERVICE_NAME, status).await;
+                    last = Some(ready);
+                }
+            }
+        });
+    }
+    let routes = Routes::new(health_service).add_service(tandem_proto::limits!(
+        pb::generation_server::GenerationServer::new(generation)
+    ));
+    tracing::info!(addr = ?listener.local_addr().ok(), prefill = ?config.prefill, decode = ?config.decode, "router serving");
+    let served = tandem_proto::net::serve(
+        listener,
+        routes,
+        tandem_proto::net::ServeOptions {
+            service_names: Vec::new(),
+            health,
+            metrics: Arc::new(registry),
+            grace: config.grace,
+        },
+        shutdown,
+    )
+    .await;
+    root.cancel();
+    tracker.close();
+    tracker.wait().await;
+    served?;
+    Ok(())
+}

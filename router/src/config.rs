@@ -1,0 +1,35 @@
+//! The router's configuration.
+
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Prefill replicas, `host:port`.
+    pub prefill: Vec<String>,
+    /// Decode replicas, `host:port`.
+    pub decode: Vec<String>,
+    /// Requests in flight at most; more get RESOURCE_EXHAUSTED with retry pushback.
+    pub max_inflight: usize,
+    /// The whole-request bound when the client sets no deadline.
+    pub default_timeout: Duration,
+    /// How long a decode node waits for the KV after admitting a request.
+    pub kv_wait: Duration,
+    /// How often replicas are asked for their load.
+    pub load_poll: Duration,
+    /// How long in-flight streams may run after shutdown begins.
+    pub grace: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            prefill: Vec::new(),
+            decode: Vec::new(),
+            max_inflight: 256,
+            default_timeout: Duration::from_secs(300),
+            kv_wait: Duration::from_secs(10),
+            load_poll: Duration::from_millis(250),
+            grace: Duration::from_secs(10),
+        }
+    }
+}

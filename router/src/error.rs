@@ -1,0 +1,100 @@
+//! The router's errors, and their one mapping to the statuses clients may see: nothing internal
+//! or transport-level ever reaches a client as UNKNOWN or INTERNAL.
+
+use tonic::{Code, Status};
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid {field}: {reason}")]
+    InvalidArgument { field: &'static str, reason: String },
+
+    #[error("router busy: {inflight} requests in flight")]
+    Busy { inflight: usize },
+
+    #[error("no healthy {role} replica")]
+    NoReplica { role: &'static str },
+
+    #[error("the model's tokenizer is not known yet (no worker has answered)")]
+    NotReady,
+
+    #[error("deadline exceeded")]
+    Deadline,
+
+    #[error("the router is shutting down")]
+    ShuttingDown,
+
+    /// A downstream call failed; `code` is already one a client may see.
+    #[error("{hop}: {message}")]
+    Downstream {
+        hop: &'static str,
+        code: Code,
+        message: String,
+    },
+
+    #[error("serving failed: {0}")]
+    Serve(#[from] tonic::transport::Error),
+}
+
+impl Error {
+    /// Wraps a downstream status, turning anything a client must not see (UNKNOWN, INTERNAL,
+    /// transport and precondition failures) into UNAVAILABLE, which is retryable.
+    pub fn downstream(hop: &'static str, s: &Status) -> Self {
+        let code = match s.code() {
+            c @ (Code::InvalidArgument
+            | Code::ResourceExhausted
+            | Code::DeadlineExceeded
+            | Code::Cancelled
+            | Code::DataLoss
+            | Code::Unavailable) => c,
+            _ => Code::Unavailable,
+        };
+        Error::Downstream {
+            hop,
+            code,
+            message: s.message().to_string(),
+        }
+    }
+
+    pub fn code(&self) -> Code {
+        match self {
+            Error::InvalidArgument { .. } => Code::InvalidArgument,
+            Error::Busy { .. } => Code::ResourceExhausted,
+            Error::NoReplica { .. } | Error::NotReady | Error::ShuttingDown | Error::Serve(_) => {
+                Code::Unavailable
+            }
+            Error::Deadline => Code::DeadlineExceeded,
+            Error::Downstream { code, .. } => *code,
+        }
+    }
+}
+
+impl From<tandem_tokenizer::Error> for Error {
+    fn from(e: tandem_tokenizer::Error) -> Self {
+        let field = match &e {
+            tandem_tokenizer::Error::InvalidArgument { field, .. } => field,
+            tandem_tokenizer::Error::Template { .. } => &"messages",
+            _ => &"prompt",
+        };
+        Error::InvalidArgument {
+            field,
+            reason: e.to_string(),
+        }
+    }
+}
+
+impl From<Error> for Status {
+    fn from(e: Error) -> Self {
+        let code = e.code();
+        tracing::debug!(error = %e, ?code, "request failed");
+        let mut status = Status::new(code, e.to_string());
+        if code == Code::ResourceExhausted {
+            // Retry pushback (gRPC A6): the client may retry after this many milliseconds.
+            status
+                .metadata_mut()
+                .insert("grpc-retry-pushback-ms", tonic::metadata::MetadataValue::from_static("200"));
+        }
+        status
+    }
+}

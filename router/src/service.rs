@@ -1,0 +1,110 @@
+//! The router's gRPC face: `Generation.Generate`. Admission, request-id attachment, and the
+//! hand-off to a generation task; the flow itself is in [`crate::generation`].
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use futures::Stream;
+use tandem_proto::v1 as pb;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tonic::{Request, Response, Status};
+
+use crate::error::Error;
+use crate::generation::{Dispatcher, prepare};
+use crate::log::{Item, LogWriter};
+
+pub(crate) type GenerateStream = Pin<Box<dyn Stream<Item = Item> + Send + 'static>>;
+
+#[derive(Clone, Debug)]
+pub struct GenerationService {
+    pub(crate) dispatcher: Dispatcher,
+    pub(crate) admission: Arc<Semaphore>,
+    pub(crate) max_inflight: usize,
+    pub(crate) default_timeout: std::time::Duration,
+    /// Generations running under a client-given request id.
+    pub(crate) running: Arc<Mutex<HashMap<String, Arc<LogWriter>>>>,
+    pub(crate) shutdown: CancellationToken,
+    pub(crate) tracker: TaskTracker,
+}
+
+impl GenerationService {
+    fn running(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<LogWriter>>> {
+        // Single inserts and removes; a poisoned lock is still consistent.
+        self.running.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn start(&self, request: Request<pb::GenerateRequest>) -> Result<GenerateStream, Error> {
+        let accepted = Instant::now();
+        let deadline = tandem_proto::net::deadline(request.metadata())
+            .unwrap_or_else(|| tokio::time::Instant::now() + self.default_timeout);
+        let r = request.into_inner();
+        let id = r.request_id.clone();
+        if !id.is_empty()
+            && let Some(log) = self.running().get(&id)
+        {
+            tracing::info!(request_id = %id, "attaching to the running generation");
+            return Ok(Box::pin(log.subscribe().stream()));
+        }
+        if self.shutdown.is_cancelled() {
+            return Err(Error::ShuttingDown);
+        }
+        let front = self
+            .dispatcher
+            .replicas
+            .frontend()
+            .cloned()
+            .ok_or(Error::NotReady)?;
+        let prepared = prepare(&front, r)?;
+        let permit = self
+            .admission
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| Error::Busy {
+                inflight: self.max_inflight,
+            })?;
+        let log = LogWriter::new();
+        let reader = log.subscribe();
+        if !id.is_empty() {
+            self.running().insert(id.clone(), log.clone());
+        }
+        let (svc, shutdown) = (self.clone(), self.shutdown.clone());
+        self.tracker.spawn(async move {
+            let _permit = permit;
+            let code = tokio::select! {
+                code = svc.dispatcher.run(prepared, accepted, deadline, &log) => code,
+                () = shutdown.cancelled() => {
+                    log.push(Err(Error::ShuttingDown.into()));
+                    tonic::Code::Unavailable
+                }
+            };
+            svc.dispatcher.metrics.finished(code);
+            if !id.is_empty() {
+                svc.running().remove(&id);
+            }
+        });
+        Ok(Box::pin(reader.stream()))
+    }
+}
+
+#[tonic::async_trait]
+impl pb::generation_server::Generation for GenerationService {
+    type GenerateStream = GenerateStream;
+
+    #[tracing::instrument(skip_all, fields(request_id = %request.get_ref().request_id))]
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        match self.start(request) {
+            Ok(stream) => Ok(Response::new(stream)),
+            Err(e) => {
+                self.dispatcher.metrics.finished(e.code());
+                Err(e.into())
+            }
+        }
+    }
+}
