@@ -27,40 +27,43 @@ pub(crate) struct TokenizeArgs {
 pub(crate) struct GenerateArgs {
     #[command(flatten)]
     model: ModelArgs,
+    /// Generate through a running cluster's router (host:port) instead of in-process.
+    #[arg(long, env = "TANDEM_SERVER")]
+    server: Option<String>,
     /// Raw prompt text (special tokens parsed, no chat template).
     #[arg(
         long,
         conflicts_with = "messages",
         required_unless_present = "messages"
     )]
-    prompt: Option<String>,
+    pub(crate) prompt: Option<String>,
     /// A JSON array of {"role","content"} messages, rendered with the model's chat template.
     #[arg(long)]
-    messages: Option<String>,
+    pub(crate) messages: Option<String>,
     /// The most tokens to generate.
     #[arg(long, default_value_t = 128)]
-    max_tokens: usize,
+    pub(crate) max_tokens: usize,
     /// Sampling temperature; 0 is greedy.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    temperature: f32,
+    pub(crate) temperature: f32,
     /// Keep only the K most likely tokens (0 = all).
     #[arg(long, default_value_t = 0)]
-    top_k: usize,
+    pub(crate) top_k: usize,
     /// Keep the smallest set of tokens whose probability reaches P (1 = all).
     #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
+    pub(crate) top_p: f32,
     /// Random seed; the same seed gives the same output.
     #[arg(long, default_value_t = 0)]
-    seed: u64,
+    pub(crate) seed: u64,
     /// Stop when this text appears (repeatable); it is not included in the output.
     #[arg(long)]
-    stop: Vec<String>,
+    pub(crate) stop: Vec<String>,
     /// Compute threads (0 = one per core).
     #[arg(long, env = "TANDEM_THREADS", default_value_t = 0)]
     threads: usize,
     /// Print one JSON object with ids, text, finish reason and timings.
     #[arg(long)]
-    json: bool,
+    pub(crate) json: bool,
 }
 
 pub(crate) fn tokenize(args: &TokenizeArgs) -> anyhow::Result<()> {
@@ -102,6 +105,9 @@ pub(crate) fn prompt_tokens(
 }
 
 pub(crate) fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
+    if let Some(server) = &args.server {
+        return crate::client::generate(args, server);
+    }
     let model = args.model.source().load()?;
     let prompt = prompt_tokens(&model, args.prompt.as_deref(), args.messages.as_deref())?;
     let mut engine = Engine::new(

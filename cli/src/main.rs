@@ -2,8 +2,12 @@
 //! parses arguments, sets up tracing and dispatches; each command lives in its own module.
 
 mod bench;
+mod bench_serve;
+mod client;
 mod fetch;
 mod local;
+mod serve;
+mod up;
 
 use std::path::PathBuf;
 
@@ -13,7 +17,7 @@ use clap::{Args, Parser, Subcommand};
 #[command(
     name = "tandem",
     version,
-    about = "Disaggregated LLM serving: engine tools"
+    about = "Disaggregated LLM serving: a cluster of prefill and decode nodes behind a router"
 )]
 struct Cli {
     /// Log as JSON lines instead of text (logs go to stderr; filter with RUST_LOG).
@@ -32,8 +36,18 @@ enum Command {
     },
     /// Print the token ids of a text.
     Tokenize(local::TokenizeArgs),
-    /// Generate text locally with the engine.
+    /// Generate text, in-process with the engine or through a cluster (--server).
     Generate(local::GenerateArgs),
+    /// Run a router: the client API, dispatching to prefill and decode nodes.
+    Router(serve::RouterArgs),
+    /// Run a prefill node.
+    Prefill(serve::PrefillArgs),
+    /// Run a decode node.
+    Decode(serve::DecodeArgs),
+    /// Start a whole cluster on loopback (router, prefill and decode nodes as child processes).
+    Up(up::UpArgs),
+    /// Chat interactively with a cluster.
+    Chat(client::ChatArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -51,6 +65,8 @@ enum ModelCommand {
 enum BenchCommand {
     /// Prefill and batched decode throughput of the engine alone.
     Engine(bench::EngineBenchArgs),
+    /// Latency through a cluster, KV transfer throughput, and the transfer's share of TTFT.
+    Serve(bench_serve::ServeBenchArgs),
 }
 
 /// Where the model comes from; shared by every command that loads one.
@@ -96,8 +112,16 @@ fn main() -> anyhow::Result<()> {
         } => fetch::run(&args),
         Command::Tokenize(args) => local::tokenize(&args),
         Command::Generate(args) => local::generate(&args),
+        Command::Router(args) => serve::router(&args),
+        Command::Prefill(args) => serve::prefill(&args),
+        Command::Decode(args) => serve::decode(&args),
+        Command::Up(args) => up::up(&args),
+        Command::Chat(args) => client::chat(&args),
         Command::Bench {
             command: BenchCommand::Engine(args),
         } => bench::engine(&args),
+        Command::Bench {
+            command: BenchCommand::Serve(args),
+        } => bench_serve::serve(&args),
     }
 }

@@ -1,1 +1,188 @@
-//! The harness that spawns real servers on 127.0.0.1:0, and the scenario, compose and chaos suites. Empty until there are servers to test.
+//! The harness: a whole cluster (prefill nodes, decode nodes, a router) started in-process by
+//! calling each server's `run` on a listener bound to 127.0.0.1:0. Real gRPC on real sockets;
+//! no port probing and no sleeps: the harness waits on the router's health Watch.
+//!
+//! `stop()` shuts every server down in order (router first), joins its task and re-raises a
+//! panic if one happened.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use tandem_engine::{EngineConfig, Model};
+use tandem_proto::v1 as pb;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tonic::transport::Channel;
+
+/// One running server.
+#[derive(Debug)]
+pub struct Node {
+    pub addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<anyhow::Result<()>>,
+}
+
+impl Node {
+    async fn spawn<F, Fut>(run: F) -> anyhow::Result<Self>
+    where
+        F: FnOnce(TcpListener, oneshot::Receiver<()>) -> Fut,
+        Fut: std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
+    {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let (stop, stopped) = oneshot::channel();
+        let task = tokio::spawn(run(listener, stopped));
+        Ok(Self {
+            addr,
+            stop: Some(stop),
+            task,
+        })
+    }
+
+    /// Begins a graceful shutdown, waits for the server to exit, and re-raises its panic.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        match self.task.await {
+            Ok(result) => result,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    pub fn channel(&self) -> Channel {
+        tandem_proto::net::channel(&self.addr.to_string()).expect("a socket address is a valid URI")
+    }
+}
+
+fn stopped(rx: oneshot::Receiver<()>) -> impl std::future::Future<Output = ()> + Send {
+    async move {
+        let _ = rx.await;
+    }
+}
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    pub model: Arc<Model>,
+    pub prefill: usize,
+    pub decode: usize,
+    pub engine: EngineConfig,
+    /// Batch slots per decode node.
+    pub decode_slots: usize,
+    pub kv_wait: Duration,
+    pub grace: Duration,
+}
+
+impl ClusterConfig {
+    pub fn new(model: Arc<Model>) -> Self {
+        Self {
+            model,
+            prefill: 1,
+            decode: 1,
+            engine: EngineConfig {
+                threads: 1,
+                kv_budget_bytes: 64 << 20,
+                ..EngineConfig::default()
+            },
+            decode_slots: 16,
+            kv_wait: Duration::from_secs(10),
+            grace: Duration::from_secs(2),
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Cluster {
+    pub router: Node,
+    pub prefill: Vec<Node>,
+    pub decode: Vec<Node>,
+}
+
+impl Cluster {
+    pub async fn start(config: ClusterConfig) -> anyhow::Result<Self> {
+        let mut prefill = Vec::new();
+        for _ in 0..config.prefill {
+            let c = tandem_prefill_server::Config {
+                engine: config.engine.clone(),
+                grace: config.grace,
+                ..tandem_prefill_server::Config::new(config.model.clone())
+            };
+            prefill.push(
+                Node::spawn(|l, rx| async move {
+                    Ok(tandem_prefill_server::run(l, c, stopped(rx)).await?)
+                })
+                .await?,
+            );
+        }
+        let mut decode = Vec::new();
+        for _ in 0..config.decode {
+            let c = tandem_decode_server::Config {
+                engine: config.engine.clone(),
+                max_slots: config.decode_slots,
+                kv_wait: config.kv_wait,
+                grace: config.grace,
+                ..tandem_decode_server::Config::new(config.model.clone())
+            };
+            decode.push(
+                Node::spawn(|l, rx| async move {
+                    Ok(tandem_decode_server::run(l, c, stopped(rx)).await?)
+                })
+                .await?,
+            );
+        }
+        let addrs = |nodes: &[Node]| nodes.iter().map(|n| n.addr.to_string()).collect();
+        let rc = tandem_router::Config {
+            prefill: addrs(&prefill),
+            decode: addrs(&decode),
+            kv_wait: config.kv_wait,
+            grace: config.grace,
+            load_poll: Duration::from_millis(50),
+            ..tandem_router::Config::default()
+        };
+        let router = Node::spawn(|l, rx| async move {
+            Ok(tandem_router::run(l, rc, stopped(rx)).await?)
+        })
+        .await?;
+        let cluster = Self {
+            router,
+            prefill,
+            decode,
+        };
+        cluster.wait_ready(Duration::from_secs(30)).await?;
+        Ok(cluster)
+    }
+
+    /// Waits until the router reports SERVING for the Generation service.
+    pub async fn wait_ready(&self, timeout: Duration) -> anyhow::Result<()> {
+        tandem_proto::net::wait_serving(self.router.channel(), "tandem.v1.Generation", timeout)
+            .await
+            .with_context(|| format!("the router did not become SERVING within {timeout:?}"))
+    }
+
+    pub fn client(&self) -> pb::generation_client::GenerationClient<Channel> {
+        tandem_proto::limits!(pb::generation_client::GenerationClient::new(
+            self.router.channel()
+        ))
+    }
+
+    /// A decode node's load report (slots and KV blocks).
+    pub async fn decode_load(&self, i: usize) -> anyhow::Result<pb::LoadResponse> {
+        let node = self.decode.get(i).context("no such decode node")?;
+        let mut worker = pb::worker_client::WorkerClient::new(node.channel());
+        Ok(worker.load(pb::LoadRequest {}).await?.into_inner())
+    }
+
+    /// Stops the router, then the workers.
+    pub async fn stop(self) -> anyhow::Result<()> {
+        self.router.stop().await?;
+        for n in self.prefill.into_iter().chain(self.decode) {
+            n.stop().await?;
+        }
+        Ok(())
+    }
+}

@@ -169,6 +169,33 @@ pub fn deadline(metadata: &tonic::metadata::MetadataMap) -> Option<tokio::time::
     tokio::time::Instant::now().checked_add(timeout)
 }
 
+/// Follows `service`'s health on `channel` until it reports SERVING.
+pub async fn wait_serving(
+    channel: Channel,
+    service: &str,
+    timeout: Duration,
+) -> Result<(), tokio::time::error::Elapsed> {
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    let serving = async {
+        loop {
+            let request = tonic_health::pb::HealthCheckRequest {
+                service: service.to_string(),
+            };
+            if let Ok(stream) = health.watch(request).await {
+                let mut stream = stream.into_inner();
+                while let Ok(Some(m)) = stream.message().await {
+                    if m.status == tonic_health::pb::health_check_response::ServingStatus::Serving as i32 {
+                        return;
+                    }
+                }
+            }
+            // The server is not accepting yet, or the watch broke: try again shortly.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(timeout, serving).await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

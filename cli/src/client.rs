@@ -1,0 +1,227 @@
+//! Clients of a running cluster: `tandem generate --server` (the same flags and JSON as the local
+//! command) and `tandem chat --server` (interactive, multi-turn, with a session id).
+
+use std::io::{BufRead, Write};
+
+use anyhow::Context;
+use clap::Args;
+use serde::Serialize;
+use tandem_proto::v1 as pb;
+use tonic::transport::Channel;
+
+use crate::local::GenerateArgs;
+
+/// What one streamed generation produced.
+#[derive(Debug, Default)]
+pub(crate) struct Streamed {
+    pub prompt_token_ids: Vec<u32>,
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    pub finish_reason: String,
+    pub timings: pb::Timings,
+}
+
+fn client(server: &str) -> anyhow::Result<pb::generation_client::GenerationClient<Channel>> {
+    let channel = tandem_proto::net::channel(server)
+        .with_context(|| format!("bad server address {server:?}"))?;
+    Ok(tandem_proto::limits!(
+        pb::generation_client::GenerationClient::new(channel)
+    ))
+}
+
+fn finish_name(code: i32) -> String {
+    match pb::FinishReason::try_from(code) {
+        Ok(pb::FinishReason::Stop) => "stop",
+        Ok(pb::FinishReason::Length) => "length",
+        Ok(pb::FinishReason::Cancelled) => "cancelled",
+        _ => "unspecified",
+    }
+    .into()
+}
+
+/// Sends `request` and streams the reply, handing each text delta to `on_text`.
+pub(crate) async fn stream(
+    client: &mut pb::generation_client::GenerationClient<Channel>,
+    request: pb::GenerateRequest,
+    on_text: &mut dyn FnMut(&str),
+) -> anyhow::Result<Streamed> {
+    let mut frames = client
+        .generate(request)
+        .await
+        .map_err(|s| anyhow::anyhow!("{:?}: {}", s.code(), s.message()))?
+        .into_inner();
+    let mut out = Streamed::default();
+    let mut expected = 0;
+    loop {
+        let frame = frames
+            .message()
+            .await
+            .map_err(|s| anyhow::anyhow!("{:?}: {}", s.code(), s.message()))?
+            .context("the stream ended without a final frame")?;
+        anyhow::ensure!(
+            frame.index == expected,
+            "frame {} arrived where {expected} was due",
+            frame.index
+        );
+        expected += 1;
+        out.token_ids.extend(&frame.token_ids);
+        out.text.push_str(&frame.text);
+        on_text(&frame.text);
+        if frame.finish_reason != pb::FinishReason::Unspecified as i32 {
+            out.finish_reason = finish_name(frame.finish_reason);
+            out.prompt_token_ids = frame.prompt_token_ids;
+            out.timings = frame.timings.unwrap_or_default();
+            return Ok(out);
+        }
+    }
+}
+
+fn sampling(args: &GenerateArgs) -> pb::SamplingParams {
+    pb::SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k as u32,
+        top_p: Some(args.top_p),
+        seed: args.seed,
+        max_tokens: args.max_tokens as u32,
+        stop: args.stop.clone(),
+    }
+}
+
+/// `tandem generate --server ADDR ...`.
+pub(crate) fn generate(args: &GenerateArgs, server: &str) -> anyhow::Result<()> {
+    let mut request = pb::GenerateRequest {
+        sampling: Some(sampling(args)),
+        ..Default::default()
+    };
+    match (&args.prompt, &args.messages) {
+        (Some(p), _) => request.prompt = Some(p.clone()),
+        (None, Some(m)) => {
+            let messages: Vec<tandem_engine::ChatMessage> = serde_json::from_str(m)
+                .context("--messages must be a JSON array of {\"role\",\"content\"} objects")?;
+            request.messages = messages
+                .into_iter()
+                .map(|m| pb::ChatMessage {
+                    role: m.role,
+                    content: m.content,
+                })
+                .collect();
+        }
+        (None, None) => anyhow::bail!("give --prompt or --messages"),
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let out = rt.block_on(async {
+        let mut client = client(server)?;
+        let mut stdout = std::io::stdout().lock();
+        stream(&mut client, request, &mut |text| {
+            if !args.json {
+                let _ = stdout.write_all(text.as_bytes());
+                let _ = stdout.flush();
+            }
+        })
+        .await
+    })?;
+    if args.json {
+        #[derive(Serialize)]
+        struct Out<'a> {
+            prompt_token_ids: &'a [u32],
+            token_ids: &'a [u32],
+            text: &'a str,
+            finish_reason: &'a str,
+            prefill_ms: f64,
+            decode_ms: f64,
+        }
+        let t = &out.timings;
+        println!(
+            "{}",
+            serde_json::to_string(&Out {
+                prompt_token_ids: &out.prompt_token_ids,
+                token_ids: &out.token_ids,
+                text: &out.text,
+                finish_reason: &out.finish_reason,
+                prefill_ms: t.prefill_ms,
+                decode_ms: (t.total_ms - t.first_token_ms).max(0.0),
+            })?
+        );
+    } else {
+        println!();
+    }
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct ChatArgs {
+    /// The router's address, host:port.
+    #[arg(long, env = "TANDEM_SERVER", default_value = "127.0.0.1:50051")]
+    server: String,
+    /// A system prompt for the conversation.
+    #[arg(long)]
+    system: Option<String>,
+    /// The most tokens per reply.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: u32,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Random seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+/// `tandem chat --server ADDR`: one line per user turn; an empty line or EOF ends.
+pub(crate) fn chat(args: &ChatArgs) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let mut client = client(&args.server)?;
+    let session_id = format!("{:016x}", rand::random::<u64>());
+    let mut messages: Vec<pb::ChatMessage> = args
+        .system
+        .iter()
+        .map(|s| pb::ChatMessage {
+            role: "system".into(),
+            content: s.clone(),
+        })
+        .collect();
+    eprintln!("chatting with {} (session {session_id}); an empty line ends", args.server);
+    let stdin = std::io::stdin();
+    loop {
+        eprint!("> ");
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
+            return Ok(());
+        }
+        messages.push(pb::ChatMessage {
+            role: "user".into(),
+            content: line.trim_end().to_string(),
+        });
+        let request = pb::GenerateRequest {
+            session_id: session_id.clone(),
+            messages: messages.clone(),
+            sampling: Some(pb::SamplingParams {
+                temperature: args.temperature,
+                seed: args.seed,
+                max_tokens: args.max_tokens,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let mut stdout = std::io::stdout().lock();
+        let reply = rt.block_on(stream(&mut client, request, &mut |text| {
+            let _ = stdout.write_all(text.as_bytes());
+            let _ = stdout.flush();
+        }));
+        println!();
+        match reply {
+            Ok(r) => messages.push(pb::ChatMessage {
+                role: "assistant".into(),
+                content: r.text,
+            }),
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                messages.pop();
+            }
+        }
+    }
+}

@@ -1,0 +1,172 @@
+//! `tandem prefill | decode | router`: one server each. Every flag is also a `TANDEM_*` env var.
+//! Each binds, prints `listening on ADDR` on stdout (which `tandem up` reads, so port 0 works),
+//! and serves until Ctrl-C or SIGTERM, then drains.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Args;
+use tandem_engine::EngineConfig;
+use tokio::net::TcpListener;
+
+use crate::ModelArgs;
+
+/// Flags every worker shares.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct WorkerArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Compute threads (0 = one per core).
+    #[arg(long, env = "TANDEM_THREADS", default_value_t = 0)]
+    pub threads: usize,
+    /// KV pool size in MiB.
+    #[arg(long, env = "TANDEM_KV_BUDGET_MB", default_value_t = 512)]
+    pub kv_budget_mb: usize,
+    /// How long in-flight requests may run after shutdown begins, in ms.
+    #[arg(long, env = "TANDEM_GRACE_MS", default_value_t = 10_000)]
+    pub grace_ms: u64,
+}
+
+impl WorkerArgs {
+    fn engine(&self) -> EngineConfig {
+        EngineConfig {
+            threads: self.threads,
+            kv_budget_bytes: self.kv_budget_mb << 20,
+            ..EngineConfig::default()
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct PrefillArgs {
+    /// Address to listen on (port 0 picks a free port).
+    #[arg(long, env = "TANDEM_LISTEN", default_value = "127.0.0.1:50052")]
+    listen: SocketAddr,
+    #[command(flatten)]
+    worker: WorkerArgs,
+    /// Requests that may wait for the compute thread; more get RESOURCE_EXHAUSTED.
+    #[arg(long, env = "TANDEM_MAX_QUEUE", default_value_t = 64)]
+    max_queue: usize,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct DecodeArgs {
+    /// Address to listen on (port 0 picks a free port).
+    #[arg(long, env = "TANDEM_LISTEN", default_value = "127.0.0.1:50053")]
+    listen: SocketAddr,
+    #[command(flatten)]
+    worker: WorkerArgs,
+    /// Sequences decoded together at most (batch slots).
+    #[arg(long, env = "TANDEM_MAX_SLOTS", default_value_t = 16)]
+    max_slots: usize,
+    /// How long an admitted request waits for its KV, in ms, when the router sets no bound.
+    #[arg(long, env = "TANDEM_KV_WAIT_MS", default_value_t = 10_000)]
+    kv_wait_ms: u64,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct RouterArgs {
+    /// Address to listen on (port 0 picks a free port).
+    #[arg(long, env = "TANDEM_LISTEN", default_value = "127.0.0.1:50051")]
+    listen: SocketAddr,
+    /// Prefill replicas, host:port (repeat or comma-separate).
+    #[arg(long, env = "TANDEM_PREFILL", value_delimiter = ',', required = true)]
+    prefill: Vec<String>,
+    /// Decode replicas, host:port (repeat or comma-separate).
+    #[arg(long, env = "TANDEM_DECODE", value_delimiter = ',', required = true)]
+    decode: Vec<String>,
+    /// Requests in flight at most; more get RESOURCE_EXHAUSTED.
+    #[arg(long, env = "TANDEM_MAX_INFLIGHT", default_value_t = 256)]
+    max_inflight: usize,
+    /// Whole-request bound in ms when the client sets no deadline.
+    #[arg(long, env = "TANDEM_TIMEOUT_MS", default_value_t = 300_000)]
+    timeout_ms: u64,
+    /// How long a decode node waits for the KV after admitting a request, in ms.
+    #[arg(long, env = "TANDEM_KV_WAIT_MS", default_value_t = 10_000)]
+    kv_wait_ms: u64,
+    /// How often replicas are asked for their load, in ms.
+    #[arg(long, env = "TANDEM_LOAD_POLL_MS", default_value_t = 250)]
+    load_poll_ms: u64,
+    /// How long in-flight streams may run after shutdown begins, in ms.
+    #[arg(long, env = "TANDEM_GRACE_MS", default_value_t = 10_000)]
+    grace_ms: u64,
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+pub(crate) async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = term => {}
+    }
+}
+
+async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
+    // `tandem up` reads this line to learn the port.
+    println!("listening on {}", listener.local_addr()?);
+    Ok(listener)
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
+}
+
+pub(crate) fn prefill(args: &PrefillArgs) -> anyhow::Result<()> {
+    let model = args.worker.model.source().load()?;
+    let config = tandem_prefill_server::Config {
+        engine: args.worker.engine(),
+        max_queue: args.max_queue,
+        grace: Duration::from_millis(args.worker.grace_ms),
+        ..tandem_prefill_server::Config::new(model)
+    };
+    runtime()?.block_on(async {
+        let listener = bind(args.listen).await?;
+        tandem_prefill_server::run(listener, config, shutdown_signal()).await?;
+        Ok(())
+    })
+}
+
+pub(crate) fn decode(args: &DecodeArgs) -> anyhow::Result<()> {
+    let model = args.worker.model.source().load()?;
+    let config = tandem_decode_server::Config {
+        engine: args.worker.engine(),
+        max_slots: args.max_slots,
+        kv_wait: Duration::from_millis(args.kv_wait_ms),
+        grace: Duration::from_millis(args.worker.grace_ms),
+        ..tandem_decode_server::Config::new(model)
+    };
+    runtime()?.block_on(async {
+        let listener = bind(args.listen).await?;
+        tandem_decode_server::run(listener, config, shutdown_signal()).await?;
+        Ok(())
+    })
+}
+
+pub(crate) fn router(args: &RouterArgs) -> anyhow::Result<()> {
+    let config = tandem_router::Config {
+        prefill: args.prefill.clone(),
+        decode: args.decode.clone(),
+        max_inflight: args.max_inflight,
+        default_timeout: Duration::from_millis(args.timeout_ms),
+        kv_wait: Duration::from_millis(args.kv_wait_ms),
+        load_poll: Duration::from_millis(args.load_poll_ms),
+        grace: Duration::from_millis(args.grace_ms),
+    };
+    runtime()?.block_on(async {
+        let listener = bind(args.listen).await?;
+        tandem_router::run(listener, config, shutdown_signal()).await?;
+        Ok(())
+    })
+}

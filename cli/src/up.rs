@@ -1,0 +1,167 @@
+//! `tandem up`: a whole cluster on loopback as child processes of one command. Workers start
+//! on port 0 and report their port on stdout; the router starts once they are known. `up` waits
+//! until the router reports SERVING (it knows the model and sees a healthy replica of each
+//! role), prints the endpoints, and on Ctrl-C or SIGTERM stops the router first, then the
+//! workers, each with SIGTERM so it drains.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+use crate::ModelArgs;
+use crate::serve::shutdown_signal;
+
+#[derive(Args, Debug)]
+pub(crate) struct UpArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prefill nodes to start.
+    #[arg(long, default_value_t = 1)]
+    prefill: usize,
+    /// Decode nodes to start.
+    #[arg(long, default_value_t = 1)]
+    decode: usize,
+    /// The router's port on 127.0.0.1 (0 picks a free one).
+    #[arg(long, env = "TANDEM_PORT", default_value_t = 50051)]
+    port: u16,
+    /// Compute threads per worker (0 = one per core).
+    #[arg(long, env = "TANDEM_THREADS", default_value_t = 0)]
+    threads: usize,
+    /// How long to wait for the cluster to become healthy, in ms.
+    #[arg(long, default_value_t = 60_000)]
+    ready_timeout_ms: u64,
+}
+
+struct Node {
+    name: String,
+    addr: String,
+    child: Child,
+}
+
+async fn start(name: String, args: &[String]) -> anyhow::Result<Node> {
+    let exe = std::env::current_exe().context("cannot find the tandem binary")?;
+    let mut child = Command::new(exe)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("cannot start {name}"))?;
+    let stdout = child.stdout.take().context("no stdout")?;
+    let mut lines = BufReader::new(stdout).lines();
+    let addr = loop {
+        match lines.next_line().await? {
+            Some(line) => {
+                if let Some(addr) = line.strip_prefix("listening on ") {
+                    break addr.to_string();
+                }
+            }
+            None => bail!("{name} exited before listening (see its log above)"),
+        }
+    };
+    // Keep draining stdout so the child never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Ok(Node { name, addr, child })
+}
+
+async fn wait_ready(addr: &str, timeout: Duration) -> anyhow::Result<()> {
+    let channel = tandem_proto::net::channel(addr)?;
+    tandem_proto::net::wait_serving(channel, "tandem.v1.Generation", timeout)
+        .await
+        .map_err(|_| anyhow::anyhow!("the cluster did not become healthy within {timeout:?}"))
+}
+
+async fn stop(nodes: &mut [Node]) {
+    for node in nodes.iter_mut() {
+        if let Some(pid) = node.child.id() {
+            let _ = kill(Pid::from_raw(pid as i32), Signal::SIGTERM);
+        }
+        match tokio::time::timeout(Duration::from_secs(15), node.child.wait()).await {
+            Ok(_) => eprintln!("stopped {}", node.name),
+            Err(_) => {
+                let _ = node.child.kill().await;
+                eprintln!("killed {} (it did not stop within 15 s)", node.name);
+            }
+        }
+    }
+}
+
+pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
+    if args.prefill == 0 || args.decode == 0 {
+        bail!("--prefill and --decode must each be at least 1");
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let mut common = vec!["--model".to_string(), args.model.model.clone()];
+        if let Some(dir) = &args.model.model_dir {
+            common.extend(["--model-dir".into(), dir.display().to_string()]);
+        }
+        common.extend(["--threads".into(), args.threads.to_string()]);
+        let mut workers = Vec::new();
+        for (role, n) in [("prefill", args.prefill), ("decode", args.decode)] {
+            for i in 0..n {
+                let mut a = vec![role.to_string(), "--listen".into(), "127.0.0.1:0".into()];
+                a.extend(common.iter().cloned());
+                workers.push(start(format!("{role}-{i}"), &a).await?);
+            }
+        }
+        let list = |role: &str| {
+            workers
+                .iter()
+                .filter(|n| n.name.starts_with(role))
+                .map(|n| n.addr.clone())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let router_args = vec![
+            "router".to_string(),
+            "--listen".into(),
+            format!("127.0.0.1:{}", args.port),
+            "--prefill".into(),
+            list("prefill"),
+            "--decode".into(),
+            list("decode"),
+        ];
+        let router = start("router".into(), &router_args).await?;
+        let router_addr = router.addr.clone();
+        let mut nodes = vec![router];
+        nodes.extend(workers);
+        if let Err(e) = wait_ready(&router_addr, Duration::from_millis(args.ready_timeout_ms)).await {
+            stop(&mut nodes).await;
+            return Err(e);
+        }
+        println!("tandem cluster is up");
+        for n in &nodes {
+            println!("  {:<10} {}", n.name, n.addr);
+        }
+        println!("router (gRPC tandem.v1.Generation): {router_addr}");
+        println!("try: tandem chat --server {router_addr}");
+        println!("metrics: http://{router_addr}/metrics; Ctrl-C stops the cluster");
+
+        let exited = async {
+            loop {
+                for n in nodes.iter_mut() {
+                    if let Ok(Some(status)) = n.child.try_wait() {
+                        return (n.name.clone(), status);
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        };
+        let result = tokio::select! {
+            () = shutdown_signal() => Ok(()),
+            (name, status) = exited => Err(anyhow::anyhow!("{name} exited unexpectedly ({status})")),
+        };
+        eprintln!("stopping the cluster");
+        stop(&mut nodes).await;
+        result
+    })
+}
