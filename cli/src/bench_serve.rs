@@ -169,9 +169,14 @@ async fn cluster_latency(
             let mut s = Samples::default();
             loop {
                 let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(p) = prompts.get(i) else { return Ok::<_, anyhow::Error>(s) };
+                let Some(p) = prompts.get(i) else {
+                    return Ok::<_, anyhow::Error>(s);
+                };
                 let sent = Instant::now();
-                let mut frames = client.generate(request(p.clone(), gen_tokens)).await?.into_inner();
+                let mut frames = client
+                    .generate(request(p.clone(), gen_tokens))
+                    .await?
+                    .into_inner();
                 let mut last: Option<Instant> = None;
                 while let Some(f) = frames.message().await? {
                     if f.token_ids.is_empty() {
@@ -394,7 +399,12 @@ async fn transfer_throughput(
         let received = reader.await??;
         tcp.push(t.elapsed().as_secs_f64());
         anyhow::ensure!(received as u64 == bytes, "the TCP copy lost bytes");
-        eprintln!("transfer run {}/{runs}: gRPC {:.1} ms, TCP {:.1} ms", run + 1, grpc[run] * 1e3, tcp[run] * 1e3);
+        eprintln!(
+            "transfer run {}/{runs}: gRPC {:.1} ms, TCP {:.1} ms",
+            run + 1,
+            grpc[run] * 1e3,
+            tcp[run] * 1e3
+        );
     }
     server.abort();
     let mb = bytes as f64 / 1e6;
@@ -448,7 +458,13 @@ pub(crate) fn serve(args: &ServeBenchArgs) -> anyhow::Result<()> {
     }
     let model = args.model.source().load()?;
     let ctx = model.config.context_len;
-    let longest = args.share_tokens.iter().chain([&args.transfer_tokens, &args.prompt_tokens]).max().copied().unwrap_or(0);
+    let longest = args
+        .share_tokens
+        .iter()
+        .chain([&args.transfer_tokens, &args.prompt_tokens])
+        .max()
+        .copied()
+        .unwrap_or(0);
     if longest + args.gen_tokens > ctx {
         bail!("prompts of {longest} tokens plus --gen-tokens must fit the context of {ctx}");
     }
@@ -457,7 +473,9 @@ pub(crate) fn serve(args: &ServeBenchArgs) -> anyhow::Result<()> {
         kv_budget_bytes: 256 << 20,
         ..EngineConfig::default()
     };
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     let report = rt.block_on(async {
         let cluster = Cluster::start(ClusterConfig {
             engine: engine_config.clone(),
@@ -472,10 +490,20 @@ pub(crate) fn serve(args: &ServeBenchArgs) -> anyhow::Result<()> {
                 .map(|i| prompt(&model, args.prompt_tokens, i as u32))
                 .collect();
             eprintln!("latency at concurrency {c}: {} requests", prompts.len());
-            latency.push(cluster_latency(&cluster, &prompts, args.gen_tokens, c).await?.latency("tandem", c));
-            latency.push(engine_latency(&mut engine, &prompts, args.gen_tokens, c)?.latency("engine", c));
+            latency.push(
+                cluster_latency(&cluster, &prompts, args.gen_tokens, c)
+                    .await?
+                    .latency("tandem", c),
+            );
+            latency.push(
+                engine_latency(&mut engine, &prompts, args.gen_tokens, c)?.latency("engine", c),
+            );
             if let Some(addr) = &args.llama_server {
-                latency.push(llama_latency(addr, &prompts, args.gen_tokens, c).await?.latency("llama-server", c));
+                latency.push(
+                    llama_latency(addr, &prompts, args.gen_tokens, c)
+                        .await?
+                        .latency("llama-server", c),
+                );
             }
         }
         eprintln!("transfer throughput: {} tokens", args.transfer_tokens);
@@ -500,7 +528,10 @@ pub(crate) fn serve(args: &ServeBenchArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&report)?);
         return Ok(());
     }
-    println!("{:<13} {:>4} {:>10} {:>10} {:>10} {:>10}", "system", "conc", "ttft p50", "ttft p99", "itl p50", "itl p99");
+    println!(
+        "{:<13} {:>4} {:>10} {:>10} {:>10} {:>10}",
+        "system", "conc", "ttft p50", "ttft p99", "itl p50", "itl p99"
+    );
     for l in &report.latency {
         println!(
             "{:<13} {:>4} {:>8.1}ms {:>8.1}ms {:>8.2}ms {:>8.2}ms",
@@ -510,12 +541,21 @@ pub(crate) fn serve(args: &ServeBenchArgs) -> anyhow::Result<()> {
     let t = &report.transfer;
     println!(
         "KV transfer, {} tokens ({:.1} MB): gRPC {:.0} MB/s, plain TCP {:.0} MB/s, ratio {:.2}",
-        t.tokens, t.bytes as f64 / 1e6, t.grpc_mb_s, t.tcp_mb_s, t.ratio
+        t.tokens,
+        t.bytes as f64 / 1e6,
+        t.grpc_mb_s,
+        t.tcp_mb_s,
+        t.ratio
     );
     for s in &report.share {
         println!(
             "{:>5}-token prompt: TTFT {:.1} ms, prefill {:.1} ms, transfer span {:.1} ms, exposed transfer {:.1} ms ({:.0}% of TTFT)",
-            s.prompt_tokens, s.ttft_ms, s.prefill_ms, s.transfer_ms, s.exposed_transfer_ms, s.exposed_share * 100.0
+            s.prompt_tokens,
+            s.ttft_ms,
+            s.prefill_ms,
+            s.transfer_ms,
+            s.exposed_transfer_ms,
+            s.exposed_share * 100.0
         );
     }
     Ok(())

@@ -184,7 +184,10 @@ pub(crate) fn chat(args: &ChatArgs) -> anyhow::Result<()> {
             content: s.clone(),
         })
         .collect();
-    eprintln!("chatting with {} (session {session_id}); an empty line ends", args.server);
+    eprintln!(
+        "chatting with {} (session {session_id}); an empty line ends",
+        args.server
+    );
     let stdin = std::io::stdin();
     loop {
         eprint!("> ");

@@ -144,10 +144,9 @@ impl Cluster {
             load_poll: Duration::from_millis(50),
             ..tandem_router::Config::default()
         };
-        let router = Node::spawn(|l, rx| async move {
-            Ok(tandem_router::run(l, rc, stopped(rx)).await?)
-        })
-        .await?;
+        let router =
+            Node::spawn(|l, rx| async move { Ok(tandem_router::run(l, rc, stopped(rx)).await?) })
+                .await?;
         let cluster = Self {
             router,
             prefill,
@@ -185,4 +184,60 @@ impl Cluster {
         }
         Ok(())
     }
+}
+
+/// Everything one streamed generation returned, with its frames checked for gap-free indices.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Collected {
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    pub last: pb::GenerateResponse,
+    pub frames: usize,
+}
+
+/// Sends `request` and reads the whole stream; a non-OK status is returned as the error, and a
+/// stream that ends without a final frame, or with an index gap, is an error too.
+pub async fn collect(
+    client: &mut pb::generation_client::GenerationClient<Channel>,
+    request: impl tonic::IntoRequest<pb::GenerateRequest>,
+) -> Result<Collected, tonic::Status> {
+    let mut frames = client.generate(request).await?.into_inner();
+    let mut out = Collected::default();
+    while let Some(f) = frames.message().await? {
+        if f.index as usize != out.frames {
+            return Err(tonic::Status::data_loss(format!(
+                "frame {} where {} was due",
+                f.index, out.frames
+            )));
+        }
+        out.frames += 1;
+        out.token_ids.extend(&f.token_ids);
+        out.text.push_str(&f.text);
+        if f.finish_reason != pb::FinishReason::Unspecified as i32 {
+            out.last = f;
+            return Ok(out);
+        }
+    }
+    Err(tonic::Status::data_loss(
+        "the stream ended without a final frame",
+    ))
+}
+
+/// A greedy request for `token_ids` with `max_tokens`.
+pub fn greedy(token_ids: Vec<u32>, max_tokens: u32) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        token_ids,
+        sampling: Some(pb::SamplingParams {
+            max_tokens,
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// The real default model, if it has been fetched (`tandem model fetch`); tests that need it
+/// fail with that hint otherwise.
+pub fn default_model() -> anyhow::Result<Arc<Model>> {
+    let source = tandem_engine::ModelSource::parse("default", &tandem_engine::model_dir_from_env());
+    Ok(source.load()?)
 }

@@ -184,7 +184,9 @@ pub async fn wait_serving(
             if let Ok(stream) = health.watch(request).await {
                 let mut stream = stream.into_inner();
                 while let Ok(Some(m)) = stream.message().await {
-                    if m.status == tonic_health::pb::health_check_response::ServingStatus::Serving as i32 {
+                    if m.status
+                        == tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+                    {
                         return;
                     }
                 }

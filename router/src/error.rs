@@ -91,9 +91,10 @@ impl From<Error> for Status {
         let mut status = Status::new(code, e.to_string());
         if code == Code::ResourceExhausted {
             // Retry pushback (gRPC A6): the client may retry after this many milliseconds.
-            status
-                .metadata_mut()
-                .insert("grpc-retry-pushback-ms", tonic::metadata::MetadataValue::from_static("200"));
+            status.metadata_mut().insert(
+                "grpc-retry-pushback-ms",
+                tonic::metadata::MetadataValue::from_static("200"),
+            );
         }
         status
     }

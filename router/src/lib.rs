@@ -87,7 +87,11 @@ pub async fn run(
                 }
                 let ready = replicas.ready();
                 if last != Some(ready) {
-                    let status = if ready { ServingStatus::Serving } else { ServingStatus::NotServing };
+                    let status = if ready {
+                        ServingStatus::Serving
+                    } else {
+                        ServingStatus::NotServing
+                    };
                     health.set_service_status(SERVICE_NAME, status).await;
                     last = Some(ready);
                 }

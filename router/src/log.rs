@@ -20,8 +20,9 @@ struct Frames {
 }
 
 fn is_last(item: &Item) -> bool {
-    item.as_ref()
-        .map_or(true, |f| f.finish_reason != pb::FinishReason::Unspecified as i32)
+    item.as_ref().map_or(true, |f| {
+        f.finish_reason != pb::FinishReason::Unspecified as i32
+    })
 }
 
 #[derive(Debug)]

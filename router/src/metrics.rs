@@ -34,7 +34,11 @@ impl RouterMetrics {
             requests: Family::default(),
         };
         registry.register(TTFT, "Time from request to first token", m.ttft.clone());
-        registry.register(INTER_TOKEN, "Time between token frames", m.inter_token.clone());
+        registry.register(
+            INTER_TOKEN,
+            "Time between token frames",
+            m.inter_token.clone(),
+        );
         registry.register(QUEUE, "Time from request to dispatch", m.queue.clone());
         registry.register(REQUESTS, "Requests by final status", m.requests.clone());
         m

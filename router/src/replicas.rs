@@ -192,7 +192,8 @@ impl Replicas {
 
     /// Asks the worker for its model; learns the tokenizer from the first one.
     async fn check_info(&self, r: &Replica) -> bool {
-        let mut client = tandem_proto::limits!(pb::worker_client::WorkerClient::new(r.channel.clone()));
+        let mut client =
+            tandem_proto::limits!(pb::worker_client::WorkerClient::new(r.channel.clone()));
         let mut req = tonic::Request::new(pb::InfoRequest {});
         req.set_timeout(Duration::from_secs(5));
         let Ok(info) = client.info(req).await.map(tonic::Response::into_inner) else {
