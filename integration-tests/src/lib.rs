@@ -241,3 +241,21 @@ pub fn default_model() -> anyhow::Result<Arc<Model>> {
     let source = tandem_engine::ModelSource::parse("default", &tandem_engine::model_dir_from_env());
     Ok(source.load()?)
 }
+
+/// A server's Prometheus text from `GET /metrics` (HTTP/1.1 on the gRPC port).
+pub async fn metrics(addr: SocketAddr) -> anyhow::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(addr).await?;
+    conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: tandem\r\nConnection: close\r\n\r\n")
+        .await?;
+    let mut body = String::new();
+    conn.read_to_string(&mut body).await?;
+    anyhow::ensure!(body.starts_with("HTTP/1.1 200"), "GET /metrics: {body}");
+    Ok(body)
+}
+
+/// The value of one sample line (`name{labels} value`) in Prometheus text.
+pub fn sample(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
