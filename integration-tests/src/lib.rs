@@ -59,10 +59,8 @@ impl Node {
     }
 }
 
-fn stopped(rx: oneshot::Receiver<()>) -> impl std::future::Future<Output = ()> + Send {
-    async move {
-        let _ = rx.await;
-    }
+async fn stopped(rx: oneshot::Receiver<()>) {
+    let _ = rx.await;
 }
 
 /// What to start.

@@ -50,11 +50,11 @@ pub fn prepare(front: &Frontend, r: pb::GenerateRequest) -> Result<Prepared> {
     let Some(sampling) = r.sampling else {
         return invalid("sampling", "sampling with max_tokens is required");
     };
-    if !(sampling.temperature >= 0.0) {
+    if sampling.temperature.is_nan() || sampling.temperature < 0.0 {
         return invalid("sampling.temperature", "must be a number at least 0");
     }
     if let Some(p) = sampling.top_p
-        && !(p > 0.0 && p <= 1.0)
+        && (p.is_nan() || p <= 0.0 || p > 1.0)
     {
         return invalid("sampling.top_p", "must be in (0, 1]");
     }
