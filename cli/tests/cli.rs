@@ -144,3 +144,59 @@ fn bench_engine_json_shape() {
     assert!(decode[1]["tok_s"].as_f64().expect("tok_s") > 0.0);
     assert_eq!(v["threads"], 1);
 }
+
+/// `tandem up` starts a cluster, `generate --server` through it prints the same JSON fields and
+/// the same tokens as the local command (sampled, with every sampling flag), and SIGTERM stops
+/// every process cleanly.
+#[test]
+fn up_serves_generate_server_like_local_and_stops_on_sigterm() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+
+    let mut up = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["up", "--model", "tiny", "--port", "0", "--threads", "1"])
+        .env_remove("TANDEM_MODEL")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start tandem up");
+    let stdout = up.stdout.take().expect("stdout");
+    let mut lines = BufReader::new(stdout).lines();
+    let router = loop {
+        let line = lines.next().expect("tandem up exited early").expect("line");
+        if let Some(addr) = line.strip_prefix("router (gRPC tandem.v1.Generation): ") {
+            break addr.to_string();
+        }
+    };
+    let (ok, local, err) = tandem(SEEDED);
+    assert!(ok, "{err}");
+    let (ok, remote, err) = tandem(&[SEEDED, &["--server", &router]].concat());
+    assert!(ok, "{err}");
+    let (local, remote) = (json(&local), json(&remote));
+    for field in ["prompt_token_ids", "token_ids", "text", "finish_reason"] {
+        assert_eq!(local[field], remote[field], "{field}");
+    }
+    assert!(remote["prefill_ms"].as_f64().is_some() && remote["decode_ms"].as_f64().is_some());
+
+    let (ok, _, err) = tandem(&[
+        "generate",
+        "--server",
+        &router,
+        "--prompt",
+        "",
+        "--max-tokens",
+        "3",
+    ]);
+    assert!(!ok);
+    assert!(
+        err.contains("InvalidArgument") && err.contains("prompt"),
+        "{err}"
+    );
+
+    let pid = nix::unistd::Pid::from_raw(up.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
+    let status = up.wait().expect("wait");
+    assert!(status.success(), "tandem up exited with {status}");
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    assert!(rest.iter().all(|l| !l.contains("panicked")), "{rest:?}");
+}

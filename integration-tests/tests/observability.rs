@@ -1,0 +1,112 @@
+//! What operators see: Prometheus metrics on every node's port, server reflection on the router,
+//! and a graceful shutdown that lets a running stream finish.
+
+use tandem_integration_tests::{Cluster, ClusterConfig, collect, greedy, metrics, sample};
+use tonic_reflection::pb::v1::ServerReflectionRequest;
+use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_and_reflection_report_what_happened() {
+    let model = tandem_engine::ModelSource::Tiny.load().expect("tiny");
+    let kv_bytes_per_token = model.config.kv_layout().token_bytes();
+    let cluster = Cluster::start(ClusterConfig::new(model))
+        .await
+        .expect("cluster");
+    let prompt: Vec<u32> = (0..37).map(|i| 3 + i * 5).collect();
+    let out = collect(&mut cluster.client(), greedy(prompt.clone(), 6))
+        .await
+        .expect("generate");
+
+    let router = metrics(cluster.router.addr).await.expect("router metrics");
+    assert_eq!(sample(&router, "tandem_ttft_seconds_count"), Some(1.0));
+    assert_eq!(
+        sample(&router, "tandem_inter_token_seconds_count"),
+        Some(out.frames as f64 - 1.0)
+    );
+    assert_eq!(sample(&router, "tandem_queue_seconds_count"), Some(1.0));
+    assert_eq!(
+        sample(&router, "tandem_requests_total{code=\"Ok\"}"),
+        Some(1.0)
+    );
+
+    let prefill = metrics(cluster.prefill[0].addr)
+        .await
+        .expect("prefill metrics");
+    assert_eq!(sample(&prefill, "tandem_prefill_tokens_total"), Some(37.0));
+    assert_eq!(sample(&prefill, "tandem_prefill_queue_depth"), Some(0.0));
+    assert_eq!(
+        sample(&prefill, "tandem_prefill_tokens_per_second_count"),
+        Some(1.0)
+    );
+
+    let decode = metrics(cluster.decode[0].addr)
+        .await
+        .expect("decode metrics");
+    assert_eq!(
+        sample(&decode, "tandem_kv_transfer_bytes_total"),
+        Some((37 * kv_bytes_per_token) as f64)
+    );
+    assert_eq!(
+        sample(&decode, "tandem_kv_transfer_duration_seconds_count"),
+        Some(1.0)
+    );
+    assert_eq!(sample(&decode, "tandem_decode_active_slots"), Some(0.0));
+    assert_eq!(sample(&decode, "tandem_decode_kv_blocks_in_use"), Some(0.0));
+    assert!(sample(&decode, "tandem_decode_kv_blocks_free").is_some_and(|v| v > 0.0));
+    assert!(sample(&decode, "tandem_decode_steps_total").is_some_and(|v| v >= 1.0));
+
+    let mut reflection = ServerReflectionClient::new(cluster.router.channel());
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut replies = reflection
+        .server_reflection_info(tokio_stream::iter([request]))
+        .await
+        .expect("reflection")
+        .into_inner();
+    let reply = replies.message().await.expect("reply").expect("one reply");
+    let Some(MessageResponse::ListServicesResponse(list)) = reply.message_response else {
+        panic!("unexpected reflection reply {reply:?}");
+    };
+    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    for want in ["tandem.v1.Generation", "grpc.health.v1.Health"] {
+        assert!(
+            names.iter().any(|n| n == want),
+            "{want} missing from {names:?}"
+        );
+    }
+    cluster.stop().await.expect("clean stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_drains_a_running_stream_to_its_final_frame() {
+    let model = tandem_integration_tests::default_model().expect("the default model");
+    let cluster = Cluster::start(ClusterConfig {
+        grace: std::time::Duration::from_secs(30),
+        ..ClusterConfig::new(model)
+    })
+    .await
+    .expect("cluster");
+    let mut client = cluster.client();
+    let mut frames = client
+        .generate(greedy((0..40).map(|i| 1000 + i).collect(), 100))
+        .await
+        .expect("call")
+        .into_inner();
+    frames.message().await.expect("frame").expect("running");
+    // Shut down while the generation runs: it must still end with its final frame.
+    let stopping = tokio::spawn(cluster.stop());
+    let mut last = None;
+    while let Some(f) = frames.message().await.expect("no error while draining") {
+        last = Some(f);
+    }
+    let last = last.expect("frames after shutdown began");
+    assert!(
+        last.usage.is_some(),
+        "the stream ended with its final frame"
+    );
+    stopping.await.expect("join").expect("clean stop");
+}
