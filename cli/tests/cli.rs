@@ -200,3 +200,47 @@ fn up_serves_generate_server_like_local_and_stops_on_sigterm() {
     let rest: Vec<String> = lines.map_while(Result::ok).collect();
     assert!(rest.iter().all(|l| !l.contains("panicked")), "{rest:?}");
 }
+
+/// `tandem bench serve` runs end to end (tiny model, small sizes) and reports every figure.
+#[test]
+fn bench_serve_reports_latency_transfer_and_share() {
+    let (ok, out, err) = tandem(&[
+        "bench",
+        "serve",
+        "--model",
+        "tiny",
+        "--concurrency",
+        "1,2",
+        "--requests",
+        "3",
+        "--gen-tokens",
+        "4",
+        "--prompt-tokens",
+        "20",
+        "--transfer-tokens",
+        "300",
+        "--share-tokens",
+        "20,300",
+        "--runs",
+        "2",
+        "--threads",
+        "1",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v = json(&out);
+    let latency = v["latency"].as_array().expect("latency");
+    assert_eq!(
+        latency.len(),
+        4,
+        "tandem and engine at two concurrency levels"
+    );
+    for l in latency {
+        assert!(l["ttft_p50_ms"].as_f64().is_some_and(|x| x > 0.0), "{l}");
+        assert!(l["itl_p99_ms"].as_f64().is_some_and(|x| x > 0.0), "{l}");
+    }
+    let t = &v["transfer"];
+    assert_eq!(t["tokens"], 300);
+    assert!(t["grpc_mb_s"].as_f64().is_some_and(|x| x > 0.0) && t["ratio"].as_f64().is_some());
+    assert_eq!(v["share"].as_array().expect("share").len(), 2);
+}
