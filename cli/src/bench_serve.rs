@@ -341,7 +341,7 @@ async fn transfer_throughput(
     let metrics = tandem_transfer::TransferMetrics::register(&mut Default::default());
     let svc = tandem_transfer::KvTransferService::new(reservations.clone(), metrics).into_server();
     let server = tokio::spawn(
-        tonic::transport::Server::builder()
+        tandem_proto::net::server()
             .add_service(svc)
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
     );

@@ -12,7 +12,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
 
 use crate::error::{Error, Result};
-use crate::format::{Chunk, Header};
+use crate::format::{Chunk, Header, digest_append};
 
 /// Frames buffered between the producer and the gRPC stream.
 pub const PUSH_BUFFER_FRAMES: usize = 8;
@@ -51,9 +51,10 @@ impl KvPush {
     }
 
     fn frame(&mut self, chunk: &Chunk) -> pb::PushFrame {
-        self.digest = crc32c::crc32c_append(self.digest, &chunk.data);
+        let wire = chunk.to_pb();
+        self.digest = digest_append(self.digest, wire.crc32c);
         pb::PushFrame {
-            frame: Some(Frame::Chunk(chunk.to_pb())),
+            frame: Some(Frame::Chunk(wire)),
         }
     }
 

@@ -6,8 +6,8 @@
 //!   token range and ids, byte total; so nothing is allocated for a push nobody asked for;
 //! - for each (layer, kind), chunks tile the token range in order, with exactly the bytes their
 //!   range needs, each under [`MAX_CHUNK_BYTES`] and with a matching CRC32C;
-//! - the trailer comes after exactly `chunk_count` chunks and carries the CRC32C of all chunk
-//!   data in sending order.
+//! - the trailer comes after exactly `chunk_count` chunks and carries the digest of the chunks'
+//!   CRC32Cs in sending order ([`digest_append`]).
 
 use std::ops::Range;
 
@@ -131,6 +131,13 @@ impl Chunk {
             data: self.data.clone(),
         }
     }
+}
+
+/// Folds one chunk into the whole-transfer digest: a CRC32C over the chunks' CRC32Cs in sending
+/// order. Each chunk's data is covered by its own CRC, so this covers all data and the order of
+/// chunks without hashing every byte a second time.
+pub fn digest_append(digest: u32, chunk_crc32c: u32) -> u32 {
+    crc32c::crc32c_append(digest, &chunk_crc32c.to_le_bytes())
 }
 
 /// What the receiver expects, from the reservation the transfer id is bound to.
@@ -322,7 +329,7 @@ impl Assembler {
             dst[at..at + src.len()].copy_from_slice(src);
         }
         next[kind.index()] = c.token_end;
-        self.digest = crc32c::crc32c_append(self.digest, &c.data);
+        self.digest = digest_append(self.digest, c.crc32c);
         self.bytes += c.data.len() as u64;
         self.received += 1;
         Ok(())

@@ -33,7 +33,7 @@ async fn node() -> Node {
     let metrics = TransferMetrics::register(&mut Default::default());
     let svc = KvTransferService::new(reservations.clone(), metrics.clone()).into_server();
     tokio::spawn(
-        Server::builder()
+        tandem_proto::net::server()
             .add_service(svc)
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
     );
