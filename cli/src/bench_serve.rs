@@ -343,7 +343,7 @@ async fn transfer_throughput(
     let server = tokio::spawn(
         tandem_proto::net::server()
             .add_service(svc)
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+            .serve_with_incoming(tandem_proto::net::incoming(listener)),
     );
     let channel = tandem_proto::net::channel(&addr.to_string())?;
     let mut grpc = Vec::new();

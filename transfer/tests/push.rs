@@ -35,7 +35,7 @@ async fn node() -> Node {
     tokio::spawn(
         tandem_proto::net::server()
             .add_service(svc)
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+            .serve_with_incoming(tandem_proto::net::incoming(listener)),
     );
     Node {
         reservations,
