@@ -153,43 +153,37 @@ impl Samples {
             itl_p99_ms: percentile(&mut self.itl, 0.99),
         }
     }
+
+    /// Records one request: sent at `sent`, token frames arriving at `arrivals`.
+    fn record(&mut self, sent: Instant, arrivals: &[Instant]) {
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        if let Some(first) = arrivals.first() {
+            self.ttft.push(ms(*first - sent));
+        }
+        self.itl
+            .extend(arrivals.windows(2).map(|w| ms(w[1] - w[0])));
+    }
 }
 
-async fn cluster_latency(
-    cluster: &Cluster,
-    prompts: &[Vec<u32>],
-    gen_tokens: usize,
-    concurrency: usize,
-) -> anyhow::Result<Samples> {
+/// Sends every prompt through `one` from `concurrency` closed-loop clients; `one` returns when
+/// the request was sent and when each token arrived.
+async fn drive<F, Fut>(prompts: &[Vec<u32>], concurrency: usize, one: F) -> anyhow::Result<Samples>
+where
+    F: Fn(Vec<u32>) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<(Instant, Vec<Instant>)>> + Send,
+{
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut tasks = Vec::new();
     for _ in 0..concurrency {
-        let (mut client, next, prompts) = (cluster.client(), next.clone(), prompts.to_vec());
+        let (one, next, prompts) = (one.clone(), next.clone(), prompts.to_vec());
         tasks.push(tokio::spawn(async move {
             let mut s = Samples::default();
-            loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(p) = prompts.get(i) else {
-                    return Ok::<_, anyhow::Error>(s);
-                };
-                let sent = Instant::now();
-                let mut frames = client
-                    .generate(request(p.clone(), gen_tokens))
-                    .await?
-                    .into_inner();
-                let mut last: Option<Instant> = None;
-                while let Some(f) = frames.message().await? {
-                    if f.token_ids.is_empty() {
-                        continue;
-                    }
-                    let now = Instant::now();
-                    match last {
-                        None => s.ttft.push((now - sent).as_secs_f64() * 1e3),
-                        Some(at) => s.itl.push((now - at).as_secs_f64() * 1e3),
-                    }
-                    last = Some(now);
-                }
+            while let Some(p) = prompts.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+            {
+                let (sent, arrivals) = one(p.clone()).await?;
+                s.record(sent, &arrivals);
             }
+            Ok::<_, anyhow::Error>(s)
         }));
     }
     let mut all = Samples::default();
@@ -199,6 +193,62 @@ async fn cluster_latency(
         all.itl.extend(s.itl);
     }
     Ok(all)
+}
+
+/// One request through the cluster's router.
+async fn cluster_request(
+    mut client: pb::generation_client::GenerationClient<tonic::transport::Channel>,
+    prompt: Vec<u32>,
+    gen_tokens: usize,
+) -> anyhow::Result<(Instant, Vec<Instant>)> {
+    let sent = Instant::now();
+    let mut frames = client
+        .generate(request(prompt, gen_tokens))
+        .await?
+        .into_inner();
+    let mut arrivals = Vec::new();
+    while let Some(f) = frames.message().await? {
+        if !f.token_ids.is_empty() {
+            arrivals.push(Instant::now());
+        }
+    }
+    Ok((sent, arrivals))
+}
+
+/// One request to llama-server's streaming `/completion`; each server-sent event is a token.
+async fn llama_request(
+    addr: String,
+    prompt: Vec<u32>,
+    gen_tokens: usize,
+) -> anyhow::Result<(Instant, Vec<Instant>)> {
+    let body = serde_json::json!({
+        "prompt": prompt, "n_predict": gen_tokens, "stream": true, "temperature": 0.0,
+        "cache_prompt": false, "ignore_eos": true,
+    })
+    .to_string();
+    let mut conn = TcpStream::connect(&addr).await?;
+    conn.set_nodelay(true)?;
+    let head = format!(
+        "POST /completion HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    let sent = Instant::now();
+    conn.write_all(head.as_bytes()).await?;
+    conn.write_all(body.as_bytes()).await?;
+    let mut arrivals = Vec::new();
+    let mut buf = vec![0u8; 1 << 16];
+    let mut pending = Vec::new();
+    loop {
+        let n = conn.read(&mut buf).await?;
+        if n == 0 {
+            return Ok((sent, arrivals));
+        }
+        pending.extend_from_slice(&buf[..n]);
+        while let Some(at) = pending.windows(6).position(|w| w == b"data: ") {
+            pending.drain(..at + 6);
+            arrivals.push(Instant::now());
+        }
+    }
 }
 
 /// The engine alone serving the same load: `concurrency` prompts prefilled one after another
@@ -233,67 +283,6 @@ fn engine_latency(
         }
     }
     Ok(s)
-}
-
-/// llama-server's streaming `/completion`, driven like the cluster.
-async fn llama_latency(
-    addr: &str,
-    prompts: &[Vec<u32>],
-    gen_tokens: usize,
-    concurrency: usize,
-) -> anyhow::Result<Samples> {
-    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let mut tasks = Vec::new();
-    for _ in 0..concurrency {
-        let (addr, next, prompts) = (addr.to_string(), next.clone(), prompts.to_vec());
-        tasks.push(tokio::spawn(async move {
-            let mut s = Samples::default();
-            loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(p) = prompts.get(i) else { return Ok::<_, anyhow::Error>(s) };
-                let body = serde_json::json!({
-                    "prompt": p, "n_predict": gen_tokens, "stream": true, "temperature": 0.0,
-                    "cache_prompt": false, "ignore_eos": true,
-                })
-                .to_string();
-                let mut conn = TcpStream::connect(&addr).await?;
-                let head = format!(
-                    "POST /completion HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                    body.len()
-                );
-                let sent = Instant::now();
-                conn.write_all(head.as_bytes()).await?;
-                conn.write_all(body.as_bytes()).await?;
-                let mut last: Option<Instant> = None;
-                let mut buf = vec![0u8; 1 << 16];
-                let mut pending = Vec::new();
-                loop {
-                    let n = conn.read(&mut buf).await?;
-                    if n == 0 {
-                        break;
-                    }
-                    pending.extend_from_slice(&buf[..n]);
-                    // Each server-sent event with generated text is one token.
-                    while let Some(at) = pending.windows(6).position(|w| w == b"data: ") {
-                        pending.drain(..at + 6);
-                        let now = Instant::now();
-                        match last {
-                            None => s.ttft.push((now - sent).as_secs_f64() * 1e3),
-                            Some(t) => s.itl.push((now - t).as_secs_f64() * 1e3),
-                        }
-                        last = Some(now);
-                    }
-                }
-            }
-        }));
-    }
-    let mut all = Samples::default();
-    for t in tasks {
-        let s = t.await??;
-        all.ttft.extend(s.ttft);
-        all.itl.extend(s.itl);
-    }
-    Ok(all)
 }
 
 /// The KV chunks a prefill node would send for `tokens` (256-token chunks, per layer and kind).
@@ -490,20 +479,16 @@ pub(crate) fn serve(args: &ServeBenchArgs) -> anyhow::Result<()> {
                 .map(|i| prompt(&model, args.prompt_tokens, i as u32))
                 .collect();
             eprintln!("latency at concurrency {c}: {} requests", prompts.len());
-            latency.push(
-                cluster_latency(&cluster, &prompts, args.gen_tokens, c)
-                    .await?
-                    .latency("tandem", c),
-            );
+            let gen_tokens = args.gen_tokens;
+            let client = cluster.client();
+            let one = move |p| cluster_request(client.clone(), p, gen_tokens);
+            latency.push(drive(&prompts, c, one).await?.latency("tandem", c));
             latency.push(
                 engine_latency(&mut engine, &prompts, args.gen_tokens, c)?.latency("engine", c),
             );
-            if let Some(addr) = &args.llama_server {
-                latency.push(
-                    llama_latency(addr, &prompts, args.gen_tokens, c)
-                        .await?
-                        .latency("llama-server", c),
-                );
+            if let Some(addr) = args.llama_server.clone() {
+                let one = move |p| llama_request(addr.clone(), p, gen_tokens);
+                latency.push(drive(&prompts, c, one).await?.latency("llama-server", c));
             }
         }
         eprintln!("transfer throughput: {} tokens", args.transfer_tokens);

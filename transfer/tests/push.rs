@@ -10,7 +10,7 @@ use tandem_transfer::{
 };
 use tokio::net::TcpListener;
 use tonic::Code;
-use tonic::transport::{Channel, Server};
+use tonic::transport::Channel;
 
 const LAYOUT: WireLayout = WireLayout {
     layers: 2,
