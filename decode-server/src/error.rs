@@ -12,7 +12,7 @@ pub enum Error {
     #[error("decode node full: {detail}")]
     Capacity { detail: String },
 
-    #[error("the KV did not arrive within {waited_ms} ms")]
+    #[error("no KV arrived for {waited_ms} ms")]
     KvTimeout { waited_ms: u64 },
 
     #[error(transparent)]

@@ -88,6 +88,36 @@ impl Drop for SequenceGuard {
     }
 }
 
+/// Waits for the verified KV, allowing at most `idle` without progress: before the push
+/// starts, and between its chunks. (A bound on the whole transfer would fail long prompts,
+/// whose prefill takes as long as it takes; silence is what signals a dead sender.)
+async fn wait_kv(
+    lease: &tandem_transfer::ReservationGuard,
+    mut delivery: tandem_transfer::reservation::Delivery,
+    idle: Duration,
+) -> Result<tandem_transfer::ReceivedKv> {
+    let mut progress = lease.progress();
+    let timeout = || Error::KvTimeout {
+        waited_ms: idle.as_millis() as u64,
+    };
+    loop {
+        tokio::select! {
+            r = &mut delivery => return r.map_err(|_| Error::ShuttingDown)?.map_err(Error::from),
+            changed = progress.changed() => {
+                if changed.is_err() {
+                    // The push ended; its verdict is on its way.
+                    return tokio::time::timeout(idle, delivery)
+                        .await
+                        .map_err(|_| timeout())?
+                        .map_err(|_| Error::ShuttingDown)?
+                        .map_err(Error::from);
+                }
+            }
+            () = tokio::time::sleep(idle) => return Err(timeout()),
+        }
+    }
+}
+
 impl RequestContext {
     /// Validates and admits `plan`, then starts its task; returns the response stream.
     pub(crate) fn start(
@@ -174,11 +204,7 @@ impl RequestContext {
 
         let kv_wait = plan.kv_wait.unwrap_or(self.kv_wait);
         let received = tokio::select! {
-            r = tokio::time::timeout(kv_wait, delivery) => match r {
-                Ok(Ok(r)) => r?,
-                Ok(Err(_)) => return Err(Error::ShuttingDown),
-                Err(_) => return Err(Error::KvTimeout { waited_ms: kv_wait.as_millis() as u64 }),
-            },
+            r = wait_kv(&lease, delivery, kv_wait) => r?,
             () = tx.closed() => return Ok(()),
             () = &mut until_deadline => return Err(Error::Deadline),
             () = self.shutdown.cancelled() => return Err(Error::ShuttingDown),

@@ -7,12 +7,15 @@
 //!   and the last [`USED_IDS_REMEMBERED`] used ids are remembered to say so precisely;
 //! - the lease is the [`ReservationGuard`]'s lifetime: the waiter holds it for its bounded wait,
 //!   and dropping it (timeout, cancelled request) removes the reservation, so a late push finds
-//!   nothing and a push in progress stops at its next frame.
+//!   nothing and a push in progress stops at its next frame;
+//! - the guard also sees the push's progress (bytes accepted so far), so a waiter can bound the
+//!   silence between chunks rather than the whole transfer, which a long prompt's prefill makes
+//!   arbitrarily long.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 
 use crate::error::{Error, Result};
 use crate::format::{Expectation, ReceivedKv};
@@ -23,6 +26,7 @@ pub const USED_IDS_REMEMBERED: usize = 4096;
 pub(crate) struct Pending {
     pub(crate) want: Expectation,
     pub(crate) deliver: oneshot::Sender<Result<ReceivedKv>>,
+    pub(crate) progress: watch::Sender<u64>,
 }
 
 #[derive(Default)]
@@ -82,13 +86,20 @@ impl Reservations {
             });
         }
         let (deliver, delivery) = oneshot::channel();
-        inner
-            .pending
-            .insert(transfer_id.to_string(), Pending { want, deliver });
+        let (progress, watched) = watch::channel(0);
+        inner.pending.insert(
+            transfer_id.to_string(),
+            Pending {
+                want,
+                deliver,
+                progress,
+            },
+        );
         Ok((
             ReservationGuard {
                 transfer_id: transfer_id.to_string(),
                 reservations: self.clone(),
+                progress: watched,
             },
             delivery,
         ))
@@ -122,6 +133,15 @@ impl Reservations {
 pub struct ReservationGuard {
     transfer_id: String,
     reservations: Reservations,
+    progress: watch::Receiver<u64>,
+}
+
+impl ReservationGuard {
+    /// Bytes the push has delivered so far; changes with every accepted chunk, and reports a
+    /// closed channel once the push has ended.
+    pub fn progress(&self) -> watch::Receiver<u64> {
+        self.progress.clone()
+    }
 }
 
 impl Drop for ReservationGuard {

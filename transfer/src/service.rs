@@ -49,7 +49,11 @@ impl KvTransferService {
                 });
             }
         };
-        let Pending { want, mut deliver } = self.reservations.claim(&header.transfer_id)?;
+        let Pending {
+            want,
+            mut deliver,
+            progress,
+        } = self.reservations.claim(&header.transfer_id)?;
         let assembled = async {
             let mut asm = Assembler::new(&header, want)?;
             loop {
@@ -58,7 +62,10 @@ impl KvTransferService {
                     () = deliver.closed() => return Err(Error::ReceiverGone),
                 };
                 match frame {
-                    Frame::Chunk(c) => asm.chunk(&c)?,
+                    Frame::Chunk(c) => {
+                        asm.chunk(&c)?;
+                        progress.send_replace(asm.bytes_received());
+                    }
                     Frame::Trailer(t) => {
                         let bytes = asm.bytes_received();
                         return asm.finish(&t).map(|kv| (kv, bytes));
