@@ -134,7 +134,8 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
         let router_addr = router.addr.clone();
         let mut nodes = vec![router];
         nodes.extend(workers);
-        if let Err(e) = wait_ready(&router_addr, Duration::from_millis(args.ready_timeout_ms)).await {
+        if let Err(e) = wait_ready(&router_addr, Duration::from_millis(args.ready_timeout_ms)).await
+        {
             stop(&mut nodes).await;
             return Err(e);
         }
@@ -146,19 +147,18 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
         println!("try: tandem chat --server {router_addr}");
         println!("metrics: http://{router_addr}/metrics; Ctrl-C stops the cluster");
 
-        let exited = async {
-            loop {
-                for n in nodes.iter_mut() {
-                    if let Ok(Some(status)) = n.child.try_wait() {
-                        return (n.name.clone(), status);
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
+        let result = {
+            let names: Vec<String> = nodes.iter().map(|n| n.name.clone()).collect();
+            let exits =
+                futures::future::select_all(nodes.iter_mut().map(|n| Box::pin(n.child.wait())));
+            tokio::select! {
+                () = shutdown_signal() => Ok(()),
+                (status, i, _) = exits => Err(anyhow::anyhow!(
+                    "{} exited unexpectedly ({})",
+                    names[i],
+                    status.map_or_else(|e| e.to_string(), |s| s.to_string())
+                )),
             }
-        };
-        let result = tokio::select! {
-            () = shutdown_signal() => Ok(()),
-            (name, status) = exited => Err(anyhow::anyhow!("{name} exited unexpectedly ({status})")),
         };
         eprintln!("stopping the cluster");
         stop(&mut nodes).await;

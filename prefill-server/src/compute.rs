@@ -118,7 +118,14 @@ fn run(
         Ok((Some(first), first_chunk_sent))
     })();
     let _ = engine.free(seq);
-    let (first_token, first_chunk_sent) = outcome?;
+    let (first_token, first_chunk_sent) = match outcome {
+        Ok(o) => o,
+        Err(e) => {
+            // The decode node is waiting on this transfer: tell it why it will not complete.
+            push.blocking_abort(e.to_string());
+            return Err(e);
+        }
+    };
     Ok(Done {
         first_token,
         push,

@@ -149,7 +149,12 @@ impl Dispatcher {
     ) -> tonic::Code {
         let outcome = tokio::select! {
             r = tokio::time::timeout_at(deadline, self.dispatch(p, accepted, deadline, log)) => {
-                r.unwrap_or(Err(Error::Deadline))
+                match r {
+                    // A downstream call may lose the race against its own copy of the deadline
+                    // (tonic reports that as CANCELLED): past the deadline, it is the deadline.
+                    Ok(Err(_)) if TokioInstant::now() >= deadline => Err(Error::Deadline),
+                    r => r.unwrap_or(Err(Error::Deadline)),
+                }
             }
             () = log.abandoned() => Err(Error::Downstream {
                 hop: "client",

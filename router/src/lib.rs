@@ -78,13 +78,9 @@ pub async fn run(
     {
         let (health, replicas, cancel) = (health.clone(), replicas.clone(), root.child_token());
         tracker.spawn(async move {
-            let mut tick = tokio::time::interval(std::time::Duration::from_millis(100));
             let mut last = None;
             loop {
-                tokio::select! {
-                    _ = tick.tick() => {}
-                    () = cancel.cancelled() => return,
-                }
+                let changed = replicas.changed();
                 let ready = replicas.ready();
                 if last != Some(ready) {
                     let status = if ready {
@@ -94,6 +90,10 @@ pub async fn run(
                     };
                     health.set_service_status(SERVICE_NAME, status).await;
                     last = Some(ready);
+                }
+                tokio::select! {
+                    () = changed => {}
+                    () = cancel.cancelled() => return,
                 }
             }
         });

@@ -105,6 +105,8 @@ impl Drop for InflightGuard {
 pub struct Replicas {
     all: Vec<Arc<Replica>>,
     frontend: OnceLock<Arc<Frontend>>,
+    /// Woken whenever a replica's health or compatibility or the frontend changes.
+    changed: tokio::sync::Notify,
 }
 
 impl Replicas {
@@ -127,11 +129,18 @@ impl Replicas {
         Ok(Self {
             all,
             frontend: OnceLock::new(),
+            changed: tokio::sync::Notify::new(),
         })
     }
 
     pub fn frontend(&self) -> Option<&Arc<Frontend>> {
         self.frontend.get()
+    }
+
+    /// Resolves at the next change of [`Replicas::ready`]'s inputs. Create it before reading
+    /// them, so that no change is missed.
+    pub fn changed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.changed.notified()
     }
 
     /// Whether the router can serve: it knows the model and each role has a healthy replica.
@@ -184,7 +193,9 @@ impl Replicas {
                 self.watch(r, load_poll).await;
                 backoff = Duration::from_millis(50);
             }
-            r.healthy.store(false, Ordering::Relaxed);
+            if r.healthy.swap(false, Ordering::Relaxed) {
+                self.changed.notify_waiters();
+            }
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_secs(2));
         }
@@ -203,6 +214,7 @@ impl Replicas {
             && let Some(f) = Frontend::from_info(&info)
         {
             let _ = self.frontend.set(Arc::new(f));
+            self.changed.notify_waiters();
             tracing::info!(model = %info.model_name, from = %r.addr, "learned the model's tokenizer");
         }
         let same = self
@@ -212,7 +224,9 @@ impl Replicas {
         if !same {
             tracing::error!(replica = %r.addr, model = %info.model_name, "replica serves a different model; not using it");
         }
-        r.compatible.store(same, Ordering::Relaxed);
+        if r.compatible.swap(same, Ordering::Relaxed) != same {
+            self.changed.notify_waiters();
+        }
         same
     }
 
@@ -235,6 +249,7 @@ impl Replicas {
                         let up = m.status == ServingStatus::Serving as i32;
                         if up != r.healthy.swap(up, Ordering::Relaxed) {
                             tracing::info!(replica = %r.addr, role = r.role.name(), up, "replica health changed");
+                            self.changed.notify_waiters();
                         }
                     }
                     _ => return,

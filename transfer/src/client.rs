@@ -90,13 +90,12 @@ impl KvPush {
         })?
     }
 
-    /// Tells the receiver why the transfer stops, and ends it.
-    pub async fn abort(self, reason: String) {
+    /// Tells the receiver why the transfer stops, and ends it, from a thread outside the async
+    /// runtime. The push task finishes on its own once the receiver has answered.
+    pub fn blocking_abort(self, reason: String) {
         let frame = pb::PushFrame {
             frame: Some(Frame::Abort(pb::KvAbort { reason })),
         };
-        let _ = self.tx.send(frame).await;
-        drop(self.tx);
-        let _ = self.task.await;
+        let _ = self.tx.blocking_send(frame);
     }
 }

@@ -288,3 +288,34 @@ async fn an_expired_lease_frees_the_reservation_and_stops_a_push() {
         .expect_err("lease over");
     assert_eq!(e.code(), Code::AlreadyExists, "{e}");
 }
+
+#[tokio::test]
+async fn a_sender_abort_reaches_the_waiter_with_its_reason() {
+    let node = node().await;
+    let want = expectation(0..16);
+    let chunks = chunks(&want, 8);
+    let (_guard, delivery) = node
+        .reservations
+        .reserve("aborted", want.clone())
+        .expect("reserve");
+    let mut p = KvPush::start(
+        node.channel.clone(),
+        &header("aborted", &want, chunks.len() as u32),
+    );
+    p.send(&chunks[0]).await.expect("first chunk");
+    tokio::task::spawn_blocking(move || p.blocking_abort("prefill cancelled".into()))
+        .await
+        .expect("abort");
+    match delivery.await.expect("told") {
+        Err(Error::Aborted { reason }) => assert_eq!(reason, "prefill cancelled"),
+        other => panic!("expected an abort, got {other:?}"),
+    }
+    // The waiter hears first; the rejection is counted as the push call returns.
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while rejects(&node, "aborted") == 0 {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    })
+    .await
+    .expect("counted");
+}
