@@ -59,7 +59,8 @@ pub(crate) struct DecodeArgs {
     /// Sequences decoded together at most (batch slots).
     #[arg(long, env = "TANDEM_MAX_SLOTS", default_value_t = 16)]
     max_slots: usize,
-    /// How long an admitted request waits for its KV, in ms, when the router sets no bound.
+    /// Longest wait without KV progress for an admitted request, in ms, when the router sets
+    /// no bound.
     #[arg(long, env = "TANDEM_KV_WAIT_MS", default_value_t = 10_000)]
     kv_wait_ms: u64,
 }
@@ -81,7 +82,8 @@ pub(crate) struct RouterArgs {
     /// Whole-request bound in ms when the client sets no deadline.
     #[arg(long, env = "TANDEM_TIMEOUT_MS", default_value_t = 300_000)]
     timeout_ms: u64,
-    /// How long a decode node waits for the KV after admitting a request, in ms.
+    /// Longest wait without KV progress (before the push, or between chunks) on the decode
+    /// node, in ms.
     #[arg(long, env = "TANDEM_KV_WAIT_MS", default_value_t = 10_000)]
     kv_wait_ms: u64,
     /// How often replicas are asked for their load, in ms.

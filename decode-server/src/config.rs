@@ -11,7 +11,7 @@ pub struct Config {
     pub engine: EngineConfig,
     /// Sequences decoded together at most (batch slots).
     pub max_slots: usize,
-    /// How long an admitted request waits for its KV when the caller sets no bound.
+    /// The longest an admitted request waits without KV progress when the caller sets no bound.
     pub kv_wait: Duration,
     /// How long in-flight streams may run after shutdown begins.
     pub grace: Duration,

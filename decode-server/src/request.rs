@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! Generate ─▶ admit (slot + blocks) ─▶ reserve transfer id ─▶ [task] send `admitted`
-//!               │ RESOURCE_EXHAUSTED                              wait KV (lease = kv_wait)
+//!               │ RESOURCE_EXHAUSTED                              wait KV (≤ kv_wait silent)
 //!                                                                  scheduler.start ─▶ events ─▶ frames
 //! ```
 //!

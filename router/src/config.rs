@@ -12,7 +12,8 @@ pub struct Config {
     pub max_inflight: usize,
     /// The whole-request bound when the client sets no deadline.
     pub default_timeout: Duration,
-    /// How long a decode node waits for the KV after admitting a request.
+    /// The longest a decode node waits without KV progress (before the push starts, or
+    /// between its chunks) after admitting a request.
     pub kv_wait: Duration,
     /// How often replicas are asked for their load.
     pub load_poll: Duration,
