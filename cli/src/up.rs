@@ -30,7 +30,8 @@ pub(crate) struct UpArgs {
     /// The router's port on 127.0.0.1 (0 picks a free one).
     #[arg(long, env = "TANDEM_PORT", default_value_t = 50051)]
     port: u16,
-    /// Compute threads per worker (0 = one per core).
+    /// Compute threads per worker (0 = the cores split evenly among the workers, at least one
+    /// each, so that prefill and decode do not fight over the same cores).
     #[arg(long, env = "TANDEM_THREADS", default_value_t = 0)]
     threads: usize,
     /// How long to wait for the cluster to become healthy, in ms.
@@ -104,7 +105,14 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
         if let Some(dir) = &args.model.model_dir {
             common.extend(["--model-dir".into(), dir.display().to_string()]);
         }
-        common.extend(["--threads".into(), args.threads.to_string()]);
+        let threads = match args.threads {
+            0 => {
+                let cores = std::thread::available_parallelism().map_or(1, usize::from);
+                (cores / (args.prefill + args.decode)).max(1)
+            }
+            n => n,
+        };
+        common.extend(["--threads".into(), threads.to_string()]);
         let mut workers = Vec::new();
         for (role, n) in [("prefill", args.prefill), ("decode", args.decode)] {
             for i in 0..n {
