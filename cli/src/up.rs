@@ -71,11 +71,26 @@ async fn start(name: String, args: &[String]) -> anyhow::Result<Node> {
     Ok(Node { name, addr, child })
 }
 
-async fn wait_ready(addr: &str, timeout: Duration) -> anyhow::Result<()> {
-    let channel = tandem_proto::net::channel(addr)?;
-    tandem_proto::net::wait_serving(channel, "tandem.v1.Generation", timeout)
+/// Waits until every worker reports SERVING, then the router's Generation service (which it
+/// reports once it knows the model and sees a healthy replica of each role).
+async fn wait_ready(nodes: &[Node], timeout: Duration) -> anyhow::Result<()> {
+    let ready = async {
+        let (routers, workers): (Vec<&Node>, Vec<&Node>) =
+            nodes.iter().partition(|n| n.name == "router");
+        for n in workers.into_iter().chain(routers) {
+            let service = if n.name == "router" {
+                "tandem.v1.Generation"
+            } else {
+                ""
+            };
+            let channel = tandem_proto::net::channel(&n.addr)?;
+            tandem_proto::net::wait_serving(channel, service, timeout).await?;
+        }
+        Ok::<_, anyhow::Error>(())
+    };
+    tokio::time::timeout(timeout, ready)
         .await
-        .map_err(|_| anyhow::anyhow!("the cluster did not become healthy within {timeout:?}"))
+        .map_err(|_| anyhow::anyhow!("the cluster did not become healthy within {timeout:?}"))?
 }
 
 async fn stop(nodes: &mut [Node]) {
@@ -142,8 +157,7 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
         let router_addr = router.addr.clone();
         let mut nodes = vec![router];
         nodes.extend(workers);
-        if let Err(e) = wait_ready(&router_addr, Duration::from_millis(args.ready_timeout_ms)).await
-        {
+        if let Err(e) = wait_ready(&nodes, Duration::from_millis(args.ready_timeout_ms)).await {
             stop(&mut nodes).await;
             return Err(e);
         }
