@@ -174,6 +174,8 @@ pub(crate) fn chat(args: &ChatArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
+    // The channel's connection task needs a runtime to be spawned on.
+    let _runtime = rt.enter();
     let mut client = client(&args.server)?;
     let session_id = format!("{:016x}", rand::random::<u64>());
     let mut messages: Vec<pb::ChatMessage> = args

@@ -193,6 +193,29 @@ fn up_serves_generate_server_like_local_and_stops_on_sigterm() {
         "{err}"
     );
 
+    // Two chat turns over stdin; an empty line ends the session.
+    let mut chat = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["chat", "--server", &router, "--max-tokens", "4"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start chat");
+    {
+        use std::io::Write;
+        let mut stdin = chat.stdin.take().expect("stdin");
+        stdin.write_all(b"Hi\nAnd again\n\n").expect("write turns");
+    }
+    let chat = chat.wait_with_output().expect("chat");
+    let chat_err = String::from_utf8_lossy(&chat.stderr);
+    assert!(chat.status.success(), "{chat_err}");
+    assert!(!chat_err.contains("error"), "{chat_err}");
+    assert_eq!(
+        String::from_utf8_lossy(&chat.stdout).lines().count(),
+        2,
+        "one line per reply"
+    );
+
     let pid = nix::unistd::Pid::from_raw(up.id() as i32);
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
     let status = up.wait().expect("wait");
