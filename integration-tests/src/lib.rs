@@ -174,6 +174,24 @@ impl Cluster {
         Ok(worker.load(pb::LoadRequest {}).await?.into_inner())
     }
 
+    /// Waits (at most 5 s) until decode node `i` reports no active slot and every KV block
+    /// free, and returns how long that took. Resources are released as a request's task ends,
+    /// which can be a moment after its client read the last frame.
+    pub async fn until_decode_idle(&self, i: usize) -> anyhow::Result<Duration> {
+        let started = std::time::Instant::now();
+        loop {
+            let load = self.decode_load(i).await?;
+            if load.active == 0 && load.kv_blocks_free == load.kv_blocks_total {
+                return Ok(started.elapsed());
+            }
+            anyhow::ensure!(
+                started.elapsed() < Duration::from_secs(5),
+                "decode node {i} never went idle: {load:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// Stops the router, then the workers.
     pub async fn stop(self) -> anyhow::Result<()> {
         self.router.stop().await?;

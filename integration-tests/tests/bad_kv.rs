@@ -211,8 +211,13 @@ async fn bad_kv_is_rejected_precisely_and_never_decoded() {
     assert_eq!(e.code(), Code::ResourceExhausted, "{e}");
     rest(stream).await.expect_err("no tokens from bad KV");
 
-    let after = cluster.decode_load(0).await.expect("load");
-    assert_eq!(after.active, baseline.active);
-    assert_eq!(after.kv_blocks_free, baseline.kv_blocks_free);
+    assert_eq!(
+        (baseline.active, baseline.kv_blocks_free),
+        (0, baseline.kv_blocks_total)
+    );
+    cluster
+        .until_decode_idle(0)
+        .await
+        .expect("back to baseline");
     cluster.stop().await.expect("clean stop");
 }

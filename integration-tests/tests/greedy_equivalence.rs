@@ -64,9 +64,10 @@ async fn check(model: Arc<Model>, prompts: Vec<Vec<u32>>, max_tokens: u32) {
             .contains(&out.last.finish_reason)
         );
     }
-    let load = cluster.decode_load(0).await.expect("load");
-    assert_eq!(load.active, 0);
-    assert_eq!(load.kv_blocks_free, load.kv_blocks_total);
+    cluster
+        .until_decode_idle(0)
+        .await
+        .expect("every slot and block returned");
     cluster.stop().await.expect("clean stop");
 }
 

@@ -16,21 +16,8 @@ fn long_request() -> pb::GenerateRequest {
     r
 }
 
-/// Waits until the decode node reports no active slot and every KV block free; returns how long
-/// that took.
 async fn until_idle(cluster: &Cluster) -> Duration {
-    let started = Instant::now();
-    loop {
-        let load = cluster.decode_load(0).await.expect("load");
-        if load.active == 0 && load.kv_blocks_free == load.kv_blocks_total {
-            return started.elapsed();
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "the decode node never went idle: {load:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    cluster.until_decode_idle(0).await.expect("idle")
 }
 
 async fn cluster(slots: usize) -> Cluster {
