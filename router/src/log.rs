@@ -14,11 +14,6 @@ use tonic::Status;
 
 pub type Item = Result<pb::GenerateResponse, Status>;
 
-#[derive(Debug, Default)]
-struct Frames {
-    items: Vec<Item>,
-}
-
 fn is_last(item: &Item) -> bool {
     item.as_ref().map_or(true, |f| {
         f.finish_reason != pb::FinishReason::Unspecified as i32
@@ -27,11 +22,11 @@ fn is_last(item: &Item) -> bool {
 
 #[derive(Debug)]
 struct Shared {
-    frames: Mutex<Frames>,
+    frames: Mutex<Vec<Item>>,
 }
 
 impl Shared {
-    fn lock(&self) -> MutexGuard<'_, Frames> {
+    fn lock(&self) -> MutexGuard<'_, Vec<Item>> {
         // Appends are single pushes; a poisoned lock is still consistent.
         self.frames.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -56,7 +51,7 @@ impl LogWriter {
         let (len, _) = watch::channel(0);
         Arc::new(Self {
             shared: Arc::new(Shared {
-                frames: Mutex::new(Frames::default()),
+                frames: Mutex::new(Vec::new()),
             }),
             len,
         })
@@ -73,8 +68,8 @@ impl LogWriter {
     pub fn push(&self, item: Item) {
         let len = {
             let mut frames = self.shared.lock();
-            frames.items.push(item);
-            frames.items.len()
+            frames.push(item);
+            frames.len()
         };
         self.len.send_replace(len);
     }
@@ -93,7 +88,7 @@ impl LogReader {
                 return None;
             }
             loop {
-                let next = r.shared.lock().items.get(i).map(|item| match item {
+                let next = r.shared.lock().get(i).map(|item| match item {
                     Ok(f) => Ok(f.clone()),
                     Err(s) => Err(Status::new(s.code(), s.message())),
                 });
