@@ -19,8 +19,20 @@ use rayon::prelude::*;
 use crate::packed::{BlockQ4_1x8, BlockQ8_0x8, GROUP, pack_q4_1, pack_q8_0};
 use crate::quant::{BlockQ4_1, BlockQ8_0, BlockQ8_1, QK};
 
-/// Activation rows multiplied per decoded weight block.
-const TILE: usize = 4;
+/// Activation rows multiplied per decoded weight block: enough independent accumulator chains
+/// to keep two `vpdpbusd` a cycle in flight (latency 4), within the 32 vector registers of
+/// AVX-512. The AVX2 path, with 16 registers, takes a tile in passes of [`AVX2_TILE`].
+const TILE: usize = 8;
+#[cfg_attr(
+    not(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma",
+        target_feature = "f16c"
+    )),
+    allow(dead_code)
+)]
+const AVX2_TILE: usize = 4;
 
 /// Weights as read from a file, one row after another.
 #[derive(Debug)]
@@ -133,6 +145,14 @@ impl QMatrix {
         let chunk = groups.div_ceil(threads * 4).max(2);
         let out_ptr = SendPtr(out.as_mut_ptr());
         let rows = self.rows;
+        let shifted;
+        let acts = match &self.data {
+            Packed::Q8_0(_) if unsigned_q8_0_acts() => {
+                shifted = shift_to_unsigned(acts);
+                &shifted[..]
+            }
+            _ => acts,
+        };
         (0..groups.div_ceil(chunk)).into_par_iter().for_each(|c| {
             for g in c * chunk..((c + 1) * chunk).min(groups) {
                 for j0 in (0..n).step_by(TILE) {
@@ -157,6 +177,38 @@ impl QMatrix {
     }
 }
 
+/// Whether the `Q8_0` kernel takes its activations shifted to unsigned bytes (see
+/// [`shift_to_unsigned`]).
+fn unsigned_q8_0_acts() -> bool {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma",
+        target_feature = "f16c"
+    ))]
+    return x86::has_vnni();
+    #[cfg(not(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma",
+        target_feature = "f16c"
+    )))]
+    return false;
+}
+
+/// The activations with each quant's bytes read as `q + 128` in an unsigned byte (the sign bit
+/// flipped), so `vpdpbusd` can take them as its unsigned operand and the signed `Q8_0` weights
+/// as the other; the kernel subtracts `128·Σw` from each block's sum. This saves two sign
+/// operations per multiply-add over moving `w`'s sign onto the activations.
+fn shift_to_unsigned(acts: &[BlockQ8_1]) -> Vec<BlockQ8_1> {
+    acts.iter()
+        .map(|a| BlockQ8_1 {
+            qs: a.qs.map(|q| (q as u8 ^ 0x80) as i8),
+            ..*a
+        })
+        .collect()
+}
+
 /// A raw pointer that tasks writing disjoint cells may share.
 #[derive(Clone, Copy)]
 struct SendPtr(*mut f32);
@@ -169,7 +221,8 @@ impl SendPtr {
     }
 }
 
-type TileOut = [[f32; GROUP]; TILE];
+/// Per activation row of a tile, the 8 outputs of one row group.
+type TileOut = [[f32; GROUP]];
 
 /// Runs an x86 kernel for a runtime tile size `t`, in the VNNI or the AVX2 instruction set.
 #[cfg(all(
@@ -179,19 +232,33 @@ type TileOut = [[f32; GROUP]; TILE];
     target_feature = "f16c"
 ))]
 macro_rules! dispatch_tile {
-    ($avx2:ident, $vnni:ident, $w:expr, $acts:expr, $t:expr, $out:expr) => {
+    ($avx2:ident $(<$d:ty>)?, $vnni:ident, $w:expr, $acts:expr, $t:expr, $out:expr) => {
         // SAFETY: the cfg guarantees AVX2, FMA and F16C; VNNI is checked at run time; the
         // slices are sized by `QMatrix::matmul`.
         unsafe {
-            match (x86::has_vnni(), $t) {
-                (true, 1) => x86::$vnni::<1>($w, $acts, $out),
-                (true, 2) => x86::$vnni::<2>($w, $acts, $out),
-                (true, 3) => x86::$vnni::<3>($w, $acts, $out),
-                (true, _) => x86::$vnni::<TILE>($w, $acts, $out),
-                (false, 1) => x86::$avx2::<x86::Avx2, 1>($w, $acts, $out),
-                (false, 2) => x86::$avx2::<x86::Avx2, 2>($w, $acts, $out),
-                (false, 3) => x86::$avx2::<x86::Avx2, 3>($w, $acts, $out),
-                (false, _) => x86::$avx2::<x86::Avx2, TILE>($w, $acts, $out),
+            let (w, acts, t, out) = ($w, $acts, $t, $out);
+            if x86::has_vnni() {
+                match t {
+                    1 => x86::$vnni::<1>(w, acts, out),
+                    2 => x86::$vnni::<2>(w, acts, out),
+                    3 => x86::$vnni::<3>(w, acts, out),
+                    4 => x86::$vnni::<4>(w, acts, out),
+                    5 => x86::$vnni::<5>(w, acts, out),
+                    6 => x86::$vnni::<6>(w, acts, out),
+                    7 => x86::$vnni::<7>(w, acts, out),
+                    _ => x86::$vnni::<TILE>(w, acts, out),
+                }
+            } else {
+                let nb = w.len();
+                for (i, out) in out[..t].chunks_mut(AVX2_TILE).enumerate() {
+                    let acts = &acts[i * AVX2_TILE * nb..];
+                    match out.len() {
+                        1 => x86::$avx2::<$($d,)? 1>(w, acts, out),
+                        2 => x86::$avx2::<$($d,)? 2>(w, acts, out),
+                        3 => x86::$avx2::<$($d,)? 3>(w, acts, out),
+                        _ => x86::$avx2::<$($d,)? AVX2_TILE>(w, acts, out),
+                    }
+                }
             }
         }
     };
@@ -204,7 +271,7 @@ macro_rules! dispatch_tile {
     target_feature = "f16c"
 ))]
 fn tile_q4_1(w: &[BlockQ4_1x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
-    dispatch_tile!(tile_q4_1, tile_q4_1_vnni, w, acts, t, out)
+    dispatch_tile!(tile_q4_1<x86::Avx2>, tile_q4_1_vnni, w, acts, t, out)
 }
 
 #[cfg(all(
@@ -301,42 +368,24 @@ mod x86 {
 
     /// Sums u8 × i8 products of 4-byte groups into per-lane integers.
     pub(super) trait DotU8I8 {
-        /// `acc += u0·s0 + u1·s1`, 4-byte groups per 32-bit lane, in the accumulator's width.
-        unsafe fn add2(acc: __m256i, u0: __m256i, s0: __m256i, u1: __m256i, s1: __m256i)
-        -> __m256i;
-        /// The accumulator as i32 lanes.
-        unsafe fn finish(acc: __m256i) -> __m256i;
-        /// `acc += u·s`, 4-byte groups per i32 lane (`acc` already in i32).
-        unsafe fn add1_i32(acc: __m256i, u: __m256i, s: __m256i) -> __m256i;
+        /// `acc += u·s`, 4-byte groups per 32-bit lane, in the accumulator's width.
+        unsafe fn add(acc: __m256i, u: __m256i, s: __m256i) -> __m256i;
+        /// The sum of two accumulators as i32 lanes.
+        unsafe fn finish2(a: __m256i, b: __m256i) -> __m256i;
     }
 
-    /// `maddubs` into i16 lanes, widened by `finish`.
+    /// `maddubs` into i16 lanes, widened by `finish2`.
     pub(super) struct Avx2;
     impl DotU8I8 for Avx2 {
         #[inline(always)]
-        unsafe fn add2(
-            acc: __m256i,
-            u0: __m256i,
-            s0: __m256i,
-            u1: __m256i,
-            s1: __m256i,
-        ) -> __m256i {
+        unsafe fn add(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
             // SAFETY: the caller runs with AVX2.
-            unsafe {
-                let p =
-                    _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
-                _mm256_add_epi16(acc, p)
-            }
+            unsafe { _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s)) }
         }
         #[inline(always)]
-        unsafe fn finish(acc: __m256i) -> __m256i {
+        unsafe fn finish2(a: __m256i, b: __m256i) -> __m256i {
             // SAFETY: as above.
-            unsafe { _mm256_madd_epi16(acc, _mm256_set1_epi16(1)) }
-        }
-        #[inline(always)]
-        unsafe fn add1_i32(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
-            // SAFETY: as above.
-            unsafe { _mm256_add_epi32(acc, Self::finish(_mm256_maddubs_epi16(u, s))) }
+            unsafe { _mm256_madd_epi16(_mm256_add_epi16(a, b), _mm256_set1_epi16(1)) }
         }
     }
 
@@ -344,24 +393,14 @@ mod x86 {
     pub(super) struct Vnni;
     impl DotU8I8 for Vnni {
         #[inline(always)]
-        unsafe fn add2(
-            acc: __m256i,
-            u0: __m256i,
-            s0: __m256i,
-            u1: __m256i,
-            s1: __m256i,
-        ) -> __m256i {
+        unsafe fn add(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
             // SAFETY: the caller runs with AVX-512 VNNI and VL.
-            unsafe { _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, u0, s0), u1, s1) }
-        }
-        #[inline(always)]
-        unsafe fn finish(acc: __m256i) -> __m256i {
-            acc
-        }
-        #[inline(always)]
-        unsafe fn add1_i32(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
-            // SAFETY: as above.
             unsafe { _mm256_dpbusd_epi32(acc, u, s) }
+        }
+        #[inline(always)]
+        unsafe fn finish2(a: __m256i, b: __m256i) -> __m256i {
+            // SAFETY: as above.
+            unsafe { _mm256_add_epi32(a, b) }
         }
     }
 
@@ -374,6 +413,8 @@ mod x86 {
 
     /// One 8-row group against `T` activation rows. Per block, the integer sums are exact
     /// (for AVX2: ≤ 8 · 2 · 15 · 128 = 30720 fits an i16 lane), then scaled once for 8 rows.
+    /// Low and high nibbles accumulate in separate chains, so even one activation row keeps two
+    /// multiply-adds in flight.
     #[inline(always)]
     pub(super) unsafe fn tile_q4_1<D: DotU8I8, const T: usize>(
         w: &[BlockQ4_1x8],
@@ -387,21 +428,23 @@ mod x86 {
             let mask = _mm256_set1_epi8(0x0F);
             let mut acc = [_mm256_setzero_ps(); T];
             for (b, blk) in w.iter().enumerate() {
-                let mut isum = [_mm256_setzero_si256(); T];
+                let mut isum_lo = [_mm256_setzero_si256(); T];
+                let mut isum_hi = [_mm256_setzero_si256(); T];
                 for j in 0..4 {
                     let raw = _mm256_loadu_si256(blk.qs.as_ptr().add(32 * j).cast());
                     let lo = _mm256_and_si256(raw, mask);
                     let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
                     for k in 0..T {
                         let a = &acts[k * nb + b];
-                        isum[k] = D::add2(isum[k], lo, bcast4(a, 4 * j), hi, bcast4(a, 16 + 4 * j));
+                        isum_lo[k] = D::add(isum_lo[k], lo, bcast4(a, 4 * j));
+                        isum_hi[k] = D::add(isum_hi[k], hi, bcast4(a, 16 + 4 * j));
                     }
                 }
                 let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
                 let mw = _mm256_cvtph_ps(_mm_loadu_si128(blk.m.as_ptr().cast()));
                 for k in 0..T {
                     let a = &acts[k * nb + b];
-                    let f = _mm256_cvtepi32_ps(D::finish(isum[k]));
+                    let f = _mm256_cvtepi32_ps(D::finish2(isum_lo[k], isum_hi[k]));
                     acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d)), acc[k]);
                     acc[k] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s), acc[k]);
                 }
@@ -412,11 +455,11 @@ mod x86 {
         }
     }
 
-    /// One 8-row `Q8_0` group against `T` activation rows. The unsigned operand is |w|, with
+    /// One 8-row `Q8_0` group against `T` activation rows, in AVX2. The unsigned operand is |w|, with
     /// w's sign moved onto the activations. Each 4-byte step is widened to i32 at once, since
     /// two AVX2 `maddubs` results (up to 2 · 127 · 128 each) would overflow an i16 lane.
     #[inline(always)]
-    pub(super) unsafe fn tile_q8_0<D: DotU8I8, const T: usize>(
+    pub(super) unsafe fn tile_q8_0<const T: usize>(
         w: &[BlockQ8_0x8],
         acts: &[BlockQ8_1],
         out: &mut TileOut,
@@ -424,21 +467,24 @@ mod x86 {
         let nb = w.len();
         // SAFETY (whole body): as in `tile_q4_1`.
         unsafe {
+            let ones = _mm256_set1_epi16(1);
             let mut acc = [_mm256_setzero_ps(); T];
             for (b, blk) in w.iter().enumerate() {
-                let mut isum = [_mm256_setzero_si256(); T];
+                // Even and odd steps accumulate in separate chains (see `tile_q4_1`).
+                let mut isum = [[_mm256_setzero_si256(); T]; 2];
                 for j in 0..8 {
                     let wq = _mm256_loadu_si256(blk.qs.as_ptr().add(32 * j).cast());
                     let u = _mm256_sign_epi8(wq, wq);
                     for k in 0..T {
                         let s = _mm256_sign_epi8(bcast4(&acts[k * nb + b], 4 * j), wq);
-                        isum[k] = D::add1_i32(isum[k], u, s);
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones);
+                        isum[j % 2][k] = _mm256_add_epi32(isum[j % 2][k], p);
                     }
                 }
                 let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
                 for k in 0..T {
                     let a = &acts[k * nb + b];
-                    let f = _mm256_cvtepi32_ps(isum[k]);
+                    let f = _mm256_cvtepi32_ps(_mm256_add_epi32(isum[0][k], isum[1][k]));
                     acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d)), acc[k]);
                 }
             }
@@ -458,14 +504,42 @@ mod x86 {
         unsafe { tile_q4_1::<Vnni, T>(w, acts, out) }
     }
 
+    /// One 8-row `Q8_0` group against `T` activation rows shifted to unsigned bytes (see
+    /// `shift_to_unsigned`): `vpdpbusd` takes them as they are, and `128·Σw` comes off each
+    /// block's sum. The integer sums equal `tile_q8_0`'s exactly, and the float steps are the
+    /// same, so the results are bit-identical.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
     pub(super) unsafe fn tile_q8_0_vnni<const T: usize>(
         w: &[BlockQ8_0x8],
-        acts: &[BlockQ8_1],
+        acts_u8: &[BlockQ8_1],
         out: &mut TileOut,
     ) {
-        // SAFETY: as above.
-        unsafe { tile_q8_0::<Vnni, T>(w, acts, out) }
+        let nb = w.len();
+        // SAFETY (whole body): the caller checked `has_vnni`; every load reads inside a block.
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); T];
+            for (b, blk) in w.iter().enumerate() {
+                let mut isum = [[_mm256_setzero_si256(); T]; 2];
+                for j in 0..8 {
+                    let wq = _mm256_loadu_si256(blk.qs.as_ptr().add(32 * j).cast());
+                    for k in 0..T {
+                        let u = bcast4(&acts_u8[k * nb + b], 4 * j);
+                        isum[j % 2][k] = _mm256_dpbusd_epi32(isum[j % 2][k], u, wq);
+                    }
+                }
+                let shift = _mm256_slli_epi32::<7>(_mm256_loadu_si256(blk.sum.as_ptr().cast()));
+                let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
+                for k in 0..T {
+                    let a = &acts_u8[k * nb + b];
+                    let i = _mm256_add_epi32(isum[0][k], isum[1][k]);
+                    let f = _mm256_cvtepi32_ps(_mm256_sub_epi32(i, shift));
+                    acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d)), acc[k]);
+                }
+            }
+            for k in 0..T {
+                _mm256_storeu_ps(out[k].as_mut_ptr(), acc[k]);
+            }
+        }
     }
 }
 

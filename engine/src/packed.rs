@@ -26,6 +26,9 @@ pub struct BlockQ4_1x8 {
 #[derive(Clone, Copy, Debug, Pod, Zeroable)]
 pub struct BlockQ8_0x8 {
     pub d: [f16; GROUP],
+    /// Each row's sum of quants, for kernels that shift the activations to unsigned bytes
+    /// (`Σ (a + 128)·w = Σ a·w + 128·Σ w`).
+    pub sum: [i32; GROUP],
     pub qs: [i8; GROUP * QK],
 }
 
@@ -56,6 +59,7 @@ pub fn pack_q8_0(rows: usize, nb: usize, src: &[BlockQ8_0]) -> Vec<BlockQ8_0x8> 
         for ri in 0..GROUP.min(rows - g * GROUP) {
             let s = &src[(g * GROUP + ri) * nb + b];
             dst.d[ri] = s.d;
+            dst.sum[ri] = s.qs.iter().map(|&q| i32::from(q)).sum();
             for j in 0..8 {
                 dst.qs[32 * j + ri * 4..32 * j + ri * 4 + 4]
                     .copy_from_slice(&s.qs[4 * j..4 * j + 4]);
@@ -118,6 +122,8 @@ mod tests {
                 assert_eq!(q8_0_quants(&p8[g * nb + b], ri), s8.qs);
                 assert_eq!(p4[g * nb + b].d[ri], s4.d);
                 assert_eq!(p8[g * nb + b].d[ri], s8.d);
+                let sum: i32 = s8.qs.iter().map(|&q| i32::from(q)).sum();
+                assert_eq!(p8[g * nb + b].sum[ri], sum);
             }
         }
     }

@@ -125,8 +125,8 @@ fn avx2_and_vnni_kernels_are_bit_identical() {
     }
     assert_eq!(a, b);
     unsafe {
-        x86::tile_q8_0::<x86::Avx2, TILE>(&p8, &acts, &mut a);
-        x86::tile_q8_0_vnni::<TILE>(&p8, &acts, &mut b);
+        x86::tile_q8_0::<TILE>(&p8, &acts, &mut a);
+        x86::tile_q8_0_vnni::<TILE>(&p8, &shift_to_unsigned(&acts), &mut b);
     }
     assert_eq!(a, b);
 }
