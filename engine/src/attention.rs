@@ -175,7 +175,7 @@ mod simd {
                 );
                 t += 4;
             }
-            for t in t..n {
+            for (t, o) in out.iter_mut().enumerate().skip(t) {
                 let mut acc = _mm256_setzero_ps();
                 for c in (0..hd).step_by(8) {
                     acc = dot_step(acc, t, c);
@@ -183,7 +183,7 @@ mod simd {
                 let h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
                 let h = _mm_hadd_ps(h, h);
                 let h = _mm_hadd_ps(h, h);
-                out[t] = _mm_cvtss_f32(h) * scale;
+                *o = _mm_cvtss_f32(h) * scale;
             }
         }
     }

@@ -165,11 +165,12 @@ impl QMatrix {
                     }
                     let live = GROUP.min(rows - g * GROUP);
                     for (k, r) in res[..t].iter().enumerate() {
-                        for (ri, v) in r[..live].iter().enumerate() {
-                            // SAFETY: each (j, row) cell is written by exactly one task, since
-                            // tasks own disjoint groups of rows; the index is within `out`.
-                            unsafe { *out_ptr.get().add((j0 + k) * rows + g * GROUP + ri) = *v };
-                        }
+                        let at = (j0 + k) * rows + g * GROUP;
+                        // SAFETY: each (j, row) cell is written by exactly one task, since tasks
+                        // own disjoint groups of rows; `at + live <= out.len()`.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(r.as_ptr(), out_ptr.get().add(at), live)
+                        };
                     }
                 }
             }

@@ -15,7 +15,7 @@ use rayon::prelude::*;
 use crate::attention::{GroupQuery, attend_group};
 use crate::kernels::QMatrix;
 use crate::kv::{KvKind, KvLayout, KvPool};
-use crate::quant::{QK, quantize_row_q8_1};
+use crate::quant::{BlockQ8_1, QK, quantize_row_q8_1};
 
 /// Hyperparameters of a llama model.
 #[derive(Clone, Debug, PartialEq)]
@@ -130,26 +130,38 @@ pub fn forward(
         w.embed.dequantize_row(r.token as usize, xr);
     }
     let rope = rope_tables(cfg, rows);
+    let qkv_w = qd + 2 * kvd;
     let mut xn = vec![0f32; n * h];
     let mut acts_h = vec![bytemuck::Zeroable::zeroed(); n * h / QK];
     let mut acts_f = vec![bytemuck::Zeroable::zeroed(); n * cfg.ffn / QK];
-    let mut qkv = vec![0f32; n * (qd + 2 * kvd)];
+    let mut qkv = vec![0f32; n * qkv_w];
     let mut attn = vec![0f32; n * qd];
     let mut acts_q = vec![bytemuck::Zeroable::zeroed(); n * qd / QK];
     let mut proj = vec![0f32; n * h];
     let mut gate_up = vec![0f32; n * 2 * cfg.ffn];
     let mut ffn_act = vec![0f32; n * cfg.ffn];
 
+    if let Some(first) = w.layers.first() {
+        add_norm_quantize(
+            &mut x,
+            None,
+            &first.attn_norm,
+            cfg.rms_eps,
+            &mut xn,
+            &mut acts_h,
+        );
+    }
     for (li, lw) in w.layers.iter().enumerate() {
-        rms_norm_rows(&x, &lw.attn_norm, cfg.rms_eps, &mut xn);
-        quantize_row_q8_1(&xn, &mut acts_h);
         lw.wqkv.matmul(&acts_h, n, &mut qkv);
-        for (ri, r) in rows.iter().enumerate() {
-            let row = &mut qkv[ri * (qd + 2 * kvd)..(ri + 1) * (qd + 2 * kvd)];
-            let (cos, sin) = &rope[ri];
-            for head in row[..qd + kvd].chunks_exact_mut(hd) {
-                apply_rope(head, cos, sin);
-            }
+        qkv.par_chunks_mut(qkv_w)
+            .zip(&rope)
+            .with_min_len(ROWS_PER_TASK)
+            .for_each(|(row, (cos, sin))| {
+                for head in row[..qd + kvd].chunks_exact_mut(hd) {
+                    apply_rope(head, cos, sin);
+                }
+            });
+        for (r, row) in rows.iter().zip(qkv.chunks_exact(qkv_w)) {
             for g in 0..cfg.n_kv_heads {
                 let k = &row[qd + g * hd..qd + (g + 1) * hd];
                 pool.write(r.blocks, r.pos, li, KvKind::Key, g, k);
@@ -161,7 +173,7 @@ pub fn forward(
         let pool_ref = &*pool;
         attn.par_chunks_mut(group).enumerate().for_each(|(i, out)| {
             let (ri, g) = (i / cfg.n_kv_heads, i % cfg.n_kv_heads);
-            let base = ri * (qd + 2 * kvd) + g * group;
+            let base = ri * qkv_w + g * group;
             let query = GroupQuery {
                 layer: li,
                 kv_head: g,
@@ -171,25 +183,41 @@ pub fn forward(
             };
             attend_group(pool_ref, &query, out);
         });
-        quantize_row_q8_1(&attn, &mut acts_q);
+        attn.par_chunks(qd)
+            .zip(acts_q.par_chunks_mut(qd / QK))
+            .with_min_len(ROWS_PER_TASK)
+            .for_each(|(a, q)| quantize_row_q8_1(a, q));
         lw.wo.matmul(&acts_q, n, &mut proj);
-        add_in_place(&mut x, &proj);
+        add_norm_quantize(
+            &mut x,
+            Some(&proj),
+            &lw.ffn_norm,
+            cfg.rms_eps,
+            &mut xn,
+            &mut acts_h,
+        );
 
-        rms_norm_rows(&x, &lw.ffn_norm, cfg.rms_eps, &mut xn);
-        quantize_row_q8_1(&xn, &mut acts_h);
         lw.w_gate_up.matmul(&acts_h, n, &mut gate_up);
-        for (gu, out) in gate_up
-            .chunks_exact(2 * cfg.ffn)
-            .zip(ffn_act.chunks_exact_mut(cfg.ffn))
-        {
-            let (gate, up) = gu.split_at(cfg.ffn);
-            for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
-                *o = g / (1.0 + (-g).exp()) * u;
-            }
-        }
-        quantize_row_q8_1(&ffn_act, &mut acts_f);
+        gate_up
+            .par_chunks(2 * cfg.ffn)
+            .zip(ffn_act.par_chunks_mut(cfg.ffn))
+            .zip(acts_f.par_chunks_mut(cfg.ffn / QK))
+            .with_min_len(ROWS_PER_TASK)
+            .for_each(|((gu, out), q)| {
+                let (gate, up) = gu.split_at(cfg.ffn);
+                for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+                    *o = g / (1.0 + (-g).exp()) * u;
+                }
+                quantize_row_q8_1(out, q);
+            });
         lw.w_down.matmul(&acts_f, n, &mut proj);
-        add_in_place(&mut x, &proj);
+        match w.layers.get(li + 1) {
+            Some(next) => {
+                let norm = &next.attn_norm;
+                add_norm_quantize(&mut x, Some(&proj), norm, cfg.rms_eps, &mut xn, &mut acts_h);
+            }
+            None => add_in_place(&mut x, &proj),
+        }
     }
 
     let wanted: Vec<usize> = (0..n).filter(|&i| rows[i].want_logits).collect();
@@ -211,6 +239,34 @@ pub fn forward(
         .chunks_exact(cfg.vocab)
         .map(<[f32]>::to_vec)
         .collect()
+}
+
+/// Rows per task in the row-parallel elementwise steps: a small batch stays on one thread.
+const ROWS_PER_TASK: usize = 4;
+
+/// Per row, in parallel: `x += proj` (if given), `xn = rms_norm(x) · weight`, and `xn`
+/// quantized into `acts`.
+fn add_norm_quantize(
+    x: &mut [f32],
+    proj: Option<&[f32]>,
+    weight: &[f32],
+    eps: f32,
+    xn: &mut [f32],
+    acts: &mut [BlockQ8_1],
+) {
+    let h = weight.len();
+    x.par_chunks_mut(h)
+        .zip(xn.par_chunks_mut(h))
+        .zip(acts.par_chunks_mut(h / QK))
+        .enumerate()
+        .with_min_len(ROWS_PER_TASK)
+        .for_each(|(i, ((x, xn), q))| {
+            if let Some(p) = proj {
+                add_in_place(x, &p[i * h..(i + 1) * h]);
+            }
+            rms_norm_rows(x, weight, eps, xn);
+            quantize_row_q8_1(xn, q);
+        });
 }
 
 fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
