@@ -48,7 +48,16 @@ fn attend_group_in(pool: &KvPool, g: &GroupQuery<'_>, out: &mut [f32], s: &mut S
     let n_blocks = n_keys.div_ceil(BLOCK_TOKENS);
     let block_len = |bi: usize| (n_keys - bi * BLOCK_TOKENS).min(BLOCK_TOKENS);
 
+    let slab = |bi: usize, kind: KvKind| {
+        &pool.slab(g.blocks[bi], g.layer, kind, g.kv_head)[..block_len(bi) * hd]
+    };
     for (bi, &block) in g.blocks[..n_blocks].iter().enumerate() {
+        // The slabs are scattered over the pool: ask for the next keys and for these values
+        // while this block computes.
+        if bi + 1 < n_blocks {
+            prefetch(slab(bi + 1, KvKind::Key));
+        }
+        prefetch(slab(bi, KvKind::Value));
         let n = block_len(bi);
         let keys = &mut s.buf[..n * hd];
         pool.slab(block, g.layer, KvKind::Key, g.kv_head)[..n * hd].convert_to_f32_slice(keys);
@@ -70,6 +79,21 @@ fn attend_group_in(pool: &KvPool, g: &GroupQuery<'_>, out: &mut [f32], s: &mut S
             simd::accumulate(&s.scores[at..at + n], values, o);
         }
     }
+}
+
+/// Asks the CPU to start loading `data` into its cache.
+fn prefetch(data: &[half::f16]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in data.chunks(32) {
+        // SAFETY: prefetching has no effect on memory; the address is inside `data`.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                line.as_ptr().cast(),
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = data;
 }
 
 /// Dot product with 8 independent partial sums, which the compiler turns into SIMD.

@@ -53,8 +53,7 @@ impl KvLayout {
 #[derive(Debug)]
 pub struct KvPool {
     layout: KvLayout,
-    /// f16 bit patterns. Held as `u16` because `vec![0u16; n]` is a zeroed allocation (pages
-    /// committed on first write), which `vec![f16::ZERO; n]` is not.
+    /// f16 bit patterns, in a zeroed allocation (pages committed on first write).
     data: Vec<u16>,
     free: Vec<u32>,
     total: usize,
@@ -64,9 +63,11 @@ impl KvPool {
     /// A pool of as many blocks as fit in `budget_bytes` (at least one).
     pub fn new(layout: KvLayout, budget_bytes: usize) -> Self {
         let total = (budget_bytes / layout.block_bytes()).max(1);
+        // Each layer's slab of each block is read every step, blocks hundreds of KB apart.
+        let data = crate::huge::zeroed_vec(total * layout.block_elems());
         Self {
             layout,
-            data: vec![0u16; total * layout.block_elems()],
+            data,
             free: (0..total as u32).rev().collect(),
             total,
         }

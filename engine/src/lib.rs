@@ -7,6 +7,7 @@ mod attention;
 mod engine;
 mod error;
 mod generate;
+mod huge;
 mod kernels;
 mod kv;
 mod loader;
