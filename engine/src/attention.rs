@@ -7,6 +7,7 @@
 use half::slice::HalfFloatSliceExt;
 
 use crate::kv::{BLOCK_TOKENS, KvKind, KvPool};
+use crate::memory::prefetch;
 
 /// Inputs for the query heads that share one KV head.
 #[derive(Debug)]
@@ -79,21 +80,6 @@ fn attend_group_in(pool: &KvPool, g: &GroupQuery<'_>, out: &mut [f32], s: &mut S
             simd::accumulate(&s.scores[at..at + n], values, o);
         }
     }
-}
-
-/// Asks the CPU to start loading `data` into its cache.
-fn prefetch(data: &[half::f16]) {
-    #[cfg(target_arch = "x86_64")]
-    for line in data.chunks(32) {
-        // SAFETY: prefetching has no effect on memory; the address is inside `data`.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                line.as_ptr().cast(),
-            )
-        };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = data;
 }
 
 /// Dot product with 8 independent partial sums, which the compiler turns into SIMD.

@@ -64,7 +64,7 @@ impl KvPool {
     pub fn new(layout: KvLayout, budget_bytes: usize) -> Self {
         let total = (budget_bytes / layout.block_bytes()).max(1);
         // Each layer's slab of each block is read every step, blocks hundreds of KB apart.
-        let data = crate::huge::zeroed_vec(total * layout.block_elems());
+        let data = crate::memory::zeroed_vec(total * layout.block_elems());
         Self {
             layout,
             data,

@@ -35,7 +35,7 @@ pub struct BlockQ8_0x8 {
 /// Packs `rows × (nb blocks)` into `ceil(rows / 8) × nb` groups, padding with zero rows.
 pub fn pack_q4_1(rows: usize, nb: usize, src: &[BlockQ4_1]) -> Vec<BlockQ4_1x8> {
     let groups = rows.div_ceil(GROUP);
-    let mut out: Vec<BlockQ4_1x8> = crate::huge::zeroed_vec(groups * nb);
+    let mut out: Vec<BlockQ4_1x8> = crate::memory::zeroed_vec(groups * nb);
     for (i, dst) in out.iter_mut().enumerate() {
         let (g, b) = (i / nb, i % nb);
         for ri in 0..GROUP.min(rows - g * GROUP) {
@@ -53,7 +53,7 @@ pub fn pack_q4_1(rows: usize, nb: usize, src: &[BlockQ4_1]) -> Vec<BlockQ4_1x8> 
 
 pub fn pack_q8_0(rows: usize, nb: usize, src: &[BlockQ8_0]) -> Vec<BlockQ8_0x8> {
     let groups = rows.div_ceil(GROUP);
-    let mut out: Vec<BlockQ8_0x8> = crate::huge::zeroed_vec(groups * nb);
+    let mut out: Vec<BlockQ8_0x8> = crate::memory::zeroed_vec(groups * nb);
     for (i, dst) in out.iter_mut().enumerate() {
         let (g, b) = (i / nb, i % nb);
         for ri in 0..GROUP.min(rows - g * GROUP) {
