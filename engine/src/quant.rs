@@ -48,13 +48,35 @@ pub struct BlockQ8_1 {
 pub fn quantize_row_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
     debug_assert_eq!(x.len(), out.len() * QK);
     for (chunk, block) in x.chunks_exact(QK).zip(out.iter_mut()) {
-        let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let amax = block_amax(chunk);
         let d = amax / 127.0;
         let id = if d > 0.0 { 1.0 / d } else { 0.0 };
         let sum = quantize_block(chunk, id, &mut block.qs);
         block.d = d;
         block.s = d * sum as f32;
     }
+}
+
+/// The largest |x| of one block of [`QK`] values.
+#[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+fn block_amax(x: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    assert_eq!(x.len(), QK, "block length");
+    // SAFETY: AVX2 is compiled in; `x` holds QK = 32 floats.
+    unsafe {
+        let sign = _mm256_set1_ps(-0.0);
+        let abs = |i: usize| _mm256_andnot_ps(sign, _mm256_loadu_ps(x.as_ptr().add(8 * i)));
+        let m = _mm256_max_ps(_mm256_max_ps(abs(0), abs(1)), _mm256_max_ps(abs(2), abs(3)));
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        _mm_cvtss_f32(m)
+    }
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_feature = "avx2")))]
+fn block_amax(x: &[f32]) -> f32 {
+    x.iter().fold(0f32, |m, v| m.max(v.abs()))
 }
 
 /// `q = round_half_away(x · id)` for one block (|x · id| ≤ 127), returning `Σq`.
@@ -190,6 +212,18 @@ pub fn dot_q8_0_ref(w: &[BlockQ8_0], a: &[BlockQ8_1]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn block_amax_finds_the_largest_magnitude_in_any_lane() {
+        for at in 0..QK {
+            for big in [-9.5f32, 9.5] {
+                let mut x: Vec<f32> = (0..QK).map(|i| (i as f32 * 0.37).sin()).collect();
+                x[at] = big;
+                assert_eq!(block_amax(&x), 9.5, "position {at}");
+            }
+        }
+        assert_eq!(block_amax(&[0.0; QK]), 0.0);
+    }
 
     #[test]
     fn q8_1_round_trip_is_close() {
