@@ -199,8 +199,8 @@ fn unsigned_q8_0_acts() -> bool {
 
 /// The activations with each quant's bytes read as `q + 128` in an unsigned byte (the sign bit
 /// flipped), so `vpdpbusd` can take them as its unsigned operand and the signed `Q8_0` weights
-/// as the other; the kernel subtracts `128·Σw` from each block's sum. This saves two sign
-/// operations per multiply-add over moving `w`'s sign onto the activations.
+/// as the other; the kernel subtracts `128·Σw` from each block's sum. Moving `w`'s sign onto
+/// the activations instead (as the AVX2 kernel must) costs a sign operation per multiply-add.
 fn shift_to_unsigned(acts: &[BlockQ8_1]) -> Vec<BlockQ8_1> {
     acts.iter()
         .map(|a| BlockQ8_1 {
