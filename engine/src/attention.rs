@@ -48,11 +48,10 @@ fn attend_group_in(pool: &KvPool, g: &GroupQuery<'_>, out: &mut [f32], s: &mut S
     s.buf.resize(BLOCK_TOKENS * hd, 0.0);
     let n_blocks = n_keys.div_ceil(BLOCK_TOKENS);
     let block_len = |bi: usize| (n_keys - bi * BLOCK_TOKENS).min(BLOCK_TOKENS);
-
     let slab = |bi: usize, kind: KvKind| {
         &pool.slab(g.blocks[bi], g.layer, kind, g.kv_head)[..block_len(bi) * hd]
     };
-    for (bi, &block) in g.blocks[..n_blocks].iter().enumerate() {
+    for bi in 0..n_blocks {
         // The slabs are scattered over the pool: ask for the next keys and for these values
         // while this block computes.
         if bi + 1 < n_blocks {
@@ -61,7 +60,7 @@ fn attend_group_in(pool: &KvPool, g: &GroupQuery<'_>, out: &mut [f32], s: &mut S
         prefetch(slab(bi, KvKind::Value));
         let n = block_len(bi);
         let keys = &mut s.buf[..n * hd];
-        pool.slab(block, g.layer, KvKind::Key, g.kv_head)[..n * hd].convert_to_f32_slice(keys);
+        slab(bi, KvKind::Key).convert_to_f32_slice(keys);
         for (h, q) in g.q.chunks_exact(hd).enumerate() {
             let at = h * n_keys + bi * BLOCK_TOKENS;
             simd::scores(q, keys, scale, &mut s.scores[at..at + n]);
@@ -71,10 +70,10 @@ fn attend_group_in(pool: &KvPool, g: &GroupQuery<'_>, out: &mut [f32], s: &mut S
         softmax(row);
     }
     out.fill(0.0);
-    for (bi, &block) in g.blocks[..n_blocks].iter().enumerate() {
+    for bi in 0..n_blocks {
         let n = block_len(bi);
         let values = &mut s.buf[..n * hd];
-        pool.slab(block, g.layer, KvKind::Value, g.kv_head)[..n * hd].convert_to_f32_slice(values);
+        slab(bi, KvKind::Value).convert_to_f32_slice(values);
         for (h, o) in out.chunks_exact_mut(hd).enumerate() {
             let at = h * n_keys + bi * BLOCK_TOKENS;
             simd::accumulate(&s.scores[at..at + n], values, o);
@@ -102,14 +101,6 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Portable versions of the two inner loops.
-#[cfg_attr(
-    all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    ),
-    allow(dead_code)
-)]
 mod portable {
     /// `out[t] = q · keys[t] · scale` for the keys (rows of `q.len()`) in `keys`.
     pub(super) fn scores(q: &[f32], keys: &[f32], scale: f32, out: &mut [f32]) {
