@@ -2,21 +2,23 @@
 //!
 //! Written by hand because candle 0.11 has no SIMD kernel for `Q4_1` on the CPU, and because
 //! batched decode and prefill need a kernel that loads each weight block once for several
-//! activation rows. Weights are repacked at load into groups of 8 interleaved rows (see
+//! activation rows. Weights are repacked at load into groups of 16 interleaved rows (see
 //! `packed.rs`); the inner tile multiplies one group's block with up to [`TILE`] activation rows,
-//! summing integer products exactly and applying the scales once per block for 8 rows. Every
+//! summing integer products exactly and applying the scales once per block for 16 rows. Every
 //! (weight row, activation row) pair is accumulated by the same instruction sequence whatever the
 //! tile or batch, so a sequence's logits are bit-identical alone or in a batch, and in a prefill
 //! chunk of any size.
 //!
-//! The AVX2 path (`maddubs` on a broadcast 4-byte activation chunk) is compiled when the build
-//! targets x86-64-v3 (see `.cargo/config.toml`), and an AVX-512 VNNI path (`vpdpbusd`) is
-//! chosen at run time where the CPU has it; the two give bit-identical results. Other targets
-//! run a scalar version.
+//! The AVX2 path (`maddubs` on a broadcast 4-byte activation chunk, 8 rows per register) is
+//! compiled when the build targets x86-64-v3 (see `.cargo/config.toml`), and an AVX-512 VNNI
+//! path (`vpdpbusd` on 512-bit registers, all 16 rows at once) is chosen at run time where the
+//! CPU has it; the two give bit-identical results. On the 2-core Xeons we run on, a 512-bit
+//! `vpdpbusd` issues as often as a 256-bit one (about 5.8 G/s per core, measured), so the
+//! 512-bit path does twice the work per instruction. Other targets run a scalar version.
 
 use rayon::prelude::*;
 
-use crate::packed::{BlockQ4_1x8, BlockQ8_0x8, GROUP, pack_q4_1, pack_q8_0};
+use crate::packed::{BlockQ4_1x16, BlockQ8_0x16, GROUP, pack_q4_1, pack_q8_0};
 use crate::quant::{BlockQ4_1, BlockQ8_0, BlockQ8_1, QK};
 
 /// Activation rows multiplied per decoded weight block: enough independent accumulator chains
@@ -85,8 +87,8 @@ pub struct QMatrix {
 
 #[derive(Debug)]
 enum Packed {
-    Q4_1(Vec<BlockQ4_1x8>),
-    Q8_0(Vec<BlockQ8_0x8>),
+    Q4_1(Vec<BlockQ4_1x16>),
+    Q8_0(Vec<BlockQ8_0x16>),
 }
 
 impl QMatrix {
@@ -233,7 +235,7 @@ type TileOut = [[f32; GROUP]];
     target_feature = "f16c"
 ))]
 macro_rules! dispatch_tile {
-    ($avx2:ident $(<$d:ty>)?, $vnni:ident, $w:expr, $acts:expr, $t:expr, $out:expr) => {
+    ($avx2:ident, $vnni:ident, $w:expr, $acts:expr, $t:expr, $out:expr) => {
         // SAFETY: the cfg guarantees AVX2, FMA and F16C; VNNI is checked at run time; the
         // slices are sized by `QMatrix::matmul`.
         unsafe {
@@ -254,10 +256,10 @@ macro_rules! dispatch_tile {
                 for (i, out) in out[..t].chunks_mut(AVX2_TILE).enumerate() {
                     let acts = &acts[i * AVX2_TILE * nb..];
                     match out.len() {
-                        1 => x86::$avx2::<$($d,)? 1>(w, acts, out),
-                        2 => x86::$avx2::<$($d,)? 2>(w, acts, out),
-                        3 => x86::$avx2::<$($d,)? 3>(w, acts, out),
-                        _ => x86::$avx2::<$($d,)? AVX2_TILE>(w, acts, out),
+                        1 => x86::$avx2::<1>(w, acts, out),
+                        2 => x86::$avx2::<2>(w, acts, out),
+                        3 => x86::$avx2::<3>(w, acts, out),
+                        _ => x86::$avx2::<AVX2_TILE>(w, acts, out),
                     }
                 }
             }
@@ -271,8 +273,8 @@ macro_rules! dispatch_tile {
     target_feature = "fma",
     target_feature = "f16c"
 ))]
-fn tile_q4_1(w: &[BlockQ4_1x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
-    dispatch_tile!(tile_q4_1<x86::Avx2>, tile_q4_1_vnni, w, acts, t, out)
+fn tile_q4_1(w: &[BlockQ4_1x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+    dispatch_tile!(tile_q4_1, tile_q4_1_vnni, w, acts, t, out)
 }
 
 #[cfg(all(
@@ -281,7 +283,7 @@ fn tile_q4_1(w: &[BlockQ4_1x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut)
     target_feature = "fma",
     target_feature = "f16c"
 ))]
-fn tile_q8_0(w: &[BlockQ8_0x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+fn tile_q8_0(w: &[BlockQ8_0x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
     dispatch_tile!(tile_q8_0, tile_q8_0_vnni, w, acts, t, out)
 }
 
@@ -302,17 +304,17 @@ use scalar::{tile_q4_1, tile_q8_0};
 )))]
 mod scalar {
     use super::TileOut;
-    use crate::packed::{BlockQ4_1x8, BlockQ8_0x8};
+    use crate::packed::{BlockQ4_1x16, BlockQ8_0x16};
     use crate::quant::{BlockQ8_1, QK};
 
-    pub(super) fn tile_q4_1(w: &[BlockQ4_1x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+    pub(super) fn tile_q4_1(w: &[BlockQ4_1x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
         scalar_tile(w, acts, t, out, |blk, ri, a| {
             let isum = int_dot(crate::packed::q4_1_quants(blk, ri).map(i32::from), a);
             blk.d[ri].to_f32() * a.d * isum as f32 + blk.m[ri].to_f32() * a.s
         });
     }
 
-    pub(super) fn tile_q8_0(w: &[BlockQ8_0x8], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+    pub(super) fn tile_q8_0(w: &[BlockQ8_0x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
         scalar_tile(w, acts, t, out, |blk, ri, a| {
             let isum = int_dot(crate::packed::q8_0_quants(blk, ri).map(i32::from), a);
             blk.d[ri].to_f32() * a.d * isum as f32
@@ -345,7 +347,7 @@ mod scalar {
 }
 
 /// The x86 kernels, in two instruction sets that give bit-identical results: the per-block
-/// integer sums are exact either way, and the float steps after them are the same.
+/// integer sums are exact either way, and the float steps after them are the same, lane by lane.
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
@@ -356,112 +358,84 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::TileOut;
-    use crate::packed::{BlockQ4_1x8, BlockQ8_0x8};
+    use crate::packed::{BlockQ4_1x16, BlockQ8_0x16, CHUNK};
     use crate::quant::BlockQ8_1;
 
-    /// AVX-512 VNNI (with VL, for 256-bit registers), detected once.
+    /// AVX-512 with VNNI (and BW, for byte shifts), detected once.
     pub(super) fn has_vnni() -> bool {
         static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *VNNI.get_or_init(|| {
-            is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
+            is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vnni")
         })
     }
 
-    /// Sums u8 × i8 products of 4-byte groups into per-lane integers.
-    pub(super) trait DotU8I8 {
-        /// `acc += u·s`, 4-byte groups per 32-bit lane, in the accumulator's width.
-        unsafe fn add(acc: __m256i, u: __m256i, s: __m256i) -> __m256i;
-        /// The sum of two accumulators as i32 lanes.
-        unsafe fn finish2(a: __m256i, b: __m256i) -> __m256i;
-    }
-
-    /// `maddubs` into i16 lanes, widened by `finish2`.
-    pub(super) struct Avx2;
-    impl DotU8I8 for Avx2 {
-        #[inline(always)]
-        unsafe fn add(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
-            // SAFETY: the caller runs with AVX2.
-            unsafe { _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s)) }
-        }
-        #[inline(always)]
-        unsafe fn finish2(a: __m256i, b: __m256i) -> __m256i {
-            // SAFETY: as above.
-            unsafe { _mm256_madd_epi16(_mm256_add_epi16(a, b), _mm256_set1_epi16(1)) }
-        }
-    }
-
-    /// `vpdpbusd`: four u8 × i8 products summed straight into i32 lanes.
-    pub(super) struct Vnni;
-    impl DotU8I8 for Vnni {
-        #[inline(always)]
-        unsafe fn add(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
-            // SAFETY: the caller runs with AVX-512 VNNI and VL.
-            unsafe { _mm256_dpbusd_epi32(acc, u, s) }
-        }
-        #[inline(always)]
-        unsafe fn finish2(a: __m256i, b: __m256i) -> __m256i {
-            // SAFETY: as above.
-            unsafe { _mm256_add_epi32(a, b) }
-        }
-    }
-
-    /// Four activation quants starting at `at`, broadcast to every 32-bit lane.
+    /// Four activation quants starting at `at`, as one 32-bit value for a broadcast.
     #[inline(always)]
-    unsafe fn bcast4(a: &BlockQ8_1, at: usize) -> __m256i {
-        // SAFETY: `at + 4 <= 32`; the read is unaligned; AVX is compiled in.
-        unsafe { _mm256_set1_epi32(a.qs.as_ptr().add(at).cast::<i32>().read_unaligned()) }
+    unsafe fn quad(a: &BlockQ8_1, at: usize) -> i32 {
+        // SAFETY: `at + 4 <= 32`; the read is unaligned.
+        unsafe { a.qs.as_ptr().add(at).cast::<i32>().read_unaligned() }
     }
 
-    /// One 8-row group against `T` activation rows. Per block, the integer sums are exact
-    /// (for AVX2: ≤ 8 · 2 · 15 · 128 = 30720 fits an i16 lane), then scaled once for 8 rows.
-    /// Low and high nibbles accumulate in separate chains, so even one activation row keeps two
+    /// One 16-row group against `T` activation rows, in AVX2, as two passes over 8-row halves
+    /// (a 256-bit register holds 4 bytes of 8 rows). Per block, the integer sums are exact
+    /// (≤ 8 · 2 · 15 · 128 = 30720 fits an i16 lane), then scaled once for the 8 rows. Low and
+    /// high nibbles accumulate in separate chains, so even one activation row keeps two
     /// multiply-adds in flight.
-    #[inline(always)]
-    pub(super) unsafe fn tile_q4_1<D: DotU8I8, const T: usize>(
-        w: &[BlockQ4_1x8],
+    pub(super) unsafe fn tile_q4_1<const T: usize>(
+        w: &[BlockQ4_1x16],
         acts: &[BlockQ8_1],
         out: &mut TileOut,
     ) {
         let nb = w.len();
-        // SAFETY (whole body): the caller guarantees AVX2, FMA, F16C (and VNNI for `Vnni`);
-        // every load reads inside a block.
+        // SAFETY (whole body): the cfg guarantees AVX2, FMA and F16C; every load reads inside
+        // a block.
         unsafe {
             let mask = _mm256_set1_epi8(0x0F);
-            let mut acc = [_mm256_setzero_ps(); T];
-            for (b, blk) in w.iter().enumerate() {
-                let mut isum_lo = [_mm256_setzero_si256(); T];
-                let mut isum_hi = [_mm256_setzero_si256(); T];
-                for j in 0..4 {
-                    let raw = _mm256_loadu_si256(blk.qs.as_ptr().add(32 * j).cast());
-                    let lo = _mm256_and_si256(raw, mask);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
+            let ones = _mm256_set1_epi16(1);
+            for half in 0..2 {
+                let mut acc = [_mm256_setzero_ps(); T];
+                for (b, blk) in w.iter().enumerate() {
+                    let mut isum_lo = [_mm256_setzero_si256(); T];
+                    let mut isum_hi = [_mm256_setzero_si256(); T];
+                    for j in 0..4 {
+                        let at = CHUNK * j + 32 * half;
+                        let raw = _mm256_loadu_si256(blk.qs.as_ptr().add(at).cast());
+                        let lo = _mm256_and_si256(raw, mask);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
+                        for k in 0..T {
+                            let a = &acts[k * nb + b];
+                            let (al, ah) = (quad(a, 4 * j), quad(a, 16 + 4 * j));
+                            let pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(al));
+                            let ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(ah));
+                            isum_lo[k] = _mm256_add_epi16(isum_lo[k], pl);
+                            isum_hi[k] = _mm256_add_epi16(isum_hi[k], ph);
+                        }
+                    }
+                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().add(8 * half).cast()));
+                    let mw = _mm256_cvtph_ps(_mm_loadu_si128(blk.m.as_ptr().add(8 * half).cast()));
                     for k in 0..T {
                         let a = &acts[k * nb + b];
-                        isum_lo[k] = D::add(isum_lo[k], lo, bcast4(a, 4 * j));
-                        isum_hi[k] = D::add(isum_hi[k], hi, bcast4(a, 16 + 4 * j));
+                        let sum = _mm256_add_epi16(isum_lo[k], isum_hi[k]);
+                        let f = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, ones));
+                        acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d)), acc[k]);
+                        acc[k] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s), acc[k]);
                     }
                 }
-                let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
-                let mw = _mm256_cvtph_ps(_mm_loadu_si128(blk.m.as_ptr().cast()));
                 for k in 0..T {
-                    let a = &acts[k * nb + b];
-                    let f = _mm256_cvtepi32_ps(D::finish2(isum_lo[k], isum_hi[k]));
-                    acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d)), acc[k]);
-                    acc[k] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s), acc[k]);
+                    _mm256_storeu_ps(out[k].as_mut_ptr().add(8 * half), acc[k]);
                 }
-            }
-            for k in 0..T {
-                _mm256_storeu_ps(out[k].as_mut_ptr(), acc[k]);
             }
         }
     }
 
-    /// One 8-row `Q8_0` group against `T` activation rows, in AVX2. The unsigned operand is |w|, with
-    /// w's sign moved onto the activations. Each 4-byte step is widened to i32 at once, since
-    /// two AVX2 `maddubs` results (up to 2 · 127 · 128 each) would overflow an i16 lane.
-    #[inline(always)]
+    /// One 16-row `Q8_0` group against `T` activation rows, in AVX2 halves as in `tile_q4_1`.
+    /// The unsigned operand is |w|, with w's sign moved onto the activations. Each 4-byte step
+    /// is widened to i32 at once, since two `maddubs` results (up to 2 · 127 · 128 each) would
+    /// overflow an i16 lane.
     pub(super) unsafe fn tile_q8_0<const T: usize>(
-        w: &[BlockQ8_0x8],
+        w: &[BlockQ8_0x16],
         acts: &[BlockQ8_1],
         out: &mut TileOut,
     ) {
@@ -469,76 +443,114 @@ mod x86 {
         // SAFETY (whole body): as in `tile_q4_1`.
         unsafe {
             let ones = _mm256_set1_epi16(1);
-            let mut acc = [_mm256_setzero_ps(); T];
-            for (b, blk) in w.iter().enumerate() {
-                // Even and odd steps accumulate in separate chains (see `tile_q4_1`).
-                let mut isum = [[_mm256_setzero_si256(); T]; 2];
-                for j in 0..8 {
-                    let wq = _mm256_loadu_si256(blk.qs.as_ptr().add(32 * j).cast());
-                    let u = _mm256_sign_epi8(wq, wq);
+            for half in 0..2 {
+                let mut acc = [_mm256_setzero_ps(); T];
+                for (b, blk) in w.iter().enumerate() {
+                    // Even and odd steps accumulate in separate chains (see `tile_q4_1`).
+                    let mut isum = [[_mm256_setzero_si256(); T]; 2];
+                    for j in 0..8 {
+                        let at = CHUNK * j + 32 * half;
+                        let wq = _mm256_loadu_si256(blk.qs.as_ptr().add(at).cast());
+                        let u = _mm256_sign_epi8(wq, wq);
+                        for k in 0..T {
+                            let a = _mm256_set1_epi32(quad(&acts[k * nb + b], 4 * j));
+                            let s = _mm256_sign_epi8(a, wq);
+                            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones);
+                            isum[j % 2][k] = _mm256_add_epi32(isum[j % 2][k], p);
+                        }
+                    }
+                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().add(8 * half).cast()));
                     for k in 0..T {
-                        let s = _mm256_sign_epi8(bcast4(&acts[k * nb + b], 4 * j), wq);
-                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones);
-                        isum[j % 2][k] = _mm256_add_epi32(isum[j % 2][k], p);
+                        let a = &acts[k * nb + b];
+                        let f = _mm256_cvtepi32_ps(_mm256_add_epi32(isum[0][k], isum[1][k]));
+                        acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d)), acc[k]);
                     }
                 }
-                let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
                 for k in 0..T {
-                    let a = &acts[k * nb + b];
-                    let f = _mm256_cvtepi32_ps(_mm256_add_epi32(isum[0][k], isum[1][k]));
-                    acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d)), acc[k]);
+                    _mm256_storeu_ps(out[k].as_mut_ptr().add(8 * half), acc[k]);
                 }
-            }
-            for k in 0..T {
-                _mm256_storeu_ps(out[k].as_mut_ptr(), acc[k]);
             }
         }
     }
 
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    /// One 16-row group against `T` activation rows with 512-bit `vpdpbusd`: four u8 × i8
+    /// products summed straight into i32 lanes, for all 16 rows at once. `T` = 8 keeps 16
+    /// integer and 8 float accumulators in the 32 registers, enough independent chains for two
+    /// `vpdpbusd` a cycle (latency 4).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn tile_q4_1_vnni<const T: usize>(
-        w: &[BlockQ4_1x8],
+        w: &[BlockQ4_1x16],
         acts: &[BlockQ8_1],
         out: &mut TileOut,
     ) {
-        // SAFETY: the caller checked `has_vnni`.
-        unsafe { tile_q4_1::<Vnni, T>(w, acts, out) }
+        let nb = w.len();
+        // SAFETY (whole body): the caller checked `has_vnni`; every load reads inside a block.
+        unsafe {
+            let mask = _mm512_set1_epi8(0x0F);
+            let mut acc = [_mm512_setzero_ps(); T];
+            for (b, blk) in w.iter().enumerate() {
+                let mut isum_lo = [_mm512_setzero_si512(); T];
+                let mut isum_hi = [_mm512_setzero_si512(); T];
+                for j in 0..4 {
+                    let raw = _mm512_loadu_si512(blk.qs.as_ptr().add(CHUNK * j).cast());
+                    let lo = _mm512_and_si512(raw, mask);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), mask);
+                    for k in 0..T {
+                        let a = &acts[k * nb + b];
+                        let (al, ah) = (quad(a, 4 * j), quad(a, 16 + 4 * j));
+                        isum_lo[k] = _mm512_dpbusd_epi32(isum_lo[k], lo, _mm512_set1_epi32(al));
+                        isum_hi[k] = _mm512_dpbusd_epi32(isum_hi[k], hi, _mm512_set1_epi32(ah));
+                    }
+                }
+                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk.d.as_ptr().cast()));
+                let mw = _mm512_cvtph_ps(_mm256_loadu_si256(blk.m.as_ptr().cast()));
+                for k in 0..T {
+                    let a = &acts[k * nb + b];
+                    let f = _mm512_cvtepi32_ps(_mm512_add_epi32(isum_lo[k], isum_hi[k]));
+                    acc[k] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(a.d)), acc[k]);
+                    acc[k] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s), acc[k]);
+                }
+            }
+            for k in 0..T {
+                _mm512_storeu_ps(out[k].as_mut_ptr(), acc[k]);
+            }
+        }
     }
 
-    /// One 8-row `Q8_0` group against `T` activation rows shifted to unsigned bytes (see
+    /// One 16-row `Q8_0` group against `T` activation rows shifted to unsigned bytes (see
     /// `shift_to_unsigned`): `vpdpbusd` takes them as they are, and `128·Σw` comes off each
     /// block's sum. The integer sums equal `tile_q8_0`'s exactly, and the float steps are the
     /// same, so the results are bit-identical.
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn tile_q8_0_vnni<const T: usize>(
-        w: &[BlockQ8_0x8],
+        w: &[BlockQ8_0x16],
         acts_u8: &[BlockQ8_1],
         out: &mut TileOut,
     ) {
         let nb = w.len();
         // SAFETY (whole body): the caller checked `has_vnni`; every load reads inside a block.
         unsafe {
-            let mut acc = [_mm256_setzero_ps(); T];
+            let mut acc = [_mm512_setzero_ps(); T];
             for (b, blk) in w.iter().enumerate() {
-                let mut isum = [[_mm256_setzero_si256(); T]; 2];
+                let mut isum = [[_mm512_setzero_si512(); T]; 2];
                 for j in 0..8 {
-                    let wq = _mm256_loadu_si256(blk.qs.as_ptr().add(32 * j).cast());
+                    let wq = _mm512_loadu_si512(blk.qs.as_ptr().add(CHUNK * j).cast());
                     for k in 0..T {
-                        let u = bcast4(&acts_u8[k * nb + b], 4 * j);
-                        isum[j % 2][k] = _mm256_dpbusd_epi32(isum[j % 2][k], u, wq);
+                        let u = _mm512_set1_epi32(quad(&acts_u8[k * nb + b], 4 * j));
+                        isum[j % 2][k] = _mm512_dpbusd_epi32(isum[j % 2][k], u, wq);
                     }
                 }
-                let shift = _mm256_slli_epi32::<7>(_mm256_loadu_si256(blk.sum.as_ptr().cast()));
-                let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
+                let shift = _mm512_slli_epi32::<7>(_mm512_loadu_si512(blk.sum.as_ptr().cast()));
+                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk.d.as_ptr().cast()));
                 for k in 0..T {
                     let a = &acts_u8[k * nb + b];
-                    let i = _mm256_add_epi32(isum[0][k], isum[1][k]);
-                    let f = _mm256_cvtepi32_ps(_mm256_sub_epi32(i, shift));
-                    acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d)), acc[k]);
+                    let i = _mm512_add_epi32(isum[0][k], isum[1][k]);
+                    let f = _mm512_cvtepi32_ps(_mm512_sub_epi32(i, shift));
+                    acc[k] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(a.d)), acc[k]);
                 }
             }
             for k in 0..T {
-                _mm256_storeu_ps(out[k].as_mut_ptr(), acc[k]);
+                _mm512_storeu_ps(out[k].as_mut_ptr(), acc[k]);
             }
         }
     }

@@ -1,10 +1,12 @@
-//! Weight layouts repacked at load for the matmul kernels: eight rows interleaved per block.
+//! Weight layouts repacked at load for the matmul kernels: sixteen rows interleaved per block.
 //!
-//! In a packed block, 32-byte chunk `j` holds bytes `4j..4j+4` of each of the 8 rows' original
+//! In a packed block, 64-byte chunk `j` holds bytes `4j..4j+4` of each of the 16 rows' original
 //! blocks, row after row. One 4-byte activation broadcast then meets 4 weights of every row in a
-//! single `maddubs`, so the per-block scale work is done once for 8 rows instead of once per row
-//! (the idea of llama.cpp's `q4_0_8x8` repacking). For `Q4_1`, chunk `j`'s low nibbles are
-//! elements `4j..4j+4` of each row and its high nibbles elements `16+4j..16+4j+4`.
+//! single 512-bit `vpdpbusd` (or two 256-bit `maddubs`, one per half of the rows), so the
+//! per-block scale work is done once for 16 rows instead of once per row (the idea of
+//! llama.cpp's `q4_0_8x8` repacking, at the width of an AVX-512 register). For `Q4_1`, chunk
+//! `j`'s low nibbles are elements `4j..4j+4` of each row and its high nibbles elements
+//! `16+4j..16+4j+4`.
 
 use bytemuck::{Pod, Zeroable};
 use half::f16;
@@ -12,11 +14,14 @@ use half::f16;
 use crate::quant::{BlockQ4_1, BlockQ8_0, QK};
 
 /// Rows per packed group.
-pub const GROUP: usize = 8;
+pub const GROUP: usize = 16;
+/// Bytes per chunk: 4 of every row.
+pub const CHUNK: usize = 4 * GROUP;
 
-#[repr(C)]
+/// 320 bytes, so cache-line alignment costs no padding and no 64-byte load splits a line.
+#[repr(C, align(64))]
 #[derive(Clone, Copy, Debug, Pod, Zeroable)]
-pub struct BlockQ4_1x8 {
+pub struct BlockQ4_1x16 {
     pub d: [f16; GROUP],
     pub m: [f16; GROUP],
     pub qs: [u8; GROUP * QK / 2],
@@ -24,7 +29,7 @@ pub struct BlockQ4_1x8 {
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Pod, Zeroable)]
-pub struct BlockQ8_0x8 {
+pub struct BlockQ8_0x16 {
     pub d: [f16; GROUP],
     /// Each row's sum of quants, for kernels that shift the activations to unsigned bytes
     /// (`Σ (a + 128)·w = Σ a·w + 128·Σ w`).
@@ -32,10 +37,10 @@ pub struct BlockQ8_0x8 {
     pub qs: [i8; GROUP * QK],
 }
 
-/// Packs `rows × (nb blocks)` into `ceil(rows / 8) × nb` groups, padding with zero rows.
-pub fn pack_q4_1(rows: usize, nb: usize, src: &[BlockQ4_1]) -> Vec<BlockQ4_1x8> {
+/// Packs `rows × (nb blocks)` into `ceil(rows / GROUP) × nb` groups, padding with zero rows.
+pub fn pack_q4_1(rows: usize, nb: usize, src: &[BlockQ4_1]) -> Vec<BlockQ4_1x16> {
     let groups = rows.div_ceil(GROUP);
-    let mut out: Vec<BlockQ4_1x8> = crate::memory::zeroed_vec(groups * nb);
+    let mut out: Vec<BlockQ4_1x16> = crate::memory::zeroed_vec(groups * nb);
     for (i, dst) in out.iter_mut().enumerate() {
         let (g, b) = (i / nb, i % nb);
         for ri in 0..GROUP.min(rows - g * GROUP) {
@@ -43,17 +48,17 @@ pub fn pack_q4_1(rows: usize, nb: usize, src: &[BlockQ4_1]) -> Vec<BlockQ4_1x8> 
             dst.d[ri] = s.d;
             dst.m[ri] = s.m;
             for j in 0..4 {
-                dst.qs[32 * j + ri * 4..32 * j + ri * 4 + 4]
-                    .copy_from_slice(&s.qs[4 * j..4 * j + 4]);
+                let at = CHUNK * j + ri * 4;
+                dst.qs[at..at + 4].copy_from_slice(&s.qs[4 * j..4 * j + 4]);
             }
         }
     }
     out
 }
 
-pub fn pack_q8_0(rows: usize, nb: usize, src: &[BlockQ8_0]) -> Vec<BlockQ8_0x8> {
+pub fn pack_q8_0(rows: usize, nb: usize, src: &[BlockQ8_0]) -> Vec<BlockQ8_0x16> {
     let groups = rows.div_ceil(GROUP);
-    let mut out: Vec<BlockQ8_0x8> = crate::memory::zeroed_vec(groups * nb);
+    let mut out: Vec<BlockQ8_0x16> = crate::memory::zeroed_vec(groups * nb);
     for (i, dst) in out.iter_mut().enumerate() {
         let (g, b) = (i / nb, i % nb);
         for ri in 0..GROUP.min(rows - g * GROUP) {
@@ -61,8 +66,8 @@ pub fn pack_q8_0(rows: usize, nb: usize, src: &[BlockQ8_0]) -> Vec<BlockQ8_0x8> 
             dst.d[ri] = s.d;
             dst.sum[ri] = s.qs.iter().map(|&q| i32::from(q)).sum();
             for j in 0..8 {
-                dst.qs[32 * j + ri * 4..32 * j + ri * 4 + 4]
-                    .copy_from_slice(&s.qs[4 * j..4 * j + 4]);
+                let at = CHUNK * j + ri * 4;
+                dst.qs[at..at + 4].copy_from_slice(&s.qs[4 * j..4 * j + 4]);
             }
         }
     }
@@ -70,11 +75,11 @@ pub fn pack_q8_0(rows: usize, nb: usize, src: &[BlockQ8_0]) -> Vec<BlockQ8_0x8> 
 }
 
 /// Row `ri` of a group's block, as 32 unsigned quants (`Q4_1`).
-pub fn q4_1_quants(block: &BlockQ4_1x8, ri: usize) -> [u8; QK] {
+pub fn q4_1_quants(block: &BlockQ4_1x16, ri: usize) -> [u8; QK] {
     let mut q = [0u8; QK];
     for j in 0..4 {
         for t in 0..4 {
-            let byte = block.qs[32 * j + ri * 4 + t];
+            let byte = block.qs[CHUNK * j + ri * 4 + t];
             q[4 * j + t] = byte & 0x0F;
             q[16 + 4 * j + t] = byte >> 4;
         }
@@ -83,10 +88,11 @@ pub fn q4_1_quants(block: &BlockQ4_1x8, ri: usize) -> [u8; QK] {
 }
 
 /// Row `ri` of a group's block, as 32 signed quants (`Q8_0`).
-pub fn q8_0_quants(block: &BlockQ8_0x8, ri: usize) -> [i8; QK] {
+pub fn q8_0_quants(block: &BlockQ8_0x16, ri: usize) -> [i8; QK] {
     let mut q = [0i8; QK];
     for j in 0..8 {
-        q[4 * j..4 * j + 4].copy_from_slice(&block.qs[32 * j + ri * 4..32 * j + ri * 4 + 4]);
+        let at = CHUNK * j + ri * 4;
+        q[4 * j..4 * j + 4].copy_from_slice(&block.qs[at..at + 4]);
     }
     q
 }
@@ -98,7 +104,7 @@ mod tests {
 
     #[test]
     fn packing_keeps_every_value_in_place() {
-        let (rows, cols) = (11, 64);
+        let (rows, cols) = (19, 64);
         let nb = cols / QK;
         let x: Vec<f32> = (0..rows * cols)
             .map(|i| ((i * 7) % 23) as f32 - 11.0)

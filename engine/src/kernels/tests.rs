@@ -101,7 +101,7 @@ fn avx2_and_vnni_kernels_are_bit_identical() {
         eprintln!("no AVX-512 VNNI on this CPU: only the AVX2 path exists here");
         return;
     }
-    let (rows, cols) = (8, 256);
+    let (rows, cols) = (GROUP, 256);
     let nb = cols / QK;
     let x: Vec<f32> = (0..rows * cols)
         .map(|i| ((i as f32) * 0.377).sin() * 3.0)
@@ -120,7 +120,7 @@ fn avx2_and_vnni_kernels_are_bit_identical() {
     let (mut a, mut b) = ([[0f32; GROUP]; TILE], [[0f32; GROUP]; TILE]);
     // SAFETY: AVX2/FMA/F16C are compiled in and VNNI was detected above.
     unsafe {
-        x86::tile_q4_1::<x86::Avx2, TILE>(&p4, &acts, &mut a);
+        x86::tile_q4_1::<TILE>(&p4, &acts, &mut a);
         x86::tile_q4_1_vnni::<TILE>(&p4, &acts, &mut b);
     }
     assert_eq!(a, b);
