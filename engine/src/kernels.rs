@@ -474,9 +474,11 @@ mod x86 {
     }
 
     /// One 16-row group against `T` activation rows with 512-bit `vpdpbusd`: four u8 × i8
-    /// products summed straight into i32 lanes, for all 16 rows at once. `T` = 8 keeps 16
-    /// integer and 8 float accumulators in the 32 registers, enough independent chains for two
-    /// `vpdpbusd` a cycle (latency 4).
+    /// products summed straight into i32 lanes, for all 16 rows at once. Each activation row
+    /// has one integer accumulator per block (low and high nibbles alike), so `T` = 8 gives the
+    /// 8 independent chains that keep two `vpdpbusd` a cycle in flight (latency 4) with no
+    /// instruction spent joining chains; with the 8 float accumulators that is 16 of the 32
+    /// registers.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn tile_q4_1_vnni<const T: usize>(
         w: &[BlockQ4_1x16],
@@ -489,8 +491,7 @@ mod x86 {
             let mask = _mm512_set1_epi8(0x0F);
             let mut acc = [_mm512_setzero_ps(); T];
             for (b, blk) in w.iter().enumerate() {
-                let mut isum_lo = [_mm512_setzero_si512(); T];
-                let mut isum_hi = [_mm512_setzero_si512(); T];
+                let mut isum = [_mm512_setzero_si512(); T];
                 for j in 0..4 {
                     let raw = _mm512_loadu_si512(blk.qs.as_ptr().add(CHUNK * j).cast());
                     let lo = _mm512_and_si512(raw, mask);
@@ -498,15 +499,15 @@ mod x86 {
                     for k in 0..T {
                         let a = &acts[k * nb + b];
                         let (al, ah) = (quad(a, 4 * j), quad(a, 16 + 4 * j));
-                        isum_lo[k] = _mm512_dpbusd_epi32(isum_lo[k], lo, _mm512_set1_epi32(al));
-                        isum_hi[k] = _mm512_dpbusd_epi32(isum_hi[k], hi, _mm512_set1_epi32(ah));
+                        isum[k] = _mm512_dpbusd_epi32(isum[k], lo, _mm512_set1_epi32(al));
+                        isum[k] = _mm512_dpbusd_epi32(isum[k], hi, _mm512_set1_epi32(ah));
                     }
                 }
                 let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk.d.as_ptr().cast()));
                 let mw = _mm512_cvtph_ps(_mm256_loadu_si256(blk.m.as_ptr().cast()));
                 for k in 0..T {
                     let a = &acts[k * nb + b];
-                    let f = _mm512_cvtepi32_ps(_mm512_add_epi32(isum_lo[k], isum_hi[k]));
+                    let f = _mm512_cvtepi32_ps(isum[k]);
                     acc[k] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(a.d)), acc[k]);
                     acc[k] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s), acc[k]);
                 }
@@ -518,9 +519,10 @@ mod x86 {
     }
 
     /// One 16-row `Q8_0` group against `T` activation rows shifted to unsigned bytes (see
-    /// `shift_to_unsigned`): `vpdpbusd` takes them as they are, and `128·Σw` comes off each
-    /// block's sum. The integer sums equal `tile_q8_0`'s exactly, and the float steps are the
-    /// same, so the results are bit-identical.
+    /// `shift_to_unsigned`): `vpdpbusd` takes them as they are, and each block's accumulators
+    /// start at `-128·Σw` to take the shift back off. The integer sums equal `tile_q8_0`'s
+    /// exactly, and the float steps are the same, so the results are bit-identical. One chain
+    /// per activation row, as in `tile_q4_1_vnni`.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn tile_q8_0_vnni<const T: usize>(
         w: &[BlockQ8_0x16],
@@ -532,20 +534,20 @@ mod x86 {
         unsafe {
             let mut acc = [_mm512_setzero_ps(); T];
             for (b, blk) in w.iter().enumerate() {
-                let mut isum = [[_mm512_setzero_si512(); T]; 2];
+                let wsum = _mm512_loadu_si512(blk.sum.as_ptr().cast());
+                let start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32::<7>(wsum));
+                let mut isum = [start; T];
                 for j in 0..8 {
                     let wq = _mm512_loadu_si512(blk.qs.as_ptr().add(CHUNK * j).cast());
                     for k in 0..T {
                         let u = _mm512_set1_epi32(quad(&acts_u8[k * nb + b], 4 * j));
-                        isum[j % 2][k] = _mm512_dpbusd_epi32(isum[j % 2][k], u, wq);
+                        isum[k] = _mm512_dpbusd_epi32(isum[k], u, wq);
                     }
                 }
-                let shift = _mm512_slli_epi32::<7>(_mm512_loadu_si512(blk.sum.as_ptr().cast()));
                 let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk.d.as_ptr().cast()));
                 for k in 0..T {
                     let a = &acts_u8[k * nb + b];
-                    let i = _mm512_add_epi32(isum[0][k], isum[1][k]);
-                    let f = _mm512_cvtepi32_ps(_mm512_sub_epi32(i, shift));
+                    let f = _mm512_cvtepi32_ps(isum[k]);
                     acc[k] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(a.d)), acc[k]);
                 }
             }
