@@ -13,7 +13,7 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 use crate::kv::{BLOCK_TOKENS, KvKind, KvLayout, KvPool};
 use crate::loader::{LoadedModel, ModelFingerprint};
-use crate::model::{self, ModelConfig, Row, Weights};
+use crate::model::{self, Logits, ModelConfig, Row, Weights};
 use tandem_tokenizer::{Tokenizer, TokenizerSpec};
 
 /// A loaded model, shareable between engines.
@@ -230,21 +230,21 @@ impl Engine {
                 })
                 .collect();
             let (model, pool) = (&self.model, &mut self.pool);
-            let mut out = self
+            let out = self
                 .threads
                 .install(|| model::forward(&model.config, &model.weights, pool, &rows));
             if let Some(seq) = self.seqs.get_mut(&seq) {
                 seq.len = pos0 + chunk.len();
             }
             if last_chunk {
-                logits = out.pop().unwrap_or_default();
+                logits = out.into_last();
             }
         }
         Ok(logits)
     }
 
     /// Advances each `(seq, token)` of the batch by one position, returning each row's logits.
-    pub fn step(&mut self, batch: &[(SeqId, u32)]) -> Result<Vec<Vec<f32>>> {
+    pub fn step(&mut self, batch: &[(SeqId, u32)]) -> Result<Logits> {
         let mut seen = std::collections::HashSet::new();
         for (seq, token) in batch {
             if !seen.insert(*seq) {

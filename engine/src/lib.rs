@@ -28,7 +28,7 @@ pub use generate::{
 };
 pub use kv::{BLOCK_TOKENS, KvKind, KvLayout};
 pub use loader::ModelFingerprint;
-pub use model::ModelConfig;
+pub use model::{Logits, ModelConfig};
 pub use sampling::{SamplingParams, argmax, sample};
 pub use tandem_tokenizer::{ChatMessage, TokenDecoder, Tokenizer, TokenizerSpec};
 

@@ -114,15 +114,54 @@ pub struct Row<'a> {
     pub want_logits: bool,
 }
 
+/// The logits of several rows, back to back in one buffer (a decode step's rows would otherwise
+/// cost an allocation and a copy of `vocab` floats each).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Logits {
+    vocab: usize,
+    data: Vec<f32>,
+}
+
+impl Logits {
+    /// Rows held.
+    pub fn len(&self) -> usize {
+        self.data.len().checked_div(self.vocab).unwrap_or(0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+
+    /// Row `i`'s logits. Panics if `i >= len()`.
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+
+    pub fn iter(&self) -> std::slice::ChunksExact<'_, f32> {
+        self.data.chunks_exact(self.vocab.max(1))
+    }
+
+    /// The last row, without a copy when it is the only one.
+    pub fn into_last(mut self) -> Vec<f32> {
+        let start = self.data.len().saturating_sub(self.vocab);
+        self.data.drain(..start);
+        self.data
+    }
+}
+
+impl<'a> IntoIterator for &'a Logits {
+    type Item = &'a [f32];
+    type IntoIter = std::slice::ChunksExact<'a, f32>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
 /// Runs the rows through the model, writing their KV into `pool` (their blocks must already
 /// cover `pos`), and returns the logits of the rows that asked for them, in order. Must be
 /// called on the engine's rayon pool.
-pub fn forward(
-    cfg: &ModelConfig,
-    w: &Weights,
-    pool: &mut KvPool,
-    rows: &[Row<'_>],
-) -> Vec<Vec<f32>> {
+pub fn forward(cfg: &ModelConfig, w: &Weights, pool: &mut KvPool, rows: &[Row<'_>]) -> Logits {
     let n = rows.len();
     let (h, qd, kvd, hd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
     let mut x = vec![0f32; n * h];
@@ -222,7 +261,7 @@ pub fn forward(
 
     let wanted: Vec<usize> = (0..n).filter(|&i| rows[i].want_logits).collect();
     if wanted.is_empty() {
-        return Vec::new();
+        return Logits::default();
     }
     let mut last = vec![0f32; wanted.len() * h];
     for (dst, &i) in last.chunks_exact_mut(h).zip(&wanted) {
@@ -235,10 +274,10 @@ pub fn forward(
     let head = w.output.as_ref().unwrap_or(&w.embed);
     let mut logits = vec![0f32; wanted.len() * cfg.vocab];
     head.matmul(&acts, wanted.len(), &mut logits);
-    logits
-        .chunks_exact(cfg.vocab)
-        .map(<[f32]>::to_vec)
-        .collect()
+    Logits {
+        vocab: cfg.vocab,
+        data: logits,
+    }
 }
 
 /// Rows per task in the row-parallel elementwise steps: a small batch stays on one thread.

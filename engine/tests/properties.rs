@@ -44,7 +44,7 @@ fn decode(
         let pos = engine.seq_len(seq).expect("len");
         let tok = tandem_engine::sample(&logits, p, pos as u64);
         out.push(tok);
-        logits = engine.step(&[(seq, tok)]).expect("step").remove(0);
+        logits = engine.step(&[(seq, tok)]).expect("step").row(0).to_vec();
     }
     out
 }

@@ -194,7 +194,7 @@ fn every_divergence_from_llama_cpp_is_a_near_tie() {
                 "llama.cpp's token {tok} at position {i} is {gap} below our best"
             );
             if i + 1 < want.len() {
-                logits = engine.step(&[(seq, tok)]).expect("step").remove(0);
+                logits = engine.step(&[(seq, tok)]).expect("step").row(0).to_vec();
             }
         }
         engine.free(seq).expect("free");
