@@ -224,7 +224,7 @@ impl SendPtr {
     }
 }
 
-/// Per activation row of a tile, the 8 outputs of one row group.
+/// Per activation row of a tile, the outputs of one row group.
 type TileOut = [[f32; GROUP]];
 
 /// Runs an x86 kernel for a runtime tile size `t`, in the VNNI or the AVX2 instruction set.
