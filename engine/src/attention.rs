@@ -222,11 +222,11 @@ mod simd {
 
 pub fn softmax(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0;
     for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
+        *v -= max;
     }
+    crate::math::exp_in_place(x);
+    let sum: f32 = x.iter().sum();
     let inv = 1.0 / sum;
     for v in x.iter_mut() {
         *v *= inv;

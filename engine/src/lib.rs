@@ -10,6 +10,7 @@ mod generate;
 mod kernels;
 mod kv;
 mod loader;
+mod math;
 mod memory;
 mod model;
 mod packed;

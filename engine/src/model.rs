@@ -244,8 +244,13 @@ pub fn forward(cfg: &ModelConfig, w: &Weights, pool: &mut KvPool, rows: &[Row<'_
             .with_min_len(ROWS_PER_TASK)
             .for_each(|((gu, out), q)| {
                 let (gate, up) = gu.split_at(cfg.ffn);
+                // silu(g)·u = g / (1 + e^-g) · u, with e^-g computed four lanes at a time.
+                for (o, g) in out.iter_mut().zip(gate) {
+                    *o = -g;
+                }
+                crate::math::exp_in_place(out);
                 for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
-                    *o = g / (1.0 + (-g).exp()) * u;
+                    *o = g / (1.0 + *o) * u;
                 }
                 quantize_row_q8_1(out, q);
             });
