@@ -201,8 +201,9 @@ fn unsigned_q8_0_acts() -> bool {
 
 /// The activations with each quant's bytes read as `q + 128` in an unsigned byte (the sign bit
 /// flipped), so `vpdpbusd` can take them as its unsigned operand and the signed `Q8_0` weights
-/// as the other; the kernel subtracts `128·Σw` from each block's sum. Moving `w`'s sign onto
-/// the activations instead (as the AVX2 kernel must) costs a sign operation per multiply-add.
+/// as the other; the kernel starts each block's sums at `-128·Σw` to take the shift back off.
+/// Moving `w`'s sign onto the activations instead (as the AVX2 kernel must) costs a sign
+/// operation per multiply-add.
 fn shift_to_unsigned(acts: &[BlockQ8_1]) -> Vec<BlockQ8_1> {
     acts.iter()
         .map(|a| BlockQ8_1 {
@@ -358,8 +359,11 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::TileOut;
-    use crate::packed::{BlockQ4_1x16, BlockQ8_0x16, CHUNK};
+    use crate::packed::{BlockQ4_1x16, BlockQ8_0x16, CHUNK, GROUP};
     use crate::quant::BlockQ8_1;
+
+    /// Rows per AVX2 pass: a 256-bit register holds 4 bytes of each.
+    const HALF: usize = GROUP / 2;
 
     /// AVX-512 with VNNI (and BW, for byte shifts), detected once.
     pub(super) fn has_vnni() -> bool {
@@ -400,7 +404,7 @@ mod x86 {
                     let mut isum_lo = [_mm256_setzero_si256(); T];
                     let mut isum_hi = [_mm256_setzero_si256(); T];
                     for j in 0..4 {
-                        let at = CHUNK * j + 32 * half;
+                        let at = CHUNK * j + 4 * HALF * half;
                         let raw = _mm256_loadu_si256(blk.qs.as_ptr().add(at).cast());
                         let lo = _mm256_and_si256(raw, mask);
                         let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
@@ -413,8 +417,10 @@ mod x86 {
                             isum_hi[k] = _mm256_add_epi16(isum_hi[k], ph);
                         }
                     }
-                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().add(8 * half).cast()));
-                    let mw = _mm256_cvtph_ps(_mm_loadu_si128(blk.m.as_ptr().add(8 * half).cast()));
+                    let dw =
+                        _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().add(HALF * half).cast()));
+                    let mw =
+                        _mm256_cvtph_ps(_mm_loadu_si128(blk.m.as_ptr().add(HALF * half).cast()));
                     for k in 0..T {
                         let a = &acts[k * nb + b];
                         let sum = _mm256_add_epi16(isum_lo[k], isum_hi[k]);
@@ -424,7 +430,7 @@ mod x86 {
                     }
                 }
                 for k in 0..T {
-                    _mm256_storeu_ps(out[k].as_mut_ptr().add(8 * half), acc[k]);
+                    _mm256_storeu_ps(out[k].as_mut_ptr().add(HALF * half), acc[k]);
                 }
             }
         }
@@ -449,7 +455,7 @@ mod x86 {
                     // Even and odd steps accumulate in separate chains (see `tile_q4_1`).
                     let mut isum = [[_mm256_setzero_si256(); T]; 2];
                     for j in 0..8 {
-                        let at = CHUNK * j + 32 * half;
+                        let at = CHUNK * j + 4 * HALF * half;
                         let wq = _mm256_loadu_si256(blk.qs.as_ptr().add(at).cast());
                         let u = _mm256_sign_epi8(wq, wq);
                         for k in 0..T {
@@ -459,7 +465,8 @@ mod x86 {
                             isum[j % 2][k] = _mm256_add_epi32(isum[j % 2][k], p);
                         }
                     }
-                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().add(8 * half).cast()));
+                    let dw =
+                        _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().add(HALF * half).cast()));
                     for k in 0..T {
                         let a = &acts[k * nb + b];
                         let f = _mm256_cvtepi32_ps(_mm256_add_epi32(isum[0][k], isum[1][k]));
@@ -467,7 +474,7 @@ mod x86 {
                     }
                 }
                 for k in 0..T {
-                    _mm256_storeu_ps(out[k].as_mut_ptr().add(8 * half), acc[k]);
+                    _mm256_storeu_ps(out[k].as_mut_ptr().add(HALF * half), acc[k]);
                 }
             }
         }
