@@ -4,25 +4,27 @@
 //! forward pass just wrote, so the result for a position does not depend on how the prompt was
 //! chunked or on which other sequences share the batch.
 
+use std::ops::Range;
+
 use half::slice::HalfFloatSliceExt;
 
 use crate::kv::{BLOCK_TOKENS, KvKind, KvPool};
 use crate::memory::prefetch;
 
-/// Inputs for the query heads that share one KV head.
+/// Inputs for the query heads of one row that share the KV heads `kv_heads`.
 #[derive(Debug)]
-pub struct GroupQuery<'a> {
+pub struct Query<'a> {
     pub layer: usize,
-    pub kv_head: usize,
+    pub kv_heads: Range<usize>,
     /// The sequence's block table.
     pub blocks: &'a [u32],
     /// Keys `0..n_keys` are visible (the query's own position is `n_keys - 1`).
     pub n_keys: usize,
-    /// `heads × head_dim` query values, already rotated.
+    /// `heads × head_dim` query values, already rotated: the heads of `kv_heads`, in order.
     pub q: &'a [f32],
 }
 
-/// Per-thread buffers, so a decode step does not allocate for each (row, group, layer).
+/// Per-thread buffers, so a decode step does not allocate for each (row, layer).
 #[derive(Default)]
 struct Scratch {
     scores: Vec<f32>,
@@ -33,35 +35,57 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
 }
 
-/// Writes `heads × head_dim` attention outputs for one group into `out`.
-pub fn attend_group(pool: &KvPool, g: &GroupQuery<'_>, out: &mut [f32]) {
-    SCRATCH.with_borrow_mut(|s| attend_group_in(pool, g, out, s));
+/// Slabs (all of a block's `kv_heads`, keys or values) requested this many reads ahead.
+const PREFETCH_AHEAD: usize = 2;
+
+/// Writes `heads × head_dim` attention outputs into `out`.
+pub fn attend(pool: &KvPool, g: &Query<'_>, out: &mut [f32]) {
+    SCRATCH.with_borrow_mut(|s| attend_in(pool, g, out, s));
 }
 
-fn attend_group_in(pool: &KvPool, g: &GroupQuery<'_>, out: &mut [f32], s: &mut Scratch) {
+/// Two passes over the blocks, keys then values. Each block's slabs for `kv_heads` are one
+/// contiguous run of memory, read in one go and asked for [`PREFETCH_AHEAD`] reads early: the
+/// KV of a decode batch does not stay in cache between steps, so this loop waits on memory
+/// unless the next reads are already under way. Each head's arithmetic is the same whatever
+/// `kv_heads` holds (its scores, softmax and weighted sum of values in position order).
+fn attend_in(pool: &KvPool, g: &Query<'_>, out: &mut [f32], s: &mut Scratch) {
     let hd = pool.layout().head_dim;
     let heads = g.q.len() / hd;
+    let per_kv = heads / g.kv_heads.len();
+    let slab = BLOCK_TOKENS * hd;
     let scale = 1.0 / (hd as f32).sqrt();
     let n_keys = g.n_keys;
     s.scores.clear();
     s.scores.resize(heads * n_keys, 0.0);
-    s.buf.resize(BLOCK_TOKENS * hd, 0.0);
+    s.buf.resize(g.kv_heads.len() * slab, 0.0);
     let n_blocks = n_keys.div_ceil(BLOCK_TOKENS);
     let block_len = |bi: usize| (n_keys - bi * BLOCK_TOKENS).min(BLOCK_TOKENS);
-    let slab = |bi: usize, kind: KvKind| {
-        &pool.slab(g.blocks[bi], g.layer, kind, g.kv_head)[..block_len(bi) * hd]
+    // Read `i` of the 2·n_blocks: keys of every block, then values of every block.
+    let read = |i: usize| {
+        let kind = if i < n_blocks {
+            KvKind::Key
+        } else {
+            KvKind::Value
+        };
+        pool.slabs(g.blocks[i % n_blocks], g.layer, kind, g.kv_heads.clone())
     };
-    for bi in 0..n_blocks {
-        // The slabs are scattered over the pool: ask for the next keys and for these values
-        // while this block computes.
-        if bi + 1 < n_blocks {
-            prefetch(slab(bi + 1, KvKind::Key));
+    // The first `n` tokens of each KV head's slab, converted to f32 in `buf` (same layout).
+    let load = |i: usize, n: usize, buf: &mut [f32]| {
+        if i + PREFETCH_AHEAD < 2 * n_blocks {
+            prefetch(read(i + PREFETCH_AHEAD));
         }
-        prefetch(slab(bi, KvKind::Value));
+        for (src, dst) in read(i).chunks_exact(slab).zip(buf.chunks_exact_mut(slab)) {
+            src[..n * hd].convert_to_f32_slice(&mut dst[..n * hd]);
+        }
+    };
+    for i in 0..PREFETCH_AHEAD.min(2 * n_blocks) {
+        prefetch(read(i));
+    }
+    for bi in 0..n_blocks {
         let n = block_len(bi);
-        let keys = &mut s.buf[..n * hd];
-        slab(bi, KvKind::Key).convert_to_f32_slice(keys);
+        load(bi, n, &mut s.buf);
         for (h, q) in g.q.chunks_exact(hd).enumerate() {
+            let keys = &s.buf[h / per_kv * slab..][..n * hd];
             let at = h * n_keys + bi * BLOCK_TOKENS;
             simd::scores(q, keys, scale, &mut s.scores[at..at + n]);
         }
@@ -72,9 +96,9 @@ fn attend_group_in(pool: &KvPool, g: &GroupQuery<'_>, out: &mut [f32], s: &mut S
     out.fill(0.0);
     for bi in 0..n_blocks {
         let n = block_len(bi);
-        let values = &mut s.buf[..n * hd];
-        slab(bi, KvKind::Value).convert_to_f32_slice(values);
+        load(n_blocks + bi, n, &mut s.buf);
         for (h, o) in out.chunks_exact_mut(hd).enumerate() {
+            let values = &s.buf[h / per_kv * slab..][..n * hd];
             let at = h * n_keys + bi * BLOCK_TOKENS;
             simd::accumulate(&s.scores[at..at + n], values, o);
         }
@@ -194,27 +218,43 @@ mod simd {
         if !hd.is_multiple_of(8) {
             return portable::accumulate(p, values, out);
         }
-        let n = p.len();
-        assert!(values.len() >= n * hd, "value shape");
-        for c0 in (0..hd).step_by(PASS) {
-            let width = PASS.min(hd - c0);
-            // SAFETY: AVX2 and FMA are compiled in; loads read inside `values[..n·hd]`
-            // (checked above) and loads and stores of `out` stay within `c0..c0 + width`.
-            unsafe {
-                let mut acc = [_mm256_setzero_ps(); PASS / 8];
-                for (i, a) in acc[..width / 8].iter_mut().enumerate() {
-                    *a = _mm256_loadu_ps(out.as_ptr().add(c0 + 8 * i));
+        assert!(values.len() >= p.len() * hd, "value shape");
+        let wide = hd - hd % PASS;
+        for c0 in (0..wide).step_by(PASS) {
+            accumulate_pass::<{ PASS / 8 }>(p, values, hd, c0, out);
+        }
+        for c0 in (wide..hd).step_by(8) {
+            accumulate_pass::<1>(p, values, hd, c0, out);
+        }
+    }
+
+    /// `out[c0..c0 + 8·R] += Σ_t p[t] · values[t][c0..c0 + 8·R]`, the output held in `R`
+    /// registers (a fixed count, so the compiler keeps them out of memory).
+    #[inline(always)]
+    fn accumulate_pass<const R: usize>(
+        p: &[f32],
+        values: &[f32],
+        hd: usize,
+        c0: usize,
+        out: &mut [f32],
+    ) {
+        assert!(c0 + 8 * R <= hd && values.len() >= p.len() * hd);
+        // SAFETY: AVX2 and FMA are compiled in; loads read inside `values[..p.len()·hd]` and
+        // loads and stores of `out` stay within `c0..c0 + 8·R <= hd = out.len()` (checked).
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); R];
+            for (i, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_loadu_ps(out.as_ptr().add(c0 + 8 * i));
+            }
+            for (t, &pt) in p.iter().enumerate() {
+                let pv = _mm256_set1_ps(pt);
+                let v = values.as_ptr().add(t * hd + c0);
+                for (i, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(8 * i)), *a);
                 }
-                for (t, &pt) in p.iter().enumerate() {
-                    let pv = _mm256_set1_ps(pt);
-                    let v = values.as_ptr().add(t * hd + c0);
-                    for (i, a) in acc[..width / 8].iter_mut().enumerate() {
-                        *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(8 * i)), *a);
-                    }
-                }
-                for (i, a) in acc[..width / 8].iter().enumerate() {
-                    _mm256_storeu_ps(out.as_mut_ptr().add(c0 + 8 * i), *a);
-                }
+            }
+            for (i, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out.as_mut_ptr().add(c0 + 8 * i), *a);
             }
         }
     }
@@ -266,11 +306,11 @@ mod tests {
         }
         let q: Vec<f32> = (0..2 * hd).map(|i| (i as f32 * 0.11).cos()).collect();
         let mut out = vec![0f32; 2 * hd];
-        attend_group(
+        attend(
             &pool,
-            &GroupQuery {
+            &Query {
                 layer: 0,
-                kv_head: 0,
+                kv_heads: 0..1,
                 blocks: &blocks,
                 n_keys: n,
                 q: &q,

@@ -5,6 +5,8 @@
 //! a block table; appending a token never copies earlier KV. The pool is allocated zeroed, so
 //! the operating system commits its pages only as blocks are first written.
 
+use std::ops::Range;
+
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
@@ -100,11 +102,13 @@ impl KvPool {
         self.free.extend(blocks);
     }
 
-    /// The `16 × head_dim` slab of one block for `(layer, kind, head)`.
-    pub fn slab(&self, block: u32, layer: usize, kind: KvKind, head: usize) -> &[f16] {
+    /// The `16 × head_dim` slabs of one block for `(layer, kind)` and the KV heads `heads`,
+    /// which lie back to back: `[head][token][head_dim]`.
+    pub fn slabs(&self, block: u32, layer: usize, kind: KvKind, heads: Range<usize>) -> &[f16] {
         let start =
-            block as usize * self.layout.block_elems() + self.layout.slab(layer, kind, head);
-        bytemuck::cast_slice(&self.data[start..start + BLOCK_TOKENS * self.layout.head_dim])
+            block as usize * self.layout.block_elems() + self.layout.slab(layer, kind, heads.start);
+        let len = heads.len() * BLOCK_TOKENS * self.layout.head_dim;
+        bytemuck::cast_slice(&self.data[start..start + len])
     }
 
     /// Where position `pos`'s `head_dim` values for `(layer, kind, head)` start in `data`.

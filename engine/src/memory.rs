@@ -43,7 +43,7 @@ fn advise<T>(data: &[T]) {
 
 /// Asks the CPU to start loading `data` into its cache, one request per 64-byte line: for data
 /// the hot loop will need next, at an address the hardware prefetcher cannot guess (the next
-/// KV slab of a sequence, the next weight group of a matmul task).
+/// KV slabs of a sequence).
 pub fn prefetch<T>(data: &[T]) {
     #[cfg(target_arch = "x86_64")]
     {

@@ -12,7 +12,7 @@
 
 use rayon::prelude::*;
 
-use crate::attention::{GroupQuery, attend_group};
+use crate::attention::{Query, attend};
 use crate::kernels::QMatrix;
 use crate::kv::{KvKind, KvLayout, KvPool};
 use crate::quant::{BlockQ8_1, QK, quantize_row_q8_1};
@@ -208,20 +208,28 @@ pub fn forward(cfg: &ModelConfig, w: &Weights, pool: &mut KvPool, rows: &[Row<'_
                 pool.write(r.blocks, r.pos, li, KvKind::Value, g, v);
             }
         }
-        let group = qd / cfg.n_kv_heads;
+        // One task per row, or per KV head when the rows are too few to share out.
+        let parts = if n >= rayon::current_num_threads() {
+            1
+        } else {
+            cfg.n_kv_heads
+        };
+        let (kv_per_part, q_per_part) = (cfg.n_kv_heads / parts, qd / parts);
         let pool_ref = &*pool;
-        attn.par_chunks_mut(group).enumerate().for_each(|(i, out)| {
-            let (ri, g) = (i / cfg.n_kv_heads, i % cfg.n_kv_heads);
-            let base = ri * qkv_w + g * group;
-            let query = GroupQuery {
-                layer: li,
-                kv_head: g,
-                blocks: rows[ri].blocks,
-                n_keys: rows[ri].pos + 1,
-                q: &qkv[base..base + group],
-            };
-            attend_group(pool_ref, &query, out);
-        });
+        attn.par_chunks_mut(q_per_part)
+            .enumerate()
+            .for_each(|(i, out)| {
+                let (ri, p) = (i / parts, i % parts);
+                let base = ri * qkv_w + p * q_per_part;
+                let query = Query {
+                    layer: li,
+                    kv_heads: p * kv_per_part..(p + 1) * kv_per_part,
+                    blocks: rows[ri].blocks,
+                    n_keys: rows[ri].pos + 1,
+                    q: &qkv[base..base + q_per_part],
+                };
+                attend(pool_ref, &query, out);
+            });
         attn.par_chunks(qd)
             .zip(acts_q.par_chunks_mut(qd / QK))
             .with_min_len(ROWS_PER_TASK)
