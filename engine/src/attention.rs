@@ -36,7 +36,7 @@ thread_local! {
 }
 
 /// Slabs (all of a block's `kv_heads`, keys or values) requested this many reads ahead.
-const PREFETCH_AHEAD: usize = 2;
+const PREFETCH_AHEAD: usize = 4;
 
 /// Writes `heads × head_dim` attention outputs into `out`.
 pub fn attend(pool: &KvPool, g: &Query<'_>, out: &mut [f32]) {
