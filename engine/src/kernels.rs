@@ -368,8 +368,9 @@ mod x86 {
     const HALF: usize = GROUP / 2;
 
     /// How far ahead of the block being multiplied the kernels ask for weights: about 2 KB.
-    /// The hardware prefetcher alone left the batched matmuls waiting on memory (batch-16
-    /// decode 4% faster with it, `tandem bench engine`).
+    /// The hardware prefetcher alone left the batched matmuls waiting on memory: batch-16
+    /// decode was 10–12% faster with it over six alternating `tandem bench engine` runs, and
+    /// batch 1 no slower.
     const PREFETCH_BLOCKS: usize = 6;
 
     /// Asks the cache for the weight block [`PREFETCH_BLOCKS`] after `blk`. Past the end of a
