@@ -422,7 +422,10 @@ mod x86 {
             for half in 0..2 {
                 let mut acc = [_mm256_setzero_ps(); T];
                 for (b, blk) in w.iter().enumerate() {
-                    prefetch_ahead(blk);
+                    // The second half finds the first half's prefetches in cache.
+                    if half == 0 {
+                        prefetch_ahead(blk);
+                    }
                     let mut isum_lo = [_mm256_setzero_si256(); T];
                     let mut isum_hi = [_mm256_setzero_si256(); T];
                     for j in 0..4 {
@@ -474,7 +477,10 @@ mod x86 {
             for half in 0..2 {
                 let mut acc = [_mm256_setzero_ps(); T];
                 for (b, blk) in w.iter().enumerate() {
-                    prefetch_ahead(blk);
+                    // The second half finds the first half's prefetches in cache.
+                    if half == 0 {
+                        prefetch_ahead(blk);
+                    }
                     // Even and odd steps accumulate in separate chains (see `tile_q4_1`).
                     let mut isum = [[_mm256_setzero_si256(); T]; 2];
                     for j in 0..8 {

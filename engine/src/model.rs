@@ -180,6 +180,14 @@ pub fn forward(cfg: &ModelConfig, w: &Weights, pool: &mut KvPool, rows: &[Row<'_
     let mut gate_up = vec![0f32; n * 2 * cfg.ffn];
     let mut ffn_act = vec![0f32; n * cfg.ffn];
 
+    // Attention runs one task per row, or per KV head when the rows are too few to share out.
+    let parts = if n >= rayon::current_num_threads() {
+        1
+    } else {
+        cfg.n_kv_heads
+    };
+    let (kv_per_part, q_per_part) = (cfg.n_kv_heads / parts, qd / parts);
+
     if let Some(first) = w.layers.first() {
         add_norm_quantize(
             &mut x,
@@ -208,13 +216,6 @@ pub fn forward(cfg: &ModelConfig, w: &Weights, pool: &mut KvPool, rows: &[Row<'_
                 pool.write(r.blocks, r.pos, li, KvKind::Value, g, v);
             }
         }
-        // One task per row, or per KV head when the rows are too few to share out.
-        let parts = if n >= rayon::current_num_threads() {
-            1
-        } else {
-            cfg.n_kv_heads
-        };
-        let (kv_per_part, q_per_part) = (cfg.n_kv_heads / parts, qd / parts);
         let pool_ref = &*pool;
         attn.par_chunks_mut(q_per_part)
             .enumerate()
