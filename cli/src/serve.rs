@@ -5,11 +5,46 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 use tandem_engine::EngineConfig;
 use tokio::net::TcpListener;
 
 use crate::ModelArgs;
+
+/// On or off.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Switch {
+    On,
+    Off,
+}
+
+impl Switch {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Switch::On => "on",
+            Switch::Off => "off",
+        }
+    }
+}
+
+/// How the router chooses replicas.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Policy {
+    /// One cost formula over cached prefixes, load and measured speeds (see the router's
+    /// policy docs).
+    Affinity,
+    /// Replicas in turn, always with a remote prefill (the benchmark baseline).
+    RoundRobin,
+}
+
+impl Policy {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Policy::Affinity => "affinity",
+            Policy::RoundRobin => "round-robin",
+        }
+    }
+}
 
 /// Flags every worker shares.
 #[derive(Args, Debug, Clone)]
@@ -25,13 +60,22 @@ pub(crate) struct WorkerArgs {
     /// How long in-flight requests may run after shutdown begins, in ms.
     #[arg(long, env = "TANDEM_GRACE_MS", default_value_t = 10_000)]
     pub grace_ms: u64,
+    /// The prefix cache (prefill) or session cache (decode): `off` makes every request compute
+    /// its whole prompt.
+    #[arg(long, env = "TANDEM_PREFIX_CACHE", value_enum, default_value_t = Switch::On)]
+    pub prefix_cache: Switch,
 }
 
 impl WorkerArgs {
-    fn engine(&self) -> EngineConfig {
+    /// The engine, with a prefix cache of `cache_bytes` when the cache is on.
+    fn engine(&self, cache_bytes: usize) -> EngineConfig {
         EngineConfig {
             threads: self.threads,
             kv_budget_bytes: self.kv_budget_mb << 20,
+            prefix_cache_bytes: match self.prefix_cache {
+                Switch::On => cache_bytes,
+                Switch::Off => 0,
+            },
             ..EngineConfig::default()
         }
     }
@@ -47,6 +91,10 @@ pub(crate) struct PrefillArgs {
     /// Requests that may wait for the compute thread; more get RESOURCE_EXHAUSTED.
     #[arg(long, env = "TANDEM_MAX_QUEUE", default_value_t = 64)]
     max_queue: usize,
+    /// Size of the prefix cache in MiB (least recently used prompts are evicted beyond it; it
+    /// lives inside the KV pool of --kv-budget-mb).
+    #[arg(long, env = "TANDEM_PREFIX_CACHE_MB", default_value_t = 128)]
+    prefix_cache_mb: usize,
 }
 
 #[derive(Args, Debug)]
@@ -92,6 +140,13 @@ pub(crate) struct RouterArgs {
     /// How long in-flight streams may run after shutdown begins, in ms.
     #[arg(long, env = "TANDEM_GRACE_MS", default_value_t = 10_000)]
     grace_ms: u64,
+    /// How replicas are chosen.
+    #[arg(long, env = "TANDEM_POLICY", value_enum, default_value_t = Policy::Affinity)]
+    policy: Policy,
+    /// Most block hashes the router's cache index keeps per replica (10-21 bytes each); a
+    /// replica whose cache is larger is routed to as if it held nothing.
+    #[arg(long, env = "TANDEM_INDEX_MAX_BLOCKS", default_value_t = 1 << 20)]
+    index_max_blocks: usize,
 }
 
 /// Resolves on Ctrl-C or SIGTERM.
@@ -128,7 +183,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 pub(crate) fn prefill(args: &PrefillArgs) -> anyhow::Result<()> {
     let model = args.worker.model.source().load()?;
     let config = tandem_prefill_server::Config {
-        engine: args.worker.engine(),
+        engine: args.worker.engine(args.prefix_cache_mb << 20),
         max_queue: args.max_queue,
         grace: Duration::from_millis(args.worker.grace_ms),
         ..tandem_prefill_server::Config::new(model)
@@ -143,7 +198,8 @@ pub(crate) fn prefill(args: &PrefillArgs) -> anyhow::Result<()> {
 pub(crate) fn decode(args: &DecodeArgs) -> anyhow::Result<()> {
     let model = args.worker.model.source().load()?;
     let config = tandem_decode_server::Config {
-        engine: args.worker.engine(),
+        // The session cache may use the whole pool: running sequences evict it as they need.
+        engine: args.worker.engine(usize::MAX),
         max_slots: args.max_slots,
         kv_wait: Duration::from_millis(args.kv_wait_ms),
         grace: Duration::from_millis(args.worker.grace_ms),
@@ -165,6 +221,11 @@ pub(crate) fn router(args: &RouterArgs) -> anyhow::Result<()> {
         kv_wait: Duration::from_millis(args.kv_wait_ms),
         load_poll: Duration::from_millis(args.load_poll_ms),
         grace: Duration::from_millis(args.grace_ms),
+        policy: match args.policy {
+            Policy::Affinity => tandem_router::PolicyKind::Affinity,
+            Policy::RoundRobin => tandem_router::PolicyKind::RoundRobin,
+        },
+        index_max_blocks: args.index_max_blocks,
     };
     runtime()?.block_on(async {
         let listener = bind(args.listen).await?;

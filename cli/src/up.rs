@@ -15,7 +15,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 use crate::ModelArgs;
-use crate::serve::shutdown_signal;
+use crate::serve::{Policy, Switch, shutdown_signal};
 
 #[derive(Args, Debug)]
 pub(crate) struct UpArgs {
@@ -37,6 +37,15 @@ pub(crate) struct UpArgs {
     /// How long to wait for the cluster to become healthy, in ms.
     #[arg(long, default_value_t = 60_000)]
     ready_timeout_ms: u64,
+    /// Every worker's prefix or session cache (`off` is the baseline without reuse).
+    #[arg(long, env = "TANDEM_PREFIX_CACHE", value_enum, default_value_t = Switch::On)]
+    prefix_cache: Switch,
+    /// Each prefill node's prefix cache in MiB.
+    #[arg(long, env = "TANDEM_PREFIX_CACHE_MB", default_value_t = 128)]
+    prefix_cache_mb: usize,
+    /// How the router chooses replicas.
+    #[arg(long, env = "TANDEM_POLICY", value_enum, default_value_t = Policy::Affinity)]
+    policy: Policy,
 }
 
 struct Node {
@@ -128,11 +137,15 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
             n => n,
         };
         common.extend(["--threads".into(), threads.to_string()]);
+        common.extend(["--prefix-cache".into(), args.prefix_cache.name().into()]);
         let mut workers = Vec::new();
         for (role, n) in [("prefill", args.prefill), ("decode", args.decode)] {
             for i in 0..n {
                 let mut a = vec![role.to_string(), "--listen".into(), "127.0.0.1:0".into()];
                 a.extend(common.iter().cloned());
+                if role == "prefill" {
+                    a.extend(["--prefix-cache-mb".into(), args.prefix_cache_mb.to_string()]);
+                }
                 workers.push(start(format!("{role}-{i}"), &a).await?);
             }
         }
@@ -152,6 +165,8 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
             list("prefill"),
             "--decode".into(),
             list("decode"),
+            "--policy".into(),
+            args.policy.name().into(),
         ];
         let router = start("router".into(), &router_args).await?;
         let router_addr = router.addr.clone();

@@ -8,6 +8,8 @@ use tandem_engine::{EngineConfig, Model};
 #[derive(Debug, Clone)]
 pub struct Config {
     pub model: Arc<Model>,
+    /// The engine; a non-zero `prefix_cache_bytes` turns the session cache on (it may then use
+    /// the whole pool: cached blocks are evicted whenever a running sequence needs room).
     pub engine: EngineConfig,
     /// Sequences decoded together at most (batch slots).
     pub max_slots: usize,
@@ -21,7 +23,10 @@ impl Config {
     pub fn new(model: Arc<Model>) -> Self {
         Self {
             model,
-            engine: EngineConfig::default(),
+            engine: EngineConfig {
+                prefix_cache_bytes: usize::MAX,
+                ..EngineConfig::default()
+            },
             max_slots: 16,
             kv_wait: Duration::from_secs(10),
             grace: Duration::from_secs(10),

@@ -41,10 +41,7 @@ impl From<Error> for Status {
             Error::InvalidArgument { .. } => Status::invalid_argument(e.to_string()),
             Error::Capacity { .. } => Status::resource_exhausted(e.to_string()),
             Error::KvTimeout { .. } | Error::ShuttingDown => Status::unavailable(e.to_string()),
-            Error::Transfer(t) => match t.code() {
-                tonic::Code::DataLoss => Status::data_loss(e.to_string()),
-                _ => Status::unavailable(e.to_string()),
-            },
+            Error::Transfer(t) => Status::new(t.request_code(), e.to_string()),
             Error::Deadline => Status::deadline_exceeded(e.to_string()),
             Error::Engine(tandem_engine::Error::InvalidArgument { .. }) => {
                 Status::invalid_argument(e.to_string())

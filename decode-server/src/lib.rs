@@ -1,6 +1,7 @@
-//! The decode node: hosts `Decode` (admission, KV wait, token streaming), `KvTransfer` (the
-//! receiving end of prefill pushes) and `Worker` (model info, load), with health, reflection and
-//! `/metrics` on the same port. The continuous-batching scheduler runs on its own thread.
+//! The decode node: hosts `Decode` (admission, KV wait or local prefill, token streaming),
+//! `KvTransfer` (the receiving end of prefill pushes) and `Worker` (model info, load, cache
+//! events), with health, reflection and `/metrics` on the same port. The continuous-batching
+//! scheduler runs on its own thread and keeps finished sequences' KV in a session cache.
 
 mod admission;
 mod config;
@@ -28,20 +29,8 @@ pub use error::{Error, Result};
 use crate::admission::Admission;
 use crate::metrics::DecodeMetrics;
 use crate::request::RequestContext;
-use crate::scheduler::SchedulerHandle;
-use crate::service::{DecodeService, WorkerService};
-
-/// What a worker says about its model (`Worker.Info`).
-pub fn worker_info(model: &tandem_engine::Model, role: &str) -> pb::InfoResponse {
-    pb::InfoResponse {
-        model_name: model.name.clone(),
-        model_fingerprint: model.fingerprint.0.to_vec().into(),
-        context_tokens: model.config.context_len as u32,
-        block_tokens: tandem_engine::BLOCK_TOKENS as u32,
-        tokenizer_spec_json: serde_json::to_string(&model.tokenizer_spec).unwrap_or_default(),
-        role: role.to_string(),
-    }
-}
+use crate::scheduler::{SchedulerHandle, Shared};
+use crate::service::{DecodeLoad, DecodeService};
 
 /// Serves a decode node on `listener` until `shutdown` completes, then drains.
 pub async fn run(
@@ -49,12 +38,23 @@ pub async fn run(
     config: Config,
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
+    if config.max_slots == 0 {
+        return Err(Error::InvalidArgument {
+            field: "max_slots",
+            reason: "must be at least 1".into(),
+        });
+    }
     let engine = Engine::new(config.model.clone(), config.engine.clone())?;
     let total_blocks = engine.kv_blocks_total();
+    let prefix_cache = engine.prefix_cache_enabled();
     let mut registry = Registry::default();
-    let decode_metrics = DecodeMetrics::register(&mut registry);
+    let shared = Arc::new(Shared {
+        metrics: DecodeMetrics::register(&mut registry),
+        hub: Arc::default(),
+        throughput: Default::default(),
+    });
     let transfer_metrics = TransferMetrics::register(&mut registry);
-    let (scheduler, thread) = SchedulerHandle::spawn(engine, decode_metrics).map_err(|e| {
+    let (scheduler, thread) = SchedulerHandle::spawn(engine, shared.clone()).map_err(|e| {
         Error::Engine(tandem_engine::Error::InvalidArgument {
             field: "threads",
             reason: format!("cannot start the scheduler thread: {e}"),
@@ -69,6 +69,8 @@ pub async fn run(
         total_blocks,
         reservations: reservations.clone(),
         scheduler,
+        shared: shared.clone(),
+        prefix_cache,
         kv_wait: config.kv_wait,
         shutdown: root.child_token(),
         tracker: tracker.clone(),
@@ -79,12 +81,15 @@ pub async fn run(
         .add_service(tandem_proto::limits!(pb::decode_server::DecodeServer::new(
             DecodeService { ctx: ctx.clone() }
         )))
-        .add_service(tandem_proto::limits!(pb::worker_server::WorkerServer::new(
-            WorkerService {
-                ctx: ctx.clone(),
-                info: worker_info(&config.model, "decode"),
-            }
-        )))
+        .add_service(
+            tandem_worker::WorkerService::new(
+                tandem_worker::worker_info(&config.model, "decode"),
+                Arc::new(DecodeLoad { ctx: ctx.clone() }),
+                shared.hub.clone(),
+                root.child_token(),
+            )
+            .into_server(),
+        )
         .add_service(KvTransferService::new(reservations, transfer_metrics).into_server());
     tracing::info!(addr = ?listener.local_addr().ok(), model = %config.model.name, "decode node serving");
     let served = tandem_proto::net::serve(
@@ -100,7 +105,11 @@ pub async fn run(
             metrics: Arc::new(registry),
             grace: config.grace,
         },
-        shutdown,
+        async {
+            shutdown.await;
+            // Begin ending streams (cache events) so that they do not hold up the drain.
+            root.cancel();
+        },
     )
     .await;
     // Streams still running after the grace period end with UNAVAILABLE; then the scheduler's

@@ -11,6 +11,9 @@ pub const KV_BLOCKS_FREE: &str = "tandem_decode_kv_blocks_free";
 pub const STEPS: &str = "tandem_decode_steps";
 pub const STEP_SECONDS: &str = "tandem_decode_step_seconds";
 pub const TOKENS: &str = "tandem_decode_tokens";
+pub const KV_BLOCKS_CACHED: &str = "tandem_decode_kv_blocks_cached";
+pub const CACHED_TOKENS: &str = "tandem_decode_cached_tokens";
+pub const LOCAL_PREFILL_TOKENS: &str = "tandem_decode_local_prefill_tokens";
 
 #[derive(Clone, Debug)]
 pub struct DecodeMetrics {
@@ -21,6 +24,12 @@ pub struct DecodeMetrics {
     pub steps: Counter,
     pub step_seconds: Histogram,
     pub tokens: Counter,
+    /// Blocks the session cache keeps (some may be in use by running sequences too).
+    pub kv_blocks_cached: Gauge,
+    /// Prompt tokens found in the session cache at admission.
+    pub cached_tokens: Counter,
+    /// Prompt tokens computed here (conditional disaggregation).
+    pub local_prefill_tokens: Counter,
 }
 
 impl DecodeMetrics {
@@ -32,6 +41,9 @@ impl DecodeMetrics {
             steps: Counter::default(),
             step_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
             tokens: Counter::default(),
+            kv_blocks_cached: Gauge::default(),
+            cached_tokens: Counter::default(),
+            local_prefill_tokens: Counter::default(),
         };
         registry.register(
             ACTIVE_SLOTS,
@@ -59,6 +71,21 @@ impl DecodeMetrics {
             m.step_seconds.clone(),
         );
         registry.register(TOKENS, "Tokens generated", m.tokens.clone());
+        registry.register(
+            KV_BLOCKS_CACHED,
+            "KV blocks kept by the session cache",
+            m.kv_blocks_cached.clone(),
+        );
+        registry.register(
+            CACHED_TOKENS,
+            "Prompt tokens reused from the session cache",
+            m.cached_tokens.clone(),
+        );
+        registry.register(
+            LOCAL_PREFILL_TOKENS,
+            "Prompt tokens prefilled on the decode node",
+            m.local_prefill_tokens.clone(),
+        );
         m
     }
 }

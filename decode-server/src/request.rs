@@ -1,12 +1,15 @@
-//! One decode request's life, as a task: admission, the bounded wait for its KV, handing the
-//! sequence to the scheduler, and forwarding its tokens, under the request's deadline.
+//! One decode request's life, as a task: admission, opening its sequence on the session cache,
+//! the bounded wait for the rest of its KV (or a local prefill), handing the sequence to the
+//! scheduler, and forwarding its tokens, under the request's deadline.
 //!
 //! ```text
-//! Generate ─▶ admit (slot + blocks) ─▶ reserve transfer id ─▶ [task] send `admitted`
-//!               │ RESOURCE_EXHAUSTED                              wait KV (≤ kv_wait silent)
-//!                                                                  scheduler.start ─▶ events ─▶ frames
+//! Generate ─▶ admit (slot + blocks) ─▶ [task] open seq on the cached prefix ─▶ reserve transfer id
+//!               │ RESOURCE_EXHAUSTED        ─▶ send `admitted{cached}` ─▶ wait KV (≤ kv_wait silent)
+//!                                           ─▶ scheduler.start ─▶ events ─▶ frames
 //! ```
 //!
+//! Admission reserves the worst case (prompt + max_tokens blocks) whatever the cache holds, so
+//! running sequences can never run out of KV; cached blocks nobody uses are evicted as needed.
 //! Everything the request holds is RAII: dropping the task (client gone, deadline, shutdown)
 //! releases the admission, the reservation and the scheduler's sequence.
 
@@ -14,9 +17,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tandem_engine::{FinishReason, GenerateParams, KvExport, Model};
+use tandem_engine::{FinishReason, GenerateParams, Model};
 use tandem_proto::v1 as pb;
-use tandem_transfer::{Expectation, Reservations, WireLayout};
+use tandem_transfer::{Expectation, Reservations};
 use tokio::sync::mpsc;
 use tokio::time::Instant as TokioInstant;
 use tokio_stream::wrappers::ReceiverStream;
@@ -26,7 +29,7 @@ use tonic::Status;
 
 use crate::admission::{Admission, Admitted};
 use crate::error::{Error, Result};
-use crate::scheduler::{Event, SchedulerHandle, Start, Ticket};
+use crate::scheduler::{Event, Input, SchedulerHandle, Shared, Start, Ticket};
 
 /// Frames buffered towards the client before the request task waits.
 const FRAME_BUFFER: usize = 16;
@@ -37,6 +40,10 @@ pub(crate) struct Plan {
     pub request_id: String,
     pub transfer_id: String,
     pub prompt: Vec<u32>,
+    /// Block hashes of the prompt's reusable blocks (empty with the cache off).
+    pub hashes: Vec<u64>,
+    /// Compute the uncached suffix here instead of waiting for a push.
+    pub local_prefill: bool,
     pub params: GenerateParams,
     pub kv_wait: Option<Duration>,
     pub deadline: Option<TokioInstant>,
@@ -50,20 +57,13 @@ pub(crate) struct RequestContext {
     pub total_blocks: usize,
     pub reservations: Reservations,
     pub scheduler: SchedulerHandle,
+    pub shared: Arc<Shared>,
+    /// Whether the session cache is on (requests then look their prompt up in it).
+    pub prefix_cache: bool,
     pub kv_wait: Duration,
     pub shutdown: CancellationToken,
     pub tracker: TaskTracker,
     pub next_ticket: Arc<AtomicU64>,
-}
-
-pub(crate) fn wire_layout(model: &Model) -> WireLayout {
-    let l = model.config.kv_layout();
-    WireLayout {
-        layers: l.n_layers as u32,
-        kv_heads: l.n_kv_heads as u32,
-        head_dim: l.head_dim as u32,
-        block_tokens: tandem_engine::BLOCK_TOKENS as u32,
-    }
 }
 
 fn finish_reason(r: FinishReason) -> pb::FinishReason {
@@ -156,19 +156,10 @@ impl RequestContext {
         let admitted = self
             .admission
             .try_admit(total.div_ceil(tandem_engine::BLOCK_TOKENS))?;
-        let layout = wire_layout(&self.model);
-        let want = Expectation {
-            fingerprint: self.model.fingerprint.0,
-            layout,
-            tokens: 0..plan.prompt.len() as u32,
-            token_ids: plan.prompt.clone(),
-            max_bytes: layout.total_bytes(plan.prompt.len()),
-        };
-        let (lease, delivery) = self.reservations.reserve(&plan.transfer_id, want)?;
         let (tx, rx) = mpsc::channel(FRAME_BUFFER);
         let ctx = self.clone();
         self.tracker.spawn(async move {
-            let outcome = ctx.run(plan, admitted, lease, delivery, &tx).await;
+            let outcome = ctx.run(plan, admitted, &tx).await;
             if let Err(e) = outcome {
                 let _ = tx.send(Err(e.into())).await;
             }
@@ -180,8 +171,6 @@ impl RequestContext {
         &self,
         plan: Plan,
         _admitted: Admitted,
-        lease: tandem_transfer::ReservationGuard,
-        delivery: tandem_transfer::reservation::Delivery,
         tx: &mpsc::Sender<Result<pb::DecodeResponse, Status>>,
     ) -> Result<()> {
         let admitted_at = Instant::now();
@@ -193,46 +182,72 @@ impl RequestContext {
             }
         };
         tokio::pin!(until_deadline);
+        let ticket = Ticket(self.next_ticket.fetch_add(1, Ordering::Relaxed));
+        let mut guard = SequenceGuard {
+            scheduler: self.scheduler.clone(),
+            ticket,
+            finished: false,
+        };
+        let cached = self
+            .scheduler
+            .open(ticket, plan.hashes)
+            .await
+            .ok_or(Error::ShuttingDown)?;
+        self.shared.metrics.cached_tokens.inc_by(cached as u64);
+        let n = plan.prompt.len();
+        // With a local prefill nothing is pushed; otherwise the push must bring [cached, n).
+        let reservation = if plan.local_prefill {
+            None
+        } else {
+            let layout = tandem_worker::wire_layout(&self.model);
+            let want = Expectation {
+                fingerprint: self.model.fingerprint.0,
+                layout,
+                tokens: cached as u32..n as u32,
+                token_ids: plan.prompt[cached..].to_vec(),
+                max_bytes: layout.total_bytes(n - cached),
+            };
+            Some(self.reservations.reserve(&plan.transfer_id, want)?)
+        };
         let frame = pb::DecodeResponse {
             event: Some(pb::decode_response::Event::Admitted(pb::DecodeAdmitted {
-                cached_tokens: 0,
+                cached_tokens: cached as u32,
             })),
         };
         if tx.send(Ok(frame)).await.is_err() {
             return Ok(());
         }
 
-        let kv_wait = plan.kv_wait.unwrap_or(self.kv_wait);
-        let received = tokio::select! {
-            r = wait_kv(&lease, delivery, kv_wait) => r?,
-            () = tx.closed() => return Ok(()),
-            () = &mut until_deadline => return Err(Error::Deadline),
-            () = self.shutdown.cancelled() => return Err(Error::ShuttingDown),
+        let input = match reservation {
+            None => Input::Local,
+            Some((lease, delivery)) => {
+                let kv_wait = plan.kv_wait.unwrap_or(self.kv_wait);
+                let received = tokio::select! {
+                    r = wait_kv(&lease, delivery, kv_wait) => r?,
+                    () = tx.closed() => return Ok(()),
+                    () = &mut until_deadline => return Err(Error::Deadline),
+                    () = self.shutdown.cancelled() => return Err(Error::ShuttingDown),
+                };
+                drop(lease);
+                if received.first_token as usize >= self.model.config.vocab {
+                    return Err(Error::InvalidArgument {
+                        field: "first_token",
+                        reason: format!("{} is outside the vocabulary", received.first_token),
+                    });
+                }
+                let first_token = received.first_token;
+                Input::Kv {
+                    kv: tandem_worker::kv_export(&self.model, received),
+                    first_token,
+                }
+            }
         };
-        drop(lease);
-        if received.first_token as usize >= self.model.config.vocab {
-            return Err(Error::InvalidArgument {
-                field: "first_token",
-                reason: format!("{} is outside the vocabulary", received.first_token),
-            });
-        }
         let kv_wait_ms = admitted_at.elapsed().as_secs_f64() * 1e3;
-
-        let ticket = Ticket(self.next_ticket.fetch_add(1, Ordering::Relaxed));
-        let (events_tx, mut events) = mpsc::channel(plan.params.max_tokens + 2);
-        let mut guard = SequenceGuard {
-            scheduler: self.scheduler.clone(),
-            ticket,
-            finished: false,
-        };
+        let (events_tx, mut events) = mpsc::channel(plan.params.max_tokens + 3);
         let started = self.scheduler.start(Start {
             ticket,
-            kv: KvExport {
-                layout: self.model.config.kv_layout(),
-                tokens: received.tokens.start as usize..received.tokens.end as usize,
-                layers: received.layers,
-            },
-            first_token: received.first_token,
+            prompt: plan.prompt,
+            input,
             params: plan.params,
             events: events_tx,
         });
@@ -242,6 +257,7 @@ impl RequestContext {
 
         let mut index = 0u32;
         let mut completion_tokens = 0u32;
+        let mut local_prefill_ms = 0.0;
         loop {
             let event = tokio::select! {
                 e = events.recv() => e,
@@ -250,6 +266,10 @@ impl RequestContext {
                 () = self.shutdown.cancelled() => return Err(Error::ShuttingDown),
             };
             let emission = match event {
+                Some(Event::Prefilled { ms }) => {
+                    local_prefill_ms = ms;
+                    continue;
+                }
                 Some(Event::Token(e)) => e,
                 Some(Event::Failed(e)) => {
                     guard.finished = true;
@@ -266,6 +286,7 @@ impl RequestContext {
                 finish_reason: last.map_or(pb::FinishReason::Unspecified, finish_reason) as i32,
                 completion_tokens: if last.is_some() { completion_tokens } else { 0 },
                 kv_wait_ms: if index == 0 { kv_wait_ms } else { 0.0 },
+                local_prefill_ms: if index == 0 { local_prefill_ms } else { 0.0 },
             };
             index += 1;
             let frame = pb::DecodeResponse {

@@ -1,17 +1,23 @@
 //! The continuous-batching scheduler: one thread owns the engine and runs one batched decode step
 //! after another. New sequences join and finished or cancelled ones leave between steps; it never
-//! waits on a prefill, because a sequence only reaches it once its KV has arrived and been
-//! verified.
+//! waits on a remote prefill, because a sequence only joins once its KV has arrived and been
+//! verified. A short uncached suffix may instead be prefilled here (conditional
+//! disaggregation), which pauses the batch for that long.
 //!
 //! ```text
-//! request tasks ──Command::{Start, Cancel}──▶ scheduler thread ──Event per step──▶ request task
-//!                  (std mpsc; bounded by           engine.step(batch)              (tokio mpsc sized
-//!                   admission's slot count)                                        max_tokens + 2)
+//! request tasks ──Command::{Open, Start, Cancel}──▶ scheduler thread ──Event per step──▶ request task
+//!                  (std mpsc; bounded by               engine.step(batch)                  (tokio mpsc sized
+//!                   admission's slot count)                                                 max_tokens + 3)
 //! ```
 //!
+//! A request first opens its sequence on the longest prefix the session cache holds (which pins
+//! those blocks until it ends), then starts it with the rest of its KV. When a sequence leaves,
+//! its full blocks (prompt and reply) stay in the session cache, and the cache's events go to
+//! the [`CacheHub`].
+//!
 //! The command queue needs no bound of its own: every command belongs to an admitted request,
-//! and there are at most `max_slots` of those, each sending at most one `Start` and one `Cancel`.
-//! Event channels hold a whole generation, so a slow client never blocks a step.
+//! and there are at most `max_slots` of those, each sending at most one `Open`, one `Start` and
+//! one `Cancel`. Event channels hold a whole generation, so a slow client never blocks a step.
 
 use std::collections::HashMap;
 use std::sync::{Arc, mpsc};
@@ -19,7 +25,8 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use tandem_engine::{Emission, Engine, GenerateParams, KvExport, SeqId, Stream};
-use tokio::sync::mpsc as tmpsc;
+use tandem_worker::{CacheHub, Throughput};
+use tokio::sync::{mpsc as tmpsc, oneshot};
 
 use crate::metrics::DecodeMetrics;
 
@@ -29,22 +36,40 @@ pub struct Ticket(pub u64);
 
 #[derive(Debug)]
 pub enum Event {
+    /// The uncached suffix was computed here, in this many milliseconds.
+    Prefilled {
+        ms: f64,
+    },
     Token(Emission),
     /// The engine failed; the sequence is gone.
     Failed(Arc<tandem_engine::Error>),
 }
 
+/// How the rest of a sequence's prompt arrives.
+#[derive(Debug)]
+pub enum Input {
+    /// Pushed by a prefill node: the KV after the cached prefix, and the first token.
+    Kv { kv: KvExport, first_token: u32 },
+    /// Computed here.
+    Local,
+}
+
 #[derive(Debug)]
 pub struct Start {
     pub ticket: Ticket,
-    pub kv: KvExport,
-    pub first_token: u32,
+    pub prompt: Vec<u32>,
+    pub input: Input,
     pub params: GenerateParams,
     pub events: tmpsc::Sender<Event>,
 }
 
 #[derive(Debug)]
 enum Command {
+    Open {
+        ticket: Ticket,
+        hashes: Vec<u64>,
+        reply: oneshot::Sender<usize>,
+    },
     Start(Box<Start>),
     Cancel(Ticket),
 }
@@ -52,10 +77,10 @@ enum Command {
 struct Active {
     seq: SeqId,
     stream: Stream,
+    /// The tokens whose KV the sequence holds once `next` is fed.
+    tokens: Vec<u32>,
     /// The token to feed at the next step.
     next: u32,
-    /// Tokens in the sequence once `next` is fed (the position `next`'s logits sample for).
-    len: usize,
     events: tmpsc::Sender<Event>,
 }
 
@@ -65,25 +90,45 @@ pub struct SchedulerHandle {
     tx: mpsc::Sender<Command>,
 }
 
+/// What the scheduler shares with the rest of the node.
+#[derive(Debug)]
+pub struct Shared {
+    pub metrics: DecodeMetrics,
+    pub hub: Arc<CacheHub>,
+    /// Local prefill speed.
+    pub throughput: Throughput,
+}
+
 impl SchedulerHandle {
     /// Starts the thread. It ends when every handle is dropped.
-    pub fn spawn(
-        engine: Engine,
-        metrics: DecodeMetrics,
-    ) -> std::io::Result<(Self, JoinHandle<()>)> {
+    pub fn spawn(engine: Engine, shared: Arc<Shared>) -> std::io::Result<(Self, JoinHandle<()>)> {
         let (tx, rx) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("tandem-decode-scheduler".into())
-            .spawn(move || Scheduler::new(engine, metrics).run(&rx))?;
+            .spawn(move || Scheduler::new(engine, shared).run(&rx))?;
         Ok((Self { tx }, thread))
     }
 
-    /// Hands a sequence with its verified KV to the batch. `false` if the scheduler is gone.
+    /// Opens `ticket`'s sequence on the longest cached prefix of `hashes`; returns the tokens it
+    /// holds, or `None` if the scheduler is gone.
+    pub async fn open(&self, ticket: Ticket, hashes: Vec<u64>) -> Option<usize> {
+        let (reply, answer) = oneshot::channel();
+        self.tx
+            .send(Command::Open {
+                ticket,
+                hashes,
+                reply,
+            })
+            .ok()?;
+        answer.await.ok()
+    }
+
+    /// Completes an opened sequence and adds it to the batch. `false` if the scheduler is gone.
     pub fn start(&self, start: Start) -> bool {
         self.tx.send(Command::Start(Box::new(start))).is_ok()
     }
 
-    /// Removes a sequence (a no-op if it already finished).
+    /// Removes a sequence, opened or running (a no-op if it already finished).
     pub fn cancel(&self, ticket: Ticket) {
         let _ = self.tx.send(Command::Cancel(ticket));
     }
@@ -91,15 +136,17 @@ impl SchedulerHandle {
 
 struct Scheduler {
     engine: Engine,
-    metrics: DecodeMetrics,
+    shared: Arc<Shared>,
+    opened: HashMap<Ticket, SeqId>,
     active: HashMap<Ticket, Active>,
 }
 
 impl Scheduler {
-    fn new(engine: Engine, metrics: DecodeMetrics) -> Self {
-        let s = Self {
+    fn new(engine: Engine, shared: Arc<Shared>) -> Self {
+        let mut s = Self {
             engine,
-            metrics,
+            shared,
+            opened: HashMap::new(),
             active: HashMap::new(),
         };
         s.publish();
@@ -128,46 +175,104 @@ impl Scheduler {
         }
     }
 
-    fn publish(&self) {
+    /// Reports the cache's changes (blocks kept, or evicted for room) and the gauges.
+    fn publish(&mut self) {
+        self.shared.hub.publish(self.engine.take_cache_events());
+        let m = &self.shared.metrics;
         let total = self.engine.kv_blocks_total();
         let free = self.engine.kv_blocks_free();
-        self.metrics.active_slots.set(self.active.len() as i64);
-        self.metrics.kv_blocks_free.set(free as i64);
-        self.metrics.kv_blocks_in_use.set((total - free) as i64);
+        m.active_slots.set(self.active.len() as i64);
+        m.kv_blocks_free.set(free as i64);
+        m.kv_blocks_in_use.set((total - free) as i64);
+        m.kv_blocks_cached
+            .set(self.engine.kv_blocks_cached() as i64);
     }
 
     fn handle(&mut self, command: Command) {
         match command {
+            Command::Open {
+                ticket,
+                hashes,
+                reply,
+            } => {
+                let (seq, cached) = self.engine.new_sequence_cached(&hashes);
+                self.opened.insert(ticket, seq);
+                if reply.send(cached).is_err() {
+                    self.remove(ticket);
+                }
+            }
             Command::Start(start) => self.start(*start),
             Command::Cancel(ticket) => self.remove(ticket),
         }
     }
 
     fn remove(&mut self, ticket: Ticket) {
+        if let Some(seq) = self.opened.remove(&ticket) {
+            let _ = self.engine.free(seq);
+        }
         if let Some(a) = self.active.remove(&ticket) {
             let _ = self.engine.free(a.seq);
         }
     }
 
     fn start(&mut self, s: Start) {
-        let seq = self.engine.new_sequence();
-        if let Err(e) = self.engine.import_kv(seq, &s.kv) {
-            let _ = self.engine.free(seq);
-            let _ = s.events.try_send(Event::Failed(Arc::new(e)));
+        let Some(seq) = self.opened.remove(&s.ticket) else {
+            // Cancelled before it started.
             return;
-        }
+        };
+        let n = s.prompt.len();
+        let first = match s.input {
+            Input::Kv { kv, first_token } => self.engine.import_kv(seq, &kv).map(|()| first_token),
+            Input::Local => self.prefill(seq, &s.prompt, &s.params, &s.events),
+        };
+        let next = match first {
+            Ok(t) => t,
+            Err(e) => {
+                let _ = self.engine.free(seq);
+                let _ = s.events.try_send(Event::Failed(Arc::new(e)));
+                return;
+            }
+        };
+        debug_assert_eq!(self.engine.seq_len(seq).ok(), Some(n));
         let mut a = Active {
             seq,
             stream: Stream::new(s.params),
-            next: s.first_token,
-            len: s.kv.tokens.end,
+            tokens: s.prompt,
+            next,
             events: s.events,
         };
         if self.accept(&mut a) {
             self.active.insert(s.ticket, a);
         } else {
-            let _ = self.engine.free(seq);
+            self.leave(a);
         }
+    }
+
+    /// Computes the prompt's uncached rest on `seq` and samples the first token, exactly as a
+    /// prefill node would.
+    fn prefill(
+        &mut self,
+        seq: SeqId,
+        prompt: &[u32],
+        params: &GenerateParams,
+        events: &tmpsc::Sender<Event>,
+    ) -> tandem_engine::Result<u32> {
+        let started = Instant::now();
+        let cached = self.engine.seq_len(seq)?;
+        let logits = self.engine.prefill(seq, &prompt[cached..])?;
+        let secs = started.elapsed().as_secs_f64();
+        let computed = prompt.len() - cached;
+        self.shared.throughput.record(computed, secs);
+        self.shared
+            .metrics
+            .local_prefill_tokens
+            .inc_by(computed as u64);
+        let _ = events.try_send(Event::Prefilled { ms: secs * 1e3 });
+        Ok(tandem_engine::sample(
+            &logits,
+            &params.sampling,
+            prompt.len() as u64,
+        ))
     }
 
     /// Accepts `a.next` and tells the request; `false` when the sequence leaves the batch.
@@ -176,11 +281,22 @@ impl Scheduler {
         let emission = a.stream.accept(tokenizer, a.next);
         let finished = emission.finished.is_some();
         if emission.token.is_some() {
-            self.metrics.tokens.inc();
+            self.shared.metrics.tokens.inc();
         }
         // A full channel cannot happen (it holds a whole generation); closed means the
         // request is gone. Either way the sequence leaves.
         a.events.try_send(Event::Token(emission)).is_ok() && !finished
+    }
+
+    /// Frees a sequence that left the batch, keeping its full blocks in the session cache.
+    fn leave(&mut self, a: Active) {
+        if self.engine.prefix_cache_enabled() {
+            let hashes = tandem_worker::block_hashes(self.engine.model(), &a.tokens);
+            if let Err(e) = self.engine.cache_sequence(a.seq, &hashes) {
+                tracing::warn!(error = %e, "could not keep a finished sequence's KV");
+            }
+        }
+        let _ = self.engine.free(a.seq);
     }
 
     fn step(&mut self) {
@@ -191,22 +307,21 @@ impl Scheduler {
             .collect();
         let started = Instant::now();
         let result = self.engine.step(&batch);
-        self.metrics.steps.inc();
-        self.metrics
-            .step_seconds
-            .observe(started.elapsed().as_secs_f64());
+        let m = &self.shared.metrics;
+        m.steps.inc();
+        m.step_seconds.observe(started.elapsed().as_secs_f64());
         match result {
             Ok(logits) => {
                 for (ticket, logits) in tickets.iter().zip(&logits) {
                     let Some(mut a) = self.active.remove(ticket) else {
                         continue;
                     };
-                    a.len += 1;
-                    a.next = a.stream.sample(logits, a.len);
+                    a.tokens.push(a.next);
+                    a.next = a.stream.sample(logits, a.tokens.len());
                     if self.accept(&mut a) {
                         self.active.insert(*ticket, a);
                     } else {
-                        let _ = self.engine.free(a.seq);
+                        self.leave(a);
                     }
                 }
             }

@@ -1,9 +1,8 @@
-//! The decode node's gRPC face: `Decode.Generate` and `Worker`. Converts between protobuf and
-//! domain types; the work happens in [`crate::request`] and the scheduler.
+//! The decode node's gRPC face: `Decode.Generate`, and its answer to `Worker.Load`. Converts
+//! between protobuf and domain types; the work happens in [`crate::request`] and the scheduler.
 
 use std::pin::Pin;
 
-use tandem_engine::{GenerateParams, SamplingParams};
 use tandem_proto::v1 as pb;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
@@ -19,20 +18,6 @@ pub struct DecodeService {
     pub(crate) ctx: RequestContext,
 }
 
-fn params_from_pb(s: Option<pb::SamplingParams>) -> GenerateParams {
-    let s = s.unwrap_or_default();
-    GenerateParams {
-        sampling: SamplingParams {
-            temperature: s.temperature,
-            top_k: s.top_k as usize,
-            top_p: s.top_p.unwrap_or(1.0),
-            seed: s.seed,
-        },
-        max_tokens: s.max_tokens as usize,
-        stop: s.stop,
-    }
-}
-
 #[tonic::async_trait]
 impl pb::decode_server::Decode for DecodeService {
     type GenerateStream = DecodeStream;
@@ -44,18 +29,27 @@ impl pb::decode_server::Decode for DecodeService {
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let deadline = tandem_proto::net::deadline(request.metadata());
         let r = request.into_inner();
-        if r.transfer_id.is_empty() {
+        if r.transfer_id.is_empty() && !r.local_prefill {
             return Err(Error::InvalidArgument {
                 field: "transfer_id",
                 reason: "must not be empty".into(),
             }
             .into());
         }
+        let hashes = if self.ctx.prefix_cache {
+            let reusable = tandem_worker::reusable_blocks(r.prompt_token_ids.len());
+            let prefix = reusable * tandem_engine::BLOCK_TOKENS;
+            tandem_worker::block_hashes(&self.ctx.model, &r.prompt_token_ids[..prefix])
+        } else {
+            Vec::new()
+        };
         let plan = Plan {
             request_id: r.request_id,
             transfer_id: r.transfer_id,
             prompt: r.prompt_token_ids,
-            params: params_from_pb(r.sampling),
+            hashes,
+            local_prefill: r.local_prefill,
+            params: tandem_worker::params_from_pb(r.sampling),
             kv_wait: (r.kv_wait_ms > 0)
                 .then(|| std::time::Duration::from_millis(u64::from(r.kv_wait_ms))),
             deadline,
@@ -65,34 +59,27 @@ impl pb::decode_server::Decode for DecodeService {
     }
 }
 
-/// `Worker.Info` and `Worker.Load` for a decode node.
-#[derive(Clone, Debug)]
-pub struct WorkerService {
-    pub(crate) ctx: RequestContext,
-    pub(crate) info: pb::InfoResponse,
+/// A decode node's load: slots and KV blocks reserved by admission, what the session cache
+/// keeps, and the measured speed of local prefills.
+#[derive(Debug)]
+pub(crate) struct DecodeLoad {
+    pub ctx: RequestContext,
 }
 
-#[tonic::async_trait]
-impl pb::worker_server::Worker for WorkerService {
-    async fn info(
-        &self,
-        _request: Request<pb::InfoRequest>,
-    ) -> Result<Response<pb::InfoResponse>, Status> {
-        Ok(Response::new(self.info.clone()))
-    }
-
-    async fn load(
-        &self,
-        _request: Request<pb::LoadRequest>,
-    ) -> Result<Response<pb::LoadResponse>, Status> {
+impl tandem_worker::LoadSource for DecodeLoad {
+    fn load(&self) -> pb::LoadResponse {
         let (slots, blocks) = self.ctx.admission.in_use();
         let total = self.ctx.total_blocks;
-        Ok(Response::new(pb::LoadResponse {
+        let shared = &self.ctx.shared;
+        pb::LoadResponse {
             active: slots as u32,
             queued: 0,
             capacity: self.ctx.admission.max_slots() as u32,
             kv_blocks_free: (total - blocks) as u64,
             kv_blocks_total: total as u64,
-        }))
+            prefill_tokens_per_second: shared.throughput.get(),
+            kv_blocks_cached: shared.metrics.kv_blocks_cached.get().max(0) as u64,
+            ..Default::default()
+        }
     }
 }

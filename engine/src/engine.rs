@@ -5,6 +5,11 @@
 //! batch by one token; [`Engine::export_kv`] / [`Engine::import_kv`] move a sequence's KV as
 //! bytes; [`Engine::free`] returns its blocks. Sequences can join and leave between steps, which
 //! is continuous batching. All compute runs on the engine's own rayon pool.
+//!
+//! The prefix cache: [`Engine::cache_sequence`] keeps a sequence's full blocks under their
+//! block hashes, and [`Engine::new_sequence_cached`] starts a sequence on the longest cached
+//! prefix, sharing those blocks. Cached blocks nobody else holds are evicted (least recently
+//! used first) whenever a sequence needs room, so the cache never turns a request away.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -14,6 +19,7 @@ use crate::error::{Error, Result};
 use crate::kv::{BLOCK_TOKENS, KvKind, KvLayout, KvPool};
 use crate::loader::{LoadedModel, ModelFingerprint};
 use crate::model::{self, Logits, ModelConfig, Row, Weights};
+use crate::prefix_cache::{CacheEvent, PrefixCache};
 use tandem_tokenizer::{Tokenizer, TokenizerSpec};
 
 /// A loaded model, shareable between engines.
@@ -49,6 +55,9 @@ pub struct EngineConfig {
     pub kv_budget_bytes: usize,
     /// Prompt tokens per prefill forward pass, which bounds activation memory.
     pub prefill_chunk_tokens: usize,
+    /// Most bytes of KV the prefix cache keeps (rounded down to blocks, at most the pool);
+    /// 0 turns it off.
+    pub prefix_cache_bytes: usize,
 }
 
 impl Default for EngineConfig {
@@ -57,6 +66,7 @@ impl Default for EngineConfig {
             threads: 0,
             kv_budget_bytes: 256 << 20,
             prefill_chunk_tokens: 256,
+            prefix_cache_bytes: 0,
         }
     }
 }
@@ -85,6 +95,7 @@ pub struct KvExport {
 pub struct Engine {
     model: Arc<Model>,
     pool: KvPool,
+    cache: PrefixCache,
     seqs: HashMap<SeqId, Sequence>,
     next_id: u32,
     threads: rayon::ThreadPool,
@@ -107,8 +118,12 @@ impl Engine {
                 field: "threads",
                 reason: e.to_string(),
             })?;
+        let pool = KvPool::new(model.config.kv_layout(), config.kv_budget_bytes);
+        let cache_blocks =
+            (config.prefix_cache_bytes / pool.layout().block_bytes()).min(pool.total_blocks());
         Ok(Self {
-            pool: KvPool::new(model.config.kv_layout(), config.kv_budget_bytes),
+            pool,
+            cache: PrefixCache::new(cache_blocks),
             model,
             seqs: HashMap::new(),
             next_id: 0,
@@ -134,16 +149,95 @@ impl Engine {
         self.pool.total_blocks()
     }
 
+    /// Blocks a new sequence can have: free ones, and cached ones that only the cache holds.
     pub fn kv_blocks_free(&self) -> usize {
-        self.pool.free_blocks()
+        let evictable = self
+            .cache
+            .blocks()
+            .filter(|&b| self.pool.holders(b) == 1)
+            .count();
+        self.pool.free_blocks() + evictable
+    }
+
+    /// Blocks the prefix cache holds (some may be in use by sequences too).
+    pub fn kv_blocks_cached(&self) -> usize {
+        self.cache.len()
+    }
+
+    /// Whether the prefix cache is on.
+    pub fn prefix_cache_enabled(&self) -> bool {
+        self.cache.enabled()
     }
 
     /// Starts an empty sequence.
     pub fn new_sequence(&mut self) -> SeqId {
+        self.new_sequence_cached(&[]).0
+    }
+
+    /// Starts a sequence holding the longest cached prefix of `hashes` (the block hashes of the
+    /// tokens it will hold, at most the blocks it may reuse); returns it with the number of
+    /// tokens it already holds. Extending it computes only what follows.
+    pub fn new_sequence_cached(&mut self, hashes: &[u64]) -> (SeqId, usize) {
+        let blocks = self.cache.lookup(hashes);
+        for &b in &blocks {
+            self.pool.retain(b);
+        }
         let id = SeqId(self.next_id);
         self.next_id = self.next_id.wrapping_add(1);
-        self.seqs.insert(id, Sequence::default());
-        id
+        let len = blocks.len() * BLOCK_TOKENS;
+        self.seqs.insert(id, Sequence { blocks, len });
+        (id, len)
+    }
+
+    /// Keeps the first `hashes.len()` blocks of `seq` in the prefix cache under `hashes` (the
+    /// block hashes of its first tokens), evicting the least recently used blocks beyond the
+    /// cache's size. The sequence itself is unchanged.
+    pub fn cache_sequence(&mut self, seq: SeqId, hashes: &[u64]) -> Result<()> {
+        let s = self.seq(seq)?;
+        if hashes.len() > s.len / BLOCK_TOKENS {
+            return Err(Error::InvalidArgument {
+                field: "hashes",
+                reason: format!(
+                    "{} block hashes for a sequence of {} tokens",
+                    hashes.len(),
+                    s.len
+                ),
+            });
+        }
+        let blocks = s.blocks[..hashes.len()].to_vec();
+        for b in self.cache.insert(hashes, &blocks) {
+            self.pool.retain(b);
+        }
+        while self.cache.len() > self.cache.max_blocks() && self.evict_one() {}
+        Ok(())
+    }
+
+    /// Drops every cached block (blocks in use stay with their sequences).
+    pub fn clear_cache(&mut self) {
+        let blocks = self.cache.clear();
+        self.pool.release(blocks);
+    }
+
+    /// The cache's changes since the last call, in order.
+    pub fn take_cache_events(&mut self) -> Vec<CacheEvent> {
+        self.cache.take_events()
+    }
+
+    fn evict_one(&mut self) -> bool {
+        let pool = &self.pool;
+        match self.cache.evict_one(|b| pool.holders(b) > 1) {
+            Some(b) => {
+                self.pool.release([b]);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Takes `n` blocks, evicting cached ones that nobody else holds if the pool is short.
+    fn alloc(&mut self, n: usize) -> Result<Vec<u32>> {
+        while self.pool.free_blocks() < n && self.evict_one() {}
+        self.pool.alloc(n)
     }
 
     pub fn seq_len(&self, seq: SeqId) -> Result<usize> {
@@ -178,7 +272,7 @@ impl Engine {
         let have = self.seq(seq)?.blocks.len();
         let need = len.div_ceil(BLOCK_TOKENS).saturating_sub(have);
         if need > 0 {
-            let new = self.pool.alloc(need)?;
+            let new = self.alloc(need)?;
             self.seqs
                 .get_mut(&seq)
                 .ok_or(Error::UnknownSequence(seq.0))?

@@ -4,6 +4,10 @@
 //! `[layer][k|v][kv_head][token][head_dim]`, as f16 (what llama.cpp keeps too). A sequence owns
 //! a block table; appending a token never copies earlier KV. The pool is allocated zeroed, so
 //! the operating system commits its pages only as blocks are first written.
+//!
+//! Blocks are reference-counted: a full block may be shared by several sequences and the prefix
+//! cache (it is never written again once full), and returns to the free list when its last
+//! holder releases it.
 
 use std::ops::Range;
 
@@ -58,6 +62,8 @@ pub struct KvPool {
     /// f16 bit patterns, in a zeroed allocation (pages committed on first write).
     data: Vec<u16>,
     free: Vec<u32>,
+    /// Holders of each block; 0 for a free block.
+    refs: Vec<u32>,
     total: usize,
 }
 
@@ -71,6 +77,7 @@ impl KvPool {
             layout,
             data,
             free: (0..total as u32).rev().collect(),
+            refs: vec![0; total],
             total,
         }
     }
@@ -87,7 +94,7 @@ impl KvPool {
         self.free.len()
     }
 
-    /// Takes `n` blocks, or none if fewer than `n` are free.
+    /// Takes `n` blocks, each with one holder, or none if fewer than `n` are free.
     pub fn alloc(&mut self, n: usize) -> Result<Vec<u32>> {
         if n > self.free.len() {
             return Err(Error::KvExhausted {
@@ -95,11 +102,34 @@ impl KvPool {
                 free_blocks: self.free.len(),
             });
         }
-        Ok(self.free.split_off(self.free.len() - n))
+        let blocks = self.free.split_off(self.free.len() - n);
+        for &b in &blocks {
+            self.refs[b as usize] = 1;
+        }
+        Ok(blocks)
     }
 
+    /// Adds a holder to an allocated block.
+    pub fn retain(&mut self, block: u32) {
+        debug_assert!(self.refs[block as usize] > 0, "retain of a free block");
+        self.refs[block as usize] += 1;
+    }
+
+    /// How many hold `block` (0 when it is free).
+    pub fn holders(&self, block: u32) -> u32 {
+        self.refs[block as usize]
+    }
+
+    /// Drops one holder of each block; a block without holders is free again.
     pub fn release(&mut self, blocks: impl IntoIterator<Item = u32>) {
-        self.free.extend(blocks);
+        for b in blocks {
+            let refs = &mut self.refs[b as usize];
+            debug_assert!(*refs > 0, "release of a free block");
+            *refs = refs.saturating_sub(1);
+            if *refs == 0 {
+                self.free.push(b);
+            }
+        }
     }
 
     /// The `16 × head_dim` slabs of one block for `(layer, kind)` and the KV heads `heads`,
@@ -212,6 +242,23 @@ mod tests {
         ));
         pool.release(a);
         assert_eq!(pool.free_blocks(), 3);
+    }
+
+    #[test]
+    fn a_shared_block_is_free_only_after_its_last_holder() {
+        let layout = KvLayout {
+            n_layers: 1,
+            n_kv_heads: 1,
+            head_dim: 4,
+        };
+        let mut pool = KvPool::new(layout, layout.block_bytes() * 2);
+        let b = pool.alloc(1).expect("a block")[0];
+        pool.retain(b);
+        assert_eq!(pool.holders(b), 2);
+        pool.release([b]);
+        assert_eq!(pool.free_blocks(), 1);
+        pool.release([b]);
+        assert_eq!((pool.free_blocks(), pool.holders(b)), (2, 0));
     }
 
     #[test]

@@ -14,6 +14,7 @@ mod math;
 mod memory;
 mod model;
 mod packed;
+mod prefix_cache;
 mod quant;
 mod sampling;
 mod tiny;
@@ -30,6 +31,7 @@ pub use generate::{
 pub use kv::{BLOCK_TOKENS, KvKind, KvLayout};
 pub use loader::ModelFingerprint;
 pub use model::{Logits, ModelConfig};
+pub use prefix_cache::CacheEvent;
 pub use sampling::{SamplingParams, argmax, sample};
 pub use tandem_tokenizer::{ChatMessage, TokenDecoder, Tokenizer, TokenizerSpec};
 

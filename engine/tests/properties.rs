@@ -19,6 +19,7 @@ fn engine_with(model: &Arc<Model>, chunk: usize) -> Engine {
             threads: 2,
             kv_budget_bytes: 4 << 20,
             prefill_chunk_tokens: chunk,
+            ..EngineConfig::default()
         },
     )
     .expect("engine")
@@ -226,6 +227,7 @@ fn kv_exhaustion_is_an_error_not_a_panic() {
             threads: 1,
             kv_budget_bytes: layout.block_bytes() * 2,
             prefill_chunk_tokens: 64,
+            ..EngineConfig::default()
         },
     )
     .expect("engine");
@@ -358,4 +360,137 @@ fn an_engine_moves_to_its_own_thread() {
     });
     let len = worker.join().expect("worker").expect("prefill");
     assert_eq!(len, model.config.vocab);
+}
+
+/// Chained block names for the tests: the engine treats hashes as opaque, so any function of the
+/// whole prefix will do (the servers use `tandem_proto::block_hash`).
+fn chain(tokens: &[u32]) -> Vec<u64> {
+    use std::hash::{Hash, Hasher};
+    (1..=tokens.len() / tandem_engine::BLOCK_TOKENS)
+        .map(|b| {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            tokens[..b * tandem_engine::BLOCK_TOKENS].hash(&mut h);
+            h.finish()
+        })
+        .collect()
+}
+
+fn cached_engine(model: &Arc<Model>, blocks: usize) -> Engine {
+    let block = model.config.kv_layout().block_bytes();
+    Engine::new(
+        model.clone(),
+        EngineConfig {
+            threads: 2,
+            kv_budget_bytes: block * blocks,
+            prefill_chunk_tokens: 32,
+            prefix_cache_bytes: usize::MAX,
+        },
+    )
+    .expect("engine")
+}
+
+/// Runs `prompt` then `steps` greedy tokens; returns the sequence (still live), the tokens fed
+/// (the prompt and every generated token) and the generated tokens.
+fn run(engine: &mut Engine, prompt: &[u32], steps: usize) -> (SeqId, Vec<u32>, Vec<u32>) {
+    let (seq, cached) = engine.new_sequence_cached(&chain(&prompt[..prompt.len() - 1]));
+    let logits = engine.prefill(seq, &prompt[cached..]).expect("prefill");
+    let out = decode(engine, seq, logits, steps, &SamplingParams::default());
+    let mut fed = prompt.to_vec();
+    fed.extend(&out);
+    (seq, fed, out)
+}
+
+#[test]
+fn a_follow_up_on_cached_kv_equals_a_cold_run() {
+    let model = tiny();
+    let mut warm = cached_engine(&model, 64);
+    // Turn 1, then its prompt and reply stay cached (decode-step KV included).
+    let (seq, fed, _) = run(&mut warm, &prompt(40, 3), 12);
+    assert_eq!(warm.seq_len(seq).expect("len"), fed.len());
+    warm.cache_sequence(seq, &chain(&fed)).expect("cache");
+    warm.free(seq).expect("free");
+    assert_eq!(warm.kv_blocks_cached(), fed.len() / 16);
+    // Turn 2 extends turn 1's history.
+    let mut turn2 = fed.clone();
+    turn2.extend(prompt(21, 9));
+    let (seq, cached) = warm.new_sequence_cached(&chain(&turn2[..turn2.len() - 1]));
+    assert_eq!(
+        cached,
+        fed.len() / 16 * 16,
+        "every full block of turn 1 is reused"
+    );
+    let warm_logits = warm.prefill(seq, &turn2[cached..]).expect("prefill");
+    let warm_out = decode(
+        &mut warm,
+        seq,
+        warm_logits.clone(),
+        16,
+        &SamplingParams::default(),
+    );
+
+    let mut cold = engine_with(&model, 32);
+    let s = cold.new_sequence();
+    let cold_logits = cold.prefill(s, &turn2).expect("prefill");
+    let cold_out = decode(
+        &mut cold,
+        s,
+        cold_logits.clone(),
+        16,
+        &SamplingParams::default(),
+    );
+    assert!(
+        warm_logits
+            .iter()
+            .zip(&cold_logits)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "the first position's logits are bit-identical"
+    );
+    assert_eq!(warm_out, cold_out);
+}
+
+#[test]
+fn pool_pressure_evicts_unpinned_cache_blocks_and_never_pinned_ones() {
+    let model = tiny();
+    let mut e = cached_engine(&model, 12);
+    // Two finished sequences stay cached: A (4 blocks) and B (2 blocks).
+    let a_prompt = prompt(65, 1);
+    let (a, a_fed, _) = run(&mut e, &a_prompt, 2);
+    e.cache_sequence(a, &chain(&a_fed[..64])).expect("cache");
+    e.free(a).expect("free");
+    let (b, b_fed, _) = run(&mut e, &prompt(33, 2), 2);
+    e.cache_sequence(b, &chain(&b_fed[..32])).expect("cache");
+    e.free(b).expect("free");
+    assert_eq!(e.kv_blocks_cached(), 6);
+    let _ = e.take_cache_events();
+
+    // C runs on A's cached prefix (pinning its 4 blocks) and keeps decoding.
+    let mut c_prompt = a_prompt[..64].to_vec();
+    c_prompt.extend(prompt(8, 7));
+    let (c, cached) = e.new_sequence_cached(&chain(&c_prompt[..c_prompt.len() - 1]));
+    assert_eq!(cached, 64);
+    let c_logits = e.prefill(c, &c_prompt[64..]).expect("prefill");
+
+    // D fills the pool: B's blocks (unpinned) are evicted for it, A's (pinned by C) are not.
+    let d = e.new_sequence();
+    e.prefill(d, &prompt(16 * 7, 4))
+        .expect("fits after evicting B");
+    let events = e.take_cache_events();
+    assert!(
+        matches!(events.as_slice(), [tandem_engine::CacheEvent::Evicted(h)] if h.len() == 2),
+        "{events:?}"
+    );
+    assert_eq!(e.kv_blocks_cached(), 4);
+    // Nothing unpinned is left to evict.
+    let f = e.new_sequence();
+    assert!(matches!(
+        e.prefill(f, &prompt(16, 5)),
+        Err(Error::KvExhausted { .. })
+    ));
+    // C, reading its pinned prefix, still decodes exactly as a cold run of its tokens.
+    let p = SamplingParams::default();
+    let c_out = decode(&mut e, c, c_logits, 5, &p);
+    let mut cold = engine_with(&model, 32);
+    let s = cold.new_sequence();
+    let l = cold.prefill(s, &c_prompt).expect("prefill");
+    assert_eq!(decode(&mut cold, s, l, 5, &p), c_out);
 }

@@ -74,6 +74,9 @@ pub struct ClusterConfig {
     pub decode_slots: usize,
     pub kv_wait: Duration,
     pub grace: Duration,
+    /// The prefill nodes' prefix caches and the decode nodes' session caches.
+    pub prefix_cache: bool,
+    pub policy: tandem_router::PolicyKind,
 }
 
 impl ClusterConfig {
@@ -90,6 +93,16 @@ impl ClusterConfig {
             decode_slots: 16,
             kv_wait: Duration::from_secs(10),
             grace: Duration::from_secs(2),
+            prefix_cache: true,
+            policy: tandem_router::PolicyKind::Affinity,
+        }
+    }
+
+    /// The engine of a worker whose cache, when on, may hold `cache_bytes`.
+    fn engine(&self, cache_bytes: usize) -> EngineConfig {
+        EngineConfig {
+            prefix_cache_bytes: if self.prefix_cache { cache_bytes } else { 0 },
+            ..self.engine.clone()
         }
     }
 }
@@ -106,7 +119,7 @@ impl Cluster {
         let mut prefill = Vec::new();
         for _ in 0..config.prefill {
             let c = tandem_prefill_server::Config {
-                engine: config.engine.clone(),
+                engine: config.engine(config.engine.kv_budget_bytes / 2),
                 grace: config.grace,
                 ..tandem_prefill_server::Config::new(config.model.clone())
             };
@@ -120,7 +133,7 @@ impl Cluster {
         let mut decode = Vec::new();
         for _ in 0..config.decode {
             let c = tandem_decode_server::Config {
-                engine: config.engine.clone(),
+                engine: config.engine(usize::MAX),
                 max_slots: config.decode_slots,
                 kv_wait: config.kv_wait,
                 grace: config.grace,
@@ -140,6 +153,7 @@ impl Cluster {
             kv_wait: config.kv_wait,
             grace: config.grace,
             load_poll: Duration::from_millis(50),
+            policy: config.policy,
             ..tandem_router::Config::default()
         };
         let router =

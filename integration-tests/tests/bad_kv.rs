@@ -76,6 +76,7 @@ async fn admit(decode: Channel, transfer_id: &str) -> tonic::Streaming<pb::Decod
                 ..Default::default()
             }),
             kv_wait_ms: 5_000,
+            ..Default::default()
         })
         .await
         .expect("decode call")
@@ -121,9 +122,13 @@ async fn push(
 async fn bad_kv_is_rejected_precisely_and_never_decoded() {
     let model = tandem_engine::ModelSource::Tiny.load().expect("tiny");
     let kv = real_kv(&model);
-    let cluster = Cluster::start(ClusterConfig::new(model.clone()))
-        .await
-        .expect("cluster");
+    // Every push here carries the whole prompt: no session cache holds part of it.
+    let cluster = Cluster::start(ClusterConfig {
+        prefix_cache: false,
+        ..ClusterConfig::new(model.clone())
+    })
+    .await
+    .expect("cluster");
     let decode = cluster.decode[0].channel();
     let baseline = cluster.decode_load(0).await.expect("load");
 

@@ -5,9 +5,13 @@ use std::time::Duration;
 
 use tandem_engine::{EngineConfig, Model};
 
+/// The prefix cache's default size.
+pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 128 << 20;
+
 #[derive(Debug, Clone)]
 pub struct Config {
     pub model: Arc<Model>,
+    /// The engine; `prefix_cache_bytes` sizes the prefix cache (0 turns it off).
     pub engine: EngineConfig,
     /// Requests that may wait for the compute thread; more get RESOURCE_EXHAUSTED.
     pub max_queue: usize,
@@ -19,7 +23,10 @@ impl Config {
     pub fn new(model: Arc<Model>) -> Self {
         Self {
             model,
-            engine: EngineConfig::default(),
+            engine: EngineConfig {
+                prefix_cache_bytes: DEFAULT_PREFIX_CACHE_BYTES,
+                ..EngineConfig::default()
+            },
             max_queue: 64,
             grace: Duration::from_secs(10),
         }

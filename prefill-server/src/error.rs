@@ -33,9 +33,8 @@ impl From<Error> for Status {
         let status = match &e {
             Error::InvalidArgument { .. } => Status::invalid_argument(e.to_string()),
             Error::QueueFull { .. } => Status::resource_exhausted(e.to_string()),
-            // The receiver's verdict keeps its code (DATA_LOSS, FAILED_PRECONDITION, ...), so
-            // the router can tell corruption from an unreachable node.
-            Error::Transfer(t) => Status::new(t.code(), e.to_string()),
+            // Corruption stays DATA_LOSS; every other transfer failure is retryable.
+            Error::Transfer(t) => Status::new(t.request_code(), e.to_string()),
             Error::Engine(tandem_engine::Error::InvalidArgument { .. }) => {
                 Status::invalid_argument(e.to_string())
             }

@@ -1,6 +1,7 @@
 //! The prefill node: hosts `Prefill` (compute a prompt's KV, push it to the decode node chosen
-//! by the router while computing, sample the first token) and `Worker`, with health, reflection
-//! and `/metrics` on the same port. Compute runs on its own thread, one request at a time.
+//! by the router while computing, sample the first token) and `Worker` (info, load, cache
+//! events), with health, reflection and `/metrics` on the same port. Compute runs on its own
+//! thread, one request at a time, with a prefix cache of the prompts it has seen.
 
 mod compute;
 mod config;
@@ -22,8 +23,9 @@ use tonic::service::Routes;
 pub use config::Config;
 pub use error::{Error, Result};
 
+use crate::compute::Shared;
 use crate::metrics::PrefillMetrics;
-use crate::service::{PrefillService, WorkerService};
+use crate::service::{PrefillLoad, PrefillService};
 
 /// Serves a prefill node on `listener` until `shutdown` completes, then drains.
 pub async fn run(
@@ -39,10 +41,15 @@ pub async fn run(
     }
     let engine = Engine::new(config.model.clone(), config.engine.clone())?;
     let chunk_tokens = engine.prefill_chunk_tokens();
+    let prefix_cache = engine.prefix_cache_enabled();
     let mut registry = Registry::default();
-    let metrics = PrefillMetrics::register(&mut registry);
+    let shared = Arc::new(Shared {
+        metrics: PrefillMetrics::register(&mut registry),
+        hub: Arc::default(),
+        throughput: Default::default(),
+    });
     let (jobs, queue) = mpsc::channel(config.max_queue);
-    let thread = compute::spawn(engine, queue, metrics.clone()).map_err(|e| {
+    let thread = compute::spawn(engine, queue, shared.clone()).map_err(|e| {
         Error::Engine(tandem_engine::Error::InvalidArgument {
             field: "threads",
             reason: format!("cannot start the compute thread: {e}"),
@@ -52,32 +59,26 @@ pub async fn run(
     let prefill = PrefillService {
         model: config.model.clone(),
         jobs,
-        metrics: metrics.clone(),
+        shared: shared.clone(),
         shutdown: root.child_token(),
         chunk_tokens,
+        prefix_cache,
     };
-    let info = pb::InfoResponse {
-        model_name: config.model.name.clone(),
-        model_fingerprint: config.model.fingerprint.0.to_vec().into(),
-        context_tokens: config.model.config.context_len as u32,
-        block_tokens: tandem_engine::BLOCK_TOKENS as u32,
-        tokenizer_spec_json: serde_json::to_string(&config.model.tokenizer_spec)
-            .unwrap_or_default(),
-        role: "prefill".into(),
-    };
-    let worker = WorkerService {
-        info,
-        metrics,
-        max_queue: config.max_queue,
-    };
+    let worker = tandem_worker::WorkerService::new(
+        tandem_worker::worker_info(&config.model, "prefill"),
+        Arc::new(PrefillLoad {
+            shared: shared.clone(),
+            max_queue: config.max_queue,
+        }),
+        shared.hub.clone(),
+        root.child_token(),
+    );
     let (health, health_service) = tonic_health::server::health_reporter();
     let routes = Routes::new(health_service)
         .add_service(tandem_proto::limits!(
             pb::prefill_server::PrefillServer::new(prefill)
         ))
-        .add_service(tandem_proto::limits!(pb::worker_server::WorkerServer::new(
-            worker
-        )));
+        .add_service(worker.into_server());
     tracing::info!(addr = ?listener.local_addr().ok(), model = %config.model.name, "prefill node serving");
     let served = tandem_proto::net::serve(
         listener,
@@ -88,7 +89,11 @@ pub async fn run(
             metrics: Arc::new(registry),
             grace: config.grace,
         },
-        shutdown,
+        async {
+            shutdown.await;
+            // Begin ending streams (cache events) so that they do not hold up the drain.
+            root.cancel();
+        },
     )
     .await;
     // The routes (and with them the job sender) are gone now, so the compute thread finishes

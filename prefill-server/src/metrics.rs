@@ -9,6 +9,9 @@ pub const QUEUE_DEPTH: &str = "tandem_prefill_queue_depth";
 pub const TOKENS: &str = "tandem_prefill_tokens";
 pub const TOKENS_PER_SECOND: &str = "tandem_prefill_tokens_per_second";
 pub const SECONDS: &str = "tandem_prefill_seconds";
+pub const QUEUED_TOKENS: &str = "tandem_prefill_queued_tokens";
+pub const CACHED_TOKENS: &str = "tandem_prefill_cached_tokens";
+pub const CACHE_BLOCKS: &str = "tandem_prefill_prefix_cache_blocks";
 
 #[derive(Clone, Debug)]
 pub struct PrefillMetrics {
@@ -18,6 +21,11 @@ pub struct PrefillMetrics {
     /// Throughput of each request's compute.
     pub tokens_per_second: Histogram,
     pub seconds: Histogram,
+    /// Prompt tokens of the requests waiting or running.
+    pub queued_tokens: Gauge,
+    /// Prompt tokens taken from the prefix cache instead of computed.
+    pub cached_tokens: Counter,
+    pub cache_blocks: Gauge,
 }
 
 impl PrefillMetrics {
@@ -27,6 +35,9 @@ impl PrefillMetrics {
             tokens: Counter::default(),
             tokens_per_second: Histogram::new(exponential_buckets(16.0, 2.0, 12)),
             seconds: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
+            queued_tokens: Gauge::default(),
+            cached_tokens: Counter::default(),
+            cache_blocks: Gauge::default(),
         };
         registry.register(
             QUEUE_DEPTH,
@@ -43,6 +54,21 @@ impl PrefillMetrics {
             SECONDS,
             "Compute time per prefill request",
             m.seconds.clone(),
+        );
+        registry.register(
+            QUEUED_TOKENS,
+            "Prompt tokens of the prefill requests waiting or running",
+            m.queued_tokens.clone(),
+        );
+        registry.register(
+            CACHED_TOKENS,
+            "Prompt tokens reused from the prefix cache",
+            m.cached_tokens.clone(),
+        );
+        registry.register(
+            CACHE_BLOCKS,
+            "KV blocks kept by the prefix cache",
+            m.cache_blocks.clone(),
         );
         m
     }

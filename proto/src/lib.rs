@@ -2,9 +2,11 @@
 //! (client API, worker services, KV wire format v1), generated at build time from
 //! `tandem/v1/*.proto`.
 //!
-//! Only generated code and constants live here; conversions to domain types belong to the crate
-//! that owns each domain type.
+//! Only generated code, constants, the block-hash spec ([`block_hash`]) and the shared transport
+//! ([`net`]) live here; conversions to domain types belong to the crate that owns each domain
+//! type.
 
+pub mod block_hash;
 pub mod net;
 
 pub mod v1 {

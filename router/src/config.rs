@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+pub use crate::policy::PolicyKind;
+
 #[derive(Debug, Clone)]
 pub struct Config {
     /// Prefill replicas, `host:port`.
@@ -19,6 +21,10 @@ pub struct Config {
     pub load_poll: Duration,
     /// How long in-flight streams may run after shutdown begins.
     pub grace: Duration,
+    /// How replicas are chosen (see [`crate::policy`]).
+    pub policy: PolicyKind,
+    /// Most block hashes the cache index keeps per replica (10-21 bytes each).
+    pub index_max_blocks: usize,
 }
 
 impl Default for Config {
@@ -31,6 +37,8 @@ impl Default for Config {
             kv_wait: Duration::from_secs(10),
             load_poll: Duration::from_millis(250),
             grace: Duration::from_secs(10),
+            policy: PolicyKind::Affinity,
+            index_max_blocks: 1 << 20,
         }
     }
 }

@@ -1,12 +1,13 @@
-//! One generation through the cluster: validate and tokenize, pick replicas, admit on the decode
-//! node, prefill (which pushes the KV to the decode node), then relay the decode node's token
-//! frames, adding usage, timings and the route to the last one.
+//! One generation through the cluster: validate and tokenize, choose replicas (the policy),
+//! admit on the decode node, prefill (which pushes the KV the decode node lacks) or let the
+//! decode node prefill locally, then relay the decode node's token frames, adding usage, timings
+//! and the route to the last one.
 //!
 //! ```text
-//! request ─▶ Input::tokens ─▶ pick D, P ─▶ D.Generate ──admitted──▶ P.Prefill(dest = D)
-//!                                              │ tokens ◀── (KV pushed P ─▶ D) ──┘
-//!                                              ▼
-//!                              LogWriter (frames, shared by attached client streams)
+//! request ─▶ tokens, block hashes ─▶ policy: D (+ P) ─▶ D.Generate ──admitted{cached}──▶ P.Prefill(dest = D)
+//!                                                          │ tokens ◀── (KV pushed P ─▶ D) ──┘
+//!                                                          ▼  (local: D computes the suffix itself)
+//!                                          LogWriter (frames, shared by attached client streams)
 //! ```
 
 use std::sync::Arc;
@@ -19,14 +20,19 @@ use tonic::Status;
 
 use crate::error::{Error, Result};
 use crate::log::LogWriter;
-use crate::metrics::RouterMetrics;
-use crate::replicas::{Frontend, Replicas, Role};
+use crate::metrics::{DecisionLabel, RouterMetrics};
+use crate::policy::{Ask, Choice, Policy};
+use crate::replicas::{Frontend, Replicas};
 
-/// A request after validation: prompt token ids and sampling.
+/// A request after validation: prompt token ids, their block hashes, and sampling.
 #[derive(Debug)]
 pub struct Prepared {
     pub request_id: String,
+    pub session_id: String,
     pub tokens: Vec<u32>,
+    /// Block hashes of the prompt's full blocks that a cache may supply (all but the last
+    /// token's block).
+    pub hashes: Vec<u64>,
     pub sampling: pb::SamplingParams,
 }
 
@@ -114,9 +120,19 @@ pub fn prepare(front: &Frontend, r: pb::GenerateRequest) -> Result<Prepared> {
             ),
         });
     }
+    let reusable = (tokens.len() - 1) / tandem_proto::block_hash::BLOCK_TOKENS;
+    let hashes = tandem_proto::block_hash::block_hashes(
+        &front.fingerprint,
+        &tokens[..reusable * tandem_proto::block_hash::BLOCK_TOKENS],
+    )
+    .into_iter()
+    .map(|h| h.0)
+    .collect();
     Ok(Prepared {
         request_id: r.request_id,
+        session_id: r.session_id,
         tokens,
+        hashes,
         sampling,
     })
 }
@@ -125,6 +141,7 @@ pub fn prepare(front: &Frontend, r: pb::GenerateRequest) -> Result<Prepared> {
 #[derive(Debug, Clone)]
 pub struct Dispatcher {
     pub replicas: Arc<Replicas>,
+    pub policy: Arc<Policy>,
     pub metrics: RouterMetrics,
     pub kv_wait: std::time::Duration,
 }
@@ -179,18 +196,33 @@ impl Dispatcher {
         deadline: TokioInstant,
         log: &LogWriter,
     ) -> Result<()> {
-        let (decode, d_reason) = self
-            .replicas
-            .pick(Role::Decode)
-            .ok_or(Error::NoReplica { role: "decode" })?;
-        let (prefill, p_reason) = self
-            .replicas
-            .pick(Role::Prefill)
-            .ok_or(Error::NoReplica { role: "prefill" })?;
+        let choice = self.policy.choose(
+            &self.replicas,
+            &Ask {
+                tokens: p.tokens.len(),
+                hashes: &p.hashes,
+                session_id: &p.session_id,
+            },
+        )?;
+        let Choice {
+            decode,
+            prefill,
+            decode_overlap,
+            prefill_overlap,
+            reason,
+            prefill_idle,
+        } = choice;
+        let local = prefill.is_none();
+        self.metrics
+            .disagg_decisions
+            .get_or_create(&DecisionLabel {
+                decision: if local { "local" } else { "remote" },
+            })
+            .inc();
         let queue_ms = ms(accepted);
         self.metrics.queue.observe(queue_ms / 1e3);
         let remaining = deadline.saturating_duration_since(TokioInstant::now());
-        let transfer_id = transfer_id();
+        let transfer_id = if local { String::new() } else { transfer_id() };
 
         let mut d_client = tandem_proto::limits!(pb::decode_client::DecodeClient::new(
             decode.replica().channel.clone()
@@ -201,6 +233,7 @@ impl Dispatcher {
             prompt_token_ids: p.tokens.clone(),
             sampling: Some(p.sampling.clone()),
             kv_wait_ms: self.kv_wait.as_millis() as u32,
+            local_prefill: local,
         });
         d_req.set_timeout(remaining);
         let mut frames = d_client
@@ -212,7 +245,7 @@ impl Dispatcher {
             .message()
             .await
             .map_err(|s| Error::downstream("decode", &s))?;
-        let cached_tokens = match admitted.and_then(|m| m.event) {
+        let decode_cached = match admitted.and_then(|m| m.event) {
             Some(pb::decode_response::Event::Admitted(a)) => a.cached_tokens,
             _ => {
                 return Err(Error::Downstream {
@@ -223,27 +256,41 @@ impl Dispatcher {
             }
         };
 
-        let mut p_client = tandem_proto::limits!(pb::prefill_client::PrefillClient::new(
-            prefill.replica().channel.clone()
-        ));
-        let mut p_req = tonic::Request::new(pb::PrefillRequest {
-            request_id: p.request_id.clone(),
-            transfer_id,
-            token_ids: p.tokens.clone(),
-            cached_tokens,
-            decode_addr: decode.replica().addr.clone(),
-            sampling: Some(p.sampling.clone()),
+        // Remote: the prefill call runs beside the decode stream (it ends once the KV is
+        // pushed). Local: there is none.
+        let prefill_call = prefill.as_ref().map(|guard| {
+            let mut p_client = tandem_proto::limits!(pb::prefill_client::PrefillClient::new(
+                guard.replica().channel.clone()
+            ));
+            let mut p_req = tonic::Request::new(pb::PrefillRequest {
+                request_id: p.request_id.clone(),
+                transfer_id,
+                token_ids: p.tokens.clone(),
+                cached_tokens: decode_cached,
+                decode_addr: decode.replica().addr.clone(),
+                sampling: Some(p.sampling.clone()),
+            });
+            p_req.set_timeout(remaining);
+            async move { p_client.prefill(p_req).await }
         });
-        p_req.set_timeout(remaining);
-        let prefill_call = p_client.prefill(p_req);
+        let prefill_call = async move {
+            match prefill_call {
+                Some(call) => call
+                    .await
+                    .map(|r| Some(r.into_inner()))
+                    .map_err(|s| Error::downstream("prefill", &s)),
+                None => Ok(None),
+            }
+        };
         tokio::pin!(prefill_call);
-        let mut prefilled: Option<pb::PrefillResponse> = None;
+        let mut prefilled: Option<Option<pb::PrefillResponse>> = None;
         let mut last_frame_at: Option<Instant> = None;
         let mut first_token_ms = 0.0;
+        let mut local_prefill_ms = 0.0;
         loop {
             let msg = tokio::select! {
                 r = &mut prefill_call, if prefilled.is_none() => {
-                    prefilled = Some(r.map_err(|s| Error::downstream("prefill", &s))?.into_inner());
+                    prefilled = Some(r?);
                     continue;
                 }
                 m = frames.message() => m.map_err(|s| Error::downstream("decode", &s))?,
@@ -258,15 +305,16 @@ impl Dispatcher {
                     message: "the decode stream ended without a final frame".into(),
                 });
             };
-            match last_frame_at {
-                None => {
-                    first_token_ms = ms(accepted);
-                    self.metrics.ttft.observe(first_token_ms / 1e3);
-                }
-                Some(at) => self.metrics.inter_token.observe(at.elapsed().as_secs_f64()),
+            let last = t.finish_reason != pb::FinishReason::Unspecified as i32;
+            if last_frame_at.is_none() {
+                first_token_ms = ms(accepted);
+                local_prefill_ms = t.local_prefill_ms;
+                self.metrics.ttft.observe(first_token_ms / 1e3);
+            }
+            if let Some(at) = last_frame_at {
+                self.metrics.inter_token.observe(at.elapsed().as_secs_f64());
             }
             last_frame_at = Some(Instant::now());
-            let last = t.finish_reason != pb::FinishReason::Unspecified as i32;
             let mut frame = pb::GenerateResponse {
                 index: t.index,
                 token_ids: t.token_ids,
@@ -276,30 +324,43 @@ impl Dispatcher {
             };
             if last {
                 // The KV arrived, so the prefill has answered or is about to.
-                let pr = match prefilled.take() {
-                    Some(pr) => pr,
-                    None => (&mut prefill_call)
-                        .await
-                        .map_err(|s| Error::downstream("prefill", &s))?
-                        .into_inner(),
-                };
+                if prefilled.is_none() {
+                    prefilled = Some((&mut prefill_call).await?);
+                }
+                let pr = prefilled.flatten();
+                let compute_ms = pr.as_ref().map_or(local_prefill_ms, |r| r.prefill_ms);
+                if local || prefill_idle {
+                    self.policy
+                        .record_handoff(local, first_token_ms - queue_ms - compute_ms);
+                }
+                // Reuse beyond what decode held came from the prefill node's prefix cache.
+                let prefill_cached = pr
+                    .as_ref()
+                    .map_or(0, |r| r.prefix_cached_tokens.saturating_sub(decode_cached));
                 frame.prompt_token_ids = p.tokens.clone();
                 frame.usage = Some(pb::Usage {
                     prompt_tokens: p.tokens.len() as u32,
                     completion_tokens: t.completion_tokens,
-                    cached_tokens,
+                    cached_tokens: decode_cached + prefill_cached,
+                    prefill_cached_tokens: prefill_cached,
+                    decode_cached_tokens: decode_cached,
                 });
                 frame.timings = Some(pb::Timings {
                     queue_ms,
-                    prefill_ms: pr.prefill_ms,
-                    transfer_ms: pr.transfer_ms,
+                    prefill_ms: compute_ms,
+                    transfer_ms: pr.as_ref().map_or(0.0, |r| r.transfer_ms),
                     first_token_ms,
                     total_ms: ms(accepted),
                 });
                 frame.route = Some(pb::Route {
-                    prefill: prefill.replica().addr.clone(),
+                    prefill: prefill
+                        .as_ref()
+                        .map_or_else(String::new, |g| g.replica().addr.clone()),
                     decode: decode.replica().addr.clone(),
-                    reason: format!("{p_reason}; {d_reason}"),
+                    reason,
+                    prefill_overlap_tokens: prefill_overlap as u32,
+                    decode_overlap_tokens: decode_overlap as u32,
+                    disaggregation: if local { "local" } else { "remote" }.into(),
                 });
                 log.push(Ok(frame));
                 return Ok(());

@@ -6,8 +6,10 @@
 mod config;
 mod error;
 mod generation;
+mod index;
 mod log;
 mod metrics;
+mod policy;
 mod replicas;
 mod service;
 
@@ -24,11 +26,12 @@ use tokio_util::task::TaskTracker;
 use tonic::service::Routes;
 use tonic_health::ServingStatus;
 
-pub use config::Config;
+pub use config::{Config, PolicyKind};
 pub use error::{Error, Result};
 
 use crate::generation::Dispatcher;
 use crate::metrics::RouterMetrics;
+use crate::policy::Policy;
 use crate::replicas::Replicas;
 use crate::service::GenerationService;
 
@@ -52,17 +55,22 @@ pub async fn run(
             reason: "must be at least 1".into(),
         });
     }
-    let replicas = Arc::new(Replicas::new(&config.prefill, &config.decode)?);
+    let replicas = Arc::new(Replicas::new(
+        &config.prefill,
+        &config.decode,
+        config.index_max_blocks,
+    )?);
     let mut registry = Registry::default();
     let metrics = RouterMetrics::register(&mut registry);
     let root = CancellationToken::new();
     let tracker = TaskTracker::new();
-    replicas.spawn_monitors(&tracker, &root.child_token(), config.load_poll);
+    replicas.spawn_monitors(&tracker, &root.child_token(), config.load_poll, &metrics);
 
     let (health, health_service) = tonic_health::server::health_reporter();
     let generation = GenerationService {
         dispatcher: Dispatcher {
             replicas: replicas.clone(),
+            policy: Arc::new(Policy::new(config.policy)),
             metrics,
             kv_wait: config.kv_wait,
         },

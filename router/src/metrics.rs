@@ -3,6 +3,10 @@
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use std::sync::atomic::AtomicU64;
+
+use crate::index::{Freshness, Mode};
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
@@ -10,11 +14,35 @@ pub const TTFT: &str = "tandem_ttft_seconds";
 pub const INTER_TOKEN: &str = "tandem_inter_token_seconds";
 pub const QUEUE: &str = "tandem_queue_seconds";
 pub const REQUESTS: &str = "tandem_requests";
+pub const DISAGG_DECISIONS: &str = "tandem_router_disagg_decisions";
+pub const INDEX_EVENTS_BEHIND: &str = "tandem_router_index_events_behind";
+pub const INDEX_SECONDS_SINCE_SYNC: &str = "tandem_router_index_seconds_since_sync";
+pub const INDEX_MODE: &str = "tandem_router_index_mode";
+pub const INDEX_BLOCKS: &str = "tandem_router_index_blocks";
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StatusLabel {
     /// The final gRPC code, e.g. `Ok`, `InvalidArgument`.
     pub code: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecisionLabel {
+    /// `remote` (prefill node, KV transfer) or `local` (the decode node prefills).
+    pub decision: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReplicaLabel {
+    pub replica: String,
+    pub role: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReplicaModeLabel {
+    pub replica: String,
+    pub role: &'static str,
+    pub mode: &'static str,
 }
 
 #[derive(Clone, Debug)]
@@ -23,6 +51,12 @@ pub struct RouterMetrics {
     pub inter_token: Histogram,
     pub queue: Histogram,
     pub requests: Family<StatusLabel, Counter>,
+    pub disagg_decisions: Family<DecisionLabel, Counter>,
+    pub index_events_behind: Family<ReplicaLabel, Gauge>,
+    pub index_seconds_since_sync: Family<ReplicaLabel, Gauge<f64, AtomicU64>>,
+    /// 1 for the index's current mode, 0 for the others.
+    pub index_mode: Family<ReplicaModeLabel, Gauge>,
+    pub index_blocks: Family<ReplicaLabel, Gauge>,
 }
 
 impl RouterMetrics {
@@ -32,6 +66,11 @@ impl RouterMetrics {
             inter_token: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
             queue: Histogram::new(exponential_buckets(0.0001, 2.0, 16)),
             requests: Family::default(),
+            disagg_decisions: Family::default(),
+            index_events_behind: Family::default(),
+            index_seconds_since_sync: Family::default(),
+            index_mode: Family::default(),
+            index_blocks: Family::default(),
         };
         registry.register(TTFT, "Time from request to first token", m.ttft.clone());
         registry.register(
@@ -41,7 +80,56 @@ impl RouterMetrics {
         );
         registry.register(QUEUE, "Time from request to dispatch", m.queue.clone());
         registry.register(REQUESTS, "Requests by final status", m.requests.clone());
+        registry.register(
+            DISAGG_DECISIONS,
+            "Routing decisions: remote prefill with a KV transfer, or local prefill on decode",
+            m.disagg_decisions.clone(),
+        );
+        registry.register(
+            INDEX_EVENTS_BEHIND,
+            "Cache events a replica reported that the router's index has not applied",
+            m.index_events_behind.clone(),
+        );
+        registry.register(
+            INDEX_SECONDS_SINCE_SYNC,
+            "Seconds since the router's index of a replica's cache was last known current",
+            m.index_seconds_since_sync.clone(),
+        );
+        registry.register(
+            INDEX_MODE,
+            "The index's mode per replica (exact, resyncing, fallback): 1 for the current one",
+            m.index_mode.clone(),
+        );
+        registry.register(
+            INDEX_BLOCKS,
+            "Block hashes the router's index holds per replica",
+            m.index_blocks.clone(),
+        );
         m
+    }
+
+    pub fn index_freshness(&self, replica: &str, role: &'static str, f: Freshness) {
+        let label = ReplicaLabel {
+            replica: replica.to_string(),
+            role,
+        };
+        self.index_events_behind
+            .get_or_create(&label)
+            .set(f.events_behind as i64);
+        self.index_seconds_since_sync
+            .get_or_create(&label)
+            .set(f.seconds_since_sync);
+        self.index_blocks.get_or_create(&label).set(f.blocks as i64);
+        for mode in Mode::ALL {
+            let label = ReplicaModeLabel {
+                replica: replica.to_string(),
+                role,
+                mode: mode.name(),
+            };
+            self.index_mode
+                .get_or_create(&label)
+                .set(i64::from(mode == f.mode));
+        }
     }
 
     pub fn finished(&self, code: tonic::Code) {

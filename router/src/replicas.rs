@@ -1,17 +1,17 @@
 //! The replica set: each prefill and decode node's channel, health (from `grpc.health.v1`
-//! Watch) and load (polled `Worker.Load`, plus the requests this router has in flight there),
-//! and the least-loaded pick.
+//! Watch), load (polled `Worker.Load`, plus what this router has in flight there) and cache
+//! index (see [`crate::index`]). Which replicas serve a request is [`crate::policy`]'s choice.
 //!
 //! ```text
 //! per replica: monitor task ──Health.Watch──▶ healthy flag
-//!                           └─every load_poll: Worker.Load──▶ reported load
-//! pick(role) = healthy replica with the least (reported + in flight here)
+//!                           └─every load_poll: Worker.Load──▶ reported load, index freshness
+//!              index task ──CacheEvents / CacheSnapshot──▶ CacheIndex
 //! ```
 //!
 //! The first worker to answer `Worker.Info` gives the router its tokenizer ([`Frontend`]);
 //! a worker whose model fingerprint differs is never picked.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -23,6 +23,9 @@ use tokio_util::task::TaskTracker;
 use tonic::transport::Channel;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
+
+use crate::index::CacheIndex;
+use crate::metrics::RouterMetrics;
 
 /// What the router knows of the model, from the first worker that answered.
 #[derive(Debug)]
@@ -68,11 +71,19 @@ pub struct Replica {
     pub addr: String,
     pub role: Role,
     pub channel: Channel,
+    pub index: CacheIndex,
     healthy: AtomicBool,
     compatible: AtomicBool,
+    /// Requests active or queued there, as last reported.
     reported: AtomicU32,
     capacity: AtomicU32,
+    /// Prompt tokens queued there (prefill), as last reported.
+    queued_tokens: AtomicU64,
+    /// Measured prompt throughput (f64 bits), as last reported; 0 until measured.
+    prefill_tokens_per_second: AtomicU64,
+    /// Requests and prompt tokens this router has sent there and not yet seen finish.
     inflight: AtomicU32,
+    inflight_tokens: AtomicU64,
 }
 
 impl Replica {
@@ -80,24 +91,55 @@ impl Replica {
         self.healthy.load(Ordering::Relaxed) && self.compatible.load(Ordering::Relaxed)
     }
 
-    fn load(&self) -> u32 {
+    /// Requests there: reported, plus those this router started since the last report.
+    pub fn load(&self) -> u32 {
         self.reported.load(Ordering::Relaxed) + self.inflight.load(Ordering::Relaxed)
+    }
+
+    pub fn capacity(&self) -> u32 {
+        self.capacity.load(Ordering::Relaxed)
+    }
+
+    /// Prompt tokens waiting there (reported, plus this router's in flight).
+    pub fn queued_tokens(&self) -> u64 {
+        self.queued_tokens.load(Ordering::Relaxed) + self.inflight_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Measured prompt tokens per second; 0 until measured.
+    pub fn prefill_rate(&self) -> f64 {
+        f64::from_bits(self.prefill_tokens_per_second.load(Ordering::Relaxed))
+    }
+
+    /// Counts a request of `tokens` prompt tokens against this replica while the guard lives.
+    pub fn claim(self: &Arc<Self>, tokens: u64) -> InflightGuard {
+        self.inflight.fetch_add(1, Ordering::Relaxed);
+        self.inflight_tokens.fetch_add(tokens, Ordering::Relaxed);
+        InflightGuard {
+            replica: self.clone(),
+            tokens,
+        }
     }
 }
 
 /// Counts a request against a replica while it lives.
 #[derive(Debug)]
-pub struct InflightGuard(Arc<Replica>);
+pub struct InflightGuard {
+    replica: Arc<Replica>,
+    tokens: u64,
+}
 
 impl InflightGuard {
     pub fn replica(&self) -> &Arc<Replica> {
-        &self.0
+        &self.replica
     }
 }
 
 impl Drop for InflightGuard {
     fn drop(&mut self) {
-        self.0.inflight.fetch_sub(1, Ordering::Relaxed);
+        self.replica.inflight.fetch_sub(1, Ordering::Relaxed);
+        self.replica
+            .inflight_tokens
+            .fetch_sub(self.tokens, Ordering::Relaxed);
     }
 }
 
@@ -110,7 +152,11 @@ pub struct Replicas {
 }
 
 impl Replicas {
-    pub fn new(prefill: &[String], decode: &[String]) -> Result<Self, tonic::transport::Error> {
+    pub fn new(
+        prefill: &[String],
+        decode: &[String],
+        index_max_blocks: usize,
+    ) -> Result<Self, tonic::transport::Error> {
         let mut all = Vec::new();
         for (role, addrs) in [(Role::Prefill, prefill), (Role::Decode, decode)] {
             for addr in addrs {
@@ -118,11 +164,15 @@ impl Replicas {
                     addr: addr.clone(),
                     role,
                     channel: tandem_proto::net::channel(addr)?,
+                    index: CacheIndex::new(index_max_blocks),
                     healthy: AtomicBool::new(false),
                     compatible: AtomicBool::new(true),
                     reported: AtomicU32::new(0),
                     capacity: AtomicU32::new(0),
+                    queued_tokens: AtomicU64::new(0),
+                    prefill_tokens_per_second: AtomicU64::new(0),
                     inflight: AtomicU32::new(0),
+                    inflight_tokens: AtomicU64::new(0),
                 }));
             }
         }
@@ -151,46 +201,51 @@ impl Replicas {
                 .all(|&r| self.all.iter().any(|x| x.role == r && x.is_up()))
     }
 
-    /// The healthy replica of `role` with the least load, counted as in flight until the guard
-    /// drops; with the reason it was chosen.
-    pub fn pick(&self, role: Role) -> Option<(InflightGuard, String)> {
-        let best = self
-            .all
-            .iter()
-            .filter(|r| r.role == role && r.is_up())
-            .min_by_key(|r| r.load())?;
-        let load = best.load();
-        let capacity = best.capacity.load(Ordering::Relaxed);
-        best.inflight.fetch_add(1, Ordering::Relaxed);
-        Some((
-            InflightGuard(best.clone()),
-            format!("{} least loaded ({load} of {capacity})", role.name()),
-        ))
+    /// The replicas of `role` that can take requests now.
+    pub fn up(&self, role: Role) -> impl Iterator<Item = &Arc<Replica>> {
+        self.all.iter().filter(move |r| r.role == role && r.is_up())
     }
 
-    /// Starts one monitor task per replica.
+    pub fn all(&self) -> &[Arc<Replica>] {
+        &self.all
+    }
+
+    /// Starts one monitor task and one cache-index task per replica.
     pub fn spawn_monitors(
         self: &Arc<Self>,
         tracker: &TaskTracker,
         cancel: &CancellationToken,
         load_poll: Duration,
+        metrics: &RouterMetrics,
     ) {
         for replica in &self.all {
-            let (set, replica, cancel) = (self.clone(), replica.clone(), cancel.clone());
+            let (set, r, cancel2, m) = (
+                self.clone(),
+                replica.clone(),
+                cancel.clone(),
+                metrics.clone(),
+            );
             tracker.spawn(async move {
                 tokio::select! {
-                    () = set.monitor(&replica, load_poll) => {}
+                    () = set.monitor(&r, load_poll, &m) => {}
+                    () = cancel2.cancelled() => {}
+                }
+            });
+            let (r, cancel) = (replica.clone(), cancel.clone());
+            tracker.spawn(async move {
+                tokio::select! {
+                    () = r.index.follow(r.channel.clone()) => {}
                     () = cancel.cancelled() => {}
                 }
             });
         }
     }
 
-    async fn monitor(&self, r: &Replica, load_poll: Duration) {
+    async fn monitor(&self, r: &Replica, load_poll: Duration, metrics: &RouterMetrics) {
         let mut backoff = Duration::from_millis(50);
         loop {
             if self.check_info(r).await {
-                self.watch(r, load_poll).await;
+                self.watch(r, load_poll, metrics).await;
                 backoff = Duration::from_millis(50);
             }
             if r.healthy.swap(false, Ordering::Relaxed) {
@@ -231,7 +286,7 @@ impl Replicas {
     }
 
     /// Follows the replica's health and load until the watch breaks.
-    async fn watch(&self, r: &Replica, load_poll: Duration) {
+    async fn watch(&self, r: &Replica, load_poll: Duration, metrics: &RouterMetrics) {
         let mut health = HealthClient::new(r.channel.clone());
         let request = tonic_health::pb::HealthCheckRequest {
             service: String::new(),
@@ -262,6 +317,11 @@ impl Replicas {
                             let load = load.into_inner();
                             r.reported.store(load.active + load.queued, Ordering::Relaxed);
                             r.capacity.store(load.capacity, Ordering::Relaxed);
+                            r.queued_tokens.store(load.queued_tokens, Ordering::Relaxed);
+                            r.prefill_tokens_per_second
+                                .store(load.prefill_tokens_per_second.to_bits(), Ordering::Relaxed);
+                            r.index.observe_report(load.cache_epoch, load.cache_seq);
+                            metrics.index_freshness(&r.addr, r.role.name(), r.index.freshness());
                         }
                         Err(_) => return,
                     }

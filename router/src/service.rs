@@ -1,5 +1,6 @@
-//! The router's gRPC face: `Generation.Generate`. Admission, request-id attachment, and the
-//! hand-off to a generation task; the flow itself is in [`crate::generation`].
+//! The router's gRPC face: `Generation.Generate`. Admission, request-id attachment (atomic:
+//! lookup and registration under one lock), and the hand-off to a generation task; the flow
+//! itself is in [`crate::generation`].
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -43,12 +44,6 @@ impl GenerationService {
             .unwrap_or_else(|| tokio::time::Instant::now() + self.default_timeout);
         let r = request.into_inner();
         let id = r.request_id.clone();
-        if !id.is_empty()
-            && let Some(log) = self.running().get(&id)
-        {
-            tracing::info!(request_id = %id, "attaching to the running generation");
-            return Ok(Box::pin(log.subscribe().stream()));
-        }
         if self.shutdown.is_cancelled() {
             return Err(Error::ShuttingDown);
         }
@@ -59,18 +54,28 @@ impl GenerationService {
             .cloned()
             .ok_or(Error::NotReady)?;
         let prepared = prepare(&front, r)?;
-        let permit = self
-            .admission
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| Error::Busy {
-                inflight: self.max_inflight,
-            })?;
-        let log = LogWriter::new();
+        // Looking the id up and registering the new generation are one step under one lock, so
+        // two requests with the same id can never both start.
+        let (log, permit) = {
+            let mut running = self.running();
+            if let Some(log) = running.get(&id).filter(|_| !id.is_empty()) {
+                tracing::info!(request_id = %id, "attaching to the running generation");
+                return Ok(Box::pin(log.subscribe().stream()));
+            }
+            let permit = self
+                .admission
+                .clone()
+                .try_acquire_owned()
+                .map_err(|_| Error::Busy {
+                    inflight: self.max_inflight,
+                })?;
+            let log = LogWriter::new();
+            if !id.is_empty() {
+                running.insert(id.clone(), log.clone());
+            }
+            (log, permit)
+        };
         let reader = log.subscribe();
-        if !id.is_empty() {
-            self.running().insert(id.clone(), log.clone());
-        }
         let (svc, shutdown) = (self.clone(), self.shutdown.clone());
         self.tracker.spawn(async move {
             let _permit = permit;

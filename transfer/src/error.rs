@@ -93,6 +93,17 @@ impl Error {
     }
 }
 
+impl Error {
+    /// The code a request that needed this transfer ends with, the same whichever end saw the
+    /// failure: DATA_LOSS for corrupted bytes, UNAVAILABLE (retryable) for everything else.
+    pub fn request_code(&self) -> Code {
+        match self.code() {
+            Code::DataLoss => Code::DataLoss,
+            _ => Code::Unavailable,
+        }
+    }
+}
+
 impl From<Error> for Status {
     fn from(e: Error) -> Self {
         Status::new(e.code(), e.to_string())

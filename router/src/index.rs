@@ -1,0 +1,300 @@
+//! The router's index of what each worker's cache holds: one set of block hashes per replica,
+//! kept current by the worker's `CacheEvents` stream, rebuilt from `CacheSnapshot` when the
+//! stream breaks, skips a sequence number, or comes from a new epoch (a restarted worker).
+//!
+//! ```text
+//! per replica: follow() ──CacheEvents──▶ apply(event) ──▶ hashes (exact)
+//!                 │ gap / new epoch / stream lost ──▶ resyncing ──CacheSnapshot──▶ exact again
+//! router policy ──overlap(prompt hashes)──▶ tokens the replica holds (0 unless exact)
+//! ```
+//!
+//! Only an exact index is trusted: while resyncing, or in fallback (the worker is unreachable or
+//! its set outgrew the bound), a replica counts as holding nothing, so the router never routes
+//! to KV that may be gone. (Routing on stale data would only cost speed, since workers report
+//! what they actually hold, but a restarted worker's old set is worthless.)
+//!
+//! Memory: a `HashSet<u64>` costs 9 bytes per slot (key and control byte) at a load factor of
+//! 7/8 or less, so 10-21 bytes per cached block depending on where the set is between growths;
+//! each replica's set is capped at [`Config::max_blocks`](crate::Config) entries, beyond which
+//! the replica falls back to holding nothing until its next snapshot fits.
+
+use std::collections::HashSet;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tandem_proto::v1 as pb;
+use tokio_stream::StreamExt;
+use tonic::transport::Channel;
+
+/// How far the index can be trusted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Every event up to `seq` applied.
+    Exact,
+    /// Waiting for a snapshot after a gap, a new epoch or a lost stream.
+    Resyncing,
+    /// The worker cannot be followed (unreachable, or its set is over the bound).
+    Fallback,
+}
+
+impl Mode {
+    pub const ALL: [Mode; 3] = [Mode::Exact, Mode::Resyncing, Mode::Fallback];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Exact => "exact",
+            Mode::Resyncing => "resyncing",
+            Mode::Fallback => "fallback",
+        }
+    }
+}
+
+#[derive(Debug)]
+struct State {
+    hashes: HashSet<u64>,
+    epoch: u64,
+    seq: u64,
+    mode: Mode,
+    /// When the index was last known to be current.
+    synced: Instant,
+    /// The worker's latest sequence number, from its load reports.
+    reported_seq: u64,
+}
+
+/// One replica's cache index.
+#[derive(Debug)]
+pub struct CacheIndex {
+    state: Mutex<State>,
+    max_blocks: usize,
+}
+
+/// What the freshness gauges show.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Freshness {
+    pub mode: Mode,
+    pub events_behind: u64,
+    pub seconds_since_sync: f64,
+    pub blocks: usize,
+}
+
+/// Why following the stream stopped.
+#[derive(Debug)]
+enum Break {
+    /// Resync at once (gap or new epoch).
+    Resync,
+    /// The stream or the snapshot failed; try again later.
+    Lost,
+}
+
+impl CacheIndex {
+    pub fn new(max_blocks: usize) -> Self {
+        Self {
+            state: Mutex::new(State {
+                hashes: HashSet::new(),
+                epoch: 0,
+                seq: 0,
+                mode: Mode::Fallback,
+                synced: Instant::now(),
+                reported_seq: 0,
+            }),
+            max_blocks,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // Every update leaves the state whole; a poisoned lock is still consistent.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// How many leading blocks of `hashes` the replica holds (0 unless the index is exact).
+    pub fn overlap_blocks(&self, hashes: &[u64]) -> usize {
+        let s = self.lock();
+        if s.mode != Mode::Exact {
+            return 0;
+        }
+        hashes.iter().take_while(|h| s.hashes.contains(h)).count()
+    }
+
+    pub fn freshness(&self) -> Freshness {
+        let s = self.lock();
+        Freshness {
+            mode: s.mode,
+            events_behind: s.reported_seq.saturating_sub(s.seq),
+            seconds_since_sync: s.synced.elapsed().as_secs_f64(),
+            blocks: s.hashes.len(),
+        }
+    }
+
+    fn set_mode(&self, mode: Mode) {
+        let mut s = self.lock();
+        if mode != Mode::Exact {
+            s.hashes = HashSet::new();
+        }
+        s.mode = mode;
+    }
+
+    /// Takes a load report's view of the worker's cache: a new epoch means the index is stale;
+    /// a sequence number the index has reached means it is current.
+    pub fn observe_report(&self, epoch: u64, seq: u64) {
+        let mut s = self.lock();
+        s.reported_seq = seq;
+        if s.mode == Mode::Exact && epoch != s.epoch {
+            s.mode = Mode::Resyncing;
+            s.hashes = HashSet::new();
+        } else if s.mode == Mode::Exact && seq <= s.seq {
+            s.synced = Instant::now();
+        }
+    }
+
+    fn apply_snapshot(&self, snap: pb::CacheSnapshotResponse) {
+        let mut s = self.lock();
+        if snap.hashes.len() > self.max_blocks {
+            tracing::warn!(
+                blocks = snap.hashes.len(),
+                max = self.max_blocks,
+                "a worker's cache is over the index bound; treating it as empty"
+            );
+            s.mode = Mode::Fallback;
+            s.hashes = HashSet::new();
+            return;
+        }
+        s.hashes = snap.hashes.into_iter().collect();
+        s.epoch = snap.epoch;
+        s.seq = snap.seq;
+        s.mode = Mode::Exact;
+        s.synced = Instant::now();
+    }
+
+    fn apply(&self, e: pb::CacheEvent) -> Result<(), Break> {
+        let mut s = self.lock();
+        if e.epoch != s.epoch {
+            return Err(Break::Resync);
+        }
+        if e.seq <= s.seq {
+            // Already in the snapshot.
+            return Ok(());
+        }
+        if e.seq != s.seq + 1 {
+            tracing::info!(have = s.seq, got = e.seq, "cache event gap; resyncing");
+            return Err(Break::Resync);
+        }
+        match e.kind {
+            Some(pb::cache_event::Kind::Stored(b)) => s.hashes.extend(b.hashes),
+            Some(pb::cache_event::Kind::Evicted(b)) => {
+                for h in b.hashes {
+                    s.hashes.remove(&h);
+                }
+            }
+            Some(pb::cache_event::Kind::Cleared(_)) => s.hashes.clear(),
+            None => {}
+        }
+        s.seq = e.seq;
+        s.synced = Instant::now();
+        if s.hashes.len() > self.max_blocks {
+            s.mode = Mode::Fallback;
+            s.hashes = HashSet::new();
+            return Err(Break::Lost);
+        }
+        Ok(())
+    }
+
+    /// Follows the worker's cache for as long as the caller lets it: subscribe, snapshot, apply
+    /// events; on any break, resync.
+    pub async fn follow(&self, channel: Channel) {
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            match self.follow_once(channel.clone()).await {
+                Break::Resync => {
+                    self.set_mode(Mode::Resyncing);
+                    backoff = Duration::from_millis(50);
+                }
+                Break::Lost => {
+                    if self.lock().mode != Mode::Fallback {
+                        self.set_mode(Mode::Resyncing);
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+    }
+
+    async fn follow_once(&self, channel: Channel) -> Break {
+        let mut worker = tandem_proto::limits!(pb::worker_client::WorkerClient::new(channel));
+        // Subscribe first, then snapshot: events after the snapshot's seq are all in the stream.
+        let Ok(stream) = worker.cache_events(pb::CacheEventsRequest {}).await else {
+            self.set_mode(Mode::Fallback);
+            return Break::Lost;
+        };
+        let mut stream = stream.into_inner();
+        let Ok(snapshot) = worker.cache_snapshot(pb::CacheSnapshotRequest {}).await else {
+            return Break::Lost;
+        };
+        self.apply_snapshot(snapshot.into_inner());
+        if self.lock().mode != Mode::Exact {
+            return Break::Lost;
+        }
+        loop {
+            match stream.next().await {
+                Some(Ok(event)) => {
+                    if let Err(b) = self.apply(event) {
+                        return b;
+                    }
+                }
+                // Lagged (the worker dropped us) or the connection broke.
+                Some(Err(_)) | None => return Break::Resync,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(epoch: u64, seq: u64, stored: &[u64]) -> pb::CacheEvent {
+        pb::CacheEvent {
+            epoch,
+            seq,
+            kind: Some(pb::cache_event::Kind::Stored(pb::BlocksStored {
+                hashes: stored.to_vec(),
+            })),
+        }
+    }
+
+    #[test]
+    fn events_apply_in_order_and_gaps_or_epochs_break() {
+        let idx = CacheIndex::new(100);
+        assert_eq!(idx.overlap_blocks(&[1]), 0, "not exact before a snapshot");
+        idx.apply_snapshot(pb::CacheSnapshotResponse {
+            epoch: 7,
+            seq: 2,
+            hashes: vec![1, 2],
+        });
+        assert_eq!(idx.overlap_blocks(&[1, 2, 3]), 2);
+        assert!(
+            idx.apply(event(7, 2, &[9])).is_ok(),
+            "already in the snapshot"
+        );
+        assert!(idx.apply(event(7, 3, &[3])).is_ok());
+        assert_eq!(idx.overlap_blocks(&[1, 2, 3]), 3);
+        assert!(matches!(idx.apply(event(7, 5, &[4])), Err(Break::Resync)));
+        assert!(matches!(idx.apply(event(8, 4, &[4])), Err(Break::Resync)));
+        // A load report from a new epoch invalidates the index at once.
+        idx.observe_report(8, 1);
+        assert_eq!(idx.overlap_blocks(&[1]), 0);
+        assert_eq!(idx.freshness().mode, Mode::Resyncing);
+    }
+
+    #[test]
+    fn a_set_over_the_bound_falls_back() {
+        let idx = CacheIndex::new(2);
+        idx.apply_snapshot(pb::CacheSnapshotResponse {
+            epoch: 1,
+            seq: 0,
+            hashes: vec![1, 2, 3],
+        });
+        assert_eq!(idx.freshness().mode, Mode::Fallback);
+        assert_eq!(idx.overlap_blocks(&[1]), 0);
+    }
+}

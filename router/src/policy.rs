@@ -1,0 +1,300 @@
+//! The routing policy: one formula that picks the decode replica, and either a prefill replica
+//! (remote prefill, KV pushed to decode) or none (the decode node prefills the uncached suffix
+//! itself: conditional disaggregation).
+//!
+//! For a prompt of `n` tokens, with `held(r)` the tokens of its leading full blocks that the
+//! router's index says replica `r` holds (0 unless the index is exact), and `rate(r)` the
+//! replica's measured prompt throughput (before any measurement, the mean of the others'; before
+//! any at all, [`DEFAULT_RATE`]), the estimated time to first token of each option is, in ms:
+//!
+//! ```text
+//! remote(P, D) = queued_tokens(P) / rate(P)          // P's queue
+//!              + (n − held(P)) / rate(P)             // P computes what its prefix cache lacks
+//!              + handoff_remote                      // measured: the push's exposed tail, the hops
+//! local(D)     = (n − held(D)) / rate(D) × (2 + active(D))
+//!              + handoff_local                       // measured: the hops, waiting for a step
+//! ```
+//!
+//! A local prefill pauses D's batch for its duration: the `2 + active(D)` charges it once for
+//! this request, once for each stream D is running, and once for the decode time it takes from
+//! whatever D would run next. So a cold prompt goes to a prefill node (local costs at least
+//! twice the compute), and a follow-up turn whose history D holds is prefilled on D when its new
+//! suffix is cheaper there than shipping it from P. The handoffs are moving averages of what the
+//! router measured on earlier requests (first token time minus queue and compute); the link's
+//! throughput shows up in `handoff_remote`.
+//!
+//! The cheapest option wins. Candidates are only the healthy replicas under a per-candidate load
+//! cap (bounded-load consistent hashing, Mirrokni et al.): a replica is eligible while its
+//! requests are fewer than `ceil(1.25 × (total + 1) / replicas)` of its role, and below its
+//! reported capacity. A hot session therefore moves once its replica is over the cap, and the
+//! formula, not a fallback, says where. Ties break deterministically: for decode, more KV held,
+//! then rendezvous hashing on the session id (or, without one, on the prompt's first block
+//! hash), then lower load, then address; for prefill, rendezvous, load, address. So when the
+//! index knows nothing (a router restart), a session still lands where its conversation was.
+
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use tandem_proto::block_hash::BLOCK_TOKENS;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use crate::error::{Error, Result};
+use crate::replicas::{InflightGuard, Replica, Replicas, Role};
+
+/// Prompt tokens per second assumed before any replica has measured its own.
+pub const DEFAULT_RATE: f64 = 500.0;
+/// The load cap's factor: eligible while load < ceil(LOAD_CAP × (total + 1) / replicas).
+pub const LOAD_CAP: f64 = 1.25;
+
+/// Which policy the router runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PolicyKind {
+    /// The cost formula above.
+    #[default]
+    Affinity,
+    /// Replicas in turn, always with a remote prefill: the baseline for benchmarks.
+    RoundRobin,
+}
+
+/// What one request brings to the policy.
+#[derive(Debug)]
+pub struct Ask<'a> {
+    pub tokens: usize,
+    /// Block hashes of the prompt's reusable full blocks.
+    pub hashes: &'a [u64],
+    pub session_id: &'a str,
+}
+
+/// The replicas chosen for one request, each counted as in flight while the guard lives.
+#[derive(Debug)]
+pub struct Choice {
+    pub decode: InflightGuard,
+    /// `None`: the decode node prefills locally.
+    pub prefill: Option<InflightGuard>,
+    /// Tokens the index said each chosen replica holds.
+    pub decode_overlap: usize,
+    pub prefill_overlap: usize,
+    pub reason: String,
+    /// Whether the prefill replica's queue was empty when chosen (its handoff then measures
+    /// the transfer alone).
+    pub prefill_idle: bool,
+}
+
+/// Moving averages of measured handoffs, in ms.
+#[derive(Debug, Default)]
+struct Handoffs {
+    remote: f64,
+    local: f64,
+}
+
+#[derive(Debug, Default)]
+pub struct Policy {
+    kind: PolicyKind,
+    next: AtomicUsize,
+    handoffs: Mutex<Handoffs>,
+}
+
+fn ewma(old: f64, sample: f64) -> f64 {
+    if old == 0.0 {
+        sample
+    } else {
+        old * 0.8 + sample * 0.2
+    }
+}
+
+/// Rendezvous (highest random weight) score of `replica` for `key`.
+fn rendezvous(key: &[u8], replica: &Replica) -> u64 {
+    xxh3_64_with_seed(replica.addr.as_bytes(), xxhash_rust::xxh3::xxh3_64(key))
+}
+
+/// Healthy replicas of `role` under the load cap (all healthy ones if none is under it).
+fn eligible(replicas: &Replicas, role: Role) -> Vec<&Arc<Replica>> {
+    let up: Vec<&Arc<Replica>> = replicas.up(role).collect();
+    if up.is_empty() {
+        return up;
+    }
+    let total: u32 = up.iter().map(|r| r.load()).sum();
+    let cap = (LOAD_CAP * f64::from(total + 1) / up.len() as f64).ceil() as u32;
+    let under: Vec<&Arc<Replica>> = up
+        .iter()
+        .copied()
+        .filter(|r| r.load() < cap && (r.capacity() == 0 || r.load() < r.capacity()))
+        .collect();
+    if under.is_empty() { up } else { under }
+}
+
+impl Policy {
+    pub fn new(kind: PolicyKind) -> Self {
+        Self {
+            kind,
+            ..Self::default()
+        }
+    }
+
+    fn handoffs(&self) -> std::sync::MutexGuard<'_, Handoffs> {
+        // Single float updates; a poisoned lock is still consistent.
+        self.handoffs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Folds in a measured handoff: first-token time minus queue and compute, in ms.
+    pub fn record_handoff(&self, local: bool, ms: f64) {
+        let ms = ms.max(0.0);
+        let mut h = self.handoffs();
+        if local {
+            h.local = ewma(h.local, ms);
+        } else {
+            h.remote = ewma(h.remote, ms);
+        }
+    }
+
+    pub fn choose(&self, replicas: &Replicas, ask: &Ask<'_>) -> Result<Choice> {
+        match self.kind {
+            PolicyKind::Affinity => self.affinity(replicas, ask),
+            PolicyKind::RoundRobin => self.round_robin(replicas, ask),
+        }
+    }
+
+    fn round_robin(&self, replicas: &Replicas, ask: &Ask<'_>) -> Result<Choice> {
+        let turn = self.next.fetch_add(1, Ordering::Relaxed);
+        let pick = |role: Role| {
+            let up: Vec<&Arc<Replica>> = replicas.up(role).collect();
+            (!up.is_empty()).then(|| up[turn % up.len()].clone())
+        };
+        let decode = pick(Role::Decode).ok_or(Error::NoReplica { role: "decode" })?;
+        let prefill = pick(Role::Prefill).ok_or(Error::NoReplica { role: "prefill" })?;
+        Ok(Choice {
+            prefill_idle: prefill.queued_tokens() == 0,
+            decode: decode.claim(0),
+            prefill: Some(prefill.claim(ask.tokens as u64)),
+            decode_overlap: 0,
+            prefill_overlap: 0,
+            reason: "round-robin".into(),
+        })
+    }
+
+    fn affinity(&self, replicas: &Replicas, ask: &Ask<'_>) -> Result<Choice> {
+        let decodes = eligible(replicas, Role::Decode);
+        if decodes.is_empty() {
+            return Err(Error::NoReplica { role: "decode" });
+        }
+        let prefills = eligible(replicas, Role::Prefill);
+        let measured: Vec<f64> = replicas
+            .all()
+            .iter()
+            .map(|r| r.prefill_rate())
+            .filter(|&r| r > 0.0)
+            .collect();
+        let fallback_rate = if measured.is_empty() {
+            DEFAULT_RATE
+        } else {
+            measured.iter().sum::<f64>() / measured.len() as f64
+        };
+        let rate = |r: &Replica| match r.prefill_rate() {
+            x if x > 0.0 => x,
+            _ => fallback_rate,
+        };
+        let key: Vec<u8> = if ask.session_id.is_empty() {
+            ask.hashes
+                .first()
+                .map_or_else(Vec::new, |h| h.to_le_bytes().to_vec())
+        } else {
+            ask.session_id.as_bytes().to_vec()
+        };
+        let (h_remote, h_local) = {
+            let h = self.handoffs();
+            (h.remote, h.local)
+        };
+        let n = ask.tokens as f64;
+        let held = |r: &Replica| r.index.overlap_blocks(ask.hashes) * BLOCK_TOKENS;
+
+        // Decode candidates, best first for a remote prefill: most KV held, rendezvous, load.
+        let mut d_ranked: Vec<(&Arc<Replica>, usize)> =
+            decodes.iter().map(|&d| (d, held(d))).collect();
+        d_ranked.sort_by(|(a, ha), (b, hb)| {
+            hb.cmp(ha)
+                .then_with(|| rendezvous(&key, b).cmp(&rendezvous(&key, a)))
+                .then_with(|| a.load().cmp(&b.load()))
+                .then_with(|| a.addr.cmp(&b.addr))
+        });
+        // The best local option.
+        let local = d_ranked
+            .iter()
+            .map(|&(d, h)| {
+                let ms = (n - h as f64) / rate(d) * 1e3 * f64::from(2 + d.load()) + h_local;
+                (ms, d, h)
+            })
+            .min_by(|a, b| a.0.total_cmp(&b.0));
+        // The best remote option, with the best-ranked decode replica.
+        let mut p_ranked: Vec<(f64, &Arc<Replica>, usize)> = prefills
+            .iter()
+            .map(|&p| {
+                let h = held(p);
+                let r = rate(p);
+                let ms = (p.queued_tokens() as f64 + n - h as f64) / r * 1e3 + h_remote;
+                (ms, p, h)
+            })
+            .collect();
+        p_ranked.sort_by(|(ca, a, _), (cb, b, _)| {
+            ca.total_cmp(cb)
+                .then_with(|| rendezvous(&key, b).cmp(&rendezvous(&key, a)))
+                .then_with(|| a.load().cmp(&b.load()))
+                .then_with(|| a.addr.cmp(&b.addr))
+        });
+        let remote = p_ranked.first().copied();
+
+        let go_local = match (&local, &remote) {
+            (Some(l), Some(r)) => l.0 < r.0,
+            (Some(_), None) => true,
+            (None, _) => false,
+        };
+        if go_local && let Some((l_ms, d, dh)) = local {
+            let reason = match remote {
+                Some((r_ms, p, ph)) => format!(
+                    "local prefill on {}: holds {dh} of {} tokens, est. {l_ms:.1} ms \
+                         ({:.0} tok/s, {} active) < remote {r_ms:.1} ms via {} (holds {ph})",
+                    d.addr,
+                    ask.tokens,
+                    rate(d),
+                    d.load(),
+                    p.addr
+                ),
+                None => format!(
+                    "local prefill on {}: holds {dh} of {} tokens; no prefill replica",
+                    d.addr, ask.tokens
+                ),
+            };
+            return Ok(Choice {
+                decode: d.claim(0),
+                prefill: None,
+                decode_overlap: dh,
+                prefill_overlap: 0,
+                reason,
+                prefill_idle: false,
+            });
+        }
+        let Some((r_ms, p, ph)) = remote else {
+            return Err(Error::NoReplica { role: "prefill" });
+        };
+        let (d, dh) = d_ranked[0];
+        let l_ms = local.map_or(f64::INFINITY, |l| l.0);
+        let reason = format!(
+            "remote prefill on {} (holds {ph} of {} tokens, {:.0} tok/s, {} queued), \
+                     est. {r_ms:.1} ms <= local {l_ms:.1} ms; decode {} holds {dh}, load {}",
+            p.addr,
+            ask.tokens,
+            rate(p),
+            p.queued_tokens(),
+            d.addr,
+            d.load()
+        );
+        Ok(Choice {
+            prefill_idle: p.queued_tokens() == 0,
+            decode: d.claim(0),
+            prefill: Some(p.claim(ask.tokens as u64)),
+            decode_overlap: dh,
+            prefill_overlap: ph,
+            reason,
+        })
+    }
+}

@@ -1,0 +1,171 @@
+//! What prefill and decode nodes share, in one place: conversions between the engine's types and
+//! the wire's ([`wire_layout`], [`sampling_from_pb`], [`params_from_pb`], [`kv_chunks`],
+//! [`kv_export`]), a model's block hashes, `Worker.Info`, the cache-event hub ([`CacheHub`])
+//! and the `Worker` service ([`WorkerService`]), and the measured prefill throughput
+//! ([`Throughput`]).
+
+mod cache;
+mod service;
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::Bytes;
+use tandem_engine::{GenerateParams, KvExport, Model, SamplingParams};
+use tandem_proto::v1 as pb;
+use tandem_transfer::{Chunk, KvKind, ReceivedKv, WireLayout};
+
+pub use cache::CacheHub;
+pub use service::{LoadSource, WorkerService};
+
+/// The wire's description of `model`'s KV.
+pub fn wire_layout(model: &Model) -> WireLayout {
+    let l = model.config.kv_layout();
+    WireLayout {
+        layers: l.n_layers as u32,
+        kv_heads: l.n_kv_heads as u32,
+        head_dim: l.head_dim as u32,
+        block_tokens: tandem_engine::BLOCK_TOKENS as u32,
+    }
+}
+
+/// The engine's sampling from the wire's (an absent message is the default: greedy).
+pub fn sampling_from_pb(s: Option<&pb::SamplingParams>) -> SamplingParams {
+    let default = pb::SamplingParams::default();
+    let s = s.unwrap_or(&default);
+    SamplingParams {
+        temperature: s.temperature,
+        top_k: s.top_k as usize,
+        top_p: s.top_p.unwrap_or(1.0),
+        seed: s.seed,
+    }
+}
+
+/// The engine's generation parameters from the wire's sampling message.
+pub fn params_from_pb(s: Option<pb::SamplingParams>) -> GenerateParams {
+    GenerateParams {
+        sampling: sampling_from_pb(s.as_ref()),
+        max_tokens: s.as_ref().map_or(0, |s| s.max_tokens as usize),
+        stop: s.map(|s| s.stop).unwrap_or_default(),
+    }
+}
+
+/// What a worker says about its model (`Worker.Info`).
+pub fn worker_info(model: &Model, role: &str) -> pb::InfoResponse {
+    pb::InfoResponse {
+        model_name: model.name.clone(),
+        model_fingerprint: model.fingerprint.0.to_vec().into(),
+        context_tokens: model.config.context_len as u32,
+        block_tokens: tandem_engine::BLOCK_TOKENS as u32,
+        tokenizer_spec_json: serde_json::to_string(&model.tokenizer_spec).unwrap_or_default(),
+        role: role.to_string(),
+    }
+}
+
+/// The block hashes (`tandem_proto::block_hash`) of `tokens`' full blocks under `model`.
+pub fn block_hashes(model: &Model, tokens: &[u32]) -> Vec<u64> {
+    tandem_proto::block_hash::block_hashes(&model.fingerprint.0, tokens)
+        .into_iter()
+        .map(|h| h.0)
+        .collect()
+}
+
+/// The most whole blocks of a prompt of `len` tokens that may come from a cache: at least its
+/// last token must be computed, since its logits give the first generated token.
+pub fn reusable_blocks(len: usize) -> usize {
+    len.saturating_sub(1) / tandem_engine::BLOCK_TOKENS
+}
+
+/// One exported token range as wire chunks: per layer, K then V.
+pub fn kv_chunks(kv: KvExport) -> impl Iterator<Item = Chunk> {
+    let tokens = kv.tokens.start as u32..kv.tokens.end as u32;
+    kv.layers
+        .into_iter()
+        .enumerate()
+        .flat_map(move |(layer, [k, v])| {
+            let tokens = tokens.clone();
+            [(KvKind::K, k), (KvKind::V, v)]
+                .into_iter()
+                .map(move |(kind, data)| Chunk {
+                    layer: layer as u32,
+                    kind,
+                    tokens: tokens.clone(),
+                    data: Bytes::from(data),
+                })
+        })
+}
+
+/// How many chunks [`kv_chunks`] makes for `tokens` cut at multiples of `grid` tokens.
+pub fn chunk_count(layout: &WireLayout, tokens: Range<usize>, grid: usize) -> u32 {
+    (grid_cells(tokens, grid).count() * layout.layers as usize * 2) as u32
+}
+
+/// `tokens` cut at multiples of `grid`: the pieces in which a push sends them.
+pub fn grid_cells(tokens: Range<usize>, grid: usize) -> impl Iterator<Item = Range<usize>> {
+    let mut start = tokens.start;
+    std::iter::from_fn(move || {
+        (start < tokens.end).then(|| {
+            let end = ((start / grid + 1) * grid).min(tokens.end);
+            let cell = start..end;
+            start = end;
+            cell
+        })
+    })
+}
+
+/// A verified transfer as the engine imports it.
+pub fn kv_export(model: &Model, received: ReceivedKv) -> KvExport {
+    KvExport {
+        layout: model.config.kv_layout(),
+        tokens: received.tokens.start as usize..received.tokens.end as usize,
+        layers: received.layers,
+    }
+}
+
+/// A worker's measured prompt throughput (tokens per second of compute), smoothed; read by
+/// `Worker.Load`, which the router's policy uses.
+#[derive(Debug, Default)]
+pub struct Throughput(AtomicU64);
+
+impl Throughput {
+    /// Folds in one measurement (weight 1/4, so a few prompts settle it).
+    pub fn record(&self, tokens: usize, seconds: f64) {
+        if tokens == 0 || seconds <= 0.0 {
+            return;
+        }
+        let sample = tokens as f64 / seconds;
+        let old = self.get();
+        let new = if old == 0.0 {
+            sample
+        } else {
+            old * 0.75 + sample * 0.25
+        };
+        self.0.store(new.to_bits(), Ordering::Relaxed);
+    }
+
+    /// Tokens per second; 0 until measured.
+    pub fn get(&self) -> f64 {
+        f64::from_bits(self.0.load(Ordering::Relaxed))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grid_cells_cut_at_multiples() {
+        let cells: Vec<_> = grid_cells(16..600, 256).collect();
+        assert_eq!(cells, vec![16..256, 256..512, 512..600]);
+        assert_eq!(grid_cells(5..5, 256).count(), 0);
+        assert_eq!(grid_cells(0..256, 256).collect::<Vec<_>>(), vec![0..256]);
+    }
+
+    #[test]
+    fn reusable_blocks_leave_the_last_token() {
+        assert_eq!(reusable_blocks(16), 0);
+        assert_eq!(reusable_blocks(17), 1);
+        assert_eq!(reusable_blocks(33), 2);
+        assert_eq!(reusable_blocks(0), 0);
+    }
+}

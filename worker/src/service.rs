@@ -1,0 +1,119 @@
+//! The `Worker` service every prefill and decode node serves: `Info`, `Load` (from the role's
+//! [`LoadSource`]), and the cache events and snapshot from its [`CacheHub`].
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use tandem_proto::v1 as pb;
+use tokio::sync::broadcast::error::RecvError;
+use tokio_stream::Stream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+use crate::cache::CacheHub;
+
+/// A role's answer to `Worker.Load`, without the cache's epoch and sequence (the service adds
+/// them).
+pub trait LoadSource: Send + Sync + 'static {
+    fn load(&self) -> pb::LoadResponse;
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::CacheEvent, Status>> + Send + 'static>>;
+
+#[derive(Clone)]
+pub struct WorkerService {
+    info: pb::InfoResponse,
+    load: Arc<dyn LoadSource>,
+    hub: Arc<CacheHub>,
+    /// Ends the event streams when the node begins to shut down, so they never hold up the
+    /// drain.
+    shutdown: CancellationToken,
+}
+
+impl std::fmt::Debug for WorkerService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerService")
+            .field("role", &self.info.role)
+            .finish_non_exhaustive()
+    }
+}
+
+impl WorkerService {
+    pub fn new(
+        info: pb::InfoResponse,
+        load: Arc<dyn LoadSource>,
+        hub: Arc<CacheHub>,
+        shutdown: CancellationToken,
+    ) -> Self {
+        Self {
+            info,
+            load,
+            hub,
+            shutdown,
+        }
+    }
+
+    /// The tonic server for this service, with Tandem's message limits.
+    pub fn into_server(self) -> pb::worker_server::WorkerServer<Self> {
+        tandem_proto::limits!(pb::worker_server::WorkerServer::new(self))
+    }
+}
+
+#[tonic::async_trait]
+impl pb::worker_server::Worker for WorkerService {
+    async fn info(
+        &self,
+        _request: Request<pb::InfoRequest>,
+    ) -> Result<Response<pb::InfoResponse>, Status> {
+        Ok(Response::new(self.info.clone()))
+    }
+
+    async fn load(
+        &self,
+        _request: Request<pb::LoadRequest>,
+    ) -> Result<Response<pb::LoadResponse>, Status> {
+        Ok(Response::new(pb::LoadResponse {
+            cache_epoch: self.hub.epoch(),
+            cache_seq: self.hub.seq(),
+            ..self.load.load()
+        }))
+    }
+
+    type CacheEventsStream = EventStream;
+
+    async fn cache_events(
+        &self,
+        _request: Request<pb::CacheEventsRequest>,
+    ) -> Result<Response<Self::CacheEventsStream>, Status> {
+        let rx = self.hub.subscribe();
+        let cancel = self.shutdown.clone();
+        let stream =
+            futures::stream::unfold((rx, cancel, false), |(mut rx, cancel, done)| async move {
+                if done {
+                    return None;
+                }
+                let item = tokio::select! {
+                    r = rx.recv() => r,
+                    () = cancel.cancelled() => return None,
+                };
+                match item {
+                    Ok(event) => Some((Ok(event), (rx, cancel, false))),
+                    Err(RecvError::Lagged(n)) => {
+                        let status = Status::aborted(format!(
+                            "the subscriber fell {n} cache events behind; resync from CacheSnapshot"
+                        ));
+                        Some((Err(status), (rx, cancel, true)))
+                    }
+                    Err(RecvError::Closed) => None,
+                }
+            });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn cache_snapshot(
+        &self,
+        _request: Request<pb::CacheSnapshotRequest>,
+    ) -> Result<Response<pb::CacheSnapshotResponse>, Status> {
+        Ok(Response::new(self.hub.snapshot()))
+    }
+}
