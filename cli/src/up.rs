@@ -1,7 +1,7 @@
 //! `tandem up`: a whole cluster on loopback as child processes of one command. Workers start
 //! on port 0 and report their port on stdout; the router starts once they are known. `up` waits
-//! until the router reports SERVING (it knows the model and sees a healthy replica of each
-//! role), prints the endpoints, and on Ctrl-C or SIGTERM stops the router first, then the
+//! until every worker and then the router report SERVING (the router once it knows the model
+//! and sees a healthy decode replica), prints the endpoints, and on Ctrl-C or SIGTERM stops the router first, then the
 //! workers, each with SIGTERM so it drains.
 
 use std::process::Stdio;
@@ -81,7 +81,7 @@ async fn start(name: String, args: &[String]) -> anyhow::Result<Node> {
 }
 
 /// Waits until every worker reports SERVING, then the router's Generation service (which it
-/// reports once it knows the model and sees a healthy replica of each role).
+/// reports once it knows the model and sees a healthy decode replica).
 async fn wait_ready(nodes: &[Node], timeout: Duration) -> anyhow::Result<()> {
     let ready = async {
         let (routers, workers): (Vec<&Node>, Vec<&Node>) =

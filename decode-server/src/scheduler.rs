@@ -11,7 +11,7 @@
 //! ```
 //!
 //! A request first opens its sequence on the longest prefix the session cache holds (which pins
-//! those blocks until it ends), then starts it with the rest of its KV. When a sequence leaves,
+//! those blocks until it ends), then starts it with the rest of its KV. When a sequence finishes,
 //! its full blocks (prompt and reply) stay in the session cache, and the cache's events go to
 //! the [`CacheHub`].
 //!
@@ -244,7 +244,7 @@ impl Scheduler {
         if self.accept(&mut a) {
             self.active.insert(s.ticket, a);
         } else {
-            self.leave(a);
+            let _ = self.engine.free(a.seq);
         }
     }
 
@@ -275,28 +275,34 @@ impl Scheduler {
         ))
     }
 
-    /// Accepts `a.next` and tells the request; `false` when the sequence leaves the batch.
-    fn accept(&self, a: &mut Active) -> bool {
+    /// Accepts `a.next` and tells the request; `false` when the sequence leaves the batch. A
+    /// finished sequence's KV is cached, and the cache events sent, before its last frame goes
+    /// out, so a follow-up turn finds the router's index already current.
+    fn accept(&mut self, a: &mut Active) -> bool {
         let tokenizer = &self.engine.model().tokenizer;
         let emission = a.stream.accept(tokenizer, a.next);
         let finished = emission.finished.is_some();
         if emission.token.is_some() {
             self.shared.metrics.tokens.inc();
         }
+        if finished {
+            self.keep(a);
+        }
         // A full channel cannot happen (it holds a whole generation); closed means the
         // request is gone. Either way the sequence leaves.
         a.events.try_send(Event::Token(emission)).is_ok() && !finished
     }
 
-    /// Frees a sequence that left the batch, keeping its full blocks in the session cache.
-    fn leave(&mut self, a: Active) {
-        if self.engine.prefix_cache_enabled() {
-            let hashes = tandem_worker::block_hashes(self.engine.model(), &a.tokens);
-            if let Err(e) = self.engine.cache_sequence(a.seq, &hashes) {
-                tracing::warn!(error = %e, "could not keep a finished sequence's KV");
-            }
+    /// Keeps a sequence's full blocks (prompt and reply) in the session cache.
+    fn keep(&mut self, a: &Active) {
+        if !self.engine.prefix_cache_enabled() {
+            return;
         }
-        let _ = self.engine.free(a.seq);
+        let hashes = tandem_worker::block_hashes(self.engine.model(), &a.tokens);
+        if let Err(e) = self.engine.cache_sequence(a.seq, &hashes) {
+            tracing::warn!(error = %e, "could not keep a finished sequence's KV");
+        }
+        self.shared.hub.publish(self.engine.take_cache_events());
     }
 
     fn step(&mut self) {
@@ -321,7 +327,7 @@ impl Scheduler {
                     if self.accept(&mut a) {
                         self.active.insert(*ticket, a);
                     } else {
-                        self.leave(a);
+                        let _ = self.engine.free(a.seq);
                     }
                 }
             }

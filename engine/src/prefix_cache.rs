@@ -182,7 +182,11 @@ mod tests {
         let mut c = PrefixCache::new(10);
         assert_eq!(c.insert(&[1, 2, 3], &[10, 20, 30]), vec![10, 20, 30]);
         assert_eq!(c.lookup(&[1, 2, 9]), vec![10, 20]);
-        assert_eq!(c.lookup(&[2, 3]), Vec::<u32>::new());
+        assert_eq!(
+            c.lookup(&[5, 1]),
+            Vec::<u32>::new(),
+            "matching stops at the first miss"
+        );
         // A hash already cached keeps its block; only the new one is taken.
         assert_eq!(c.insert(&[1, 2, 4], &[11, 21, 40]), vec![40]);
         assert_eq!(c.lookup(&[1, 2, 4]), vec![10, 20, 40]);

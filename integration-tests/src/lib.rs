@@ -4,6 +4,10 @@
 //!
 //! `stop()` shuts every server down in order (router first), joins its task and re-raises a
 //! panic if one happened.
+//!
+//! With `relays`, the router reaches each worker through a [`Relay`] (a TCP forwarder on
+//! loopback) that a test can cut, to break every connection to that worker as a network fault
+//! would.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -31,7 +35,15 @@ impl Node {
         F: FnOnce(TcpListener, oneshot::Receiver<()>) -> Fut,
         Fut: std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
     {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        Self::spawn_on("127.0.0.1:0".parse()?, run).await
+    }
+
+    async fn spawn_on<F, Fut>(addr: SocketAddr, run: F) -> anyhow::Result<Self>
+    where
+        F: FnOnce(TcpListener, oneshot::Receiver<()>) -> Fut,
+        Fut: std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
+    {
+        let listener = TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let (stop, stopped) = oneshot::channel();
         let task = tokio::spawn(run(listener, stopped));
@@ -77,6 +89,8 @@ pub struct ClusterConfig {
     /// The prefill nodes' prefix caches and the decode nodes' session caches.
     pub prefix_cache: bool,
     pub policy: tandem_router::PolicyKind,
+    /// Put a [`Relay`] between the router and each worker.
+    pub relays: bool,
 }
 
 impl ClusterConfig {
@@ -95,6 +109,7 @@ impl ClusterConfig {
             grace: Duration::from_secs(2),
             prefix_cache: true,
             policy: tandem_router::PolicyKind::Affinity,
+            relays: false,
         }
     }
 
@@ -112,6 +127,23 @@ pub struct Cluster {
     pub router: Node,
     pub prefill: Vec<Node>,
     pub decode: Vec<Node>,
+    /// With `relays`: the prefill nodes' relays, then the decode nodes'.
+    pub relays: Vec<Relay>,
+    config: ClusterConfig,
+}
+
+async fn start_decode(config: &ClusterConfig, addr: SocketAddr) -> anyhow::Result<Node> {
+    let c = tandem_decode_server::Config {
+        engine: config.engine(usize::MAX),
+        max_slots: config.decode_slots,
+        kv_wait: config.kv_wait,
+        grace: config.grace,
+        ..tandem_decode_server::Config::new(config.model.clone())
+    };
+    Node::spawn_on(addr, |l, rx| async move {
+        Ok(tandem_decode_server::run(l, c, stopped(rx)).await?)
+    })
+    .await
 }
 
 impl Cluster {
@@ -132,24 +164,27 @@ impl Cluster {
         }
         let mut decode = Vec::new();
         for _ in 0..config.decode {
-            let c = tandem_decode_server::Config {
-                engine: config.engine(usize::MAX),
-                max_slots: config.decode_slots,
-                kv_wait: config.kv_wait,
-                grace: config.grace,
-                ..tandem_decode_server::Config::new(config.model.clone())
-            };
-            decode.push(
-                Node::spawn(|l, rx| async move {
-                    Ok(tandem_decode_server::run(l, c, stopped(rx)).await?)
-                })
-                .await?,
-            );
+            decode.push(start_decode(&config, "127.0.0.1:0".parse()?).await?);
         }
-        let addrs = |nodes: &[Node]| nodes.iter().map(|n| n.addr.to_string()).collect();
+        let mut relays = Vec::new();
+        if config.relays {
+            for n in prefill.iter().chain(&decode) {
+                relays.push(Relay::start(n.addr).await?);
+            }
+        }
+        let seen = |nodes: &[Node], offset: usize| -> Vec<String> {
+            nodes
+                .iter()
+                .enumerate()
+                .map(|(i, n)| match relays.get(offset + i) {
+                    Some(r) => r.addr.to_string(),
+                    None => n.addr.to_string(),
+                })
+                .collect()
+        };
         let rc = tandem_router::Config {
-            prefill: addrs(&prefill),
-            decode: addrs(&decode),
+            prefill: seen(&prefill, 0),
+            decode: seen(&decode, prefill.len()),
             kv_wait: config.kv_wait,
             grace: config.grace,
             load_poll: Duration::from_millis(50),
@@ -163,16 +198,47 @@ impl Cluster {
             router,
             prefill,
             decode,
+            relays,
+            config,
         };
         cluster.wait_ready(Duration::from_secs(30)).await?;
         Ok(cluster)
     }
 
-    /// Waits until the router reports SERVING for the Generation service.
+    /// Stops decode node `i` and starts a new one (empty caches, a new cache epoch) on the
+    /// same address.
+    pub async fn restart_decode(&mut self, i: usize) -> anyhow::Result<()> {
+        let old = self.decode.remove(i);
+        let addr = old.addr;
+        old.stop().await?;
+        let new = start_decode(&self.config, addr).await?;
+        self.decode.insert(i, new);
+        Ok(())
+    }
+
+    /// Waits until the router reports SERVING for the Generation service and sees every
+    /// replica up (it serves once a decode replica is up; tests want the whole cluster).
     pub async fn wait_ready(&self, timeout: Duration) -> anyhow::Result<()> {
+        let started = std::time::Instant::now();
         tandem_proto::net::wait_serving(self.router.channel(), "tandem.v1.Generation", timeout)
             .await
-            .with_context(|| format!("the router did not become SERVING within {timeout:?}"))
+            .with_context(|| format!("the router did not become SERVING within {timeout:?}"))?;
+        let replicas = self.prefill.len() + self.decode.len();
+        loop {
+            let text = metrics(self.router.addr).await?;
+            let up = text
+                .lines()
+                .filter(|l| l.starts_with("tandem_router_replica_up{") && l.ends_with(" 1"))
+                .count();
+            if up == replicas {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                started.elapsed() < timeout,
+                "the router saw {up} of {replicas} replicas up within {timeout:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     pub fn client(&self) -> pb::generation_client::GenerationClient<Channel> {
@@ -213,6 +279,57 @@ impl Cluster {
             n.stop().await?;
         }
         Ok(())
+    }
+}
+
+/// A TCP forwarder on loopback to one server, which a test can cut: [`Relay::cut`] closes
+/// every connection through it and refuses new ones until [`Relay::restore`].
+#[derive(Debug)]
+pub struct Relay {
+    pub addr: SocketAddr,
+    up: tokio::sync::watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl Relay {
+    pub async fn start(target: SocketAddr) -> anyhow::Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let (up, watch) = tokio::sync::watch::channel(true);
+        let task = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                if !*watch.borrow() {
+                    continue; // refused: dropped at once
+                }
+                let mut cut = watch.clone();
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = cut.wait_for(|up| !up) => {}
+                    }
+                });
+            }
+        });
+        Ok(Self { addr, up, task })
+    }
+
+    /// Closes every connection through the relay and refuses new ones.
+    pub fn cut(&self) {
+        self.up.send_replace(false);
+    }
+
+    /// Accepts connections again.
+    pub fn restore(&self) {
+        self.up.send_replace(true);
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.task.abort();
     }
 }
 

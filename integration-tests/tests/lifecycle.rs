@@ -103,20 +103,32 @@ async fn a_full_decode_node_answers_resource_exhausted() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_retried_request_id_attaches_to_the_running_generation() {
-    let cluster = cluster(4).await;
+async fn requests_with_one_id_at_the_same_instant_start_one_generation() {
+    const CLIENTS: usize = 8;
+    let cluster = cluster(16).await;
     let mut request = greedy((0..32).map(|i| 2000 + i).collect(), 48);
     request.request_id = "same-id".into();
-    let (mut a, mut b) = (cluster.client(), cluster.client());
-    let (ra, rb) = tokio::join!(collect(&mut a, request.clone()), async {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        collect(&mut b, request.clone()).await
+    // Every client is released at once by the barrier; none waits for another.
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(CLIENTS));
+    let calls = (0..CLIENTS).map(|_| {
+        let (mut client, request, barrier) = (cluster.client(), request.clone(), barrier.clone());
+        tokio::spawn(async move {
+            barrier.wait().await;
+            collect(&mut client, request).await
+        })
     });
-    let (ra, rb) = (ra.expect("first"), rb.expect("retry"));
-    assert_eq!(ra, rb, "the retry replays the same frames");
-    // One generation ran: the decode node produced the tokens once.
+    let results = futures::future::join_all(calls).await;
+    let first = results[0].as_ref().expect("task").clone().expect("stream");
+    for r in &results {
+        assert_eq!(r.as_ref().expect("task").as_ref().expect("stream"), &first);
+    }
+    // One generation ran: the decode node produced the tokens once, and the prefill node
+    // computed the prompt once.
     let text = metrics(cluster.decode[0].addr).await.expect("metrics");
     let produced = sample(&text, "tandem_decode_tokens_total").expect("tokens metric");
-    assert_eq!(produced as usize, ra.token_ids.len());
+    assert_eq!(produced as usize, first.token_ids.len());
+    let text = metrics(cluster.prefill[0].addr).await.expect("metrics");
+    let computed = sample(&text, "tandem_prefill_tokens_total").expect("tokens metric");
+    assert_eq!(computed as usize, 32);
     cluster.stop().await.expect("clean stop");
 }

@@ -26,10 +26,18 @@ async fn metrics_and_reflection_report_what_happened() {
         Some(out.frames as f64 - 1.0)
     );
     assert_eq!(sample(&router, "tandem_queue_seconds_count"), Some(1.0));
-    assert_eq!(
-        sample(&router, "tandem_requests_total{code=\"Ok\"}"),
-        Some(1.0)
-    );
+    // The request is counted as its task ends, a moment after the client has the last frame.
+    let counted = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        loop {
+            let text = metrics(cluster.router.addr).await.expect("router metrics");
+            if sample(&text, "tandem_requests_total{code=\"Ok\"}") == Some(1.0) {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    assert!(counted.is_ok(), "the request was never counted as Ok");
 
     let prefill = metrics(cluster.prefill[0].addr)
         .await

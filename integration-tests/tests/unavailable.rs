@@ -1,4 +1,5 @@
-//! A dead replica is a clean UNAVAILABLE for the client, never UNKNOWN or INTERNAL.
+//! Without a prefill replica the decode nodes prefill locally; without a decode replica a
+//! request is a clean UNAVAILABLE for the client, never UNKNOWN or INTERNAL.
 
 use std::time::Duration;
 
@@ -16,21 +17,36 @@ async fn requests_fail_unavailable_when_a_role_has_no_live_replica() {
         .await
         .expect("healthy cluster");
 
-    for role in ["prefill", "decode"] {
-        let node = if role == "prefill" {
-            cluster.prefill.remove(0)
-        } else {
-            cluster.decode.remove(0)
-        };
-        node.stop().await.expect("stop");
-        let status = tokio::time::timeout(
-            Duration::from_secs(10),
-            collect(&mut client, greedy(vec![5, 6, 7], 3)),
-        )
+    let healthy = collect(&mut client, greedy(vec![5, 6, 7, 8], 3))
         .await
-        .expect("no hang")
-        .expect_err("no live replica");
-        assert_eq!(status.code(), Code::Unavailable, "{role}: {status:?}");
-    }
+        .expect("healthy cluster");
+    let route = healthy.last.route.as_ref().expect("route");
+    assert_eq!(route.disaggregation, "remote", "{route:?}");
+
+    cluster.prefill.remove(0).stop().await.expect("stop");
+    let degraded = tokio::time::timeout(
+        Duration::from_secs(10),
+        collect(&mut client, greedy(vec![5, 6, 7, 8], 3)),
+    )
+    .await
+    .expect("no hang")
+    .expect("served by the decode node alone");
+    assert_eq!(degraded.token_ids, healthy.token_ids);
+    let route = degraded.last.route.as_ref().expect("route");
+    assert_eq!(
+        (route.disaggregation.as_str(), route.prefill.as_str()),
+        ("local", ""),
+        "{route:?}"
+    );
+
+    cluster.decode.remove(0).stop().await.expect("stop");
+    let status = tokio::time::timeout(
+        Duration::from_secs(10),
+        collect(&mut client, greedy(vec![5, 6, 7], 3)),
+    )
+    .await
+    .expect("no hang")
+    .expect_err("no live replica");
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     cluster.stop().await.expect("clean stop");
 }

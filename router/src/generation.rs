@@ -306,13 +306,13 @@ impl Dispatcher {
                 });
             };
             let last = t.finish_reason != pb::FinishReason::Unspecified as i32;
-            if last_frame_at.is_none() {
-                first_token_ms = ms(accepted);
-                local_prefill_ms = t.local_prefill_ms;
-                self.metrics.ttft.observe(first_token_ms / 1e3);
-            }
-            if let Some(at) = last_frame_at {
-                self.metrics.inter_token.observe(at.elapsed().as_secs_f64());
+            match last_frame_at {
+                None => {
+                    first_token_ms = ms(accepted);
+                    local_prefill_ms = t.local_prefill_ms;
+                    self.metrics.ttft.observe(first_token_ms / 1e3);
+                }
+                Some(at) => self.metrics.inter_token.observe(at.elapsed().as_secs_f64()),
             }
             last_frame_at = Some(Instant::now());
             let mut frame = pb::GenerateResponse {

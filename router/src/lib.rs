@@ -82,7 +82,7 @@ pub async fn run(
         tracker: tracker.clone(),
     };
     // The router's own Generation service is SERVING only while it can route: it knows the
-    // model and each role has a healthy replica.
+    // model and a decode replica is healthy.
     {
         let (health, replicas, cancel) = (health.clone(), replicas.clone(), root.child_token());
         tracker.spawn(async move {

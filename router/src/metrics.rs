@@ -15,6 +15,7 @@ pub const INTER_TOKEN: &str = "tandem_inter_token_seconds";
 pub const QUEUE: &str = "tandem_queue_seconds";
 pub const REQUESTS: &str = "tandem_requests";
 pub const DISAGG_DECISIONS: &str = "tandem_router_disagg_decisions";
+pub const REPLICA_UP: &str = "tandem_router_replica_up";
 pub const INDEX_EVENTS_BEHIND: &str = "tandem_router_index_events_behind";
 pub const INDEX_SECONDS_SINCE_SYNC: &str = "tandem_router_index_seconds_since_sync";
 pub const INDEX_MODE: &str = "tandem_router_index_mode";
@@ -52,6 +53,8 @@ pub struct RouterMetrics {
     pub queue: Histogram,
     pub requests: Family<StatusLabel, Counter>,
     pub disagg_decisions: Family<DecisionLabel, Counter>,
+    /// 1 while the replica is healthy and serves the router's model.
+    pub replica_up: Family<ReplicaLabel, Gauge>,
     pub index_events_behind: Family<ReplicaLabel, Gauge>,
     pub index_seconds_since_sync: Family<ReplicaLabel, Gauge<f64, AtomicU64>>,
     /// 1 for the index's current mode, 0 for the others.
@@ -67,6 +70,7 @@ impl RouterMetrics {
             queue: Histogram::new(exponential_buckets(0.0001, 2.0, 16)),
             requests: Family::default(),
             disagg_decisions: Family::default(),
+            replica_up: Family::default(),
             index_events_behind: Family::default(),
             index_seconds_since_sync: Family::default(),
             index_mode: Family::default(),
@@ -84,6 +88,11 @@ impl RouterMetrics {
             DISAGG_DECISIONS,
             "Routing decisions: remote prefill with a KV transfer, or local prefill on decode",
             m.disagg_decisions.clone(),
+        );
+        registry.register(
+            REPLICA_UP,
+            "1 while the replica is healthy and serves the router's model",
+            m.replica_up.clone(),
         );
         registry.register(
             INDEX_EVENTS_BEHIND,
@@ -108,11 +117,13 @@ impl RouterMetrics {
         m
     }
 
-    pub fn index_freshness(&self, replica: &str, role: &'static str, f: Freshness) {
+    /// Sets one replica's gauges: whether it is up, and its index's freshness.
+    pub fn replica(&self, replica: &str, role: &'static str, up: bool, f: Freshness) {
         let label = ReplicaLabel {
             replica: replica.to_string(),
             role,
         };
+        self.replica_up.get_or_create(&label).set(i64::from(up));
         self.index_events_behind
             .get_or_create(&label)
             .set(f.events_behind as i64);

@@ -193,12 +193,10 @@ impl Replicas {
         self.changed.notified()
     }
 
-    /// Whether the router can serve: it knows the model and each role has a healthy replica.
+    /// Whether the router can serve: it knows the model and a decode replica is healthy (with
+    /// no prefill replica up, decode nodes prefill locally).
     pub fn ready(&self) -> bool {
-        self.frontend.get().is_some()
-            && [Role::Prefill, Role::Decode]
-                .iter()
-                .all(|&r| self.all.iter().any(|x| x.role == r && x.is_up()))
+        self.frontend.get().is_some() && self.up(Role::Decode).next().is_some()
     }
 
     /// The replicas of `role` that can take requests now.
@@ -219,15 +217,10 @@ impl Replicas {
         metrics: &RouterMetrics,
     ) {
         for replica in &self.all {
-            let (set, r, cancel2, m) = (
-                self.clone(),
-                replica.clone(),
-                cancel.clone(),
-                metrics.clone(),
-            );
+            let (set, r, cancel2) = (self.clone(), replica.clone(), cancel.clone());
             tracker.spawn(async move {
                 tokio::select! {
-                    () = set.monitor(&r, load_poll, &m) => {}
+                    () = set.monitor(&r, load_poll) => {}
                     () = cancel2.cancelled() => {}
                 }
             });
@@ -239,13 +232,27 @@ impl Replicas {
                 }
             });
         }
+        // The replica and index gauges, refreshed whether or not a replica answers.
+        let (set, cancel, metrics) = (self.clone(), cancel.clone(), metrics.clone());
+        tracker.spawn(async move {
+            let mut tick = tokio::time::interval(load_poll);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    () = cancel.cancelled() => return,
+                }
+                for r in &set.all {
+                    metrics.replica(&r.addr, r.role.name(), r.is_up(), r.index.freshness());
+                }
+            }
+        });
     }
 
-    async fn monitor(&self, r: &Replica, load_poll: Duration, metrics: &RouterMetrics) {
+    async fn monitor(&self, r: &Replica, load_poll: Duration) {
         let mut backoff = Duration::from_millis(50);
         loop {
             if self.check_info(r).await {
-                self.watch(r, load_poll, metrics).await;
+                self.watch(r, load_poll).await;
                 backoff = Duration::from_millis(50);
             }
             if r.healthy.swap(false, Ordering::Relaxed) {
@@ -286,7 +293,7 @@ impl Replicas {
     }
 
     /// Follows the replica's health and load until the watch breaks.
-    async fn watch(&self, r: &Replica, load_poll: Duration, metrics: &RouterMetrics) {
+    async fn watch(&self, r: &Replica, load_poll: Duration) {
         let mut health = HealthClient::new(r.channel.clone());
         let request = tonic_health::pb::HealthCheckRequest {
             service: String::new(),
@@ -321,7 +328,6 @@ impl Replicas {
                             r.prefill_tokens_per_second
                                 .store(load.prefill_tokens_per_second.to_bits(), Ordering::Relaxed);
                             r.index.observe_report(load.cache_epoch, load.cache_seq);
-                            metrics.index_freshness(&r.addr, r.role.name(), r.index.freshness());
                         }
                         Err(_) => return,
                     }
