@@ -102,7 +102,7 @@ struct Report {
     threads: usize,
 }
 
-fn percentile(v: &mut [f64], p: f64) -> f64 {
+pub(crate) fn percentile(v: &mut [f64], p: f64) -> f64 {
     if v.is_empty() {
         return f64::NAN;
     }
@@ -111,7 +111,7 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
     v[i]
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     percentile(&mut v, 0.5)
 }
 

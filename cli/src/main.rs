@@ -2,6 +2,7 @@
 //! parses arguments, sets up tracing and dispatches; each command lives in its own module.
 
 mod bench;
+mod bench_multiturn;
 mod bench_serve;
 mod client;
 mod fetch;
@@ -67,6 +68,8 @@ enum BenchCommand {
     Engine(bench::EngineBenchArgs),
     /// Latency through a cluster, KV transfer throughput, and the transfer's share of TTFT.
     Serve(bench_serve::ServeBenchArgs),
+    /// Multi-turn chat against a running endpoint: what prefix caching and affinity buy.
+    Multiturn(bench_multiturn::MultiturnArgs),
 }
 
 /// Where the model comes from; shared by every command that loads one.
@@ -123,5 +126,8 @@ fn main() -> anyhow::Result<()> {
         Command::Bench {
             command: BenchCommand::Serve(args),
         } => bench_serve::serve(&args),
+        Command::Bench {
+            command: BenchCommand::Multiturn(args),
+        } => bench_multiturn::multiturn(&args),
     }
 }

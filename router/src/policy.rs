@@ -291,7 +291,7 @@ impl Policy {
         Ok(Choice {
             prefill_idle: p.queued_tokens() == 0,
             decode: d.claim(0),
-            prefill: Some(p.claim(ask.tokens as u64)),
+            prefill: Some(p.claim(ask.tokens.saturating_sub(ph) as u64)),
             decode_overlap: dh,
             prefill_overlap: ph,
             reason,

@@ -91,18 +91,24 @@ impl Replica {
         self.healthy.load(Ordering::Relaxed) && self.compatible.load(Ordering::Relaxed)
     }
 
-    /// Requests there: reported, plus those this router started since the last report.
+    /// Requests there: the larger of the last report (which counts other routers' requests
+    /// too, but lags) and this router's own in flight (current, but only its own).
     pub fn load(&self) -> u32 {
-        self.reported.load(Ordering::Relaxed) + self.inflight.load(Ordering::Relaxed)
+        self.reported
+            .load(Ordering::Relaxed)
+            .max(self.inflight.load(Ordering::Relaxed))
     }
 
     pub fn capacity(&self) -> u32 {
         self.capacity.load(Ordering::Relaxed)
     }
 
-    /// Prompt tokens waiting there (reported, plus this router's in flight).
+    /// Prompt tokens waiting there: the larger of the last report and this router's own in
+    /// flight, as for [`Replica::load`].
     pub fn queued_tokens(&self) -> u64 {
-        self.queued_tokens.load(Ordering::Relaxed) + self.inflight_tokens.load(Ordering::Relaxed)
+        self.queued_tokens
+            .load(Ordering::Relaxed)
+            .max(self.inflight_tokens.load(Ordering::Relaxed))
     }
 
     /// Measured prompt tokens per second; 0 until measured.

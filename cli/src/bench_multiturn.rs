@@ -1,0 +1,487 @@
+//! `tandem bench multiturn`: synthetic multi-turn chat against a running endpoint (a Tandem
+//! router over gRPC, or any OpenAI-compatible server such as llama-server), to measure what
+//! prefix caching and affinity routing buy.
+//!
+//! The workload: `sessions` conversations of `turns` turns. They share one system prompt; each
+//! turn appends the previous reply and a new user message (deterministic text from `--seed`),
+//! so histories grow. Turn `t` of every session is sent before turn `t + 1` of any, with
+//! `concurrency` requests in flight, so sessions interleave. Greedy decoding makes runs
+//! comparable: the same binary gives the same conversations whatever the routing or caching.
+//!
+//! It reports, per turn and overall: time to first token, prompt and cached tokens, and (for
+//! Tandem) the replicas each turn went to, the share of follow-ups served where their history
+//! already was, and each replica's share of the requests. With `--cold RESULTS.json` (a run of
+//! the same workload with caches off) it adds the ratio of follow-up TTFTs, turn by turn.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use futures::{StreamExt, TryStreamExt};
+use serde::{Deserialize, Serialize};
+use tandem_proto::v1 as pb;
+
+use crate::bench_serve::{median, percentile};
+
+#[derive(Args, Debug)]
+pub(crate) struct MultiturnArgs {
+    /// A Tandem router's gRPC address (host:port).
+    #[arg(long, env = "TANDEM_SERVER", required_unless_present = "openai")]
+    server: Option<String>,
+    /// An OpenAI-compatible base URL instead (e.g. http://127.0.0.1:8090 for llama-server);
+    /// streaming `/v1/chat/completions` with `cache_prompt` asked for.
+    #[arg(long, conflicts_with = "server")]
+    openai: Option<String>,
+    /// Conversations.
+    #[arg(long, default_value_t = 8)]
+    sessions: usize,
+    /// Turns per conversation.
+    #[arg(long, default_value_t = 6)]
+    turns: usize,
+    /// Requests in flight at once.
+    #[arg(long, default_value_t = 4)]
+    concurrency: usize,
+    /// Words in the shared system prompt.
+    #[arg(long, default_value_t = 120)]
+    system_words: usize,
+    /// Words in each user message.
+    #[arg(long, default_value_t = 110)]
+    message_words: usize,
+    /// Most tokens per reply.
+    #[arg(long, default_value_t = 64)]
+    max_tokens: u32,
+    /// Varies the text of the messages.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// A name for this run in the results (e.g. `tandem-affinity`).
+    #[arg(long, default_value = "run")]
+    label: String,
+    /// Results of the same workload with caches off, to compare follow-up TTFTs with.
+    #[arg(long)]
+    cold: Option<std::path::PathBuf>,
+    /// Print the results as JSON (per-turn records and the summary) instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// One turn as measured.
+#[derive(Serialize, Deserialize, Debug, Clone)]
+pub(crate) struct Turn {
+    session: usize,
+    turn: usize,
+    ttft_ms: f64,
+    total_ms: f64,
+    prompt_tokens: u32,
+    completion_tokens: u32,
+    cached_tokens: u32,
+    /// Tandem only: where it went and what the router's index said.
+    decode: String,
+    prefill: String,
+    disaggregation: String,
+    decode_overlap_tokens: u32,
+    prefill_overlap_tokens: u32,
+}
+
+#[derive(Serialize, Deserialize, Debug, Default)]
+pub(crate) struct Summary {
+    turns: usize,
+    follow_ups: usize,
+    last_turn_prompt_tokens_mean: f64,
+    first_turn_ttft_ms_median: f64,
+    follow_up_ttft_ms_median: f64,
+    follow_up_ttft_ms_p90: f64,
+    /// Follow-ups whose reused tokens cover at least the previous turn's prompt (full blocks).
+    follow_ups_on_their_prefix: f64,
+    /// Requests per decode replica, and the most loaded one's share over the mean.
+    decode_requests: BTreeMap<String, usize>,
+    decode_max_over_mean: f64,
+    prefill_requests: BTreeMap<String, usize>,
+    prefill_max_over_mean: f64,
+    local_prefills: usize,
+    /// With `--cold`: median over follow-ups of this run's TTFT over the cold run's, turn by
+    /// turn, and the ratio of the medians.
+    follow_up_ttft_ratio_to_cold_median: Option<f64>,
+    follow_up_ttft_median_over_cold_median: Option<f64>,
+}
+
+#[derive(Serialize, Deserialize, Debug)]
+pub(crate) struct Results {
+    label: String,
+    endpoint: String,
+    summary: Summary,
+    turns: Vec<Turn>,
+}
+
+const WORDS: &[&str] = &[
+    "the", "river", "engine", "quietly", "measures", "a", "garden", "of", "numbers", "while",
+    "every", "small", "cache", "remembers", "what", "came", "before", "and", "tomorrow", "we",
+    "build", "bridges", "between", "distant", "servers", "that", "speak", "in", "streams", "light",
+    "travels", "through", "glass", "fibers", "under", "oceans", "where", "whales", "sing", "old",
+    "songs", "about", "weather", "maps", "trains", "leave", "stations", "on", "time", "because",
+    "clocks", "agree", "history", "grows", "longer", "with", "each", "turn", "so", "reuse", "saves",
+    "work", "please", "explain", "why", "this", "matters", "for", "latency", "and", "throughput",
+];
+
+/// Deterministic text of `n` words for (seed, session, turn).
+fn words(n: usize, seed: u64, session: usize, turn: usize) -> String {
+    let mut x = seed ^ (session as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (turn as u64) << 32;
+    (0..n)
+        .map(|_| {
+            // xorshift64*: cheap, deterministic, good enough to vary text.
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            WORDS[(x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40) as usize % WORDS.len()]
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// One chat turn against the endpoint: the reply text and the measurements.
+async fn tandem_turn(
+    client: &mut pb::generation_client::GenerationClient<tonic::transport::Channel>,
+    messages: &[(String, String)],
+    session: usize,
+    max_tokens: u32,
+) -> anyhow::Result<(String, Turn)> {
+    let request = pb::GenerateRequest {
+        session_id: format!("bench-session-{session}"),
+        messages: messages
+            .iter()
+            .map(|(role, content)| pb::ChatMessage {
+                role: role.clone(),
+                content: content.clone(),
+            })
+            .collect(),
+        sampling: Some(pb::SamplingParams {
+            max_tokens,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let sent = Instant::now();
+    let mut frames = client.generate(request).await?.into_inner();
+    let mut ttft = None;
+    let mut text = String::new();
+    while let Some(f) = frames.message().await? {
+        ttft.get_or_insert_with(|| sent.elapsed().as_secs_f64() * 1e3);
+        text.push_str(&f.text);
+        if f.finish_reason != pb::FinishReason::Unspecified as i32 {
+            let usage = f.usage.unwrap_or_default();
+            let route = f.route.unwrap_or_default();
+            return Ok((
+                text,
+                Turn {
+                    session,
+                    turn: 0,
+                    ttft_ms: ttft.unwrap_or_default(),
+                    total_ms: sent.elapsed().as_secs_f64() * 1e3,
+                    prompt_tokens: usage.prompt_tokens,
+                    completion_tokens: usage.completion_tokens,
+                    cached_tokens: usage.cached_tokens,
+                    decode: route.decode,
+                    prefill: route.prefill,
+                    disaggregation: route.disaggregation,
+                    decode_overlap_tokens: route.decode_overlap_tokens,
+                    prefill_overlap_tokens: route.prefill_overlap_tokens,
+                },
+            ));
+        }
+    }
+    bail!("the stream ended without a final frame")
+}
+
+/// One chat turn against an OpenAI-compatible server (streaming; usage from the last chunk,
+/// cached tokens from llama-server's `timings.cache_n` where present).
+async fn openai_turn(
+    http: &reqwest::Client,
+    base: &str,
+    messages: &[(String, String)],
+    session: usize,
+    max_tokens: u32,
+) -> anyhow::Result<(String, Turn)> {
+    let body = serde_json::json!({
+        "model": "default",
+        "messages": messages.iter().map(|(role, content)| serde_json::json!({"role": role, "content": content})).collect::<Vec<_>>(),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+        "cache_prompt": true,
+    });
+    let sent = Instant::now();
+    let response = http
+        .post(format!("{}/v1/chat/completions", base.trim_end_matches('/')))
+        .json(&body)
+        .send()
+        .await?
+        .error_for_status()?;
+    let mut bytes = response.bytes_stream().map_err(anyhow::Error::from);
+    let mut pending = Vec::new();
+    let mut ttft = None;
+    let mut text = String::new();
+    let mut turn = Turn {
+        session,
+        turn: 0,
+        ttft_ms: 0.0,
+        total_ms: 0.0,
+        prompt_tokens: 0,
+        completion_tokens: 0,
+        cached_tokens: 0,
+        decode: String::new(),
+        prefill: String::new(),
+        disaggregation: String::new(),
+        decode_overlap_tokens: 0,
+        prefill_overlap_tokens: 0,
+    };
+    while let Some(chunk) = bytes.next().await {
+        pending.extend_from_slice(&chunk?);
+        while let Some(end) = pending.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = pending.drain(..end + 2).collect();
+            let event = String::from_utf8_lossy(&event);
+            let Some(data) = event.trim().strip_prefix("data: ") else {
+                continue;
+            };
+            if data == "[DONE]" {
+                turn.ttft_ms = ttft.unwrap_or_default();
+                turn.total_ms = sent.elapsed().as_secs_f64() * 1e3;
+                return Ok((text, turn));
+            }
+            let v: serde_json::Value = serde_json::from_str(data).context("an SSE chunk")?;
+            if let Some(delta) = v["choices"][0]["delta"]["content"].as_str()
+                && !delta.is_empty()
+            {
+                ttft.get_or_insert_with(|| sent.elapsed().as_secs_f64() * 1e3);
+                text.push_str(delta);
+            }
+            if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+                turn.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0) as u32;
+                turn.completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0) as u32;
+            }
+            if let Some(n) = v["timings"]["cache_n"].as_u64() {
+                turn.cached_tokens = n as u32;
+            }
+        }
+    }
+    bail!("the stream ended without [DONE]")
+}
+
+fn max_over_mean(counts: &BTreeMap<String, usize>) -> f64 {
+    if counts.is_empty() {
+        return 0.0;
+    }
+    let max = counts.values().copied().max().unwrap_or(0) as f64;
+    let mean = counts.values().sum::<usize>() as f64 / counts.len() as f64;
+    max / mean
+}
+
+fn summarize(turns: &[Turn], cold: Option<&Results>) -> Summary {
+    let prev_prompt: BTreeMap<(usize, usize), u32> = turns
+        .iter()
+        .map(|t| ((t.session, t.turn), t.prompt_tokens))
+        .collect();
+    let follow: Vec<&Turn> = turns.iter().filter(|t| t.turn > 0).collect();
+    let on_prefix = follow
+        .iter()
+        .filter(|t| {
+            let prev = prev_prompt[&(t.session, t.turn - 1)];
+            t.cached_tokens >= prev / 16 * 16
+        })
+        .count();
+    let last = turns.iter().map(|t| t.turn).max().unwrap_or(0);
+    let last_prompts: Vec<f64> = turns
+        .iter()
+        .filter(|t| t.turn == last)
+        .map(|t| f64::from(t.prompt_tokens))
+        .collect();
+    let mut decode_requests = BTreeMap::new();
+    let mut prefill_requests = BTreeMap::new();
+    for t in turns.iter().filter(|t| !t.decode.is_empty()) {
+        *decode_requests.entry(t.decode.clone()).or_insert(0) += 1;
+        if !t.prefill.is_empty() {
+            *prefill_requests.entry(t.prefill.clone()).or_insert(0) += 1;
+        }
+    }
+    let follow_ttft: Vec<f64> = follow.iter().map(|t| t.ttft_ms).collect();
+    let (ratio, median_ratio) = match cold {
+        Some(c) => {
+            let cold_ttft: BTreeMap<(usize, usize), f64> = c
+                .turns
+                .iter()
+                .map(|t| ((t.session, t.turn), t.ttft_ms))
+                .collect();
+            let ratios: Vec<f64> = follow
+                .iter()
+                .filter_map(|t| Some(t.ttft_ms / cold_ttft.get(&(t.session, t.turn))?))
+                .collect();
+            let cold_follow: Vec<f64> = c
+                .turns
+                .iter()
+                .filter(|t| t.turn > 0)
+                .map(|t| t.ttft_ms)
+                .collect();
+            (
+                Some(median(ratios)),
+                Some(median(follow_ttft.clone()) / median(cold_follow)),
+            )
+        }
+        None => (None, None),
+    };
+    Summary {
+        turns: turns.len(),
+        follow_ups: follow.len(),
+        last_turn_prompt_tokens_mean: last_prompts.iter().sum::<f64>()
+            / last_prompts.len().max(1) as f64,
+        first_turn_ttft_ms_median: median(
+            turns
+                .iter()
+                .filter(|t| t.turn == 0)
+                .map(|t| t.ttft_ms)
+                .collect(),
+        ),
+        follow_up_ttft_ms_median: median(follow_ttft.clone()),
+        follow_up_ttft_ms_p90: percentile(&mut follow_ttft.clone(), 0.9),
+        follow_ups_on_their_prefix: on_prefix as f64 / follow.len().max(1) as f64,
+        decode_max_over_mean: max_over_mean(&decode_requests),
+        prefill_max_over_mean: max_over_mean(&prefill_requests),
+        local_prefills: turns
+            .iter()
+            .filter(|t| t.disaggregation == "local")
+            .count(),
+        decode_requests,
+        prefill_requests,
+        follow_up_ttft_ratio_to_cold_median: ratio,
+        follow_up_ttft_median_over_cold_median: median_ratio,
+    }
+}
+
+pub(crate) fn multiturn(args: &MultiturnArgs) -> anyhow::Result<()> {
+    if args.sessions == 0 || args.turns == 0 || args.concurrency == 0 || args.max_tokens == 0 {
+        bail!("--sessions, --turns, --concurrency and --max-tokens must each be at least 1");
+    }
+    let cold: Option<Results> = match &args.cold {
+        Some(path) => Some(
+            serde_json::from_str(
+                &std::fs::read_to_string(path)
+                    .with_context(|| format!("cannot read {}", path.display()))?,
+            )
+            .with_context(|| format!("{} is not a multiturn results file", path.display()))?,
+        ),
+        None => None,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let (endpoint, turns) = rt.block_on(run(args))?;
+    let summary = summarize(&turns, cold.as_ref());
+    let results = Results {
+        label: args.label.clone(),
+        endpoint,
+        summary,
+        turns,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&results)?);
+    } else {
+        print_table(&results);
+    }
+    Ok(())
+}
+
+async fn run(args: &MultiturnArgs) -> anyhow::Result<(String, Vec<Turn>)> {
+    let system = format!(
+        "You are a patient assistant who answers in plain words. {}",
+        words(args.system_words, args.seed, usize::MAX, 0)
+    );
+    let mut histories: Vec<Vec<(String, String)>> =
+        vec![vec![("system".to_string(), system)]; args.sessions];
+    let grpc = match &args.server {
+        Some(addr) => Some(tandem_proto::limits!(
+            pb::generation_client::GenerationClient::new(tandem_proto::net::channel(addr)?)
+        )),
+        None => None,
+    };
+    let http = reqwest::Client::new();
+    let endpoint = args
+        .server
+        .clone()
+        .or_else(|| args.openai.clone())
+        .unwrap_or_default();
+    let mut out = Vec::new();
+    let total = args.sessions * args.turns;
+    for turn in 0..args.turns {
+        for (s, h) in histories.iter_mut().enumerate() {
+            h.push((
+                "user".into(),
+                words(args.message_words, args.seed, s, turn + 1),
+            ));
+        }
+        let results: Vec<anyhow::Result<(String, Turn)>> =
+            futures::stream::iter(histories.iter().enumerate().map(|(s, h)| {
+                let (mut grpc, http) = (grpc.clone(), http.clone());
+                let base = args.openai.clone().unwrap_or_default();
+                async move {
+                    let (text, mut t) = match &mut grpc {
+                        Some(client) => tandem_turn(client, h, s, args.max_tokens).await,
+                        None => openai_turn(&http, &base, h, s, args.max_tokens).await,
+                    }
+                    .with_context(|| format!("session {s}, turn {turn}"))?;
+                    t.turn = turn;
+                    Ok((text, t))
+                }
+            }))
+            .buffered(args.concurrency)
+            .collect()
+            .await;
+        for (s, r) in results.into_iter().enumerate() {
+            let (text, t) = r?;
+            histories[s].push(("assistant".into(), text));
+            out.push(t);
+        }
+        eprintln!(
+            "bench multiturn: turn {}/{} done ({} of {total} requests)",
+            turn + 1,
+            args.turns,
+            out.len()
+        );
+    }
+    Ok((endpoint, out))
+}
+
+fn print_table(r: &Results) {
+    let s = &r.summary;
+    println!("{} ({}): {} turns, {} follow-ups", r.label, r.endpoint, s.turns, s.follow_ups);
+    println!(
+        "  last turn's prompt: {:.0} tokens on average",
+        s.last_turn_prompt_tokens_mean
+    );
+    println!(
+        "  TTFT: first turn median {:.1} ms; follow-ups median {:.1} ms, p90 {:.1} ms",
+        s.first_turn_ttft_ms_median, s.follow_up_ttft_ms_median, s.follow_up_ttft_ms_p90
+    );
+    println!(
+        "  follow-ups reusing at least their previous prompt: {:.1}%",
+        s.follow_ups_on_their_prefix * 100.0
+    );
+    if !s.decode_requests.is_empty() {
+        println!(
+            "  decode requests {:?} (max/mean {:.2}); prefill requests {:?} (max/mean {:.2}); \
+             local prefills {}",
+            s.decode_requests,
+            s.decode_max_over_mean,
+            s.prefill_requests,
+            s.prefill_max_over_mean,
+            s.local_prefills
+        );
+    }
+    if let (Some(ratio), Some(of_medians)) = (
+        s.follow_up_ttft_ratio_to_cold_median,
+        s.follow_up_ttft_median_over_cold_median,
+    ) {
+        println!(
+            "  follow-up TTFT vs caches off: median per-turn ratio {ratio:.3}, ratio of medians \
+             {of_medians:.3}"
+        );
+    }
+}
