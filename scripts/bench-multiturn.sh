@@ -23,7 +23,7 @@ out=target/bench-multiturn
 mkdir -p "$out"
 port=50071
 lport=8091
-flags=(--sessions 8 --turns 6 --concurrency 4 --message-words 60 --max-tokens 96 "$@")
+flags=("$@")
 
 pid=""
 stop() {
@@ -58,7 +58,8 @@ for r in $(seq "$rounds"); do
     "$llama" -m "$gguf" -t 2 --parallel 4 -c 32768 --port "$lport" >"$out/llama-server.log" 2>&1 &
     pid=$!
     for _ in $(seq 600); do curl -sf "127.0.0.1:$lport/health" >/dev/null && break; sleep 0.1; done
-    "$tandem" bench multiturn --openai "http://127.0.0.1:$lport" "${flags[@]}" --label llama-server --cold "$cold" --json >"$out/llama-server.$r.json"
+    "$tandem" bench multiturn --openai "http://127.0.0.1:$lport" "${flags[@]}" --label llama-server --cold "$cold" --json >"$out/llama-server.$r.json" \
+      || { echo "llama-server round $r failed (see $out/llama-server.log)" >&2; rm -f "$out/llama-server.$r.json"; }
     stop
   fi
 done

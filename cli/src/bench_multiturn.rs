@@ -37,7 +37,7 @@ pub(crate) struct MultiturnArgs {
     #[arg(long, default_value_t = 8)]
     sessions: usize,
     /// Turns per conversation.
-    #[arg(long, default_value_t = 6)]
+    #[arg(long, default_value_t = 8)]
     turns: usize,
     /// Requests in flight at once.
     #[arg(long, default_value_t = 4)]
@@ -46,10 +46,10 @@ pub(crate) struct MultiturnArgs {
     #[arg(long, default_value_t = 120)]
     system_words: usize,
     /// Words in each user message.
-    #[arg(long, default_value_t = 110)]
+    #[arg(long, default_value_t = 80)]
     message_words: usize,
     /// Most tokens per reply.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 96)]
     max_tokens: u32,
     /// Varies the text of the messages.
     #[arg(long, default_value_t = 0)]
@@ -114,13 +114,77 @@ pub(crate) struct Results {
 }
 
 const WORDS: &[&str] = &[
-    "the", "river", "engine", "quietly", "measures", "a", "garden", "of", "numbers", "while",
-    "every", "small", "cache", "remembers", "what", "came", "before", "and", "tomorrow", "we",
-    "build", "bridges", "between", "distant", "servers", "that", "speak", "in", "streams", "light",
-    "travels", "through", "glass", "fibers", "under", "oceans", "where", "whales", "sing", "old",
-    "songs", "about", "weather", "maps", "trains", "leave", "stations", "on", "time", "because",
-    "clocks", "agree", "history", "grows", "longer", "with", "each", "turn", "so", "reuse", "saves",
-    "work", "please", "explain", "why", "this", "matters", "for", "latency", "and", "throughput",
+    "the",
+    "river",
+    "engine",
+    "quietly",
+    "measures",
+    "a",
+    "garden",
+    "of",
+    "numbers",
+    "while",
+    "every",
+    "small",
+    "cache",
+    "remembers",
+    "what",
+    "came",
+    "before",
+    "and",
+    "tomorrow",
+    "we",
+    "build",
+    "bridges",
+    "between",
+    "distant",
+    "servers",
+    "that",
+    "speak",
+    "in",
+    "streams",
+    "light",
+    "travels",
+    "through",
+    "glass",
+    "fibers",
+    "under",
+    "oceans",
+    "where",
+    "whales",
+    "sing",
+    "old",
+    "songs",
+    "about",
+    "weather",
+    "maps",
+    "trains",
+    "leave",
+    "stations",
+    "on",
+    "time",
+    "because",
+    "clocks",
+    "agree",
+    "history",
+    "grows",
+    "longer",
+    "with",
+    "each",
+    "turn",
+    "so",
+    "reuse",
+    "saves",
+    "work",
+    "please",
+    "explain",
+    "why",
+    "this",
+    "matters",
+    "for",
+    "latency",
+    "and",
+    "throughput",
 ];
 
 /// Deterministic text of `n` words for (seed, session, turn).
@@ -212,7 +276,10 @@ async fn openai_turn(
     });
     let sent = Instant::now();
     let response = http
-        .post(format!("{}/v1/chat/completions", base.trim_end_matches('/')))
+        .post(format!(
+            "{}/v1/chat/completions",
+            base.trim_end_matches('/')
+        ))
         .json(&body)
         .send()
         .await?
@@ -345,10 +412,7 @@ fn summarize(turns: &[Turn], cold: Option<&Results>) -> Summary {
         follow_ups_on_their_prefix: on_prefix as f64 / follow.len().max(1) as f64,
         decode_max_over_mean: max_over_mean(&decode_requests),
         prefill_max_over_mean: max_over_mean(&prefill_requests),
-        local_prefills: turns
-            .iter()
-            .filter(|t| t.disaggregation == "local")
-            .count(),
+        local_prefills: turns.iter().filter(|t| t.disaggregation == "local").count(),
         decode_requests,
         prefill_requests,
         follow_up_ttft_ratio_to_cold_median: ratio,
@@ -451,7 +515,10 @@ async fn run(args: &MultiturnArgs) -> anyhow::Result<(String, Vec<Turn>)> {
 
 fn print_table(r: &Results) {
     let s = &r.summary;
-    println!("{} ({}): {} turns, {} follow-ups", r.label, r.endpoint, s.turns, s.follow_ups);
+    println!(
+        "{} ({}): {} turns, {} follow-ups",
+        r.label, r.endpoint, s.turns, s.follow_ups
+    );
     println!(
         "  last turn's prompt: {:.0} tokens on average",
         s.last_turn_prompt_tokens_mean

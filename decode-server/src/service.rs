@@ -37,9 +37,8 @@ impl pb::decode_server::Decode for DecodeService {
             .into());
         }
         let hashes = if self.ctx.prefix_cache {
-            let reusable = tandem_worker::reusable_blocks(r.prompt_token_ids.len());
-            let prefix = reusable * tandem_engine::BLOCK_TOKENS;
-            tandem_worker::block_hashes(&self.ctx.model, &r.prompt_token_ids[..prefix])
+            let fingerprint = &self.ctx.model.fingerprint.0;
+            tandem_proto::block_hash::prompt_hashes(fingerprint, &r.prompt_token_ids)
         } else {
             Vec::new()
         };

@@ -109,7 +109,7 @@ fn run(engine: &mut Engine, work: Work) -> Result<Done> {
         cancel,
     } = work;
     let started = Instant::now();
-    let reusable = tandem_worker::reusable_blocks(tokens.len()).min(hashes.len());
+    let reusable = tandem_proto::block_hash::reusable_blocks(tokens.len()).min(hashes.len());
     let (seq, cached) = engine.new_sequence_cached(&hashes[..reusable]);
     let outcome = compute_and_push(engine, seq, cached, &tokens, push, &mut kv, &cancel);
     let outcome = outcome.and_then(|(logits, first_chunk_sent)| {

@@ -49,7 +49,7 @@ impl PrefillService {
             );
         }
         let cached = r.cached_tokens as usize;
-        if cached > tandem_worker::reusable_blocks(r.token_ids.len()) * BLOCK_TOKENS
+        if cached > tandem_proto::block_hash::reusable_blocks(r.token_ids.len()) * BLOCK_TOKENS
             || !cached.is_multiple_of(BLOCK_TOKENS)
         {
             return invalid(

@@ -62,6 +62,22 @@ pub fn block_hashes(fingerprint: &[u8], tokens: &[u32]) -> Vec<BlockHash> {
         .collect()
 }
 
+/// The most whole blocks of a prompt of `len` tokens that a cache may supply: at least the last
+/// token must be computed, since its logits give the first generated token.
+pub fn reusable_blocks(len: usize) -> usize {
+    len.saturating_sub(1) / BLOCK_TOKENS
+}
+
+/// The hashes of a prompt's reusable blocks ([`reusable_blocks`]), as the caches and the
+/// router's index key them.
+pub fn prompt_hashes(fingerprint: &[u8], prompt: &[u32]) -> Vec<u64> {
+    let reusable = reusable_blocks(prompt.len()) * BLOCK_TOKENS;
+    block_hashes(fingerprint, &prompt[..reusable])
+        .into_iter()
+        .map(|h| h.0)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -115,5 +131,16 @@ mod tests {
         assert!(ha.iter().zip(&hc).all(|(x, y)| x != y));
         // Another model's fingerprint gives other hashes.
         assert_ne!(block_hashes(&[8u8; 32], &a)[0], ha[0]);
+    }
+
+    #[test]
+    fn a_prompt_reuses_all_but_its_last_token() {
+        assert_eq!(reusable_blocks(16), 0);
+        assert_eq!(reusable_blocks(17), 1);
+        assert_eq!(reusable_blocks(33), 2);
+        assert_eq!(reusable_blocks(0), 0);
+        let fp = [1u8; 32];
+        let p: Vec<u32> = (0..32).collect();
+        assert_eq!(prompt_hashes(&fp, &p), vec![block_hashes(&fp, &p)[0].0]);
     }
 }

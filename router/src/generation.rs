@@ -120,14 +120,7 @@ pub fn prepare(front: &Frontend, r: pb::GenerateRequest) -> Result<Prepared> {
             ),
         });
     }
-    let reusable = (tokens.len() - 1) / tandem_proto::block_hash::BLOCK_TOKENS;
-    let hashes = tandem_proto::block_hash::block_hashes(
-        &front.fingerprint,
-        &tokens[..reusable * tandem_proto::block_hash::BLOCK_TOKENS],
-    )
-    .into_iter()
-    .map(|h| h.0)
-    .collect();
+    let hashes = tandem_proto::block_hash::prompt_hashes(&front.fingerprint, &tokens);
     Ok(Prepared {
         request_id: r.request_id,
         session_id: r.session_id,

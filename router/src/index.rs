@@ -146,7 +146,7 @@ impl CacheIndex {
         }
     }
 
-    fn apply_snapshot(&self, snap: pb::CacheSnapshotResponse) {
+    pub(crate) fn apply_snapshot(&self, snap: pb::CacheSnapshotResponse) {
         let mut s = self.lock();
         if snap.hashes.len() > self.max_blocks {
             tracing::warn!(

@@ -12,6 +12,8 @@ mod metrics;
 mod policy;
 mod replicas;
 mod service;
+#[doc(hidden)]
+pub mod simulation;
 
 use std::collections::HashMap;
 use std::future::Future;

@@ -116,6 +116,11 @@ impl Replica {
         f64::from_bits(self.prefill_tokens_per_second.load(Ordering::Relaxed))
     }
 
+    /// Sets the health flag directly (the monitor's job; [`crate::simulation`] uses it too).
+    pub(crate) fn set_healthy(&self, up: bool) {
+        self.healthy.store(up, Ordering::Relaxed);
+    }
+
     /// Counts a request of `tokens` prompt tokens against this replica while the guard lives.
     pub fn claim(self: &Arc<Self>, tokens: u64) -> InflightGuard {
         self.inflight.fetch_add(1, Ordering::Relaxed);

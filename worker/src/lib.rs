@@ -70,12 +70,6 @@ pub fn block_hashes(model: &Model, tokens: &[u32]) -> Vec<u64> {
         .collect()
 }
 
-/// The most whole blocks of a prompt of `len` tokens that may come from a cache: at least its
-/// last token must be computed, since its logits give the first generated token.
-pub fn reusable_blocks(len: usize) -> usize {
-    len.saturating_sub(1) / tandem_engine::BLOCK_TOKENS
-}
-
 /// One exported token range as wire chunks: per layer, K then V.
 pub fn kv_chunks(kv: KvExport) -> impl Iterator<Item = Chunk> {
     let tokens = kv.tokens.start as u32..kv.tokens.end as u32;
@@ -159,13 +153,5 @@ mod tests {
         assert_eq!(cells, vec![16..256, 256..512, 512..600]);
         assert_eq!(grid_cells(5..5, 256).count(), 0);
         assert_eq!(grid_cells(0..256, 256).collect::<Vec<_>>(), vec![0..256]);
-    }
-
-    #[test]
-    fn reusable_blocks_leave_the_last_token() {
-        assert_eq!(reusable_blocks(16), 0);
-        assert_eq!(reusable_blocks(17), 1);
-        assert_eq!(reusable_blocks(33), 2);
-        assert_eq!(reusable_blocks(0), 0);
     }
 }

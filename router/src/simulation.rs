@@ -1,0 +1,77 @@
+//! Routing without a network, for the benchmark in `benches/routing.rs`: a replica set whose
+//! health and cache contents are set directly, and the policy's decision on it, exactly as a
+//! request would meet them (block hashes of the prompt, then [`Policy::choose`]).
+
+use tandem_proto::v1 as pb;
+
+use crate::policy::{Ask, Policy, PolicyKind};
+use crate::replicas::Replicas;
+
+/// A replica set that is never connected to.
+#[derive(Debug)]
+pub struct Simulation {
+    replicas: Replicas,
+    policy: Policy,
+    fingerprint: Vec<u8>,
+}
+
+impl Simulation {
+    /// `prefill` then `decode` replicas, all healthy, with empty caches. Call it inside a tokio
+    /// runtime (the replicas' channels are created, lazily).
+    pub fn new(prefill: usize, decode: usize) -> Result<Self, tonic::transport::Error> {
+        let addr = |i: usize| format!("127.0.0.1:{}", 1 + i);
+        let p: Vec<String> = (0..prefill).map(addr).collect();
+        let d: Vec<String> = (prefill..prefill + decode).map(addr).collect();
+        let replicas = Replicas::new(&p, &d, usize::MAX)?;
+        for (i, r) in replicas.all().iter().enumerate() {
+            r.set_healthy(true);
+            r.index.apply_snapshot(pb::CacheSnapshotResponse {
+                epoch: 1 + i as u64,
+                seq: 0,
+                hashes: Vec::new(),
+            });
+        }
+        Ok(Self {
+            replicas,
+            policy: Policy::new(PolicyKind::Affinity),
+            fingerprint: vec![7; 32],
+        })
+    }
+
+    /// The block hashes of `tokens`, as the router computes them for a prompt.
+    pub fn hashes(&self, tokens: &[u32]) -> Vec<u64> {
+        tandem_proto::block_hash::block_hashes(&self.fingerprint, tokens)
+            .into_iter()
+            .map(|h| h.0)
+            .collect()
+    }
+
+    /// Replica `i` (prefill replicas first) now holds exactly `hashes`.
+    pub fn hold(&self, i: usize, hashes: Vec<u64>) {
+        if let Some(r) = self.replicas.all().get(i) {
+            r.index.apply_snapshot(pb::CacheSnapshotResponse {
+                epoch: 1 + i as u64,
+                seq: 0,
+                hashes,
+            });
+        }
+    }
+
+    /// Routes a prompt: hashes its reusable blocks, then chooses. Returns the decode replica's
+    /// address and the tokens the index says it holds.
+    pub fn route(&self, tokens: &[u32], session: &str) -> Option<(String, usize)> {
+        let hashes = tandem_proto::block_hash::prompt_hashes(&self.fingerprint, tokens);
+        let choice = self
+            .policy
+            .choose(
+                &self.replicas,
+                &Ask {
+                    tokens: tokens.len(),
+                    hashes: &hashes,
+                    session_id: session,
+                },
+            )
+            .ok()?;
+        Some((choice.decode.replica().addr.clone(), choice.decode_overlap))
+    }
+}
