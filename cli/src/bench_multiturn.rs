@@ -466,7 +466,11 @@ async fn run(args: &MultiturnArgs) -> anyhow::Result<(String, Vec<Turn>)> {
         )),
         None => None,
     };
-    let http = reqwest::Client::new();
+    // A connection per request: servers such as llama-server close idle keep-alive connections,
+    // and a pooled one closed under the client fails its request.
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()?;
     let endpoint = args
         .server
         .clone()

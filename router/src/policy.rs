@@ -11,15 +11,17 @@
 //! remote(P, D) = queued_tokens(P) / rate(P)          // P's queue
 //!              + (n − held(P)) / rate(P)             // P computes what its prefix cache lacks
 //!              + handoff_remote                      // measured: the push's exposed tail, the hops
-//! local(D)     = (n − held(D)) / rate(D) × (2 + active(D))
+//! local(D)     = (n − held(D)) / rate(D) × (1 + active(D))
 //!              + handoff_local                       // measured: the hops, waiting for a step
+//!                only where held(D) > 0, or when no prefill replica is up
 //! ```
 //!
-//! A local prefill pauses D's batch for its duration: the `2 + active(D)` charges it once for
-//! this request, once for each stream D is running, and once for the decode time it takes from
-//! whatever D would run next. So a cold prompt goes to a prefill node (local costs at least
-//! twice the compute), and a follow-up turn whose history D holds is prefilled on D when its new
-//! suffix is cheaper there than shipping it from P. The handoffs are moving averages of what the
+//! A local prefill pauses D's batch for its duration: the `1 + active(D)` charges it once for
+//! this request and once for each stream D is running. Only a prompt that extends what D
+//! already holds may be prefilled there: a cold prompt always goes to a prefill node (that is
+//! what disaggregation is for), and a follow-up turn whose history D holds is prefilled on D
+//! when its new suffix costs less there, stalls included, than on P (which lacks at least the
+//! last reply). The handoffs are moving averages of what the
 //! router measured on earlier requests (first token time minus queue and compute); the link's
 //! throughput shows up in `handoff_remote`.
 //!
@@ -220,8 +222,9 @@ impl Policy {
         // The best local option.
         let local = d_ranked
             .iter()
+            .filter(|&&(_, h)| h > 0 || prefills.is_empty())
             .map(|&(d, h)| {
-                let ms = (n - h as f64) / rate(d) * 1e3 * f64::from(2 + d.load()) + h_local;
+                let ms = (n - h as f64) / rate(d) * 1e3 * f64::from(1 + d.load()) + h_local;
                 (ms, d, h)
             })
             .min_by(|a, b| a.0.total_cmp(&b.0));

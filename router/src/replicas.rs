@@ -116,7 +116,7 @@ impl Replica {
         f64::from_bits(self.prefill_tokens_per_second.load(Ordering::Relaxed))
     }
 
-    /// Sets the health flag directly (the monitor's job; [`crate::simulation`] uses it too).
+    /// Sets the health flag directly, for [`crate::simulation`] (the monitor follows Watch).
     pub(crate) fn set_healthy(&self, up: bool) {
         self.healthy.store(up, Ordering::Relaxed);
     }
