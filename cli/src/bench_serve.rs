@@ -15,13 +15,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
-use bytes::Bytes;
 use clap::Args;
 use serde::Serialize;
 use tandem_engine::{Engine, EngineConfig, Model, SeqId, argmax};
 use tandem_integration_tests::{Cluster, ClusterConfig};
 use tandem_proto::v1 as pb;
-use tandem_transfer::{Chunk, Expectation, Header, KvKind, KvPush, Reservations, WireLayout};
+use tandem_transfer::{Chunk, Expectation, Header, KvPush, Reservations, WireLayout};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -293,17 +292,7 @@ fn real_chunks(engine: &mut Engine, tokens: &[u32]) -> anyhow::Result<Vec<Chunk>
     for start in (0..tokens.len()).step_by(step) {
         let range = start..(start + step).min(tokens.len());
         engine.prefill(seq, &tokens[range.clone()])?;
-        let kv = engine.export_kv(seq, range.clone())?;
-        for (layer, [k, v]) in kv.layers.into_iter().enumerate() {
-            for (kind, data) in [(KvKind::K, k), (KvKind::V, v)] {
-                chunks.push(Chunk {
-                    layer: layer as u32,
-                    kind,
-                    tokens: range.start as u32..range.end as u32,
-                    data: Bytes::from(data),
-                });
-            }
-        }
+        chunks.extend(tandem_worker::kv_chunks(engine.export_kv(seq, range)?));
     }
     engine.free(seq)?;
     Ok(chunks)
