@@ -36,8 +36,8 @@ pub(crate) struct MultiturnArgs {
     /// Conversations.
     #[arg(long, default_value_t = 8)]
     sessions: usize,
-    /// Turns per conversation.
-    #[arg(long, default_value_t = 8)]
+    /// Turns per conversation (9 brings the last turn's history past 1500 tokens).
+    #[arg(long, default_value_t = 9)]
     turns: usize,
     /// Requests in flight at once.
     #[arg(long, default_value_t = 4)]

@@ -6,6 +6,7 @@ mod bench_multiturn;
 mod bench_serve;
 mod client;
 mod fetch;
+mod healthcheck;
 mod local;
 mod serve;
 mod up;
@@ -49,6 +50,8 @@ enum Command {
     Up(up::UpArgs),
     /// Chat interactively with a cluster.
     Chat(client::ChatArgs),
+    /// Ask a server whether it is SERVING (grpc.health.v1, 1 s deadline): exit 0 if so.
+    Healthcheck(healthcheck::HealthcheckArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -120,6 +123,7 @@ fn main() -> anyhow::Result<()> {
         Command::Decode(args) => serve::decode(&args),
         Command::Up(args) => up::up(&args),
         Command::Chat(args) => client::chat(&args),
+        Command::Healthcheck(args) => healthcheck::run(&args),
         Command::Bench {
             command: BenchCommand::Engine(args),
         } => bench::engine(&args),

@@ -134,6 +134,11 @@ pub(crate) struct RouterArgs {
     /// node, in ms.
     #[arg(long, env = "TANDEM_KV_WAIT_MS", default_value_t = 10_000)]
     kv_wait_ms: u64,
+    /// Longest wait for a decode node's next token frame once it has its KV, in ms (after a
+    /// local prefill, plus twice its estimated time). Past it the node counts as failed and the
+    /// generation resumes on another one.
+    #[arg(long, env = "TANDEM_TOKEN_GAP_MS", default_value_t = 5_000)]
+    token_gap_ms: u64,
     /// How often replicas are asked for their load, in ms.
     #[arg(long, env = "TANDEM_LOAD_POLL_MS", default_value_t = 250)]
     load_poll_ms: u64,
@@ -219,6 +224,7 @@ pub(crate) fn router(args: &RouterArgs) -> anyhow::Result<()> {
         max_inflight: args.max_inflight,
         default_timeout: Duration::from_millis(args.timeout_ms),
         kv_wait: Duration::from_millis(args.kv_wait_ms),
+        token_gap: Duration::from_millis(args.token_gap_ms),
         load_poll: Duration::from_millis(args.load_poll_ms),
         grace: Duration::from_millis(args.grace_ms),
         policy: match args.policy {

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tandem_engine::{FinishReason, GenerateParams, Model};
+use tandem_engine::{FinishReason, GenerateParams, Model, Stream};
 use tandem_proto::v1 as pb;
 use tandem_transfer::{Expectation, Reservations};
 use tokio::sync::mpsc;
@@ -44,6 +44,8 @@ pub(crate) struct Plan {
     pub hashes: Vec<u64>,
     /// Compute the uncached suffix here instead of waiting for a push.
     pub local_prefill: bool,
+    /// The prompt's last tokens that an earlier attempt generated and delivered (failover).
+    pub resumed: usize,
     pub params: GenerateParams,
     pub kv_wait: Option<Duration>,
     pub deadline: Option<TokioInstant>,
@@ -141,25 +143,38 @@ impl RequestContext {
             });
         }
         plan.params.validate()?;
-        let total = plan.prompt.len() + plan.params.max_tokens;
+        if plan.resumed >= plan.prompt.len() || plan.resumed >= plan.params.max_tokens {
+            return Err(Error::InvalidArgument {
+                field: "resumed_tokens",
+                reason: format!(
+                    "{} resumed tokens need a longer prompt ({} tokens) and max_tokens ({})",
+                    plan.resumed,
+                    plan.prompt.len(),
+                    plan.params.max_tokens
+                ),
+            });
+        }
+        // max_tokens counts the resumed tokens, which the prompt already holds.
+        let original = plan.prompt.len() - plan.resumed;
+        let total = original + plan.params.max_tokens;
         if total > config.context_len {
             return Err(Error::InvalidArgument {
                 field: "max_tokens",
                 reason: format!(
-                    "prompt of {} tokens plus max_tokens {} exceeds the context of {}",
-                    plan.prompt.len(),
-                    plan.params.max_tokens,
-                    config.context_len
+                    "prompt of {original} tokens plus max_tokens {} exceeds the context of {}",
+                    plan.params.max_tokens, config.context_len
                 ),
             });
         }
+        let generated = &plan.prompt[original..];
+        let stream = Stream::resume(plan.params.clone(), &self.model.tokenizer, generated)?;
         let admitted = self
             .admission
             .try_admit(total.div_ceil(tandem_engine::BLOCK_TOKENS))?;
         let (tx, rx) = mpsc::channel(FRAME_BUFFER);
         let ctx = self.clone();
         self.tracker.spawn(async move {
-            let outcome = ctx.run(plan, admitted, &tx).await;
+            let outcome = ctx.run(plan, stream, admitted, &tx).await;
             if let Err(e) = outcome {
                 let _ = tx.send(Err(e.into())).await;
             }
@@ -170,6 +185,7 @@ impl RequestContext {
     async fn run(
         &self,
         plan: Plan,
+        stream: Stream,
         _admitted: Admitted,
         tx: &mpsc::Sender<Result<pb::DecodeResponse, Status>>,
     ) -> Result<()> {
@@ -248,15 +264,16 @@ impl RequestContext {
             ticket,
             prompt: plan.prompt,
             input,
-            params: plan.params,
+            stream,
             events: events_tx,
         });
         if !started {
             return Err(Error::ShuttingDown);
         }
 
-        let mut index = 0u32;
-        let mut completion_tokens = 0u32;
+        let mut index = plan.resumed as u32;
+        let mut completion_tokens = plan.resumed as u32;
+        let first_index = index;
         let mut local_prefill_ms = 0.0;
         loop {
             let event = tokio::select! {
@@ -285,8 +302,16 @@ impl RequestContext {
                 text: emission.text,
                 finish_reason: last.map_or(pb::FinishReason::Unspecified, finish_reason) as i32,
                 completion_tokens: if last.is_some() { completion_tokens } else { 0 },
-                kv_wait_ms: if index == 0 { kv_wait_ms } else { 0.0 },
-                local_prefill_ms: if index == 0 { local_prefill_ms } else { 0.0 },
+                kv_wait_ms: if index == first_index {
+                    kv_wait_ms
+                } else {
+                    0.0
+                },
+                local_prefill_ms: if index == first_index {
+                    local_prefill_ms
+                } else {
+                    0.0
+                },
             };
             index += 1;
             let frame = pb::DecodeResponse {

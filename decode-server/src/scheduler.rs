@@ -24,7 +24,7 @@ use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use tandem_engine::{Emission, Engine, GenerateParams, KvExport, SeqId, Stream};
+use tandem_engine::{Emission, Engine, KvExport, SeqId, Stream};
 use tandem_worker::{CacheHub, Throughput};
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
@@ -59,7 +59,8 @@ pub struct Start {
     pub ticket: Ticket,
     pub prompt: Vec<u32>,
     pub input: Input,
-    pub params: GenerateParams,
+    /// The generation's state: fresh, or resumed after tokens an earlier attempt delivered.
+    pub stream: Stream,
     pub events: tmpsc::Sender<Event>,
 }
 
@@ -223,7 +224,7 @@ impl Scheduler {
         let n = s.prompt.len();
         let first = match s.input {
             Input::Kv { kv, first_token } => self.engine.import_kv(seq, &kv).map(|()| first_token),
-            Input::Local => self.prefill(seq, &s.prompt, &s.params, &s.events),
+            Input::Local => self.prefill(seq, &s.prompt, &s.stream, &s.events),
         };
         let next = match first {
             Ok(t) => t,
@@ -236,7 +237,7 @@ impl Scheduler {
         debug_assert_eq!(self.engine.seq_len(seq).ok(), Some(n));
         let mut a = Active {
             seq,
-            stream: Stream::new(s.params),
+            stream: s.stream,
             tokens: s.prompt,
             next,
             events: s.events,
@@ -254,7 +255,7 @@ impl Scheduler {
         &mut self,
         seq: SeqId,
         prompt: &[u32],
-        params: &GenerateParams,
+        stream: &Stream,
         events: &tmpsc::Sender<Event>,
     ) -> tandem_engine::Result<u32> {
         let started = Instant::now();
@@ -268,11 +269,7 @@ impl Scheduler {
             .local_prefill_tokens
             .inc_by(computed as u64);
         let _ = events.try_send(Event::Prefilled { ms: secs * 1e3 });
-        Ok(tandem_engine::sample(
-            &logits,
-            &params.sampling,
-            prompt.len() as u64,
-        ))
+        Ok(stream.sample(&logits, prompt.len()))
     }
 
     /// Accepts `a.next` and tells the request; `false` when the sequence leaves the batch. A

@@ -48,6 +48,7 @@ impl pb::decode_server::Decode for DecodeService {
             prompt: r.prompt_token_ids,
             hashes,
             local_prefill: r.local_prefill,
+            resumed: r.resumed_tokens as usize,
             params: tandem_worker::params_from_pb(r.sampling),
             kv_wait: (r.kv_wait_ms > 0)
                 .then(|| std::time::Duration::from_millis(u64::from(r.kv_wait_ms))),

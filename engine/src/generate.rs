@@ -76,6 +76,26 @@ impl Stream {
         }
     }
 
+    /// The state after `generated` tokens were accepted and their emissions already delivered
+    /// (a generation resumed on another node): what follows equals an uninterrupted run.
+    /// Fails if those tokens already end the generation.
+    pub fn resume(
+        params: GenerateParams,
+        tokenizer: &Tokenizer,
+        generated: &[u32],
+    ) -> Result<Self> {
+        let mut stream = Self::new(params);
+        for &token in generated {
+            if stream.accept(tokenizer, token).finished.is_some() {
+                return Err(Error::InvalidArgument {
+                    field: "resumed_tokens",
+                    reason: "the resumed tokens already finish the generation".into(),
+                });
+            }
+        }
+        Ok(stream)
+    }
+
     /// Samples the token at absolute `position` from `logits`.
     pub fn sample(&self, logits: &[f32], position: usize) -> u32 {
         sample(logits, &self.params.sampling, position as u64)

@@ -494,3 +494,100 @@ fn pool_pressure_evicts_unpinned_cache_blocks_and_never_pinned_ones() {
     let l = cold.prefill(s, &c_prompt).expect("prefill");
     assert_eq!(decode(&mut cold, s, l, 5, &p), c_out);
 }
+
+/// Failover's premise: a generation resumed elsewhere, by prefilling its prompt plus the tokens
+/// already delivered, continues exactly as the uninterrupted run (the logits of a prefilled
+/// position equal those of a decode step bit for bit, and sampling depends only on seed,
+/// position and logits).
+#[test]
+fn a_generation_resumed_from_its_delivered_tokens_equals_the_uninterrupted_one() {
+    let model = tiny();
+    let p = SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        seed: 11,
+        ..SamplingParams::default()
+    };
+    let tokens = prompt(37, 4);
+    let mut e = engine_with(&model, 64);
+    let s = e.new_sequence();
+    let mut logits = e.prefill(s, &tokens).expect("prefill");
+    let (mut out, mut step_logits) = (Vec::new(), Vec::new());
+    for _ in 0..24 {
+        let pos = e.seq_len(s).expect("len");
+        let tok = tandem_engine::sample(&logits, &p, pos as u64);
+        out.push(tok);
+        step_logits.push(logits.clone());
+        logits = e.step(&[(s, tok)]).expect("step").row(0).to_vec();
+    }
+    for k in [1, 5, 15, 16, 17, 23] {
+        let mut fresh = engine_with(&model, 16);
+        let s = fresh.new_sequence();
+        let mut resumed = tokens.clone();
+        resumed.extend(&out[..k]);
+        let logits = fresh.prefill(s, &resumed).expect("prefill");
+        assert!(
+            logits
+                .iter()
+                .zip(&step_logits[k])
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "resumed at {k}: the prefilled position's logits equal the step's"
+        );
+        let rest = decode(&mut fresh, s, logits, 24 - k, &p);
+        assert_eq!(rest, out[k..], "resumed at {k}");
+    }
+}
+
+/// The text side of resuming: a stream restored from the delivered tokens emits exactly what
+/// the uninterrupted stream emits from there on, stop-string hold-back included.
+#[test]
+fn a_resumed_stream_emits_the_rest_of_the_text() {
+    let model = tiny();
+    let tokenizer = &model.tokenizer;
+    let mut e = engine_with(&model, 64);
+    let base = GenerateRequest {
+        prompt: prompt(10, 5),
+        params: GenerateParams {
+            max_tokens: 30,
+            ..Default::default()
+        },
+    };
+    let full = e
+        .generate_batch(std::slice::from_ref(&base))
+        .expect("generate")
+        .remove(0);
+    let chars: Vec<char> = full.text.chars().collect();
+    assert!(chars.len() >= 8, "the tiny model produced {:?}", full.text);
+    // A stop string that occurs late, so that text is held back along the way.
+    let params = GenerateParams {
+        stop: vec![chars[chars.len() - 3..].iter().collect()],
+        ..base.params.clone()
+    };
+    let mut whole = tandem_engine::Stream::new(params.clone());
+    let emissions: Vec<_> = full
+        .token_ids
+        .iter()
+        .map(|&t| whole.accept(tokenizer, t))
+        .collect();
+    let ended = emissions
+        .iter()
+        .position(|m| m.finished.is_some())
+        .expect("the generation ends");
+    for k in 1..=ended {
+        let mut resumed =
+            tandem_engine::Stream::resume(params.clone(), tokenizer, &full.token_ids[..k])
+                .expect("resume");
+        for (i, &t) in full.token_ids[k..=ended].iter().enumerate() {
+            assert_eq!(
+                resumed.accept(tokenizer, t),
+                emissions[k + i],
+                "resumed at {k}"
+            );
+        }
+    }
+    // Tokens that already finished the generation cannot be resumed.
+    assert!(matches!(
+        tandem_engine::Stream::resume(params, tokenizer, &full.token_ids[..=ended]),
+        Err(Error::InvalidArgument { .. })
+    ));
+}

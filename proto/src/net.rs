@@ -20,9 +20,9 @@ use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
 /// HTTP/2 PING interval on idle and busy connections, on both ends.
-pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
 /// How long a PING may go unanswered before the connection is declared dead.
-pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(3);
 /// Bound on establishing a connection.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// HTTP/2 flow-control windows. The 64 KiB default makes a KV push wait for a window update

@@ -17,6 +17,10 @@ pub struct Config {
     /// The longest a decode node waits without KV progress (before the push starts, or
     /// between its chunks) after admitting a request.
     pub kv_wait: Duration,
+    /// The longest wait for a decode node's next frame once it has its KV (after a local
+    /// prefill, plus twice the prefill's estimated time); past it, the node counts as failed
+    /// and the generation resumes elsewhere.
+    pub token_gap: Duration,
     /// How often replicas are asked for their load.
     pub load_poll: Duration,
     /// How long in-flight streams may run after shutdown begins.
@@ -35,6 +39,7 @@ impl Default for Config {
             max_inflight: 256,
             default_timeout: Duration::from_secs(300),
             kv_wait: Duration::from_secs(10),
+            token_gap: Duration::from_secs(5),
             load_poll: Duration::from_millis(250),
             grace: Duration::from_secs(10),
             policy: PolicyKind::Affinity,

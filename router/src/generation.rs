@@ -11,7 +11,7 @@
 //! ```
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tandem_proto::v1 as pb;
 use tandem_tokenizer::ChatMessage;
@@ -23,6 +23,7 @@ use crate::log::LogWriter;
 use crate::metrics::{DecisionLabel, RouterMetrics};
 use crate::policy::{Ask, Choice, Policy};
 use crate::replicas::{Frontend, Replicas};
+use crate::retry::RetryBudget;
 
 /// A request after validation: prompt token ids, their block hashes, and sampling.
 #[derive(Debug)]
@@ -130,13 +131,20 @@ pub fn prepare(front: &Frontend, r: pb::GenerateRequest) -> Result<Prepared> {
     })
 }
 
+/// Most dispatch attempts per request: the first and two failovers.
+pub const MAX_ATTEMPTS: u32 = 3;
+
 /// Everything one dispatch needs.
 #[derive(Debug, Clone)]
 pub struct Dispatcher {
     pub replicas: Arc<Replicas>,
     pub policy: Arc<Policy>,
     pub metrics: RouterMetrics,
-    pub kv_wait: std::time::Duration,
+    pub kv_wait: Duration,
+    /// Longest wait for a decode node's next frame once it has what it needs (see
+    /// [`Attempt::frame_bound`]).
+    pub token_gap: Duration,
+    pub budget: Arc<RetryBudget>,
 }
 
 fn ms(since: Instant) -> f64 {
@@ -145,6 +153,50 @@ fn ms(since: Instant) -> f64 {
 
 fn transfer_id() -> String {
     format!("{:032x}", rand::random::<u128>())
+}
+
+/// What a request's attempts have delivered so far: a later attempt resumes from here.
+#[derive(Debug, Default)]
+struct Progress {
+    /// Tokens delivered to the client, one per frame so far.
+    generated: Vec<u32>,
+    attempts: u32,
+    /// Replicas that failed this request, which its later attempts avoid.
+    exclude: Vec<String>,
+    /// What failed, in order, for the route.
+    failovers: Vec<String>,
+    first_token_ms: Option<f64>,
+    last_frame_at: Option<Instant>,
+}
+
+/// An attempt's failure, and the replicas it implicates.
+#[derive(Debug)]
+struct Failure {
+    error: Error,
+    /// The replicas to avoid on the next attempt; empty when retrying cannot help.
+    suspects: Vec<String>,
+}
+
+impl From<Error> for Failure {
+    fn from(error: Error) -> Self {
+        Self {
+            error,
+            suspects: Vec::new(),
+        }
+    }
+}
+
+/// Whether another replica might succeed where this error happened: the replica or the path
+/// to it failed (UNAVAILABLE), or the KV it was sent was damaged (DATA_LOSS). Invalid input,
+/// capacity and the client's own deadline or cancel are answered as they are.
+fn retryable(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::Downstream {
+            code: tonic::Code::Unavailable | tonic::Code::DataLoss,
+            ..
+        }
+    )
 }
 
 impl Dispatcher {
@@ -157,6 +209,7 @@ impl Dispatcher {
         deadline: TokioInstant,
         log: &LogWriter,
     ) -> tonic::Code {
+        self.budget.deposit();
         let outcome = tokio::select! {
             r = tokio::time::timeout_at(deadline, self.dispatch(p, accepted, deadline, log)) => {
                 match r {
@@ -182,6 +235,9 @@ impl Dispatcher {
         }
     }
 
+    /// Attempts the generation until one attempt finishes it. A replica that fails is avoided
+    /// from then on, and the next attempt resumes after the tokens already delivered, on at
+    /// most [`MAX_ATTEMPTS`] attempts and within the retry budget.
     async fn dispatch(
         &self,
         p: Prepared,
@@ -189,12 +245,75 @@ impl Dispatcher {
         deadline: TokioInstant,
         log: &LogWriter,
     ) -> Result<()> {
+        let mut progress = Progress::default();
+        loop {
+            progress.attempts += 1;
+            self.metrics.attempts.inc();
+            let failure = match self
+                .attempt(&p, &mut progress, accepted, deadline, log)
+                .await
+            {
+                Ok(()) => return Ok(()),
+                Err(f) => f,
+            };
+            let retry = retryable(&failure.error)
+                && !failure.suspects.is_empty()
+                && progress.attempts < MAX_ATTEMPTS
+                && self.budget.try_spend();
+            if !retry {
+                return Err(failure.error);
+            }
+            let hop = match &failure.error {
+                Error::Downstream { hop, .. } => *hop,
+                _ => "router",
+            };
+            self.metrics.failover(hop);
+            tracing::warn!(
+                request_id = %p.request_id,
+                error = %failure.error,
+                suspects = ?failure.suspects,
+                delivered = progress.generated.len(),
+                "attempt failed; resuming the generation elsewhere"
+            );
+            progress.failovers.push(format!(
+                "{} ({})",
+                failure.error,
+                failure.suspects.join(", ")
+            ));
+            progress.exclude.extend(failure.suspects);
+        }
+    }
+
+    /// One attempt: choose replicas, admit on decode, prefill (remote or local), relay frames.
+    async fn attempt(
+        &self,
+        p: &Prepared,
+        progress: &mut Progress,
+        accepted: Instant,
+        deadline: TokioInstant,
+        log: &LogWriter,
+    ) -> Result<(), Failure> {
+        // A resumed attempt's prompt is the request's plus the tokens already delivered.
+        let resumed = progress.generated.len();
+        let (tokens, hashes) = if resumed == 0 {
+            (p.tokens.clone(), p.hashes.clone())
+        } else {
+            let mut tokens = p.tokens.clone();
+            tokens.extend(&progress.generated);
+            let fingerprint = self
+                .replicas
+                .frontend()
+                .map_or(&[][..], |f| &f.fingerprint[..]);
+            let hashes = tandem_proto::block_hash::prompt_hashes(fingerprint, &tokens);
+            (tokens, hashes)
+        };
         let choice = self.policy.choose(
             &self.replicas,
             &Ask {
-                tokens: p.tokens.len(),
-                hashes: &p.hashes,
+                tokens: tokens.len(),
+                hashes: &hashes,
                 session_id: &p.session_id,
+                exclude: &progress.exclude,
             },
         )?;
         let Choice {
@@ -213,9 +332,16 @@ impl Dispatcher {
             })
             .inc();
         let queue_ms = ms(accepted);
-        self.metrics.queue.observe(queue_ms / 1e3);
+        if progress.attempts == 1 {
+            self.metrics.queue.observe(queue_ms / 1e3);
+        }
         let remaining = deadline.saturating_duration_since(TokioInstant::now());
         let transfer_id = if local { String::new() } else { transfer_id() };
+        let d_addr = decode.replica().addr.clone();
+        let on_decode = |s: &Status| Failure {
+            error: Error::downstream("decode", s),
+            suspects: vec![d_addr.clone()],
+        };
 
         let mut d_client = tandem_proto::limits!(pb::decode_client::DecodeClient::new(
             decode.replica().channel.clone()
@@ -223,34 +349,34 @@ impl Dispatcher {
         let mut d_req = tonic::Request::new(pb::DecodeRequest {
             request_id: p.request_id.clone(),
             transfer_id: transfer_id.clone(),
-            prompt_token_ids: p.tokens.clone(),
+            prompt_token_ids: tokens.clone(),
             sampling: Some(p.sampling.clone()),
             kv_wait_ms: self.kv_wait.as_millis() as u32,
             local_prefill: local,
+            resumed_tokens: resumed as u32,
         });
         d_req.set_timeout(remaining);
         let mut frames = d_client
             .generate(d_req)
             .await
-            .map_err(|s| Error::downstream("decode", &s))?
+            .map_err(|s| on_decode(&s))?
             .into_inner();
-        let admitted = frames
-            .message()
+        let admitted = tokio::time::timeout(self.token_gap, frames.message())
             .await
-            .map_err(|s| Error::downstream("decode", &s))?;
+            .map_err(|_| on_decode(&Status::unavailable("no admission within the token gap")))?
+            .map_err(|s| on_decode(&s))?;
         let decode_cached = match admitted.and_then(|m| m.event) {
             Some(pb::decode_response::Event::Admitted(a)) => a.cached_tokens,
             _ => {
-                return Err(Error::Downstream {
-                    hop: "decode",
-                    code: tonic::Code::Unavailable,
-                    message: "the decode node did not admit the request".into(),
-                });
+                return Err(on_decode(&Status::unavailable(
+                    "the decode node did not admit the request",
+                )));
             }
         };
 
         // Remote: the prefill call runs beside the decode stream (it ends once the KV is
         // pushed). Local: there is none.
+        let p_addr = prefill.as_ref().map(|g| g.replica().addr.clone());
         let prefill_call = prefill.as_ref().map(|guard| {
             let mut p_client = tandem_proto::limits!(pb::prefill_client::PrefillClient::new(
                 guard.replica().channel.clone()
@@ -258,56 +384,104 @@ impl Dispatcher {
             let mut p_req = tonic::Request::new(pb::PrefillRequest {
                 request_id: p.request_id.clone(),
                 transfer_id,
-                token_ids: p.tokens.clone(),
+                token_ids: tokens.clone(),
                 cached_tokens: decode_cached,
-                decode_addr: decode.replica().addr.clone(),
+                decode_addr: d_addr.clone(),
                 sampling: Some(p.sampling.clone()),
             });
             p_req.set_timeout(remaining);
             async move { p_client.prefill(p_req).await }
         });
-        let prefill_call = async move {
+        let prefill_call = async {
             match prefill_call {
                 Some(call) => call
                     .await
                     .map(|r| Some(r.into_inner()))
-                    .map_err(|s| Error::downstream("prefill", &s)),
+                    .map_err(|s| Failure {
+                        error: Error::downstream("prefill", &s),
+                        suspects: p_addr.iter().cloned().collect(),
+                    }),
                 None => Ok(None),
             }
         };
         tokio::pin!(prefill_call);
         let mut prefilled: Option<Option<pb::PrefillResponse>> = None;
-        let mut last_frame_at: Option<Instant> = None;
-        let mut first_token_ms = 0.0;
+        let mut frames_here = 0usize;
         let mut local_prefill_ms = 0.0;
+        let attempt_started = Instant::now();
         loop {
+            let waiting_for_push = !local && prefilled.is_none();
+            let bound = if waiting_for_push {
+                // The decode node bounds KV silence itself (kv_wait), and the prefill call
+                // ends with the push.
+                None
+            } else if frames_here == 0 && local {
+                // The first frame follows a local prefill of the uncached suffix.
+                let uncached = tokens.len().saturating_sub(decode_cached as usize) as f64;
+                let rate = match decode.replica().prefill_rate() {
+                    r if r > 0.0 => r,
+                    _ => crate::policy::DEFAULT_RATE,
+                };
+                Some(self.token_gap + Duration::from_secs_f64(2.0 * uncached / rate))
+            } else {
+                Some(self.token_gap)
+            };
+            let next = async {
+                match bound {
+                    Some(b) => tokio::time::timeout(b, frames.message())
+                        .await
+                        .unwrap_or_else(|_| {
+                            Err(Status::unavailable(format!(
+                                "no frame for {} ms",
+                                b.as_millis()
+                            )))
+                        }),
+                    None => frames.message().await,
+                }
+            };
             let msg = tokio::select! {
                 r = &mut prefill_call, if prefilled.is_none() => {
                     prefilled = Some(r?);
                     continue;
                 }
-                m = frames.message() => m.map_err(|s| Error::downstream("decode", &s))?,
+                m = next => m,
             };
+            let msg = msg.map_err(|s| {
+                let mut f = on_decode(&s);
+                if waiting_for_push {
+                    // Before the KV arrived, the sender is as likely at fault.
+                    f.suspects.extend(p_addr.iter().cloned());
+                }
+                f
+            })?;
             let Some(pb::DecodeResponse {
                 event: Some(pb::decode_response::Event::Tokens(t)),
             }) = msg
             else {
-                return Err(Error::Downstream {
-                    hop: "decode",
-                    code: tonic::Code::Unavailable,
-                    message: "the decode stream ended without a final frame".into(),
-                });
+                return Err(on_decode(&Status::unavailable(
+                    "the decode stream ended without a final frame",
+                )));
             };
+            if t.index as usize != progress.generated.len() {
+                return Err(on_decode(&Status::unavailable(format!(
+                    "frame {} where {} was due",
+                    t.index,
+                    progress.generated.len()
+                ))));
+            }
             let last = t.finish_reason != pb::FinishReason::Unspecified as i32;
-            match last_frame_at {
+            if frames_here == 0 {
+                local_prefill_ms = t.local_prefill_ms;
+            }
+            match progress.last_frame_at {
                 None => {
-                    first_token_ms = ms(accepted);
-                    local_prefill_ms = t.local_prefill_ms;
-                    self.metrics.ttft.observe(first_token_ms / 1e3);
+                    progress.first_token_ms = Some(ms(accepted));
+                    self.metrics.ttft.observe(ms(accepted) / 1e3);
                 }
                 Some(at) => self.metrics.inter_token.observe(at.elapsed().as_secs_f64()),
             }
-            last_frame_at = Some(Instant::now());
+            progress.last_frame_at = Some(Instant::now());
+            frames_here += 1;
             let mut frame = pb::GenerateResponse {
                 index: t.index,
                 token_ids: t.token_ids,
@@ -315,50 +489,58 @@ impl Dispatcher {
                 finish_reason: t.finish_reason,
                 ..Default::default()
             };
-            if last {
-                // The KV arrived, so the prefill has answered or is about to.
-                if prefilled.is_none() {
-                    prefilled = Some((&mut prefill_call).await?);
-                }
-                let pr = prefilled.flatten();
-                let compute_ms = pr.as_ref().map_or(local_prefill_ms, |r| r.prefill_ms);
-                if local || prefill_idle {
-                    self.policy
-                        .record_handoff(local, first_token_ms - queue_ms - compute_ms);
-                }
-                // Reuse beyond what decode held came from the prefill node's prefix cache.
-                let prefill_cached = pr
-                    .as_ref()
-                    .map_or(0, |r| r.prefix_cached_tokens.saturating_sub(decode_cached));
-                frame.prompt_token_ids = p.tokens.clone();
-                frame.usage = Some(pb::Usage {
-                    prompt_tokens: p.tokens.len() as u32,
-                    completion_tokens: t.completion_tokens,
-                    cached_tokens: decode_cached + prefill_cached,
-                    prefill_cached_tokens: prefill_cached,
-                    decode_cached_tokens: decode_cached,
-                });
-                frame.timings = Some(pb::Timings {
-                    queue_ms,
-                    prefill_ms: compute_ms,
-                    transfer_ms: pr.as_ref().map_or(0.0, |r| r.transfer_ms),
-                    first_token_ms,
-                    total_ms: ms(accepted),
-                });
-                frame.route = Some(pb::Route {
-                    prefill: prefill
-                        .as_ref()
-                        .map_or_else(String::new, |g| g.replica().addr.clone()),
-                    decode: decode.replica().addr.clone(),
-                    reason,
-                    prefill_overlap_tokens: prefill_overlap as u32,
-                    decode_overlap_tokens: decode_overlap as u32,
-                    disaggregation: if local { "local" } else { "remote" }.into(),
-                });
+            if !last {
+                progress.generated.extend(&frame.token_ids);
                 log.push(Ok(frame));
-                return Ok(());
+                continue;
             }
+            // The KV arrived, so the prefill has answered or is about to.
+            if prefilled.is_none() {
+                prefilled = Some((&mut prefill_call).await?);
+            }
+            let pr = prefilled.flatten();
+            let compute_ms = pr.as_ref().map_or(local_prefill_ms, |r| r.prefill_ms);
+            let first_token_ms = progress.first_token_ms.unwrap_or_default();
+            if progress.attempts == 1 && (local || prefill_idle) {
+                self.policy
+                    .record_handoff(local, first_token_ms - queue_ms - compute_ms);
+            }
+            // Reuse beyond what decode held came from the prefill node's prefix cache.
+            let prefill_cached = pr
+                .as_ref()
+                .map_or(0, |r| r.prefix_cached_tokens.saturating_sub(decode_cached));
+            frame.prompt_token_ids = p.tokens.clone();
+            frame.usage = Some(pb::Usage {
+                prompt_tokens: p.tokens.len() as u32,
+                completion_tokens: t.completion_tokens,
+                cached_tokens: (decode_cached + prefill_cached).min(p.tokens.len() as u32),
+                prefill_cached_tokens: prefill_cached,
+                decode_cached_tokens: decode_cached,
+            });
+            frame.timings = Some(pb::Timings {
+                queue_ms,
+                prefill_ms: compute_ms,
+                transfer_ms: pr.as_ref().map_or(0.0, |r| r.transfer_ms),
+                first_token_ms,
+                total_ms: ms(accepted),
+            });
+            frame.route = Some(pb::Route {
+                prefill: p_addr.clone().unwrap_or_default(),
+                decode: d_addr.clone(),
+                reason,
+                prefill_overlap_tokens: prefill_overlap as u32,
+                decode_overlap_tokens: decode_overlap as u32,
+                disaggregation: if local { "local" } else { "remote" }.into(),
+                attempts: progress.attempts,
+                failovers: std::mem::take(&mut progress.failovers),
+            });
+            tracing::debug!(
+                attempt_ms = ms(attempt_started),
+                attempts = progress.attempts,
+                "generation finished"
+            );
             log.push(Ok(frame));
+            return Ok(());
         }
     }
 }

@@ -4,6 +4,7 @@
 //! `/metrics` share its port.
 
 mod config;
+mod discovery;
 mod error;
 mod generation;
 mod index;
@@ -11,6 +12,7 @@ mod log;
 mod metrics;
 mod policy;
 mod replicas;
+mod retry;
 mod service;
 #[doc(hidden)]
 pub mod simulation;
@@ -34,7 +36,7 @@ pub use error::{Error, Result};
 use crate::generation::Dispatcher;
 use crate::metrics::RouterMetrics;
 use crate::policy::Policy;
-use crate::replicas::Replicas;
+use crate::replicas::{Replicas, Role};
 use crate::service::GenerationService;
 
 const SERVICE_NAME: &str = "tandem.v1.Generation";
@@ -51,22 +53,29 @@ pub async fn run(
             reason: "at least one prefill and one decode replica are required".into(),
         });
     }
+    if config.token_gap.is_zero() {
+        return Err(Error::InvalidArgument {
+            field: "token_gap",
+            reason: "must be more than 0".into(),
+        });
+    }
     if config.max_inflight == 0 {
         return Err(Error::InvalidArgument {
             field: "max_inflight",
             reason: "must be at least 1".into(),
         });
     }
-    let replicas = Arc::new(Replicas::new(
-        &config.prefill,
-        &config.decode,
-        config.index_max_blocks,
-    )?);
+    let replicas = Arc::new(Replicas::new(config.index_max_blocks));
     let mut registry = Registry::default();
     let metrics = RouterMetrics::register(&mut registry);
     let root = CancellationToken::new();
     let tracker = TaskTracker::new();
-    replicas.spawn_monitors(&tracker, &root.child_token(), config.load_poll, &metrics);
+    let targets: Vec<(Role, String)> = (config.prefill.iter().map(|t| (Role::Prefill, t)))
+        .chain(config.decode.iter().map(|t| (Role::Decode, t)))
+        .map(|(role, t)| (role, t.clone()))
+        .collect();
+    discovery::start(&replicas, &targets, &tracker, &root.child_token())?;
+    replicas.start_monitoring(&tracker, &root.child_token(), config.load_poll, &metrics);
 
     let (health, health_service) = tonic_health::server::health_reporter();
     let generation = GenerationService {
@@ -75,6 +84,8 @@ pub async fn run(
             policy: Arc::new(Policy::new(config.policy)),
             metrics,
             kv_wait: config.kv_wait,
+            token_gap: config.token_gap,
+            budget: Arc::default(),
         },
         admission: Arc::new(Semaphore::new(config.max_inflight)),
         max_inflight: config.max_inflight,

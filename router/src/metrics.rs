@@ -20,6 +20,8 @@ pub const INDEX_EVENTS_BEHIND: &str = "tandem_router_index_events_behind";
 pub const INDEX_SECONDS_SINCE_SYNC: &str = "tandem_router_index_seconds_since_sync";
 pub const INDEX_MODE: &str = "tandem_router_index_mode";
 pub const INDEX_BLOCKS: &str = "tandem_router_index_blocks";
+pub const ATTEMPTS: &str = "tandem_router_dispatch_attempts";
+pub const FAILOVERS: &str = "tandem_router_failovers";
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StatusLabel {
@@ -31,6 +33,12 @@ pub struct StatusLabel {
 pub struct DecisionLabel {
     /// `remote` (prefill node, KV transfer) or `local` (the decode node prefills).
     pub decision: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HopLabel {
+    /// The hop whose failure was failed over: `decode` or `prefill`.
+    pub hop: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -60,6 +68,9 @@ pub struct RouterMetrics {
     /// 1 for the index's current mode, 0 for the others.
     pub index_mode: Family<ReplicaModeLabel, Gauge>,
     pub index_blocks: Family<ReplicaLabel, Gauge>,
+    /// Dispatch attempts, first ones and failovers alike.
+    pub attempts: Counter,
+    pub failovers: Family<HopLabel, Counter>,
 }
 
 impl RouterMetrics {
@@ -75,6 +86,8 @@ impl RouterMetrics {
             index_seconds_since_sync: Family::default(),
             index_mode: Family::default(),
             index_blocks: Family::default(),
+            attempts: Counter::default(),
+            failovers: Family::default(),
         };
         registry.register(TTFT, "Time from request to first token", m.ttft.clone());
         registry.register(
@@ -114,7 +127,21 @@ impl RouterMetrics {
             "Block hashes the router's index holds per replica",
             m.index_blocks.clone(),
         );
+        registry.register(
+            ATTEMPTS,
+            "Dispatch attempts (a request's first, and each failover)",
+            m.attempts.clone(),
+        );
+        registry.register(
+            FAILOVERS,
+            "Generations resumed on other replicas after a replica failed, by failed hop",
+            m.failovers.clone(),
+        );
         m
+    }
+
+    pub fn failover(&self, hop: &'static str) {
+        self.failovers.get_or_create(&HopLabel { hop }).inc();
     }
 
     /// Sets one replica's gauges: whether it is up, and its index's freshness.
@@ -140,6 +167,25 @@ impl RouterMetrics {
             self.index_mode
                 .get_or_create(&label)
                 .set(i64::from(mode == f.mode));
+        }
+    }
+
+    /// Drops a replica's gauges once it has left the set.
+    pub fn forget_replica(&self, replica: &str, role: &'static str) {
+        let label = ReplicaLabel {
+            replica: replica.to_string(),
+            role,
+        };
+        self.replica_up.remove(&label);
+        self.index_events_behind.remove(&label);
+        self.index_seconds_since_sync.remove(&label);
+        self.index_blocks.remove(&label);
+        for mode in Mode::ALL {
+            self.index_mode.remove(&ReplicaModeLabel {
+                replica: replica.to_string(),
+                role,
+                mode: mode.name(),
+            });
         }
     }
 

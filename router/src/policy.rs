@@ -66,6 +66,8 @@ pub struct Ask<'a> {
     /// Block hashes of the prompt's reusable full blocks.
     pub hashes: &'a [u64],
     pub session_id: &'a str,
+    /// Replicas (by address) that already failed this request.
+    pub exclude: &'a [String],
 }
 
 /// The replicas chosen for one request, each counted as in flight while the guard lives.
@@ -110,18 +112,25 @@ fn rendezvous(key: &[u8], replica: &Replica) -> u64 {
     xxh3_64_with_seed(replica.addr.as_bytes(), xxhash_rust::xxh3::xxh3_64(key))
 }
 
-/// Healthy replicas of `role` under the load cap (all healthy ones if none is under it).
-fn eligible(replicas: &Replicas, role: Role) -> Vec<&Arc<Replica>> {
-    let up: Vec<&Arc<Replica>> = replicas.up(role).collect();
+/// The healthy replicas of `role` that have not failed this request.
+fn candidates(replicas: &Replicas, role: Role, ask: &Ask<'_>) -> Vec<Arc<Replica>> {
+    let mut up = replicas.up(role);
+    up.retain(|r| !ask.exclude.contains(&r.addr));
+    up
+}
+
+/// Candidates of `role` under the load cap (all of them if none is under it).
+fn eligible(replicas: &Replicas, role: Role, ask: &Ask<'_>) -> Vec<Arc<Replica>> {
+    let up = candidates(replicas, role, ask);
     if up.is_empty() {
         return up;
     }
     let total: u32 = up.iter().map(|r| r.load()).sum();
     let cap = (LOAD_CAP * f64::from(total + 1) / up.len() as f64).ceil() as u32;
-    let under: Vec<&Arc<Replica>> = up
+    let under: Vec<Arc<Replica>> = up
         .iter()
-        .copied()
         .filter(|r| r.load() < cap && (r.capacity() == 0 || r.load() < r.capacity()))
+        .cloned()
         .collect();
     if under.is_empty() { up } else { under }
 }
@@ -160,7 +169,7 @@ impl Policy {
     fn round_robin(&self, replicas: &Replicas, ask: &Ask<'_>) -> Result<Choice> {
         let turn = self.next.fetch_add(1, Ordering::Relaxed);
         let pick = |role: Role| {
-            let up: Vec<&Arc<Replica>> = replicas.up(role).collect();
+            let up = candidates(replicas, role, ask);
             (!up.is_empty()).then(|| up[turn % up.len()].clone())
         };
         let decode = pick(Role::Decode).ok_or(Error::NoReplica { role: "decode" })?;
@@ -176,11 +185,13 @@ impl Policy {
     }
 
     fn affinity(&self, replicas: &Replicas, ask: &Ask<'_>) -> Result<Choice> {
-        let decodes = eligible(replicas, Role::Decode);
+        let decodes = eligible(replicas, Role::Decode, ask);
+        let decodes: Vec<&Arc<Replica>> = decodes.iter().collect();
         if decodes.is_empty() {
             return Err(Error::NoReplica { role: "decode" });
         }
-        let prefills = eligible(replicas, Role::Prefill);
+        let prefills = eligible(replicas, Role::Prefill, ask);
+        let prefills: Vec<&Arc<Replica>> = prefills.iter().collect();
         let measured: Vec<f64> = replicas
             .all()
             .iter()

@@ -12,7 +12,7 @@
 //! a worker whose model fingerprint differs is never picked.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Duration;
 
 use tandem_proto::v1 as pb;
@@ -68,7 +68,11 @@ impl Role {
 
 #[derive(Debug)]
 pub struct Replica {
+    /// The address dialled: `ip:port` for a replica found by DNS.
     pub addr: String,
+    /// What the configuration named (`host:port`); DNS discovery adds and removes the
+    /// replicas of a target as the name's answers change.
+    pub target: String,
     pub role: Role,
     pub channel: Channel,
     pub index: CacheIndex,
@@ -84,6 +88,8 @@ pub struct Replica {
     /// Requests and prompt tokens this router has sent there and not yet seen finish.
     inflight: AtomicU32,
     inflight_tokens: AtomicU64,
+    /// Cancelled when the replica leaves the set; ends its monitor and index tasks.
+    stop: CancellationToken,
 }
 
 impl Replica {
@@ -154,44 +160,100 @@ impl Drop for InflightGuard {
     }
 }
 
+/// How the set monitors the replicas it holds (absent in [`crate::simulation`]).
+#[derive(Debug)]
+struct Monitoring {
+    tracker: TaskTracker,
+    cancel: CancellationToken,
+    load_poll: Duration,
+    metrics: RouterMetrics,
+}
+
 #[derive(Debug)]
 pub struct Replicas {
-    all: Vec<Arc<Replica>>,
+    all: RwLock<Vec<Arc<Replica>>>,
+    index_max_blocks: usize,
+    monitoring: OnceLock<Monitoring>,
     frontend: OnceLock<Arc<Frontend>>,
-    /// Woken whenever a replica's health or compatibility or the frontend changes.
+    /// Woken whenever a replica's health or compatibility, the set, or the frontend changes.
     changed: tokio::sync::Notify,
 }
 
 impl Replicas {
-    pub fn new(
-        prefill: &[String],
-        decode: &[String],
-        index_max_blocks: usize,
-    ) -> Result<Self, tonic::transport::Error> {
-        let mut all = Vec::new();
-        for (role, addrs) in [(Role::Prefill, prefill), (Role::Decode, decode)] {
-            for addr in addrs {
-                all.push(Arc::new(Replica {
-                    addr: addr.clone(),
-                    role,
-                    channel: tandem_proto::net::channel(addr)?,
-                    index: CacheIndex::new(index_max_blocks),
-                    healthy: AtomicBool::new(false),
-                    compatible: AtomicBool::new(true),
-                    reported: AtomicU32::new(0),
-                    capacity: AtomicU32::new(0),
-                    queued_tokens: AtomicU64::new(0),
-                    prefill_tokens_per_second: AtomicU64::new(0),
-                    inflight: AtomicU32::new(0),
-                    inflight_tokens: AtomicU64::new(0),
-                }));
-            }
-        }
-        Ok(Self {
-            all,
+    /// An empty set; [`Replicas::add`] fills it.
+    pub fn new(index_max_blocks: usize) -> Self {
+        Self {
+            all: RwLock::default(),
+            index_max_blocks,
+            monitoring: OnceLock::new(),
             frontend: OnceLock::new(),
             changed: tokio::sync::Notify::new(),
-        })
+        }
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Vec<Arc<Replica>>> {
+        // Writers only push or remove whole entries; a poisoned lock is still consistent.
+        self.all.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Vec<Arc<Replica>>> {
+        self.all.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Adds a replica at `addr` (found from `target`), unless one is there already, and
+    /// starts monitoring it once [`Replicas::start_monitoring`] has been called.
+    pub fn add(
+        self: &Arc<Self>,
+        role: Role,
+        addr: &str,
+        target: &str,
+    ) -> Result<Option<Arc<Replica>>, tonic::transport::Error> {
+        let mut all = self.write();
+        if all.iter().any(|r| r.addr == addr && r.role == role) {
+            return Ok(None);
+        }
+        let monitoring = self.monitoring.get();
+        let replica = Arc::new(Replica {
+            addr: addr.to_string(),
+            target: target.to_string(),
+            role,
+            channel: tandem_proto::net::channel(addr)?,
+            index: CacheIndex::new(self.index_max_blocks),
+            healthy: AtomicBool::new(false),
+            compatible: AtomicBool::new(true),
+            reported: AtomicU32::new(0),
+            capacity: AtomicU32::new(0),
+            queued_tokens: AtomicU64::new(0),
+            prefill_tokens_per_second: AtomicU64::new(0),
+            inflight: AtomicU32::new(0),
+            inflight_tokens: AtomicU64::new(0),
+            stop: monitoring.map_or_else(CancellationToken::new, |m| m.cancel.child_token()),
+        });
+        all.push(replica.clone());
+        drop(all);
+        tracing::info!(replica = %addr, role = role.name(), target, "replica added");
+        if let Some(m) = monitoring {
+            self.spawn_tasks(m, &replica);
+        }
+        self.changed.notify_waiters();
+        Ok(Some(replica))
+    }
+
+    /// Removes the replica at `addr` and stops its tasks. Requests already sent there finish
+    /// or fail over as usual.
+    pub fn remove(&self, role: Role, addr: &str) {
+        let mut all = self.write();
+        let Some(i) = all.iter().position(|r| r.addr == addr && r.role == role) else {
+            return;
+        };
+        let replica = all.remove(i);
+        drop(all);
+        replica.stop.cancel();
+        if let Some(m) = self.monitoring.get() {
+            m.metrics.forget_replica(&replica.addr, role.name());
+        }
+        tracing::info!(replica = %addr, role = role.name(), "replica removed");
+        self.changed.notify_waiters();
     }
 
     pub fn frontend(&self) -> Option<&Arc<Frontend>> {
@@ -207,41 +269,50 @@ impl Replicas {
     /// Whether the router can serve: it knows the model and a decode replica is healthy (with
     /// no prefill replica up, decode nodes prefill locally).
     pub fn ready(&self) -> bool {
-        self.frontend.get().is_some() && self.up(Role::Decode).next().is_some()
+        self.frontend.get().is_some()
+            && self
+                .read()
+                .iter()
+                .any(|r| r.role == Role::Decode && r.is_up())
     }
 
     /// The replicas of `role` that can take requests now.
-    pub fn up(&self, role: Role) -> impl Iterator<Item = &Arc<Replica>> {
-        self.all.iter().filter(move |r| r.role == role && r.is_up())
+    pub fn up(&self, role: Role) -> Vec<Arc<Replica>> {
+        self.read()
+            .iter()
+            .filter(|r| r.role == role && r.is_up())
+            .cloned()
+            .collect()
     }
 
-    pub fn all(&self) -> &[Arc<Replica>] {
-        &self.all
+    /// Every replica in the set, up or not.
+    pub fn all(&self) -> Vec<Arc<Replica>> {
+        self.read().clone()
     }
 
-    /// Starts one monitor task and one cache-index task per replica.
-    pub fn spawn_monitors(
+    /// Monitors every replica in the set, and each one added later: one task following its
+    /// health and load, one following its cache events. Also keeps the replica gauges.
+    pub fn start_monitoring(
         self: &Arc<Self>,
         tracker: &TaskTracker,
         cancel: &CancellationToken,
         load_poll: Duration,
         metrics: &RouterMetrics,
     ) {
-        for replica in &self.all {
-            let (set, r, cancel2) = (self.clone(), replica.clone(), cancel.clone());
-            tracker.spawn(async move {
-                tokio::select! {
-                    () = set.monitor(&r, load_poll) => {}
-                    () = cancel2.cancelled() => {}
-                }
-            });
-            let (r, cancel) = (replica.clone(), cancel.clone());
-            tracker.spawn(async move {
-                tokio::select! {
-                    () = r.index.follow(r.channel.clone()) => {}
-                    () = cancel.cancelled() => {}
-                }
-            });
+        let m = Monitoring {
+            tracker: tracker.clone(),
+            cancel: cancel.clone(),
+            load_poll,
+            metrics: metrics.clone(),
+        };
+        if self.monitoring.set(m).is_err() {
+            return;
+        }
+        let Some(m) = self.monitoring.get() else {
+            return;
+        };
+        for replica in self.all() {
+            self.spawn_tasks(m, &replica);
         }
         // The replica and index gauges, refreshed whether or not a replica answers.
         let (set, cancel, metrics) = (self.clone(), cancel.clone(), metrics.clone());
@@ -252,9 +323,30 @@ impl Replicas {
                     _ = tick.tick() => {}
                     () = cancel.cancelled() => return,
                 }
-                for r in &set.all {
+                for r in set.all() {
                     metrics.replica(&r.addr, r.role.name(), r.is_up(), r.index.freshness());
                 }
+            }
+        });
+    }
+
+    fn spawn_tasks(self: &Arc<Self>, m: &Monitoring, replica: &Arc<Replica>) {
+        // A replica added before monitoring started has a stop token of its own.
+        let set = self.clone();
+        let (r, load_poll, cancel) = (replica.clone(), m.load_poll, m.cancel.clone());
+        m.tracker.spawn(async move {
+            tokio::select! {
+                () = set.monitor(&r, load_poll) => {}
+                () = r.stop.cancelled() => {}
+                () = cancel.cancelled() => {}
+            }
+        });
+        let (r, cancel) = (replica.clone(), m.cancel.clone());
+        m.tracker.spawn(async move {
+            tokio::select! {
+                () = r.index.follow(r.channel.clone()) => {}
+                () = r.stop.cancelled() => {}
+                () = cancel.cancelled() => {}
             }
         });
     }
@@ -285,8 +377,8 @@ impl Replicas {
         };
         if self.frontend.get().is_none()
             && let Some(f) = Frontend::from_info(&info)
+            && self.frontend.set(Arc::new(f)).is_ok()
         {
-            let _ = self.frontend.set(Arc::new(f));
             self.changed.notify_waiters();
             tracing::info!(model = %info.model_name, from = %r.addr, "learned the model's tokenizer");
         }

@@ -2,15 +2,17 @@
 //! health and cache contents are set directly, and the policy's decision on it, exactly as a
 //! request would meet them (block hashes of the prompt, then [`Policy::choose`]).
 
+use std::sync::Arc;
+
 use tandem_proto::v1 as pb;
 
 use crate::policy::{Ask, Policy, PolicyKind};
-use crate::replicas::Replicas;
+use crate::replicas::{Replicas, Role};
 
 /// A replica set that is never connected to.
 #[derive(Debug)]
 pub struct Simulation {
-    replicas: Replicas,
+    replicas: Arc<Replicas>,
     policy: Policy,
     fingerprint: Vec<u8>,
 }
@@ -19,10 +21,16 @@ impl Simulation {
     /// `prefill` then `decode` replicas, all healthy, with empty caches. Call it inside a tokio
     /// runtime (the replicas' channels are created, lazily).
     pub fn new(prefill: usize, decode: usize) -> Result<Self, tonic::transport::Error> {
-        let addr = |i: usize| format!("127.0.0.1:{}", 1 + i);
-        let p: Vec<String> = (0..prefill).map(addr).collect();
-        let d: Vec<String> = (prefill..prefill + decode).map(addr).collect();
-        let replicas = Replicas::new(&p, &d, usize::MAX)?;
+        let replicas = Arc::new(Replicas::new(usize::MAX));
+        for i in 0..prefill + decode {
+            let role = if i < prefill {
+                Role::Prefill
+            } else {
+                Role::Decode
+            };
+            let addr = format!("127.0.0.1:{}", 1 + i);
+            replicas.add(role, &addr, &addr)?;
+        }
         for (i, r) in replicas.all().iter().enumerate() {
             r.set_healthy(true);
             r.index.apply_snapshot(pb::CacheSnapshotResponse {
@@ -69,6 +77,7 @@ impl Simulation {
                     tokens: tokens.len(),
                     hashes: &hashes,
                     session_id: session,
+                    exclude: &[],
                 },
             )
             .ok()?;

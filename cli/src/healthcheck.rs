@@ -1,0 +1,55 @@
+//! `tandem healthcheck`: one `grpc.health.v1.Health/Check` with a deadline, for container
+//! healthchecks (the image has no shell or curl). Exit status 0 when SERVING, 1 otherwise.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Args;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+
+#[derive(Args, Debug)]
+pub(crate) struct HealthcheckArgs {
+    /// The server's address, ip:port (no name lookup, so it works in the FROM-scratch image).
+    #[arg(long, env = "TANDEM_HEALTH_ADDR", default_value = "127.0.0.1:50051")]
+    addr: SocketAddr,
+    /// The service to ask about; empty means the server as a whole.
+    #[arg(long, default_value = "")]
+    service: String,
+    /// Deadline of the check, in ms (connecting included).
+    #[arg(long, default_value_t = 1_000)]
+    timeout_ms: u64,
+}
+
+pub(crate) fn run(args: &HealthcheckArgs) -> anyhow::Result<()> {
+    let deadline = Duration::from_millis(args.timeout_ms);
+    let status = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?
+        .block_on(async {
+            let check = async {
+                let channel =
+                    tonic::transport::Endpoint::from_shared(format!("http://{}", args.addr))?
+                        .connect()
+                        .await?;
+                let response = HealthClient::new(channel)
+                    .check(HealthCheckRequest {
+                        service: args.service.clone(),
+                    })
+                    .await?;
+                anyhow::Ok(response.into_inner().status)
+            };
+            tokio::time::timeout(deadline, check)
+                .await
+                .map_err(|_| anyhow::anyhow!("no answer within {} ms", args.timeout_ms))?
+        })?;
+    let status = ServingStatus::try_from(status).unwrap_or(ServingStatus::Unknown);
+    anyhow::ensure!(
+        status == ServingStatus::Serving,
+        "{} is {}",
+        args.addr,
+        status.as_str_name()
+    );
+    println!("{} is SERVING", args.addr);
+    Ok(())
+}

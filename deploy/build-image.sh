@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Builds the `tandem` binary statically linked (glibc, `-C target-feature=+crt-static`) and the
+# FROM-scratch image around it, in one step.
+#
+# Usage: deploy/build-image.sh [TAG]     (default tandem:latest)
+# The binary is also left at target/image/tandem. Naming the target explicitly keeps build
+# scripts and proc macros dynamically linked; only the shipped binary is static.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tag=${1:-tandem:latest}
+target=$(rustc -vV | sed -n 's/^host: //p')
+RUSTFLAGS="${RUSTFLAGS:-} -C target-feature=+crt-static" \
+  cargo build --release --locked --target "$target" -p tandem-cli
+ctx=target/image
+mkdir -p "$ctx"
+cp "target/$target/release/tandem" "$ctx/tandem"
+# A static binary has no interpreter to load; refuse to ship one that does.
+if readelf -l "$ctx/tandem" | grep -q 'Requesting program interpreter'; then
+  echo "build-image: target/image/tandem is dynamically linked" >&2
+  exit 1
+fi
+docker build --quiet -f deploy/Dockerfile -t "$tag" "$ctx" >/dev/null
+echo "built image $tag ($(du -h "$ctx/tandem" | cut -f1) binary)"

@@ -1,0 +1,155 @@
+//! Failover: a decode node lost mid-stream (every connection to it cut, as when it dies or
+//! its network goes) costs the client nothing. The router resumes the generation on another
+//! decode node from the prompt plus the tokens already delivered, and the client sees one
+//! stream with gap-free indices, equal token for token to the fault-free run of the same seed.
+
+use std::time::{Duration, Instant};
+
+use tandem_integration_tests::{Cluster, ClusterConfig, collect};
+use tandem_proto::v1 as pb;
+
+fn seeded(max_tokens: u32) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        token_ids: (0..40).map(|i| 5 + (i * 29) % 250).collect(),
+        sampling: Some(pb::SamplingParams {
+            max_tokens,
+            temperature: 0.8,
+            top_p: Some(0.95),
+            seed: 42,
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+async fn cluster(prefill: usize, decode: usize) -> Cluster {
+    let mut config = ClusterConfig::new(tandem_engine::ModelSource::Tiny.load().expect("tiny"));
+    config.prefill = prefill;
+    config.decode = decode;
+    config.relays = true;
+    Cluster::start(config).await.expect("cluster")
+}
+
+/// The decode node (by index) running a generation now.
+async fn busy_decode(cluster: &Cluster) -> usize {
+    let started = Instant::now();
+    loop {
+        for i in 0..cluster.decode.len() {
+            if cluster.decode_load(i).await.expect("load").active > 0 {
+                return i;
+            }
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "no decode node is busy"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_node_lost_mid_stream_is_resumed_exactly_elsewhere() {
+    let cluster = cluster(1, 2).await;
+    let mut client = cluster.client();
+    let want = collect(&mut client, seeded(600))
+        .await
+        .expect("fault-free run");
+    assert_eq!(want.last.route.as_ref().map(|r| r.attempts), Some(1));
+    assert!(
+        want.token_ids.len() > 100,
+        "the run is long enough to cut into"
+    );
+
+    let mut frames = client
+        .generate(seeded(600))
+        .await
+        .expect("generate")
+        .into_inner();
+    let (mut tokens, mut text, mut index) = (Vec::<u32>::new(), String::new(), 0u32);
+    let mut last = None;
+    let mut cut = None;
+    while let Some(f) = frames.message().await.expect("no error reaches the client") {
+        assert_eq!(f.index, index, "indices are gap-free and never repeat");
+        index += 1;
+        tokens.extend(&f.token_ids);
+        text.push_str(&f.text);
+        if index == 8 {
+            let i = busy_decode(&cluster).await;
+            cluster.relays[cluster.prefill.len() + i].cut();
+            cut = Some(i);
+        }
+        if f.finish_reason != pb::FinishReason::Unspecified as i32 {
+            last = Some(f);
+            break;
+        }
+    }
+    let last = last.expect("the stream ends with a final frame");
+    let cut = cut.expect("the stream was cut");
+    assert_eq!(
+        tokens, want.token_ids,
+        "the same tokens as the fault-free run"
+    );
+    assert_eq!(text, want.text, "the same text");
+    assert_eq!(last.finish_reason, want.last.finish_reason);
+    let usage = last.usage.expect("usage");
+    assert_eq!(usage.completion_tokens as usize, want.token_ids.len());
+    assert_eq!(usage.prompt_tokens, 40);
+    let route = last.route.expect("route");
+    assert_eq!(route.attempts, 2, "one failover: {route:?}");
+    assert_eq!(route.failovers.len(), 1);
+    let cut_addr = cluster.relays[cluster.prefill.len() + cut].addr.to_string();
+    assert_ne!(
+        route.decode, cut_addr,
+        "the rest ran on the other decode node"
+    );
+
+    // The node that lost its client frees everything (C5), and once reachable again it takes
+    // traffic again.
+    cluster.until_decode_idle(cut).await.expect("no leak");
+    cluster.relays[cluster.prefill.len() + cut].restore();
+    cluster
+        .wait_ready(Duration::from_secs(10))
+        .await
+        .expect("re-admitted");
+    cluster.stop().await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_every_decode_node_gone_the_request_fails_fast_with_unavailable() {
+    let cluster = cluster(1, 2).await;
+    let mut client = cluster.client();
+    let mut frames = client
+        .generate(seeded(600))
+        .await
+        .expect("generate")
+        .into_inner();
+    let first = frames.message().await.expect("first frame");
+    assert!(first.is_some());
+    for i in 0..2 {
+        cluster.relays[1 + i].cut();
+    }
+    let started = Instant::now();
+    let outcome = loop {
+        match frames.message().await {
+            Ok(Some(f)) if f.finish_reason == pb::FinishReason::Unspecified as i32 => continue,
+            other => break other,
+        }
+    };
+    let status = outcome.expect_err("no decode node is left");
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "failed in {:?}",
+        started.elapsed()
+    );
+    let text = tandem_integration_tests::metrics(cluster.router.addr)
+        .await
+        .expect("metrics");
+    let attempts = tandem_integration_tests::sample(&text, "tandem_router_dispatch_attempts_total")
+        .expect("attempts counter");
+    assert!(
+        attempts <= 3.0,
+        "attempts are bounded per request: {attempts}"
+    );
+    cluster.stop().await.expect("stop");
+}
