@@ -9,11 +9,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 tag=${1:-tandem:latest}
 target=$(rustc -vV | sed -n 's/^host: //p')
-RUSTFLAGS="${RUSTFLAGS:-} -C target-feature=+crt-static" \
-  cargo build --release --locked --target "$target" -p tandem-cli
+# --config appends to .cargo/config.toml's rustflags (target-cpu); RUSTFLAGS would replace them
+# and leave the kernels without AVX2.
+cargo build --release --locked --target "$target" -p tandem-cli \
+  --config "target.$target.rustflags=[\"-C\", \"target-feature=+crt-static\"]"
 ctx=target/image
 mkdir -p "$ctx"
-cp "target/$target/release/tandem" "$ctx/tandem"
+# The image needs no debug info (the release profile keeps it for profiling).
+strip --strip-debug -o "$ctx/tandem" "target/$target/release/tandem"
 # A static binary has no interpreter to load; refuse to ship one that does.
 if readelf -l "$ctx/tandem" | grep -q 'Requesting program interpreter'; then
   echo "build-image: target/image/tandem is dynamically linked" >&2

@@ -1,0 +1,117 @@
+//! The deployment files parse and say what the docs promise: the compose file (format 2.4,
+//! router after healthy workers, 1 s healthchecks through `tandem healthcheck`, pinned CPUs)
+//! and the Kubernetes manifests (a Deployment per role with gRPC probes and resource requests,
+//! headless Services the router discovers the workers through). No cluster is needed; the
+//! chaos suite (`scripts/chaos.sh`) runs the compose file for real.
+
+use std::path::PathBuf;
+
+use serde_norway::Value;
+
+fn deploy() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy")
+}
+
+fn documents(path: &PathBuf) -> Vec<Value> {
+    let text = std::fs::read_to_string(path).expect("read");
+    serde_norway::Deserializer::from_str(&text)
+        .map(|d| {
+            serde::Deserialize::deserialize(d)
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        })
+        .collect()
+}
+
+fn s<'a>(v: &'a Value, path: &[&str]) -> &'a Value {
+    path.iter().fold(v, |v, k| &v[*k])
+}
+
+#[test]
+fn the_compose_file_runs_healthy_workers_before_the_router() {
+    let mut compose = documents(&deploy().join("docker-compose.yml")).remove(0);
+    // The workers share their settings through a YAML merge key (`<<: *worker`).
+    compose.apply_merge().expect("merge keys");
+    assert_eq!(compose["version"].as_str(), Some("2.4"));
+    let services = &compose["services"];
+    for (name, port) in [("prefill", 50052), ("decode", 50053), ("router", 50051)] {
+        let svc = &services[name];
+        let check: Vec<&str> = s(svc, &["healthcheck", "test"])
+            .as_sequence()
+            .unwrap_or_else(|| panic!("{name} has a healthcheck"))
+            .iter()
+            .filter_map(Value::as_str)
+            .collect();
+        assert_eq!(&check[..3], ["CMD", "/tandem", "healthcheck"], "{name}");
+        assert!(check.contains(&format!("127.0.0.1:{port}").as_str()), "{name}");
+        assert_eq!(s(svc, &["healthcheck", "interval"]).as_str(), Some("1s"));
+    }
+    for worker in ["prefill", "decode"] {
+        let svc = &services[worker];
+        assert_eq!(svc["scale"].as_u64(), Some(2), "{worker}");
+        assert!(svc["cpuset"].as_str().is_some(), "{worker} is pinned");
+        let volumes = svc["volumes"].as_sequence().expect("volumes");
+        assert!(
+            volumes
+                .iter()
+                .filter_map(Value::as_str)
+                .any(|v| v.ends_with(":/models:ro")),
+            "{worker} mounts the model read-only"
+        );
+        assert_eq!(
+            s(&services["router"], &["depends_on", worker, "condition"]).as_str(),
+            Some("service_healthy")
+        );
+    }
+    let env = &services["router"]["environment"];
+    assert_eq!(env["TANDEM_PREFILL"].as_str(), Some("prefill:50052"));
+    assert_eq!(env["TANDEM_DECODE"].as_str(), Some("decode:50053"));
+}
+
+#[test]
+fn the_kubernetes_manifests_have_probes_requests_and_headless_services() {
+    let mut docs = Vec::new();
+    for file in ["models.yaml", "prefill.yaml", "decode.yaml", "router.yaml"] {
+        docs.extend(documents(&deploy().join("k8s").join(file)));
+    }
+    for d in &docs {
+        assert!(d["apiVersion"].as_str().is_some(), "{d:?}");
+        assert!(s(d, &["metadata", "name"]).as_str().is_some(), "{d:?}");
+    }
+    let find = |kind: &str, name: &str| {
+        docs.iter()
+            .find(|d| d["kind"].as_str() == Some(kind) && s(d, &["metadata", "name"]).as_str() == Some(name))
+            .unwrap_or_else(|| panic!("{kind} {name}"))
+    };
+    for (role, port) in [("prefill", 50052), ("decode", 50053), ("router", 50051)] {
+        let deployment = find("Deployment", &format!("tandem-{role}"));
+        let spec = s(deployment, &["spec", "template", "spec"]);
+        let container = &spec["containers"][0];
+        assert_eq!(container["image"].as_str(), Some("tandem:latest"));
+        assert_eq!(container["args"][0].as_str(), Some(role));
+        for probe in ["readinessProbe", "livenessProbe"] {
+            assert_eq!(
+                s(container, &[probe, "grpc", "port"]).as_u64(),
+                Some(port),
+                "{role} {probe}"
+            );
+        }
+        assert!(s(container, &["resources", "requests", "cpu"]).as_str().is_some());
+        assert!(s(container, &["resources", "requests", "memory"]).as_str().is_some());
+        // The Deployment's pods are what its Service selects.
+        let labels = s(deployment, &["spec", "template", "metadata", "labels"]);
+        let service = find("Service", &format!("tandem-{role}"));
+        assert_eq!(&service["spec"]["selector"], labels, "{role}");
+        if role != "router" {
+            assert_eq!(s(service, &["spec", "clusterIP"]).as_str(), Some("None"), "{role} is headless");
+        }
+    }
+    let router = s(find("Deployment", "tandem-router"), &["spec", "template", "spec", "containers"]);
+    let env: Vec<(&str, &str)> = router[0]["env"]
+        .as_sequence()
+        .expect("env")
+        .iter()
+        .filter_map(|e| Some((e["name"].as_str()?, e["value"].as_str()?)))
+        .collect();
+    assert!(env.contains(&("TANDEM_PREFILL", "tandem-prefill:50052")));
+    assert!(env.contains(&("TANDEM_DECODE", "tandem-decode:50053")));
+}
