@@ -16,8 +16,7 @@ fn documents(path: &PathBuf) -> Vec<Value> {
     let text = std::fs::read_to_string(path).expect("read");
     serde_norway::Deserializer::from_str(&text)
         .map(|d| {
-            serde::Deserialize::deserialize(d)
-                .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+            serde::Deserialize::deserialize(d).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
         })
         .collect()
 }
@@ -42,7 +41,10 @@ fn the_compose_file_runs_healthy_workers_before_the_router() {
             .filter_map(Value::as_str)
             .collect();
         assert_eq!(&check[..3], ["CMD", "/tandem", "healthcheck"], "{name}");
-        assert!(check.contains(&format!("127.0.0.1:{port}").as_str()), "{name}");
+        assert!(
+            check.contains(&format!("127.0.0.1:{port}").as_str()),
+            "{name}"
+        );
         assert_eq!(s(svc, &["healthcheck", "interval"]).as_str(), Some("1s"));
     }
     for worker in ["prefill", "decode"] {
@@ -79,7 +81,10 @@ fn the_kubernetes_manifests_have_probes_requests_and_headless_services() {
     }
     let find = |kind: &str, name: &str| {
         docs.iter()
-            .find(|d| d["kind"].as_str() == Some(kind) && s(d, &["metadata", "name"]).as_str() == Some(name))
+            .find(|d| {
+                d["kind"].as_str() == Some(kind)
+                    && s(d, &["metadata", "name"]).as_str() == Some(name)
+            })
             .unwrap_or_else(|| panic!("{kind} {name}"))
     };
     for (role, port) in [("prefill", 50052), ("decode", 50053), ("router", 50051)] {
@@ -95,17 +100,32 @@ fn the_kubernetes_manifests_have_probes_requests_and_headless_services() {
                 "{role} {probe}"
             );
         }
-        assert!(s(container, &["resources", "requests", "cpu"]).as_str().is_some());
-        assert!(s(container, &["resources", "requests", "memory"]).as_str().is_some());
+        assert!(
+            s(container, &["resources", "requests", "cpu"])
+                .as_str()
+                .is_some()
+        );
+        assert!(
+            s(container, &["resources", "requests", "memory"])
+                .as_str()
+                .is_some()
+        );
         // The Deployment's pods are what its Service selects.
         let labels = s(deployment, &["spec", "template", "metadata", "labels"]);
         let service = find("Service", &format!("tandem-{role}"));
         assert_eq!(&service["spec"]["selector"], labels, "{role}");
         if role != "router" {
-            assert_eq!(s(service, &["spec", "clusterIP"]).as_str(), Some("None"), "{role} is headless");
+            assert_eq!(
+                s(service, &["spec", "clusterIP"]).as_str(),
+                Some("None"),
+                "{role} is headless"
+            );
         }
     }
-    let router = s(find("Deployment", "tandem-router"), &["spec", "template", "spec", "containers"]);
+    let router = s(
+        find("Deployment", "tandem-router"),
+        &["spec", "template", "spec", "containers"],
+    );
     let env: Vec<(&str, &str)> = router[0]["env"]
         .as_sequence()
         .expect("env")
