@@ -25,7 +25,8 @@
 //! router measured on earlier requests (first token time minus queue and compute); the link's
 //! throughput shows up in `handoff_remote`.
 //!
-//! The cheapest option wins. Candidates are only the healthy replicas under a per-candidate load
+//! The cheapest option wins. Candidates are only the healthy replicas that have not already
+//! failed this request (failover, see [`crate::generation`]) under a per-candidate load
 //! cap (bounded-load consistent hashing, Mirrokni et al.): a replica is eligible while its
 //! requests are fewer than `ceil(1.25 × (total + 1) / replicas)` of its role, and below its
 //! reported capacity. A hot session therefore moves once its replica is over the cap, and the
