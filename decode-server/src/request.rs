@@ -143,14 +143,14 @@ impl RequestContext {
             });
         }
         plan.params.validate()?;
-        if plan.resumed >= plan.prompt.len() || plan.resumed >= plan.params.max_tokens {
+        // Resumed tokens that reach max_tokens are refused by `Stream::resume` below.
+        if plan.resumed >= plan.prompt.len() {
             return Err(Error::InvalidArgument {
                 field: "resumed_tokens",
                 reason: format!(
-                    "{} resumed tokens need a longer prompt ({} tokens) and max_tokens ({})",
+                    "{} resumed tokens leave nothing of the {}-token prompt",
                     plan.resumed,
-                    plan.prompt.len(),
-                    plan.params.max_tokens
+                    plan.prompt.len()
                 ),
             });
         }
@@ -273,7 +273,6 @@ impl RequestContext {
 
         let mut index = plan.resumed as u32;
         let mut completion_tokens = plan.resumed as u32;
-        let first_index = index;
         let mut local_prefill_ms = 0.0;
         loop {
             let event = tokio::select! {
@@ -294,6 +293,7 @@ impl RequestContext {
                 }
                 None => return Err(Error::ShuttingDown),
             };
+            let first = index == plan.resumed as u32;
             completion_tokens += u32::from(emission.token.is_some());
             let last = emission.finished;
             let frame = pb::DecodeTokens {
@@ -302,16 +302,8 @@ impl RequestContext {
                 text: emission.text,
                 finish_reason: last.map_or(pb::FinishReason::Unspecified, finish_reason) as i32,
                 completion_tokens: if last.is_some() { completion_tokens } else { 0 },
-                kv_wait_ms: if index == first_index {
-                    kv_wait_ms
-                } else {
-                    0.0
-                },
-                local_prefill_ms: if index == first_index {
-                    local_prefill_ms
-                } else {
-                    0.0
-                },
+                kv_wait_ms: if first { kv_wait_ms } else { 0.0 },
+                local_prefill_ms: if first { local_prefill_ms } else { 0.0 },
             };
             index += 1;
             let frame = pb::DecodeResponse {

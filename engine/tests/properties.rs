@@ -281,10 +281,8 @@ fn import_rejects_mismatched_kv() {
     assert_eq!(e.kv_blocks_free(), free_before);
 }
 
-#[test]
-fn stop_strings_and_streaming_text() {
-    let model = tiny();
-    let mut e = engine_with(&model, 64);
+/// A 30-token greedy generation on the tiny model: the request and its output.
+fn greedy_30(e: &mut Engine) -> (GenerateRequest, tandem_engine::GenerateOutput) {
     let base = GenerateRequest {
         prompt: prompt(10, 5),
         params: GenerateParams {
@@ -296,6 +294,14 @@ fn stop_strings_and_streaming_text() {
         .generate_batch(std::slice::from_ref(&base))
         .expect("generate")
         .remove(0);
+    (base, full)
+}
+
+#[test]
+fn stop_strings_and_streaming_text() {
+    let model = tiny();
+    let mut e = engine_with(&model, 64);
+    let (base, full) = greedy_30(&mut e);
     let mut pieces = Vec::new();
     let streamed = e
         .generate_streaming(&base, &mut |t| pieces.push(t.to_string()))
@@ -545,17 +551,7 @@ fn a_resumed_stream_emits_the_rest_of_the_text() {
     let model = tiny();
     let tokenizer = &model.tokenizer;
     let mut e = engine_with(&model, 64);
-    let base = GenerateRequest {
-        prompt: prompt(10, 5),
-        params: GenerateParams {
-            max_tokens: 30,
-            ..Default::default()
-        },
-    };
-    let full = e
-        .generate_batch(std::slice::from_ref(&base))
-        .expect("generate")
-        .remove(0);
+    let (base, full) = greedy_30(&mut e);
     let chars: Vec<char> = full.text.chars().collect();
     assert!(chars.len() >= 8, "the tiny model produced {:?}", full.text);
     // A stop string that occurs late, so that text is held back along the way.

@@ -395,7 +395,7 @@ impl Fault {
         }
     }
 
-    async fn inject(self, victim: &str) -> Result<()> {
+    fn inject(self, victim: &str) -> Result<()> {
         match self {
             Fault::KillDecode | Fault::KillPrefill => docker(&["kill", victim]).map(drop),
             Fault::PauseDecode => docker(&["pause", victim]).map(drop),
@@ -409,7 +409,7 @@ impl Fault {
         }
     }
 
-    async fn heal(self, victim: &str) -> Result<()> {
+    fn heal(self, victim: &str) -> Result<()> {
         match self {
             Fault::KillDecode | Fault::KillPrefill => docker(&["start", victim]).map(drop),
             Fault::PauseDecode => docker(&["unpause", victim]).map(drop),
@@ -440,14 +440,14 @@ async fn scenario(fault: Fault, want: &[Outcome]) -> Result<Row> {
         _ => Duration::from_millis(700),
     };
     tokio::time::sleep(delay).await;
-    fault.inject(&victim).await?;
+    fault.inject(&victim)?;
     let injected = Instant::now();
     let detection_s = detection(1, injected).await;
     if matches!(fault, Fault::PauseDecode | Fault::DisconnectDecode) {
         tokio::time::sleep(Duration::from_secs(8).saturating_sub(injected.elapsed())).await;
     }
     let got = run.await??;
-    fault.heal(&victim).await?;
+    fault.heal(&victim)?;
     let healed = Instant::now();
     let recovery = until("every replica back", Duration::from_secs(90), async || {
         replicas_up().await == 4

@@ -178,7 +178,7 @@ mod tests {
     /// `localhost` comes from /etc/hosts through the same resolver, and the set follows it.
     #[tokio::test]
     async fn a_name_becomes_its_addresses() {
-        let replicas = Arc::new(Replicas::new(16));
+        let replicas = Arc::new(Replicas::new(16, CancellationToken::new()));
         let resolver = resolver().expect("resolver");
         let addrs = lookup(&resolver, "localhost", 50053).await.expect("lookup");
         assert!(addrs.contains("127.0.0.1:50053"), "{addrs:?}");

@@ -141,8 +141,8 @@ pub struct Dispatcher {
     pub policy: Arc<Policy>,
     pub metrics: RouterMetrics,
     pub kv_wait: Duration,
-    /// Longest wait for a decode node's next frame once it has what it needs (see
-    /// [`Attempt::frame_bound`]).
+    /// Longest wait for a decode node's next frame once it has its KV (before the first frame
+    /// of a local prefill, plus twice the prefill's estimated time).
     pub token_gap: Duration,
     pub budget: Arc<RetryBudget>,
 }
@@ -408,7 +408,6 @@ impl Dispatcher {
         let mut prefilled: Option<Option<pb::PrefillResponse>> = None;
         let mut frames_here = 0usize;
         let mut local_prefill_ms = 0.0;
-        let attempt_started = Instant::now();
         loop {
             let waiting_for_push = !local && prefilled.is_none();
             let bound = if waiting_for_push {
@@ -475,8 +474,9 @@ impl Dispatcher {
             }
             match progress.last_frame_at {
                 None => {
-                    progress.first_token_ms = Some(ms(accepted));
-                    self.metrics.ttft.observe(ms(accepted) / 1e3);
+                    let ttft_ms = ms(accepted);
+                    progress.first_token_ms = Some(ttft_ms);
+                    self.metrics.ttft.observe(ttft_ms / 1e3);
                 }
                 Some(at) => self.metrics.inter_token.observe(at.elapsed().as_secs_f64()),
             }
@@ -534,11 +534,6 @@ impl Dispatcher {
                 attempts: progress.attempts,
                 failovers: std::mem::take(&mut progress.failovers),
             });
-            tracing::debug!(
-                attempt_ms = ms(attempt_started),
-                attempts = progress.attempts,
-                "generation finished"
-            );
             log.push(Ok(frame));
             return Ok(());
         }

@@ -65,17 +65,17 @@ pub async fn run(
             reason: "must be at least 1".into(),
         });
     }
-    let replicas = Arc::new(Replicas::new(config.index_max_blocks));
     let mut registry = Registry::default();
     let metrics = RouterMetrics::register(&mut registry);
     let root = CancellationToken::new();
     let tracker = TaskTracker::new();
+    let replicas = Arc::new(Replicas::new(config.index_max_blocks, root.child_token()));
     let targets: Vec<(Role, String)> = (config.prefill.iter().map(|t| (Role::Prefill, t)))
         .chain(config.decode.iter().map(|t| (Role::Decode, t)))
         .map(|(role, t)| (role, t.clone()))
         .collect();
     discovery::start(&replicas, &targets, &tracker, &root.child_token())?;
-    replicas.start_monitoring(&tracker, &root.child_token(), config.load_poll, &metrics);
+    replicas.start_monitoring(&tracker, config.load_poll, &metrics);
 
     let (health, health_service) = tonic_health::server::health_reporter();
     let generation = GenerationService {

@@ -164,7 +164,6 @@ impl Drop for InflightGuard {
 #[derive(Debug)]
 struct Monitoring {
     tracker: TaskTracker,
-    cancel: CancellationToken,
     load_poll: Duration,
     metrics: RouterMetrics,
 }
@@ -173,6 +172,8 @@ struct Monitoring {
 pub struct Replicas {
     all: RwLock<Vec<Arc<Replica>>>,
     index_max_blocks: usize,
+    /// The parent of every replica's stop token: cancelling it ends all their tasks.
+    cancel: CancellationToken,
     monitoring: OnceLock<Monitoring>,
     frontend: OnceLock<Arc<Frontend>>,
     /// Woken whenever a replica's health or compatibility, the set, or the frontend changes.
@@ -180,11 +181,13 @@ pub struct Replicas {
 }
 
 impl Replicas {
-    /// An empty set; [`Replicas::add`] fills it.
-    pub fn new(index_max_blocks: usize) -> Self {
+    /// An empty set; [`Replicas::add`] fills it. Cancelling `cancel` stops every replica's
+    /// tasks.
+    pub fn new(index_max_blocks: usize, cancel: CancellationToken) -> Self {
         Self {
             all: RwLock::default(),
             index_max_blocks,
+            cancel,
             monitoring: OnceLock::new(),
             frontend: OnceLock::new(),
             changed: tokio::sync::Notify::new(),
@@ -207,10 +210,10 @@ impl Replicas {
         role: Role,
         addr: &str,
         target: &str,
-    ) -> Result<Option<Arc<Replica>>, tonic::transport::Error> {
+    ) -> Result<(), tonic::transport::Error> {
         let mut all = self.write();
         if all.iter().any(|r| r.addr == addr && r.role == role) {
-            return Ok(None);
+            return Ok(());
         }
         let monitoring = self.monitoring.get();
         let replica = Arc::new(Replica {
@@ -227,7 +230,7 @@ impl Replicas {
             prefill_tokens_per_second: AtomicU64::new(0),
             inflight: AtomicU32::new(0),
             inflight_tokens: AtomicU64::new(0),
-            stop: monitoring.map_or_else(CancellationToken::new, |m| m.cancel.child_token()),
+            stop: self.cancel.child_token(),
         });
         all.push(replica.clone());
         drop(all);
@@ -236,7 +239,7 @@ impl Replicas {
             self.spawn_tasks(m, &replica);
         }
         self.changed.notify_waiters();
-        Ok(Some(replica))
+        Ok(())
     }
 
     /// Removes the replica at `addr` and stops its tasks. Requests already sent there finish
@@ -295,13 +298,11 @@ impl Replicas {
     pub fn start_monitoring(
         self: &Arc<Self>,
         tracker: &TaskTracker,
-        cancel: &CancellationToken,
         load_poll: Duration,
         metrics: &RouterMetrics,
     ) {
         let m = Monitoring {
             tracker: tracker.clone(),
-            cancel: cancel.clone(),
             load_poll,
             metrics: metrics.clone(),
         };
@@ -315,7 +316,7 @@ impl Replicas {
             self.spawn_tasks(m, &replica);
         }
         // The replica and index gauges, refreshed whether or not a replica answers.
-        let (set, cancel, metrics) = (self.clone(), cancel.clone(), metrics.clone());
+        let (set, cancel, metrics) = (self.clone(), self.cancel.clone(), metrics.clone());
         tracker.spawn(async move {
             let mut tick = tokio::time::interval(load_poll);
             loop {
@@ -331,22 +332,18 @@ impl Replicas {
     }
 
     fn spawn_tasks(self: &Arc<Self>, m: &Monitoring, replica: &Arc<Replica>) {
-        // A replica added before monitoring started has a stop token of its own.
-        let set = self.clone();
-        let (r, load_poll, cancel) = (replica.clone(), m.load_poll, m.cancel.clone());
+        let (set, r, load_poll) = (self.clone(), replica.clone(), m.load_poll);
         m.tracker.spawn(async move {
             tokio::select! {
                 () = set.monitor(&r, load_poll) => {}
                 () = r.stop.cancelled() => {}
-                () = cancel.cancelled() => {}
             }
         });
-        let (r, cancel) = (replica.clone(), m.cancel.clone());
+        let r = replica.clone();
         m.tracker.spawn(async move {
             tokio::select! {
                 () = r.index.follow(r.channel.clone()) => {}
                 () = r.stop.cancelled() => {}
-                () = cancel.cancelled() => {}
             }
         });
     }

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use tandem_proto::v1 as pb;
+use tokio_util::sync::CancellationToken;
 
 use crate::policy::{Ask, Policy, PolicyKind};
 use crate::replicas::{Replicas, Role};
@@ -21,7 +22,7 @@ impl Simulation {
     /// `prefill` then `decode` replicas, all healthy, with empty caches. Call it inside a tokio
     /// runtime (the replicas' channels are created, lazily).
     pub fn new(prefill: usize, decode: usize) -> Result<Self, tonic::transport::Error> {
-        let replicas = Arc::new(Replicas::new(usize::MAX));
+        let replicas = Arc::new(Replicas::new(usize::MAX, CancellationToken::new()));
         for i in 0..prefill + decode {
             let role = if i < prefill {
                 Role::Prefill
