@@ -2,16 +2,19 @@
 # Builds the `tandem` binary statically linked (glibc, `-C target-feature=+crt-static`) and the
 # FROM-scratch image around it, in one step.
 #
-# Usage: deploy/build-image.sh [TAG]     (default tandem:latest)
+# Usage: deploy/build-image.sh [TAG [FEATURES]]     (default tandem:latest, no features)
+#   FEATURES: cargo features of tandem-cli; the chaos suite builds `tandem:chaos failpoints`
+#   (test-only fault injection, never in a shipped image).
 # The binary is also left at target/image/tandem. Naming the target explicitly keeps build
 # scripts and proc macros dynamically linked; only the shipped binary is static.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tag=${1:-tandem:latest}
+features=${2:-}
 target=$(rustc -vV | sed -n 's/^host: //p')
 # --config appends to .cargo/config.toml's rustflags (target-cpu); RUSTFLAGS would replace them
 # and leave the kernels without AVX2.
-cargo build --release --locked --target "$target" -p tandem-cli \
+cargo build --release --locked --target "$target" -p tandem-cli --features "$features" \
   --config "target.$target.rustflags=[\"-C\", \"target-feature=+crt-static\"]"
 ctx=target/image
 mkdir -p "$ctx"

@@ -1,19 +1,29 @@
 #!/usr/bin/env bash
 # The chaos suite on the compose cluster (integration-tests/tests/chaos.rs): builds the image
-# (deploy/build-image.sh), then runs the suite against deploy/docker-compose.yml with the real
-# model, checking the reliability contract C1-C7 under each fault.
+# with the test-only failpoints (deploy/build-image.sh tandem:chaos failpoints), then runs the
+# suite against deploy/docker-compose.yml plus integration-tests/chaos/compose.yml with the real
+# model, checking the reliability contract C1-C7 under each fault. Needs root (nsenter, iptables
+# and tc in the containers' network namespaces) and Docker.
 #
-# Usage: scripts/chaos.sh [smoke|full]
-#   smoke  a decode node killed mid-stream, and one paused 8 s (CI runs this; a few minutes)
-#   full   smoke, plus a prefill node killed during prefill and a decode node cut off the
-#          network for 8 s
+# Usage: scripts/chaos.sh [smoke|full|one NAME]
+#   smoke     a decode node killed mid-stream, and one paused 8 s (CI runs this; a few minutes)
+#   full      every scenario: node kills, pauses and disconnects, KV-path resets, loss, a
+#             bandwidth cap and corruption, 100 ± 30 ms latency and a blackhole through
+#             `tandem fault-proxy`, client cancels and deadlines, the session holder killed
+#             between turns, the router killed, a rolling restart, 3x overload, and a random-fault
+#             soak (TANDEM_CHAOS_SOAK_S, default 600 s); about 35 minutes
+#   one NAME  one scenario, e.g. `kv(loss)`, `overload`, `node(killprefill)`
 # Results: target/chaos/results.md, results.json and events-*.jsonl.
 # Env: TANDEM_CHAOS_KEEP=1 leaves the cluster running afterwards (project "tandemchaos").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 level=${1:-smoke}
-case "$level" in smoke|full) ;; *) echo "usage: $0 [smoke|full]" >&2; exit 2 ;; esac
-deploy/build-image.sh
+case "$level" in
+  smoke|full) ;;
+  one) [ $# -eq 2 ] || { echo "usage: $0 one NAME" >&2; exit 2; }; export TANDEM_CHAOS_ONLY=$2 ;;
+  *) echo "usage: $0 [smoke|full|one NAME]" >&2; exit 2 ;;
+esac
+deploy/build-image.sh tandem:chaos failpoints
 [ -f "${TANDEM_MODELS:-$HOME/.cache/tandem/models}/SmolLM2-135M-Instruct.Q4_1.gguf" ] \
   || target/image/tandem model fetch
 # --workspace: the same features as the test build, so nothing is rebuilt.

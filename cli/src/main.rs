@@ -5,6 +5,7 @@ mod bench;
 mod bench_multiturn;
 mod bench_serve;
 mod client;
+mod fault_proxy;
 mod fetch;
 mod healthcheck;
 mod local;
@@ -52,6 +53,9 @@ enum Command {
     Chat(client::ChatArgs),
     /// Ask a server whether it is SERVING (grpc.health.v1, 1 s deadline): exit 0 if so.
     Healthcheck(healthcheck::HealthcheckArgs),
+    /// A TCP relay that adds latency, jitter, a bandwidth cap, a blackhole or resets, for fault
+    /// tests (set while it runs through its admin endpoint).
+    FaultProxy(fault_proxy::FaultProxyArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -124,6 +128,7 @@ fn main() -> anyhow::Result<()> {
         Command::Up(args) => up::up(&args),
         Command::Chat(args) => client::chat(&args),
         Command::Healthcheck(args) => healthcheck::run(&args),
+        Command::FaultProxy(args) => fault_proxy::run(&args),
         Command::Bench {
             command: BenchCommand::Engine(args),
         } => bench::engine(&args),

@@ -99,6 +99,24 @@ pub fn start(
     Ok(())
 }
 
+/// Every address `spec` (`host:port`) stands for now, resolved the same way as replicas' names.
+pub async fn resolve(spec: &str) -> Result<Vec<SocketAddr>> {
+    match Target::parse(spec)? {
+        Target::Addr(addr) => Ok(vec![addr]),
+        Target::Name { host, port } => {
+            let answer =
+                resolver()?
+                    .lookup_ip(host.as_str())
+                    .await
+                    .map_err(|e| Error::InvalidArgument {
+                        field: "address",
+                        reason: format!("cannot resolve {host}: {e}"),
+                    })?;
+            Ok(answer.iter().map(|ip| SocketAddr::new(ip, port)).collect())
+        }
+    }
+}
+
 /// A resolver from the system's configuration that caches nothing: every lookup asks again,
 /// so that a replica leaving or joining shows up at the next interval, whatever the TTL.
 fn resolver() -> Result<TokioResolver> {

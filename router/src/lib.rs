@@ -31,6 +31,7 @@ use tonic::service::Routes;
 use tonic_health::ServingStatus;
 
 pub use config::{Config, PolicyKind};
+pub use discovery::{Target, resolve};
 pub use error::{Error, Result};
 
 use crate::generation::Dispatcher;

@@ -23,6 +23,9 @@ pub struct KvPush {
     tx: mpsc::Sender<pb::PushFrame>,
     task: JoinHandle<Result<pb::PushAck>>,
     digest: u32,
+    /// Test builds only: this push sends its first chunk with a flipped byte.
+    #[cfg(feature = "failpoints")]
+    corrupt: bool,
 }
 
 impl KvPush {
@@ -47,12 +50,19 @@ impl KvPush {
             tx,
             task,
             digest: 0,
+            #[cfg(feature = "failpoints")]
+            corrupt: failpoints::corrupt_kv(),
         }
     }
 
     fn frame(&mut self, chunk: &Chunk) -> pb::PushFrame {
-        let wire = chunk.to_pb();
+        #[allow(unused_mut)]
+        let mut wire = chunk.to_pb();
         self.digest = digest_append(self.digest, wire.crc32c);
+        #[cfg(feature = "failpoints")]
+        if std::mem::take(&mut self.corrupt) {
+            wire.data = failpoints::flip_a_byte(&wire.data);
+        }
         pb::PushFrame {
             frame: Some(Frame::Chunk(wire)),
         }
@@ -97,5 +107,34 @@ impl KvPush {
             frame: Some(Frame::Abort(pb::KvAbort { reason })),
         };
         let _ = self.tx.blocking_send(frame);
+    }
+}
+
+/// Faults injected on purpose, compiled only with the `failpoints` feature (the chaos suite's
+/// image): shipped builds cannot corrupt anything.
+#[cfg(feature = "failpoints")]
+mod failpoints {
+    use std::sync::OnceLock;
+
+    /// `TANDEM_FAILPOINT_CORRUPT_KV`: the share of pushes, from 0 to 1, whose first chunk goes
+    /// out with one byte changed after its checksum was taken.
+    pub fn corrupt_kv() -> bool {
+        static SHARE: OnceLock<f64> = OnceLock::new();
+        let share = *SHARE.get_or_init(|| {
+            std::env::var("TANDEM_FAILPOINT_CORRUPT_KV")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0.0)
+        });
+        share > 0.0 && rand::random::<f64>() < share
+    }
+
+    pub fn flip_a_byte(data: &[u8]) -> bytes::Bytes {
+        let mut data = data.to_vec();
+        if let Some(b) = data.get_mut(data.len() / 2) {
+            *b ^= 0x5a;
+        }
+        tracing::warn!("failpoint: corrupted a KV chunk");
+        data.into()
     }
 }
