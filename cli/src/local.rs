@@ -33,13 +33,19 @@ pub(crate) struct GenerateArgs {
     /// Raw prompt text (special tokens parsed, no chat template).
     #[arg(
         long,
-        conflicts_with = "messages",
-        required_unless_present = "messages"
+        conflicts_with_all = ["messages", "batch"],
+        required_unless_present_any = ["messages", "batch"]
     )]
     pub(crate) prompt: Option<String>,
     /// A JSON array of {"role","content"} messages, rendered with the model's chat template.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "batch")]
     pub(crate) messages: Option<String>,
+    /// Offline batch generation, in-process only: a JSON-lines file, one request per line,
+    /// `{"prompt": TEXT}` or `{"token_ids": [...]}`, with an optional `"seed"` (otherwise
+    /// `--seed`); the other flags apply to every line. All are decoded in one continuous batch,
+    /// and each result is printed as one `--json` line, in the file's order.
+    #[arg(long, conflicts_with = "server")]
+    batch: Option<std::path::PathBuf>,
     /// The most tokens to generate.
     #[arg(long, default_value_t = 128)]
     pub(crate) max_tokens: usize,
@@ -108,6 +114,9 @@ pub(crate) fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
     if let Some(server) = &args.server {
         return crate::client::generate(args, server);
     }
+    if let Some(file) = &args.batch {
+        return generate_batch(args, file);
+    }
     let model = args.model.source().load()?;
     let prompt = prompt_tokens(&model, args.prompt.as_deref(), args.messages.as_deref())?;
     let mut engine = Engine::new(
@@ -122,16 +131,7 @@ pub(crate) fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
     )?;
     let request = GenerateRequest {
         prompt,
-        params: GenerateParams {
-            sampling: SamplingParams {
-                temperature: args.temperature,
-                top_k: args.top_k,
-                top_p: args.top_p,
-                seed: args.seed,
-            },
-            max_tokens: args.max_tokens,
-            stop: args.stop.clone(),
-        },
+        params: params(args, args.seed),
     };
     let mut stdout = std::io::stdout().lock();
     let mut print = |text: &str| {
@@ -145,6 +145,72 @@ pub(crate) fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&out)?);
     } else {
         println!();
+    }
+    Ok(())
+}
+
+fn params(args: &GenerateArgs, seed: u64) -> GenerateParams {
+    GenerateParams {
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            seed,
+        },
+        max_tokens: args.max_tokens,
+        stop: args.stop.clone(),
+    }
+}
+
+/// One line of a `--batch` file.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BatchLine {
+    prompt: Option<String>,
+    token_ids: Option<Vec<u32>>,
+    seed: Option<u64>,
+}
+
+fn generate_batch(args: &GenerateArgs, file: &std::path::Path) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("cannot read {}", file.display()))?;
+    let model = args.model.source().load()?;
+    let mut requests = Vec::new();
+    for (n, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let at = || format!("{} line {}", file.display(), n + 1);
+        let line: BatchLine = serde_json::from_str(line).with_context(at)?;
+        let prompt = match (line.prompt, line.token_ids) {
+            (Some(p), None) => prompt_tokens(&model, Some(&p), None).with_context(at)?,
+            (None, Some(ids)) if !ids.is_empty() => ids,
+            _ => anyhow::bail!("{}: give either \"prompt\" or non-empty \"token_ids\"", at()),
+        };
+        let vocab = model.config.vocab;
+        if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            anyhow::bail!("{}: token id {bad} is outside the vocabulary of {vocab}", at());
+        }
+        requests.push(GenerateRequest {
+            prompt,
+            params: params(args, line.seed.unwrap_or(args.seed)),
+        });
+    }
+    anyhow::ensure!(!requests.is_empty(), "{} holds no request", file.display());
+    let tokens: usize = requests
+        .iter()
+        .map(|r| r.prompt.len() + r.params.max_tokens + tandem_engine::BLOCK_TOKENS)
+        .sum();
+    let mut engine = Engine::new(
+        model.clone(),
+        EngineConfig {
+            threads: args.threads,
+            // Room for every request at once.
+            kv_budget_bytes: tokens * model.config.kv_layout().token_bytes(),
+            ..EngineConfig::default()
+        },
+    )?;
+    eprintln!("generating {} requests in one batch", requests.len());
+    let mut stdout = std::io::stdout().lock();
+    for out in engine.generate_batch(&requests)? {
+        writeln!(stdout, "{}", serde_json::to_string(&out)?)?;
     }
     Ok(())
 }

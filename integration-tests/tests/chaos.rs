@@ -4,7 +4,7 @@
 //! prefix cache holds them and their KV crosses the network), 8 streaming at once, with the
 //! fault in the first wave, and checks the reliability contract (DESIGN.md, C1-C7) request by
 //! request against the fault-free answer: the engine's own generation of the same prompts and
-//! seeds, computed in this process.
+//! seeds (`tandem generate --batch`).
 //!
 //! Run it with `scripts/chaos.sh [smoke|full]`, which builds the image first; these tests are
 //! `#[ignore]`d so that `cargo test` alone never starts containers. Without Docker they say so
@@ -23,8 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use rand::{Rng, SeedableRng};
-use tandem_engine::{Engine, EngineConfig, GenerateParams, GenerateRequest, Model};
-use tandem_integration_tests::{default_model, metrics};
+use tandem_integration_tests::metrics;
 use tandem_proto::v1 as pb;
 use tonic::transport::Channel;
 
@@ -39,7 +38,7 @@ const STREAMS: usize = 8;
 const MAX_TOKENS: u32 = 64;
 /// Words per prompt (about 1.2 tokens each): long enough that the router prefers a prefill
 /// node over a busy decode node, so that KV crosses the network.
-const PROMPT_WORDS: usize = 300;
+const PROMPT_WORDS: usize = 200;
 /// The client's deadline for each request.
 const DEADLINE: Duration = Duration::from_secs(60);
 /// How long a healed cluster may take to have every replica back.
@@ -230,81 +229,113 @@ fn sampling(i: usize) -> pb::SamplingParams {
     }
 }
 
-/// Computes fault-free answers with the engine in this process: the same model file, prompts
-/// and seeds, so a cluster's completed stream must equal them token for token (C3).
+/// Computes fault-free answers with the engine alone: `tandem generate --batch` (the image's
+/// release binary, target/image/tandem) on the same model file, prompts and seeds, so that a
+/// cluster's completed stream must equal them token for token (C3).
 struct Reference {
-    model: Arc<Model>,
-    engine: Engine,
+    binary: PathBuf,
+}
+
+/// What `tandem generate --batch` prints per request.
+#[derive(serde::Deserialize)]
+struct Generated {
+    prompt_token_ids: Vec<u32>,
+    token_ids: Vec<u32>,
 }
 
 impl Reference {
     fn new() -> Result<Self> {
-        let model = default_model()?;
-        let engine = Engine::new(
-            model.clone(),
-            EngineConfig {
-                kv_budget_bytes: 1 << 30,
-                prefix_cache_bytes: 0,
-                ..EngineConfig::default()
-            },
-        )?;
-        Ok(Self { model, engine })
+        let binary = repo().join("target/image/tandem");
+        ensure!(
+            binary.exists(),
+            "{} is missing: run deploy/build-image.sh (scripts/chaos.sh does)",
+            binary.display()
+        );
+        Ok(Self { binary })
     }
 
-    fn answers(&mut self, requests: &[pb::GenerateRequest]) -> Result<Vec<Vec<u32>>> {
-        let batch: Vec<GenerateRequest> = requests
-            .iter()
-            .map(|r| {
-                let s = r.sampling.clone().unwrap_or_default();
-                GenerateRequest {
-                    prompt: r.token_ids.clone(),
-                    params: GenerateParams {
-                        sampling: tandem_engine::SamplingParams {
-                            temperature: s.temperature,
-                            top_k: s.top_k as usize,
-                            top_p: s.top_p.unwrap_or(1.0),
-                            seed: s.seed,
-                        },
-                        max_tokens: s.max_tokens as usize,
-                        stop: Vec::new(),
-                    },
-                }
-            })
-            .collect();
-        let out = tokio::task::block_in_place(|| self.engine.generate_batch(&batch))?;
-        Ok(out.into_iter().map(|o| o.token_ids).collect())
+    /// Each line is `{"prompt"}` or `{"token_ids"}` with a `"seed"`.
+    fn generate(&self, lines: &[serde_json::Value]) -> Result<Vec<Generated>> {
+        let file = out_dir().join("batch.jsonl");
+        let text: Vec<String> = lines.iter().map(|l| l.to_string()).collect();
+        std::fs::write(&file, text.join("\n"))?;
+        let s = sampling(0);
+        let out = run_env(
+            &self.binary.to_string_lossy(),
+            &[
+                "generate",
+                "--model",
+                "default",
+                "--batch",
+                &file.to_string_lossy(),
+                "--max-tokens",
+                &s.max_tokens.to_string(),
+                "--temperature",
+                &s.temperature.to_string(),
+                "--top-p",
+                &s.top_p.unwrap_or(1.0).to_string(),
+            ],
+            &[],
+        )?;
+        let answers: Vec<Generated> = out
+            .lines()
+            .map(serde_json::from_str)
+            .collect::<Result<_, _>>()?;
+        ensure!(answers.len() == lines.len(), "{} answers", answers.len());
+        Ok(answers)
     }
 
     /// Fresh prompts: `salt` makes their text, and so their blocks, unlike any other case's.
-    fn case(&mut self, salt: u64) -> Result<Case> {
-        let mut requests = Vec::new();
-        for i in 0..REQUESTS {
-            let mut rng = rand::rngs::StdRng::seed_from_u64(salt * 1000 + i as u64);
-            let words: Vec<&str> = (0..PROMPT_WORDS)
-                .map(|_| WORDS[rng.random_range(0..WORDS.len())])
-                .collect();
-            let notes = words
-                .chunks(12)
-                .map(|s| s.join(" "))
-                .collect::<Vec<_>>()
-                .join(". ");
-            let text =
-                format!("Notes {salt}-{i}: {notes}.\nA few sentences on what these notes say:");
-            requests.push(pb::GenerateRequest {
-                token_ids: self.model.tokenizer.encode(&text)?,
+    fn case(&self, salt: u64) -> Result<Case> {
+        let lines: Vec<serde_json::Value> = (0..REQUESTS)
+            .map(|i| {
+                let mut rng = rand::rngs::StdRng::seed_from_u64(salt * 1000 + i as u64);
+                let words: Vec<&str> = (0..PROMPT_WORDS)
+                    .map(|_| WORDS[rng.random_range(0..WORDS.len())])
+                    .collect();
+                let notes = words
+                    .chunks(12)
+                    .map(|s| s.join(" "))
+                    .collect::<Vec<_>>()
+                    .join(". ");
+                serde_json::json!({
+                    "prompt": format!("Notes {salt}-{i}: {notes}.\nA few sentences on what these notes say:"),
+                    "seed": sampling(i).seed,
+                })
+            })
+            .collect();
+        let answers = self.generate(&lines)?;
+        let requests = answers
+            .iter()
+            .enumerate()
+            .map(|(i, a)| pb::GenerateRequest {
+                token_ids: a.prompt_token_ids.clone(),
                 session_id: format!("chaos-{salt}-{i}"),
                 sampling: Some(sampling(i)),
                 ..Default::default()
-            });
-        }
-        let want = self.answers(&requests)?;
-        Ok(Case { requests, want })
+            })
+            .collect();
+        Ok(Case {
+            requests,
+            want: answers.into_iter().map(|a| a.token_ids).collect(),
+        })
     }
 
     /// The second turn of each of `first`'s conversations: its prompt, its answer, and a new
     /// question; the same sessions.
-    fn follow_up(&mut self, first: &Case) -> Result<Case> {
-        let question = self.model.tokenizer.encode("\nAnd in one line:")?;
+    fn follow_up(&self, first: &Case) -> Result<Case> {
+        let question = run_env(
+            &self.binary.to_string_lossy(),
+            &["tokenize", "--model", "default", "--text", "\nAnd in one line:", "--json"],
+            &[],
+        )?;
+        let question: Vec<u32> = serde_json::from_str::<serde_json::Value>(&question)?
+            ["token_ids"]
+            .as_array()
+            .context("token_ids")?
+            .iter()
+            .filter_map(|v| Some(v.as_u64()? as u32))
+            .collect();
         let requests: Vec<pb::GenerateRequest> = first
             .requests
             .iter()
@@ -314,7 +345,11 @@ impl Reference {
                 ..r.clone()
             })
             .collect();
-        let want = self.answers(&requests)?;
+        let lines: Vec<serde_json::Value> = requests
+            .iter()
+            .map(|r| serde_json::json!({"token_ids": r.token_ids, "seed": r.sampling.as_ref().map_or(0, |s| s.seed)}))
+            .collect();
+        let want = self.generate(&lines)?.into_iter().map(|a| a.token_ids).collect();
         Ok(Case { requests, want })
     }
 }
@@ -370,6 +405,24 @@ fn client_retryable(s: &tonic::Status) -> bool {
     s.code() == tonic::Code::Unavailable
 }
 
+/// A stream that broke in this client's transport (the router's process died: a reset
+/// connection, an h2 error) has no status from the server; tonic reports it as UNKNOWN,
+/// INTERNAL or CANCELLED with the transport error as its source. gRPC's rule for a lost
+/// connection is UNAVAILABLE, which is what a client should act on.
+fn transport_lost(s: tonic::Status) -> tonic::Status {
+    use std::error::Error as _;
+    let local = s.source().is_some()
+        && matches!(
+            s.code(),
+            tonic::Code::Unknown | tonic::Code::Internal | tonic::Code::Cancelled
+        );
+    if local {
+        tonic::Status::unavailable(format!("connection lost: {}", s.message()))
+    } else {
+        s
+    }
+}
+
 async fn attempt(
     client: &mut pb::generation_client::GenerationClient<Channel>,
     request: &pb::GenerateRequest,
@@ -418,7 +471,10 @@ async fn stream(
     let body = async {
         loop {
             let left = deadline.saturating_sub(started.elapsed());
-            match attempt(&mut client, &request, left, opts, &mut out, &event).await {
+            match attempt(&mut client, &request, left, opts, &mut out, &event)
+                .await
+                .map_err(transport_lost)
+            {
                 Err(s)
                     if opts.retry
                         && client_retryable(&s)
@@ -455,7 +511,11 @@ async fn stream(
     out.status_after = started.elapsed();
     out.attempts = out.attempts.max(1);
     let status = out.status.clone();
-    out.events.push(event(None, &status));
+    let mut last = event(None, &status);
+    if !out.message.is_empty() {
+        last["message"] = out.message.clone().into();
+    }
+    out.events.push(last);
     out
 }
 
@@ -1328,7 +1388,7 @@ const ALL: [Scenario; 16] = [
 ];
 
 async fn suite(scenarios: &[Scenario]) -> Result<()> {
-    let mut reference = Reference::new()?;
+    let reference = Reference::new()?;
     cluster_up().await?;
     let result = async {
         // The cluster, fault-free, gives the engine's answers.
@@ -1338,8 +1398,12 @@ async fn suite(scenarios: &[Scenario]) -> Result<()> {
         ensure!(base.completed_exactly == REQUESTS, "fault-free: {base:?}");
         let mut rows = vec![finish(base, &got).await?];
         for (salt, &scenario) in (1..).zip(scenarios) {
-            println!("chaos: {scenario:?}");
+            let started = Instant::now();
             let case = reference.case(salt)?;
+            println!(
+                "chaos: {scenario:?} (answers computed in {:.1} s)",
+                started.elapsed().as_secs_f64()
+            );
             let row = match scenario {
                 Scenario::Node(f) => node_fault(f, &case).await?,
                 Scenario::Kv(f) => kv_fault(f, &case).await?,
@@ -1368,6 +1432,7 @@ async fn suite(scenarios: &[Scenario]) -> Result<()> {
                     soak(&case, Duration::from_secs(secs)).await?
                 }
             };
+            println!("chaos: {scenario:?} took {:.1} s", started.elapsed().as_secs_f64());
             rows.push(row);
             // Write what there is after every scenario: a long run can be read as it goes.
             report(&rows)?;

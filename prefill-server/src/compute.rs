@@ -114,7 +114,9 @@ fn run(engine: &mut Engine, work: Work) -> Result<Done> {
     let outcome = compute_and_push(engine, seq, cached, &tokens, push, &mut kv, &cancel);
     let outcome = outcome.and_then(|(logits, first_chunk_sent)| {
         let first = logits.map(|l| tandem_engine::sample(&l, &sampling, tokens.len() as u64));
-        engine.cache_sequence(seq, &hashes)?;
+        // A push the receiver ended early leaves the prompt partly computed: cache what is.
+        let full_blocks = engine.seq_len(seq)? / tandem_engine::BLOCK_TOKENS;
+        engine.cache_sequence(seq, &hashes[..hashes.len().min(full_blocks)])?;
         Ok((first, first_chunk_sent))
     });
     let _ = engine.free(seq);

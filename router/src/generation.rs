@@ -323,6 +323,7 @@ impl Dispatcher {
             prefill_overlap,
             reason,
             prefill_idle,
+            prefill_estimate,
         } = choice;
         let local = prefill.is_none();
         self.metrics
@@ -351,7 +352,9 @@ impl Dispatcher {
             transfer_id: transfer_id.clone(),
             prompt_token_ids: tokens.clone(),
             sampling: Some(p.sampling.clone()),
-            kv_wait_ms: self.kv_wait.as_millis() as u32,
+            // Silence is expected while the prefill node works through its queue.
+            kv_wait_ms: u32::try_from((self.kv_wait + 2 * prefill_estimate).as_millis())
+                .unwrap_or(u32::MAX),
             local_prefill: local,
             resumed_tokens: resumed as u32,
         });

@@ -38,6 +38,7 @@
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use tandem_proto::block_hash::BLOCK_TOKENS;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -84,6 +85,11 @@ pub struct Choice {
     /// Whether the prefill replica's queue was empty when chosen (its handoff then measures
     /// the transfer alone).
     pub prefill_idle: bool,
+    /// How long the prefill replica should take to start and finish the push: its queue and
+    /// the uncached tokens at its measured rate (zero for a local prefill). The decode node's
+    /// bound on KV silence is stretched by it, so a request queued behind long prompts is not
+    /// taken for a failure.
+    pub prefill_estimate: Duration,
 }
 
 /// Moving averages of measured handoffs, in ms.
@@ -175,7 +181,14 @@ impl Policy {
         };
         let decode = pick(Role::Decode).ok_or(Error::NoReplica { role: "decode" })?;
         let prefill = pick(Role::Prefill).ok_or(Error::NoReplica { role: "prefill" })?;
+        let rate = match prefill.prefill_rate() {
+            r if r > 0.0 => r,
+            _ => DEFAULT_RATE,
+        };
         Ok(Choice {
+            prefill_estimate: Duration::from_secs_f64(
+                (prefill.queued_tokens() + ask.tokens as u64) as f64 / rate,
+            ),
             prefill_idle: prefill.queued_tokens() == 0,
             decode: decode.claim(0),
             prefill: Some(prefill.claim(ask.tokens as u64)),
@@ -286,6 +299,7 @@ impl Policy {
                 prefill_overlap: 0,
                 reason,
                 prefill_idle: false,
+                prefill_estimate: Duration::ZERO,
             });
         }
         let Some((r_ms, p, ph)) = remote else {
@@ -304,6 +318,7 @@ impl Policy {
             d.load()
         );
         Ok(Choice {
+            prefill_estimate: Duration::from_secs_f64((r_ms - h_remote).max(0.0) / 1e3),
             prefill_idle: p.queued_tokens() == 0,
             decode: d.claim(0),
             prefill: Some(p.claim(ask.tokens.saturating_sub(ph) as u64)),

@@ -131,7 +131,8 @@ mod failpoints {
 
     pub fn flip_a_byte(data: &[u8]) -> bytes::Bytes {
         let mut data = data.to_vec();
-        if let Some(b) = data.get_mut(data.len() / 2) {
+        let middle = data.len() / 2;
+        if let Some(b) = data.get_mut(middle) {
             *b ^= 0x5a;
         }
         tracing::warn!("failpoint: corrupted a KV chunk");
