@@ -172,21 +172,31 @@ struct BatchLine {
 }
 
 fn generate_batch(args: &GenerateArgs, file: &std::path::Path) -> anyhow::Result<()> {
-    let text = std::fs::read_to_string(file)
-        .with_context(|| format!("cannot read {}", file.display()))?;
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
     let model = args.model.source().load()?;
     let mut requests = Vec::new();
-    for (n, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+    for (n, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
         let at = || format!("{} line {}", file.display(), n + 1);
         let line: BatchLine = serde_json::from_str(line).with_context(at)?;
         let prompt = match (line.prompt, line.token_ids) {
             (Some(p), None) => prompt_tokens(&model, Some(&p), None).with_context(at)?,
             (None, Some(ids)) if !ids.is_empty() => ids,
-            _ => anyhow::bail!("{}: give either \"prompt\" or non-empty \"token_ids\"", at()),
+            _ => anyhow::bail!(
+                "{}: give either \"prompt\" or non-empty \"token_ids\"",
+                at()
+            ),
         };
         let vocab = model.config.vocab;
         if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-            anyhow::bail!("{}: token id {bad} is outside the vocabulary of {vocab}", at());
+            anyhow::bail!(
+                "{}: token id {bad} is outside the vocabulary of {vocab}",
+                at()
+            );
         }
         requests.push(GenerateRequest {
             prompt,

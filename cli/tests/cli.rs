@@ -267,3 +267,60 @@ fn bench_serve_reports_latency_transfer_and_share() {
     assert!(t["grpc_mb_s"].as_f64().is_some_and(|x| x > 0.0) && t["ratio"].as_f64().is_some());
     assert_eq!(v["share"].as_array().expect("share").len(), 2);
 }
+
+/// `generate --batch` decodes every line in one batch and prints, per line, what the single
+/// command prints for the same prompt and seed; a bad line is named.
+#[test]
+fn generate_batch_matches_single_requests() {
+    let flags = [
+        "--model",
+        "tiny",
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "0.7",
+    ];
+    let single = |prompt: &str, seed: &str| {
+        let (ok, out, err) = tandem(
+            &[
+                &["generate", "--prompt", prompt, "--seed", seed, "--json"][..],
+                &flags[..],
+            ]
+            .concat(),
+        );
+        assert!(ok, "{err}");
+        json(&out)
+    };
+    let a = single("Once upon a time", "4");
+    let b = single("The sea", "9");
+    let dir = std::env::temp_dir().join(format!("tandem-batch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let file = dir.join("batch.jsonl");
+    std::fs::write(
+        &file,
+        format!(
+            "{{\"prompt\":\"Once upon a time\",\"seed\":4}}\n\n{{\"token_ids\":{},\"seed\":9}}\n",
+            b["prompt_token_ids"]
+        ),
+    )
+    .expect("write");
+    let path = file.to_string_lossy().to_string();
+    let (ok, out, err) = tandem(&[&["generate", "--batch", &path][..], &flags[..]].concat());
+    assert!(ok, "{err}");
+    let lines: Vec<Value> = out.lines().map(json).collect();
+    assert_eq!(lines.len(), 2);
+    for (got, want) in lines.iter().zip([&a, &b]) {
+        for field in ["prompt_token_ids", "token_ids", "text", "finish_reason"] {
+            assert_eq!(got[field], want[field], "{field}");
+        }
+    }
+
+    std::fs::write(&file, "{\"prompt\":\"x\"}\n{\"tokens\":[1]}\n").expect("write");
+    let (ok, _, err) = tandem(&[&["generate", "--batch", &path][..], &flags[..]].concat());
+    assert!(!ok);
+    assert!(
+        err.contains("line 2") && err.contains("unknown field"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

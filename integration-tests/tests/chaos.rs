@@ -326,11 +326,17 @@ impl Reference {
     fn follow_up(&self, first: &Case) -> Result<Case> {
         let question = run_env(
             &self.binary.to_string_lossy(),
-            &["tokenize", "--model", "default", "--text", "\nAnd in one line:", "--json"],
+            &[
+                "tokenize",
+                "--model",
+                "default",
+                "--text",
+                "\nAnd in one line:",
+                "--json",
+            ],
             &[],
         )?;
-        let question: Vec<u32> = serde_json::from_str::<serde_json::Value>(&question)?
-            ["token_ids"]
+        let question: Vec<u32> = serde_json::from_str::<serde_json::Value>(&question)?["token_ids"]
             .as_array()
             .context("token_ids")?
             .iter()
@@ -349,7 +355,11 @@ impl Reference {
             .iter()
             .map(|r| serde_json::json!({"token_ids": r.token_ids, "seed": r.sampling.as_ref().map_or(0, |s| s.seed)}))
             .collect();
-        let want = self.generate(&lines)?.into_iter().map(|a| a.token_ids).collect();
+        let want = self
+            .generate(&lines)?
+            .into_iter()
+            .map(|a| a.token_ids)
+            .collect();
         Ok(Case { requests, want })
     }
 }
@@ -1432,7 +1442,10 @@ async fn suite(scenarios: &[Scenario]) -> Result<()> {
                     soak(&case, Duration::from_secs(secs)).await?
                 }
             };
-            println!("chaos: {scenario:?} took {:.1} s", started.elapsed().as_secs_f64());
+            println!(
+                "chaos: {scenario:?} took {:.1} s",
+                started.elapsed().as_secs_f64()
+            );
             rows.push(row);
             // Write what there is after every scenario: a long run can be read as it goes.
             report(&rows)?;
