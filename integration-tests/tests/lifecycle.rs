@@ -87,6 +87,11 @@ async fn a_full_decode_node_answers_resource_exhausted() {
         .expect_err("no slot");
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
     assert!(status.message().contains("slots"), "{status:?}");
+    // With retry pushback (gRPC A6), which the client must see on the stream's status.
+    assert!(
+        status.metadata().get("grpc-retry-pushback-ms").is_some(),
+        "{status:?}"
+    );
 
     drop(first);
     until_idle(&cluster).await;

@@ -88,10 +88,8 @@ impl LogReader {
                 return None;
             }
             loop {
-                let next = r.shared.lock().get(i).map(|item| match item {
-                    Ok(f) => Ok(f.clone()),
-                    Err(s) => Err(Status::new(s.code(), s.message())),
-                });
+                // A status keeps its metadata (retry pushback) for every reader.
+                let next = r.shared.lock().get(i).cloned();
                 if let Some(item) = next {
                     let last = is_last(&item);
                     return Some((item, (r, i + 1, last)));
