@@ -24,8 +24,10 @@ impl Default for RetryBudget {
 impl RetryBudget {
     /// Failovers earned per client request.
     pub const RATIO: f64 = 0.2;
-    /// Most failovers that can be saved up.
-    pub const RESERVE: f64 = 10.0;
+    /// Most failovers that can be saved up: about the streams one replica carries at once in
+    /// a small cluster. A larger reserve let a 2 s outage of the KV path take 1.31 attempts per
+    /// request over 32 requests, past the 1.2 of the reliability contract (C7).
+    pub const RESERVE: f64 = 5.0;
 
     fn balance(&self) -> std::sync::MutexGuard<'_, f64> {
         // A single float; a poisoned lock still holds a consistent value.
@@ -59,10 +61,10 @@ mod tests {
         let budget = RetryBudget::default();
         let reserve = (0..100).take_while(|_| budget.try_spend()).count();
         assert_eq!(reserve, RetryBudget::RESERVE as usize);
-        for _ in 0..50 {
+        for _ in 0..20 {
             budget.deposit();
         }
         let earned = (0..100).take_while(|_| budget.try_spend()).count();
-        assert!((9..=10).contains(&earned), "50 requests earned {earned}");
+        assert!((3..=4).contains(&earned), "20 requests earned {earned}");
     }
 }
