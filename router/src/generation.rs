@@ -420,10 +420,9 @@ impl Dispatcher {
             } else if frames_here == 0 && local {
                 // The first frame follows a local prefill of the uncached suffix.
                 let uncached = tokens.len().saturating_sub(decode_cached as usize) as f64;
-                let rate = match decode.replica().prefill_rate() {
-                    r if r > 0.0 => r,
-                    _ => crate::policy::DEFAULT_RATE,
-                };
+                let rate = decode
+                    .replica()
+                    .prefill_rate_or(crate::policy::DEFAULT_RATE);
                 Some(self.token_gap + Duration::from_secs_f64(2.0 * uncached / rate))
             } else {
                 Some(self.token_gap)

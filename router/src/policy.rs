@@ -181,13 +181,10 @@ impl Policy {
         };
         let decode = pick(Role::Decode).ok_or(Error::NoReplica { role: "decode" })?;
         let prefill = pick(Role::Prefill).ok_or(Error::NoReplica { role: "prefill" })?;
-        let rate = match prefill.prefill_rate() {
-            r if r > 0.0 => r,
-            _ => DEFAULT_RATE,
-        };
         Ok(Choice {
             prefill_estimate: Duration::from_secs_f64(
-                (prefill.queued_tokens() + ask.tokens as u64) as f64 / rate,
+                (prefill.queued_tokens() + ask.tokens as u64) as f64
+                    / prefill.prefill_rate_or(DEFAULT_RATE),
             ),
             prefill_idle: prefill.queued_tokens() == 0,
             decode: decode.claim(0),
@@ -217,10 +214,7 @@ impl Policy {
         } else {
             measured.iter().sum::<f64>() / measured.len() as f64
         };
-        let rate = |r: &Replica| match r.prefill_rate() {
-            x if x > 0.0 => x,
-            _ => fallback_rate,
-        };
+        let rate = |r: &Replica| r.prefill_rate_or(fallback_rate);
         let key: Vec<u8> = if ask.session_id.is_empty() {
             ask.hashes
                 .first()
@@ -326,5 +320,48 @@ impl Policy {
             prefill_overlap: ph,
             reason,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The decode node's KV-silence bound is stretched by the chosen prefill replica's queue:
+    /// a second prompt behind the first is estimated to take twice as long.
+    #[tokio::test]
+    async fn the_prefill_estimate_counts_the_queue() {
+        let replicas = Arc::new(Replicas::new(
+            usize::MAX,
+            tokio_util::sync::CancellationToken::new(),
+        ));
+        for (role, addr) in [
+            (Role::Prefill, "127.0.0.1:1"),
+            (Role::Decode, "127.0.0.1:2"),
+        ] {
+            replicas.add(role, addr, addr).expect("add");
+        }
+        for (i, r) in replicas.all().iter().enumerate() {
+            r.set_healthy(true);
+            r.index
+                .apply_snapshot(tandem_proto::v1::CacheSnapshotResponse {
+                    epoch: 1 + i as u64,
+                    seq: 0,
+                    hashes: Vec::new(),
+                });
+        }
+        let policy = Policy::new(PolicyKind::Affinity);
+        let ask = Ask {
+            tokens: 1000,
+            hashes: &[],
+            session_id: "s",
+            exclude: &[],
+        };
+        let first = policy.choose(&replicas, &ask).expect("first");
+        assert!(first.prefill.is_some(), "{}", first.reason);
+        let alone = Duration::from_secs_f64(1000.0 / DEFAULT_RATE);
+        assert_eq!(first.prefill_estimate, alone);
+        let second = policy.choose(&replicas, &ask).expect("second");
+        assert_eq!(second.prefill_estimate, 2 * alone);
     }
 }

@@ -122,6 +122,14 @@ impl Replica {
         f64::from_bits(self.prefill_tokens_per_second.load(Ordering::Relaxed))
     }
 
+    /// [`Replica::prefill_rate`], or `fallback` while nothing has been measured.
+    pub fn prefill_rate_or(&self, fallback: f64) -> f64 {
+        match self.prefill_rate() {
+            r if r > 0.0 => r,
+            _ => fallback,
+        }
+    }
+
     /// Sets the health flag directly, for [`crate::simulation`] (the monitor follows Watch).
     pub(crate) fn set_healthy(&self, up: bool) {
         self.healthy.store(up, Ordering::Relaxed);
