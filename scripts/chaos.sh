@@ -11,7 +11,7 @@
 #             bandwidth cap and corruption, 100 ± 30 ms latency and a blackhole through
 #             `tandem fault-proxy`, client cancels and deadlines, the session holder killed
 #             between turns, the router killed, a rolling restart, 3x overload, and a random-fault
-#             soak (TANDEM_CHAOS_SOAK_S, default 600 s); about 35 minutes
+#             soak (TANDEM_CHAOS_SOAK_S, default 600 s); about 30 minutes
 #   one NAME  one scenario, e.g. `kv(loss)`, `overload`, `node(killprefill)`
 # Results: target/chaos/results.md, results.json and events-*.jsonl.
 # Env: TANDEM_CHAOS_KEEP=1 leaves the cluster running afterwards (project "tandemchaos").
