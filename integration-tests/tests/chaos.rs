@@ -174,7 +174,7 @@ async fn cluster_up() -> Result<()> {
 }
 
 fn cluster_down() {
-    let _ = remove_proxies();
+    remove_proxies();
     let _ = compose_env(&["down", "-v", "--remove-orphans"], &[]);
 }
 
@@ -387,6 +387,14 @@ struct Opts {
     /// Sends the request again (same seed) after UNAVAILABLE, keeping the frames it has and
     /// checking that the replay repeats them: what a client does while the router restarts.
     retry: bool,
+}
+
+impl Opts {
+    const RETRY: Opts = Opts {
+        cancel_after: None,
+        deadline: None,
+        retry: true,
+    };
 }
 
 /// What one client saw.
@@ -661,6 +669,8 @@ impl Row {
             );
         }
         if self.expect_detection {
+            // A node that went down must be taken back once healed.
+            ensure!(self.recovery_s.is_some(), "{f}: the node never came back");
             let bound = (tandem_proto::net::KEEPALIVE_INTERVAL
                 + tandem_proto::net::KEEPALIVE_TIMEOUT)
                 .as_secs_f64();
@@ -746,6 +756,14 @@ async fn finish(mut row: Row, got: &[(usize, Outcome)]) -> Result<Row> {
         row.fault, row.completed_exactly, row.requests, row.failed_by_code
     );
     Ok(row)
+}
+
+/// Seconds from `healed` until every replica is back, if that happens within [`RECOVERY`].
+async fn recovered_since(healed: Instant) -> Option<f64> {
+    all_up(RECOVERY)
+        .await
+        .ok()
+        .map(|_| healed.elapsed().as_secs_f64())
 }
 
 /// Waits until the router has seen `n` replicas go down, from `since`.
@@ -841,13 +859,7 @@ async fn node_fault(fault: NodeFault, case: &Case) -> Result<Row> {
     let mut row = score(fault.name(), case, &got, NODE_LOSS);
     row.expect_detection = true;
     row.detection_s = detection_s;
-    row.recovery_s = all_up(RECOVERY)
-        .await
-        .ok()
-        .map(|_| healed.elapsed().as_secs_f64());
-    if row.recovery_s.is_none() {
-        row.failures.push("the node never came back".into());
-    }
+    row.recovery_s = recovered_since(healed).await;
     finish(row, &got).await
 }
 
@@ -1008,11 +1020,10 @@ fn proxy(n: usize) -> String {
     container("lag", n)
 }
 
-fn remove_proxies() -> Result<()> {
+fn remove_proxies() {
     for n in 1..=2 {
         let _ = docker(&["rm", "-f", &proxy(n)]);
     }
-    Ok(())
 }
 
 /// Puts a fault-proxy in front of each decode node, and the router behind them.
@@ -1051,7 +1062,7 @@ async fn proxies_in(latency_ms: u64, jitter_ms: u64) -> Result<()> {
 
 async fn proxies_out() -> Result<()> {
     compose_env(&["up", "-d", "--no-deps", "router"], &[])?;
-    remove_proxies()?;
+    remove_proxies();
     all_up(RECOVERY).await.map(drop)
 }
 
@@ -1106,10 +1117,7 @@ async fn blackhole(case: &Case) -> Result<Row> {
     let mut row = score("decode blackholed 8 s (fault-proxy)", case, &got, NODE_LOSS);
     row.expect_detection = true;
     row.detection_s = d;
-    row.recovery_s = all_up(RECOVERY)
-        .await
-        .ok()
-        .map(|_| healed.elapsed().as_secs_f64());
+    row.recovery_s = recovered_since(healed).await;
     finish(row, &got).await
 }
 
@@ -1171,11 +1179,7 @@ async fn router_restart(case: &Case) -> Result<Row> {
             .await
             .map(|_| started.elapsed().as_secs_f64())
     };
-    let retry = |_| Opts {
-        retry: true,
-        ..Opts::default()
-    };
-    let (got, recovery) = tokio::join!(traffic(case, STREAMS, retry, None, t0), fault);
+    let (got, recovery) = tokio::join!(traffic(case, STREAMS, |_| Opts::RETRY, None, t0), fault);
     let got = got?;
     let mut row = score("router killed and restarted", case, &got, NODE_LOSS);
     row.recovery_s = Some(recovery?);
@@ -1215,19 +1219,12 @@ async fn session_holder_killed(first: &Case, second: &Case) -> Result<Row> {
         row.failures
             .push("no session was on the killed node".into());
     }
-    row.recovery_s = all_up(RECOVERY)
-        .await
-        .ok()
-        .map(|_| healed.elapsed().as_secs_f64());
+    row.recovery_s = recovered_since(healed).await;
     finish(row, &got).await
 }
 
 async fn rolling_restart(case: &Case) -> Result<Row> {
     let stop = Arc::new(AtomicBool::new(false));
-    let retry = |_| Opts {
-        retry: true,
-        ..Opts::default()
-    };
     let restarts = async {
         let started = Instant::now();
         for c in [
@@ -1246,7 +1243,13 @@ async fn rolling_restart(case: &Case) -> Result<Row> {
         anyhow::Ok(started.elapsed().as_secs_f64())
     };
     let (got, took) = tokio::join!(
-        traffic(case, STREAMS, retry, Some(stop.clone()), Instant::now()),
+        traffic(
+            case,
+            STREAMS,
+            |_| Opts::RETRY,
+            Some(stop.clone()),
+            Instant::now()
+        ),
         restarts
     );
     let got = got?;
@@ -1309,10 +1312,6 @@ async fn overload(case: &Case) -> Result<Row> {
 
 async fn soak(case: &Case, length: Duration) -> Result<Row> {
     let stop = Arc::new(AtomicBool::new(false));
-    let retry = |_| Opts {
-        retry: true,
-        ..Opts::default()
-    };
     let faults = async {
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         let started = Instant::now();
@@ -1337,7 +1336,13 @@ async fn soak(case: &Case, length: Duration) -> Result<Row> {
         anyhow::Ok(log)
     };
     let (got, log) = tokio::join!(
-        traffic(case, STREAMS, retry, Some(stop.clone()), Instant::now()),
+        traffic(
+            case,
+            STREAMS,
+            |_| Opts::RETRY,
+            Some(stop.clone()),
+            Instant::now()
+        ),
         faults
     );
     let (got, log) = (got?, log?);
