@@ -10,6 +10,7 @@ use tandem_proto::v1 as pb;
 use tonic::transport::Channel;
 
 use crate::local::GenerateArgs;
+use crate::sampling::{CHAT_DEFAULTS, GENERATE_DEFAULTS, SamplingArgs};
 
 /// What one streamed generation produced.
 #[derive(Debug, Default)]
@@ -77,14 +78,11 @@ pub(crate) async fn stream(
 }
 
 fn sampling(args: &GenerateArgs) -> pb::SamplingParams {
-    pb::SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k as u32,
-        top_p: Some(args.top_p),
-        seed: args.seed,
-        max_tokens: args.max_tokens as u32,
-        stop: args.stop.clone(),
-    }
+    tandem_worker::sampling_to_pb(
+        &args.sampling.resolve(&GENERATE_DEFAULTS),
+        args.max_tokens as u32,
+        args.stop.clone(),
+    )
 }
 
 /// `tandem generate --server ADDR ...`.
@@ -161,12 +159,8 @@ pub(crate) struct ChatArgs {
     /// The most tokens per reply.
     #[arg(long, default_value_t = 256)]
     max_tokens: u32,
-    /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
-    /// Random seed.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    #[command(flatten)]
+    sampling: SamplingArgs,
 }
 
 /// `tandem chat --server ADDR`: one line per user turn; an empty line or EOF ends.
@@ -186,9 +180,22 @@ pub(crate) fn chat(args: &ChatArgs) -> anyhow::Result<()> {
             content: s.clone(),
         })
         .collect();
+    let sampling = args.sampling.resolve(&CHAT_DEFAULTS);
     eprintln!(
         "chatting with {} (session {session_id}); an empty line ends",
         args.server
+    );
+    eprintln!(
+        "sampling: temperature {}, top-p {}, top-k {}, repetition penalty {}, frequency penalty \
+         {}, presence penalty {}, seed {}, up to {} tokens per reply (flags change them)",
+        sampling.temperature,
+        sampling.top_p,
+        sampling.top_k,
+        sampling.repetition_penalty,
+        sampling.frequency_penalty,
+        sampling.presence_penalty,
+        sampling.seed,
+        args.max_tokens
     );
     let stdin = std::io::stdin();
     loop {
@@ -204,12 +211,11 @@ pub(crate) fn chat(args: &ChatArgs) -> anyhow::Result<()> {
         let request = pb::GenerateRequest {
             session_id: session_id.clone(),
             messages: messages.clone(),
-            sampling: Some(pb::SamplingParams {
-                temperature: args.temperature,
-                seed: args.seed,
-                max_tokens: args.max_tokens,
-                ..Default::default()
-            }),
+            sampling: Some(tandem_worker::sampling_to_pb(
+                &sampling,
+                args.max_tokens,
+                Vec::new(),
+            )),
             ..Default::default()
         };
         let mut stdout = std::io::stdout().lock();

@@ -5,11 +5,10 @@ use std::io::Write;
 use anyhow::Context;
 use clap::Args;
 use serde::Serialize;
-use tandem_engine::{
-    ChatMessage, Engine, EngineConfig, GenerateParams, GenerateRequest, Model, SamplingParams,
-};
+use tandem_engine::{ChatMessage, Engine, EngineConfig, GenerateParams, GenerateRequest, Model};
 
 use crate::ModelArgs;
+use crate::sampling::{GENERATE_DEFAULTS, SamplingArgs};
 
 #[derive(Args, Debug)]
 pub(crate) struct TokenizeArgs {
@@ -49,18 +48,8 @@ pub(crate) struct GenerateArgs {
     /// The most tokens to generate.
     #[arg(long, default_value_t = 128)]
     pub(crate) max_tokens: usize,
-    /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    pub(crate) temperature: f32,
-    /// Keep only the K most likely tokens (0 = all).
-    #[arg(long, default_value_t = 0)]
-    pub(crate) top_k: usize,
-    /// Keep the smallest set of tokens whose probability reaches P (1 = all).
-    #[arg(long, default_value_t = 1.0)]
-    pub(crate) top_p: f32,
-    /// Random seed; the same seed gives the same output.
-    #[arg(long, default_value_t = 0)]
-    pub(crate) seed: u64,
+    #[command(flatten)]
+    pub(crate) sampling: SamplingArgs,
     /// Stop when this text appears (repeatable); it is not included in the output.
     #[arg(long)]
     pub(crate) stop: Vec<String>,
@@ -131,7 +120,7 @@ pub(crate) fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
     )?;
     let request = GenerateRequest {
         prompt,
-        params: params(args, args.seed),
+        params: params(args, None),
     };
     let mut stdout = std::io::stdout().lock();
     let mut print = |text: &str| {
@@ -149,14 +138,11 @@ pub(crate) fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn params(args: &GenerateArgs, seed: u64) -> GenerateParams {
+fn params(args: &GenerateArgs, seed: Option<u64>) -> GenerateParams {
+    let mut sampling = args.sampling.resolve(&GENERATE_DEFAULTS);
+    sampling.seed = seed.unwrap_or(sampling.seed);
     GenerateParams {
-        sampling: SamplingParams {
-            temperature: args.temperature,
-            top_k: args.top_k,
-            top_p: args.top_p,
-            seed,
-        },
+        sampling,
         max_tokens: args.max_tokens,
         stop: args.stop.clone(),
     }
@@ -200,7 +186,7 @@ fn generate_batch(args: &GenerateArgs, file: &std::path::Path) -> anyhow::Result
         }
         requests.push(GenerateRequest {
             prompt,
-            params: params(args, line.seed.unwrap_or(args.seed)),
+            params: params(args, line.seed),
         });
     }
     anyhow::ensure!(!requests.is_empty(), "{} holds no request", file.display());

@@ -9,6 +9,7 @@ mod fault_proxy;
 mod fetch;
 mod healthcheck;
 mod local;
+mod sampling;
 mod serve;
 mod up;
 

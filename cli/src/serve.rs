@@ -118,6 +118,10 @@ pub(crate) struct RouterArgs {
     /// Address to listen on (port 0 picks a free port).
     #[arg(long, env = "TANDEM_LISTEN", default_value = "127.0.0.1:50051")]
     listen: SocketAddr,
+    /// Address of the OpenAI-compatible HTTP API (`/v1/chat/completions`, `/v1/completions`,
+    /// `/v1/models`, `/health`); `off` serves none.
+    #[arg(long, env = "TANDEM_HTTP_LISTEN", default_value = "127.0.0.1:8000", value_parser = parse_http_listen)]
+    http_listen: HttpListen,
     /// Prefill replicas, host:port (repeat or comma-separate).
     #[arg(long, env = "TANDEM_PREFILL", value_delimiter = ',', required = true)]
     prefill: Vec<String>,
@@ -234,8 +238,37 @@ pub(crate) fn router(args: &RouterArgs) -> anyhow::Result<()> {
         index_max_blocks: args.index_max_blocks,
     };
     runtime()?.block_on(async {
-        let listener = bind(args.listen).await?;
-        tandem_router::run(listener, config, shutdown_signal()).await?;
+        let http = match args.http_listen {
+            HttpListen::Off => None,
+            HttpListen::At(addr) => {
+                let l = TcpListener::bind(addr)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
+                // `tandem up` reads this line to learn the HTTP port (before the gRPC one).
+                println!("http listening on {}", l.local_addr()?);
+                Some(l)
+            }
+        };
+        let grpc = bind(args.listen).await?;
+        let listeners = tandem_router::Listeners { grpc, http };
+        tandem_router::run(listeners, config, shutdown_signal()).await?;
         Ok(())
     })
+}
+
+/// Where the router serves HTTP, if at all.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum HttpListen {
+    Off,
+    At(SocketAddr),
+}
+
+fn parse_http_listen(s: &str) -> Result<HttpListen, String> {
+    match s {
+        "off" => Ok(HttpListen::Off),
+        _ => s
+            .parse()
+            .map(HttpListen::At)
+            .map_err(|e| format!("expected ip:port or off: {e}")),
+    }
 }

@@ -30,6 +30,9 @@ pub(crate) struct UpArgs {
     /// The router's port on 127.0.0.1 (0 picks a free one).
     #[arg(long, env = "TANDEM_PORT", default_value_t = 50051)]
     port: u16,
+    /// The router's OpenAI-compatible HTTP port on 127.0.0.1 (0 picks a free one).
+    #[arg(long, env = "TANDEM_HTTP_PORT", default_value_t = 8000)]
+    http_port: u16,
     /// Compute threads per worker (0 = the cores split evenly among the workers, at least one
     /// each, so that prefill and decode do not fight over the same cores).
     #[arg(long, env = "TANDEM_THREADS", default_value_t = 0)]
@@ -51,6 +54,8 @@ pub(crate) struct UpArgs {
 struct Node {
     name: String,
     addr: String,
+    /// The HTTP address the node printed before its gRPC one (the router's OpenAI API).
+    http: Option<String>,
     child: Child,
 }
 
@@ -65,11 +70,15 @@ async fn start(name: String, args: &[String]) -> anyhow::Result<Node> {
         .with_context(|| format!("cannot start {name}"))?;
     let stdout = child.stdout.take().context("no stdout")?;
     let mut lines = BufReader::new(stdout).lines();
+    let mut http = None;
     let addr = loop {
         match lines.next_line().await? {
             Some(line) => {
                 if let Some(addr) = line.strip_prefix("listening on ") {
                     break addr.to_string();
+                }
+                if let Some(addr) = line.strip_prefix("http listening on ") {
+                    http = Some(addr.to_string());
                 }
             }
             None => bail!("{name} exited before listening (see its log above)"),
@@ -77,7 +86,12 @@ async fn start(name: String, args: &[String]) -> anyhow::Result<Node> {
     };
     // Keep draining stdout so the child never blocks on a full pipe.
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    Ok(Node { name, addr, child })
+    Ok(Node {
+        name,
+        addr,
+        http,
+        child,
+    })
 }
 
 /// Waits until every worker reports SERVING, then the router's Generation service (which it
@@ -161,6 +175,8 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
             "router".to_string(),
             "--listen".into(),
             format!("127.0.0.1:{}", args.port),
+            "--http-listen".into(),
+            format!("127.0.0.1:{}", args.http_port),
             "--prefill".into(),
             list("prefill"),
             "--decode".into(),
@@ -170,6 +186,7 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
         ];
         let router = start("router".into(), &router_args).await?;
         let router_addr = router.addr.clone();
+        let http_addr = router.http.clone().unwrap_or_default();
         let mut nodes = vec![router];
         nodes.extend(workers);
         if let Err(e) = wait_ready(&nodes, Duration::from_millis(args.ready_timeout_ms)).await {
@@ -181,6 +198,7 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
             println!("  {:<10} {}", n.name, n.addr);
         }
         println!("router (gRPC tandem.v1.Generation): {router_addr}");
+        println!("router (OpenAI HTTP): http://{http_addr}/v1");
         println!("try: tandem chat --server {router_addr}");
         println!("metrics: http://{router_addr}/metrics; Ctrl-C stops the cluster");
 

@@ -154,7 +154,17 @@ fn up_serves_generate_server_like_local_and_stops_on_sigterm() {
     use std::process::Stdio;
 
     let mut up = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["up", "--model", "tiny", "--port", "0", "--threads", "1"])
+        .args([
+            "up",
+            "--model",
+            "tiny",
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--threads",
+            "1",
+        ])
         .env_remove("TANDEM_MODEL")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

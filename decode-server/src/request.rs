@@ -167,7 +167,12 @@ impl RequestContext {
             });
         }
         let generated = &plan.prompt[original..];
-        let stream = Stream::resume(plan.params.clone(), &self.model.tokenizer, generated)?;
+        let stream = Stream::resume(
+            plan.params.clone(),
+            &self.model.tokenizer,
+            &plan.prompt[..original],
+            generated,
+        )?;
         let admitted = self
             .admission
             .try_admit(total.div_ceil(tandem_engine::BLOCK_TOKENS))?;

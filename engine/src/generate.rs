@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use crate::engine::{Engine, SeqId};
 use crate::error::{Error, Result};
-use crate::sampling::{SamplingParams, sample};
+use crate::sampling::{History, SamplingParams, sample};
 use tandem_tokenizer::{TokenDecoder, Tokenizer};
 
 #[derive(Clone, Debug, PartialEq, Default)]
@@ -64,27 +64,32 @@ pub struct Stream {
     /// Decoded text not yet shown because it might begin a stop string.
     held: String,
     generated: usize,
+    /// The tokens so far, for the penalties.
+    history: History,
 }
 
 impl Stream {
-    pub fn new(params: GenerateParams) -> Self {
+    /// A generation that continues `prompt`.
+    pub fn new(params: GenerateParams, prompt: &[u32]) -> Self {
         Self {
             params,
             decoder: TokenDecoder::default(),
             held: String::new(),
             generated: 0,
+            history: History::new(prompt, &[]),
         }
     }
 
-    /// The state after `generated` tokens were accepted and their emissions already delivered
-    /// (a generation resumed on another node): what follows equals an uninterrupted run.
-    /// Fails if those tokens already end the generation.
+    /// The state after `generated` tokens followed `prompt` and their emissions were already
+    /// delivered (a generation resumed on another node): what follows equals an uninterrupted
+    /// run. Fails if those tokens already end the generation.
     pub fn resume(
         params: GenerateParams,
         tokenizer: &Tokenizer,
+        prompt: &[u32],
         generated: &[u32],
     ) -> Result<Self> {
-        let mut stream = Self::new(params);
+        let mut stream = Self::new(params, prompt);
         for &token in generated {
             if stream.accept(tokenizer, token).finished.is_some() {
                 return Err(Error::InvalidArgument {
@@ -98,7 +103,12 @@ impl Stream {
 
     /// Samples the token at absolute `position` from `logits`.
     pub fn sample(&self, logits: &[f32], position: usize) -> u32 {
-        sample(logits, &self.params.sampling, position as u64)
+        sample(
+            logits,
+            &self.params.sampling,
+            position as u64,
+            &self.history,
+        )
     }
 
     /// Accepts a sampled token.
@@ -112,6 +122,7 @@ impl Stream {
             };
         }
         self.generated += 1;
+        self.history.push(token);
         self.held.push_str(&self.decoder.push(tokenizer, token));
         let mut text = self.release_text();
         let mut finished = text.1.then_some(FinishReason::Stop);
@@ -244,7 +255,7 @@ impl Engine {
             let t0 = Instant::now();
             active.push(Active {
                 seq,
-                stream: Stream::new(req.params.clone()),
+                stream: Stream::new(req.params.clone(), &req.prompt),
                 next: 0,
                 out: GenerateOutput {
                     prompt_token_ids: req.prompt.clone(),

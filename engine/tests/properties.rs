@@ -43,7 +43,7 @@ fn decode(
     let mut out = Vec::new();
     for _ in 0..steps {
         let pos = engine.seq_len(seq).expect("len");
-        let tok = tandem_engine::sample(&logits, p, pos as u64);
+        let tok = tandem_engine::sample(&logits, p, pos as u64, &Default::default());
         out.push(tok);
         logits = engine.step(&[(seq, tok)]).expect("step").row(0).to_vec();
     }
@@ -108,6 +108,10 @@ fn batched_decode_equals_each_sequence_alone() {
             top_k: 40,
             top_p: 0.95,
             seed: 7 + i,
+            // Penalties read each sequence's own history, also in a batch.
+            frequency_penalty: if i % 3 == 1 { 0.5 } else { 0.0 },
+            presence_penalty: if i % 3 == 1 { 0.4 } else { 0.0 },
+            repetition_penalty: if i % 3 == 2 { 1.3 } else { 1.0 },
         })
         .collect();
     let requests: Vec<GenerateRequest> = (0..5)
@@ -521,7 +525,7 @@ fn a_generation_resumed_from_its_delivered_tokens_equals_the_uninterrupted_one()
     let (mut out, mut step_logits) = (Vec::new(), Vec::new());
     for _ in 0..24 {
         let pos = e.seq_len(s).expect("len");
-        let tok = tandem_engine::sample(&logits, &p, pos as u64);
+        let tok = tandem_engine::sample(&logits, &p, pos as u64, &Default::default());
         out.push(tok);
         step_logits.push(logits.clone());
         logits = e.step(&[(s, tok)]).expect("step").row(0).to_vec();
@@ -559,7 +563,7 @@ fn a_resumed_stream_emits_the_rest_of_the_text() {
         stop: vec![chars[chars.len() - 3..].iter().collect()],
         ..base.params.clone()
     };
-    let mut whole = tandem_engine::Stream::new(params.clone());
+    let mut whole = tandem_engine::Stream::new(params.clone(), &base.prompt);
     let emissions: Vec<_> = full
         .token_ids
         .iter()
@@ -570,9 +574,13 @@ fn a_resumed_stream_emits_the_rest_of_the_text() {
         .position(|m| m.finished.is_some())
         .expect("the generation ends");
     for k in 1..=ended {
-        let mut resumed =
-            tandem_engine::Stream::resume(params.clone(), tokenizer, &full.token_ids[..k])
-                .expect("resume");
+        let mut resumed = tandem_engine::Stream::resume(
+            params.clone(),
+            tokenizer,
+            &base.prompt,
+            &full.token_ids[..k],
+        )
+        .expect("resume");
         for (i, &t) in full.token_ids[k..=ended].iter().enumerate() {
             assert_eq!(
                 resumed.accept(tokenizer, t),
@@ -583,7 +591,7 @@ fn a_resumed_stream_emits_the_rest_of_the_text() {
     }
     // Tokens that already finished the generation cannot be resumed.
     assert!(matches!(
-        tandem_engine::Stream::resume(params, tokenizer, &full.token_ids[..=ended]),
+        tandem_engine::Stream::resume(params, tokenizer, &base.prompt, &full.token_ids[..=ended]),
         Err(Error::InvalidArgument { .. })
     ));
 }

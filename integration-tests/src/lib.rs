@@ -125,6 +125,8 @@ impl ClusterConfig {
 #[derive(Debug)]
 pub struct Cluster {
     pub router: Node,
+    /// The router's OpenAI-compatible HTTP API.
+    pub http: SocketAddr,
     pub prefill: Vec<Node>,
     pub decode: Vec<Node>,
     /// With `relays`: the prefill nodes' relays, then the decode nodes'.
@@ -191,11 +193,19 @@ impl Cluster {
             policy: config.policy,
             ..tandem_router::Config::default()
         };
-        let router =
-            Node::spawn(|l, rx| async move { Ok(tandem_router::run(l, rc, stopped(rx)).await?) })
-                .await?;
+        let http = TcpListener::bind("127.0.0.1:0").await?;
+        let http_addr = http.local_addr()?;
+        let router = Node::spawn(|grpc, rx| async move {
+            let listeners = tandem_router::Listeners {
+                grpc,
+                http: Some(http),
+            };
+            Ok(tandem_router::run(listeners, rc, stopped(rx)).await?)
+        })
+        .await?;
         let cluster = Self {
             router,
+            http: http_addr,
             prefill,
             decode,
             relays,

@@ -67,6 +67,12 @@ impl PrefillService {
             );
         }
         tandem_worker::sampling_from_pb(r.sampling.as_ref()).validate()?;
+        if r.resumed_tokens as usize >= r.token_ids.len() {
+            return invalid(
+                "resumed_tokens",
+                "must leave at least one token of the original prompt".into(),
+            );
+        }
         Ok(())
     }
 
@@ -108,6 +114,7 @@ impl PrefillService {
                 tokens: r.token_ids,
                 hashes,
                 push,
+                resumed: r.resumed_tokens as usize,
                 sampling: tandem_worker::sampling_from_pb(r.sampling.as_ref()),
                 kv,
                 cancel,

@@ -37,8 +37,13 @@ pub struct Prepared {
     pub sampling: pb::SamplingParams,
 }
 
-/// Checks a client request and turns its input into token ids.
-pub fn prepare(front: &Frontend, r: pb::GenerateRequest) -> Result<Prepared> {
+/// Checks a client request and turns its input into token ids. With `default_max_tokens`, an
+/// unset `max_tokens` (0) means that many, or the rest of the context if that is less.
+pub fn prepare(
+    front: &Frontend,
+    r: pb::GenerateRequest,
+    default_max_tokens: Option<u32>,
+) -> Result<Prepared> {
     let invalid = |field, reason: &str| {
         Err(Error::InvalidArgument {
             field,
@@ -54,11 +59,25 @@ pub fn prepare(front: &Frontend, r: pb::GenerateRequest) -> Result<Prepared> {
             "exactly one of prompt, messages and token_ids must be given",
         );
     }
-    let Some(sampling) = r.sampling else {
+    let Some(mut sampling) = r.sampling else {
         return invalid("sampling", "sampling with max_tokens is required");
     };
-    if sampling.temperature.is_nan() || sampling.temperature < 0.0 {
-        return invalid("sampling.temperature", "must be a number at least 0");
+    if !(sampling.temperature.is_finite() && sampling.temperature >= 0.0) {
+        return invalid("sampling.temperature", "must be a finite number at least 0");
+    }
+    for (field, value) in [
+        ("sampling.frequency_penalty", sampling.frequency_penalty),
+        ("sampling.presence_penalty", sampling.presence_penalty),
+    ] {
+        if value.is_some_and(|v| !(-2.0..=2.0).contains(&v)) {
+            return invalid(field, "must be in [-2, 2]");
+        }
+    }
+    if sampling
+        .repetition_penalty
+        .is_some_and(|r| !(r > 0.0 && r <= 10.0))
+    {
+        return invalid("sampling.repetition_penalty", "must be in (0, 10]");
     }
     if let Some(p) = sampling.top_p
         && (p.is_nan() || p <= 0.0 || p > 1.0)
@@ -68,7 +87,7 @@ pub fn prepare(front: &Frontend, r: pb::GenerateRequest) -> Result<Prepared> {
     if sampling.stop.iter().any(String::is_empty) {
         return invalid("sampling.stop", "stop strings must not be empty");
     }
-    if sampling.max_tokens == 0 {
+    if sampling.max_tokens == 0 && default_max_tokens.is_none() {
         return invalid("sampling.max_tokens", "must be at least 1");
     }
     let tokens = if let Some(prompt) = r.prompt {
@@ -109,6 +128,10 @@ pub fn prepare(front: &Frontend, r: pb::GenerateRequest) -> Result<Prepared> {
                 front.context_tokens
             ),
         });
+    }
+    if sampling.max_tokens == 0 {
+        let rest = (front.context_tokens - tokens.len()) as u32;
+        sampling.max_tokens = default_max_tokens.unwrap_or(rest).min(rest);
     }
     if tokens.len() + sampling.max_tokens as usize > front.context_tokens {
         return Err(Error::InvalidArgument {
@@ -391,6 +414,7 @@ impl Dispatcher {
                 cached_tokens: decode_cached,
                 decode_addr: d_addr.clone(),
                 sampling: Some(p.sampling.clone()),
+                resumed_tokens: resumed as u32,
             });
             p_req.set_timeout(remaining);
             async move { p_client.prefill(p_req).await }

@@ -1,7 +1,7 @@
 //! The router: serves the client API (`tandem.v1.Generation`) and dispatches each request to a
 //! decode and a prefill replica. It tokenizes and renders chat templates itself, with a
 //! tokenizer learned from the workers, and never links candle. Health, reflection and
-//! `/metrics` share its port.
+//! `/metrics` share its port. The OpenAI-compatible HTTP API ([`openai`]) has a port of its own.
 
 mod config;
 mod discovery;
@@ -10,6 +10,7 @@ mod generation;
 mod index;
 mod log;
 mod metrics;
+pub mod openai;
 mod policy;
 mod replicas;
 mod retry;
@@ -42,12 +43,25 @@ use crate::service::GenerationService;
 
 const SERVICE_NAME: &str = "tandem.v1.Generation";
 
-/// Serves the router on `listener` until `shutdown` completes, then drains.
+/// Where the router serves.
+#[derive(Debug)]
+pub struct Listeners {
+    /// gRPC (`tandem.v1.Generation`), health, reflection and `/metrics`.
+    pub grpc: TcpListener,
+    /// The OpenAI-compatible HTTP API, if any.
+    pub http: Option<TcpListener>,
+}
+
+/// Serves the router until `shutdown` completes, then drains.
 pub async fn run(
-    listener: TcpListener,
+    listeners: Listeners,
     config: Config,
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
+    let Listeners {
+        grpc: listener,
+        http,
+    } = listeners;
     if config.prefill.is_empty() || config.decode.is_empty() {
         return Err(Error::InvalidArgument {
             field: "replicas",
@@ -120,9 +134,29 @@ pub async fn run(
             }
         });
     }
+    // HTTP stops accepting when shutdown begins; its open streams end as their generations do
+    // (the grace period below bounds them).
+    let http_stop = CancellationToken::new();
+    let http_task = match http {
+        Some(l) => {
+            tracing::info!(addr = ?l.local_addr().ok(), "OpenAI HTTP API serving");
+            let app = openai::routes(generation.clone(), replicas.clone());
+            let stop = http_stop.clone();
+            Some(tokio::spawn(async move {
+                axum::serve(l, app)
+                    .with_graceful_shutdown(stop.cancelled_owned())
+                    .await
+            }))
+        }
+        None => None,
+    };
     let routes = Routes::new(health_service).add_service(tandem_proto::limits!(
         pb::generation_server::GenerationServer::new(generation)
     ));
+    let shutdown = async {
+        shutdown.await;
+        http_stop.cancel();
+    };
     tracing::info!(addr = ?listener.local_addr().ok(), prefill = ?config.prefill, decode = ?config.decode, "router serving");
     let served = tandem_proto::net::serve(
         listener,
@@ -137,8 +171,18 @@ pub async fn run(
     )
     .await;
     root.cancel();
+    http_stop.cancel();
     tracker.close();
     tracker.wait().await;
+    if let Some(task) = http_task {
+        // Every generation has ended, so every HTTP stream has too.
+        match tokio::time::timeout(config.grace, task).await {
+            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "the HTTP server failed"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "the HTTP server task failed"),
+            Ok(Ok(Ok(()))) => {}
+            Err(_) => tracing::warn!("HTTP connections still open after the grace period"),
+        }
+    }
     served?;
     Ok(())
 }

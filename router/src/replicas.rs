@@ -30,6 +30,8 @@ use crate::metrics::RouterMetrics;
 /// What the router knows of the model, from the first worker that answered.
 #[derive(Debug)]
 pub struct Frontend {
+    /// The model's name, as its workers report it (the OpenAI API's model id).
+    pub model_name: String,
     pub tokenizer: Tokenizer,
     pub context_tokens: usize,
     pub fingerprint: Vec<u8>,
@@ -44,6 +46,7 @@ impl Frontend {
             .map_err(|e| tracing::error!(error = %e, "worker sent an unusable tokenizer spec"))
             .ok()?;
         Some(Self {
+            model_name: info.model_name.clone(),
             tokenizer,
             context_tokens: info.context_tokens as usize,
             fingerprint: info.model_fingerprint.to_vec(),

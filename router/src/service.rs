@@ -1,6 +1,7 @@
 //! The router's gRPC face: `Generation.Generate`. Admission, request-id attachment (atomic:
 //! lookup and registration under one lock), and the hand-off to a generation task; the flow
-//! itself is in [`crate::generation`].
+//! itself is in [`crate::generation`]. The OpenAI HTTP API ([`crate::openai`]) starts its
+//! generations through the same [`GenerationService::start`].
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -38,11 +39,28 @@ impl GenerationService {
         self.running.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn start(&self, request: Request<pb::GenerateRequest>) -> Result<GenerateStream, Error> {
+    /// Starts (or attaches to) a generation and returns its frames. `deadline` defaults to the
+    /// router's timeout; `default_max_tokens` is [`prepare`]'s. A refusal is counted in the
+    /// metrics here.
+    pub(crate) fn start(
+        &self,
+        r: pb::GenerateRequest,
+        deadline: Option<tokio::time::Instant>,
+        default_max_tokens: Option<u32>,
+    ) -> Result<GenerateStream, Error> {
+        self.try_start(r, deadline, default_max_tokens)
+            .inspect_err(|e| self.dispatcher.metrics.finished(e.code()))
+    }
+
+    fn try_start(
+        &self,
+        r: pb::GenerateRequest,
+        deadline: Option<tokio::time::Instant>,
+        default_max_tokens: Option<u32>,
+    ) -> Result<GenerateStream, Error> {
         let accepted = Instant::now();
-        let deadline = tandem_proto::net::deadline(request.metadata())
-            .unwrap_or_else(|| tokio::time::Instant::now() + self.default_timeout);
-        let r = request.into_inner();
+        let deadline =
+            deadline.unwrap_or_else(|| tokio::time::Instant::now() + self.default_timeout);
         let id = r.request_id.clone();
         if self.shutdown.is_cancelled() {
             return Err(Error::ShuttingDown);
@@ -53,7 +71,7 @@ impl GenerationService {
             .frontend()
             .cloned()
             .ok_or(Error::NotReady)?;
-        let prepared = prepare(&front, r)?;
+        let prepared = prepare(&front, r, default_max_tokens)?;
         // Looking the id up and registering the new generation are one step under one lock, so
         // two requests with the same id can never both start.
         let (log, permit) = {
@@ -104,12 +122,8 @@ impl pb::generation_server::Generation for GenerationService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        match self.start(request) {
-            Ok(stream) => Ok(Response::new(stream)),
-            Err(e) => {
-                self.dispatcher.metrics.finished(e.code());
-                Err(e.into())
-            }
-        }
+        let deadline = tandem_proto::net::deadline(request.metadata());
+        let stream = self.start(request.into_inner(), deadline, None)?;
+        Ok(Response::new(stream))
     }
 }

@@ -38,6 +38,28 @@ pub fn sampling_from_pb(s: Option<&pb::SamplingParams>) -> SamplingParams {
         top_k: s.top_k as usize,
         top_p: s.top_p.unwrap_or(1.0),
         seed: s.seed,
+        frequency_penalty: s.frequency_penalty.unwrap_or(0.0),
+        presence_penalty: s.presence_penalty.unwrap_or(0.0),
+        repetition_penalty: s.repetition_penalty.unwrap_or(1.0),
+    }
+}
+
+/// The wire's sampling from the engine's, with the generation's `max_tokens` and `stop`.
+pub fn sampling_to_pb(
+    s: &SamplingParams,
+    max_tokens: u32,
+    stop: Vec<String>,
+) -> pb::SamplingParams {
+    pb::SamplingParams {
+        temperature: s.temperature,
+        top_k: s.top_k as u32,
+        top_p: Some(s.top_p),
+        seed: s.seed,
+        max_tokens,
+        stop,
+        frequency_penalty: Some(s.frequency_penalty),
+        presence_penalty: Some(s.presence_penalty),
+        repetition_penalty: Some(s.repetition_penalty),
     }
 }
 

@@ -1,0 +1,143 @@
+//! The router's OpenAI-compatible HTTP API, driven by the official `openai` Python package
+//! (`integration-tests/openai/client_check.py`), installed from PyPI into a virtual environment
+//! under the target directory on first use. The script checks chat and completions, streamed and
+//! not, usage, stop, penalties, a rejected parameter and the error statuses; this test then
+//! checks that what it saw is exactly what the gRPC API answers, and that a client that
+//! disconnects mid-stream frees the decode node.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use tandem_integration_tests::{Cluster, ClusterConfig, collect, default_model};
+use tandem_proto::v1 as pb;
+
+/// The `openai` package version the check is written against.
+const OPENAI: &str = "openai==3.54.0";
+
+/// A Python with `openai` installed: `TANDEM_OPENAI_PYTHON` if set, else a virtual environment
+/// made (once) under the target directory.
+fn python() -> PathBuf {
+    if let Some(p) = std::env::var_os("TANDEM_OPENAI_PYTHON") {
+        return p.into();
+    }
+    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
+    let python = venv.join("bin/python");
+    let has_openai = |p: &Path| {
+        Command::new(p)
+            .args(["-c", "import openai"])
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !has_openai(&python) {
+        let base = std::env::var("TANDEM_PYTHON").unwrap_or_else(|_| "python3".into());
+        let made = Command::new(&base)
+            .args(["-m", "venv"])
+            .arg(&venv)
+            .status()
+            .expect("run python3 -m venv");
+        assert!(
+            made.success(),
+            "could not make a virtual environment with {base}"
+        );
+        let installed = Command::new(&python)
+            .args(["-m", "pip", "install", "--quiet", OPENAI])
+            .status()
+            .expect("run pip");
+        assert!(
+            installed.success(),
+            "pip could not install {OPENAI} from PyPI"
+        );
+    }
+    python
+}
+
+async fn grpc_text(cluster: &Cluster, request: pb::GenerateRequest) -> String {
+    collect(&mut cluster.client(), request)
+        .await
+        .expect("gRPC generation")
+        .text
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_client_gets_what_grpc_gets() {
+    let python = tokio::task::spawn_blocking(python)
+        .await
+        .expect("python setup");
+    let model = default_model().expect("the default model (run `tandem model fetch`)");
+    let cluster = Cluster::start(ClusterConfig::new(model))
+        .await
+        .expect("cluster");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("openai/client_check.py");
+    let base = format!("http://{}/v1", cluster.http);
+    let out = tokio::process::Command::new(&python)
+        .arg(&script)
+        .arg(&base)
+        .output()
+        .await
+        .expect("run the openai client");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "client_check.py failed:\n{stderr}");
+    let seen: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("the script's JSON line");
+
+    // The same requests over gRPC give the same text.
+    let chat = grpc_text(
+        &cluster,
+        pb::GenerateRequest {
+            messages: vec![pb::ChatMessage {
+                role: "user".into(),
+                content: "What is the capital of France?".into(),
+            }],
+            sampling: Some(pb::SamplingParams {
+                max_tokens: 24,
+                seed: 1,
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(seen["chat_text"], chat.as_str());
+    let completion = grpc_text(
+        &cluster,
+        pb::GenerateRequest {
+            prompt: Some("The list of the first ten prime numbers: 2, 3, 5,".into()),
+            sampling: Some(pb::SamplingParams {
+                max_tokens: 16,
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(seen["completion_text"], completion.as_str());
+    // The streamed chat repeated the first one's prompt, which a cache then held.
+    assert!(
+        seen["stream_cached_tokens"].as_u64().unwrap_or(0) > 0,
+        "{seen}"
+    );
+
+    // A client that disconnects mid-stream cancels the generation.
+    let client = reqwest::Client::new();
+    let mut response = client
+        .post(format!("{base}/completions"))
+        .json(&serde_json::json!({
+            "model": seen["model"],
+            "prompt": "Count to a thousand: 1, 2, 3,",
+            "max_tokens": 1000,
+            "temperature": 0,
+            "stream": true,
+        }))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(response.status(), 200);
+    let first = response.chunk().await.expect("read").expect("a chunk");
+    assert!(first.starts_with(b"data: {"), "{first:?}");
+    drop(response);
+    let idle = cluster.until_decode_idle(0).await.expect("decode idle");
+    assert!(idle < Duration::from_secs(2), "freed after {idle:?}");
+
+    cluster.stop().await.expect("stop");
+}

@@ -1,0 +1,998 @@
+//! The OpenAI-compatible HTTP API, on its own port beside gRPC: `POST /v1/chat/completions`,
+//! `POST /v1/completions` (both with `stream`), `GET /v1/models` and `GET /health`.
+//!
+//! A request becomes a `tandem.v1` `GenerateRequest` and runs through the same
+//! [`GenerationService::start`] as a gRPC call: the same validation, limits, admission,
+//! request-id attachment (`x-request-id`), affinity (`x-session-id`, else `user`) and failover.
+//! Every parameter is either honoured or rejected by name with a 400; none is ignored. Errors
+//! are OpenAI error objects with the status that matches the gRPC code. A client that goes away
+//! drops the frame stream, which cancels the generation as a gRPC cancel does.
+//!
+//! The body is parsed by hand from a JSON object, not derived, so that an unknown key can be
+//! named in the error instead of failing the whole parse or being dropped.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::Json;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures::{Stream, StreamExt};
+use serde_json::{Map, Value, json};
+use tandem_proto::v1 as pb;
+use tonic::Code;
+
+use crate::error::Error;
+use crate::replicas::Replicas;
+use crate::service::{GenerateStream, GenerationService};
+
+/// Most tokens a request may generate when it sets no `max_tokens` (less if the context ends
+/// sooner). The decode node reserves KV for the worst case, so "the whole context" by default
+/// would let a handful of requests hold the pool.
+pub const DEFAULT_MAX_TOKENS: u32 = 1024;
+
+/// Most stop sequences, as in OpenAI's API.
+const MAX_STOP: usize = 4;
+
+/// Which endpoint a request came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+impl Kind {
+    fn object(self, streaming: bool) -> &'static str {
+        match (self, streaming) {
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Completion, _) => "text_completion",
+        }
+    }
+
+    fn id_prefix(self) -> &'static str {
+        match self {
+            Kind::Chat => "chatcmpl-",
+            Kind::Completion => "cmpl-",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Api {
+    service: GenerationService,
+    replicas: Arc<Replicas>,
+}
+
+/// The HTTP routes, served by [`crate::run`] on the HTTP listener.
+pub(crate) fn routes(service: GenerationService, replicas: Arc<Replicas>) -> axum::Router {
+    axum::Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .fallback(|| async {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                "no such route",
+                "invalid_request_error",
+            )
+        })
+        .layer(DefaultBodyLimit::max(tandem_proto::MAX_MESSAGE_BYTES))
+        .with_state(Api { service, replicas })
+}
+
+/// An OpenAI error object with its HTTP status.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    message: String,
+    kind: &'static str,
+    param: Option<String>,
+    code: Option<&'static str>,
+    retry_after_s: Option<u64>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>, kind: &'static str) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code: None,
+            retry_after_s: None,
+        }
+    }
+
+    fn invalid(param: &str, message: impl Into<String>) -> Self {
+        Self {
+            param: Some(param.to_string()),
+            ..Self::new(StatusCode::BAD_REQUEST, message, "invalid_request_error")
+        }
+    }
+
+    fn unsupported(param: &str, why: &str) -> Self {
+        Self {
+            code: Some("unsupported_parameter"),
+            ..Self::invalid(param, format!("unsupported parameter '{param}': {why}"))
+        }
+    }
+
+    /// The status a gRPC code maps to. `retry_after_ms` is the pushback that came with it.
+    fn from_code(code: Code, message: String, retry_after_ms: Option<u64>) -> Self {
+        let (status, kind, code) = match code {
+            Code::InvalidArgument => (StatusCode::BAD_REQUEST, "invalid_request_error", None),
+            Code::Unauthenticated => (
+                StatusCode::UNAUTHORIZED,
+                "authentication_error",
+                Some("invalid_api_key"),
+            ),
+            Code::ResourceExhausted => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                Some("rate_limit_exceeded"),
+            ),
+            Code::DeadlineExceeded => (StatusCode::GATEWAY_TIMEOUT, "timeout", Some("timeout")),
+            Code::Unavailable | Code::DataLoss => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                Some("service_unavailable"),
+            ),
+            // A client that went away reads no answer; the status is for the logs.
+            Code::Cancelled => (
+                StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
+                "cancelled",
+                Some("cancelled"),
+            ),
+            _ => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
+        };
+        Self {
+            code,
+            retry_after_s: (status == StatusCode::TOO_MANY_REQUESTS)
+                .then(|| retry_after_ms.unwrap_or(1000).div_ceil(1000).max(1)),
+            ..Self::new(status, message, kind)
+        }
+    }
+
+    fn from_status(s: &tonic::Status) -> Self {
+        let pushback = s
+            .metadata()
+            .get("grpc-retry-pushback-ms")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok());
+        Self::from_code(s.code(), s.message().to_string(), pushback)
+    }
+
+    fn body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+}
+
+impl From<Error> for ApiError {
+    fn from(e: Error) -> Self {
+        let mut api = Self::from_code(e.code(), e.to_string(), None);
+        if let Error::InvalidArgument { field, .. } = &e {
+            // The gRPC field's OpenAI name.
+            let name = field.strip_prefix("sampling.").unwrap_or(field);
+            api.param = Some(name.to_string());
+        }
+        if let Error::Busy { .. } = e {
+            api.retry_after_s = Some(1);
+        }
+        api
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, Json(self.body())).into_response();
+        if let Some(s) = self.retry_after_s {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        response
+    }
+}
+
+/// A request, read and checked.
+#[derive(Debug)]
+struct Parsed {
+    request: pb::GenerateRequest,
+    stream: bool,
+    include_usage: bool,
+    timeout: Option<Duration>,
+}
+
+/// The keys each endpoint honours. Anything else that is present and not null is rejected.
+const COMMON_KEYS: &[&str] = &[
+    "model",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "n",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "user",
+    "logprobs",
+    "logit_bias",
+];
+const CHAT_KEYS: &[&str] = &[
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "response_format",
+];
+const COMPLETION_KEYS: &[&str] = &["prompt", "echo", "best_of", "suffix"];
+
+fn number(body: &Map<String, Value>, key: &str) -> Result<Option<f64>, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| ApiError::invalid(key, format!("'{key}' must be a number"))),
+    }
+}
+
+fn in_range(
+    body: &Map<String, Value>,
+    key: &str,
+    range: std::ops::RangeInclusive<f64>,
+) -> Result<Option<f32>, ApiError> {
+    match number(body, key)? {
+        Some(v) if !range.contains(&v) => Err(ApiError::invalid(
+            key,
+            format!(
+                "'{key}' must be between {} and {}, got {v}",
+                range.start(),
+                range.end()
+            ),
+        )),
+        v => Ok(v.map(|v| v as f32)),
+    }
+}
+
+fn unsigned(body: &Map<String, Value>, key: &str) -> Result<Option<u64>, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
+            ApiError::invalid(key, format!("'{key}' must be a non-negative integer"))
+        }),
+    }
+}
+
+fn flag(body: &Map<String, Value>, key: &str) -> Result<bool, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(ApiError::invalid(key, format!("'{key}' must be a boolean"))),
+    }
+}
+
+fn present(body: &Map<String, Value>, key: &str) -> bool {
+    body.get(key).is_some_and(|v| !v.is_null())
+}
+
+/// A chat message's text: a string, or an array of text parts.
+fn content_text(i: usize, content: Option<&Value>) -> Result<String, ApiError> {
+    let param = format!("messages[{i}].content");
+    match content {
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .map(
+                |p| match (p.get("type").and_then(Value::as_str), p.get("text")) {
+                    (Some("text"), Some(Value::String(t))) => Ok(t.as_str()),
+                    (Some(other), _) if other != "text" => Err(ApiError::unsupported(
+                        &param,
+                        &format!("content parts of type '{other}' (only text)"),
+                    )),
+                    _ => Err(ApiError::invalid(
+                        &param,
+                        "a content part must be {\"type\": \"text\", \"text\": ...}",
+                    )),
+                },
+            )
+            .collect(),
+        Some(Value::Null) | None => Err(ApiError::invalid(&param, "content is required")),
+        Some(_) => Err(ApiError::invalid(
+            &param,
+            "content must be a string or an array of text parts",
+        )),
+    }
+}
+
+fn messages(body: &Map<String, Value>) -> Result<Vec<pb::ChatMessage>, ApiError> {
+    let Some(Value::Array(list)) = body.get("messages") else {
+        return Err(ApiError::invalid(
+            "messages",
+            "'messages' must be a non-empty array",
+        ));
+    };
+    if list.is_empty() {
+        return Err(ApiError::invalid(
+            "messages",
+            "'messages' must be a non-empty array",
+        ));
+    }
+    list.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let Value::Object(m) = m else {
+                return Err(ApiError::invalid(
+                    &format!("messages[{i}]"),
+                    "a message must be an object with 'role' and 'content'",
+                ));
+            };
+            if let Some(k) = m
+                .iter()
+                .find(|(k, v)| !matches!(k.as_str(), "role" | "content" | "name") && !v.is_null())
+                .map(|(k, _)| k)
+            {
+                return Err(ApiError::unsupported(
+                    &format!("messages[{i}].{k}"),
+                    "Tandem has no tool calls or audio",
+                ));
+            }
+            let role = match m.get("role").and_then(Value::as_str) {
+                Some(r @ ("system" | "user" | "assistant")) => r,
+                // OpenAI's newer name for the system role.
+                Some("developer") => "system",
+                Some(other) => {
+                    return Err(ApiError::invalid(
+                        &format!("messages[{i}].role"),
+                        format!(
+                            "role '{other}' is not supported (system, developer, user, assistant)"
+                        ),
+                    ));
+                }
+                None => {
+                    return Err(ApiError::invalid(
+                        &format!("messages[{i}].role"),
+                        "role is required",
+                    ));
+                }
+            };
+            Ok(pb::ChatMessage {
+                role: role.into(),
+                content: content_text(i, m.get("content"))?,
+            })
+        })
+        .collect()
+}
+
+fn stop(body: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
+    let stops = match body.get("stop") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|s| {
+                s.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| ApiError::invalid("stop", "'stop' must hold strings"))
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "stop",
+                "'stop' must be a string or an array of strings",
+            ));
+        }
+    };
+    if stops.len() > MAX_STOP {
+        return Err(ApiError::invalid(
+            "stop",
+            format!("at most {MAX_STOP} stop sequences"),
+        ));
+    }
+    Ok(stops)
+}
+
+/// A header's value, if present and readable.
+fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers.get(name).and_then(|v| v.to_str().ok())
+}
+
+fn parse(kind: Kind, model: &str, headers: &HeaderMap, body: &[u8]) -> Result<Parsed, ApiError> {
+    let body: Map<String, Value> = serde_json::from_slice(body).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!("the body is not a JSON object: {e}"),
+            "invalid_request_error",
+        )
+    })?;
+    let own = match kind {
+        Kind::Chat => CHAT_KEYS,
+        Kind::Completion => COMPLETION_KEYS,
+    };
+    if let Some(key) = body
+        .iter()
+        .find(|(k, v)| {
+            !v.is_null() && !COMMON_KEYS.contains(&k.as_str()) && !own.contains(&k.as_str())
+        })
+        .map(|(k, _)| k)
+    {
+        return Err(ApiError::unsupported(key, "Tandem does not implement it"));
+    }
+    // Parameters that are accepted only at the value that means "off".
+    if unsigned(&body, "n")?.is_some_and(|n| n != 1) {
+        return Err(ApiError::unsupported("n", "only n=1 is served"));
+    }
+    if unsigned(&body, "best_of")?.is_some_and(|n| n != 1) {
+        return Err(ApiError::unsupported("best_of", "only best_of=1 is served"));
+    }
+    if matches!(body.get("logprobs"), Some(v) if !v.is_null() && v != &json!(false)) {
+        return Err(ApiError::unsupported(
+            "logprobs",
+            "log probabilities are not returned",
+        ));
+    }
+    if present(&body, "top_logprobs") {
+        return Err(ApiError::unsupported(
+            "top_logprobs",
+            "log probabilities are not returned",
+        ));
+    }
+    if flag(&body, "echo")? {
+        return Err(ApiError::unsupported("echo", "the prompt is not echoed"));
+    }
+    if present(&body, "suffix") {
+        return Err(ApiError::unsupported(
+            "suffix",
+            "there is no insertion mode",
+        ));
+    }
+    if body
+        .get("logit_bias")
+        .is_some_and(|v| !v.is_null() && v.as_object().is_none_or(|o| !o.is_empty()))
+    {
+        return Err(ApiError::unsupported(
+            "logit_bias",
+            "logit biases are not applied",
+        ));
+    }
+    if body
+        .get("response_format")
+        .is_some_and(|v| !v.is_null() && v.get("type") != Some(&json!("text")))
+    {
+        return Err(ApiError::unsupported(
+            "response_format",
+            "only {\"type\": \"text\"} is served",
+        ));
+    }
+    match body.get("model") {
+        Some(Value::String(m)) if m == model => {}
+        Some(Value::String(m)) => {
+            return Err(ApiError {
+                code: Some("model_not_found"),
+                param: Some("model".into()),
+                ..ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    format!("the model '{m}' does not exist; this server has '{model}'"),
+                    "invalid_request_error",
+                )
+            });
+        }
+        _ => return Err(ApiError::invalid("model", "'model' must be a string")),
+    }
+    let stream = flag(&body, "stream")?;
+    let include_usage = match body.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(o)) => {
+            if let Some(k) = o.keys().find(|k| *k != "include_usage") {
+                return Err(ApiError::unsupported(
+                    &format!("stream_options.{k}"),
+                    "only include_usage is served",
+                ));
+            }
+            if !stream {
+                return Err(ApiError::invalid(
+                    "stream_options",
+                    "stream_options is only allowed with stream: true",
+                ));
+            }
+            flag(o, "include_usage")?
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "stream_options",
+                "'stream_options' must be an object",
+            ));
+        }
+    };
+    let max_tokens = match (
+        unsigned(&body, "max_completion_tokens")?,
+        unsigned(&body, "max_tokens")?,
+    ) {
+        (Some(m), _) | (None, Some(m)) => {
+            if m == 0 {
+                return Err(ApiError::invalid(
+                    "max_tokens",
+                    "'max_tokens' must be at least 1",
+                ));
+            }
+            u32::try_from(m).unwrap_or(u32::MAX)
+        }
+        // 0: the router's default (see DEFAULT_MAX_TOKENS).
+        (None, None) => 0,
+    };
+    let seed = match body.get("seed") {
+        None | Some(Value::Null) => 0,
+        // OpenAI's seed is any integer; a negative one keeps its bits.
+        Some(v) => v
+            .as_i64()
+            .map(|s| s as u64)
+            .or_else(|| v.as_u64())
+            .ok_or_else(|| ApiError::invalid("seed", "'seed' must be an integer"))?,
+    };
+    let user = match body.get("user") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(u)) => Some(u.clone()),
+        Some(_) => return Err(ApiError::invalid("user", "'user' must be a string")),
+    };
+    let sampling = pb::SamplingParams {
+        // OpenAI's default temperature and top_p are 1.
+        temperature: in_range(&body, "temperature", 0.0..=2.0)?.unwrap_or(1.0),
+        top_k: unsigned(&body, "top_k")?.map_or(0, |k| u32::try_from(k).unwrap_or(u32::MAX)),
+        top_p: Some(in_range(&body, "top_p", f64::MIN_POSITIVE..=1.0)?.unwrap_or(1.0)),
+        seed,
+        max_tokens,
+        stop: stop(&body)?,
+        frequency_penalty: in_range(&body, "frequency_penalty", -2.0..=2.0)?,
+        presence_penalty: in_range(&body, "presence_penalty", -2.0..=2.0)?,
+        repetition_penalty: number(&body, "repetition_penalty")?.map(|r| r as f32),
+    };
+    let mut request = pb::GenerateRequest {
+        request_id: header_str(headers, "x-request-id")
+            .unwrap_or_default()
+            .to_string(),
+        session_id: header_str(headers, "x-session-id")
+            .map(str::to_string)
+            .or(user)
+            .unwrap_or_default(),
+        sampling: Some(sampling),
+        ..Default::default()
+    };
+    match kind {
+        Kind::Chat => request.messages = messages(&body)?,
+        Kind::Completion => match body.get("prompt") {
+            Some(Value::String(p)) => request.prompt = Some(p.clone()),
+            Some(Value::Array(a)) if a.iter().all(Value::is_u64) && !a.is_empty() => {
+                request.token_ids = a
+                    .iter()
+                    .filter_map(Value::as_u64)
+                    .map(|t| u32::try_from(t).unwrap_or(u32::MAX))
+                    .collect();
+            }
+            Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+                request.prompt = a[0].as_str().map(str::to_string);
+            }
+            Some(Value::Array(_)) => {
+                return Err(ApiError::unsupported(
+                    "prompt",
+                    "one prompt per request (a string, a one-string array, or token ids)",
+                ));
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    "prompt",
+                    "'prompt' must be a string or an array of token ids",
+                ));
+            }
+        },
+    }
+    let timeout = match header_str(headers, "x-timeout-ms") {
+        None => None,
+        Some(ms) => Some(Duration::from_millis(ms.parse().map_err(|_| {
+            ApiError::invalid("x-timeout-ms", "the x-timeout-ms header must be an integer")
+        })?)),
+    };
+    Ok(Parsed {
+        request,
+        stream,
+        include_usage,
+        timeout,
+    })
+}
+
+fn usage(u: Option<&pb::Usage>) -> Value {
+    let u = u.cloned().unwrap_or_default();
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    })
+}
+
+fn finish_reason(code: i32) -> Value {
+    match pb::FinishReason::try_from(code) {
+        Ok(pb::FinishReason::Stop) => json!("stop"),
+        Ok(pb::FinishReason::Length) => json!("length"),
+        Ok(pb::FinishReason::Cancelled) => json!("cancelled"),
+        _ => Value::Null,
+    }
+}
+
+/// What every response and chunk of one request shares.
+#[derive(Debug, Clone)]
+struct Envelope {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+}
+
+impl Envelope {
+    fn new(kind: Kind, request_id: &str, model: &str) -> Self {
+        Self {
+            kind,
+            id: format!("{}{request_id}", kind.id_prefix()),
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            model: model.to_string(),
+        }
+    }
+
+    fn wrap(&self, streaming: bool, choices: Value) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.kind.object(streaming),
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        })
+    }
+
+    /// A streamed chunk carrying `text`, and the finish reason on the last one.
+    fn chunk(&self, text: &str, finish: Value) -> Value {
+        let choice = match self.kind {
+            Kind::Chat => json!({
+                "index": 0,
+                "delta": if text.is_empty() { json!({}) } else { json!({"content": text}) },
+                "logprobs": null,
+                "finish_reason": finish,
+            }),
+            Kind::Completion => json!({
+                "index": 0,
+                "text": text,
+                "logprobs": null,
+                "finish_reason": finish,
+            }),
+        };
+        self.wrap(true, json!([choice]))
+    }
+
+    /// The whole answer of a request that did not stream.
+    fn complete(&self, text: &str, last: &pb::GenerateResponse) -> Value {
+        let finish = finish_reason(last.finish_reason);
+        let choice = match self.kind {
+            Kind::Chat => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": null,
+                "finish_reason": finish,
+            }),
+            Kind::Completion => json!({
+                "index": 0,
+                "text": text,
+                "logprobs": null,
+                "finish_reason": finish,
+            }),
+        };
+        let mut body = self.wrap(false, json!([choice]));
+        body["usage"] = usage(last.usage.as_ref());
+        body
+    }
+}
+
+async fn chat(State(api): State<Api>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
+    generate(api, Kind::Chat, headers, body).await
+}
+
+async fn completions(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    generate(api, Kind::Completion, headers, body).await
+}
+
+async fn generate(api: Api, kind: Kind, headers: HeaderMap, body: axum::body::Bytes) -> Response {
+    match run(api, kind, &headers, &body).await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::debug!(status = %e.status, message = %e.message, "HTTP request refused");
+            e.into_response()
+        }
+    }
+}
+
+async fn run(api: Api, kind: Kind, headers: &HeaderMap, body: &[u8]) -> Result<Response, ApiError> {
+    let model = api
+        .replicas
+        .frontend()
+        .map(|f| f.model_name.clone())
+        .ok_or(Error::NotReady)?;
+    let mut parsed = parse(kind, &model, headers, body)?;
+    if parsed.request.request_id.is_empty() {
+        parsed.request.request_id = format!("{:032x}", rand::random::<u128>());
+    }
+    let request_id = parsed.request.request_id.clone();
+    let envelope = Envelope::new(kind, &request_id, &model);
+    let deadline = parsed.timeout.map(|t| tokio::time::Instant::now() + t);
+    let mut frames = api
+        .service
+        .start(parsed.request, deadline, Some(DEFAULT_MAX_TOKENS))?;
+    // The first frame decides the status: an error before any token is an HTTP error.
+    let first = match frames.next().await {
+        Some(Ok(f)) => f,
+        Some(Err(s)) => return Err(ApiError::from_status(&s)),
+        None => {
+            return Err(ApiError::from_code(
+                Code::Unavailable,
+                "the generation ended without a frame".into(),
+                None,
+            ));
+        }
+    };
+    let mut response = if parsed.stream {
+        sse(envelope, first, frames, parsed.include_usage).into_response()
+    } else {
+        let mut text = first.text.clone();
+        let mut last = first;
+        while last.finish_reason == pb::FinishReason::Unspecified as i32 {
+            match frames.next().await {
+                Some(Ok(f)) => {
+                    text.push_str(&f.text);
+                    last = f;
+                }
+                Some(Err(s)) => return Err(ApiError::from_status(&s)),
+                None => {
+                    return Err(ApiError::from_code(
+                        Code::Unavailable,
+                        "the generation ended without a final frame".into(),
+                        None,
+                    ));
+                }
+            }
+        }
+        Json(envelope.complete(&text, &last)).into_response()
+    };
+    if let Ok(v) = HeaderValue::from_str(&request_id) {
+        response.headers_mut().insert("x-request-id", v);
+    }
+    Ok(response)
+}
+
+/// The SSE stream: a role chunk (chat), a chunk per frame with text, a last chunk with the
+/// finish reason, the usage chunk if asked for, then `[DONE]`. An error after the first frame
+/// is sent as an `{"error": ...}` event and ends the stream without `[DONE]`.
+fn sse(
+    envelope: Envelope,
+    first: pb::GenerateResponse,
+    frames: GenerateStream,
+    include_usage: bool,
+) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    let event = |v: Value| Ok::<_, Infallible>(Event::default().data(v.to_string()));
+    let with_usage = move |mut v: Value| {
+        if include_usage {
+            v["usage"] = Value::Null;
+        }
+        v
+    };
+    let opening = (envelope.kind == Kind::Chat).then(|| {
+        let mut v = envelope.wrap(
+            true,
+            json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]),
+        );
+        if include_usage {
+            v["usage"] = Value::Null;
+        }
+        event(v)
+    });
+    let body = futures::stream::once(async move { Ok(first) })
+        .chain(frames)
+        .scan(false, move |done, item| {
+            if *done {
+                return futures::future::ready(None);
+            }
+            let events: Vec<Result<Event, Infallible>> = match item {
+                Ok(f) if f.finish_reason == pb::FinishReason::Unspecified as i32 => {
+                    if f.text.is_empty() {
+                        Vec::new()
+                    } else {
+                        vec![event(with_usage(envelope.chunk(&f.text, Value::Null)))]
+                    }
+                }
+                Ok(f) => {
+                    *done = true;
+                    let mut out = Vec::new();
+                    if !f.text.is_empty() {
+                        out.push(event(with_usage(envelope.chunk(&f.text, Value::Null))));
+                    }
+                    out.push(event(with_usage(
+                        envelope.chunk("", finish_reason(f.finish_reason)),
+                    )));
+                    if include_usage {
+                        let mut v = envelope.wrap(true, json!([]));
+                        v["usage"] = usage(f.usage.as_ref());
+                        out.push(event(v));
+                    }
+                    out.push(Ok(Event::default().data("[DONE]")));
+                    out
+                }
+                Err(s) => {
+                    *done = true;
+                    vec![event(ApiError::from_status(&s).body())]
+                }
+            };
+            futures::future::ready(Some(futures::stream::iter(events)))
+        })
+        .flatten();
+    let stream = futures::stream::iter(opening).chain(body);
+    Sse::new(stream).keep_alive(KeepAlive::default())
+}
+
+async fn models(State(api): State<Api>) -> Json<Value> {
+    let data: Vec<Value> = api
+        .replicas
+        .frontend()
+        .map(|f| {
+            json!({
+                "id": f.model_name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "tandem",
+            })
+        })
+        .into_iter()
+        .collect();
+    Json(json!({"object": "list", "data": data}))
+}
+
+/// For load balancers: 200 while the router can route (it knows the model and a decode
+/// replica is up) and is not shutting down, else 503.
+async fn health(State(api): State<Api>) -> Response {
+    if api.replicas.ready() && !api.service.shutdown.is_cancelled() {
+        (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "unavailable"})),
+        )
+            .into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse_json(kind: Kind, body: Value) -> Result<Parsed, ApiError> {
+        parse(kind, "m", &HeaderMap::new(), body.to_string().as_bytes())
+    }
+
+    #[test]
+    fn unknown_and_unsupported_parameters_are_named() {
+        for (body, param) in [
+            (json!({"model": "m", "prompt": "x", "tools": []}), "tools"),
+            (json!({"model": "m", "prompt": "x", "n": 2}), "n"),
+            (
+                json!({"model": "m", "prompt": "x", "logprobs": 3}),
+                "logprobs",
+            ),
+            (json!({"model": "m", "prompt": "x", "echo": true}), "echo"),
+            (
+                json!({"model": "m", "prompt": "x", "frobnicate": 1}),
+                "frobnicate",
+            ),
+            (
+                json!({"model": "m", "prompt": "x", "messages": []}),
+                "messages",
+            ),
+        ] {
+            let e = parse_json(Kind::Completion, body).expect_err("rejected");
+            assert_eq!(e.status, StatusCode::BAD_REQUEST);
+            assert_eq!(e.param.as_deref(), Some(param), "{}", e.message);
+            assert!(e.message.contains(param), "{}", e.message);
+        }
+        // Null, false and 1 are the values that mean "off", and pass.
+        let ok = json!({"model": "m", "prompt": "x", "n": 1, "logprobs": false, "echo": false,
+                        "tools": null, "logit_bias": {}});
+        assert!(parse_json(Kind::Completion, ok).is_ok());
+    }
+
+    #[test]
+    fn values_are_checked() {
+        let chat = |extra: Value| {
+            let mut body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+            for (k, v) in extra.as_object().expect("object") {
+                body[k] = v.clone();
+            }
+            parse_json(Kind::Chat, body)
+        };
+        for (extra, param) in [
+            (json!({"temperature": 2.5}), "temperature"),
+            (json!({"top_p": 0}), "top_p"),
+            (json!({"presence_penalty": -3}), "presence_penalty"),
+            (json!({"max_tokens": 0}), "max_tokens"),
+            (json!({"stop": ["a", "b", "c", "d", "e"]}), "stop"),
+            (
+                json!({"stream_options": {"include_usage": true}}),
+                "stream_options",
+            ),
+            (
+                json!({"messages": [{"role": "tool", "content": "x"}]}),
+                "messages[0].role",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+                "messages[0].content",
+            ),
+        ] {
+            let e = chat(extra.clone()).expect_err("rejected");
+            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{extra}");
+            assert_eq!(e.param.as_deref(), Some(param), "{extra}: {}", e.message);
+        }
+        let e = parse_json(Kind::Chat, json!({"model": "other", "messages": []})).expect_err("404");
+        assert_eq!(e.status, StatusCode::NOT_FOUND);
+        let p = chat(
+            json!({"max_completion_tokens": 7, "max_tokens": 9, "seed": -1, "stop": "x",
+                            "stream": true, "stream_options": {"include_usage": true},
+                            "user": "u1", "temperature": 0, "repetition_penalty": 1.2}),
+        )
+        .expect("valid");
+        let s = p.request.sampling.expect("sampling");
+        assert_eq!(
+            (s.max_tokens, s.seed, s.stop),
+            (7, u64::MAX, vec!["x".to_string()])
+        );
+        assert_eq!((s.temperature, s.repetition_penalty), (0.0, Some(1.2)));
+        assert!(p.stream && p.include_usage);
+        assert_eq!(p.request.session_id, "u1");
+    }
+
+    #[test]
+    fn statuses_follow_the_grpc_codes() {
+        let busy = ApiError::from(Error::Busy { inflight: 1 });
+        assert_eq!(busy.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(busy.retry_after_s, Some(1));
+        let mut s = tonic::Status::resource_exhausted("full");
+        s.metadata_mut()
+            .insert("grpc-retry-pushback-ms", "2500".parse().expect("ascii"));
+        assert_eq!(ApiError::from_status(&s).retry_after_s, Some(3));
+        for (code, status) in [
+            (Code::InvalidArgument, 400),
+            (Code::Unauthenticated, 401),
+            (Code::Unavailable, 503),
+            (Code::DeadlineExceeded, 504),
+        ] {
+            assert_eq!(
+                ApiError::from_code(code, String::new(), None)
+                    .status
+                    .as_u16(),
+                status
+            );
+        }
+    }
+}
