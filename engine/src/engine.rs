@@ -25,6 +25,7 @@ use tandem_tokenizer::{Tokenizer, TokenizerSpec};
 /// A loaded model, shareable between engines.
 #[derive(Debug)]
 pub struct Model {
+    /// `tiny`, or the GGUF file's name without `.gguf` (the OpenAI API's model id).
     pub name: String,
     pub config: ModelConfig,
     pub weights: Weights,

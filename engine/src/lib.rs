@@ -81,7 +81,12 @@ impl ModelSource {
                     },
                     e => e,
                 })?;
-                (path.display().to_string(), loaded)
+                // The file's name without `.gguf`: the same wherever the file is mounted.
+                let name = path.file_stem().map_or_else(
+                    || path.display().to_string(),
+                    |s| s.to_string_lossy().into_owned(),
+                );
+                (name, loaded)
             }
         };
         Ok(Arc::new(Model::from_loaded(name, loaded)?))

@@ -158,6 +158,11 @@ async fn a_lost_event_stream_is_detected_and_resynced() {
         exact && blocks == cached as f64
     })
     .await;
+    // The index can be whole again a moment before health marks the replica up.
+    cluster
+        .wait_ready(Duration::from_secs(10))
+        .await
+        .expect("the decode node is back up");
     let mut follow_up = hidden;
     follow_up.extend(&reply);
     follow_up.extend(prompt(10, 5));

@@ -9,6 +9,7 @@ use serde::Serialize;
 use tandem_engine::{Engine, EngineConfig, SeqId, argmax};
 
 use crate::ModelArgs;
+use crate::bench::stats::median;
 
 #[derive(Args, Debug)]
 pub(crate) struct EngineBenchArgs {
@@ -160,11 +161,6 @@ fn decode_run(
         engine.free(seq)?;
     }
     Ok((batch * steps) as f64 / secs)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// Peak resident set size of this process (VmHWM), in MB; 0 where /proc is unavailable.

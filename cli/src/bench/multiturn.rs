@@ -14,25 +14,20 @@
 //! the same workload with caches off) it adds the ratio of follow-up TTFTs, turn by turn.
 
 use std::collections::BTreeMap;
-use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 use serde::{Deserialize, Serialize};
-use tandem_proto::v1 as pb;
 
-use crate::bench_serve::{median, percentile};
+use crate::bench::endpoint::{Ask, Endpoint, EndpointArgs, Input, Reply};
+use crate::bench::stats::{median, percentile};
+use crate::bench::workload::{progress_bar, words};
 
 #[derive(Args, Debug)]
 pub(crate) struct MultiturnArgs {
-    /// A Tandem router's gRPC address (host:port).
-    #[arg(long, env = "TANDEM_SERVER", required_unless_present = "openai")]
-    server: Option<String>,
-    /// An OpenAI-compatible base URL instead (e.g. http://127.0.0.1:8090 for llama-server);
-    /// streaming `/v1/chat/completions` with `cache_prompt` asked for.
-    #[arg(long, conflicts_with = "server")]
-    openai: Option<String>,
+    #[command(flatten)]
+    endpoint: EndpointArgs,
     /// Conversations.
     #[arg(long, default_value_t = 8)]
     sessions: usize,
@@ -69,8 +64,8 @@ pub(crate) struct MultiturnArgs {
 #[derive(Serialize, Deserialize, Debug, Clone)]
 pub(crate) struct Turn {
     session: usize,
-    turn: usize,
-    ttft_ms: f64,
+    pub turn: usize,
+    pub ttft_ms: f64,
     total_ms: f64,
     prompt_tokens: u32,
     completion_tokens: u32,
@@ -107,231 +102,30 @@ pub(crate) struct Summary {
 
 #[derive(Serialize, Deserialize, Debug)]
 pub(crate) struct Results {
-    label: String,
+    pub label: String,
     endpoint: String,
     summary: Summary,
-    turns: Vec<Turn>,
+    pub turns: Vec<Turn>,
 }
 
-const WORDS: &[&str] = &[
-    "the",
-    "river",
-    "engine",
-    "quietly",
-    "measures",
-    "a",
-    "garden",
-    "of",
-    "numbers",
-    "while",
-    "every",
-    "small",
-    "cache",
-    "remembers",
-    "what",
-    "came",
-    "before",
-    "and",
-    "tomorrow",
-    "we",
-    "build",
-    "bridges",
-    "between",
-    "distant",
-    "servers",
-    "that",
-    "speak",
-    "in",
-    "streams",
-    "light",
-    "travels",
-    "through",
-    "glass",
-    "fibers",
-    "under",
-    "oceans",
-    "where",
-    "whales",
-    "sing",
-    "old",
-    "songs",
-    "about",
-    "weather",
-    "maps",
-    "trains",
-    "leave",
-    "stations",
-    "on",
-    "time",
-    "because",
-    "clocks",
-    "agree",
-    "history",
-    "grows",
-    "longer",
-    "with",
-    "each",
-    "turn",
-    "so",
-    "reuse",
-    "saves",
-    "work",
-    "please",
-    "explain",
-    "why",
-    "this",
-    "matters",
-    "for",
-    "latency",
-    "and",
-    "throughput",
-];
-
-/// Deterministic text of `n` words for (seed, session, turn).
-fn words(n: usize, seed: u64, session: usize, turn: usize) -> String {
-    let mut x = seed ^ (session as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (turn as u64) << 32;
-    (0..n)
-        .map(|_| {
-            // xorshift64*: cheap, deterministic, good enough to vary text.
-            x ^= x >> 12;
-            x ^= x << 25;
-            x ^= x >> 27;
-            WORDS[(x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40) as usize % WORDS.len()]
-        })
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
-/// One chat turn against the endpoint: the reply text and the measurements.
-async fn tandem_turn(
-    client: &mut pb::generation_client::GenerationClient<tonic::transport::Channel>,
-    messages: &[(String, String)],
-    session: usize,
-    max_tokens: u32,
-) -> anyhow::Result<(String, Turn)> {
-    let request = pb::GenerateRequest {
-        session_id: format!("bench-session-{session}"),
-        messages: messages
-            .iter()
-            .map(|(role, content)| pb::ChatMessage {
-                role: role.clone(),
-                content: content.clone(),
-            })
-            .collect(),
-        sampling: Some(pb::SamplingParams {
-            max_tokens,
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
-    let sent = Instant::now();
-    let mut frames = client.generate(request).await?.into_inner();
-    let mut ttft = None;
-    let mut text = String::new();
-    while let Some(f) = frames.message().await? {
-        ttft.get_or_insert_with(|| sent.elapsed().as_secs_f64() * 1e3);
-        text.push_str(&f.text);
-        if f.finish_reason != pb::FinishReason::Unspecified as i32 {
-            let usage = f.usage.unwrap_or_default();
-            let route = f.route.unwrap_or_default();
-            return Ok((
-                text,
-                Turn {
-                    session,
-                    turn: 0,
-                    ttft_ms: ttft.unwrap_or_default(),
-                    total_ms: sent.elapsed().as_secs_f64() * 1e3,
-                    prompt_tokens: usage.prompt_tokens,
-                    completion_tokens: usage.completion_tokens,
-                    cached_tokens: usage.cached_tokens,
-                    decode: route.decode,
-                    prefill: route.prefill,
-                    disaggregation: route.disaggregation,
-                    decode_overlap_tokens: route.decode_overlap_tokens,
-                    prefill_overlap_tokens: route.prefill_overlap_tokens,
-                },
-            ));
+impl Turn {
+    fn new(session: usize, turn: usize, r: &Reply) -> Self {
+        let route = r.route.clone().unwrap_or_default();
+        Self {
+            session,
+            turn,
+            ttft_ms: r.ttft_ms().unwrap_or_default(),
+            total_ms: r.e2e_ms().unwrap_or_default(),
+            prompt_tokens: r.prompt_tokens,
+            completion_tokens: r.completion_tokens,
+            cached_tokens: r.cached_tokens,
+            decode: route.decode,
+            prefill: route.prefill,
+            disaggregation: route.disaggregation,
+            decode_overlap_tokens: route.decode_overlap_tokens,
+            prefill_overlap_tokens: route.prefill_overlap_tokens,
         }
     }
-    bail!("the stream ended without a final frame")
-}
-
-/// One chat turn against an OpenAI-compatible server (streaming; usage from the last chunk,
-/// cached tokens from llama-server's `timings.cache_n` where present).
-async fn openai_turn(
-    http: &reqwest::Client,
-    base: &str,
-    messages: &[(String, String)],
-    session: usize,
-    max_tokens: u32,
-) -> anyhow::Result<(String, Turn)> {
-    let body = serde_json::json!({
-        "model": "default",
-        "messages": messages.iter().map(|(role, content)| serde_json::json!({"role": role, "content": content})).collect::<Vec<_>>(),
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": true,
-        "stream_options": {"include_usage": true},
-        "cache_prompt": true,
-    });
-    let sent = Instant::now();
-    let response = http
-        .post(format!(
-            "{}/v1/chat/completions",
-            base.trim_end_matches('/')
-        ))
-        .json(&body)
-        .send()
-        .await?
-        .error_for_status()?;
-    let mut bytes = response.bytes_stream().map_err(anyhow::Error::from);
-    let mut pending = Vec::new();
-    let mut ttft = None;
-    let mut text = String::new();
-    let mut turn = Turn {
-        session,
-        turn: 0,
-        ttft_ms: 0.0,
-        total_ms: 0.0,
-        prompt_tokens: 0,
-        completion_tokens: 0,
-        cached_tokens: 0,
-        decode: String::new(),
-        prefill: String::new(),
-        disaggregation: String::new(),
-        decode_overlap_tokens: 0,
-        prefill_overlap_tokens: 0,
-    };
-    while let Some(chunk) = bytes.next().await {
-        pending.extend_from_slice(&chunk?);
-        while let Some(end) = pending.windows(2).position(|w| w == b"\n\n") {
-            let event: Vec<u8> = pending.drain(..end + 2).collect();
-            let event = String::from_utf8_lossy(&event);
-            let Some(data) = event.trim().strip_prefix("data: ") else {
-                continue;
-            };
-            if data == "[DONE]" {
-                turn.ttft_ms = ttft.unwrap_or_default();
-                turn.total_ms = sent.elapsed().as_secs_f64() * 1e3;
-                return Ok((text, turn));
-            }
-            let v: serde_json::Value = serde_json::from_str(data).context("an SSE chunk")?;
-            if let Some(delta) = v["choices"][0]["delta"]["content"].as_str()
-                && !delta.is_empty()
-            {
-                ttft.get_or_insert_with(|| sent.elapsed().as_secs_f64() * 1e3);
-                text.push_str(delta);
-            }
-            if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
-                turn.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0) as u32;
-                turn.completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0) as u32;
-            }
-            if let Some(n) = v["timings"]["cache_n"].as_u64() {
-                turn.cached_tokens = n as u32;
-            }
-        }
-    }
-    bail!("the stream ended without [DONE]")
 }
 
 fn max_over_mean(counts: &BTreeMap<String, usize>) -> f64 {
@@ -454,30 +248,16 @@ pub(crate) fn multiturn(args: &MultiturnArgs) -> anyhow::Result<()> {
 }
 
 async fn run(args: &MultiturnArgs) -> anyhow::Result<(String, Vec<Turn>)> {
+    let endpoint = Endpoint::connect(&args.endpoint).await?;
     let system = format!(
         "You are a patient assistant who answers in plain words. {}",
         words(args.system_words, args.seed, usize::MAX, 0)
     );
     let mut histories: Vec<Vec<(String, String)>> =
         vec![vec![("system".to_string(), system)]; args.sessions];
-    let grpc = match &args.server {
-        Some(addr) => Some(tandem_proto::limits!(
-            pb::generation_client::GenerationClient::new(tandem_proto::net::channel(addr)?)
-        )),
-        None => None,
-    };
-    // A connection per request: servers such as llama-server close idle keep-alive connections,
-    // and a pooled one closed under the client fails its request.
-    let http = reqwest::Client::builder()
-        .pool_max_idle_per_host(0)
-        .build()?;
-    let endpoint = args
-        .server
-        .clone()
-        .or_else(|| args.openai.clone())
-        .unwrap_or_default();
     let mut out = Vec::new();
     let total = args.sessions * args.turns;
+    let progress = progress_bar(total as u64, "multiturn");
     for turn in 0..args.turns {
         for (s, h) in histories.iter_mut().enumerate() {
             h.push((
@@ -485,36 +265,34 @@ async fn run(args: &MultiturnArgs) -> anyhow::Result<(String, Vec<Turn>)> {
                 words(args.message_words, args.seed, s, turn + 1),
             ));
         }
-        let results: Vec<anyhow::Result<(String, Turn)>> =
+        let results: Vec<anyhow::Result<Reply>> =
             futures::stream::iter(histories.iter().enumerate().map(|(s, h)| {
-                let (mut grpc, http) = (grpc.clone(), http.clone());
-                let base = args.openai.clone().unwrap_or_default();
+                let (endpoint, progress) = (&endpoint, &progress);
+                let ask = Ask {
+                    input: Input::Messages(h.clone()),
+                    max_tokens: args.max_tokens,
+                    session: format!("bench-session-{s}"),
+                };
                 async move {
-                    let (text, mut t) = match &mut grpc {
-                        Some(client) => tandem_turn(client, h, s, args.max_tokens).await,
-                        None => openai_turn(&http, &base, h, s, args.max_tokens).await,
-                    }
-                    .with_context(|| format!("session {s}, turn {turn}"))?;
-                    t.turn = turn;
-                    Ok((text, t))
+                    let r = endpoint
+                        .generate(&ask)
+                        .await
+                        .map_err(|f| anyhow::anyhow!("session {s}, turn {turn}: {f}"));
+                    progress.inc(1);
+                    r
                 }
             }))
             .buffered(args.concurrency)
             .collect()
             .await;
         for (s, r) in results.into_iter().enumerate() {
-            let (text, t) = r?;
-            histories[s].push(("assistant".into(), text));
-            out.push(t);
+            let reply = r?;
+            out.push(Turn::new(s, turn, &reply));
+            histories[s].push(("assistant".into(), reply.text));
         }
-        eprintln!(
-            "bench multiturn: turn {}/{} done ({} of {total} requests)",
-            turn + 1,
-            args.turns,
-            out.len()
-        );
     }
-    Ok((endpoint, out))
+    progress.finish_and_clear();
+    Ok((endpoint.describe(), out))
 }
 
 fn print_table(r: &Results) {

@@ -1,0 +1,328 @@
+//! What a benchmark drives: a Tandem router over gRPC, or any OpenAI-compatible server over HTTP
+//! (Tandem's own, llama-server, vLLM), always streaming. One request in; its text, token arrival
+//! times, usage and (Tandem over gRPC) route and timings out.
+
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::Args;
+use futures::StreamExt;
+use serde_json::{Value, json};
+use tandem_proto::v1 as pb;
+use tonic::transport::Channel;
+
+/// `--server` or `--openai`, shared by the load benchmarks.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct EndpointArgs {
+    /// A Tandem router's gRPC address (host:port).
+    #[arg(long, env = "TANDEM_SERVER", required_unless_present = "openai")]
+    server: Option<String>,
+    /// An OpenAI-compatible base URL instead (`http://host:port` or `http://host:port/v1`):
+    /// Tandem's HTTP API, llama-server, vLLM. Streaming `/v1/completions` and
+    /// `/v1/chat/completions`; the model is the first one `/v1/models` lists.
+    #[arg(long, conflicts_with = "server")]
+    openai: Option<String>,
+}
+
+/// A running endpoint.
+#[derive(Debug, Clone)]
+pub(crate) enum Endpoint {
+    Grpc {
+        addr: String,
+        client: pb::generation_client::GenerationClient<Channel>,
+    },
+    OpenAi {
+        /// The URL without a trailing `/v1`.
+        root: String,
+        http: reqwest::Client,
+        model: String,
+    },
+}
+
+/// A request's input.
+#[derive(Debug, Clone)]
+pub(crate) enum Input {
+    /// Raw text (OpenAI: `/v1/completions`).
+    Prompt(String),
+    /// `(role, content)` messages, rendered with the model's chat template (OpenAI:
+    /// `/v1/chat/completions`).
+    Messages(Vec<(String, String)>),
+}
+
+/// One greedy request.
+#[derive(Debug, Clone)]
+pub(crate) struct Ask {
+    pub input: Input,
+    pub max_tokens: u32,
+    /// The conversation, for affinity (gRPC `session_id`, HTTP `x-session-id`).
+    pub session: String,
+}
+
+/// One streamed answer.
+#[derive(Debug)]
+pub(crate) struct Reply {
+    pub text: String,
+    pub sent: Instant,
+    /// When each streamed piece that carried tokens or text arrived (one token per piece for
+    /// Tandem and llama-server).
+    pub arrivals: Vec<Instant>,
+    pub prompt_tokens: u32,
+    /// From the usage the server reported, else the pieces counted.
+    pub completion_tokens: u32,
+    pub cached_tokens: u32,
+    /// Tandem over gRPC only.
+    pub route: Option<pb::Route>,
+    pub timings: Option<pb::Timings>,
+}
+
+impl Reply {
+    fn new(sent: Instant) -> Self {
+        Self {
+            text: String::new(),
+            sent,
+            arrivals: Vec::new(),
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            cached_tokens: 0,
+            route: None,
+            timings: None,
+        }
+    }
+
+    pub(crate) fn ttft_ms(&self) -> Option<f64> {
+        Some((*self.arrivals.first()? - self.sent).as_secs_f64() * 1e3)
+    }
+
+    pub(crate) fn e2e_ms(&self) -> Option<f64> {
+        Some((*self.arrivals.last()? - self.sent).as_secs_f64() * 1e3)
+    }
+
+    /// Gaps between consecutive pieces, in ms.
+    pub(crate) fn itl_ms(&self) -> impl Iterator<Item = f64> + '_ {
+        (self.arrivals.windows(2)).map(|w| (w[1] - w[0]).as_secs_f64() * 1e3)
+    }
+
+    /// Time per output token after the first, in ms.
+    pub(crate) fn tpot_ms(&self) -> Option<f64> {
+        let after_first = self.completion_tokens.checked_sub(1).filter(|&n| n > 0)?;
+        Some((self.e2e_ms()? - self.ttft_ms()?) / f64::from(after_first))
+    }
+}
+
+/// A failed request: the status code (gRPC code name, or `HTTP 429`) and the message.
+#[derive(Debug, Clone)]
+pub(crate) struct Failure {
+    pub code: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.code, self.message)
+    }
+}
+
+impl Failure {
+    fn other(message: impl std::fmt::Display) -> Self {
+        Self {
+            code: "transport".into(),
+            message: message.to_string(),
+        }
+    }
+}
+
+impl Endpoint {
+    /// Connects to what `args` names (for OpenAI, asks `/v1/models` for the model).
+    pub(crate) async fn connect(args: &EndpointArgs) -> anyhow::Result<Self> {
+        if let Some(addr) = &args.server {
+            let channel = tandem_proto::net::channel(addr)
+                .with_context(|| format!("bad server address {addr:?}"))?;
+            return Ok(Endpoint::Grpc {
+                addr: addr.clone(),
+                client: tandem_proto::limits!(pb::generation_client::GenerationClient::new(
+                    channel
+                )),
+            });
+        }
+        let base = args
+            .openai
+            .as_deref()
+            .context("give --server or --openai")?;
+        let root = base
+            .trim_end_matches('/')
+            .trim_end_matches("/v1")
+            .to_string();
+        // A connection per request: servers such as llama-server close idle keep-alive
+        // connections, and a pooled one closed under the client fails its request.
+        let http = reqwest::Client::builder()
+            .pool_max_idle_per_host(0)
+            .build()?;
+        let models: Value = http
+            .get(format!("{root}/v1/models"))
+            .send()
+            .await
+            .and_then(reqwest::Response::error_for_status)
+            .with_context(|| format!("GET {root}/v1/models"))?
+            .json()
+            .await
+            .context("the model list is not JSON")?;
+        let model = models["data"][0]["id"]
+            .as_str()
+            .with_context(|| format!("{root}/v1/models lists no model"))?
+            .to_string();
+        Ok(Endpoint::OpenAi { root, http, model })
+    }
+
+    /// What the results call this endpoint.
+    pub(crate) fn describe(&self) -> String {
+        match self {
+            Endpoint::Grpc { addr, .. } => format!("grpc://{addr}"),
+            Endpoint::OpenAi { root, model, .. } => format!("{root}/v1 ({model})"),
+        }
+    }
+
+    /// Sends `ask` (greedy) and reads the whole stream.
+    pub(crate) async fn generate(&self, ask: &Ask) -> Result<Reply, Failure> {
+        match self {
+            Endpoint::Grpc { client, .. } => grpc(client.clone(), ask).await,
+            Endpoint::OpenAi { root, http, model } => openai(http, root, model, ask).await,
+        }
+    }
+}
+
+async fn grpc(
+    mut client: pb::generation_client::GenerationClient<Channel>,
+    ask: &Ask,
+) -> Result<Reply, Failure> {
+    let mut request = pb::GenerateRequest {
+        session_id: ask.session.clone(),
+        sampling: Some(pb::SamplingParams {
+            max_tokens: ask.max_tokens,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    match &ask.input {
+        Input::Prompt(p) => request.prompt = Some(p.clone()),
+        Input::Messages(m) => {
+            request.messages = m
+                .iter()
+                .map(|(role, content)| pb::ChatMessage {
+                    role: role.clone(),
+                    content: content.clone(),
+                })
+                .collect();
+        }
+    }
+    let status = |s: tonic::Status| Failure {
+        code: format!("{:?}", s.code()),
+        message: s.message().to_string(),
+    };
+    let mut reply = Reply::new(Instant::now());
+    let mut frames = client.generate(request).await.map_err(status)?.into_inner();
+    while let Some(f) = frames.message().await.map_err(status)? {
+        if !f.token_ids.is_empty() || !f.text.is_empty() {
+            reply.arrivals.push(Instant::now());
+        }
+        reply.text.push_str(&f.text);
+        if f.finish_reason != pb::FinishReason::Unspecified as i32 {
+            let usage = f.usage.unwrap_or_default();
+            reply.prompt_tokens = usage.prompt_tokens;
+            reply.completion_tokens = usage.completion_tokens;
+            reply.cached_tokens = usage.cached_tokens;
+            reply.route = f.route;
+            reply.timings = f.timings;
+            return Ok(reply);
+        }
+    }
+    Err(Failure::other("the stream ended without a final frame"))
+}
+
+async fn openai(
+    http: &reqwest::Client,
+    root: &str,
+    model: &str,
+    ask: &Ask,
+) -> Result<Reply, Failure> {
+    let mut body = json!({
+        "model": model,
+        "max_tokens": ask.max_tokens,
+        "temperature": 0.0,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let path = match &ask.input {
+        Input::Prompt(p) => {
+            body["prompt"] = json!(p);
+            "completions"
+        }
+        Input::Messages(m) => {
+            body["messages"] = m
+                .iter()
+                .map(|(role, content)| json!({"role": role, "content": content}))
+                .collect();
+            "chat/completions"
+        }
+    };
+    let mut reply = Reply::new(Instant::now());
+    let response = http
+        .post(format!("{root}/v1/{path}"))
+        .header("x-session-id", &ask.session)
+        .json(&body)
+        .send()
+        .await
+        .map_err(Failure::other)?;
+    if !response.status().is_success() {
+        let code = format!("HTTP {}", response.status().as_u16());
+        let message = response.text().await.unwrap_or_default();
+        return Err(Failure { code, message });
+    }
+    let mut bytes = response.bytes_stream();
+    let mut pending = Vec::new();
+    let mut pieces = 0u32;
+    while let Some(chunk) = bytes.next().await {
+        pending.extend_from_slice(&chunk.map_err(Failure::other)?);
+        // Server-sent events end with a blank line; llama-server and Tandem send `data:` only.
+        while let Some(end) = pending.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = pending.drain(..end + 2).collect();
+            let event = String::from_utf8_lossy(&event);
+            let Some(data) = event.trim().strip_prefix("data:").map(str::trim) else {
+                continue;
+            };
+            if data == "[DONE]" {
+                if reply.completion_tokens == 0 {
+                    reply.completion_tokens = pieces;
+                }
+                return Ok(reply);
+            }
+            let v: Value = serde_json::from_str(data).map_err(Failure::other)?;
+            if let Some(e) = v.get("error") {
+                return Err(Failure {
+                    code: e["code"].as_str().unwrap_or("stream error").to_string(),
+                    message: e["message"].as_str().unwrap_or_default().to_string(),
+                });
+            }
+            let choice = &v["choices"][0];
+            let text = choice["delta"]["content"]
+                .as_str()
+                .or_else(|| choice["text"].as_str())
+                .unwrap_or_default();
+            if !text.is_empty() {
+                reply.arrivals.push(Instant::now());
+                reply.text.push_str(text);
+                pieces += 1;
+            }
+            if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+                let n = |x: &Value| x.as_u64().unwrap_or(0) as u32;
+                reply.prompt_tokens = n(&u["prompt_tokens"]);
+                reply.completion_tokens = n(&u["completion_tokens"]);
+                reply.cached_tokens = n(&u["prompt_tokens_details"]["cached_tokens"]);
+            }
+            // llama-server reports its prompt cache this way.
+            if let Some(n) = v["timings"]["cache_n"].as_u64() {
+                reply.cached_tokens = n as u32;
+            }
+        }
+    }
+    Err(Failure::other("the stream ended without [DONE]"))
+}

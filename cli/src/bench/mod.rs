@@ -1,0 +1,41 @@
+//! `tandem bench`: the engine alone (`engine`), load against any running endpoint (`serve`,
+//! `multiturn`), the KV transfer path (`transfer`), and pictures of the results (`plot`).
+//!
+//! `serve` and `multiturn` drive a Tandem router over gRPC or any OpenAI-compatible server
+//! ([`endpoint`]); they never start what they measure.
+
+pub(crate) mod endpoint;
+pub(crate) mod engine;
+pub(crate) mod multiturn;
+pub(crate) mod plot;
+pub(crate) mod serve;
+pub(crate) mod stats;
+pub(crate) mod transfer;
+pub(crate) mod workload;
+
+use clap::Subcommand;
+
+#[derive(Subcommand, Debug)]
+pub(crate) enum BenchCommand {
+    /// Prefill and batched decode throughput of the engine alone.
+    Engine(engine::EngineBenchArgs),
+    /// Load against a running endpoint (Tandem gRPC or OpenAI HTTP): TTFT, TPOT and ITL
+    /// percentiles, throughput and goodput, at fixed concurrencies or Poisson request rates.
+    Serve(serve::ServeArgs),
+    /// Multi-turn chat against a running endpoint: what prefix caching and affinity buy.
+    Multiturn(multiturn::MultiturnArgs),
+    /// KV transfer throughput: a gRPC push of one prompt's KV against a plain TCP copy.
+    Transfer(transfer::TransferArgs),
+    /// Draw PNG and SVG plots from `serve` and `multiturn` results.
+    Plot(plot::PlotArgs),
+}
+
+pub(crate) fn run(command: &BenchCommand) -> anyhow::Result<()> {
+    match command {
+        BenchCommand::Engine(args) => engine::engine(args),
+        BenchCommand::Serve(args) => serve::serve(args),
+        BenchCommand::Multiturn(args) => multiturn::multiturn(args),
+        BenchCommand::Transfer(args) => transfer::transfer(args),
+        BenchCommand::Plot(args) => plot::plot(args),
+    }
+}

@@ -1,0 +1,207 @@
+//! `tandem bench transfer`: KV transfer throughput for one prompt's real KV (computed by the
+//! engine, chunked as a prefill node chunks it) through `KvTransfer` on loopback, against a
+//! plain TCP copy of the same bytes; medians of `--runs`. Progress goes to stderr; the report
+//! (or `--json`) to stdout.
+
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use serde::Serialize;
+use tandem_engine::{Engine, EngineConfig, Model};
+use tandem_transfer::{Chunk, Expectation, Header, KvPush, Reservations, WireLayout};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::ModelArgs;
+use crate::bench::stats::median;
+
+#[derive(Args, Debug)]
+pub(crate) struct TransferArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The prompt length whose KV is sent.
+    #[arg(long, default_value_t = 2000)]
+    tokens: usize,
+    /// Runs; medians are reported.
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    /// Compute threads for the prefill that makes the KV (0 = one per core).
+    #[arg(long, env = "TANDEM_THREADS", default_value_t = 0)]
+    threads: usize,
+    /// Print the result as one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize, Debug)]
+struct Transfer {
+    tokens: usize,
+    bytes: u64,
+    grpc_mb_s: f64,
+    tcp_mb_s: f64,
+    ratio: f64,
+}
+
+/// A deterministic prompt of ordinary tokens.
+fn prompt(model: &Model, n: usize) -> Vec<u32> {
+    let vocab = model.config.vocab as u32;
+    (0..n as u32)
+        .map(|i| 100 + (i * 7919) % (vocab - 100).max(1))
+        .map(|t| t.min(vocab - 1))
+        .collect()
+}
+
+/// The KV chunks a prefill node would send for `tokens` (256-token chunks, per layer and kind).
+fn real_chunks(engine: &mut Engine, tokens: &[u32]) -> anyhow::Result<Vec<Chunk>> {
+    let seq = engine.new_sequence();
+    let step = engine.prefill_chunk_tokens();
+    let mut chunks = Vec::new();
+    for start in (0..tokens.len()).step_by(step) {
+        let range = start..(start + step).min(tokens.len());
+        engine.prefill(seq, &tokens[range.clone()])?;
+        chunks.extend(tandem_worker::kv_chunks(engine.export_kv(seq, range)?));
+    }
+    engine.free(seq)?;
+    Ok(chunks)
+}
+
+async fn transfer_throughput(
+    model: &Model,
+    tokens: &[u32],
+    chunks: &[Chunk],
+    runs: usize,
+) -> anyhow::Result<Transfer> {
+    let l = model.config.kv_layout();
+    let layout = WireLayout {
+        layers: l.n_layers as u32,
+        kv_heads: l.n_kv_heads as u32,
+        head_dim: l.head_dim as u32,
+        block_tokens: tandem_engine::BLOCK_TOKENS as u32,
+    };
+    let bytes: u64 = chunks.iter().map(|c| c.data.len() as u64).sum();
+    // The receiving service on its own loopback server.
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let reservations = Reservations::default();
+    let metrics = tandem_transfer::TransferMetrics::register(&mut Default::default());
+    let svc = tandem_transfer::KvTransferService::new(reservations.clone(), metrics).into_server();
+    let server = tokio::spawn(
+        tandem_proto::net::server()
+            .add_service(svc)
+            .serve_with_incoming(tandem_proto::net::incoming(listener)),
+    );
+    let channel = tandem_proto::net::channel(&addr.to_string())?;
+    let mut grpc = Vec::new();
+    let mut tcp = Vec::new();
+    for run in 0..runs {
+        let id = format!("bench-{run}");
+        let want = Expectation {
+            fingerprint: model.fingerprint.0,
+            layout,
+            tokens: 0..tokens.len() as u32,
+            token_ids: tokens.to_vec(),
+            max_bytes: bytes,
+        };
+        let (_lease, delivery) = reservations.reserve(&id, want)?;
+        let header = Header {
+            transfer_id: id,
+            request_id: String::new(),
+            fingerprint: model.fingerprint.0,
+            layout,
+            tokens: 0..tokens.len() as u32,
+            token_ids: tokens.to_vec(),
+            chunk_count: chunks.len() as u32,
+            total_bytes: bytes,
+        };
+        let t = Instant::now();
+        let mut push = KvPush::start(channel.clone(), &header);
+        for c in chunks {
+            push.send(c).await?;
+        }
+        push.finish(0).await?;
+        delivery.await.context("delivery")??;
+        grpc.push(t.elapsed().as_secs_f64());
+
+        // The same bytes over a plain loopback TCP connection, read into memory.
+        let sink = TcpListener::bind("127.0.0.1:0").await?;
+        let sink_addr = sink.local_addr()?;
+        let reader = tokio::spawn(async move {
+            let (mut s, _) = sink.accept().await?;
+            let mut received = Vec::with_capacity(bytes as usize);
+            s.read_to_end(&mut received).await?;
+            s.write_all(&[1]).await?;
+            Ok::<_, std::io::Error>(received.len())
+        });
+        let t = Instant::now();
+        let mut conn = TcpStream::connect(sink_addr).await?;
+        conn.set_nodelay(true)?;
+        for c in chunks {
+            conn.write_all(&c.data).await?;
+        }
+        conn.shutdown().await?;
+        let mut ack = [0u8; 1];
+        conn.read_exact(&mut ack).await?;
+        let received = reader.await??;
+        tcp.push(t.elapsed().as_secs_f64());
+        anyhow::ensure!(received as u64 == bytes, "the TCP copy lost bytes");
+        eprintln!(
+            "transfer run {}/{runs}: gRPC {:.1} ms, TCP {:.1} ms",
+            run + 1,
+            grpc[run] * 1e3,
+            tcp[run] * 1e3
+        );
+    }
+    server.abort();
+    let mb = bytes as f64 / 1e6;
+    let grpc_mb_s = mb / median(grpc);
+    let tcp_mb_s = mb / median(tcp);
+    Ok(Transfer {
+        tokens: tokens.len(),
+        bytes,
+        grpc_mb_s,
+        tcp_mb_s,
+        ratio: grpc_mb_s / tcp_mb_s,
+    })
+}
+
+pub(crate) fn transfer(args: &TransferArgs) -> anyhow::Result<()> {
+    if args.runs == 0 || args.tokens == 0 {
+        bail!("--runs and --tokens must be at least 1");
+    }
+    let model = args.model.source().load()?;
+    let ctx = model.config.context_len;
+    if args.tokens >= ctx {
+        bail!("--tokens must be less than the context of {ctx}");
+    }
+    let mut engine = Engine::new(
+        model.clone(),
+        EngineConfig {
+            threads: args.threads,
+            kv_budget_bytes: (args.tokens + tandem_engine::BLOCK_TOKENS)
+                * model.config.kv_layout().token_bytes(),
+            ..EngineConfig::default()
+        },
+    )?;
+    eprintln!("computing the KV of a {}-token prompt", args.tokens);
+    let tokens = prompt(&model, args.tokens);
+    let chunks = real_chunks(&mut engine, &tokens)?;
+    drop(engine);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let t = rt.block_on(transfer_throughput(&model, &tokens, &chunks, args.runs))?;
+    if args.json {
+        println!("{}", serde_json::to_string(&t)?);
+    } else {
+        println!(
+            "KV transfer, {} tokens ({:.1} MB): gRPC {:.0} MB/s, plain TCP {:.0} MB/s, ratio {:.2}",
+            t.tokens,
+            t.bytes as f64 / 1e6,
+            t.grpc_mb_s,
+            t.tcp_mb_s,
+            t.ratio
+        );
+    }
+    Ok(())
+}
