@@ -18,6 +18,65 @@ fn tandem(args: &[&str]) -> (bool, String, String) {
     )
 }
 
+/// `tandem up --model tiny` on free ports, stopped (SIGTERM, checked) by [`Up::stop`].
+struct Up {
+    child: std::process::Child,
+    lines: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+    grpc: String,
+    http: String,
+}
+
+impl Up {
+    fn start() -> Self {
+        use std::io::BufRead;
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args([
+                "up",
+                "--model",
+                "tiny",
+                "--port",
+                "0",
+                "--http-port",
+                "0",
+                "--threads",
+                "1",
+            ])
+            .env_remove("TANDEM_MODEL")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start tandem up");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut lines = std::io::BufReader::new(stdout).lines();
+        let mut grpc = None;
+        let http = loop {
+            let line = lines.next().expect("tandem up exited early").expect("line");
+            if let Some(addr) = line.strip_prefix("router (gRPC tandem.v1.Generation): ") {
+                grpc = Some(addr.to_string());
+            }
+            if let Some(url) = line.strip_prefix("router (OpenAI HTTP): ") {
+                break url.to_string();
+            }
+        };
+        Self {
+            child,
+            lines,
+            grpc: grpc.expect("the gRPC address is printed first"),
+            http,
+        }
+    }
+
+    /// SIGTERM; the cluster must exit cleanly and nothing may have panicked.
+    fn stop(mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
+        let status = self.child.wait().expect("wait");
+        assert!(status.success(), "tandem up exited with {status}");
+        let rest: Vec<String> = self.lines.map_while(Result::ok).collect();
+        assert!(rest.iter().all(|l| !l.contains("panicked")), "{rest:?}");
+    }
+}
+
 fn json(stdout: &str) -> Value {
     serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout:?}"))
 }
@@ -150,34 +209,10 @@ fn bench_engine_json_shape() {
 /// every process cleanly.
 #[test]
 fn up_serves_generate_server_like_local_and_stops_on_sigterm() {
-    use std::io::{BufRead, BufReader};
     use std::process::Stdio;
 
-    let mut up = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args([
-            "up",
-            "--model",
-            "tiny",
-            "--port",
-            "0",
-            "--http-port",
-            "0",
-            "--threads",
-            "1",
-        ])
-        .env_remove("TANDEM_MODEL")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start tandem up");
-    let stdout = up.stdout.take().expect("stdout");
-    let mut lines = BufReader::new(stdout).lines();
-    let router = loop {
-        let line = lines.next().expect("tandem up exited early").expect("line");
-        if let Some(addr) = line.strip_prefix("router (gRPC tandem.v1.Generation): ") {
-            break addr.to_string();
-        }
-    };
+    let up = Up::start();
+    let router = up.grpc.clone();
     let (ok, local, err) = tandem(SEEDED);
     assert!(ok, "{err}");
     let (ok, remote, err) = tandem(&[SEEDED, &["--server", &router]].concat());
@@ -226,34 +261,95 @@ fn up_serves_generate_server_like_local_and_stops_on_sigterm() {
         "one line per reply"
     );
 
-    let pid = nix::unistd::Pid::from_raw(up.id() as i32);
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
-    let status = up.wait().expect("wait");
-    assert!(status.success(), "tandem up exited with {status}");
-    let rest: Vec<String> = lines.map_while(Result::ok).collect();
-    assert!(rest.iter().all(|l| !l.contains("panicked")), "{rest:?}");
+    up.stop();
 }
 
-/// `tandem bench serve` runs end to end (tiny model, small sizes) and reports every figure.
+/// `tandem bench serve` drives a running cluster over gRPC and over its OpenAI HTTP API and
+/// reports every figure; `bench plot` draws both; `bench transfer` measures the KV push.
 #[test]
-fn bench_serve_reports_latency_transfer_and_share() {
-    let (ok, out, err) = tandem(&[
+fn bench_serve_drives_both_apis_and_plots() {
+    let up = Up::start();
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("bench-serve");
+    std::fs::create_dir_all(&dir).expect("dir");
+    let common = [
         "bench",
         "serve",
-        "--model",
-        "tiny",
         "--concurrency",
         "1,2",
         "--requests",
         "3",
-        "--gen-tokens",
+        "--max-tokens",
         "4",
-        "--prompt-tokens",
+        "--prompt-words",
         "20",
-        "--transfer-tokens",
+        "--warmup",
+        "1",
+        "--json",
+    ];
+    for (flag, target, label) in [
+        ("--server", up.grpc.as_str(), "grpc"),
+        ("--openai", up.http.as_str(), "http"),
+    ] {
+        let out_file = dir.join(format!("{label}.json"));
+        let out_path = out_file.to_str().expect("utf-8");
+        let (ok, out, err) = tandem(
+            &[
+                &common[..],
+                &[flag, target, "--label", label, "--out", out_path],
+            ]
+            .concat(),
+        );
+        assert!(ok, "{label}: {err}");
+        let v = json(&out);
+        assert_eq!(v, json(&std::fs::read_to_string(&out_file).expect("--out")));
+        let levels = v["levels"].as_array().expect("levels");
+        assert_eq!(levels.len(), 2, "two concurrency levels");
+        for l in levels {
+            assert_eq!(l["completed"], 3, "{l}");
+            assert!(l["ttft_ms"]["p50"].as_f64().is_some_and(|x| x > 0.0), "{l}");
+            assert!(l["itl_ms"]["p99"].as_f64().is_some_and(|x| x > 0.0), "{l}");
+            assert!(l["output_tok_s"].as_f64().is_some_and(|x| x > 0.0), "{l}");
+            assert_eq!(l["samples"]["ttft_ms"].as_array().map(Vec::len), Some(3));
+            // The router's own timings come only with gRPC.
+            assert_eq!(l["tandem"].is_object(), label == "grpc", "{l}");
+        }
+    }
+    let plots = dir.join("plots");
+    let (ok, out, err) = tandem(&[
+        "bench",
+        "plot",
+        dir.join("grpc.json").to_str().expect("utf-8"),
+        dir.join("http.json").to_str().expect("utf-8"),
+        "--out",
+        plots.to_str().expect("utf-8"),
+    ]);
+    assert!(ok, "{err}");
+    for name in ["ttft_cdf", "itl_cdf", "frontier"] {
+        for ext in ["png", "svg"] {
+            let f = plots.join(format!("{name}.{ext}"));
+            assert!(out.contains(f.to_str().expect("utf-8")), "{out}");
+            let bytes = std::fs::read(&f).expect("plot written");
+            match ext {
+                "png" => assert!(bytes.starts_with(b"\x89PNG"), "{}", f.display()),
+                _ => {
+                    // One line per system, its levels named.
+                    let svg = String::from_utf8_lossy(&bytes);
+                    for text in ["grpc", "http", "c=2"] {
+                        assert!(svg.contains(text), "{} lacks {text}", f.display());
+                    }
+                }
+            }
+        }
+    }
+    up.stop();
+
+    let (ok, out, err) = tandem(&[
+        "bench",
+        "transfer",
+        "--model",
+        "tiny",
+        "--tokens",
         "300",
-        "--share-tokens",
-        "20,300",
         "--runs",
         "2",
         "--threads",
@@ -261,21 +357,9 @@ fn bench_serve_reports_latency_transfer_and_share() {
         "--json",
     ]);
     assert!(ok, "{err}");
-    let v = json(&out);
-    let latency = v["latency"].as_array().expect("latency");
-    assert_eq!(
-        latency.len(),
-        4,
-        "tandem and engine at two concurrency levels"
-    );
-    for l in latency {
-        assert!(l["ttft_p50_ms"].as_f64().is_some_and(|x| x > 0.0), "{l}");
-        assert!(l["itl_p99_ms"].as_f64().is_some_and(|x| x > 0.0), "{l}");
-    }
-    let t = &v["transfer"];
+    let t = json(&out);
     assert_eq!(t["tokens"], 300);
     assert!(t["grpc_mb_s"].as_f64().is_some_and(|x| x > 0.0) && t["ratio"].as_f64().is_some());
-    assert_eq!(v["share"].as_array().expect("share").len(), 2);
 }
 
 /// `generate --batch` decodes every line in one batch and prints, per line, what the single
