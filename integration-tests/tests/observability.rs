@@ -107,6 +107,69 @@ async fn metrics_and_reflection_report_what_happened() {
     cluster.stop().await.expect("clean stop");
 }
 
+/// Every series `deploy/grafana/tandem.json` queries is exported by some node of a cluster that
+/// has served a request (and the cluster's prefix-cache counters add up).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_queries_only_exported_metrics() {
+    let model = tandem_engine::ModelSource::Tiny.load().expect("tiny");
+    let cluster = Cluster::start(ClusterConfig::new(model))
+        .await
+        .expect("cluster");
+    let prompt: Vec<u32> = (0..40).map(|i| 3 + i * 5).collect();
+    for _ in 0..2 {
+        collect(&mut cluster.client(), greedy(prompt.clone(), 4))
+            .await
+            .expect("generate");
+    }
+    let mut exported = std::collections::BTreeSet::new();
+    for addr in [
+        cluster.router.addr,
+        cluster.prefill[0].addr,
+        cluster.decode[0].addr,
+    ] {
+        let text = metrics(addr).await.expect("metrics");
+        exported.extend(
+            text.lines()
+                .filter(|l| !l.starts_with('#'))
+                .filter_map(|l| l.split(['{', ' ']).next())
+                .map(str::to_string),
+        );
+    }
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/grafana/tandem.json");
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).expect("read the dashboard"))
+            .expect("the dashboard is JSON");
+    let mut queried = Vec::new();
+    for panel in dashboard["panels"].as_array().expect("panels") {
+        for target in panel["targets"].as_array().expect("targets") {
+            let expr = target["expr"].as_str().expect("expr");
+            let mut rest = expr;
+            while let Some(at) = rest.find("tandem_") {
+                let name: String = rest[at..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                rest = &rest[at + name.len()..];
+                queried.push((panel["title"].clone(), name));
+            }
+        }
+    }
+    assert!(queried.len() >= 20, "{queried:?}");
+    for (panel, name) in &queried {
+        assert!(
+            exported.contains(name),
+            "panel {panel} queries {name}, which no node exports"
+        );
+    }
+    // The second request found the first one's prompt cached.
+    let router = metrics(cluster.router.addr).await.expect("router metrics");
+    let prompt_tokens = sample(&router, "tandem_router_prompt_tokens_total").expect("prompt");
+    let cached = sample(&router, "tandem_router_cached_prompt_tokens_total").expect("cached");
+    assert_eq!(prompt_tokens, 80.0);
+    assert!(cached >= 32.0 && cached < 40.0, "{cached}");
+    cluster.stop().await.expect("clean stop");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_drains_a_running_stream_to_its_final_frame() {
     let model = tandem_integration_tests::default_model().expect("the default model");

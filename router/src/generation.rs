@@ -536,10 +536,13 @@ impl Dispatcher {
                 .as_ref()
                 .map_or(0, |r| r.prefix_cached_tokens.saturating_sub(decode_cached));
             frame.prompt_token_ids = p.tokens.clone();
+            let cached = (decode_cached + prefill_cached).min(p.tokens.len() as u32);
+            self.metrics.prompt_tokens.inc_by(p.tokens.len() as u64);
+            self.metrics.cached_prompt_tokens.inc_by(u64::from(cached));
             frame.usage = Some(pb::Usage {
                 prompt_tokens: p.tokens.len() as u32,
                 completion_tokens: t.completion_tokens,
-                cached_tokens: (decode_cached + prefill_cached).min(p.tokens.len() as u32),
+                cached_tokens: cached,
                 prefill_cached_tokens: prefill_cached,
                 decode_cached_tokens: decode_cached,
             });

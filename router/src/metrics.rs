@@ -22,6 +22,19 @@ pub const INDEX_MODE: &str = "tandem_router_index_mode";
 pub const INDEX_BLOCKS: &str = "tandem_router_index_blocks";
 pub const ATTEMPTS: &str = "tandem_router_dispatch_attempts";
 pub const FAILOVERS: &str = "tandem_router_failovers";
+pub const PROMPT_TOKENS: &str = "tandem_router_prompt_tokens";
+pub const CACHED_PROMPT_TOKENS: &str = "tandem_router_cached_prompt_tokens";
+
+/// The codes a request can end with (pre-set to 0 so that rates exist from the start).
+const CODES: [tonic::Code; 7] = [
+    tonic::Code::Ok,
+    tonic::Code::InvalidArgument,
+    tonic::Code::ResourceExhausted,
+    tonic::Code::Unavailable,
+    tonic::Code::DeadlineExceeded,
+    tonic::Code::Cancelled,
+    tonic::Code::DataLoss,
+];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StatusLabel {
@@ -71,6 +84,10 @@ pub struct RouterMetrics {
     /// Dispatch attempts, first ones and failovers alike.
     pub attempts: Counter,
     pub failovers: Family<HopLabel, Counter>,
+    /// Prompt tokens of completed requests, and those of them a cache supplied: the
+    /// cluster's prefix-cache hit rate is their ratio.
+    pub prompt_tokens: Counter,
+    pub cached_prompt_tokens: Counter,
 }
 
 impl RouterMetrics {
@@ -88,7 +105,18 @@ impl RouterMetrics {
             index_blocks: Family::default(),
             attempts: Counter::default(),
             failovers: Family::default(),
+            prompt_tokens: Counter::default(),
+            cached_prompt_tokens: Counter::default(),
         };
+        // Series a dashboard queries exist before their first event.
+        for hop in ["decode", "prefill"] {
+            m.failovers.get_or_create(&HopLabel { hop });
+        }
+        for code in CODES {
+            m.requests.get_or_create(&StatusLabel {
+                code: format!("{code:?}"),
+            });
+        }
         registry.register(TTFT, "Time from request to first token", m.ttft.clone());
         registry.register(
             INTER_TOKEN,
@@ -136,6 +164,16 @@ impl RouterMetrics {
             FAILOVERS,
             "Generations resumed on other replicas after a replica failed, by failed hop",
             m.failovers.clone(),
+        );
+        registry.register(
+            PROMPT_TOKENS,
+            "Prompt tokens of completed requests",
+            m.prompt_tokens.clone(),
+        );
+        registry.register(
+            CACHED_PROMPT_TOKENS,
+            "Prompt tokens of completed requests that a prefix or session cache supplied",
+            m.cached_prompt_tokens.clone(),
         );
         m
     }

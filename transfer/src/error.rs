@@ -56,6 +56,24 @@ pub enum Error {
 }
 
 impl Error {
+    /// Every [`Error::reason`], so that the rejects metric can show each at 0 from the start.
+    pub const REASONS: [&'static str; 14] = [
+        "malformed",
+        "version",
+        "fingerprint",
+        "layout",
+        "tokens",
+        "header_too_large",
+        "unknown_transfer",
+        "reused",
+        "chunk",
+        "crc",
+        "digest",
+        "aborted",
+        "receiver_gone",
+        "transport",
+    ];
+
     /// The label counted in the rejects metric.
     pub fn reason(&self) -> &'static str {
         match self {
@@ -116,5 +134,43 @@ impl From<Status> for Error {
             code: s.code(),
             message: s.message().to_string(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_reason_is_listed_once() {
+        let s = || String::new();
+        let all = [
+            Error::Malformed { detail: s() },
+            Error::Version {
+                got: 2,
+                supported: 1,
+            },
+            Error::Fingerprint,
+            Error::Layout { detail: s() },
+            Error::Tokens { detail: s() },
+            Error::HeaderTooLarge { detail: s() },
+            Error::UnknownTransfer { transfer_id: s() },
+            Error::Reused { transfer_id: s() },
+            Error::Chunk { detail: s() },
+            Error::ChunkCrc {
+                layer: 0,
+                kind: "k",
+                token_start: 0,
+            },
+            Error::Digest,
+            Error::Aborted { reason: s() },
+            Error::ReceiverGone,
+            Error::Transport {
+                code: Code::Unknown,
+                message: s(),
+            },
+        ];
+        let reasons: Vec<&str> = all.iter().map(Error::reason).collect();
+        assert_eq!(reasons, Error::REASONS);
     }
 }

@@ -46,6 +46,9 @@ impl TransferMetrics {
             m.throughput.clone(),
         );
         registry.register(REJECTS, "Pushes rejected, by reason", m.rejects.clone());
+        for reason in crate::Error::REASONS {
+            m.rejects.get_or_create(&ReasonLabel { reason });
+        }
         m
     }
 }
