@@ -28,8 +28,26 @@ struct Up {
 
 impl Up {
     fn start() -> Self {
+        Self::start_logging(None)
+    }
+
+    /// With `log`, every node logs JSON at debug level into that file.
+    fn start_logging(log: Option<&std::path::Path>) -> Self {
         use std::io::BufRead;
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_tandem"));
+        match log {
+            Some(path) => {
+                let file = std::fs::File::create(path).expect("log file");
+                command
+                    .env("TANDEM_LOG_JSON", "true")
+                    .env("RUST_LOG", "debug,h2=warn,tower=warn,hyper=warn,tonic=warn")
+                    .stderr(file);
+            }
+            None => {
+                command.stderr(std::process::Stdio::null());
+            }
+        }
+        let mut child = command
             .args([
                 "up",
                 "--model",
@@ -43,7 +61,6 @@ impl Up {
             ])
             .env_remove("TANDEM_MODEL")
             .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
             .spawn()
             .expect("start tandem up");
         let stdout = child.stdout.take().expect("stdout");
@@ -360,6 +377,57 @@ fn bench_serve_drives_both_apis_and_plots() {
     let t = json(&out);
     assert_eq!(t["tokens"], 300);
     assert!(t["grpc_mb_s"].as_f64().is_some_and(|x| x > 0.0) && t["ratio"].as_f64().is_some());
+}
+
+/// With `--log-json`, a request's log lines on the router, the prefill node and the decode node
+/// all carry its request id (the router names requests that come without one).
+#[test]
+fn json_logs_carry_the_request_id_across_nodes() {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("json-logs");
+    std::fs::create_dir_all(&dir).expect("dir");
+    let log = dir.join("up.log");
+    let up = Up::start_logging(Some(&log));
+    let (ok, _, err) = tandem(&[
+        "generate",
+        "--server",
+        &up.grpc,
+        "--prompt",
+        "hello there",
+        "--max-tokens",
+        "3",
+    ]);
+    assert!(ok, "{err}");
+    up.stop();
+    let text = std::fs::read_to_string(&log).expect("log");
+    // `tandem up`'s own messages to the terminal are plain text; the nodes log JSON.
+    let lines: Vec<Value> = text
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: not JSON: {l}")))
+        .collect();
+    let line = |message: &str| {
+        lines
+            .iter()
+            .find(|l| l["fields"]["message"] == message)
+            .unwrap_or_else(|| panic!("no {message:?} line in {text}"))
+    };
+    let id = line("dispatching")["span"]["request_id"]
+        .as_str()
+        .expect("the router's line has a request_id")
+        .to_string();
+    assert_eq!(id.len(), 32, "{id}");
+    for (message, target) in [
+        ("dispatching", "tandem_router"),
+        ("prefilled and pushed", "tandem_prefill_server"),
+        ("generation finished", "tandem_decode_server"),
+    ] {
+        let l = line(message);
+        assert!(
+            l["target"].as_str().is_some_and(|t| t.starts_with(target)),
+            "{l}"
+        );
+        assert_eq!(l["span"]["request_id"], id.as_str(), "{l}");
+    }
 }
 
 /// `generate --batch` decodes every line in one batch and prints, per line, what the single

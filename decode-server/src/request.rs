@@ -26,6 +26,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::Status;
+use tracing::Instrument;
 
 use crate::admission::{Admission, Admitted};
 use crate::error::{Error, Result};
@@ -178,12 +179,16 @@ impl RequestContext {
             .try_admit(total.div_ceil(tandem_engine::BLOCK_TOKENS))?;
         let (tx, rx) = mpsc::channel(FRAME_BUFFER);
         let ctx = self.clone();
-        self.tracker.spawn(async move {
-            let outcome = ctx.run(plan, stream, admitted, &tx).await;
-            if let Err(e) = outcome {
-                let _ = tx.send(Err(e.into())).await;
+        // The generation logs under the request's span (its request_id).
+        self.tracker.spawn(
+            async move {
+                let outcome = ctx.run(plan, stream, admitted, &tx).await;
+                if let Err(e) = outcome {
+                    let _ = tx.send(Err(e.into())).await;
+                }
             }
-        });
+            .instrument(tracing::Span::current()),
+        );
         Ok(ReceiverStream::new(rx))
     }
 

@@ -136,6 +136,13 @@ impl PrefillService {
         let first_token = done
             .first_token
             .ok_or(tandem_transfer::Error::ReceiverGone)?;
+        tracing::debug!(
+            tokens = n,
+            cached = done.cached_tokens,
+            compute_ms = done.compute_ms,
+            kv_bytes = ack.bytes_received,
+            "prefilled and pushed"
+        );
         Ok(pb::PrefillResponse {
             first_token,
             prefill_ms: done.compute_ms,

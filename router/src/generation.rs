@@ -349,6 +349,13 @@ impl Dispatcher {
             prefill_estimate,
         } = choice;
         let local = prefill.is_none();
+        tracing::debug!(
+            attempt = progress.attempts,
+            decode = %decode.replica().addr,
+            prefill = prefill.as_ref().map_or("local", |g| g.replica().addr.as_str()),
+            reason = %reason,
+            "dispatching"
+        );
         self.metrics
             .disagg_decisions
             .get_or_create(&DecisionLabel {

@@ -110,10 +110,10 @@ impl RouterMetrics {
         };
         // Series a dashboard queries exist before their first event.
         for hop in ["decode", "prefill"] {
-            m.failovers.get_or_create(&HopLabel { hop });
+            let _ = m.failovers.get_or_create(&HopLabel { hop });
         }
         for code in CODES {
-            m.requests.get_or_create(&StatusLabel {
+            let _ = m.requests.get_or_create(&StatusLabel {
                 code: format!("{code:?}"),
             });
         }

@@ -14,6 +14,7 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use crate::error::Error;
 use crate::generation::{Dispatcher, prepare};
@@ -54,14 +55,21 @@ impl GenerationService {
 
     fn try_start(
         &self,
-        r: pb::GenerateRequest,
+        mut r: pb::GenerateRequest,
         deadline: Option<tokio::time::Instant>,
         default_max_tokens: Option<u32>,
     ) -> Result<GenerateStream, Error> {
         let accepted = Instant::now();
         let deadline =
             deadline.unwrap_or_else(|| tokio::time::Instant::now() + self.default_timeout);
+        // Only a client's own id attaches retries; without one, the router names the request
+        // so that every log line about it, on every node, carries an id.
         let id = r.request_id.clone();
+        if id.is_empty() {
+            r.request_id = format!("{:032x}", rand::random::<u128>());
+        }
+        let span = tracing::info_span!("request", request_id = %r.request_id);
+        let entered = span.enter();
         if self.shutdown.is_cancelled() {
             return Err(Error::ShuttingDown);
         }
@@ -95,20 +103,24 @@ impl GenerationService {
         };
         let reader = log.subscribe();
         let (svc, shutdown) = (self.clone(), self.shutdown.clone());
-        self.tracker.spawn(async move {
-            let _permit = permit;
-            let code = tokio::select! {
-                code = svc.dispatcher.run(prepared, accepted, deadline, &log) => code,
-                () = shutdown.cancelled() => {
-                    log.push(Err(Error::ShuttingDown.into()));
-                    tonic::Code::Unavailable
+        drop(entered);
+        self.tracker.spawn(
+            async move {
+                let _permit = permit;
+                let code = tokio::select! {
+                    code = svc.dispatcher.run(prepared, accepted, deadline, &log) => code,
+                    () = shutdown.cancelled() => {
+                        log.push(Err(Error::ShuttingDown.into()));
+                        tonic::Code::Unavailable
+                    }
+                };
+                svc.dispatcher.metrics.finished(code);
+                if !id.is_empty() {
+                    svc.running().remove(&id);
                 }
-            };
-            svc.dispatcher.metrics.finished(code);
-            if !id.is_empty() {
-                svc.running().remove(&id);
             }
-        });
+            .instrument(span),
+        );
         Ok(Box::pin(reader.stream()))
     }
 }

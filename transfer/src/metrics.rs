@@ -47,7 +47,7 @@ impl TransferMetrics {
         );
         registry.register(REJECTS, "Pushes rejected, by reason", m.rejects.clone());
         for reason in crate::Error::REASONS {
-            m.rejects.get_or_create(&ReasonLabel { reason });
+            let _ = m.rejects.get_or_create(&ReasonLabel { reason });
         }
         m
     }

@@ -49,6 +49,9 @@ impl KvTransferService {
                 });
             }
         };
+        let span = tracing::Span::current();
+        span.record("request_id", header.request_id.as_str());
+        span.record("transfer_id", header.transfer_id.as_str());
         let Pending {
             want,
             mut deliver,
@@ -109,7 +112,10 @@ async fn next_frame(frames: &mut Streaming<pb::PushFrame>) -> Result<Frame> {
 
 #[tonic::async_trait]
 impl pb::kv_transfer_server::KvTransfer for KvTransferService {
-    #[tracing::instrument(skip_all)]
+    #[tracing::instrument(
+        skip_all,
+        fields(request_id = tracing::field::Empty, transfer_id = tracing::field::Empty)
+    )]
     async fn push(
         &self,
         request: Request<Streaming<pb::PushFrame>>,
