@@ -5,11 +5,10 @@ use std::io::{BufRead, Write};
 
 use anyhow::Context;
 use clap::Args;
-use serde::Serialize;
 use tandem_proto::v1 as pb;
 use tonic::transport::Channel;
 
-use crate::local::GenerateArgs;
+use crate::generate::{GenerateArgs, parse_messages};
 use crate::sampling::{CHAT_DEFAULTS, GENERATE_DEFAULTS, SamplingArgs};
 
 /// What one streamed generation produced.
@@ -94,9 +93,7 @@ pub(crate) fn generate(args: &GenerateArgs, server: &str) -> anyhow::Result<()> 
     match (&args.prompt, &args.messages) {
         (Some(p), _) => request.prompt = Some(p.clone()),
         (None, Some(m)) => {
-            let messages: Vec<tandem_engine::ChatMessage> = serde_json::from_str(m)
-                .context("--messages must be a JSON array of {\"role\",\"content\"} objects")?;
-            request.messages = messages
+            request.messages = parse_messages(m)?
                 .into_iter()
                 .map(|m| pb::ChatMessage {
                     role: m.role,
@@ -121,27 +118,21 @@ pub(crate) fn generate(args: &GenerateArgs, server: &str) -> anyhow::Result<()> 
         .await
     })?;
     if args.json {
-        #[derive(Serialize)]
-        struct Out<'a> {
-            prompt_token_ids: &'a [u32],
-            token_ids: &'a [u32],
-            text: &'a str,
-            finish_reason: &'a str,
-            prefill_ms: f64,
-            decode_ms: f64,
-        }
+        let finish_reason = match out.finish_reason.as_str() {
+            "stop" => tandem_engine::FinishReason::Stop,
+            "length" => tandem_engine::FinishReason::Length,
+            other => anyhow::bail!("the server ended the generation with {other:?}"),
+        };
         let t = &out.timings;
-        println!(
-            "{}",
-            serde_json::to_string(&Out {
-                prompt_token_ids: &out.prompt_token_ids,
-                token_ids: &out.token_ids,
-                text: &out.text,
-                finish_reason: &out.finish_reason,
-                prefill_ms: t.prefill_ms,
-                decode_ms: (t.total_ms - t.first_token_ms).max(0.0),
-            })?
-        );
+        let json = tandem_engine::GenerateOutput {
+            prompt_token_ids: out.prompt_token_ids,
+            token_ids: out.token_ids,
+            text: out.text,
+            finish_reason,
+            prefill_ms: t.prefill_ms,
+            decode_ms: (t.total_ms - t.first_token_ms).max(0.0),
+        };
+        println!("{}", serde_json::to_string(&json)?);
     } else {
         println!();
     }

@@ -1,14 +1,15 @@
-//! `tandem tokenize` and `tandem generate`, run in-process on the engine.
+//! `tandem tokenize` and `tandem generate` in-process, on the engine.
 
 use std::io::Write;
 
 use anyhow::Context;
 use clap::Args;
 use serde::Serialize;
-use tandem_engine::{ChatMessage, Engine, EngineConfig, GenerateParams, GenerateRequest, Model};
+use tandem_engine::{Engine, EngineConfig, GenerateParams, GenerateRequest, Model};
 
 use crate::ModelArgs;
-use crate::sampling::{GENERATE_DEFAULTS, SamplingArgs};
+use crate::generate::{GenerateArgs, parse_messages};
+use crate::sampling::GENERATE_DEFAULTS;
 
 #[derive(Args, Debug)]
 pub(crate) struct TokenizeArgs {
@@ -20,45 +21,6 @@ pub(crate) struct TokenizeArgs {
     /// Print `{"token_ids":[...]}` instead of one id per line.
     #[arg(long)]
     json: bool,
-}
-
-#[derive(Args, Debug)]
-pub(crate) struct GenerateArgs {
-    #[command(flatten)]
-    model: ModelArgs,
-    /// Generate through a running cluster's router (host:port) instead of in-process.
-    #[arg(long, env = "TANDEM_SERVER")]
-    server: Option<String>,
-    /// Raw prompt text (special tokens parsed, no chat template).
-    #[arg(
-        long,
-        conflicts_with_all = ["messages", "batch"],
-        required_unless_present_any = ["messages", "batch"]
-    )]
-    pub(crate) prompt: Option<String>,
-    /// A JSON array of {"role","content"} messages, rendered with the model's chat template.
-    #[arg(long, conflicts_with = "batch")]
-    pub(crate) messages: Option<String>,
-    /// Offline batch generation, in-process only: a JSON-lines file, one request per line,
-    /// `{"prompt": TEXT}` or `{"token_ids": [...]}`, with an optional `"seed"` (otherwise
-    /// `--seed`); the other flags apply to every line. All are decoded in one continuous batch,
-    /// and each result is printed as one `--json` line, in the file's order.
-    #[arg(long, conflicts_with = "server")]
-    batch: Option<std::path::PathBuf>,
-    /// The most tokens to generate.
-    #[arg(long, default_value_t = 128)]
-    pub(crate) max_tokens: usize,
-    #[command(flatten)]
-    pub(crate) sampling: SamplingArgs,
-    /// Stop when this text appears (repeatable); it is not included in the output.
-    #[arg(long)]
-    pub(crate) stop: Vec<String>,
-    /// Compute threads (0 = one per core).
-    #[arg(long, env = "TANDEM_THREADS", default_value_t = 0)]
-    threads: usize,
-    /// Print one JSON object with ids, text, finish reason and timings.
-    #[arg(long)]
-    pub(crate) json: bool,
 }
 
 pub(crate) fn tokenize(args: &TokenizeArgs) -> anyhow::Result<()> {
@@ -86,11 +48,7 @@ pub(crate) fn prompt_tokens(
 ) -> anyhow::Result<Vec<u32>> {
     let text = match (prompt, messages) {
         (Some(p), _) => p.to_string(),
-        (None, Some(m)) => {
-            let messages: Vec<ChatMessage> = serde_json::from_str(m)
-                .context("--messages must be a JSON array of {\"role\",\"content\"} objects")?;
-            model.tokenizer.apply_chat_template(&messages)?
-        }
+        (None, Some(m)) => model.tokenizer.apply_chat_template(&parse_messages(m)?)?,
         (None, None) => anyhow::bail!("give --prompt or --messages"),
     };
     if text.is_empty() {
@@ -99,13 +57,8 @@ pub(crate) fn prompt_tokens(
     Ok(model.tokenizer.encode(&text)?)
 }
 
+/// `tandem generate` in-process: one prompt, streamed.
 pub(crate) fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
-    if let Some(server) = &args.server {
-        return crate::client::generate(args, server);
-    }
-    if let Some(file) = &args.batch {
-        return generate_batch(args, file);
-    }
     let model = args.model.source().load()?;
     let prompt = prompt_tokens(&model, args.prompt.as_deref(), args.messages.as_deref())?;
     let mut engine = Engine::new(
@@ -157,7 +110,8 @@ struct BatchLine {
     seed: Option<u64>,
 }
 
-fn generate_batch(args: &GenerateArgs, file: &std::path::Path) -> anyhow::Result<()> {
+/// `tandem generate --batch FILE`: every line in one continuous batch.
+pub(crate) fn generate_batch(args: &GenerateArgs, file: &std::path::Path) -> anyhow::Result<()> {
     let text =
         std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
     let model = args.model.source().load()?;

@@ -5,6 +5,7 @@ mod bench;
 mod client;
 mod fault_proxy;
 mod fetch;
+mod generate;
 mod healthcheck;
 mod local;
 mod sampling;
@@ -39,7 +40,7 @@ enum Command {
     /// Print the token ids of a text.
     Tokenize(local::TokenizeArgs),
     /// Generate text, in-process with the engine or through a cluster (--server).
-    Generate(local::GenerateArgs),
+    Generate(generate::GenerateArgs),
     /// Run a router: the client API, dispatching to prefill and decode nodes.
     Router(serve::RouterArgs),
     /// Run a prefill node.
@@ -110,7 +111,7 @@ fn main() -> anyhow::Result<()> {
             command: ModelCommand::Fetch(args),
         } => fetch::run(&args),
         Command::Tokenize(args) => local::tokenize(&args),
-        Command::Generate(args) => local::generate(&args),
+        Command::Generate(args) => generate::run(&args),
         Command::Router(args) => serve::router(&args),
         Command::Prefill(args) => serve::prefill(&args),
         Command::Decode(args) => serve::decode(&args),

@@ -301,6 +301,8 @@ fn bench_serve_drives_both_apis_and_plots() {
         "20",
         "--warmup",
         "1",
+        "--seed",
+        "1",
         "--json",
     ];
     for (flag, target, label) in [

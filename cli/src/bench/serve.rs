@@ -108,6 +108,8 @@ pub(crate) struct Level {
     pub value: f64,
     pub requests: usize,
     pub completed: usize,
+    /// Completed requests that produced no token (the model ended at once): no TTFT.
+    pub empty: usize,
     pub failed: BTreeMap<String, usize>,
     pub duration_s: f64,
     pub request_throughput: f64,
@@ -310,6 +312,7 @@ fn summarize(
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut good = 0usize;
     let mut completed = 0usize;
+    let mut empty = 0usize;
     for o in outcomes {
         let r = match o {
             Ok(r) => r,
@@ -318,11 +321,11 @@ fn summarize(
                 continue;
             }
         };
+        completed += 1;
         let Some(ttft) = r.ttft_ms() else {
-            *failed.entry("no tokens".to_string()).or_insert(0) += 1;
+            empty += 1;
             continue;
         };
-        completed += 1;
         samples.ttft_ms.push(ttft);
         samples.itl_ms.extend(r.itl_ms());
         let tpot = r.tpot_ms();
@@ -346,6 +349,7 @@ fn summarize(
         value,
         requests: outcomes.len(),
         completed,
+        empty,
         failed,
         duration_s,
         request_throughput: completed as f64 / duration_s,

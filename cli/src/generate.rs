@@ -1,0 +1,64 @@
+//! `tandem generate`: its flags, and what the in-process ([`crate::local`]) and the cluster
+//! ([`crate::client`]) paths share: `--messages` parsing and the `--json` output (the engine's
+//! [`tandem_engine::GenerateOutput`], whichever path produced it).
+
+use anyhow::Context;
+use clap::Args;
+use tandem_engine::ChatMessage;
+
+use crate::ModelArgs;
+use crate::sampling::SamplingArgs;
+
+#[derive(Args, Debug)]
+pub(crate) struct GenerateArgs {
+    #[command(flatten)]
+    pub(crate) model: ModelArgs,
+    /// Generate through a running cluster's router (host:port) instead of in-process.
+    #[arg(long, env = "TANDEM_SERVER")]
+    pub(crate) server: Option<String>,
+    /// Raw prompt text (special tokens parsed, no chat template).
+    #[arg(
+        long,
+        conflicts_with_all = ["messages", "batch"],
+        required_unless_present_any = ["messages", "batch"]
+    )]
+    pub(crate) prompt: Option<String>,
+    /// A JSON array of {"role","content"} messages, rendered with the model's chat template.
+    #[arg(long, conflicts_with = "batch")]
+    pub(crate) messages: Option<String>,
+    /// Offline batch generation, in-process only: a JSON-lines file, one request per line,
+    /// `{"prompt": TEXT}` or `{"token_ids": [...]}`, with an optional `"seed"` (otherwise
+    /// `--seed`); the other flags apply to every line. All are decoded in one continuous batch,
+    /// and each result is printed as one `--json` line, in the file's order.
+    #[arg(long, conflicts_with = "server")]
+    pub(crate) batch: Option<std::path::PathBuf>,
+    /// The most tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    pub(crate) max_tokens: usize,
+    #[command(flatten)]
+    pub(crate) sampling: SamplingArgs,
+    /// Stop when this text appears (repeatable); it is not included in the output.
+    #[arg(long)]
+    pub(crate) stop: Vec<String>,
+    /// Compute threads (0 = one per core).
+    #[arg(long, env = "TANDEM_THREADS", default_value_t = 0)]
+    pub(crate) threads: usize,
+    /// Print one JSON object with ids, text, finish reason and timings.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+/// `tandem generate`: through a cluster with `--server`, else in-process.
+pub(crate) fn run(args: &GenerateArgs) -> anyhow::Result<()> {
+    match (&args.server, &args.batch) {
+        (Some(server), _) => crate::client::generate(args, server),
+        (None, Some(file)) => crate::local::generate_batch(args, file),
+        (None, None) => crate::local::generate(args),
+    }
+}
+
+/// `--messages`: a JSON array of `{"role", "content"}` objects.
+pub(crate) fn parse_messages(json: &str) -> anyhow::Result<Vec<ChatMessage>> {
+    serde_json::from_str(json)
+        .context("--messages must be a JSON array of {\"role\",\"content\"} objects")
+}
