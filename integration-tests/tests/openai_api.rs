@@ -2,8 +2,8 @@
 //! (`integration-tests/openai/client_check.py`), installed from PyPI into a virtual environment
 //! under the target directory on first use. The script checks chat and completions, streamed and
 //! not, usage, stop, penalties, a rejected parameter and the error statuses; this test then
-//! checks that what it saw is exactly what the gRPC API answers, and that a client that
-//! disconnects mid-stream frees the decode node.
+//! checks that what it saw is exactly what the gRPC API answers, that the examples in
+//! `docs/examples/` run, and that a client that disconnects mid-stream frees the decode node.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -117,6 +117,27 @@ async fn the_openai_client_gets_what_grpc_gets() {
         seen["stream_cached_tokens"].as_u64().unwrap_or(0) > 0,
         "{seen}"
     );
+
+    // The examples in docs/ run as written.
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/examples");
+    let out = tokio::process::Command::new(&python)
+        .arg(examples.join("openai_chat.py"))
+        .arg(&base)
+        .output()
+        .await
+        .expect("run docs/examples/openai_chat.py");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("completion tokens]"), "{stdout}");
+    let out = tokio::process::Command::new("bash")
+        .arg(examples.join("curl.sh"))
+        .arg(format!("http://{}", cluster.http))
+        .output()
+        .await
+        .expect("run docs/examples/curl.sh");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("data: [DONE]") && stdout.contains("n=2 -> HTTP 400"), "{stdout}");
 
     // A client that disconnects mid-stream cancels the generation.
     let client = reqwest::Client::new();
