@@ -7,7 +7,8 @@
 #   llama-server llama-server --parallel 4 with prompt caching (if LLAMA_SERVER is set, or
 #                ../shared/tools/build-llamacpp.sh has built it)
 # Each system starts fresh (empty caches) for each round. Results go to target/bench-multiturn/
-# as JSON, one file per system and round, and the script prints a table of the medians.
+# as JSON, one file per system and round, and the script prints a table of the medians and
+# plots the last round's TTFT by turn (target/bench-multiturn/plots/multiturn_ttft.png).
 #
 # Usage: scripts/bench-multiturn.sh [ROUNDS] [extra `tandem bench multiturn` flags...]
 # Env: TANDEM (the binary, default target/release/tandem), LLAMA_SERVER, GGUF.
@@ -63,6 +64,10 @@ for r in $(seq "$rounds"); do
     stop
   fi
 done
+
+# Per-turn TTFT of the last round, every system on one plot.
+"$tandem" bench plot $(for s in caches-off affinity round-robin llama-server; do
+  [ -f "$out/$s.$rounds.json" ] && echo "$out/$s.$rounds.json"; done) --out "$out/plots" >/dev/null
 
 python3 - "$out" "$rounds" <<'EOF'
 import json, statistics, sys, os

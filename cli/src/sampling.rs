@@ -34,15 +34,7 @@ pub(crate) struct SamplingArgs {
 }
 
 /// `tandem generate`'s defaults: greedy, no penalty, so that output is the model's own.
-pub(crate) const GENERATE_DEFAULTS: SamplingParams = SamplingParams {
-    temperature: 0.0,
-    top_k: 0,
-    top_p: 1.0,
-    seed: 0,
-    frequency_penalty: 0.0,
-    presence_penalty: 0.0,
-    repetition_penalty: 1.0,
-};
+pub(crate) const GENERATE_DEFAULTS: SamplingParams = SamplingParams::GREEDY;
 
 /// `tandem chat`'s defaults: the model card's temperature and top-p, and a mild repetition
 /// penalty, because greedy decoding makes this small model loop.
@@ -50,7 +42,7 @@ pub(crate) const CHAT_DEFAULTS: SamplingParams = SamplingParams {
     temperature: 0.2,
     top_p: 0.9,
     repetition_penalty: 1.1,
-    ..GENERATE_DEFAULTS
+    ..SamplingParams::GREEDY
 };
 
 impl SamplingArgs {

@@ -33,17 +33,22 @@ pub struct SamplingParams {
     pub repetition_penalty: f32,
 }
 
+impl SamplingParams {
+    /// Greedy, with every cut and penalty off: the model's own most likely tokens.
+    pub const GREEDY: Self = Self {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        seed: 0,
+        frequency_penalty: 0.0,
+        presence_penalty: 0.0,
+        repetition_penalty: 1.0,
+    };
+}
+
 impl Default for SamplingParams {
     fn default() -> Self {
-        Self {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            seed: 0,
-            frequency_penalty: 0.0,
-            presence_penalty: 0.0,
-            repetition_penalty: 1.0,
-        }
+        Self::GREEDY
     }
 }
 

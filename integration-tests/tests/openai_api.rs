@@ -127,7 +127,11 @@ async fn the_openai_client_gets_what_grpc_gets() {
         .await
         .expect("run docs/examples/openai_chat.py");
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(stdout.contains("completion tokens]"), "{stdout}");
     let out = tokio::process::Command::new("bash")
         .arg(examples.join("curl.sh"))
@@ -136,8 +140,15 @@ async fn the_openai_client_gets_what_grpc_gets() {
         .await
         .expect("run docs/examples/curl.sh");
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.contains("data: [DONE]") && stdout.contains("n=2 -> HTTP 400"), "{stdout}");
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("data: [DONE]") && stdout.contains("n=2 -> HTTP 400"),
+        "{stdout}"
+    );
 
     // A client that disconnects mid-stream cancels the generation.
     let client = reqwest::Client::new();

@@ -28,7 +28,7 @@ use tonic::Code;
 
 use crate::error::Error;
 use crate::replicas::Replicas;
-use crate::service::{GenerateStream, GenerationService};
+use crate::service::{GenerateStream, GenerationService, fresh_request_id};
 
 /// Most tokens a request may generate when it sets no `max_tokens` (less if the context ends
 /// sooner). The decode node reserves KV for the worst case, so "the whole context" by default
@@ -663,42 +663,28 @@ impl Envelope {
         })
     }
 
+    /// The one choice of a chunk (`streaming`) or of a whole answer.
+    fn choice(&self, text: &str, finish: Value, streaming: bool) -> Value {
+        let mut choice = json!({"index": 0, "logprobs": null, "finish_reason": finish});
+        match (self.kind, streaming) {
+            (Kind::Chat, true) if text.is_empty() => choice["delta"] = json!({}),
+            (Kind::Chat, true) => choice["delta"] = json!({"content": text}),
+            (Kind::Chat, false) => {
+                choice["message"] = json!({"role": "assistant", "content": text});
+            }
+            (Kind::Completion, _) => choice["text"] = json!(text),
+        }
+        choice
+    }
+
     /// A streamed chunk carrying `text`, and the finish reason on the last one.
     fn chunk(&self, text: &str, finish: Value) -> Value {
-        let choice = match self.kind {
-            Kind::Chat => json!({
-                "index": 0,
-                "delta": if text.is_empty() { json!({}) } else { json!({"content": text}) },
-                "logprobs": null,
-                "finish_reason": finish,
-            }),
-            Kind::Completion => json!({
-                "index": 0,
-                "text": text,
-                "logprobs": null,
-                "finish_reason": finish,
-            }),
-        };
-        self.wrap(true, json!([choice]))
+        self.wrap(true, json!([self.choice(text, finish, true)]))
     }
 
     /// The whole answer of a request that did not stream.
     fn complete(&self, text: &str, last: &pb::GenerateResponse) -> Value {
-        let finish = finish_reason(last.finish_reason);
-        let choice = match self.kind {
-            Kind::Chat => json!({
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": null,
-                "finish_reason": finish,
-            }),
-            Kind::Completion => json!({
-                "index": 0,
-                "text": text,
-                "logprobs": null,
-                "finish_reason": finish,
-            }),
-        };
+        let choice = self.choice(text, finish_reason(last.finish_reason), false);
         let mut body = self.wrap(false, json!([choice]));
         body["usage"] = usage(last.usage.as_ref());
         body
@@ -735,7 +721,7 @@ async fn run(api: Api, kind: Kind, headers: &HeaderMap, body: &[u8]) -> Result<R
         .ok_or(Error::NotReady)?;
     let mut parsed = parse(kind, &model, headers, body)?;
     if parsed.request.request_id.is_empty() {
-        parsed.request.request_id = format!("{:032x}", rand::random::<u128>());
+        parsed.request.request_id = fresh_request_id();
     }
     let request_id = parsed.request.request_id.clone();
     let envelope = Envelope::new(kind, &request_id, &model);

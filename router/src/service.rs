@@ -20,6 +20,11 @@ use crate::error::Error;
 use crate::generation::{Dispatcher, prepare};
 use crate::log::{Item, LogWriter};
 
+/// A request id for a request that came without one.
+pub(crate) fn fresh_request_id() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
 pub(crate) type GenerateStream = Pin<Box<dyn Stream<Item = Item> + Send + 'static>>;
 
 #[derive(Clone, Debug)]
@@ -66,7 +71,7 @@ impl GenerationService {
         // so that every log line about it, on every node, carries an id.
         let id = r.request_id.clone();
         if id.is_empty() {
-            r.request_id = format!("{:032x}", rand::random::<u128>());
+            r.request_id = fresh_request_id();
         }
         let span = tracing::info_span!("request", request_id = %r.request_id);
         let entered = span.enter();

@@ -45,6 +45,16 @@ const FONTS: &[&str] = &[
 
 const SIZE: (u32, u32) = (1000, 620);
 
+/// One color per system, dark enough to read on white.
+const COLORS: [RGBColor; 6] = [
+    RGBColor(213, 94, 0),
+    RGBColor(0, 114, 178),
+    RGBColor(0, 158, 115),
+    RGBColor(204, 121, 167),
+    RGBColor(86, 86, 86),
+    RGBColor(230, 159, 0),
+];
+
 /// One line of a chart.
 #[derive(Debug)]
 struct Line {
@@ -129,30 +139,32 @@ pub(crate) fn plot(args: &PlotArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot create {}", args.out.display()))?;
     let mut charts: Vec<(&str, Vec<Chart>)> = Vec::new();
     if !serves.is_empty() {
-        let cdf_chart = |title: &str, x: &str, pick: fn(&serve::Samples) -> &Vec<f64>| Chart {
-            title: title.into(),
-            x: x.into(),
-            y: "fraction of requests".into(),
-            log_x: true,
-            legend: SeriesLabelPosition::LowerRight,
-            lines: serves
-                .iter()
-                .enumerate()
-                .flat_map(|(s, r)| {
-                    r.levels.iter().map(move |l| Line {
-                        name: format!("{} {}", r.label, load_label(l)),
-                        points: cdf(pick(&l.samples)),
-                        point_labels: Vec::new(),
-                        system: s,
+        let cdf_chart =
+            |title: &str, x: &str, y: &str, pick: fn(&serve::Samples) -> &Vec<f64>| Chart {
+                title: title.into(),
+                x: x.into(),
+                y: y.into(),
+                log_x: true,
+                legend: SeriesLabelPosition::LowerRight,
+                lines: serves
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(s, r)| {
+                        r.levels.iter().map(move |l| Line {
+                            name: format!("{} {}", r.label, load_label(l)),
+                            points: cdf(pick(&l.samples)),
+                            point_labels: Vec::new(),
+                            system: s,
+                        })
                     })
-                })
-                .collect(),
-        };
+                    .collect(),
+            };
         charts.push((
             "ttft_cdf",
             vec![cdf_chart(
                 "Time to first token",
                 "TTFT (ms, log scale)",
+                "fraction of requests",
                 |s| &s.ttft_ms,
             )],
         ));
@@ -161,6 +173,7 @@ pub(crate) fn plot(args: &PlotArgs) -> anyhow::Result<()> {
             vec![cdf_chart(
                 "Inter-token latency",
                 "ITL (ms, log scale)",
+                "fraction of gaps between tokens",
                 |s| &s.itl_ms,
             )],
         ));
@@ -220,7 +233,7 @@ pub(crate) fn plot(args: &PlotArgs) -> anyhow::Result<()> {
                 x: "turn".into(),
                 y: "TTFT (ms)".into(),
                 log_x: false,
-                legend: SeriesLabelPosition::UpperRight,
+                legend: SeriesLabelPosition::UpperLeft,
                 lines,
             }],
         ));
@@ -284,13 +297,27 @@ where
         .x_label_area_size(48)
         .y_label_area_size(72);
     let y_range = 0.0..(y_hi * 1.08).max(1e-9);
-    let style = |i: usize| Palette99::pick(i).stroke_width(2);
+    // A log axis is drawn as log10 on a linear one, labelled with the values to two significant
+    // digits: plotters' own log scale labels only the powers of ten.
+    let fx = |x: f64| if chart.log_x { x.max(1e-3).log10() } else { x };
+    let at = |(x, y): (f64, f64)| (fx(x), y);
+    let x_label = |x: &f64| {
+        if chart.log_x {
+            let v = 10f64.powf(*x);
+            let unit = 10f64.powi(v.log10().floor() as i32 - 1);
+            number((v / unit).round() * unit)
+        } else {
+            number(*x)
+        }
+    };
+    let style = |i: usize| COLORS[i % COLORS.len()].stroke_width(2);
     // Lines of one system share its color; its levels differ by marker size.
     macro_rules! series {
         ($c:expr) => {{
             let mut c = $c;
             c.configure_mesh()
-                .x_label_formatter(&|x| number(*x))
+                .x_labels(8)
+                .x_label_formatter(&x_label)
                 .y_label_formatter(&|y| number(*y))
                 .x_desc(chart.x.as_str())
                 .y_desc(chart.y.as_str())
@@ -302,7 +329,7 @@ where
                 let k = seen_in_system.entry(line.system).or_insert(0);
                 let (color, level) = (style(line.system), *k);
                 *k += 1;
-                c.draw_series(LineSeries::new(line.points.iter().copied(), color))?
+                c.draw_series(LineSeries::new(line.points.iter().map(|&p| at(p)), color))?
                     .label(line.name.as_str())
                     .legend(move |(x, y)| {
                         EmptyElement::at((x, y))
@@ -315,10 +342,10 @@ where
                     line.points
                         .iter()
                         .step_by(step)
-                        .map(|&p| EmptyElement::at(p) + marker((0, 0), level, color)),
+                        .map(|&p| EmptyElement::at(at(p)) + marker((0, 0), level, color)),
                 )?;
                 c.draw_series(line.points.iter().zip(&line.point_labels).map(|(&p, t)| {
-                    Text::new(t.clone(), p, ("sans-serif", 14).into_font()).into_dyn()
+                    Text::new(t.clone(), at(p), ("sans-serif", 14).into_font()).into_dyn()
                 }))?;
             }
             c.configure_series_labels()
@@ -330,8 +357,7 @@ where
         }};
     }
     if chart.log_x {
-        let lo = x_lo.max(1e-3) * 0.8;
-        series!(builder.build_cartesian_2d((lo..x_hi * 1.25).log_scale(), y_range)?);
+        series!(builder.build_cartesian_2d(fx(x_lo * 0.8)..fx(x_hi * 1.25), y_range)?);
     } else {
         let pad = (x_hi - x_lo).max(1.0) * 0.06;
         series!(builder.build_cartesian_2d((x_lo - pad).max(0.0)..x_hi + pad, y_range)?);

@@ -94,9 +94,9 @@ pub(crate) struct TandemTimings {
     pub prefill_ms: f64,
     /// From the first KV chunk sent to the push acknowledged (overlaps the prefill).
     pub transfer_ms: f64,
-    /// TTFT not covered by queueing or prefill compute: the transfer and hand-off that did not
-    /// overlap compute.
-    pub exposed_transfer_ms: f64,
+    /// TTFT not covered by the router's queue or prefill compute: waiting in the prefill
+    /// node's queue, and the part of the transfer and hand-off that did not overlap compute.
+    pub wait_and_transfer_ms: f64,
 }
 
 /// One load level's results.
@@ -308,7 +308,7 @@ fn summarize(
     let mut failed = BTreeMap::new();
     let mut samples = Samples::default();
     let (mut e2e, mut prompt, mut completion) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut queue, mut prefill, mut transfer, mut exposed) =
+    let (mut queue, mut prefill, mut transfer, mut waited) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut good = 0usize;
     let mut completed = 0usize;
@@ -340,7 +340,7 @@ fn summarize(
             queue.push(t.queue_ms);
             prefill.push(t.prefill_ms);
             transfer.push(t.transfer_ms);
-            exposed.push((t.first_token_ms - t.queue_ms - t.prefill_ms).max(0.0));
+            waited.push((t.first_token_ms - t.queue_ms - t.prefill_ms).max(0.0));
         }
     }
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
@@ -366,7 +366,7 @@ fn summarize(
             queue_ms: median(queue),
             prefill_ms: median(prefill),
             transfer_ms: median(transfer),
-            exposed_transfer_ms: median(exposed),
+            wait_and_transfer_ms: median(waited),
         }),
         samples,
     }
@@ -411,8 +411,8 @@ fn print_table(r: &Results) {
         );
         if let Some(t) = &l.tandem {
             println!(
-                "{:>12} router timings (medians): queue {:.1} ms, prefill {:.1} ms, transfer {:.1} ms, exposed transfer {:.1} ms",
-                "", t.queue_ms, t.prefill_ms, t.transfer_ms, t.exposed_transfer_ms
+                "{:>12} router timings (medians): queue {:.1} ms, prefill {:.1} ms, transfer {:.1} ms, prefill wait and exposed transfer {:.1} ms",
+                "", t.queue_ms, t.prefill_ms, t.transfer_ms, t.wait_and_transfer_ms
             );
         }
     }
