@@ -381,7 +381,7 @@ fn marker<DB: DrawingBackend>(
     level: usize,
     color: ShapeStyle,
 ) -> DynElement<'static, DB, (i32, i32)> {
-    let style = if level % 2 == 0 {
+    let style = if level.is_multiple_of(2) {
         color.filled()
     } else {
         color.stroke_width(2)
