@@ -39,13 +39,15 @@ pub enum Error {
 
 impl Error {
     /// Wraps a downstream status, turning anything a client must not see (UNKNOWN, INTERNAL,
-    /// transport and precondition failures) into UNAVAILABLE, which is retryable.
+    /// transport and precondition failures) into UNAVAILABLE, which is retryable. CANCELLED is
+    /// one of them: the router cancels no call it still awaits (a client's cancel and the
+    /// deadline are caught before a downstream status is read), so a downstream CANCELLED is
+    /// tonic reporting a broken connection.
     pub fn downstream(hop: &'static str, s: &Status) -> Self {
         let code = match s.code() {
             c @ (Code::InvalidArgument
             | Code::ResourceExhausted
             | Code::DeadlineExceeded
-            | Code::Cancelled
             | Code::DataLoss
             | Code::Unavailable) => c,
             _ => Code::Unavailable,
@@ -97,5 +99,26 @@ impl From<Error> for Status {
             );
         }
         status
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn downstream_failures_reach_clients_as_codes_they_may_see() {
+        for (got, want) in [
+            (Code::Cancelled, Code::Unavailable),
+            (Code::Unknown, Code::Unavailable),
+            (Code::Internal, Code::Unavailable),
+            (Code::FailedPrecondition, Code::Unavailable),
+            (Code::InvalidArgument, Code::InvalidArgument),
+            (Code::ResourceExhausted, Code::ResourceExhausted),
+            (Code::DataLoss, Code::DataLoss),
+        ] {
+            let e = Error::downstream("decode", &Status::new(got, "x"));
+            assert_eq!(e.code(), want, "{got:?}");
+        }
     }
 }

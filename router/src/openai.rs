@@ -552,7 +552,12 @@ fn parse(kind: Kind, model: &str, headers: &HeaderMap, body: &[u8]) -> Result<Pa
         // OpenAI's default temperature and top_p are 1.
         temperature: in_range(&body, "temperature", 0.0..=2.0)?.unwrap_or(1.0),
         top_k: unsigned(&body, "top_k")?.map_or(0, |k| u32::try_from(k).unwrap_or(u32::MAX)),
-        top_p: Some(in_range(&body, "top_p", f64::MIN_POSITIVE..=1.0)?.unwrap_or(1.0)),
+        top_p: match in_range(&body, "top_p", 0.0..=1.0)? {
+            Some(p) if p == 0.0 => {
+                return Err(ApiError::invalid("top_p", "'top_p' must be above 0"));
+            }
+            p => Some(p.unwrap_or(1.0)),
+        },
         seed,
         max_tokens,
         stop: stop(&body)?,
