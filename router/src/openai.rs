@@ -553,7 +553,7 @@ fn parse(kind: Kind, model: &str, headers: &HeaderMap, body: &[u8]) -> Result<Pa
         temperature: in_range(&body, "temperature", 0.0..=2.0)?.unwrap_or(1.0),
         top_k: unsigned(&body, "top_k")?.map_or(0, |k| u32::try_from(k).unwrap_or(u32::MAX)),
         top_p: match in_range(&body, "top_p", 0.0..=1.0)? {
-            Some(p) if p == 0.0 => {
+            Some(0.0) => {
                 return Err(ApiError::invalid("top_p", "'top_p' must be above 0"));
             }
             p => Some(p.unwrap_or(1.0)),
