@@ -171,15 +171,23 @@ pub fn sample(logits: &[f32], params: &SamplingParams, position: u64, history: &
     if params.is_greedy() {
         return argmax(logits);
     }
+    // The largest logit is subtracted before dividing by the temperature, so that a tiny
+    // temperature sends the others to -inf (greedy in the limit) instead of overflowing them
+    // all to +inf.
+    let top = logits
+        .iter()
+        .copied()
+        .filter(|l| l.is_finite())
+        .fold(f32::NEG_INFINITY, f32::max);
+    if top == f32::NEG_INFINITY {
+        return argmax(logits);
+    }
     let mut cands: Vec<(u32, f32)> = logits
         .iter()
         .enumerate()
         .filter(|(_, l)| l.is_finite())
-        .map(|(i, &l)| (i as u32, l / params.temperature))
+        .map(|(i, &l)| (i as u32, (l - top) / params.temperature))
         .collect();
-    if cands.is_empty() {
-        return argmax(logits);
-    }
     // Highest first; ties broken by id so the order is total and reproducible.
     cands.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
     if params.top_k > 0 {
@@ -289,6 +297,21 @@ mod tests {
         };
         for pos in 0..50 {
             assert_eq!(sample(&l, &p, pos, &History::default()), argmax(&l));
+        }
+    }
+
+    #[test]
+    fn a_tiny_temperature_is_greedy_in_the_limit() {
+        let l = logits();
+        for t in [1e-30, 1e-38, f32::MIN_POSITIVE / 4.0] {
+            let p = SamplingParams {
+                temperature: t,
+                seed: 3,
+                ..Default::default()
+            };
+            for pos in 0..20 {
+                assert_eq!(sample(&l, &p, pos, &History::default()), argmax(&l), "{t}");
+            }
         }
     }
 

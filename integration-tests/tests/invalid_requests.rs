@@ -66,6 +66,56 @@ async fn each_invalid_request_names_its_field() {
             "sampling.temperature",
         ),
         (
+            "infinite temperature",
+            pb::GenerateRequest {
+                token_ids: vec![5, 6],
+                sampling: Some(pb::SamplingParams {
+                    max_tokens: 4,
+                    temperature: f32::INFINITY,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            "sampling.temperature",
+        ),
+        (
+            "penalty out of range",
+            pb::GenerateRequest {
+                token_ids: vec![5, 6],
+                sampling: Some(pb::SamplingParams {
+                    max_tokens: 4,
+                    presence_penalty: Some(2.5),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            "sampling.presence_penalty",
+        ),
+        (
+            "unknown chat role",
+            pb::GenerateRequest {
+                messages: vec![pb::ChatMessage {
+                    role: "tool".into(),
+                    content: "hi".into(),
+                }],
+                sampling: sampling(4),
+                ..Default::default()
+            },
+            "messages",
+        ),
+        (
+            "empty chat role",
+            pb::GenerateRequest {
+                messages: vec![pb::ChatMessage {
+                    role: String::new(),
+                    content: "hi".into(),
+                }],
+                sampling: sampling(4),
+                ..Default::default()
+            },
+            "messages",
+        ),
+        (
             "prompt longer than the context",
             greedy(vec![5; context as usize + 1], 1),
             "prompt",

@@ -218,6 +218,21 @@ impl Tokenizer {
                 reason: "at least one message is required".into(),
             });
         }
+        // Only the roles chat templates are written for; any other would be rendered as
+        // whatever the template makes of it.
+        if let Some((i, m)) = messages
+            .iter()
+            .enumerate()
+            .find(|(_, m)| !matches!(m.role.as_str(), "system" | "user" | "assistant"))
+        {
+            return Err(Error::InvalidArgument {
+                field: "messages",
+                reason: format!(
+                    "message {i} has role {:?}; roles are system, user and assistant",
+                    m.role.chars().take(32).collect::<String>()
+                ),
+            });
+        }
         let terr = |e: minijinja::Error| Error::Template {
             reason: e.to_string(),
         };
