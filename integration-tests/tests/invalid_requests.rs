@@ -66,6 +66,22 @@ async fn each_invalid_request_names_its_field() {
             "sampling.temperature",
         ),
         (
+            "a request id of 1 MB",
+            pb::GenerateRequest {
+                request_id: "r".repeat(1 << 20),
+                ..greedy(vec![5, 6], 4)
+            },
+            "request_id",
+        ),
+        (
+            "a session id of 1 MB",
+            pb::GenerateRequest {
+                session_id: "s".repeat(1 << 20),
+                ..greedy(vec![5, 6], 4)
+            },
+            "session_id",
+        ),
+        (
             "infinite temperature",
             pb::GenerateRequest {
                 token_ids: vec![5, 6],
@@ -133,6 +149,10 @@ async fn each_invalid_request_names_its_field() {
             status.message().contains(&format!("invalid {field}:")),
             "{name}: {:?} should name {field}",
             status.message()
+        );
+        assert!(
+            status.message().len() < 400,
+            "{name}: the error echoes its input"
         );
     }
     // A valid request still works afterwards.

@@ -37,6 +37,23 @@ pub struct Prepared {
     pub sampling: pb::SamplingParams,
 }
 
+/// Longest request or session id, in bytes. Ids go into log lines and downstream calls, so they
+/// are bounded before anything else reads them, and never echoed.
+pub const MAX_ID_BYTES: usize = 256;
+
+/// Checks the request's ids; the first thing done with a request.
+pub fn check_ids(r: &pb::GenerateRequest) -> Result<()> {
+    for (field, id) in [("request_id", &r.request_id), ("session_id", &r.session_id)] {
+        if id.len() > MAX_ID_BYTES {
+            return Err(Error::InvalidArgument {
+                field,
+                reason: format!("{} bytes, over the limit of {MAX_ID_BYTES}", id.len()),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Checks a client request and turns its input into token ids. With `default_max_tokens`, an
 /// unset `max_tokens` (0) means that many, or the rest of the context if that is less.
 pub fn prepare(

@@ -17,7 +17,7 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::error::Error;
-use crate::generation::{Dispatcher, prepare};
+use crate::generation::{Dispatcher, check_ids, prepare};
 use crate::log::{Item, LogWriter};
 
 /// A request id for a request that came without one.
@@ -64,6 +64,7 @@ impl GenerationService {
         deadline: Option<tokio::time::Instant>,
         default_max_tokens: Option<u32>,
     ) -> Result<GenerateStream, Error> {
+        check_ids(&r)?;
         let accepted = Instant::now();
         let deadline =
             deadline.unwrap_or_else(|| tokio::time::Instant::now() + self.default_timeout);
