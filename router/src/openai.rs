@@ -735,37 +735,15 @@ async fn run(api: Api, kind: Kind, headers: &HeaderMap, body: &[u8]) -> Result<R
         .service
         .start(parsed.request, deadline, Some(DEFAULT_MAX_TOKENS))?;
     // The first frame decides the status: an error before any token is an HTTP error.
-    let first = match frames.next().await {
-        Some(Ok(f)) => f,
-        Some(Err(s)) => return Err(ApiError::from_status(&s)),
-        None => {
-            return Err(ApiError::from_code(
-                Code::Unavailable,
-                "the generation ended without a frame".into(),
-                None,
-            ));
-        }
-    };
+    let first = next_frame(&mut frames).await?;
     let mut response = if parsed.stream {
         sse(envelope, first, frames, parsed.include_usage).into_response()
     } else {
         let mut text = first.text.clone();
         let mut last = first;
         while last.finish_reason == pb::FinishReason::Unspecified as i32 {
-            match frames.next().await {
-                Some(Ok(f)) => {
-                    text.push_str(&f.text);
-                    last = f;
-                }
-                Some(Err(s)) => return Err(ApiError::from_status(&s)),
-                None => {
-                    return Err(ApiError::from_code(
-                        Code::Unavailable,
-                        "the generation ended without a final frame".into(),
-                        None,
-                    ));
-                }
-            }
+            last = next_frame(&mut frames).await?;
+            text.push_str(&last.text);
         }
         Json(envelope.complete(&text, &last)).into_response()
     };
@@ -773,6 +751,19 @@ async fn run(api: Api, kind: Kind, headers: &HeaderMap, body: &[u8]) -> Result<R
         response.headers_mut().insert("x-request-id", v);
     }
     Ok(response)
+}
+
+/// The next frame of a generation; a stream that ends before its final frame is UNAVAILABLE.
+async fn next_frame(frames: &mut GenerateStream) -> Result<pb::GenerateResponse, ApiError> {
+    match frames.next().await {
+        Some(Ok(f)) => Ok(f),
+        Some(Err(s)) => Err(ApiError::from_status(&s)),
+        None => Err(ApiError::from_code(
+            Code::Unavailable,
+            "the generation ended without a final frame".into(),
+            None,
+        )),
+    }
 }
 
 /// The SSE stream: a role chunk (chat), a chunk per frame with text, a last chunk with the
