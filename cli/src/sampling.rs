@@ -18,7 +18,7 @@ pub(crate) struct SamplingArgs {
     top_p: Option<f32>,
     /// Random seed; the same seed gives the same output [default: 0].
     #[arg(long)]
-    pub(crate) seed: Option<u64>,
+    seed: Option<u64>,
     /// OpenAI's frequency penalty, -2 to 2: a token's logit loses this much for each time it was
     /// generated so far [default: 0].
     #[arg(long, allow_negative_numbers = true)]

@@ -174,12 +174,13 @@ pub(crate) async fn shutdown_signal() {
     }
 }
 
-async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+/// Binds `addr` and prints `{prefix}listening on ADDR`, which `tandem up` reads to learn the
+/// port (the router prints its HTTP line, prefix `http `, before its gRPC one).
+async fn bind(addr: SocketAddr, prefix: &str) -> anyhow::Result<TcpListener> {
     let listener = TcpListener::bind(addr)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
-    // `tandem up` reads this line to learn the port.
-    println!("listening on {}", listener.local_addr()?);
+    println!("{prefix}listening on {}", listener.local_addr()?);
     Ok(listener)
 }
 
@@ -198,7 +199,7 @@ pub(crate) fn prefill(args: &PrefillArgs) -> anyhow::Result<()> {
         ..tandem_prefill_server::Config::new(model)
     };
     runtime()?.block_on(async {
-        let listener = bind(args.listen).await?;
+        let listener = bind(args.listen, "").await?;
         tandem_prefill_server::run(listener, config, shutdown_signal()).await?;
         Ok(())
     })
@@ -215,7 +216,7 @@ pub(crate) fn decode(args: &DecodeArgs) -> anyhow::Result<()> {
         ..tandem_decode_server::Config::new(model)
     };
     runtime()?.block_on(async {
-        let listener = bind(args.listen).await?;
+        let listener = bind(args.listen, "").await?;
         tandem_decode_server::run(listener, config, shutdown_signal()).await?;
         Ok(())
     })
@@ -240,16 +241,9 @@ pub(crate) fn router(args: &RouterArgs) -> anyhow::Result<()> {
     runtime()?.block_on(async {
         let http = match args.http_listen {
             HttpListen::Off => None,
-            HttpListen::At(addr) => {
-                let l = TcpListener::bind(addr)
-                    .await
-                    .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
-                // `tandem up` reads this line to learn the HTTP port (before the gRPC one).
-                println!("http listening on {}", l.local_addr()?);
-                Some(l)
-            }
+            HttpListen::At(addr) => Some(bind(addr, "http ").await?),
         };
-        let grpc = bind(args.listen).await?;
+        let grpc = bind(args.listen, "").await?;
         let listeners = tandem_router::Listeners { grpc, http };
         tandem_router::run(listeners, config, shutdown_signal()).await?;
         Ok(())

@@ -193,8 +193,8 @@ pub fn sample(logits: &[f32], params: &SamplingParams, position: u64, history: &
     if params.top_k > 0 {
         cands.truncate(params.top_k);
     }
-    let max = cands[0].1;
-    let mut probs: Vec<f32> = cands.iter().map(|c| (c.1 - max).exp()).collect();
+    // The top candidate's scaled logit is 0 already (the shift above).
+    let mut probs: Vec<f32> = cands.iter().map(|c| c.1.exp()).collect();
     let total: f32 = probs.iter().sum();
     probs.iter_mut().for_each(|p| *p /= total);
     if params.top_p < 1.0 {

@@ -140,7 +140,7 @@ pub async fn run(
     let http_task = match http {
         Some(l) => {
             tracing::info!(addr = ?l.local_addr().ok(), "OpenAI HTTP API serving");
-            let app = openai::routes(generation.clone(), replicas.clone());
+            let app = openai::routes(generation.clone());
             let stop = http_stop.clone();
             Some(tokio::spawn(async move {
                 axum::serve(l, app)

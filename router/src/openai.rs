@@ -12,7 +12,6 @@
 //! named in the error instead of failing the whole parse or being dropped.
 
 use std::convert::Infallible;
-use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Json;
@@ -27,7 +26,6 @@ use tandem_proto::v1 as pb;
 use tonic::Code;
 
 use crate::error::Error;
-use crate::replicas::Replicas;
 use crate::service::{GenerateStream, GenerationService, fresh_request_id};
 
 /// Most tokens a request may generate when it sets no `max_tokens` (less if the context ends
@@ -62,14 +60,8 @@ impl Kind {
     }
 }
 
-#[derive(Clone, Debug)]
-struct Api {
-    service: GenerationService,
-    replicas: Arc<Replicas>,
-}
-
 /// The HTTP routes, served by [`crate::run`] on the HTTP listener.
-pub(crate) fn routes(service: GenerationService, replicas: Arc<Replicas>) -> axum::Router {
+pub(crate) fn routes(service: GenerationService) -> axum::Router {
     axum::Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
@@ -83,7 +75,7 @@ pub(crate) fn routes(service: GenerationService, replicas: Arc<Replicas>) -> axu
             )
         })
         .layer(DefaultBodyLimit::max(tandem_proto::MAX_MESSAGE_BYTES))
-        .with_state(Api { service, replicas })
+        .with_state(service)
 }
 
 /// An OpenAI error object with its HTTP status.
@@ -185,9 +177,6 @@ impl From<Error> for ApiError {
             // The gRPC field's OpenAI name.
             let name = field.strip_prefix("sampling.").unwrap_or(field);
             api.param = Some(name.to_string());
-        }
-        if let Error::Busy { .. } = e {
-            api.retry_after_s = Some(1);
         }
         api
     }
@@ -696,19 +685,28 @@ impl Envelope {
     }
 }
 
-async fn chat(State(api): State<Api>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
+async fn chat(
+    State(api): State<GenerationService>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
     generate(api, Kind::Chat, headers, body).await
 }
 
 async fn completions(
-    State(api): State<Api>,
+    State(api): State<GenerationService>,
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
     generate(api, Kind::Completion, headers, body).await
 }
 
-async fn generate(api: Api, kind: Kind, headers: HeaderMap, body: axum::body::Bytes) -> Response {
+async fn generate(
+    api: GenerationService,
+    kind: Kind,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
     match run(api, kind, &headers, &body).await {
         Ok(r) => r,
         Err(e) => {
@@ -718,8 +716,14 @@ async fn generate(api: Api, kind: Kind, headers: HeaderMap, body: axum::body::By
     }
 }
 
-async fn run(api: Api, kind: Kind, headers: &HeaderMap, body: &[u8]) -> Result<Response, ApiError> {
+async fn run(
+    api: GenerationService,
+    kind: Kind,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<Response, ApiError> {
     let model = api
+        .dispatcher
         .replicas
         .frontend()
         .map(|f| f.model_name.clone())
@@ -731,9 +735,7 @@ async fn run(api: Api, kind: Kind, headers: &HeaderMap, body: &[u8]) -> Result<R
     let request_id = parsed.request.request_id.clone();
     let envelope = Envelope::new(kind, &request_id, &model);
     let deadline = parsed.timeout.map(|t| tokio::time::Instant::now() + t);
-    let mut frames = api
-        .service
-        .start(parsed.request, deadline, Some(DEFAULT_MAX_TOKENS))?;
+    let mut frames = api.start(parsed.request, deadline, Some(DEFAULT_MAX_TOKENS))?;
     // The first frame decides the status: an error before any token is an HTTP error.
     let first = next_frame(&mut frames).await?;
     let mut response = if parsed.stream {
@@ -783,14 +785,10 @@ fn sse(
         v
     };
     let opening = (envelope.kind == Kind::Chat).then(|| {
-        let mut v = envelope.wrap(
+        event(with_usage(envelope.wrap(
             true,
             json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]),
-        );
-        if include_usage {
-            v["usage"] = Value::Null;
-        }
-        event(v)
+        )))
     });
     let body = futures::stream::once(async move { Ok(first) })
         .chain(frames)
@@ -835,8 +833,9 @@ fn sse(
     Sse::new(stream).keep_alive(KeepAlive::default())
 }
 
-async fn models(State(api): State<Api>) -> Json<Value> {
+async fn models(State(api): State<GenerationService>) -> Json<Value> {
     let data: Vec<Value> = api
+        .dispatcher
         .replicas
         .frontend()
         .map(|f| {
@@ -854,8 +853,8 @@ async fn models(State(api): State<Api>) -> Json<Value> {
 
 /// For load balancers: 200 while the router can route (it knows the model and a decode
 /// replica is up) and is not shutting down, else 503.
-async fn health(State(api): State<Api>) -> Response {
-    if api.replicas.ready() && !api.service.shutdown.is_cancelled() {
+async fn health(State(api): State<GenerationService>) -> Response {
+    if api.dispatcher.replicas.ready() && !api.shutdown.is_cancelled() {
         (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()
     } else {
         (

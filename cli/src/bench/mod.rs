@@ -39,3 +39,16 @@ pub(crate) fn run(command: &BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Plot(args) => plot::plot(args),
     }
 }
+
+/// A progress bar on stderr (drawn only on a terminal) for `total` requests.
+pub(crate) fn progress_bar(total: u64, what: &str) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(total);
+    let style = indicatif::ProgressStyle::with_template(
+        "{prefix} [{bar:30}] {pos}/{len} requests, {elapsed} {msg}",
+    )
+    .map(|s| s.progress_chars("=> "))
+    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+    bar.set_style(style);
+    bar.set_prefix(what.to_string());
+    bar
+}

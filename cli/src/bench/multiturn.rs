@@ -21,8 +21,9 @@ use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 
 use crate::bench::endpoint::{Ask, Endpoint, EndpointArgs, Input, Reply};
+use crate::bench::progress_bar;
 use crate::bench::stats::{median, percentile};
-use crate::bench::workload::{progress_bar, words};
+use crate::bench::workload::words;
 
 #[derive(Args, Debug)]
 pub(crate) struct MultiturnArgs {

@@ -13,7 +13,6 @@
 //! included, for `tandem bench plot`), also written to `--out`.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -23,8 +22,9 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 
 use crate::bench::endpoint::{Ask, Endpoint, EndpointArgs, Input, Reply};
+use crate::bench::progress_bar;
 use crate::bench::stats::{Dist, median};
-use crate::bench::workload::{progress_bar, words};
+use crate::bench::workload::words;
 
 #[derive(Args, Debug)]
 pub(crate) struct ServeArgs {
@@ -238,6 +238,17 @@ async fn level(endpoint: &Endpoint, args: &ServeArgs, seed: u64, n: usize, load:
     level
 }
 
+/// Sends one request and ticks the progress bar; a failure is kept as its status code.
+async fn send(
+    endpoint: &Endpoint,
+    ask: &Ask,
+    progress: &indicatif::ProgressBar,
+) -> Result<Reply, String> {
+    let reply = endpoint.generate(ask).await.map_err(|f| f.code);
+    progress.inc(1);
+    reply
+}
+
 /// `clients` loops, each sending its next request when the last one ends.
 async fn closed_loop(
     endpoint: &Endpoint,
@@ -255,9 +266,7 @@ async fn closed_loop(
             if i >= args.requests {
                 return out;
             }
-            let r = endpoint.generate(&ask(args, seed, n, i)).await;
-            progress.inc(1);
-            out.push(r.map_err(|f| f.code));
+            out.push(send(endpoint, &ask(args, seed, n, i), progress).await);
         }
     };
     futures::future::join_all((0..clients).map(|_| client()))
@@ -278,7 +287,7 @@ async fn open_loop(
     progress: &indicatif::ProgressBar,
 ) -> Vec<Result<Reply, String>> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ n as u64);
-    let slots = Arc::new(Semaphore::new(args.max_inflight));
+    let slots = &Semaphore::new(args.max_inflight);
     let start = tokio::time::Instant::now();
     let mut at = Duration::ZERO;
     let tasks = futures::stream::FuturesUnordered::new();
@@ -286,13 +295,11 @@ async fn open_loop(
         // Exponential gaps: -ln(U) / rate, U in (0, 1].
         let u: f64 = 1.0 - rng.random::<f64>();
         at += Duration::from_secs_f64(-u.ln() / rate);
-        let (slots, ask) = (slots.clone(), ask(args, seed, n, i));
+        let ask = ask(args, seed, n, i);
         tasks.push(async move {
             tokio::time::sleep_until(start + at).await;
-            let _slot = slots.acquire_owned().await;
-            let r = endpoint.generate(&ask).await;
-            progress.inc(1);
-            r.map_err(|f| f.code)
+            let _slot = slots.acquire().await;
+            send(endpoint, &ask, progress).await
         });
     }
     futures::StreamExt::collect(tasks).await

@@ -9,7 +9,7 @@ use anyhow::{Context, bail};
 use clap::Args;
 use serde::Serialize;
 use tandem_engine::{Engine, EngineConfig, Model};
-use tandem_transfer::{Chunk, Expectation, Header, KvPush, Reservations, WireLayout};
+use tandem_transfer::{Chunk, Expectation, Header, KvPush, Reservations};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -72,13 +72,7 @@ async fn transfer_throughput(
     chunks: &[Chunk],
     runs: usize,
 ) -> anyhow::Result<Transfer> {
-    let l = model.config.kv_layout();
-    let layout = WireLayout {
-        layers: l.n_layers as u32,
-        kv_heads: l.n_kv_heads as u32,
-        head_dim: l.head_dim as u32,
-        block_tokens: tandem_engine::BLOCK_TOKENS as u32,
-    };
+    let layout = tandem_worker::wire_layout(model);
     let bytes: u64 = chunks.iter().map(|c| c.data.len() as u64).sum();
     // The receiving service on its own loopback server.
     let listener = TcpListener::bind("127.0.0.1:0").await?;

@@ -88,16 +88,3 @@ pub(crate) fn words(n: usize, seed: u64, session: usize, turn: usize) -> String 
         .collect::<Vec<_>>()
         .join(" ")
 }
-
-/// A progress bar on stderr (drawn only on a terminal) for `total` requests.
-pub(crate) fn progress_bar(total: u64, what: &str) -> indicatif::ProgressBar {
-    let bar = indicatif::ProgressBar::new(total);
-    let style = indicatif::ProgressStyle::with_template(
-        "{prefix} [{bar:30}] {pos}/{len} requests, {elapsed} {msg}",
-    )
-    .map(|s| s.progress_chars("=> "))
-    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
-    bar.set_style(style);
-    bar.set_prefix(what.to_string());
-    bar
-}
