@@ -6,6 +6,10 @@ use std::io::{BufRead, Write};
 use anyhow::Context;
 use clap::Args;
 use tandem_proto::v1 as pb;
+use tonic::Status;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
 use crate::generate::{GenerateArgs, parse_messages};
@@ -21,11 +25,45 @@ pub(crate) struct Streamed {
     pub timings: pb::Timings,
 }
 
-fn client(server: &str) -> anyhow::Result<pb::generation_client::GenerationClient<Channel>> {
+/// Sends `authorization: Bearer KEY` with every call, when there is a key.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct ApiKey(Option<MetadataValue<Ascii>>);
+
+impl ApiKey {
+    pub(crate) fn new(key: Option<&str>) -> anyhow::Result<Self> {
+        key.map(|k| {
+            format!("Bearer {k}")
+                .parse()
+                .context("an API key must be printable ASCII")
+        })
+        .transpose()
+        .map(Self)
+    }
+
+    /// The header value, for HTTP clients.
+    pub(crate) fn header(&self) -> Option<&str> {
+        self.0.as_ref().and_then(|v| v.to_str().ok())
+    }
+}
+
+impl Interceptor for ApiKey {
+    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, Status> {
+        if let Some(v) = &self.0 {
+            request.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// A `tandem.v1.Generation` client that sends its API key.
+pub(crate) type Client = pb::generation_client::GenerationClient<InterceptedService<Channel, ApiKey>>;
+
+/// A client of the router at `server`.
+pub(crate) fn client(server: &str, key: &ApiKey) -> anyhow::Result<Client> {
     let channel = tandem_proto::net::channel(server)
         .with_context(|| format!("bad server address {server:?}"))?;
     Ok(tandem_proto::limits!(
-        pb::generation_client::GenerationClient::new(channel)
+        pb::generation_client::GenerationClient::with_interceptor(channel, key.clone())
     ))
 }
 
@@ -41,7 +79,7 @@ fn finish_name(code: i32) -> String {
 
 /// Sends `request` and streams the reply, handing each text delta to `on_text`.
 pub(crate) async fn stream(
-    client: &mut pb::generation_client::GenerationClient<Channel>,
+    client: &mut Client,
     request: pb::GenerateRequest,
     on_text: &mut dyn FnMut(&str),
 ) -> anyhow::Result<Streamed> {
@@ -107,7 +145,7 @@ pub(crate) fn generate(args: &GenerateArgs, server: &str) -> anyhow::Result<()> 
         .enable_all()
         .build()?;
     let out = rt.block_on(async {
-        let mut client = client(server)?;
+        let mut client = client(server, &ApiKey::new(args.api_key.as_deref())?)?;
         let mut stdout = std::io::stdout().lock();
         stream(&mut client, request, &mut |text| {
             if !args.json {
@@ -144,6 +182,9 @@ pub(crate) struct ChatArgs {
     /// The router's address, host:port.
     #[arg(long, env = "TANDEM_SERVER", default_value = "127.0.0.1:50051")]
     server: String,
+    /// The API key, when the router requires one.
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
     /// A system prompt for the conversation.
     #[arg(long)]
     system: Option<String>,
@@ -161,7 +202,7 @@ pub(crate) fn chat(args: &ChatArgs) -> anyhow::Result<()> {
         .build()?;
     // The channel's connection task needs a runtime to be spawned on.
     let _runtime = rt.enter();
-    let mut client = client(&args.server)?;
+    let mut client = client(&args.server, &ApiKey::new(args.api_key.as_deref())?)?;
     let session_id = format!("{:016x}", rand::random::<u64>());
     let mut messages: Vec<pb::ChatMessage> = args
         .system

@@ -7,6 +7,7 @@ mod fault_proxy;
 mod fetch;
 mod generate;
 mod healthcheck;
+mod keys;
 mod local;
 mod sampling;
 mod serve;
@@ -56,6 +57,11 @@ enum Command {
     /// A TCP relay that adds latency, jitter, a bandwidth cap, a blackhole or resets, for fault
     /// tests (set while it runs through its admin endpoint).
     FaultProxy(fault_proxy::FaultProxyArgs),
+    /// Manage the router's API keys.
+    Keys {
+        #[command(subcommand)]
+        command: keys::KeysCommand,
+    },
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -119,6 +125,7 @@ fn main() -> anyhow::Result<()> {
         Command::Chat(args) => client::chat(&args),
         Command::Healthcheck(args) => healthcheck::run(&args),
         Command::FaultProxy(args) => fault_proxy::run(&args),
+        Command::Keys { command } => keys::run(&command),
         Command::Bench { command } => bench::run(&command),
     }
 }

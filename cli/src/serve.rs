@@ -111,6 +111,10 @@ pub(crate) struct DecodeArgs {
     /// no bound.
     #[arg(long, env = "TANDEM_KV_WAIT_MS", default_value_t = 10_000)]
     kv_wait_ms: u64,
+    /// The longest wait without KV progress a caller may ask for, in ms; longer asks are cut to
+    /// it, so idle reservations cannot hold KV blocks for long.
+    #[arg(long, env = "TANDEM_MAX_KV_WAIT_MS", default_value_t = 60_000)]
+    max_kv_wait_ms: u64,
 }
 
 #[derive(Args, Debug)]
@@ -156,6 +160,38 @@ pub(crate) struct RouterArgs {
     /// replica whose cache is larger is routed to as if it held nothing.
     #[arg(long, env = "TANDEM_INDEX_MAX_BLOCKS", default_value_t = 1 << 20)]
     index_max_blocks: usize,
+    /// API key file (`TENANT sha256:HEX [rpm=N] [tpm=N] [streams=N]` per line; `tandem keys new`
+    /// writes them). With it, every gRPC and HTTP request needs `authorization: Bearer KEY`,
+    /// each key's tenant gets its own prefix-cache partition, and the file is re-read when it
+    /// changes. Without it, clients need no key and share one partition.
+    #[arg(long, env = "TANDEM_API_KEYS")]
+    api_keys: Option<std::path::PathBuf>,
+    /// Requests per minute per key, where its line sets none (0 = unlimited).
+    #[arg(long, env = "TANDEM_RATE_LIMIT_RPM", default_value_t = 0)]
+    rate_limit_rpm: u32,
+    /// Prompt plus max_tokens per minute per key (unused tokens are given back when a
+    /// generation ends), where its line sets none (0 = unlimited).
+    #[arg(long, env = "TANDEM_RATE_LIMIT_TPM", default_value_t = 0)]
+    rate_limit_tpm: u32,
+    /// Concurrent generations per key, where its line sets none (0 = unlimited).
+    #[arg(long, env = "TANDEM_MAX_STREAMS_PER_KEY", default_value_t = 0)]
+    max_streams_per_key: u32,
+    /// Longest prompt text in bytes (the prompt, or all messages together), checked before
+    /// tokenizing.
+    #[arg(long, env = "TANDEM_MAX_PROMPT_BYTES", default_value_t = 1 << 20)]
+    max_prompt_bytes: usize,
+    /// Most prompt tokens (0 = the model's context).
+    #[arg(long, env = "TANDEM_MAX_PROMPT_TOKENS", default_value_t = 0)]
+    max_prompt_tokens: usize,
+    /// Largest max_tokens a request may ask for (0 = the model's context).
+    #[arg(long, env = "TANDEM_MAX_TOKENS_LIMIT", default_value_t = 0)]
+    max_tokens_limit: u32,
+    /// Largest gRPC request message to the router, in bytes.
+    #[arg(long, env = "TANDEM_MAX_REQUEST_BYTES", default_value_t = 4 << 20)]
+    max_request_bytes: usize,
+    /// Largest HTTP request body, in bytes (larger bodies get 413).
+    #[arg(long, env = "TANDEM_MAX_HTTP_BODY_BYTES", default_value_t = 4 << 20)]
+    max_http_body_bytes: usize,
 }
 
 /// Resolves on Ctrl-C or SIGTERM.
@@ -212,6 +248,7 @@ pub(crate) fn decode(args: &DecodeArgs) -> anyhow::Result<()> {
         engine: args.worker.engine(usize::MAX),
         max_slots: args.max_slots,
         kv_wait: Duration::from_millis(args.kv_wait_ms),
+        max_kv_wait: Duration::from_millis(args.max_kv_wait_ms),
         grace: Duration::from_millis(args.worker.grace_ms),
         ..tandem_decode_server::Config::new(model)
     };
@@ -237,6 +274,20 @@ pub(crate) fn router(args: &RouterArgs) -> anyhow::Result<()> {
             Policy::RoundRobin => tandem_router::PolicyKind::RoundRobin,
         },
         index_max_blocks: args.index_max_blocks,
+        auth: tandem_router::AuthConfig::with_defaults(
+            args.api_keys.clone(),
+            args.rate_limit_rpm,
+            args.rate_limit_tpm,
+            args.max_streams_per_key,
+        ),
+        limits: tandem_router::Limits {
+            prompt_bytes: args.max_prompt_bytes,
+            prompt_tokens: nonzero_or_max(args.max_prompt_tokens),
+            max_tokens: u32::try_from(nonzero_or_max(args.max_tokens_limit as usize))
+                .unwrap_or(u32::MAX),
+            grpc_message_bytes: args.max_request_bytes,
+            http_body_bytes: args.max_http_body_bytes,
+        },
     };
     runtime()?.block_on(async {
         let http = match args.http_listen {
@@ -248,6 +299,11 @@ pub(crate) fn router(args: &RouterArgs) -> anyhow::Result<()> {
         tandem_router::run(listeners, config, shutdown_signal()).await?;
         Ok(())
     })
+}
+
+/// A limit flag's value, where 0 means none.
+fn nonzero_or_max(n: usize) -> usize {
+    if n == 0 { usize::MAX } else { n }
 }
 
 /// Where the router serves HTTP, if at all.

@@ -15,6 +15,8 @@ pub struct Config {
     pub max_slots: usize,
     /// The longest an admitted request waits without KV progress when the caller sets no bound.
     pub kv_wait: Duration,
+    /// The longest KV wait a caller may ask for (`kv_wait_ms`); longer asks are cut to it.
+    pub max_kv_wait: Duration,
     /// How long in-flight streams may run after shutdown begins.
     pub grace: Duration,
 }
@@ -29,6 +31,7 @@ impl Config {
             },
             max_slots: 16,
             kv_wait: Duration::from_secs(10),
+            max_kv_wait: Duration::from_secs(60),
             grace: Duration::from_secs(10),
         }
     }

@@ -72,6 +72,7 @@ pub async fn run(
         shared: shared.clone(),
         prefix_cache,
         kv_wait: config.kv_wait,
+        max_kv_wait: config.max_kv_wait,
         shutdown: root.child_token(),
         tracker: tracker.clone(),
         next_ticket: Arc::default(),

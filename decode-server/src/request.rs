@@ -41,6 +41,7 @@ pub(crate) struct Plan {
     pub request_id: String,
     pub transfer_id: String,
     pub prompt: Vec<u32>,
+    pub cache_salt: String,
     /// Block hashes of the prompt's reusable blocks (empty with the cache off).
     pub hashes: Vec<u64>,
     /// Compute the uncached suffix here instead of waiting for a push.
@@ -64,6 +65,7 @@ pub(crate) struct RequestContext {
     /// Whether the session cache is on (requests then look their prompt up in it).
     pub prefix_cache: bool,
     pub kv_wait: Duration,
+    pub max_kv_wait: Duration,
     pub shutdown: CancellationToken,
     pub tracker: TaskTracker,
     pub next_ticket: Arc<AtomicU64>,
@@ -273,6 +275,7 @@ impl RequestContext {
         let started = self.scheduler.start(Start {
             ticket,
             prompt: plan.prompt,
+            cache_salt: plan.cache_salt,
             input,
             stream,
             events: events_tx,

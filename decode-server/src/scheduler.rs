@@ -58,6 +58,8 @@ pub enum Input {
 pub struct Start {
     pub ticket: Ticket,
     pub prompt: Vec<u32>,
+    /// The request's cache partition: the finished sequence is kept under it.
+    pub cache_salt: String,
     pub input: Input,
     /// The generation's state: fresh, or resumed after tokens an earlier attempt delivered.
     pub stream: Stream,
@@ -80,6 +82,7 @@ struct Active {
     stream: Stream,
     /// The tokens whose KV the sequence holds once `next` is fed.
     tokens: Vec<u32>,
+    cache_salt: String,
     /// The token to feed at the next step.
     next: u32,
     events: tmpsc::Sender<Event>,
@@ -239,6 +242,7 @@ impl Scheduler {
             seq,
             stream: s.stream,
             tokens: s.prompt,
+            cache_salt: s.cache_salt,
             next,
             events: s.events,
         };
@@ -295,7 +299,7 @@ impl Scheduler {
         if !self.engine.prefix_cache_enabled() {
             return;
         }
-        let hashes = tandem_worker::block_hashes(self.engine.model(), &a.tokens);
+        let hashes = tandem_worker::block_hashes(self.engine.model(), &a.cache_salt, &a.tokens);
         if let Err(e) = self.engine.cache_sequence(a.seq, &hashes) {
             tracing::warn!(error = %e, "could not keep a finished sequence's KV");
         }

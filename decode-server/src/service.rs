@@ -22,13 +22,20 @@ pub struct DecodeService {
 impl pb::decode_server::Decode for DecodeService {
     type GenerateStream = DecodeStream;
 
-    #[tracing::instrument(skip_all, fields(request_id = %request.get_ref().request_id))]
+    #[tracing::instrument(skip_all, fields(request_id = %tandem_proto::loggable_id(&request.get_ref().request_id)))]
     async fn generate(
         &self,
         request: Request<pb::DecodeRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let deadline = tandem_proto::net::deadline(request.metadata());
         let r = request.into_inner();
+        for (field, id) in [
+            ("request_id", &r.request_id),
+            ("transfer_id", &r.transfer_id),
+            ("cache_salt", &r.cache_salt),
+        ] {
+            tandem_proto::check_id(id).map_err(|reason| Error::InvalidArgument { field, reason })?;
+        }
         if r.transfer_id.is_empty() && !r.local_prefill {
             return Err(Error::InvalidArgument {
                 field: "transfer_id",
@@ -38,7 +45,7 @@ impl pb::decode_server::Decode for DecodeService {
         }
         let hashes = if self.ctx.prefix_cache {
             let fingerprint = &self.ctx.model.fingerprint.0;
-            tandem_proto::block_hash::prompt_hashes(fingerprint, &r.prompt_token_ids)
+            tandem_proto::block_hash::prompt_hashes(fingerprint, &r.cache_salt, &r.prompt_token_ids)
         } else {
             Vec::new()
         };
@@ -46,12 +53,17 @@ impl pb::decode_server::Decode for DecodeService {
             request_id: r.request_id,
             transfer_id: r.transfer_id,
             prompt: r.prompt_token_ids,
+            cache_salt: r.cache_salt,
             hashes,
             local_prefill: r.local_prefill,
             resumed: r.resumed_tokens as usize,
             params: tandem_worker::params_from_pb(r.sampling),
-            kv_wait: (r.kv_wait_ms > 0)
-                .then(|| std::time::Duration::from_millis(u64::from(r.kv_wait_ms))),
+            // A caller may ask for less patience than the node's ceiling, never more: an idle
+            // reservation holds KV blocks that other requests need.
+            kv_wait: (r.kv_wait_ms > 0).then(|| {
+                std::time::Duration::from_millis(u64::from(r.kv_wait_ms))
+                    .min(self.ctx.max_kv_wait)
+            }),
             deadline,
         };
         let stream = self.ctx.start(plan)?;

@@ -85,7 +85,13 @@ pub struct ClusterConfig {
     /// Batch slots per decode node.
     pub decode_slots: usize,
     pub kv_wait: Duration,
+    /// The decode nodes' ceiling on a caller's `kv_wait_ms`.
+    pub max_kv_wait: Duration,
     pub grace: Duration,
+    /// The router's API keys and per-key limits.
+    pub auth: tandem_router::AuthConfig,
+    /// The router's hard limits on requests.
+    pub limits: tandem_router::Limits,
     /// The prefill nodes' prefix caches and the decode nodes' session caches.
     pub prefix_cache: bool,
     pub policy: tandem_router::PolicyKind,
@@ -106,7 +112,10 @@ impl ClusterConfig {
             },
             decode_slots: 16,
             kv_wait: Duration::from_secs(10),
+            max_kv_wait: Duration::from_secs(60),
             grace: Duration::from_secs(2),
+            auth: tandem_router::AuthConfig::default(),
+            limits: tandem_router::Limits::default(),
             prefix_cache: true,
             policy: tandem_router::PolicyKind::Affinity,
             relays: false,
@@ -139,6 +148,7 @@ async fn start_decode(config: &ClusterConfig, addr: SocketAddr) -> anyhow::Resul
         engine: config.engine(usize::MAX),
         max_slots: config.decode_slots,
         kv_wait: config.kv_wait,
+        max_kv_wait: config.max_kv_wait,
         grace: config.grace,
         ..tandem_decode_server::Config::new(config.model.clone())
     };
@@ -191,6 +201,8 @@ impl Cluster {
             grace: config.grace,
             load_poll: Duration::from_millis(50),
             policy: config.policy,
+            auth: config.auth.clone(),
+            limits: config.limits.clone(),
             ..tandem_router::Config::default()
         };
         let http = TcpListener::bind("127.0.0.1:0").await?;

@@ -29,6 +29,13 @@ impl PrefillService {
     fn validate(&self, r: &pb::PrefillRequest) -> Result<()> {
         let invalid = |field, reason: String| Err(Error::InvalidArgument { field, reason });
         let config = &self.model.config;
+        for (field, id) in [
+            ("request_id", &r.request_id),
+            ("transfer_id", &r.transfer_id),
+            ("cache_salt", &r.cache_salt),
+        ] {
+            tandem_proto::check_id(id).or_else(|reason| invalid(field, reason))?;
+        }
         if r.token_ids.is_empty() {
             return invalid("token_ids", "must not be empty".into());
         }
@@ -105,7 +112,7 @@ impl PrefillService {
         let _stop = cancel.clone().drop_guard();
         let (reply, done) = oneshot::channel();
         let hashes = if self.prefix_cache {
-            tandem_worker::block_hashes(&self.model, &r.token_ids)
+            tandem_worker::block_hashes(&self.model, &r.cache_salt, &r.token_ids)
         } else {
             Vec::new()
         };
@@ -156,7 +163,7 @@ impl PrefillService {
 
 #[tonic::async_trait]
 impl pb::prefill_server::Prefill for PrefillService {
-    #[tracing::instrument(skip_all, fields(request_id = %request.get_ref().request_id))]
+    #[tracing::instrument(skip_all, fields(request_id = %tandem_proto::loggable_id(&request.get_ref().request_id)))]
     async fn prefill(
         &self,
         request: Request<pb::PrefillRequest>,

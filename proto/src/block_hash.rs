@@ -4,14 +4,16 @@
 //! A prompt is cut into blocks of [`BLOCK_TOKENS`] token ids; a trailing partial block is not
 //! hashed. Hashes are chained, so a block's hash names the whole prefix up to its end, and two
 //! prompts share block `i`'s hash only if they share their first `16 * (i + 1)` tokens. The chain
-//! is seeded with the model fingerprint, so KV of one model never matches another's.
+//! is seeded with the model fingerprint, so KV of one model never matches another's, and with
+//! the request's cache salt (its tenant and explicit salt; empty for none), so one partition's
+//! cached prompts never match, and so never speed up or reveal, another's.
 //!
 //! Byte layout (XXH3-64 is the xxHash family's 64-bit XXH3, as in the reference C library's
 //! `XXH3_64bits` and `XXH3_64bits_withSeed`):
 //!
 //! ```text
-//! root     = XXH3_64bits(b"tandem.block.v1" || fingerprint)      // fingerprint: the 32 bytes of
-//!                                                                 // SHA-256 of the weights file
+//! root     = XXH3_64bits(b"tandem.block.v1" || fingerprint || salt)  // fingerprint: the 32 bytes
+//!                                                  // of SHA-256 of the weights file; salt: UTF-8
 //! hash[0]  = XXH3_64bits_withSeed(ids[0..16]  as 16 × u32 little-endian (64 bytes), seed = root)
 //! hash[i]  = XXH3_64bits_withSeed(ids[16i..16i+16] as 64 bytes LE,          seed = hash[i-1])
 //! ```
@@ -31,11 +33,13 @@ const DOMAIN: &[u8] = b"tandem.block.v1";
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BlockHash(pub u64);
 
-/// The chain's seed for a model.
-pub fn root(fingerprint: &[u8]) -> u64 {
-    let mut bytes = Vec::with_capacity(DOMAIN.len() + fingerprint.len());
+/// The chain's seed for a model and a cache partition (`salt`, empty for none). The fingerprint
+/// has a fixed length, so no two (fingerprint, salt) pairs give the same bytes.
+pub fn root(fingerprint: &[u8], salt: &str) -> u64 {
+    let mut bytes = Vec::with_capacity(DOMAIN.len() + fingerprint.len() + salt.len());
     bytes.extend_from_slice(DOMAIN);
     bytes.extend_from_slice(fingerprint);
+    bytes.extend_from_slice(salt.as_bytes());
     xxh3_64(&bytes)
 }
 
@@ -48,9 +52,9 @@ pub fn next(parent: u64, ids: &[u32; BLOCK_TOKENS]) -> BlockHash {
     BlockHash(xxh3_64_with_seed(&bytes, parent))
 }
 
-/// The hashes of every full block of `tokens`, in order.
-pub fn block_hashes(fingerprint: &[u8], tokens: &[u32]) -> Vec<BlockHash> {
-    let mut parent = root(fingerprint);
+/// The hashes of every full block of `tokens`, in order, in the cache partition `salt`.
+pub fn block_hashes(fingerprint: &[u8], salt: &str, tokens: &[u32]) -> Vec<BlockHash> {
+    let mut parent = root(fingerprint, salt);
     tokens
         .chunks_exact(BLOCK_TOKENS)
         .map(|block| {
@@ -70,9 +74,9 @@ pub fn reusable_blocks(len: usize) -> usize {
 
 /// The hashes of a prompt's reusable blocks ([`reusable_blocks`]), as the caches and the
 /// router's index key them.
-pub fn prompt_hashes(fingerprint: &[u8], prompt: &[u32]) -> Vec<u64> {
+pub fn prompt_hashes(fingerprint: &[u8], salt: &str, prompt: &[u32]) -> Vec<u64> {
     let reusable = reusable_blocks(prompt.len()) * BLOCK_TOKENS;
-    block_hashes(fingerprint, &prompt[..reusable])
+    block_hashes(fingerprint, salt, &prompt[..reusable])
         .into_iter()
         .map(|h| h.0)
         .collect()
@@ -85,6 +89,8 @@ mod tests {
     #[derive(serde::Deserialize)]
     struct Vector {
         fingerprint_hex: String,
+        #[serde(default)]
+        salt: String,
         token_ids: Vec<u32>,
         root: String,
         hashes: Vec<String>,
@@ -101,11 +107,11 @@ mod tests {
     fn vectors_match_the_checked_in_file() {
         let text = include_str!("../testdata/block_hash_vectors.json");
         let vectors: Vec<Vector> = serde_json::from_str(text).expect("vectors parse");
-        assert!(vectors.len() >= 3);
+        assert!(vectors.len() >= 3 && vectors.iter().any(|v| !v.salt.is_empty()));
         for v in vectors {
             let fp = hex(&v.fingerprint_hex);
-            assert_eq!(format!("{:016x}", root(&fp)), v.root);
-            let got: Vec<String> = block_hashes(&fp, &v.token_ids)
+            assert_eq!(format!("{:016x}", root(&fp, &v.salt)), v.root);
+            let got: Vec<String> = block_hashes(&fp, &v.salt, &v.token_ids)
                 .iter()
                 .map(|h| format!("{:016x}", h.0))
                 .collect();
@@ -119,7 +125,7 @@ mod tests {
         let a: Vec<u32> = (0..40).collect();
         let mut b = a.clone();
         b[20] = 999;
-        let (ha, hb) = (block_hashes(&fp, &a), block_hashes(&fp, &b));
+        let (ha, hb) = (block_hashes(&fp, "", &a), block_hashes(&fp, "", &b));
         // 40 tokens: two full blocks, the partial third is not hashed.
         assert_eq!(ha.len(), 2);
         assert_eq!(ha[0], hb[0]);
@@ -127,10 +133,13 @@ mod tests {
         // A change in block 0 changes every later hash (the chain).
         let mut c = a.clone();
         c[0] = 1;
-        let hc = block_hashes(&fp, &c);
+        let hc = block_hashes(&fp, "", &c);
         assert!(ha.iter().zip(&hc).all(|(x, y)| x != y));
         // Another model's fingerprint gives other hashes.
-        assert_ne!(block_hashes(&[8u8; 32], &a)[0], ha[0]);
+        assert_ne!(block_hashes(&[8u8; 32], "", &a)[0], ha[0]);
+        // So does another cache partition, from the first block on.
+        let salted = block_hashes(&fp, "tenant", &a);
+        assert!(ha.iter().zip(&salted).all(|(x, y)| x != y));
     }
 
     #[test]
@@ -141,6 +150,6 @@ mod tests {
         assert_eq!(reusable_blocks(0), 0);
         let fp = [1u8; 32];
         let p: Vec<u32> = (0..32).collect();
-        assert_eq!(prompt_hashes(&fp, &p), vec![block_hashes(&fp, &p)[0].0]);
+        assert_eq!(prompt_hashes(&fp, "", &p), vec![block_hashes(&fp, "", &p)[0].0]);
     }
 }

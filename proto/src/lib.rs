@@ -20,3 +20,28 @@ pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("tand
 /// The largest gRPC message any Tandem process sends or accepts. Both ends set it explicitly;
 /// KV chunks stay far below it (see `tandem-transfer`).
 pub const MAX_MESSAGE_BYTES: usize = 16 << 20;
+
+/// Longest request, session, transfer id or cache salt, in bytes. Ids go into log lines, error
+/// messages and downstream calls, so every service bounds them before anything else reads them.
+pub const MAX_ID_BYTES: usize = 256;
+
+/// Checks an id against [`MAX_ID_BYTES`]; the reason, when it is over, never echoes the id.
+pub fn check_id(id: &str) -> Result<(), String> {
+    if id.len() > MAX_ID_BYTES {
+        return Err(format!(
+            "{} bytes, over the limit of {MAX_ID_BYTES}",
+            id.len()
+        ));
+    }
+    Ok(())
+}
+
+/// `id` for a log line: itself when within [`MAX_ID_BYTES`], else a placeholder (the request
+/// is refused as soon as it is checked, but a span may be opened before that).
+pub fn loggable_id(id: &str) -> &str {
+    if id.len() > MAX_ID_BYTES {
+        "(over the id limit)"
+    } else {
+        id
+    }
+}

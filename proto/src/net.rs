@@ -157,6 +157,7 @@ pub async fn serve(
     }
     let stop_accepting = tokio_util::sync::CancellationToken::new();
     let server = server()
+        .layer(tower::util::MapResponseLayer::new(documented_codes))
         .add_routes(routes)
         .serve_with_incoming_shutdown(incoming(listener), stop_accepting.clone().cancelled_owned());
     tokio::pin!(server);
@@ -179,6 +180,27 @@ pub async fn serve(
             Ok(())
         }
     }
+}
+
+/// Rewrites the codes tonic's codec gives a request it cannot read, OUT_OF_RANGE (a message
+/// over the size limit) and INTERNAL (bytes that are not the message), to INVALID_ARGUMENT: the
+/// caller sent them, and neither is a code Tandem's contract lets callers see. Such a refusal
+/// is a response with no body whose headers carry the status, which no handler of Tandem's
+/// ever sends with either code; statuses in trailers (a stream that failed) pass unchanged.
+fn documented_codes<B>(mut response: axum::http::Response<B>) -> axum::http::Response<B> {
+    let headers = response.headers_mut();
+    let code = headers
+        .get("grpc-status")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<i32>().ok())
+        .map(tonic::Code::from);
+    if matches!(code, Some(tonic::Code::OutOfRange | tonic::Code::Internal)) {
+        headers.insert(
+            "grpc-status",
+            axum::http::HeaderValue::from(tonic::Code::InvalidArgument as i32),
+        );
+    }
+    response
 }
 
 /// The deadline a caller set with the `grpc-timeout` header, as an instant; `None` when the

@@ -2,7 +2,37 @@
 
 use std::time::Duration;
 
+pub use crate::auth::{AuthConfig, KeyLimits};
 pub use crate::policy::PolicyKind;
+
+/// Hard limits on what one client request may ask for, each enforced before the work or the
+/// memory it would cost.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Longest prompt text (the prompt, or the messages' roles and contents together), in
+    /// bytes; checked before tokenizing.
+    pub prompt_bytes: usize,
+    /// Most prompt tokens (the model's context bounds them too).
+    pub prompt_tokens: usize,
+    /// Largest `max_tokens` a request may ask for.
+    pub max_tokens: u32,
+    /// Largest `tandem.v1.Generation` request message, in bytes.
+    pub grpc_message_bytes: usize,
+    /// Largest HTTP request body, in bytes.
+    pub http_body_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            prompt_bytes: 1 << 20,
+            prompt_tokens: usize::MAX,
+            max_tokens: u32::MAX,
+            grpc_message_bytes: 4 << 20,
+            http_body_bytes: 4 << 20,
+        }
+    }
+}
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -29,6 +59,9 @@ pub struct Config {
     pub policy: PolicyKind,
     /// Most block hashes the cache index keeps per replica (10-21 bytes each).
     pub index_max_blocks: usize,
+    /// API keys, and the limits per key.
+    pub auth: AuthConfig,
+    pub limits: Limits,
 }
 
 impl Default for Config {
@@ -44,6 +77,8 @@ impl Default for Config {
             grace: Duration::from_secs(10),
             policy: PolicyKind::Affinity,
             index_max_blocks: 1 << 20,
+            auth: AuthConfig::default(),
+            limits: Limits::default(),
         }
     }
 }

@@ -13,6 +13,16 @@ pub enum Error {
     #[error("router busy: {inflight} requests in flight")]
     Busy { inflight: usize },
 
+    /// The message never says which of missing, malformed or unknown the key was.
+    #[error("a valid API key is required (authorization: Bearer KEY)")]
+    Unauthenticated,
+
+    #[error("rate limit reached for this API key: {what}")]
+    RateLimited {
+        what: &'static str,
+        retry_after: std::time::Duration,
+    },
+
     #[error("no healthy {role} replica")]
     NoReplica { role: &'static str },
 
@@ -62,12 +72,27 @@ impl Error {
     pub fn code(&self) -> Code {
         match self {
             Error::InvalidArgument { .. } => Code::InvalidArgument,
-            Error::Busy { .. } => Code::ResourceExhausted,
+            Error::Busy { .. } | Error::RateLimited { .. } => Code::ResourceExhausted,
+            Error::Unauthenticated => Code::Unauthenticated,
             Error::NoReplica { .. } | Error::NotReady | Error::ShuttingDown | Error::Serve(_) => {
                 Code::Unavailable
             }
             Error::Deadline => Code::DeadlineExceeded,
             Error::Downstream { code, .. } => *code,
+        }
+    }
+
+    /// How long a client should wait before retrying (gRPC A6's retry pushback, HTTP's
+    /// Retry-After); only RESOURCE_EXHAUSTED has one.
+    pub fn retry_after(&self) -> Option<std::time::Duration> {
+        match self {
+            Error::Busy { .. } => Some(std::time::Duration::from_millis(200)),
+            Error::RateLimited { retry_after, .. } => Some(*retry_after),
+            Error::Downstream {
+                code: Code::ResourceExhausted,
+                ..
+            } => Some(std::time::Duration::from_millis(200)),
+            _ => None,
         }
     }
 }
@@ -91,11 +116,11 @@ impl From<Error> for Status {
         let code = e.code();
         tracing::debug!(error = %e, ?code, "request failed");
         let mut status = Status::new(code, e.to_string());
-        if code == Code::ResourceExhausted {
+        if let Some(wait) = e.retry_after() {
             // Retry pushback (gRPC A6): the client may retry after this many milliseconds.
             status.metadata_mut().insert(
                 "grpc-retry-pushback-ms",
-                tonic::metadata::MetadataValue::from_static("200"),
+                tonic::metadata::MetadataValue::from(wait.as_millis().max(1) as u64),
             );
         }
         status

@@ -18,6 +18,7 @@ use tandem_tokenizer::ChatMessage;
 use tokio::time::Instant as TokioInstant;
 use tonic::Status;
 
+use crate::config::Limits;
 use crate::error::{Error, Result};
 use crate::log::LogWriter;
 use crate::metrics::{DecisionLabel, RouterMetrics};
@@ -35,31 +36,34 @@ pub struct Prepared {
     /// token's block).
     pub hashes: Vec<u64>,
     pub sampling: pb::SamplingParams,
+    /// The cache partition ([`crate::auth::cache_partition`]) that seeds the block hashes.
+    pub cache_salt: String,
 }
 
-/// Longest request or session id, in bytes. Ids go into log lines and downstream calls, so they
-/// are bounded before anything else reads them, and never echoed.
-pub const MAX_ID_BYTES: usize = 256;
-
-/// Checks the request's ids; the first thing done with a request.
+/// Checks the request's ids and salt ([`tandem_proto::check_id`]); the first thing done with a
+/// request.
 pub fn check_ids(r: &pb::GenerateRequest) -> Result<()> {
-    for (field, id) in [("request_id", &r.request_id), ("session_id", &r.session_id)] {
-        if id.len() > MAX_ID_BYTES {
-            return Err(Error::InvalidArgument {
-                field,
-                reason: format!("{} bytes, over the limit of {MAX_ID_BYTES}", id.len()),
-            });
-        }
+    for (field, id) in [
+        ("request_id", &r.request_id),
+        ("session_id", &r.session_id),
+        ("cache_salt", &r.cache_salt),
+    ] {
+        tandem_proto::check_id(id).map_err(|reason| Error::InvalidArgument { field, reason })?;
     }
     Ok(())
 }
 
-/// Checks a client request and turns its input into token ids. With `default_max_tokens`, an
-/// unset `max_tokens` (0) means that many, or the rest of the context if that is less.
+/// Checks a client request against `limits` and turns its input into token ids; the text is
+/// bounded before it is tokenized. With `default_max_tokens`, an unset `max_tokens` (0) means
+/// that many, or the rest of the context if that is less. `tenant` partitions the caches, with
+/// the request's own `cache_salt`. Tokenizing takes time in proportion to the text: call this
+/// off the async runtime's threads.
 pub fn prepare(
     front: &Frontend,
     r: pb::GenerateRequest,
+    limits: &Limits,
     default_max_tokens: Option<u32>,
+    tenant: &str,
 ) -> Result<Prepared> {
     let invalid = |field, reason: &str| {
         Err(Error::InvalidArgument {
@@ -107,6 +111,38 @@ pub fn prepare(
     if sampling.max_tokens == 0 && default_max_tokens.is_none() {
         return invalid("sampling.max_tokens", "must be at least 1");
     }
+    if sampling.max_tokens > limits.max_tokens {
+        return Err(Error::InvalidArgument {
+            field: "sampling.max_tokens",
+            reason: format!("{} is over the limit of {}", sampling.max_tokens, limits.max_tokens),
+        });
+    }
+    let (field, text_bytes) = match &r.prompt {
+        Some(p) => ("prompt", p.len()),
+        None => (
+            "messages",
+            r.messages.iter().map(|m| m.role.len() + m.content.len()).sum(),
+        ),
+    };
+    if text_bytes > limits.prompt_bytes {
+        return Err(Error::InvalidArgument {
+            field,
+            reason: format!(
+                "{text_bytes} bytes of text, over the limit of {}",
+                limits.prompt_bytes
+            ),
+        });
+    }
+    let max_prompt_tokens = limits.prompt_tokens.min(front.context_tokens - 1);
+    if r.token_ids.len() > max_prompt_tokens {
+        return Err(Error::InvalidArgument {
+            field: "token_ids",
+            reason: format!(
+                "{} tokens, over the limit of {max_prompt_tokens}",
+                r.token_ids.len()
+            ),
+        });
+    }
     let tokens = if let Some(prompt) = r.prompt {
         if prompt.is_empty() {
             return invalid("prompt", "must not be empty");
@@ -136,6 +172,16 @@ pub fn prepare(
     if tokens.is_empty() {
         return invalid("prompt", "tokenizes to nothing");
     }
+    if tokens.len() > limits.prompt_tokens {
+        return Err(Error::InvalidArgument {
+            field: "prompt",
+            reason: format!(
+                "{} tokens, over the limit of {}",
+                tokens.len(),
+                limits.prompt_tokens
+            ),
+        });
+    }
     if tokens.len() >= front.context_tokens {
         return Err(Error::InvalidArgument {
             field: "prompt",
@@ -148,7 +194,10 @@ pub fn prepare(
     }
     if sampling.max_tokens == 0 {
         let rest = (front.context_tokens - tokens.len()) as u32;
-        sampling.max_tokens = default_max_tokens.unwrap_or(rest).min(rest);
+        sampling.max_tokens = default_max_tokens
+            .unwrap_or(rest)
+            .min(rest)
+            .min(limits.max_tokens);
     }
     if tokens.len() + sampling.max_tokens as usize > front.context_tokens {
         return Err(Error::InvalidArgument {
@@ -161,14 +210,23 @@ pub fn prepare(
             ),
         });
     }
-    let hashes = tandem_proto::block_hash::prompt_hashes(&front.fingerprint, &tokens);
+    let cache_salt = crate::auth::cache_partition(tenant, &r.cache_salt);
+    let hashes = tandem_proto::block_hash::prompt_hashes(&front.fingerprint, &cache_salt, &tokens);
     Ok(Prepared {
         request_id: r.request_id,
         session_id: r.session_id,
         tokens,
         hashes,
         sampling,
+        cache_salt,
     })
+}
+
+/// How a generation ended: its status code and the tokens it delivered.
+#[derive(Debug, Clone, Copy)]
+pub struct Outcome {
+    pub code: tonic::Code,
+    pub generated: usize,
 }
 
 /// Most dispatch attempts per request: the first and two failovers.
@@ -241,17 +299,19 @@ fn retryable(e: &Error) -> bool {
 
 impl Dispatcher {
     /// Runs the generation, appending frames to `log`, until it ends, `deadline` passes, or
-    /// every client stream is gone. Returns the final status code for the metrics.
+    /// every client stream is gone. Returns how it ended, for the metrics and the key's limits.
     pub async fn run(
         &self,
         p: Prepared,
         accepted: Instant,
         deadline: TokioInstant,
         log: &LogWriter,
-    ) -> tonic::Code {
+    ) -> Outcome {
         self.budget.deposit();
+        let mut progress = Progress::default();
+        let dispatched = self.dispatch(p, &mut progress, accepted, deadline, log);
         let outcome = tokio::select! {
-            r = tokio::time::timeout_at(deadline, self.dispatch(p, accepted, deadline, log)) => {
+            r = tokio::time::timeout_at(deadline, dispatched) => {
                 match r {
                     // A downstream call may lose the race against its own copy of the deadline
                     // (tonic reports that as CANCELLED): past the deadline, it is the deadline.
@@ -265,13 +325,17 @@ impl Dispatcher {
                 message: "the client went away".into(),
             }),
         };
-        match outcome {
+        let code = match outcome {
             Ok(()) => tonic::Code::Ok,
             Err(e) => {
                 let code = e.code();
                 log.push(Err(Status::from(e)));
                 code
             }
+        };
+        Outcome {
+            code,
+            generated: progress.generated.len(),
         }
     }
 
@@ -281,16 +345,16 @@ impl Dispatcher {
     async fn dispatch(
         &self,
         p: Prepared,
+        progress: &mut Progress,
         accepted: Instant,
         deadline: TokioInstant,
         log: &LogWriter,
     ) -> Result<()> {
-        let mut progress = Progress::default();
         loop {
             progress.attempts += 1;
             self.metrics.attempts.inc();
             let failure = match self
-                .attempt(&p, &mut progress, accepted, deadline, log)
+                .attempt(&p, progress, accepted, deadline, log)
                 .await
             {
                 Ok(()) => return Ok(()),
@@ -344,7 +408,8 @@ impl Dispatcher {
                 .replicas
                 .frontend()
                 .map_or(&[][..], |f| &f.fingerprint[..]);
-            let hashes = tandem_proto::block_hash::prompt_hashes(fingerprint, &tokens);
+            let hashes =
+                tandem_proto::block_hash::prompt_hashes(fingerprint, &p.cache_salt, &tokens);
             (tokens, hashes)
         };
         let choice = self.policy.choose(
@@ -404,6 +469,7 @@ impl Dispatcher {
                 .unwrap_or(u32::MAX),
             local_prefill: local,
             resumed_tokens: resumed as u32,
+            cache_salt: p.cache_salt.clone(),
         });
         d_req.set_timeout(remaining);
         let mut frames = d_client
@@ -439,6 +505,7 @@ impl Dispatcher {
                 decode_addr: d_addr.clone(),
                 sampling: Some(p.sampling.clone()),
                 resumed_tokens: resumed as u32,
+                cache_salt: p.cache_salt.clone(),
             });
             p_req.set_timeout(remaining);
             async move { p_client.prefill(p_req).await }

@@ -3,6 +3,7 @@
 //! tokenizer learned from the workers, and never links candle. Health, reflection and
 //! `/metrics` share its port. The OpenAI-compatible HTTP API ([`openai`]) has a port of its own.
 
+pub mod auth;
 mod config;
 mod discovery;
 mod error;
@@ -31,7 +32,7 @@ use tokio_util::task::TaskTracker;
 use tonic::service::Routes;
 use tonic_health::ServingStatus;
 
-pub use config::{Config, PolicyKind};
+pub use config::{AuthConfig, Config, KeyLimits, Limits, PolicyKind};
 pub use discovery::{Target, resolve};
 pub use error::{Error, Result};
 
@@ -80,6 +81,12 @@ pub async fn run(
             reason: "must be at least 1".into(),
         });
     }
+    let keys = auth::KeyStore::open(config.auth.clone())?;
+    if keys.required() {
+        tracing::info!(keys = keys.len(), "API keys required");
+    } else {
+        tracing::warn!("no API key file: every client is served without a key");
+    }
     let mut registry = Registry::default();
     let metrics = RouterMetrics::register(&mut registry);
     let root = CancellationToken::new();
@@ -104,6 +111,8 @@ pub async fn run(
         },
         admission: Arc::new(Semaphore::new(config.max_inflight)),
         max_inflight: config.max_inflight,
+        limits: Arc::new(config.limits.clone()),
+        keys: keys.clone(),
         default_timeout: config.default_timeout,
         running: Arc::new(Mutex::new(HashMap::new())),
         shutdown: root.child_token(),
@@ -150,9 +159,14 @@ pub async fn run(
         }
         None => None,
     };
-    let routes = Routes::new(health_service).add_service(tandem_proto::limits!(
-        pb::generation_server::GenerationServer::new(generation)
-    ));
+    tracker.spawn(keys.clone().watch(root.child_token()));
+    let interceptor = auth::interceptor(keys, generation.dispatcher.metrics.clone());
+    let server = pb::generation_server::GenerationServer::new(generation)
+        .max_decoding_message_size(config.limits.grpc_message_bytes)
+        .max_encoding_message_size(tandem_proto::MAX_MESSAGE_BYTES);
+    let routes = Routes::new(health_service).add_service(
+        tonic::service::interceptor::InterceptedService::new(server, interceptor),
+    );
     let shutdown = async {
         shutdown.await;
         http_stop.cancel();

@@ -15,7 +15,10 @@ use std::convert::Infallible;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Json;
+use axum::Extension;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
+use axum::middleware::Next;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -25,6 +28,7 @@ use serde_json::{Map, Value, json};
 use tandem_proto::v1 as pb;
 use tonic::Code;
 
+use crate::auth::Principal;
 use crate::error::Error;
 use crate::service::{GenerateStream, GenerationService, fresh_request_id};
 
@@ -62,10 +66,15 @@ impl Kind {
 
 /// The HTTP routes, served by [`crate::run`] on the HTTP listener.
 pub(crate) fn routes(service: GenerationService) -> axum::Router {
+    let body_limit = service.limits.http_body_bytes;
     axum::Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route_layer(axum::middleware::from_fn_with_state(
+            service.clone(),
+            authenticate,
+        ))
         .route("/health", get(health))
         .fallback(|| async {
             ApiError::new(
@@ -74,8 +83,31 @@ pub(crate) fn routes(service: GenerationService) -> axum::Router {
                 "invalid_request_error",
             )
         })
-        .layer(DefaultBodyLimit::max(tandem_proto::MAX_MESSAGE_BYTES))
+        .layer(DefaultBodyLimit::max(body_limit))
         .with_state(service)
+}
+
+/// Authenticates a `/v1` request from its `authorization` header before its body is read, and
+/// hands the [`Principal`] to the handler.
+async fn authenticate(
+    State(api): State<GenerationService>,
+    mut request: axum::extract::Request,
+    next: Next,
+) -> Response {
+    let header = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .map(HeaderValue::as_bytes);
+    match api.keys.authenticate(header) {
+        Ok(principal) => {
+            request.extensions_mut().insert(principal);
+            next.run(request).await
+        }
+        Err(e) => {
+            api.dispatcher.metrics.finished(e.code());
+            ApiError::from(e).into_response()
+        }
+    }
 }
 
 /// An OpenAI error object with its HTTP status.
@@ -172,7 +204,8 @@ impl ApiError {
 
 impl From<Error> for ApiError {
     fn from(e: Error) -> Self {
-        let mut api = Self::from_code(e.code(), e.to_string(), None);
+        let pushback = e.retry_after().map(|d| d.as_millis() as u64);
+        let mut api = Self::from_code(e.code(), e.to_string(), pushback);
         if let Error::InvalidArgument { field, .. } = &e {
             // The gRPC field's OpenAI name.
             let name = field.strip_prefix("sampling.").unwrap_or(field);
@@ -219,6 +252,7 @@ const COMMON_KEYS: &[&str] = &[
     "presence_penalty",
     "repetition_penalty",
     "user",
+    "cache_salt",
     "logprobs",
     "logit_bias",
 ];
@@ -532,11 +566,13 @@ fn parse(kind: Kind, model: &str, headers: &HeaderMap, body: &[u8]) -> Result<Pa
             .or_else(|| v.as_u64())
             .ok_or_else(|| ApiError::invalid("seed", "'seed' must be an integer"))?,
     };
-    let user = match body.get("user") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(u)) => Some(u.clone()),
-        Some(_) => return Err(ApiError::invalid("user", "'user' must be a string")),
+    let string = |key: &str| match body.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(u)) => Ok(Some(u.clone())),
+        Some(_) => Err(ApiError::invalid(key, format!("'{key}' must be a string"))),
     };
+    let user = string("user")?;
+    let cache_salt = string("cache_salt")?.unwrap_or_default();
     let sampling = pb::SamplingParams {
         // OpenAI's default temperature and top_p are 1.
         temperature: in_range(&body, "temperature", 0.0..=2.0)?.unwrap_or(1.0),
@@ -563,6 +599,7 @@ fn parse(kind: Kind, model: &str, headers: &HeaderMap, body: &[u8]) -> Result<Pa
             .or(user)
             .unwrap_or_default(),
         sampling: Some(sampling),
+        cache_salt,
         ..Default::default()
     };
     match kind {
@@ -685,29 +722,49 @@ impl Envelope {
     }
 }
 
+type Body = Result<axum::body::Bytes, BytesRejection>;
+
 async fn chat(
     State(api): State<GenerationService>,
+    Extension(principal): Extension<Principal>,
     headers: HeaderMap,
-    body: axum::body::Bytes,
+    body: Body,
 ) -> Response {
-    generate(api, Kind::Chat, headers, body).await
+    generate(api, Kind::Chat, &principal, headers, body).await
 }
 
 async fn completions(
     State(api): State<GenerationService>,
+    Extension(principal): Extension<Principal>,
     headers: HeaderMap,
-    body: axum::body::Bytes,
+    body: Body,
 ) -> Response {
-    generate(api, Kind::Completion, headers, body).await
+    generate(api, Kind::Completion, &principal, headers, body).await
 }
 
 async fn generate(
     api: GenerationService,
     kind: Kind,
+    principal: &Principal,
     headers: HeaderMap,
-    body: axum::body::Bytes,
+    body: Body,
 ) -> Response {
-    match run(api, kind, &headers, &body).await {
+    let result = match body {
+        Ok(body) => run(api, kind, principal, &headers, &body).await,
+        Err(rejection) => Err(ApiError::new(
+            rejection.status(),
+            if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                format!(
+                    "the request body is over the limit of {} bytes",
+                    api.limits.http_body_bytes
+                )
+            } else {
+                rejection.body_text()
+            },
+            "invalid_request_error",
+        )),
+    };
+    match result {
         Ok(r) => r,
         Err(e) => {
             tracing::debug!(status = %e.status, message = %e.message, "HTTP request refused");
@@ -719,6 +776,7 @@ async fn generate(
 async fn run(
     api: GenerationService,
     kind: Kind,
+    principal: &Principal,
     headers: &HeaderMap,
     body: &[u8],
 ) -> Result<Response, ApiError> {
@@ -735,7 +793,9 @@ async fn run(
     let request_id = parsed.request.request_id.clone();
     let envelope = Envelope::new(kind, &request_id, &model);
     let deadline = parsed.timeout.map(|t| tokio::time::Instant::now() + t);
-    let mut frames = api.start(parsed.request, deadline, Some(DEFAULT_MAX_TOKENS))?;
+    let mut frames = api
+        .start(parsed.request, principal, deadline, Some(DEFAULT_MAX_TOKENS))
+        .await?;
     // The first frame decides the status: an error before any token is an HTTP error.
     let first = next_frame(&mut frames).await?;
     let mut response = if parsed.stream {

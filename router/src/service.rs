@@ -16,8 +16,10 @@ use tokio_util::task::TaskTracker;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
+use crate::auth::{KeyStore, Principal};
+use crate::config::Limits;
 use crate::error::Error;
-use crate::generation::{Dispatcher, check_ids, prepare};
+use crate::generation::{Dispatcher, Outcome, check_ids, prepare};
 use crate::log::{Item, LogWriter};
 
 /// A request id for a request that came without one.
@@ -33,34 +35,42 @@ pub struct GenerationService {
     pub(crate) admission: Arc<Semaphore>,
     pub(crate) max_inflight: usize,
     pub(crate) default_timeout: std::time::Duration,
-    /// Generations running under a client-given request id.
-    pub(crate) running: Arc<Mutex<HashMap<String, Arc<LogWriter>>>>,
+    pub(crate) limits: Arc<Limits>,
+    pub(crate) keys: Arc<KeyStore>,
+    /// Generations running under a client-given request id, per tenant: a retry attaches only
+    /// to its own tenant's generation.
+    pub(crate) running: Arc<Mutex<HashMap<(Arc<str>, String), Arc<LogWriter>>>>,
     pub(crate) shutdown: CancellationToken,
     pub(crate) tracker: TaskTracker,
 }
 
+type Running = HashMap<(Arc<str>, String), Arc<LogWriter>>;
+
 impl GenerationService {
-    fn running(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<LogWriter>>> {
+    fn running(&self) -> std::sync::MutexGuard<'_, Running> {
         // Single inserts and removes; a poisoned lock is still consistent.
         self.running.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Starts (or attaches to) a generation and returns its frames. `deadline` defaults to the
-    /// router's timeout; `default_max_tokens` is [`prepare`]'s. A refusal is counted in the
-    /// metrics here.
-    pub(crate) fn start(
+    /// Starts (or attaches to) a generation for `principal` and returns its frames. `deadline`
+    /// defaults to the router's timeout; `default_max_tokens` is [`prepare`]'s. A refusal is
+    /// counted in the metrics here.
+    pub(crate) async fn start(
         &self,
         r: pb::GenerateRequest,
+        principal: &Principal,
         deadline: Option<tokio::time::Instant>,
         default_max_tokens: Option<u32>,
     ) -> Result<GenerateStream, Error> {
-        self.try_start(r, deadline, default_max_tokens)
+        self.try_start(r, principal, deadline, default_max_tokens)
+            .await
             .inspect_err(|e| self.dispatcher.metrics.finished(e.code()))
     }
 
-    fn try_start(
+    async fn try_start(
         &self,
         mut r: pb::GenerateRequest,
+        principal: &Principal,
         deadline: Option<tokio::time::Instant>,
         default_max_tokens: Option<u32>,
     ) -> Result<GenerateStream, Error> {
@@ -70,14 +80,16 @@ impl GenerationService {
             deadline.unwrap_or_else(|| tokio::time::Instant::now() + self.default_timeout);
         // Only a client's own id attaches retries; without one, the router names the request
         // so that every log line about it, on every node, carries an id.
-        let id = r.request_id.clone();
-        if id.is_empty() {
+        let key = (principal.tenant.clone(), r.request_id.clone());
+        if key.1.is_empty() {
             r.request_id = fresh_request_id();
         }
         let span = tracing::info_span!("request", request_id = %r.request_id);
-        let entered = span.enter();
         if self.shutdown.is_cancelled() {
             return Err(Error::ShuttingDown);
+        }
+        if let Some(attached) = attach(&self.running(), &key) {
+            return Ok(attached);
         }
         let front = self
             .dispatcher
@@ -85,63 +97,91 @@ impl GenerationService {
             .frontend()
             .cloned()
             .ok_or(Error::NotReady)?;
-        let prepared = prepare(&front, r, default_max_tokens)?;
+        // The admission permit bounds the tokenizations running at once as well.
+        let permit = self
+            .admission
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| Error::Busy {
+                inflight: self.max_inflight,
+            })?;
+        let (limits, tenant) = (self.limits.clone(), principal.tenant.clone());
+        let prepared = tokio::task::spawn_blocking(move || {
+            prepare(&front, r, &limits, default_max_tokens, &tenant)
+        })
+        .instrument(span.clone())
+        .await
+        .map_err(|_| Error::ShuttingDown)??;
+        let grant = principal.admit(prepared.tokens.len(), prepared.sampling.max_tokens)?;
         // Looking the id up and registering the new generation are one step under one lock, so
         // two requests with the same id can never both start.
-        let (log, permit) = {
+        let log = {
             let mut running = self.running();
-            if let Some(log) = running.get(&id).filter(|_| !id.is_empty()) {
-                tracing::info!(request_id = %id, "attaching to the running generation");
-                return Ok(Box::pin(log.subscribe().stream()));
+            if let Some(attached) = attach(&running, &key) {
+                // The same id started meanwhile: this request was never admitted after all.
+                grant.finish(0);
+                return Ok(attached);
             }
-            let permit = self
-                .admission
-                .clone()
-                .try_acquire_owned()
-                .map_err(|_| Error::Busy {
-                    inflight: self.max_inflight,
-                })?;
             let log = LogWriter::new();
-            if !id.is_empty() {
-                running.insert(id.clone(), log.clone());
+            if !key.1.is_empty() {
+                running.insert(key.clone(), log.clone());
             }
-            (log, permit)
+            log
         };
         let reader = log.subscribe();
         let (svc, shutdown) = (self.clone(), self.shutdown.clone());
-        drop(entered);
         self.tracker.spawn(
             async move {
                 let _permit = permit;
-                let code = tokio::select! {
-                    code = svc.dispatcher.run(prepared, accepted, deadline, &log) => code,
+                let outcome = tokio::select! {
+                    outcome = svc.dispatcher.run(prepared, accepted, deadline, &log) => outcome,
                     () = shutdown.cancelled() => {
                         log.push(Err(Error::ShuttingDown.into()));
-                        tonic::Code::Unavailable
+                        Outcome { code: tonic::Code::Unavailable, generated: 0 }
                     }
                 };
-                svc.dispatcher.metrics.finished(code);
-                if !id.is_empty() {
-                    svc.running().remove(&id);
+                grant.finish(outcome.generated);
+                svc.dispatcher.metrics.finished(outcome.code);
+                if !key.1.is_empty() {
+                    svc.running().remove(&key);
                 }
             }
             .instrument(span),
         );
         Ok(Box::pin(reader.stream()))
     }
+
+}
+
+/// The running generation with this tenant's request id, if any.
+fn attach(running: &Running, key: &(Arc<str>, String)) -> Option<GenerateStream> {
+    if key.1.is_empty() {
+        return None;
+    }
+    let log = running.get(key)?;
+    tracing::info!("attaching to the running generation");
+    Some(Box::pin(log.subscribe().stream()))
 }
 
 #[tonic::async_trait]
 impl pb::generation_server::Generation for GenerationService {
     type GenerateStream = GenerateStream;
 
-    #[tracing::instrument(skip_all, fields(request_id = %request.get_ref().request_id))]
+    #[tracing::instrument(skip_all, fields(request_id = %tandem_proto::loggable_id(&request.get_ref().request_id)))]
     async fn generate(
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let deadline = tandem_proto::net::deadline(request.metadata());
-        let stream = self.start(request.into_inner(), deadline, None)?;
+        // The interceptor ([`crate::auth::interceptor`]) put it there before the body was read.
+        let principal = request
+            .extensions()
+            .get::<Principal>()
+            .cloned()
+            .ok_or(Error::Unauthenticated)?;
+        let stream = self
+            .start(request.into_inner(), &principal, deadline, None)
+            .await?;
         Ok(Response::new(stream))
     }
 }

@@ -49,7 +49,7 @@ impl Simulation {
 
     /// The block hashes of `tokens`, as the router computes them for a prompt.
     pub fn hashes(&self, tokens: &[u32]) -> Vec<u64> {
-        tandem_proto::block_hash::block_hashes(&self.fingerprint, tokens)
+        tandem_proto::block_hash::block_hashes(&self.fingerprint, "", tokens)
             .into_iter()
             .map(|h| h.0)
             .collect()
@@ -69,7 +69,7 @@ impl Simulation {
     /// Routes a prompt: hashes its reusable blocks, then chooses. Returns the decode replica's
     /// address and the tokens the index says it holds.
     pub fn route(&self, tokens: &[u32], session: &str) -> Option<(String, usize)> {
-        let hashes = tandem_proto::block_hash::prompt_hashes(&self.fingerprint, tokens);
+        let hashes = tandem_proto::block_hash::prompt_hashes(&self.fingerprint, "", tokens);
         let choice = self
             .policy
             .choose(

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use tandem_proto::v1 as pb;
 use tandem_proto::v1::push_frame::Frame;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Code, Request, Response, Status, Streaming};
 
 use crate::error::{Error, Result};
 use crate::format::Assembler;
@@ -49,6 +49,14 @@ impl KvTransferService {
                 });
             }
         };
+        for (field, id) in [
+            ("transfer_id", &header.transfer_id),
+            ("request_id", &header.request_id),
+        ] {
+            tandem_proto::check_id(id).map_err(|reason| Error::HeaderTooLarge {
+                detail: format!("{field}: {reason}"),
+            })?;
+        }
         let span = tracing::Span::current();
         span.record("request_id", header.request_id.as_str());
         span.record("transfer_id", header.transfer_id.as_str());
@@ -99,6 +107,17 @@ impl KvTransferService {
 
 async fn next_frame(frames: &mut Streaming<pb::PushFrame>) -> Result<Frame> {
     match frames.message().await {
+        Ok(Some(pb::PushFrame {
+            frame: Some(Frame::Abort(mut a)),
+        })) => {
+            // The sender's words go into logs and errors: a bounded prefix of them.
+            let mut end = a.reason.len().min(tandem_proto::MAX_ID_BYTES);
+            while !a.reason.is_char_boundary(end) {
+                end -= 1;
+            }
+            a.reason.truncate(end);
+            Ok(Frame::Abort(a))
+        }
         Ok(Some(pb::PushFrame { frame: Some(f) })) => Ok(f),
         Ok(Some(pb::PushFrame { frame: None })) => Err(Error::Malformed {
             detail: "an empty frame".into(),
@@ -106,6 +125,12 @@ async fn next_frame(frames: &mut Streaming<pb::PushFrame>) -> Result<Frame> {
         Ok(None) => Err(Error::Malformed {
             detail: "the stream ended before the trailer".into(),
         }),
+        // The codec's verdicts on the sender's bytes (too large, not a frame) are its fault.
+        Err(status) if matches!(status.code(), Code::OutOfRange | Code::Internal) => {
+            Err(Error::Malformed {
+                detail: status.message().to_string(),
+            })
+        }
         Err(status) => Err(status.into()),
     }
 }

@@ -84,9 +84,10 @@ pub fn worker_info(model: &Model, role: &str) -> pb::InfoResponse {
     }
 }
 
-/// The block hashes (`tandem_proto::block_hash`) of `tokens`' full blocks under `model`.
-pub fn block_hashes(model: &Model, tokens: &[u32]) -> Vec<u64> {
-    tandem_proto::block_hash::block_hashes(&model.fingerprint.0, tokens)
+/// The block hashes (`tandem_proto::block_hash`) of `tokens`' full blocks under `model`, in the
+/// cache partition `salt`.
+pub fn block_hashes(model: &Model, salt: &str, tokens: &[u32]) -> Vec<u64> {
+    tandem_proto::block_hash::block_hashes(&model.fingerprint.0, salt, tokens)
         .into_iter()
         .map(|h| h.0)
         .collect()

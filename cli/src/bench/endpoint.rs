@@ -9,7 +9,8 @@ use clap::Args;
 use futures::StreamExt;
 use serde_json::{Value, json};
 use tandem_proto::v1 as pb;
-use tonic::transport::Channel;
+
+use crate::client::{ApiKey, Client, client};
 
 /// `--server` or `--openai`, shared by the load benchmarks.
 #[derive(Args, Debug, Clone)]
@@ -22,6 +23,10 @@ pub(crate) struct EndpointArgs {
     /// `/v1/chat/completions`; the model is the first one `/v1/models` lists.
     #[arg(long, conflicts_with = "server")]
     openai: Option<String>,
+    /// The API key, when the endpoint requires one (gRPC `authorization` metadata, HTTP
+    /// `Authorization` header).
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
 }
 
 /// A running endpoint.
@@ -29,7 +34,7 @@ pub(crate) struct EndpointArgs {
 pub(crate) enum Endpoint {
     Grpc {
         addr: String,
-        client: pb::generation_client::GenerationClient<Channel>,
+        client: Client,
     },
     OpenAi {
         /// The URL without a trailing `/v1`.
@@ -134,14 +139,11 @@ impl Failure {
 impl Endpoint {
     /// Connects to what `args` names (for OpenAI, asks `/v1/models` for the model).
     pub(crate) async fn connect(args: &EndpointArgs) -> anyhow::Result<Self> {
+        let key = ApiKey::new(args.api_key.as_deref())?;
         if let Some(addr) = &args.server {
-            let channel = tandem_proto::net::channel(addr)
-                .with_context(|| format!("bad server address {addr:?}"))?;
             return Ok(Endpoint::Grpc {
                 addr: addr.clone(),
-                client: tandem_proto::limits!(pb::generation_client::GenerationClient::new(
-                    channel
-                )),
+                client: client(addr, &key)?,
             });
         }
         let base = args
@@ -154,8 +156,15 @@ impl Endpoint {
             .to_string();
         // A connection per request: servers such as llama-server close idle keep-alive
         // connections, and a pooled one closed under the client fails its request.
+        let mut headers = reqwest::header::HeaderMap::new();
+        if let Some(value) = key.header() {
+            let mut value = reqwest::header::HeaderValue::from_str(value)?;
+            value.set_sensitive(true);
+            headers.insert(reqwest::header::AUTHORIZATION, value);
+        }
         let http = reqwest::Client::builder()
             .pool_max_idle_per_host(0)
+            .default_headers(headers)
             .build()?;
         let models: Value = http
             .get(format!("{root}/v1/models"))
@@ -191,7 +200,7 @@ impl Endpoint {
 }
 
 async fn grpc(
-    mut client: pb::generation_client::GenerationClient<Channel>,
+    mut client: Client,
     ask: &Ask,
 ) -> Result<Reply, Failure> {
     let mut request = pb::GenerateRequest {
