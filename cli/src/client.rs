@@ -56,7 +56,8 @@ impl Interceptor for ApiKey {
 }
 
 /// A `tandem.v1.Generation` client that sends its API key.
-pub(crate) type Client = pb::generation_client::GenerationClient<InterceptedService<Channel, ApiKey>>;
+pub(crate) type Client =
+    pb::generation_client::GenerationClient<InterceptedService<Channel, ApiKey>>;
 
 /// A client of the router at `server`.
 pub(crate) fn client(server: &str, key: &ApiKey) -> anyhow::Result<Client> {

@@ -17,7 +17,12 @@ pub(crate) struct GenerateArgs {
     #[arg(long, env = "TANDEM_SERVER")]
     pub(crate) server: Option<String>,
     /// The API key, when the router requires one (with --server).
-    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true, requires = "server")]
+    #[arg(
+        long,
+        env = "TANDEM_API_KEY",
+        hide_env_values = true,
+        requires = "server"
+    )]
     pub(crate) api_key: Option<String>,
     /// Raw prompt text (special tokens parsed, no chat template).
     #[arg(

@@ -55,7 +55,11 @@ fn new(args: &NewArgs) -> anyhow::Result<()> {
     };
     parse_key_file(&existing)
         .map_err(|e| anyhow::anyhow!("{} is not a valid key file: {e}", args.file.display()))?;
-    let key = format!("tk-{:032x}{:032x}", rand::random::<u128>(), rand::random::<u128>());
+    let key = format!(
+        "tk-{:032x}{:032x}",
+        rand::random::<u128>(),
+        rand::random::<u128>()
+    );
     let limits = KeyLimits {
         requests_per_minute: args.rpm,
         tokens_per_minute: args.tpm,

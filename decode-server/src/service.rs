@@ -34,7 +34,8 @@ impl pb::decode_server::Decode for DecodeService {
             ("transfer_id", &r.transfer_id),
             ("cache_salt", &r.cache_salt),
         ] {
-            tandem_proto::check_id(id).map_err(|reason| Error::InvalidArgument { field, reason })?;
+            tandem_proto::check_id(id)
+                .map_err(|reason| Error::InvalidArgument { field, reason })?;
         }
         if r.transfer_id.is_empty() && !r.local_prefill {
             return Err(Error::InvalidArgument {
@@ -61,8 +62,7 @@ impl pb::decode_server::Decode for DecodeService {
             // A caller may ask for less patience than the node's ceiling, never more: an idle
             // reservation holds KV blocks that other requests need.
             kv_wait: (r.kv_wait_ms > 0).then(|| {
-                std::time::Duration::from_millis(u64::from(r.kv_wait_ms))
-                    .min(self.ctx.max_kv_wait)
+                std::time::Duration::from_millis(u64::from(r.kv_wait_ms)).min(self.ctx.max_kv_wait)
             }),
             deadline,
         };

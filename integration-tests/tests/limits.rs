@@ -110,7 +110,13 @@ async fn the_routers_limits_refuse_before_the_work() {
         .expect("http");
     assert_eq!(r.status(), 413);
     let e: serde_json::Value = r.json().await.expect("an OpenAI error object");
-    assert!(e["error"]["message"].as_str().expect("message").contains("8192"), "{e}");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .expect("message")
+            .contains("8192"),
+        "{e}"
+    );
 
     // The router still serves.
     assert!(collect(&mut client, greedy(vec![5, 6], 2)).await.is_ok());
@@ -209,7 +215,10 @@ async fn workers_bound_ids_and_the_kv_wait() {
     );
     let e = push.finish(0).await.expect_err("a 300-byte transfer id");
     let text = e.to_string();
-    assert!(text.contains("transfer_id") && text.contains("256"), "{text}");
+    assert!(
+        text.contains("transfer_id") && text.contains("256"),
+        "{text}"
+    );
     assert!(text.len() < 300, "{text}");
 
     // A caller asking for a 49-day KV wait gets the node's ceiling (300 ms here): the

@@ -13,10 +13,8 @@ use tonic::Code;
 
 /// A key file in a fresh directory under the target's tmp dir.
 fn key_file(name: &str, lines: &[String]) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
-        "security-{name}-{}",
-        std::process::id()
-    ));
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("security-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("tmp dir");
     let path = dir.join("keys");
     std::fs::write(&path, lines.join("\n")).expect("key file");
@@ -69,10 +67,13 @@ async fn eventually(what: &str, mut check: impl AsyncFnMut() -> bool) {
 async fn keys_are_required_on_both_apis_and_reloaded_without_a_restart() {
     let none = KeyLimits::default();
     let path = key_file("keys", &[key_line("alice", "key-a", none)]);
-    let cluster = cluster_with(false, AuthConfig {
-        key_file: Some(path.clone()),
-        ..AuthConfig::default()
-    })
+    let cluster = cluster_with(
+        false,
+        AuthConfig {
+            key_file: Some(path.clone()),
+            ..AuthConfig::default()
+        },
+    )
     .await;
     let mut client = cluster.client();
     let ask = || greedy(vec![5, 6, 7], 3);
@@ -107,7 +108,11 @@ async fn keys_are_required_on_both_apis_and_reloaded_without_a_restart() {
     assert_eq!(r.status(), 401);
     let e: serde_json::Value = r.json().await.expect("json");
     assert_eq!(e["error"]["type"], "authentication_error", "{e}");
-    let r = http.get(format!("{url}/v1/models")).send().await.expect("http");
+    let r = http
+        .get(format!("{url}/v1/models"))
+        .send()
+        .await
+        .expect("http");
     assert_eq!(r.status(), 401, "the model list needs a key too");
     let r = http
         .post(format!("{url}/v1/completions"))
@@ -117,7 +122,11 @@ async fn keys_are_required_on_both_apis_and_reloaded_without_a_restart() {
         .await
         .expect("http");
     assert_eq!(r.status(), 200);
-    let r = http.get(format!("{url}/health")).send().await.expect("http");
+    let r = http
+        .get(format!("{url}/health"))
+        .send()
+        .await
+        .expect("http");
     assert_eq!(r.status(), 200);
 
     // A new key works, and a removed one stops working, without a restart.
@@ -181,10 +190,13 @@ async fn each_key_is_rate_limited_across_its_connections() {
             key_line("d", "unlimited", KeyLimits::default()),
         ],
     );
-    let cluster = cluster_with(true, AuthConfig {
-        key_file: Some(path),
-        ..AuthConfig::default()
-    })
+    let cluster = cluster_with(
+        true,
+        AuthConfig {
+            key_file: Some(path),
+            ..AuthConfig::default()
+        },
+    )
     .await;
     let ask = || greedy(vec![5, 6, 7], 3);
 
@@ -228,7 +240,11 @@ async fn each_key_is_rate_limited_across_its_connections() {
         .expect("seconds");
     assert!((20..=30).contains(&retry), "Retry-After {retry}");
     // Another key is not affected.
-    assert!(collect(&mut cluster.client(), keyed(ask(), "unlimited")).await.is_ok());
+    assert!(
+        collect(&mut cluster.client(), keyed(ask(), "unlimited"))
+            .await
+            .is_ok()
+    );
 
     // Tokens per minute: prompt plus max_tokens are reserved, what was not generated returns.
     let big = greedy(vec![5; 10], 35);
@@ -238,7 +254,10 @@ async fn each_key_is_rate_limited_across_its_connections() {
         .await
         .expect_err("45 more tokens, when at most 39 of the 50 a minute are left");
     assert_eq!(limited.code(), Code::ResourceExhausted);
-    assert!(limited.message().contains("tokens per minute"), "{limited:?}");
+    assert!(
+        limited.message().contains("tokens per minute"),
+        "{limited:?}"
+    );
 
     // Concurrent streams: a second generation waits for the first to end.
     let mut first = cluster
@@ -252,7 +271,10 @@ async fn each_key_is_rate_limited_across_its_connections() {
         .await
         .expect_err("a second stream");
     assert_eq!(second.code(), Code::ResourceExhausted);
-    assert!(second.message().contains("concurrent streams"), "{second:?}");
+    assert!(
+        second.message().contains("concurrent streams"),
+        "{second:?}"
+    );
     drop(first);
     eventually("the stream is free once the first ends", async || {
         collect(&mut cluster.client(), keyed(ask(), "one-stream"))
@@ -295,10 +317,13 @@ async fn one_tenants_cached_prompt_never_serves_another() {
             key_line("bob", "key-b", none),
         ],
     );
-    let cluster = cluster_with(true, AuthConfig {
-        key_file: Some(path),
-        ..AuthConfig::default()
-    })
+    let cluster = cluster_with(
+        true,
+        AuthConfig {
+            key_file: Some(path),
+            ..AuthConfig::default()
+        },
+    )
     .await;
     assert_eq!(cached(&cluster, "key-a", "").await, 0, "a cold cache");
     let warm = cached(&cluster, "key-a", "").await;
@@ -313,7 +338,11 @@ async fn one_tenants_cached_prompt_never_serves_another() {
         0,
         "bob's identical prompt finds nothing of alice's"
     );
-    assert_eq!(cached(&cluster, "key-b", "").await, warm, "bob's own repeat");
+    assert_eq!(
+        cached(&cluster, "key-b", "").await,
+        warm,
+        "bob's own repeat"
+    );
     assert_eq!(
         cached(&cluster, "key-a", "project-x").await,
         0,
@@ -368,6 +397,9 @@ async fn without_a_key_file_no_key_is_needed_and_salts_still_partition() {
         .await
         .expect_err("a salt over 256 bytes");
     assert_eq!(e.code(), Code::InvalidArgument);
-    assert!(e.message().contains("cache_salt") && e.message().len() < 200, "{e:?}");
+    assert!(
+        e.message().contains("cache_salt") && e.message().len() < 200,
+        "{e:?}"
+    );
     cluster.stop().await.expect("stop");
 }

@@ -150,6 +150,9 @@ mod tests {
         assert_eq!(reusable_blocks(0), 0);
         let fp = [1u8; 32];
         let p: Vec<u32> = (0..32).collect();
-        assert_eq!(prompt_hashes(&fp, "", &p), vec![block_hashes(&fp, "", &p)[0].0]);
+        assert_eq!(
+            prompt_hashes(&fp, "", &p),
+            vec![block_hashes(&fp, "", &p)[0].0]
+        );
     }
 }

@@ -95,7 +95,10 @@ pub fn cache_partition(tenant: &str, salt: &str) -> String {
     h.update((tenant.len() as u64).to_le_bytes());
     h.update(tenant.as_bytes());
     h.update(salt.as_bytes());
-    h.finalize()[..16].iter().map(|b| format!("{b:02x}")).collect()
+    h.finalize()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// A key file line for `tenant` and `key`.
@@ -158,7 +161,11 @@ pub fn parse_key_file(text: &str) -> std::result::Result<Vec<KeyEntry>, String> 
                 "rpm" => &mut limits.requests_per_minute,
                 "tpm" => &mut limits.tokens_per_minute,
                 "streams" => &mut limits.streams,
-                _ => return Err(format!("line {n}: unknown limit `{name}` (rpm, tpm, streams)")),
+                _ => {
+                    return Err(format!(
+                        "line {n}: unknown limit `{name}` (rpm, tpm, streams)"
+                    ));
+                }
             };
             *slot = Some(value);
         }
@@ -390,8 +397,12 @@ impl KeyStore {
     }
 
     /// How many keys are loaded.
-    pub fn len(&self) -> usize {
-        self.loaded.read().unwrap_or_else(|e| e.into_inner()).entries.len()
+    pub fn key_count(&self) -> usize {
+        self.loaded
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .entries
+            .len()
     }
 
     fn reload(&self) -> Result<bool> {
@@ -403,7 +414,10 @@ impl KeyStore {
             reason: format!("{}: {reason}", path.display()),
         };
         let meta = std::fs::metadata(path).map_err(|e| failed(e.to_string()))?;
-        let stamp = Some((meta.modified().map_err(|e| failed(e.to_string()))?, meta.len()));
+        let stamp = Some((
+            meta.modified().map_err(|e| failed(e.to_string()))?,
+            meta.len(),
+        ));
         if self.loaded.read().unwrap_or_else(|e| e.into_inner()).stamp == stamp {
             return Ok(false);
         }
@@ -457,7 +471,7 @@ impl KeyStore {
                 () = cancel.cancelled() => return,
             }
             match self.reload() {
-                Ok(true) => tracing::info!(keys = self.len(), "API keys reloaded"),
+                Ok(true) => tracing::info!(keys = self.key_count(), "API keys reloaded"),
                 Ok(false) => {}
                 Err(e) => tracing::error!(error = %e, "API keys not reloaded; the old ones stay"),
             }
@@ -508,7 +522,10 @@ pub fn interceptor(
 ) -> impl FnMut(tonic::Request<()>) -> std::result::Result<tonic::Request<()>, tonic::Status> + Clone
 {
     move |mut request: tonic::Request<()>| {
-        let header = request.metadata().get("authorization").map(|v| v.as_bytes());
+        let header = request
+            .metadata()
+            .get("authorization")
+            .map(|v| v.as_bytes());
         match keys.authenticate(header) {
             Ok(principal) => {
                 request.extensions_mut().insert(principal);
@@ -528,10 +545,14 @@ mod tests {
 
     #[test]
     fn key_files_parse_and_refuse_what_is_malformed() {
-        let a = key_line("alice", "secret-a", KeyLimits {
-            requests_per_minute: Some(60),
-            ..KeyLimits::default()
-        });
+        let a = key_line(
+            "alice",
+            "secret-a",
+            KeyLimits {
+                requests_per_minute: Some(60),
+                ..KeyLimits::default()
+            },
+        );
         let b = key_line("bob", "secret-b", KeyLimits::default());
         let text = format!("# comment\n\n{a}\n{b}  # trailing comment\n");
         let entries = parse_key_file(&text).expect("parses");
@@ -564,9 +585,15 @@ mod tests {
         // 41 short of 1 at 1 per second.
         let wait = b.wait_for(1.0, t0);
         assert!((wait.as_secs_f64() - 41.0).abs() < 1e-6, "{wait:?}");
-        assert_eq!(b.wait_for(1.0, t0 + Duration::from_secs(41)), Duration::ZERO);
+        assert_eq!(
+            b.wait_for(1.0, t0 + Duration::from_secs(41)),
+            Duration::ZERO
+        );
         // Refills stop at the rate.
-        assert_eq!(b.wait_for(60.0, t0 + Duration::from_secs(3600)), Duration::ZERO);
+        assert_eq!(
+            b.wait_for(60.0, t0 + Duration::from_secs(3600)),
+            Duration::ZERO
+        );
         assert!((b.level - 60.0).abs() < 1e-9);
     }
 }

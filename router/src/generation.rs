@@ -114,14 +114,20 @@ pub fn prepare(
     if sampling.max_tokens > limits.max_tokens {
         return Err(Error::InvalidArgument {
             field: "sampling.max_tokens",
-            reason: format!("{} is over the limit of {}", sampling.max_tokens, limits.max_tokens),
+            reason: format!(
+                "{} is over the limit of {}",
+                sampling.max_tokens, limits.max_tokens
+            ),
         });
     }
     let (field, text_bytes) = match &r.prompt {
         Some(p) => ("prompt", p.len()),
         None => (
             "messages",
-            r.messages.iter().map(|m| m.role.len() + m.content.len()).sum(),
+            r.messages
+                .iter()
+                .map(|m| m.role.len() + m.content.len())
+                .sum(),
         ),
     };
     if text_bytes > limits.prompt_bytes {
@@ -353,10 +359,7 @@ impl Dispatcher {
         loop {
             progress.attempts += 1;
             self.metrics.attempts.inc();
-            let failure = match self
-                .attempt(&p, progress, accepted, deadline, log)
-                .await
-            {
+            let failure = match self.attempt(&p, progress, accepted, deadline, log).await {
                 Ok(()) => return Ok(()),
                 Err(f) => f,
             };

@@ -83,7 +83,7 @@ pub async fn run(
     }
     let keys = auth::KeyStore::open(config.auth.clone())?;
     if keys.required() {
-        tracing::info!(keys = keys.len(), "API keys required");
+        tracing::info!(keys = keys.key_count(), "API keys required");
     } else {
         tracing::warn!("no API key file: every client is served without a key");
     }

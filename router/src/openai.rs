@@ -14,12 +14,12 @@
 use std::convert::Infallible;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use axum::Json;
 use axum::Extension;
+use axum::Json;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::middleware::Next;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::Next;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -794,7 +794,12 @@ async fn run(
     let envelope = Envelope::new(kind, &request_id, &model);
     let deadline = parsed.timeout.map(|t| tokio::time::Instant::now() + t);
     let mut frames = api
-        .start(parsed.request, principal, deadline, Some(DEFAULT_MAX_TOKENS))
+        .start(
+            parsed.request,
+            principal,
+            deadline,
+            Some(DEFAULT_MAX_TOKENS),
+        )
         .await?;
     // The first frame decides the status: an error before any token is an HTTP error.
     let first = next_frame(&mut frames).await?;

@@ -39,12 +39,13 @@ pub struct GenerationService {
     pub(crate) keys: Arc<KeyStore>,
     /// Generations running under a client-given request id, per tenant: a retry attaches only
     /// to its own tenant's generation.
-    pub(crate) running: Arc<Mutex<HashMap<(Arc<str>, String), Arc<LogWriter>>>>,
+    pub(crate) running: Arc<Mutex<Running>>,
     pub(crate) shutdown: CancellationToken,
     pub(crate) tracker: TaskTracker,
 }
 
-type Running = HashMap<(Arc<str>, String), Arc<LogWriter>>;
+/// Running generations by (tenant, client-given request id).
+pub(crate) type Running = HashMap<(Arc<str>, String), Arc<LogWriter>>;
 
 impl GenerationService {
     fn running(&self) -> std::sync::MutexGuard<'_, Running> {
@@ -150,7 +151,6 @@ impl GenerationService {
         );
         Ok(Box::pin(reader.stream()))
     }
-
 }
 
 /// The running generation with this tenant's request id, if any.

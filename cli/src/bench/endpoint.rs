@@ -199,10 +199,7 @@ impl Endpoint {
     }
 }
 
-async fn grpc(
-    mut client: Client,
-    ask: &Ask,
-) -> Result<Reply, Failure> {
+async fn grpc(mut client: Client, ask: &Ask) -> Result<Reply, Failure> {
     let mut request = pb::GenerateRequest {
         session_id: ask.session.clone(),
         sampling: Some(pb::SamplingParams {
