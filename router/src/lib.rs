@@ -7,6 +7,8 @@ pub mod auth;
 mod config;
 mod discovery;
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 mod generation;
 mod index;
 mod log;

@@ -42,7 +42,7 @@ const MAX_STOP: usize = 4;
 
 /// Which endpoint a request came to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kind {
+pub(crate) enum Kind {
     Chat,
     Completion,
 }
@@ -112,7 +112,7 @@ async fn authenticate(
 
 /// An OpenAI error object with its HTTP status.
 #[derive(Debug)]
-struct ApiError {
+pub(crate) struct ApiError {
     status: StatusCode,
     message: String,
     kind: &'static str,
@@ -229,8 +229,8 @@ impl IntoResponse for ApiError {
 
 /// A request, read and checked.
 #[derive(Debug)]
-struct Parsed {
-    request: pb::GenerateRequest,
+pub(crate) struct Parsed {
+    pub(crate) request: pb::GenerateRequest,
     stream: bool,
     include_usage: bool,
     timeout: Option<Duration>,
@@ -434,7 +434,12 @@ fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
     headers.get(name).and_then(|v| v.to_str().ok())
 }
 
-fn parse(kind: Kind, model: &str, headers: &HeaderMap, body: &[u8]) -> Result<Parsed, ApiError> {
+pub(crate) fn parse(
+    kind: Kind,
+    model: &str,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<Parsed, ApiError> {
     let body: Map<String, Value> = serde_json::from_slice(body).map_err(|e| {
         ApiError::new(
             StatusCode::BAD_REQUEST,

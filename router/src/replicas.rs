@@ -38,7 +38,7 @@ pub struct Frontend {
 }
 
 impl Frontend {
-    fn from_info(info: &pb::InfoResponse) -> Option<Self> {
+    pub(crate) fn from_info(info: &pb::InfoResponse) -> Option<Self> {
         let spec: TokenizerSpec = serde_json::from_str(&info.tokenizer_spec_json)
             .map_err(|e| tracing::error!(error = %e, "worker sent an unreadable tokenizer spec"))
             .ok()?;
