@@ -139,13 +139,13 @@ pub fn prepare(
             ),
         });
     }
-    let max_prompt_tokens = limits.prompt_tokens.min(front.context_tokens - 1);
-    if r.token_ids.len() > max_prompt_tokens {
+    if r.token_ids.len() > limits.prompt_tokens {
         return Err(Error::InvalidArgument {
             field: "token_ids",
             reason: format!(
-                "{} tokens, over the limit of {max_prompt_tokens}",
-                r.token_ids.len()
+                "{} tokens, over the limit of {}",
+                r.token_ids.len(),
+                limits.prompt_tokens
             ),
         });
     }

@@ -159,7 +159,7 @@ fn attach(running: &Running, key: &(Arc<str>, String)) -> Option<GenerateStream>
         return None;
     }
     let log = running.get(key)?;
-    tracing::info!("attaching to the running generation");
+    tracing::info!(request_id = %key.1, "attaching to the running generation");
     Some(Box::pin(log.subscribe().stream()))
 }
 
