@@ -49,6 +49,10 @@ pub(crate) struct UpArgs {
     /// How the router chooses replicas.
     #[arg(long, env = "TANDEM_POLICY", value_enum, default_value_t = Policy::Affinity)]
     policy: Policy,
+    /// The router's API key file (see `tandem router --api-keys`); without it, clients need no
+    /// key.
+    #[arg(long, env = "TANDEM_API_KEYS")]
+    api_keys: Option<std::path::PathBuf>,
 }
 
 struct Node {
@@ -171,7 +175,7 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
                 .collect::<Vec<_>>()
                 .join(",")
         };
-        let router_args = vec![
+        let mut router_args = vec![
             "router".to_string(),
             "--listen".into(),
             format!("127.0.0.1:{}", args.port),
@@ -184,6 +188,9 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
             "--policy".into(),
             args.policy.name().into(),
         ];
+        if let Some(keys) = &args.api_keys {
+            router_args.extend(["--api-keys".into(), keys.display().to_string()]);
+        }
         let router = start("router".into(), &router_args).await?;
         let router_addr = router.addr.clone();
         let http_addr = router.http.clone().unwrap_or_default();

@@ -28,11 +28,12 @@ struct Up {
 
 impl Up {
     fn start() -> Self {
-        Self::start_logging(None)
+        Self::start_with(None, &[])
     }
 
-    /// With `log`, every node logs JSON at debug level into that file.
-    fn start_logging(log: Option<&std::path::Path>) -> Self {
+    /// With `log`, every node logs JSON at debug level into that file; `extra` are more flags
+    /// for `tandem up`.
+    fn start_with(log: Option<&std::path::Path>, extra: &[&str]) -> Self {
         use std::io::BufRead;
         let mut command = Command::new(env!("CARGO_BIN_EXE_tandem"));
         match log {
@@ -59,6 +60,7 @@ impl Up {
                 "--threads",
                 "1",
             ])
+            .args(extra)
             .env_remove("TANDEM_MODEL")
             .stdout(std::process::Stdio::piped())
             .spawn()
@@ -388,7 +390,7 @@ fn json_logs_carry_the_request_id_across_nodes() {
     let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("json-logs");
     std::fs::create_dir_all(&dir).expect("dir");
     let log = dir.join("up.log");
-    let up = Up::start_logging(Some(&log));
+    let up = Up::start_with(Some(&log), &[]);
     let (ok, _, err) = tandem(&[
         "generate",
         "--server",
@@ -487,4 +489,74 @@ fn generate_batch_matches_single_requests() {
         "{err}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `tandem keys new` writes only the key's hash; `tandem up --api-keys` makes the router
+/// require it, and `generate --server` and `bench serve` (gRPC and HTTP) send it.
+#[test]
+fn keys_new_and_clients_that_send_the_key() {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("keys-cli");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    let file = dir.join("keys");
+    let file = file.to_str().expect("utf-8");
+    let (ok, _, err) = tandem(&["keys", "new", "--file", file, "--tenant", "no spaces"]);
+    assert!(!ok && err.contains("a tenant is"), "{err}");
+    let (ok, key, err) = tandem(&[
+        "keys", "new", "--file", file, "--tenant", "alice", "--rpm", "600",
+    ]);
+    assert!(ok, "{err}");
+    let key = key.trim().to_string();
+    assert!(key.starts_with("tk-") && key.len() > 60, "{key}");
+    let stored = std::fs::read_to_string(file).expect("key file");
+    assert!(
+        stored.starts_with("alice sha256:") && stored.contains("rpm=600"),
+        "{stored}"
+    );
+    assert!(!stored.contains(&key), "the file holds only the hash");
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(file).expect("meta").permissions().mode();
+    assert_eq!(mode & 0o077, 0, "owner-only: {mode:o}");
+
+    let up = Up::start_with(None, &["--api-keys", file]);
+    let ask = [
+        "generate",
+        "--server",
+        &up.grpc,
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "2",
+    ];
+    let (ok, _, err) = tandem(&ask);
+    assert!(!ok && err.contains("Unauthenticated"), "{err}");
+    let (ok, _, err) = tandem(&[&ask[..], &["--api-key", &key]].concat());
+    assert!(ok, "{err}");
+    for (flag, target) in [
+        ("--server", up.grpc.as_str()),
+        ("--openai", up.http.as_str()),
+    ] {
+        let (ok, out, err) = tandem(&[
+            "bench",
+            "serve",
+            flag,
+            target,
+            "--api-key",
+            &key,
+            "--concurrency",
+            "1",
+            "--requests",
+            "2",
+            "--max-tokens",
+            "2",
+            "--prompt-words",
+            "5",
+            "--warmup",
+            "0",
+            "--json",
+        ]);
+        assert!(ok, "{flag}: {err}");
+        assert_eq!(json(&out)["levels"][0]["completed"], 2, "{flag}");
+    }
+    up.stop();
 }
