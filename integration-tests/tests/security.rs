@@ -106,6 +106,7 @@ async fn keys_are_required_on_both_apis_and_reloaded_without_a_restart() {
         .await
         .expect("http");
     assert_eq!(r.status(), 401);
+    assert_eq!(r.headers()["www-authenticate"], "Bearer");
     let e: serde_json::Value = r.json().await.expect("json");
     assert_eq!(e["error"]["type"], "authentication_error", "{e}");
     let r = http

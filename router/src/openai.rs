@@ -4,9 +4,11 @@
 //! A request becomes a `tandem.v1` `GenerateRequest` and runs through the same
 //! [`GenerationService::start`] as a gRPC call: the same validation, limits, admission,
 //! request-id attachment (`x-request-id`), affinity (`x-session-id`, else `user`) and failover.
-//! Every parameter is either honoured or rejected by name with a 400; none is ignored. Errors
-//! are OpenAI error objects with the status that matches the gRPC code. A client that goes away
-//! drops the frame stream, which cancels the generation as a gRPC cancel does.
+//! With a key file, `/v1` routes authenticate (`Authorization: Bearer KEY`) before the body is
+//! read; `/health` is open. Every parameter is either honoured or rejected by name with a 400;
+//! none is ignored. Errors are OpenAI error objects with the status that matches the gRPC code.
+//! A client that goes away drops the frame stream, which cancels the generation as a gRPC
+//! cancel does.
 //!
 //! The body is parsed by hand from a JSON object, not derived, so that an unknown key can be
 //! named in the error instead of failing the whole parse or being dropped.
@@ -218,6 +220,11 @@ impl From<Error> for ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut response = (self.status, Json(self.body())).into_response();
+        if self.status == StatusCode::UNAUTHORIZED {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
         if let Some(s) = self.retry_after_s {
             response
                 .headers_mut()
