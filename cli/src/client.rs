@@ -61,7 +61,7 @@ pub(crate) type Client =
 
 /// A client of the router at `server`.
 pub(crate) fn client(server: &str, key: &ApiKey) -> anyhow::Result<Client> {
-    let channel = tandem_proto::net::channel(server)
+    let channel = tandem_proto::net::channel(server, None)
         .with_context(|| format!("bad server address {server:?}"))?;
     Ok(tandem_proto::limits!(
         pb::generation_client::GenerationClient::with_interceptor(channel, key.clone())

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::Args;
+use tandem_proto::tls::{Role, Tls};
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 
@@ -19,6 +20,10 @@ pub(crate) struct HealthcheckArgs {
     /// Deadline of the check, in ms (connecting included).
     #[arg(long, default_value_t = 1_000)]
     timeout_ms: u64,
+    /// Ask over mutual TLS with the `client` certificate from this `tandem certs init`
+    /// directory (for nodes started with `--tls-dir`).
+    #[arg(long, env = "TANDEM_TLS_DIR")]
+    tls_dir: Option<std::path::PathBuf>,
 }
 
 pub(crate) fn run(args: &HealthcheckArgs) -> anyhow::Result<()> {
@@ -27,11 +32,13 @@ pub(crate) fn run(args: &HealthcheckArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?
         .block_on(async {
+            let tls = args
+                .tls_dir
+                .as_deref()
+                .map(|dir| Tls::load(dir, Role::Client))
+                .transpose()?;
             let check = async {
-                let channel =
-                    tonic::transport::Endpoint::from_shared(format!("http://{}", args.addr))?
-                        .connect()
-                        .await?;
+                let channel = tandem_proto::net::channel(&args.addr.to_string(), tls.as_ref())?;
                 let response = HealthClient::new(channel)
                     .check(HealthCheckRequest {
                         service: args.service.clone(),

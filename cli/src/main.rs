@@ -2,6 +2,7 @@
 //! parses arguments, sets up tracing and dispatches; each command lives in its own module.
 
 mod bench;
+mod certs;
 mod client;
 mod fault_proxy;
 mod fetch;
@@ -57,6 +58,11 @@ enum Command {
     /// A TCP relay that adds latency, jitter, a bandwidth cap, a blackhole or resets, for fault
     /// tests (set while it runs through its admin endpoint).
     FaultProxy(fault_proxy::FaultProxyArgs),
+    /// Certificates for mutual TLS between nodes.
+    Certs {
+        #[command(subcommand)]
+        command: CertsCommand,
+    },
     /// Manage the router's API keys.
     Keys {
         #[command(subcommand)]
@@ -67,6 +73,12 @@ enum Command {
         #[command(subcommand)]
         command: bench::BenchCommand,
     },
+}
+
+#[derive(Subcommand, Debug)]
+enum CertsCommand {
+    /// Write a development CA and a certificate per role (router, prefill, decode, client).
+    Init(certs::InitArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -125,6 +137,9 @@ fn main() -> anyhow::Result<()> {
         Command::Chat(args) => client::chat(&args),
         Command::Healthcheck(args) => healthcheck::run(&args),
         Command::FaultProxy(args) => fault_proxy::run(&args),
+        Command::Certs {
+            command: CertsCommand::Init(args),
+        } => certs::init(&args),
         Command::Keys { command } => keys::run(&command),
         Command::Bench { command } => bench::run(&command),
     }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use tandem_engine::EngineConfig;
+use tandem_proto::tls::{Role, Tls};
 use tokio::net::TcpListener;
 
 use crate::ModelArgs;
@@ -64,6 +65,34 @@ pub(crate) struct WorkerArgs {
     /// its whole prompt.
     #[arg(long, env = "TANDEM_PREFIX_CACHE", value_enum, default_value_t = Switch::On)]
     pub prefix_cache: Switch,
+    #[command(flatten)]
+    pub tls: TlsArgs,
+}
+
+/// Mutual TLS between nodes.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct TlsArgs {
+    /// The directory `tandem certs init` wrote: this node serves and calls other nodes over
+    /// mutual TLS with its role's certificate, and lets each peer role call only what it needs.
+    /// Without it the node's port is open to whoever reaches it (a warning says so).
+    #[arg(long, env = "TANDEM_TLS_DIR")]
+    pub tls_dir: Option<std::path::PathBuf>,
+}
+
+impl TlsArgs {
+    /// The node's TLS material for `role`, or `None` (with a warning) without `--tls-dir`.
+    pub(crate) fn load(&self, role: Role) -> anyhow::Result<Option<Tls>> {
+        match &self.tls_dir {
+            Some(dir) => Ok(Some(Tls::load(dir, role)?)),
+            None => {
+                tracing::warn!(
+                    role = role.name(),
+                    "no --tls-dir: node-to-node traffic is plaintext and unauthenticated"
+                );
+                Ok(None)
+            }
+        }
+    }
 }
 
 impl WorkerArgs {
@@ -192,6 +221,8 @@ pub(crate) struct RouterArgs {
     /// Largest HTTP request body, in bytes (larger bodies get 413).
     #[arg(long, env = "TANDEM_MAX_HTTP_BODY_BYTES", default_value_t = 4 << 20)]
     max_http_body_bytes: usize,
+    #[command(flatten)]
+    tls: TlsArgs,
 }
 
 /// Resolves on Ctrl-C or SIGTERM.
@@ -232,6 +263,7 @@ pub(crate) fn prefill(args: &PrefillArgs) -> anyhow::Result<()> {
         engine: args.worker.engine(args.prefix_cache_mb << 20),
         max_queue: args.max_queue,
         grace: Duration::from_millis(args.worker.grace_ms),
+        tls: args.worker.tls.load(Role::Prefill)?,
         ..tandem_prefill_server::Config::new(model)
     };
     runtime()?.block_on(async {
@@ -250,6 +282,7 @@ pub(crate) fn decode(args: &DecodeArgs) -> anyhow::Result<()> {
         kv_wait: Duration::from_millis(args.kv_wait_ms),
         max_kv_wait: Duration::from_millis(args.max_kv_wait_ms),
         grace: Duration::from_millis(args.worker.grace_ms),
+        tls: args.worker.tls.load(Role::Decode)?,
         ..tandem_decode_server::Config::new(model)
     };
     runtime()?.block_on(async {
@@ -288,6 +321,7 @@ pub(crate) fn router(args: &RouterArgs) -> anyhow::Result<()> {
             grpc_message_bytes: args.max_request_bytes,
             http_body_bytes: args.max_http_body_bytes,
         },
+        tls: args.tls.load(Role::Router)?,
     };
     runtime()?.block_on(async {
         let http = match args.http_listen {

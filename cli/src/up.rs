@@ -4,6 +4,7 @@
 //! and sees a healthy decode replica), prints the endpoints, and on Ctrl-C or SIGTERM stops the router first, then the
 //! workers, each with SIGTERM so it drains.
 
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -11,6 +12,7 @@ use anyhow::{Context, bail};
 use clap::Args;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
+use tandem_proto::tls::{Role, Tls};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
@@ -53,6 +55,43 @@ pub(crate) struct UpArgs {
     /// key.
     #[arg(long, env = "TANDEM_API_KEYS")]
     api_keys: Option<std::path::PathBuf>,
+    /// Certificates for mutual TLS between the nodes (`tandem certs init`); unset, a fresh CA
+    /// and certificates are made in a temporary directory, removed when the cluster stops.
+    #[arg(long, env = "TANDEM_TLS_DIR", conflicts_with = "insecure")]
+    tls_dir: Option<PathBuf>,
+    /// Plaintext, unauthenticated traffic between the nodes (logs a warning).
+    #[arg(long)]
+    insecure: bool,
+}
+
+/// Where the nodes' certificates are, and whether `up` made them (and so removes them).
+struct Certs {
+    dir: PathBuf,
+    made: bool,
+}
+
+impl Drop for Certs {
+    fn drop(&mut self) {
+        if self.made {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+fn certs(args: &UpArgs) -> anyhow::Result<Option<Certs>> {
+    if args.insecure {
+        tracing::warn!("--insecure: node-to-node traffic is plaintext and unauthenticated");
+        return Ok(None);
+    }
+    if let Some(dir) = &args.tls_dir {
+        return Ok(Some(Certs {
+            dir: dir.clone(),
+            made: false,
+        }));
+    }
+    let dir = std::env::temp_dir().join(format!("tandem-up-{}", std::process::id()));
+    tandem_proto::tls::write_dev_certs(&dir, &[], 30)?;
+    Ok(Some(Certs { dir, made: true }))
 }
 
 struct Node {
@@ -100,17 +139,18 @@ async fn start(name: String, args: &[String]) -> anyhow::Result<Node> {
 
 /// Waits until every worker reports SERVING, then the router's Generation service (which it
 /// reports once it knows the model and sees a healthy decode replica).
-async fn wait_ready(nodes: &[Node], timeout: Duration) -> anyhow::Result<()> {
+async fn wait_ready(nodes: &[Node], tls: Option<&Tls>, timeout: Duration) -> anyhow::Result<()> {
     let ready = async {
         let (routers, workers): (Vec<&Node>, Vec<&Node>) =
             nodes.iter().partition(|n| n.name == "router");
         for n in workers.into_iter().chain(routers) {
-            let service = if n.name == "router" {
-                "tandem.v1.Generation"
+            // The router's port is the client API, plaintext; the workers' are mutual TLS.
+            let (service, tls) = if n.name == "router" {
+                ("tandem.v1.Generation", None)
             } else {
-                ""
+                ("", tls)
             };
-            let channel = tandem_proto::net::channel(&n.addr)?;
+            let channel = tandem_proto::net::channel(&n.addr, tls)?;
             tandem_proto::net::wait_serving(channel, service, timeout).await?;
         }
         Ok::<_, anyhow::Error>(())
@@ -142,11 +182,21 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
+    let certs = certs(args)?;
+    let client_tls = certs
+        .as_ref()
+        .map(|c| Tls::load(&c.dir, Role::Client))
+        .transpose()?;
     rt.block_on(async {
         let mut common = vec!["--model".to_string(), args.model.model.clone()];
         if let Some(dir) = &args.model.model_dir {
             common.extend(["--model-dir".into(), dir.display().to_string()]);
         }
+        let tls_args: Vec<String> = certs
+            .as_ref()
+            .map(|c| vec!["--tls-dir".into(), c.dir.display().to_string()])
+            .unwrap_or_default();
+        common.extend(tls_args.iter().cloned());
         let threads = match args.threads {
             0 => {
                 let cores = std::thread::available_parallelism().map_or(1, usize::from);
@@ -191,12 +241,14 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
         if let Some(keys) = &args.api_keys {
             router_args.extend(["--api-keys".into(), keys.display().to_string()]);
         }
+        router_args.extend(tls_args.iter().cloned());
         let router = start("router".into(), &router_args).await?;
         let router_addr = router.addr.clone();
         let http_addr = router.http.clone().unwrap_or_default();
         let mut nodes = vec![router];
         nodes.extend(workers);
-        if let Err(e) = wait_ready(&nodes, Duration::from_millis(args.ready_timeout_ms)).await {
+        let ready_timeout = Duration::from_millis(args.ready_timeout_ms);
+        if let Err(e) = wait_ready(&nodes, client_tls.as_ref(), ready_timeout).await {
             stop(&mut nodes).await;
             return Err(e);
         }

@@ -24,6 +24,8 @@ struct Up {
     lines: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
     grpc: String,
     http: String,
+    /// Each node's name and gRPC address, as `up` lists them.
+    nodes: Vec<(String, String)>,
 }
 
 impl Up {
@@ -68,8 +70,15 @@ impl Up {
         let stdout = child.stdout.take().expect("stdout");
         let mut lines = std::io::BufReader::new(stdout).lines();
         let mut grpc = None;
+        let mut nodes = Vec::new();
         let http = loop {
             let line = lines.next().expect("tandem up exited early").expect("line");
+            if let Some(node) = line.strip_prefix("  ") {
+                let mut parts = node.split_whitespace();
+                if let (Some(name), Some(addr)) = (parts.next(), parts.next()) {
+                    nodes.push((name.to_string(), addr.to_string()));
+                }
+            }
             if let Some(addr) = line.strip_prefix("router (gRPC tandem.v1.Generation): ") {
                 grpc = Some(addr.to_string());
             }
@@ -82,6 +91,7 @@ impl Up {
             lines,
             grpc: grpc.expect("the gRPC address is printed first"),
             http,
+            nodes,
         }
     }
 
@@ -558,5 +568,44 @@ fn keys_new_and_clients_that_send_the_key() {
         assert!(ok, "{flag}: {err}");
         assert_eq!(json(&out)["levels"][0]["completed"], 2, "{flag}");
     }
+    up.stop();
+}
+
+/// `tandem certs init` writes a CA and a key pair per role; `tandem up --tls-dir` runs every
+/// internal hop over mutual TLS with them, and a worker's health check needs a certificate.
+#[test]
+fn certs_init_and_a_cluster_over_mutual_tls() {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("certs-cli");
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_str().expect("utf-8");
+    let (ok, out, err) = tandem(&["certs", "init", d, "--name", "decode.example"]);
+    assert!(ok, "{err}");
+    for f in [
+        "ca.pem",
+        "ca.key",
+        "router.pem",
+        "prefill.key",
+        "decode.pem",
+        "client.key",
+    ] {
+        assert!(out.lines().any(|l| l.ends_with(f)), "{f} in {out}");
+    }
+    let (ok, _, err) = tandem(&["certs", "init", d]);
+    assert!(!ok && err.contains("--force"), "{err}");
+
+    let up = Up::start_with(None, &["--tls-dir", d]);
+    let (ok, out, err) = tandem(&[SEEDED, &["--server", &up.grpc]].concat());
+    assert!(ok, "{err}");
+    assert!(!json(&out)["token_ids"].as_array().expect("ids").is_empty());
+    let decode = &up
+        .nodes
+        .iter()
+        .find(|(n, _)| n.starts_with("decode"))
+        .expect("a decode node")
+        .1;
+    let (ok, _, err) = tandem(&["healthcheck", "--addr", decode, "--tls-dir", d]);
+    assert!(ok, "{err}");
+    let (ok, _, _) = tandem(&["healthcheck", "--addr", decode]);
+    assert!(!ok, "a plaintext health check of a TLS worker fails");
     up.stop();
 }

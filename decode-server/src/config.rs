@@ -17,6 +17,9 @@ pub struct Config {
     pub kv_wait: Duration,
     /// The longest KV wait a caller may ask for (`kv_wait_ms`); longer asks are cut to it.
     pub max_kv_wait: Duration,
+    /// Mutual TLS: this node's certificate, and the only way to reach it and for it to reach
+    /// others.
+    pub tls: Option<tandem_proto::tls::Tls>,
     /// How long in-flight streams may run after shutdown begins.
     pub grace: Duration,
 }
@@ -33,6 +36,7 @@ impl Config {
             kv_wait: Duration::from_secs(10),
             max_kv_wait: Duration::from_secs(60),
             grace: Duration::from_secs(10),
+            tls: None,
         }
     }
 }

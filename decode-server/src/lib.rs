@@ -105,6 +105,7 @@ pub async fn run(
             health,
             metrics: Arc::new(registry),
             grace: config.grace,
+            tls: config.tls.clone(),
         },
         async {
             shutdown.await;

@@ -67,7 +67,8 @@ impl Node {
     }
 
     pub fn channel(&self) -> Channel {
-        tandem_proto::net::channel(&self.addr.to_string()).expect("a socket address is a valid URI")
+        tandem_proto::net::channel(&self.addr.to_string(), None)
+            .expect("a socket address is a valid URI")
     }
 }
 
@@ -95,6 +96,9 @@ pub struct ClusterConfig {
     /// The prefill nodes' prefix caches and the decode nodes' session caches.
     pub prefix_cache: bool,
     pub policy: tandem_router::PolicyKind,
+    /// Mutual TLS between the nodes, with the certificates in this directory
+    /// (`tandem_proto::tls::write_dev_certs`).
+    pub tls_dir: Option<std::path::PathBuf>,
     /// Put a [`Relay`] between the router and each worker.
     pub relays: bool,
 }
@@ -119,7 +123,16 @@ impl ClusterConfig {
             prefix_cache: true,
             policy: tandem_router::PolicyKind::Affinity,
             relays: false,
+            tls_dir: None,
         }
+    }
+
+    /// Each node's TLS material for `role`, when the cluster uses TLS.
+    fn tls(&self, role: tandem_proto::tls::Role) -> anyhow::Result<Option<tandem_proto::tls::Tls>> {
+        Ok(match &self.tls_dir {
+            Some(dir) => Some(tandem_proto::tls::Tls::load(dir, role)?),
+            None => None,
+        })
     }
 
     /// The engine of a worker whose cache, when on, may hold `cache_bytes`.
@@ -150,6 +163,7 @@ async fn start_decode(config: &ClusterConfig, addr: SocketAddr) -> anyhow::Resul
         kv_wait: config.kv_wait,
         max_kv_wait: config.max_kv_wait,
         grace: config.grace,
+        tls: config.tls(tandem_proto::tls::Role::Decode)?,
         ..tandem_decode_server::Config::new(config.model.clone())
     };
     Node::spawn_on(addr, |l, rx| async move {
@@ -165,6 +179,7 @@ impl Cluster {
             let c = tandem_prefill_server::Config {
                 engine: config.engine(config.engine.kv_budget_bytes / 2),
                 grace: config.grace,
+                tls: config.tls(tandem_proto::tls::Role::Prefill)?,
                 ..tandem_prefill_server::Config::new(config.model.clone())
             };
             prefill.push(
@@ -203,6 +218,7 @@ impl Cluster {
             policy: config.policy,
             auth: config.auth.clone(),
             limits: config.limits.clone(),
+            tls: config.tls(tandem_proto::tls::Role::Router)?,
             ..tandem_router::Config::default()
         };
         let http = TcpListener::bind("127.0.0.1:0").await?;

@@ -557,7 +557,7 @@ async fn traffic(
     until: Option<Arc<AtomicBool>>,
     t0: Instant,
 ) -> Result<Vec<(usize, Outcome)>> {
-    let channel = tandem_proto::net::channel(&router_addr().to_string())?;
+    let channel = tandem_proto::net::channel(&router_addr().to_string(), None)?;
     let slots = Arc::new(tokio::sync::Semaphore::new(streams));
     let mut tasks = Vec::new();
     for n in 0.. {
@@ -596,7 +596,8 @@ async fn leaked_blocks() -> Result<u64> {
     let mut leaked = 0;
     for n in 1..=2 {
         let addr = format!("{}:{DECODE_PORT}", ip(&container("decode", n))?);
-        let mut worker = pb::worker_client::WorkerClient::new(tandem_proto::net::channel(&addr)?);
+        let mut worker =
+            pb::worker_client::WorkerClient::new(tandem_proto::net::channel(&addr, None)?);
         let settled = until("decode node idle", Duration::from_secs(12), async || {
             worker.load(pb::LoadRequest {}).await.is_ok_and(|l| {
                 let l = l.into_inner();
@@ -1263,7 +1264,7 @@ async fn rolling_restart(case: &Case) -> Result<Row> {
 async fn overload(case: &Case) -> Result<Row> {
     // 3x the decode nodes' batch slots (2 x 16), all at once.
     let n = 3 * 2 * 16;
-    let channel = tandem_proto::net::channel(&router_addr().to_string())?;
+    let channel = tandem_proto::net::channel(&router_addr().to_string(), None)?;
     let t0 = Instant::now();
     let tasks: Vec<_> = (0..n)
         .map(|k| {

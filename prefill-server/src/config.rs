@@ -15,6 +15,9 @@ pub struct Config {
     pub engine: EngineConfig,
     /// Requests that may wait for the compute thread; more get RESOURCE_EXHAUSTED.
     pub max_queue: usize,
+    /// Mutual TLS: this node's certificate, and the only way to reach it and for it to reach
+    /// others.
+    pub tls: Option<tandem_proto::tls::Tls>,
     /// How long in-flight requests may run after shutdown begins.
     pub grace: Duration,
 }
@@ -29,6 +32,7 @@ impl Config {
             },
             max_queue: 64,
             grace: Duration::from_secs(10),
+            tls: None,
         }
     }
 }

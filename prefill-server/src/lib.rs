@@ -63,6 +63,7 @@ pub async fn run(
         shutdown: root.child_token(),
         chunk_tokens,
         prefix_cache,
+        tls: config.tls.clone(),
     };
     let worker = tandem_worker::WorkerService::new(
         tandem_worker::worker_info(&config.model, "prefill"),
@@ -88,6 +89,7 @@ pub async fn run(
             health,
             metrics: Arc::new(registry),
             grace: config.grace,
+            tls: config.tls.clone(),
         },
         async {
             shutdown.await;

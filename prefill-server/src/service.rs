@@ -23,6 +23,8 @@ pub struct PrefillService {
     pub(crate) shutdown: CancellationToken,
     pub(crate) chunk_tokens: usize,
     pub(crate) prefix_cache: bool,
+    /// Mutual TLS to the decode nodes, as a prefill node.
+    pub(crate) tls: Option<tandem_proto::tls::Tls>,
 }
 
 impl PrefillService {
@@ -102,9 +104,11 @@ impl PrefillService {
             total_bytes: layout.total_bytes(push.len()),
         };
         let channel =
-            tandem_proto::net::channel(&r.decode_addr).map_err(|e| Error::InvalidArgument {
-                field: "decode_addr",
-                reason: e.to_string(),
+            tandem_proto::net::channel(&r.decode_addr, self.tls.as_ref()).map_err(|e| {
+                Error::InvalidArgument {
+                    field: "decode_addr",
+                    reason: e.to_string(),
+                }
             })?;
         let kv = KvPush::start(channel, &header);
         let cancel = CancellationToken::new();

@@ -8,6 +8,7 @@
 
 pub mod block_hash;
 pub mod net;
+pub mod tls;
 
 pub mod v1 {
     #![allow(missing_debug_implementations, clippy::all)]

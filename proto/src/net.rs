@@ -15,9 +15,12 @@ use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::service::Routes;
+use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 use tonic::transport::{Channel, Endpoint, Server};
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
+
+use crate::tls::{self, Role, Tls};
 
 /// HTTP/2 PING interval on idle and busy connections, on both ends.
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
@@ -34,15 +37,20 @@ pub const CONNECTION_WINDOW_BYTES: u32 = 8 << 20;
 /// per KV chunk than the 16 KiB default.
 pub const MAX_FRAME_BYTES: u32 = 1 << 20;
 
-/// A client endpoint for `addr` (`host:port`, or a full `http://` URI) with Tandem's keepalive
-/// and connect timeout. Connection happens lazily, on first use.
-pub fn channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
-    let uri = if addr.contains("://") {
-        addr.to_string()
-    } else {
-        format!("http://{addr}")
+/// A client endpoint for `addr` (`host:port`, or a full URI) with Tandem's keepalive and connect
+/// timeout, over mutual TLS with `tls` (see [`crate::tls`]). Connection happens lazily, on first
+/// use.
+pub fn channel(addr: &str, tls: Option<&Tls>) -> Result<Channel, tonic::transport::Error> {
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let uri = match addr.split_once("://") {
+        Some((_, rest)) => format!("{scheme}://{rest}"),
+        None => format!("{scheme}://{addr}"),
     };
-    Ok(Endpoint::from_shared(uri)?
+    let mut endpoint = Endpoint::from_shared(uri)?;
+    if let Some(tls) = tls {
+        endpoint = endpoint.tls_config(tls.client_config())?;
+    }
+    Ok(endpoint
         .connect_timeout(CONNECT_TIMEOUT)
         .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
         .keep_alive_timeout(KEEPALIVE_TIMEOUT)
@@ -100,6 +108,8 @@ pub struct ServeOptions {
     pub metrics: Arc<Registry>,
     /// How long in-flight calls may run after shutdown begins.
     pub grace: Duration,
+    /// Mutual TLS, with each call allowed only to the roles [`crate::tls::allowed`] names.
+    pub tls: Option<Tls>,
 }
 
 /// Serves `routes` (plus reflection and `/metrics`) on `listener` until `shutdown` completes,
@@ -149,6 +159,12 @@ pub async fn serve(
         }),
     );
 
+    let mut builder = server();
+    if let Some(tls) = &options.tls {
+        builder = builder.tls_config(tls.server_config())?;
+        let router = std::mem::take(routes.axum_router_mut());
+        *routes.axum_router_mut() = router.layer(axum::middleware::from_fn(authorize));
+    }
     for name in std::iter::once("").chain(options.service_names.iter().copied()) {
         options
             .health
@@ -156,7 +172,7 @@ pub async fn serve(
             .await;
     }
     let stop_accepting = tokio_util::sync::CancellationToken::new();
-    let server = server()
+    let server = builder
         .layer(tower::util::MapResponseLayer::new(documented_codes))
         .add_routes(routes)
         .serve_with_incoming_shutdown(incoming(listener), stop_accepting.clone().cancelled_owned());
@@ -178,6 +194,30 @@ pub async fn serve(
         Err(_) => {
             tracing::warn!(grace = ?options.grace, "grace period over; dropping in-flight calls");
             Ok(())
+        }
+    }
+}
+
+/// Lets a call through only if the peer's certificate names a role that may make it; others get
+/// PERMISSION_DENIED. (The TLS handshake has already refused peers without a certificate from the
+/// CA.)
+async fn authorize(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let role = request
+        .extensions()
+        .get::<TlsConnectInfo<TcpConnectInfo>>()
+        .and_then(TlsConnectInfo::peer_certs)
+        .and_then(|certs| certs.first().and_then(|c| tls::peer_role(c)));
+    let path = request.uri().path();
+    match role {
+        Some(role) if tls::allowed(path).contains(&role) => next.run(request).await,
+        _ => {
+            let who = role.map_or("a certificate without a role", Role::name);
+            tracing::warn!(peer = who, path, "call refused: role not allowed");
+            let service = path.trim_start_matches('/').split('/').next().unwrap_or("");
+            tonic::Status::permission_denied(format!("{who} may not call {service}")).into_http()
         }
     }
 }

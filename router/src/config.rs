@@ -62,6 +62,8 @@ pub struct Config {
     /// API keys, and the limits per key.
     pub auth: AuthConfig,
     pub limits: Limits,
+    /// Mutual TLS to the workers, with the router's certificate.
+    pub tls: Option<tandem_proto::tls::Tls>,
 }
 
 impl Default for Config {
@@ -79,6 +81,7 @@ impl Default for Config {
             index_max_blocks: 1 << 20,
             auth: AuthConfig::default(),
             limits: Limits::default(),
+            tls: None,
         }
     }
 }

@@ -93,7 +93,11 @@ pub async fn run(
     let metrics = RouterMetrics::register(&mut registry);
     let root = CancellationToken::new();
     let tracker = TaskTracker::new();
-    let replicas = Arc::new(Replicas::new(config.index_max_blocks, root.child_token()));
+    let replicas = Arc::new(Replicas::with_tls(
+        config.index_max_blocks,
+        root.child_token(),
+        config.tls.clone(),
+    ));
     let targets: Vec<(Role, String)> = (config.prefill.iter().map(|t| (Role::Prefill, t)))
         .chain(config.decode.iter().map(|t| (Role::Decode, t)))
         .map(|(role, t)| (role, t.clone()))
@@ -182,6 +186,8 @@ pub async fn run(
             health,
             metrics: Arc::new(registry),
             grace: config.grace,
+            // The client API; clients' TLS ends in front of the router (docs/security.md).
+            tls: None,
         },
         shutdown,
     )

@@ -187,6 +187,8 @@ pub struct Replicas {
     cancel: CancellationToken,
     monitoring: OnceLock<Monitoring>,
     frontend: OnceLock<Arc<Frontend>>,
+    /// Mutual TLS to the workers, as the router.
+    tls: Option<tandem_proto::tls::Tls>,
     /// Woken whenever a replica's health or compatibility, the set, or the frontend changes.
     changed: tokio::sync::Notify,
 }
@@ -195,12 +197,22 @@ impl Replicas {
     /// An empty set; [`Replicas::add`] fills it. Cancelling `cancel` stops every replica's
     /// tasks.
     pub fn new(index_max_blocks: usize, cancel: CancellationToken) -> Self {
+        Self::with_tls(index_max_blocks, cancel, None)
+    }
+
+    /// [`Replicas::new`], reaching the replicas over mutual TLS when `tls` is given.
+    pub fn with_tls(
+        index_max_blocks: usize,
+        cancel: CancellationToken,
+        tls: Option<tandem_proto::tls::Tls>,
+    ) -> Self {
         Self {
             all: RwLock::default(),
             index_max_blocks,
             cancel,
             monitoring: OnceLock::new(),
             frontend: OnceLock::new(),
+            tls,
             changed: tokio::sync::Notify::new(),
         }
     }
@@ -231,7 +243,7 @@ impl Replicas {
             addr: addr.to_string(),
             target: target.to_string(),
             role,
-            channel: tandem_proto::net::channel(addr)?,
+            channel: tandem_proto::net::channel(addr, self.tls.as_ref())?,
             index: CacheIndex::new(self.index_max_blocks),
             healthy: AtomicBool::new(false),
             compatible: AtomicBool::new(true),

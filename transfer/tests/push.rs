@@ -40,7 +40,7 @@ async fn node() -> Node {
     Node {
         reservations,
         metrics,
-        channel: tandem_proto::net::channel(&addr.to_string()).expect("channel"),
+        channel: tandem_proto::net::channel(&addr.to_string(), None).expect("channel"),
     }
 }
 

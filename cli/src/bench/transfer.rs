@@ -85,7 +85,7 @@ async fn transfer_throughput(
             .add_service(svc)
             .serve_with_incoming(tandem_proto::net::incoming(listener)),
     );
-    let channel = tandem_proto::net::channel(&addr.to_string())?;
+    let channel = tandem_proto::net::channel(&addr.to_string(), None)?;
     let mut grpc = Vec::new();
     let mut tcp = Vec::new();
     for run in 0..runs {

@@ -1,0 +1,165 @@
+//! Mutual TLS between the nodes: a cluster whose every internal hop is TLS serves as before
+//! (router to workers, prefill to decode's KvTransfer), and each role may call only what it
+//! needs. A peer without a certificate from the cluster's CA is refused at the handshake.
+
+use std::path::{Path, PathBuf};
+
+use tandem_integration_tests::{Cluster, ClusterConfig, collect, greedy};
+use tandem_proto::tls::{Role, Tls, write_dev_certs};
+use tandem_proto::v1 as pb;
+use tonic::Code;
+use tonic::transport::Channel;
+
+fn certs(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("mtls-{name}-{}", std::process::id()));
+    write_dev_certs(&dir, &[], 1).expect("certificates");
+    dir
+}
+
+fn channel(addr: std::net::SocketAddr, dir: &Path, role: Role) -> Channel {
+    let tls = Tls::load(dir, role).expect("tls files");
+    tandem_proto::net::channel(&addr.to_string(), Some(&tls)).expect("channel")
+}
+
+async fn load(channel: Channel) -> Result<pb::LoadResponse, tonic::Status> {
+    let mut worker = pb::worker_client::WorkerClient::new(channel);
+    worker
+        .load(pb::LoadRequest {})
+        .await
+        .map(|r| r.into_inner())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_speak_mutual_tls_and_each_role_calls_only_what_it_needs() {
+    let dir = certs("cluster");
+    let model = tandem_engine::ModelSource::Tiny.load().expect("tiny");
+    let cluster = Cluster::start(ClusterConfig {
+        tls_dir: Some(dir.clone()),
+        ..ClusterConfig::new(model.clone())
+    })
+    .await
+    .expect("cluster");
+
+    // A generation crosses every hop: router to decode and prefill, prefill's KV push to decode.
+    let out = collect(&mut cluster.client(), greedy(vec![5, 6, 7, 8, 9, 10], 4))
+        .await
+        .expect("a generation over TLS");
+    let route = out.last.route.expect("route");
+    assert_eq!(route.disaggregation, "remote", "{route:?}");
+    assert!(!route.prefill.is_empty());
+    let plain = Cluster::start(ClusterConfig::new(model))
+        .await
+        .expect("cluster");
+    let same = collect(&mut plain.client(), greedy(vec![5, 6, 7, 8, 9, 10], 4))
+        .await
+        .expect("plaintext");
+    assert_eq!(out.token_ids, same.token_ids);
+    plain.stop().await.expect("stop");
+
+    let (prefill, decode) = (cluster.prefill[0].addr, cluster.decode[0].addr);
+    // The router may read a worker's load; a client's certificate may not.
+    assert!(load(channel(decode, &dir, Role::Router)).await.is_ok());
+    let denied = load(channel(decode, &dir, Role::Client))
+        .await
+        .expect_err("a client reading a worker's load");
+    assert_eq!(denied.code(), Code::PermissionDenied, "{denied:?}");
+    assert!(
+        denied
+            .message()
+            .contains("client may not call tandem.v1.Worker")
+    );
+
+    // A decode node's certificate cannot ask for a prefill.
+    let mut p = pb::prefill_client::PrefillClient::new(channel(prefill, &dir, Role::Decode));
+    let denied = p
+        .prefill(pb::PrefillRequest {
+            request_id: "r".into(),
+            transfer_id: "t".into(),
+            token_ids: vec![5, 6, 7],
+            decode_addr: decode.to_string(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("decode calling Prefill");
+    assert_eq!(denied.code(), Code::PermissionDenied, "{denied:?}");
+
+    // Neither a client's nor the router's certificate can push KV; health is open to all roles.
+    for role in [Role::Client, Role::Router] {
+        let push = tandem_transfer::KvPush::start(
+            channel(decode, &dir, role),
+            &tandem_transfer::Header {
+                transfer_id: "t".into(),
+                request_id: "r".into(),
+                fingerprint: [0; 32],
+                layout: tandem_transfer::WireLayout {
+                    layers: 1,
+                    kv_heads: 1,
+                    head_dim: 1,
+                    block_tokens: 16,
+                },
+                tokens: 0..1,
+                token_ids: vec![5],
+                chunk_count: 2,
+                total_bytes: 4,
+            },
+        );
+        match push.finish(0).await.expect_err("a push from {role:?}") {
+            tandem_transfer::Error::Transport { code, .. } => {
+                assert_eq!(code, Code::PermissionDenied, "{role:?}")
+            }
+            other => panic!("{role:?}: {other}"),
+        }
+    }
+    let mut health =
+        tonic_health::pb::health_client::HealthClient::new(channel(decode, &dir, Role::Client));
+    let serving = health
+        .check(tonic_health::pb::HealthCheckRequest::default())
+        .await
+        .expect("health over TLS")
+        .into_inner();
+    assert_eq!(serving.status, 1, "SERVING");
+
+    // No certificate, or one from another CA: the server closes the connection (which tonic
+    // reports as UNAVAILABLE or CANCELLED) before any call is made.
+    let refused = |e: tonic::Status| {
+        assert!(
+            matches!(e.code(), Code::Unavailable | Code::Cancelled),
+            "{e:?}"
+        )
+    };
+    let plaintext = tandem_proto::net::channel(&decode.to_string(), None).expect("channel");
+    refused(load(plaintext).await.expect_err("plaintext to a TLS port"));
+    let stranger = certs("stranger");
+    refused(
+        load(channel(decode, &stranger, Role::Router))
+            .await
+            .expect_err("a certificate from another CA"),
+    );
+    cluster.stop().await.expect("stop");
+}
+
+#[test]
+fn every_certificate_names_exactly_its_role() {
+    let dir = certs("roles");
+    for role in Role::ALL {
+        let pem = std::fs::read_to_string(dir.join(format!("{}.pem", role.name()))).expect("pem");
+        let der = pem_to_der(&pem);
+        assert_eq!(tandem_proto::tls::peer_role(&der), Some(role));
+        use std::os::unix::fs::PermissionsExt;
+        let key = std::fs::metadata(dir.join(format!("{}.key", role.name()))).expect("key");
+        assert_eq!(
+            key.permissions().mode() & 0o077,
+            0,
+            "{role:?}'s key is owner-only"
+        );
+    }
+    let ca = pem_to_der(&std::fs::read_to_string(dir.join("ca.pem")).expect("ca"));
+    assert_eq!(tandem_proto::tls::peer_role(&ca), None, "the CA is no node");
+}
+
+/// The DER inside a one-certificate PEM file.
+fn pem_to_der(pem: &str) -> Vec<u8> {
+    let (_, pem) = x509_parser::pem::parse_x509_pem(pem.as_bytes()).expect("PEM");
+    pem.contents
+}

@@ -1,0 +1,255 @@
+//! Mutual TLS between Tandem's nodes, and which role may call what.
+//!
+//! Every node holds a certificate from the cluster's CA (`tandem certs init` makes a development
+//! one) whose subject alternative names carry its role as the URI `spiffe://tandem/ROLE`. Both
+//! ends of each connection present one: a server accepts only peers the CA signed, and then
+//! lets each role call only the services it needs ([`allowed`]). A decode node's certificate
+//! cannot call Prefill, a client's cannot push KV. Every certificate also names
+//! [`SERVER_NAME`], and clients verify servers against that name rather than the address they
+//! dialled. Addresses change (DNS discovery, scaled services, relays), but only the CA's
+//! certificates carry the name.
+//!
+//! Files in a TLS directory: `ca.pem`, and `ROLE.pem` and `ROLE.key` for each role.
+
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose, SanType,
+};
+use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
+
+/// The name every node certificate carries and every client verifies.
+pub const SERVER_NAME: &str = "tandem.internal";
+
+/// The prefix of the URI that names a certificate's role.
+pub const ROLE_URI_PREFIX: &str = "spiffe://tandem/";
+
+/// What a certificate lets its holder be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// Calls the workers: Prefill, Decode, Worker (info, load, cache events).
+    Router,
+    /// Pushes KV to decode nodes.
+    Prefill,
+    /// Serves Decode and KvTransfer; calls nothing.
+    Decode,
+    /// Operators' tools: health checks and metrics scrapes.
+    Client,
+}
+
+impl Role {
+    pub const ALL: [Role; 4] = [Role::Router, Role::Prefill, Role::Decode, Role::Client];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Router => "router",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Client => "client",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|r| r.name() == name)
+    }
+
+    /// The URI SAN that names this role.
+    pub fn uri(self) -> String {
+        format!("{ROLE_URI_PREFIX}{}", self.name())
+    }
+}
+
+/// The roles that may call `path` (`/package.Service/Method`, or an HTTP path such as
+/// `/metrics`) on a worker. Health, reflection and metrics are open to every role.
+pub fn allowed(path: &str) -> &'static [Role] {
+    let service = path.trim_start_matches('/').split('/').next().unwrap_or("");
+    match service {
+        "tandem.v1.Prefill" | "tandem.v1.Decode" | "tandem.v1.Worker" => &[Role::Router],
+        "tandem.v1.KvTransfer" => &[Role::Prefill],
+        "grpc.health.v1.Health" | "grpc.reflection.v1.ServerReflection" | "metrics" => &Role::ALL,
+        _ => &[],
+    }
+}
+
+/// The role named by a peer certificate (DER), if it carries exactly one.
+pub fn peer_role(der: &[u8]) -> Option<Role> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
+    let san = cert.subject_alternative_name().ok()??;
+    let mut roles = san.value.general_names.iter().filter_map(|n| match n {
+        x509_parser::extensions::GeneralName::URI(uri) => {
+            uri.strip_prefix(ROLE_URI_PREFIX).and_then(Role::parse)
+        }
+        _ => None,
+    });
+    let role = roles.next()?;
+    roles.next().is_none().then_some(role)
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("cannot read {path}: {source} (make the files with `tandem certs init DIR`)")]
+pub struct TlsError {
+    path: PathBuf,
+    source: std::io::Error,
+}
+
+/// One node's TLS material: the CA, and its own certificate and key.
+#[derive(Clone, Debug)]
+pub struct Tls {
+    pub role: Role,
+    ca: Vec<u8>,
+    cert: Vec<u8>,
+    key: Vec<u8>,
+}
+
+impl Tls {
+    /// Reads `ca.pem`, `ROLE.pem` and `ROLE.key` from `dir`.
+    pub fn load(dir: &Path, role: Role) -> Result<Self, TlsError> {
+        let read = |name: String| {
+            let path = dir.join(name);
+            std::fs::read(&path).map_err(|source| TlsError { path, source })
+        };
+        Ok(Self {
+            role,
+            ca: read("ca.pem".into())?,
+            cert: read(format!("{}.pem", role.name()))?,
+            key: read(format!("{}.key", role.name()))?,
+        })
+    }
+
+    fn identity(&self) -> Identity {
+        Identity::from_pem(&self.cert, &self.key)
+    }
+
+    /// A server that requires a client certificate from the CA.
+    pub fn server_config(&self) -> ServerTlsConfig {
+        ServerTlsConfig::new()
+            .identity(self.identity())
+            .client_ca_root(Certificate::from_pem(&self.ca))
+    }
+
+    /// A client that presents this node's certificate and trusts only the CA, for
+    /// [`SERVER_NAME`].
+    pub fn client_config(&self) -> ClientTlsConfig {
+        ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(&self.ca))
+            .identity(self.identity())
+            .domain_name(SERVER_NAME)
+    }
+}
+
+/// Writes a development CA (`ca.pem`, `ca.key`) and a certificate per role into `dir`, made with
+/// rcgen; returns the files written. Each certificate names its role's URI, [`SERVER_NAME`],
+/// `localhost`, 127.0.0.1 and `names`, and is valid for `days`. Keys are written owner-only.
+pub fn write_dev_certs(dir: &Path, names: &[String], days: u32) -> Result<Vec<PathBuf>, CertError> {
+    std::fs::create_dir_all(dir).map_err(|source| CertError::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let now = time::OffsetDateTime::now_utc();
+    let valid = |params: &mut CertificateParams| {
+        params.not_before = now - time::Duration::hours(1);
+        params.not_after = now + time::Duration::days(i64::from(days));
+    };
+    let mut ca = CertificateParams::new(Vec::<String>::new())?;
+    ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    ca.distinguished_name
+        .push(DnType::CommonName, "tandem development CA");
+    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    valid(&mut ca);
+    let ca_key = KeyPair::generate()?;
+    let ca_cert = ca.self_signed(&ca_key)?;
+    let mut written = vec![
+        write(dir, "ca.pem", &ca_cert.pem(), 0o644)?,
+        write(dir, "ca.key", &ca_key.serialize_pem(), 0o600)?,
+    ];
+    let issuer = Issuer::new(ca, ca_key);
+    for role in Role::ALL {
+        let dns: Vec<String> = std::iter::once(SERVER_NAME.to_string())
+            .chain(["localhost".to_string()])
+            .chain(names.iter().cloned())
+            .collect();
+        let mut params = CertificateParams::new(dns)?;
+        params
+            .subject_alt_names
+            .push(SanType::URI(role.uri().try_into()?));
+        params
+            .subject_alt_names
+            .push(SanType::IpAddress(std::net::Ipv4Addr::LOCALHOST.into()));
+        params
+            .distinguished_name
+            .push(DnType::CommonName, format!("tandem {}", role.name()));
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        valid(&mut params);
+        let key = KeyPair::generate()?;
+        let cert = params.signed_by(&key, &issuer)?;
+        written.push(write(
+            dir,
+            &format!("{}.pem", role.name()),
+            &cert.pem(),
+            0o644,
+        )?);
+        written.push(write(
+            dir,
+            &format!("{}.key", role.name()),
+            &key.serialize_pem(),
+            0o600,
+        )?);
+    }
+    Ok(written)
+}
+
+fn write(dir: &Path, name: &str, text: &str, mode: u32) -> Result<PathBuf, CertError> {
+    let path = dir.join(name);
+    // A key file is replaced, not rewritten in place, so it never exists with wider permissions.
+    let _ = std::fs::remove_file(&path);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(&path)
+        .and_then(|mut f| f.write_all(text.as_bytes()))
+        .map_err(|source| CertError::Io {
+            path: path.clone(),
+            source,
+        })?;
+    Ok(path)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CertError {
+    #[error("cannot write {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot make a certificate: {0}")]
+    Rcgen(#[from] rcgen::Error),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_role_may_call_only_what_it_needs() {
+        let may = |path, role| allowed(path).contains(&role);
+        assert!(may("/tandem.v1.Prefill/Prefill", Role::Router));
+        assert!(!may("/tandem.v1.Prefill/Prefill", Role::Decode));
+        assert!(may("/tandem.v1.KvTransfer/Push", Role::Prefill));
+        assert!(!may("/tandem.v1.KvTransfer/Push", Role::Client));
+        assert!(!may("/tandem.v1.KvTransfer/Push", Role::Router));
+        assert!(may("/tandem.v1.Worker/Load", Role::Router));
+        assert!(!may("/tandem.v1.Decode/Generate", Role::Prefill));
+        assert!(may("/grpc.health.v1.Health/Check", Role::Client));
+        assert!(may("/metrics", Role::Client));
+        assert!(!may("/tandem.v1.Unknown/X", Role::Router));
+        assert!(allowed("").is_empty());
+    }
+}
