@@ -54,6 +54,17 @@ fn out_dir() -> PathBuf {
     dir
 }
 
+/// The cluster's certificates (`tandem_proto::tls`), made once per run.
+fn certs_dir() -> PathBuf {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = out_dir().join("certs");
+        tandem_proto::tls::write_dev_certs(&dir, &[], 2).expect("certificates");
+        dir
+    })
+    .clone()
+}
+
 /// Runs a command, failing with its stderr.
 fn run_env(program: &str, args: &[&str], env: &[(&str, &str)]) -> Result<String> {
     let out = Command::new(program)
@@ -61,6 +72,7 @@ fn run_env(program: &str, args: &[&str], env: &[(&str, &str)]) -> Result<String>
         .current_dir(repo())
         .env("TANDEM_PORT", PORT.to_string())
         .env("TANDEM_IMAGE", IMAGE)
+        .env("TANDEM_CERTS", certs_dir())
         .envs(env.iter().copied())
         .output()
         .with_context(|| format!("cannot run {program}"))?;
@@ -596,8 +608,10 @@ async fn leaked_blocks() -> Result<u64> {
     let mut leaked = 0;
     for n in 1..=2 {
         let addr = format!("{}:{DECODE_PORT}", ip(&container("decode", n))?);
+        // The router's certificate: Worker is the router's to call.
+        let tls = tandem_proto::tls::Tls::load(&certs_dir(), tandem_proto::tls::Role::Router)?;
         let mut worker =
-            pb::worker_client::WorkerClient::new(tandem_proto::net::channel(&addr, None)?);
+            pb::worker_client::WorkerClient::new(tandem_proto::net::channel(&addr, Some(&tls))?);
         let settled = until("decode node idle", Duration::from_secs(12), async || {
             worker.load(pb::LoadRequest {}).await.is_ok_and(|l| {
                 let l = l.into_inner();

@@ -64,6 +64,23 @@ fn the_compose_file_runs_healthy_workers_before_the_router() {
             Some("service_healthy")
         );
     }
+    // Every node speaks mutual TLS with the certificates mounted read-only.
+    for name in ["prefill", "decode", "router"] {
+        let svc = &services[name];
+        assert_eq!(
+            s(svc, &["environment", "TANDEM_TLS_DIR"]).as_str(),
+            Some("/certs"),
+            "{name}"
+        );
+        let volumes = svc["volumes"].as_sequence().expect("volumes");
+        assert!(
+            volumes
+                .iter()
+                .filter_map(Value::as_str)
+                .any(|v| v.ends_with(":/certs:ro")),
+            "{name} mounts the certificates read-only"
+        );
+    }
     let env = &services["router"]["environment"];
     assert_eq!(env["TANDEM_PREFILL"].as_str(), Some("prefill:50052"));
     assert_eq!(env["TANDEM_DECODE"].as_str(), Some("decode:50053"));
