@@ -19,7 +19,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
@@ -364,8 +364,9 @@ impl Drop for Grant {
 #[derive(Debug, Default)]
 struct Loaded {
     entries: Vec<KeyEntry>,
-    /// When and how big the file was when read: a change of either triggers a reload.
-    stamp: Option<(SystemTime, u64)>,
+    /// The file's text when last read, parsed or not: a reload happens (and a parse error is
+    /// reported) once per change of it, whatever the file system's timestamps say.
+    text: String,
 }
 
 /// The router's keys, reloaded as their file changes.
@@ -413,15 +414,14 @@ impl KeyStore {
             field: "api_keys",
             reason: format!("{}: {reason}", path.display()),
         };
-        let meta = std::fs::metadata(path).map_err(|e| failed(e.to_string()))?;
-        let stamp = Some((
-            meta.modified().map_err(|e| failed(e.to_string()))?,
-            meta.len(),
-        ));
-        if self.loaded.read().unwrap_or_else(|e| e.into_inner()).stamp == stamp {
-            return Ok(false);
-        }
         let text = std::fs::read_to_string(path).map_err(|e| failed(e.to_string()))?;
+        {
+            let mut loaded = self.loaded.write().unwrap_or_else(|e| e.into_inner());
+            if loaded.text == text {
+                return Ok(false);
+            }
+            loaded.text.clone_from(&text);
+        }
         let entries = parse_key_file(&text).map_err(failed)?;
         {
             let mut states = self.states.lock().unwrap_or_else(|e| e.into_inner());
@@ -442,7 +442,7 @@ impl KeyStore {
                 }
             }
         }
-        *self.loaded.write().unwrap_or_else(|e| e.into_inner()) = Loaded { entries, stamp };
+        self.loaded.write().unwrap_or_else(|e| e.into_inner()).entries = entries;
         Ok(true)
     }
 
