@@ -1,6 +1,7 @@
 //! Transport settings every Tandem process shares, so that both ends of each hop agree: message
-//! size limits, HTTP/2 keepalive, and one way to serve a set of gRPC services with health,
-//! reflection, Prometheus metrics and graceful shutdown.
+//! size limits, HTTP/2 keepalive, mutual TLS with authorization by role ([`crate::tls`]), and
+//! one way to serve a set of gRPC services with health, reflection, Prometheus metrics and
+//! graceful shutdown.
 //!
 //! Shutdown order (linkerd's): health turns NOT_SERVING, then the server stops accepting and
 //! drains in-flight calls, then, after `grace`, whatever is still running is dropped.

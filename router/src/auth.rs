@@ -442,7 +442,10 @@ impl KeyStore {
                 }
             }
         }
-        self.loaded.write().unwrap_or_else(|e| e.into_inner()).entries = entries;
+        self.loaded
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .entries = entries;
         Ok(true)
     }
 
