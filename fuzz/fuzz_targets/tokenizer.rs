@@ -15,7 +15,9 @@ fuzz_target!(|data: &[u8]| {
     }
     let ids: Vec<u32> = data
         .chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) % (tokenizer.vocab_size() as u32 + 16))
+        .map(|c| {
+            u32::from_le_bytes([c[0], c[1], c[2], c[3]]) % (tokenizer.vocab_size() as u32 + 16)
+        })
         .collect();
     let _ = tokenizer.decode(&ids);
 });

@@ -14,7 +14,9 @@ fn model() -> &'static Arc<Model> {
         let dir = tandem_engine::model_dir_from_env();
         tandem_engine::ModelSource::parse("default", &dir)
             .load()
-            .unwrap_or_else(|e| panic!("the fuzz targets need the default model (run `tandem model fetch`): {e}"))
+            .unwrap_or_else(|e| {
+                panic!("the fuzz targets need the default model (run `tandem model fetch`): {e}")
+            })
     })
 }
 
