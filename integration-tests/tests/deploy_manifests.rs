@@ -111,12 +111,51 @@ fn the_kubernetes_manifests_have_probes_requests_and_headless_services() {
         assert_eq!(container["image"].as_str(), Some("tandem:latest"));
         assert_eq!(container["args"][0].as_str(), Some(role));
         for probe in ["readinessProbe", "livenessProbe"] {
-            assert_eq!(
-                s(container, &[probe, "grpc", "port"]).as_u64(),
-                Some(port),
-                "{role} {probe}"
-            );
+            if role == "router" {
+                // The client port is plaintext: the kubelet's own gRPC probe.
+                assert_eq!(
+                    s(container, &[probe, "grpc", "port"]).as_u64(),
+                    Some(port),
+                    "{role} {probe}"
+                );
+            } else {
+                // Workers speak mutual TLS, which the kubelet's gRPC probe cannot: the image's
+                // health check, with the certificates from TANDEM_TLS_DIR.
+                let command: Vec<&str> = s(container, &[probe, "exec", "command"])
+                    .as_sequence()
+                    .unwrap_or_else(|| panic!("{role} {probe} runs a command"))
+                    .iter()
+                    .filter_map(Value::as_str)
+                    .collect();
+                assert_eq!(&command[..2], ["/tandem", "healthcheck"], "{role} {probe}");
+                assert!(command.contains(&format!("127.0.0.1:{port}").as_str()));
+            }
         }
+        // Every node has the certificates, from the tandem-certs Secret.
+        let env = container["env"].as_sequence().expect("env");
+        assert!(
+            env.iter()
+                .any(|e| e["name"].as_str() == Some("TANDEM_TLS_DIR")
+                    && e["value"].as_str() == Some("/certs")),
+            "{role} names its TLS directory"
+        );
+        let mounted = container["volumeMounts"]
+            .as_sequence()
+            .expect("volume mounts")
+            .iter()
+            .any(|m| {
+                m["mountPath"].as_str() == Some("/certs") && m["readOnly"].as_bool() == Some(true)
+            });
+        assert!(mounted, "{role} mounts the certificates read-only");
+        let secret = spec["volumes"]
+            .as_sequence()
+            .expect("volumes")
+            .iter()
+            .any(|v| s(v, &["secret", "secretName"]).as_str() == Some("tandem-certs"));
+        assert!(
+            secret,
+            "{role}'s certificates come from the tandem-certs Secret"
+        );
         assert!(
             s(container, &["resources", "requests", "cpu"])
                 .as_str()
