@@ -315,9 +315,8 @@ pub(crate) fn router(args: &RouterArgs) -> anyhow::Result<()> {
         ),
         limits: tandem_router::Limits {
             prompt_bytes: args.max_prompt_bytes,
-            prompt_tokens: nonzero_or_max(args.max_prompt_tokens),
-            max_tokens: u32::try_from(nonzero_or_max(args.max_tokens_limit as usize))
-                .unwrap_or(u32::MAX),
+            prompt_tokens: unlimited_if_zero(args.max_prompt_tokens, usize::MAX),
+            max_tokens: unlimited_if_zero(args.max_tokens_limit, u32::MAX),
             grpc_message_bytes: args.max_request_bytes,
             http_body_bytes: args.max_http_body_bytes,
         },
@@ -335,9 +334,9 @@ pub(crate) fn router(args: &RouterArgs) -> anyhow::Result<()> {
     })
 }
 
-/// A limit flag's value, where 0 means none.
-fn nonzero_or_max(n: usize) -> usize {
-    if n == 0 { usize::MAX } else { n }
+/// A limit flag's value, where 0 means none (`unlimited`).
+fn unlimited_if_zero<T: Default + PartialEq>(n: T, unlimited: T) -> T {
+    if n == T::default() { unlimited } else { n }
 }
 
 /// Where the router serves HTTP, if at all.

@@ -54,7 +54,7 @@ pub(crate) struct UpArgs {
     /// The router's API key file (see `tandem router --api-keys`); without it, clients need no
     /// key.
     #[arg(long, env = "TANDEM_API_KEYS")]
-    api_keys: Option<std::path::PathBuf>,
+    api_keys: Option<PathBuf>,
     /// Certificates for mutual TLS between the nodes (`tandem certs init`); unset, a fresh CA
     /// and certificates are made in a temporary directory, removed when the cluster stops.
     #[arg(long, env = "TANDEM_TLS_DIR", conflicts_with = "insecure")]

@@ -29,14 +29,12 @@ impl pb::decode_server::Decode for DecodeService {
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let deadline = tandem_proto::net::deadline(request.metadata());
         let r = request.into_inner();
-        for (field, id) in [
+        tandem_proto::check_ids(&[
             ("request_id", &r.request_id),
             ("transfer_id", &r.transfer_id),
             ("cache_salt", &r.cache_salt),
-        ] {
-            tandem_proto::check_id(id)
-                .map_err(|reason| Error::InvalidArgument { field, reason })?;
-        }
+        ])
+        .map_err(|(field, reason)| Error::InvalidArgument { field, reason })?;
         if r.transfer_id.is_empty() && !r.local_prefill {
             return Err(Error::InvalidArgument {
                 field: "transfer_id",

@@ -444,3 +444,30 @@ pub fn sample(text: &str, name: &str) -> Option<f64> {
     text.lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
+
+/// Pushes a one-token KV header under `transfer_id` that no reservation expects, and returns the
+/// error the push ends with: for checks that must refuse a push before its contents matter.
+pub async fn stray_push(channel: Channel, transfer_id: &str) -> tandem_transfer::Error {
+    let header = tandem_transfer::Header {
+        transfer_id: transfer_id.into(),
+        request_id: "r".into(),
+        fingerprint: [0; 32],
+        layout: tandem_transfer::WireLayout {
+            layers: 1,
+            kv_heads: 1,
+            head_dim: 1,
+            block_tokens: 16,
+        },
+        tokens: 0..1,
+        token_ids: vec![5],
+        chunk_count: 2,
+        total_bytes: 4,
+    };
+    match tandem_transfer::KvPush::start(channel, &header)
+        .finish(0)
+        .await
+    {
+        Ok(_) => panic!("a stray push was accepted"),
+        Err(e) => e,
+    }
+}

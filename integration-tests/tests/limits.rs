@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use tandem_integration_tests::{Cluster, ClusterConfig, collect, greedy};
+use tandem_integration_tests::{Cluster, ClusterConfig, collect, greedy, stray_push};
 use tandem_proto::v1 as pb;
 use tonic::Code;
 
@@ -195,26 +195,9 @@ async fn workers_bound_ids_and_the_kv_wait() {
         .await
         .map(|_| ());
     refused("a 1 MB request id on prefill", r, "request_id", "256");
-    let push = tandem_transfer::KvPush::start(
-        cluster.decode[0].channel(),
-        &tandem_transfer::Header {
-            transfer_id: "t".repeat(300),
-            request_id: "r".into(),
-            fingerprint: [0; 32],
-            layout: tandem_transfer::WireLayout {
-                layers: 1,
-                kv_heads: 1,
-                head_dim: 1,
-                block_tokens: 16,
-            },
-            tokens: 0..1,
-            token_ids: vec![5],
-            chunk_count: 2,
-            total_bytes: 4,
-        },
-    );
-    let e = push.finish(0).await.expect_err("a 300-byte transfer id");
-    let text = e.to_string();
+    let text = stray_push(cluster.decode[0].channel(), &"t".repeat(300))
+        .await
+        .to_string();
     assert!(
         text.contains("transfer_id") && text.contains("256"),
         "{text}"

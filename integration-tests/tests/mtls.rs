@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use tandem_integration_tests::{Cluster, ClusterConfig, collect, greedy};
+use tandem_integration_tests::{Cluster, ClusterConfig, collect, greedy, stray_push};
 use tandem_proto::tls::{Role, Tls, write_dev_certs};
 use tandem_proto::v1 as pb;
 use tonic::Code;
@@ -86,25 +86,7 @@ async fn nodes_speak_mutual_tls_and_each_role_calls_only_what_it_needs() {
 
     // Neither a client's nor the router's certificate can push KV; health is open to all roles.
     for role in [Role::Client, Role::Router] {
-        let push = tandem_transfer::KvPush::start(
-            channel(decode, &dir, role),
-            &tandem_transfer::Header {
-                transfer_id: "t".into(),
-                request_id: "r".into(),
-                fingerprint: [0; 32],
-                layout: tandem_transfer::WireLayout {
-                    layers: 1,
-                    kv_heads: 1,
-                    head_dim: 1,
-                    block_tokens: 16,
-                },
-                tokens: 0..1,
-                token_ids: vec![5],
-                chunk_count: 2,
-                total_bytes: 4,
-            },
-        );
-        match push.finish(0).await.expect_err("a push from {role:?}") {
+        match stray_push(channel(decode, &dir, role), "t").await {
             tandem_transfer::Error::Transport { code, .. } => {
                 assert_eq!(code, Code::PermissionDenied, "{role:?}")
             }

@@ -329,27 +329,20 @@ async fn one_tenants_cached_prompt_never_serves_another() {
     assert_eq!(cached(&cluster, "key-a", "").await, 0, "a cold cache");
     let warm = cached(&cluster, "key-a", "").await;
     assert!(warm >= 32, "alice's repeat reuses her prompt: {warm}");
-    assert_eq!(
-        cached(&cluster, "key-a2", "").await,
-        warm,
-        "a tenant's keys share its partition"
-    );
-    assert_eq!(
-        cached(&cluster, "key-b", "").await,
-        0,
-        "bob's identical prompt finds nothing of alice's"
-    );
-    assert_eq!(
-        cached(&cluster, "key-b", "").await,
-        warm,
-        "bob's own repeat"
-    );
-    assert_eq!(
-        cached(&cluster, "key-a", "project-x").await,
-        0,
-        "a salt is a partition of its own"
-    );
-    assert_eq!(cached(&cluster, "key-a", "project-x").await, warm);
+    for (key, salt, want, why) in [
+        ("key-a2", "", warm, "a tenant's keys share its partition"),
+        (
+            "key-b",
+            "",
+            0,
+            "bob's identical prompt finds nothing of alice's",
+        ),
+        ("key-b", "", warm, "bob's own repeat"),
+        ("key-a", "project-x", 0, "a salt is a partition of its own"),
+        ("key-a", "project-x", warm, "the salted repeat"),
+    ] {
+        assert_eq!(cached(&cluster, key, salt).await, want, "{why}");
+    }
 
     // A request id is the tenant's own: bob's request with alice's running id starts his own
     // generation instead of reading hers.

@@ -31,13 +31,12 @@ impl PrefillService {
     fn validate(&self, r: &pb::PrefillRequest) -> Result<()> {
         let invalid = |field, reason: String| Err(Error::InvalidArgument { field, reason });
         let config = &self.model.config;
-        for (field, id) in [
+        tandem_proto::check_ids(&[
             ("request_id", &r.request_id),
             ("transfer_id", &r.transfer_id),
             ("cache_salt", &r.cache_salt),
-        ] {
-            tandem_proto::check_id(id).or_else(|reason| invalid(field, reason))?;
-        }
+        ])
+        .or_else(|(field, reason)| invalid(field, reason))?;
         if r.token_ids.is_empty() {
             return invalid("token_ids", "must not be empty".into());
         }

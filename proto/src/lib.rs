@@ -26,15 +26,16 @@ pub const MAX_MESSAGE_BYTES: usize = 16 << 20;
 /// messages and downstream calls, so every service bounds them before anything else reads them.
 pub const MAX_ID_BYTES: usize = 256;
 
-/// Checks an id against [`MAX_ID_BYTES`]; the reason, when it is over, never echoes the id.
-pub fn check_id(id: &str) -> Result<(), String> {
-    if id.len() > MAX_ID_BYTES {
-        return Err(format!(
-            "{} bytes, over the limit of {MAX_ID_BYTES}",
-            id.len()
-        ));
+/// Checks `(field, id)` pairs against [`MAX_ID_BYTES`]; the first one over it is returned with
+/// the reason, which never echoes the id.
+pub fn check_ids(ids: &[(&'static str, &str)]) -> Result<(), (&'static str, String)> {
+    match ids.iter().find(|(_, id)| id.len() > MAX_ID_BYTES) {
+        Some((field, id)) => Err((
+            field,
+            format!("{} bytes, over the limit of {MAX_ID_BYTES}", id.len()),
+        )),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// `id` for a log line: itself when within [`MAX_ID_BYTES`], else a placeholder (the request

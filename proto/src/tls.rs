@@ -60,6 +60,14 @@ impl Role {
     pub fn uri(self) -> String {
         format!("{ROLE_URI_PREFIX}{}", self.name())
     }
+
+    /// This role's certificate and key in a TLS directory.
+    fn files(self) -> [String; 2] {
+        [
+            format!("{}.pem", self.name()),
+            format!("{}.key", self.name()),
+        ]
+    }
 }
 
 /// The roles that may call `path` (`/package.Service/Method`, or an HTTP path such as
@@ -111,11 +119,12 @@ impl Tls {
             let path = dir.join(name);
             std::fs::read(&path).map_err(|source| TlsError { path, source })
         };
+        let [cert, key] = role.files();
         Ok(Self {
             role,
             ca: read("ca.pem".into())?,
-            cert: read(format!("{}.pem", role.name()))?,
-            key: read(format!("{}.key", role.name()))?,
+            cert: read(cert)?,
+            key: read(key)?,
         })
     }
 
@@ -166,12 +175,13 @@ pub fn write_dev_certs(dir: &Path, names: &[String], days: u32) -> Result<Vec<Pa
         write(dir, "ca.key", &ca_key.serialize_pem(), 0o600)?,
     ];
     let issuer = Issuer::new(ca, ca_key);
+    let dns: Vec<String> = [SERVER_NAME, "localhost"]
+        .into_iter()
+        .map(str::to_string)
+        .chain(names.iter().cloned())
+        .collect();
     for role in Role::ALL {
-        let dns: Vec<String> = std::iter::once(SERVER_NAME.to_string())
-            .chain(["localhost".to_string()])
-            .chain(names.iter().cloned())
-            .collect();
-        let mut params = CertificateParams::new(dns)?;
+        let mut params = CertificateParams::new(dns.clone())?;
         params
             .subject_alt_names
             .push(SanType::URI(role.uri().try_into()?));
@@ -189,18 +199,9 @@ pub fn write_dev_certs(dir: &Path, names: &[String], days: u32) -> Result<Vec<Pa
         valid(&mut params);
         let key = KeyPair::generate()?;
         let cert = params.signed_by(&key, &issuer)?;
-        written.push(write(
-            dir,
-            &format!("{}.pem", role.name()),
-            &cert.pem(),
-            0o644,
-        )?);
-        written.push(write(
-            dir,
-            &format!("{}.key", role.name()),
-            &key.serialize_pem(),
-            0o600,
-        )?);
+        let [cert_file, key_file] = role.files();
+        written.push(write(dir, &cert_file, &cert.pem(), 0o644)?);
+        written.push(write(dir, &key_file, &key.serialize_pem(), 0o600)?);
     }
     Ok(written)
 }

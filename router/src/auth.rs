@@ -16,7 +16,6 @@
 //! changes, so keys are added, revoked and re-limited without a restart; a file that no longer
 //! parses is reported and the keys already loaded stay in force.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -84,6 +83,10 @@ pub fn hash_key(key: &str) -> [u8; 32] {
     Sha256::digest(key.as_bytes()).into()
 }
 
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// The cache partition of a request: empty (the shared partition) when it has neither a tenant
 /// nor a salt, else 32 hex digits of SHA-256 over both. A digest keeps what workers see short and
 /// free of tenant names, and the length prefix keeps ("ab", "c") apart from ("a", "bc").
@@ -95,16 +98,12 @@ pub fn cache_partition(tenant: &str, salt: &str) -> String {
     h.update((tenant.len() as u64).to_le_bytes());
     h.update(tenant.as_bytes());
     h.update(salt.as_bytes());
-    h.finalize()[..16]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    hex(&h.finalize()[..16])
 }
 
 /// A key file line for `tenant` and `key`.
 pub fn key_line(tenant: &str, key: &str, limits: KeyLimits) -> String {
-    let hex: String = hash_key(key).iter().map(|b| format!("{b:02x}")).collect();
-    let mut line = format!("{tenant} sha256:{hex}");
+    let mut line = format!("{tenant} sha256:{}", hex(&hash_key(key)));
     for (name, value) in [
         ("rpm", limits.requests_per_minute),
         ("tpm", limits.tokens_per_minute),
@@ -235,28 +234,40 @@ impl Bucket {
     }
 }
 
-/// The running state of one key: its buckets and streams, shared by all its connections and
-/// kept across reloads of the key file.
+/// The running state of one key: its limits, buckets and streams, shared by all its
+/// connections and kept across reloads of the key file.
 #[derive(Debug, Default)]
 struct KeyUsage {
+    /// Only `streams` is read from here; the rates live in the buckets.
+    limits: KeyLimits,
     requests: Option<Bucket>,
     tokens: Option<Bucket>,
     streams: u32,
 }
 
-#[derive(Debug)]
+impl KeyUsage {
+    /// Applies a key's (re)loaded limits: a bucket appears full, keeps its level under a new
+    /// rate, or goes away with its limit.
+    fn set_limits(&mut self, limits: KeyLimits, now: Instant) {
+        let sync = |bucket: &mut Option<Bucket>, rate: Option<u32>| match (bucket.as_mut(), rate) {
+            (_, None) => *bucket = None,
+            (None, Some(r)) => *bucket = Some(Bucket::new(r, now)),
+            (Some(b), Some(r)) => b.set_rate(r, now),
+        };
+        sync(&mut self.requests, limits.requests_per_minute);
+        sync(&mut self.tokens, limits.tokens_per_minute);
+        self.limits = limits;
+    }
+}
+
+#[derive(Debug, Default)]
 struct KeyState {
-    limits: Mutex<KeyLimits>,
     usage: Mutex<KeyUsage>,
 }
 
 impl KeyState {
     fn usage(&self) -> std::sync::MutexGuard<'_, KeyUsage> {
         self.usage.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn limits(&self) -> KeyLimits {
-        *self.limits.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -282,11 +293,10 @@ impl Principal {
         let Some(state) = &self.state else {
             return Ok(Grant::default());
         };
-        let limits = state.limits();
         let cost = (prompt_tokens + max_tokens as usize) as f64;
         let now = Instant::now();
         let mut usage = state.usage();
-        if let Some(max) = limits.streams
+        if let Some(max) = usage.limits.streams
             && usage.streams >= max
         {
             return Err(Error::RateLimited {
@@ -294,13 +304,6 @@ impl Principal {
                 retry_after: Duration::from_secs(1),
             });
         }
-        let sync = |bucket: &mut Option<Bucket>, rate: Option<u32>| match (bucket.as_mut(), rate) {
-            (_, None) => *bucket = None,
-            (None, Some(r)) => *bucket = Some(Bucket::new(r, now)),
-            (Some(b), Some(r)) => b.set_rate(r, now),
-        };
-        sync(&mut usage.requests, limits.requests_per_minute);
-        sync(&mut usage.tokens, limits.tokens_per_minute);
         if let Some(b) = &mut usage.requests {
             let wait = b.wait_for(1.0, now);
             if !wait.is_zero() {
@@ -361,9 +364,19 @@ impl Drop for Grant {
     }
 }
 
+/// A key in force.
+#[derive(Debug)]
+struct LoadedKey {
+    hash: [u8; 32],
+    tenant: Arc<str>,
+    /// Carried over from the previous load of the same hash, so that a re-read file refills
+    /// nobody's buckets.
+    state: Arc<KeyState>,
+}
+
 #[derive(Debug, Default)]
 struct Loaded {
-    entries: Vec<KeyEntry>,
+    keys: Vec<LoadedKey>,
     /// The file's text when last read, parsed or not: a reload happens (and a parse error is
     /// reported) once per change of it, whatever the file system's timestamps say.
     text: String,
@@ -374,8 +387,6 @@ struct Loaded {
 pub struct KeyStore {
     config: AuthConfig,
     loaded: RwLock<Loaded>,
-    /// Per key hash; kept across reloads so a re-read file does not refill anyone's buckets.
-    states: Mutex<HashMap<[u8; 32], Arc<KeyState>>>,
 }
 
 impl KeyStore {
@@ -384,7 +395,6 @@ impl KeyStore {
         let store = Self {
             config,
             loaded: RwLock::default(),
-            states: Mutex::default(),
         };
         if store.config.key_file.is_some() {
             store.reload()?;
@@ -397,13 +407,13 @@ impl KeyStore {
         self.config.key_file.is_some()
     }
 
+    fn loaded(&self) -> std::sync::RwLockReadGuard<'_, Loaded> {
+        self.loaded.read().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// How many keys are loaded.
     pub fn key_count(&self) -> usize {
-        self.loaded
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .entries
-            .len()
+        self.loaded().keys.len()
     }
 
     fn reload(&self) -> Result<bool> {
@@ -415,37 +425,31 @@ impl KeyStore {
             reason: format!("{}: {reason}", path.display()),
         };
         let text = std::fs::read_to_string(path).map_err(|e| failed(e.to_string()))?;
-        {
-            let mut loaded = self.loaded.write().unwrap_or_else(|e| e.into_inner());
-            if loaded.text == text {
-                return Ok(false);
-            }
-            loaded.text.clone_from(&text);
+        let mut loaded = self.loaded.write().unwrap_or_else(|e| e.into_inner());
+        if loaded.text == text {
+            return Ok(false);
         }
-        let entries = parse_key_file(&text).map_err(failed)?;
-        {
-            let mut states = self.states.lock().unwrap_or_else(|e| e.into_inner());
-            states.retain(|hash, _| entries.iter().any(|e| &e.hash == hash));
-            for e in &entries {
-                let limits = self.limits_of(e);
-                match states.get(&e.hash) {
-                    Some(s) => *s.limits.lock().unwrap_or_else(|e| e.into_inner()) = limits,
-                    None => {
-                        states.insert(
-                            e.hash,
-                            Arc::new(KeyState {
-                                limits: Mutex::new(limits),
-                                usage: Mutex::default(),
-                            }),
-                        );
-                    }
+        let entries = parse_key_file(&text);
+        loaded.text = text;
+        let now = Instant::now();
+        let keys = entries
+            .map_err(failed)?
+            .into_iter()
+            .map(|e| {
+                let state = loaded
+                    .keys
+                    .iter()
+                    .find(|k| k.hash == e.hash)
+                    .map_or_else(Arc::default, |k| k.state.clone());
+                state.usage().set_limits(self.limits_of(&e), now);
+                LoadedKey {
+                    hash: e.hash,
+                    tenant: Arc::from(e.tenant),
+                    state,
                 }
-            }
-        }
-        self.loaded
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .entries = entries;
+            })
+            .collect();
+        loaded.keys = keys;
         Ok(true)
     }
 
@@ -495,50 +499,18 @@ impl KeyStore {
             .filter(|k| !k.is_empty())
             .ok_or(Error::Unauthenticated)?;
         let hash = hash_key(key);
-        let loaded = self.loaded.read().unwrap_or_else(|e| e.into_inner());
+        let loaded = self.loaded();
         let mut found = None;
-        for e in &loaded.entries {
-            if bool::from(e.hash.ct_eq(&hash)) {
-                found = Some(e);
+        for k in &loaded.keys {
+            if bool::from(k.hash.ct_eq(&hash)) {
+                found = Some(k);
             }
         }
-        let entry = found.ok_or(Error::Unauthenticated)?;
-        let state = self
-            .states
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&entry.hash)
-            .cloned();
+        let key = found.ok_or(Error::Unauthenticated)?;
         Ok(Principal {
-            tenant: Arc::from(entry.tenant.as_str()),
-            state,
+            tenant: key.tenant.clone(),
+            state: Some(key.state.clone()),
         })
-    }
-}
-
-/// The gRPC interceptor: authenticates each call from its metadata, before its message is
-/// read, and hands the [`Principal`] to the handler in the request's extensions. A refusal is
-/// counted in the metrics as UNAUTHENTICATED.
-pub fn interceptor(
-    keys: Arc<KeyStore>,
-    metrics: crate::metrics::RouterMetrics,
-) -> impl FnMut(tonic::Request<()>) -> std::result::Result<tonic::Request<()>, tonic::Status> + Clone
-{
-    move |mut request: tonic::Request<()>| {
-        let header = request
-            .metadata()
-            .get("authorization")
-            .map(|v| v.as_bytes());
-        match keys.authenticate(header) {
-            Ok(principal) => {
-                request.extensions_mut().insert(principal);
-                Ok(request)
-            }
-            Err(e) => {
-                metrics.finished(e.code());
-                Err(e.into())
-            }
-        }
     }
 }
 

@@ -86,12 +86,10 @@ impl Error {
     /// Retry-After); only RESOURCE_EXHAUSTED has one.
     pub fn retry_after(&self) -> Option<std::time::Duration> {
         match self {
-            Error::Busy { .. } => Some(std::time::Duration::from_millis(200)),
             Error::RateLimited { retry_after, .. } => Some(*retry_after),
-            Error::Downstream {
-                code: Code::ResourceExhausted,
-                ..
-            } => Some(std::time::Duration::from_millis(200)),
+            _ if self.code() == Code::ResourceExhausted => {
+                Some(std::time::Duration::from_millis(200))
+            }
             _ => None,
         }
     }

@@ -40,17 +40,15 @@ pub struct Prepared {
     pub cache_salt: String,
 }
 
-/// Checks the request's ids and salt ([`tandem_proto::check_id`]); the first thing done with a
+/// Checks the request's ids and salt ([`tandem_proto::check_ids`]); the first thing done with a
 /// request.
 pub fn check_ids(r: &pb::GenerateRequest) -> Result<()> {
-    for (field, id) in [
+    tandem_proto::check_ids(&[
         ("request_id", &r.request_id),
         ("session_id", &r.session_id),
         ("cache_salt", &r.cache_salt),
-    ] {
-        tandem_proto::check_id(id).map_err(|reason| Error::InvalidArgument { field, reason })?;
-    }
-    Ok(())
+    ])
+    .map_err(|(field, reason)| Error::InvalidArgument { field, reason })
 }
 
 /// Checks a client request against `limits` and turns its input into token ids; the text is
@@ -139,16 +137,11 @@ pub fn prepare(
             ),
         });
     }
-    if r.token_ids.len() > limits.prompt_tokens {
-        return Err(Error::InvalidArgument {
-            field: "token_ids",
-            reason: format!(
-                "{} tokens, over the limit of {}",
-                r.token_ids.len(),
-                limits.prompt_tokens
-            ),
-        });
-    }
+    let tokens_field = if r.token_ids.is_empty() {
+        "prompt"
+    } else {
+        "token_ids"
+    };
     let tokens = if let Some(prompt) = r.prompt {
         if prompt.is_empty() {
             return invalid("prompt", "must not be empty");
@@ -180,7 +173,7 @@ pub fn prepare(
     }
     if tokens.len() > limits.prompt_tokens {
         return Err(Error::InvalidArgument {
-            field: "prompt",
+            field: tokens_field,
             reason: format!(
                 "{} tokens, over the limit of {}",
                 tokens.len(),

@@ -166,7 +166,7 @@ pub async fn run(
         None => None,
     };
     tracker.spawn(keys.clone().watch(root.child_token()));
-    let interceptor = auth::interceptor(keys, generation.dispatcher.metrics.clone());
+    let interceptor = generation.interceptor();
     let server = pb::generation_server::GenerationServer::new(generation)
         .max_decoding_message_size(config.limits.grpc_message_bytes)
         .max_encoding_message_size(tandem_proto::MAX_MESSAGE_BYTES);

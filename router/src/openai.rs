@@ -100,15 +100,12 @@ async fn authenticate(
         .headers()
         .get(header::AUTHORIZATION)
         .map(HeaderValue::as_bytes);
-    match api.keys.authenticate(header) {
+    match api.authenticate(header) {
         Ok(principal) => {
             request.extensions_mut().insert(principal);
             next.run(request).await
         }
-        Err(e) => {
-            api.dispatcher.metrics.finished(e.code());
-            ApiError::from(e).into_response()
-        }
+        Err(e) => ApiError::from(e).into_response(),
     }
 }
 

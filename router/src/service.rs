@@ -53,6 +53,31 @@ impl GenerationService {
         self.running.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Who a request comes from, by its `authorization` value; a refusal is counted in the
+    /// metrics. Both APIs call it before reading a request's body.
+    pub(crate) fn authenticate(&self, authorization: Option<&[u8]>) -> Result<Principal, Error> {
+        self.keys
+            .authenticate(authorization)
+            .inspect_err(|e| self.dispatcher.metrics.finished(e.code()))
+    }
+
+    /// The gRPC side of [`GenerationService::authenticate`]: an interceptor, which runs before
+    /// the message is decoded, handing the [`Principal`] to the handler in the extensions.
+    pub(crate) fn interceptor(
+        &self,
+    ) -> impl FnMut(Request<()>) -> Result<Request<()>, Status> + Clone + use<> {
+        let svc = self.clone();
+        move |mut request: Request<()>| {
+            let header = request
+                .metadata()
+                .get("authorization")
+                .map(|v| v.as_bytes());
+            let principal = svc.authenticate(header)?;
+            request.extensions_mut().insert(principal);
+            Ok(request)
+        }
+    }
+
     /// Starts (or attaches to) a generation for `principal` and returns its frames. `deadline`
     /// defaults to the router's timeout; `default_max_tokens` is [`prepare`]'s. A refusal is
     /// counted in the metrics here.
@@ -173,7 +198,8 @@ impl pb::generation_server::Generation for GenerationService {
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let deadline = tandem_proto::net::deadline(request.metadata());
-        // The interceptor ([`crate::auth::interceptor`]) put it there before the body was read.
+        // The interceptor ([`GenerationService::interceptor`]) put it there before the body was
+        // read.
         let principal = request
             .extensions()
             .get::<Principal>()

@@ -49,14 +49,13 @@ impl KvTransferService {
                 });
             }
         };
-        for (field, id) in [
+        tandem_proto::check_ids(&[
             ("transfer_id", &header.transfer_id),
             ("request_id", &header.request_id),
-        ] {
-            tandem_proto::check_id(id).map_err(|reason| Error::HeaderTooLarge {
-                detail: format!("{field}: {reason}"),
-            })?;
-        }
+        ])
+        .map_err(|(field, reason)| Error::HeaderTooLarge {
+            detail: format!("{field}: {reason}"),
+        })?;
         let span = tracing::Span::current();
         span.record("request_id", header.request_id.as_str());
         span.record("transfer_id", header.transfer_id.as_str());
