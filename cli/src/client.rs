@@ -2,6 +2,7 @@
 //! command) and `tandem chat --server` (interactive, multi-turn, with a session id).
 
 use std::io::{BufRead, Write};
+use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
@@ -10,7 +11,7 @@ use tonic::Status;
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::Channel;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 
 use crate::generate::{GenerateArgs, parse_messages};
 use crate::sampling::{CHAT_DEFAULTS, GENERATE_DEFAULTS, SamplingArgs};
@@ -59,9 +60,47 @@ impl Interceptor for ApiKey {
 pub(crate) type Client =
     pb::generation_client::GenerationClient<InterceptedService<Channel, ApiKey>>;
 
+/// How a client verifies a router that serves its API over TLS (`tandem router
+/// --api-tls-cert`).
+#[derive(Args, Debug, Clone, Default)]
+pub(crate) struct ServerTlsArgs {
+    /// Verify the router's certificate against this CA certificate (PEM) instead of the
+    /// system's trusted roots; implies TLS. (A server address starting `https://` also turns
+    /// TLS on.)
+    #[arg(long, env = "TANDEM_CA_CERT")]
+    pub ca_cert: Option<PathBuf>,
+    /// The name the router's certificate must carry, when it is not the server address's host
+    /// (dialling an IP address, say); implies TLS.
+    #[arg(long, env = "TANDEM_TLS_NAME")]
+    pub tls_name: Option<String>,
+}
+
+impl ServerTlsArgs {
+    /// The TLS settings for `server`, or `None` for plaintext.
+    pub(crate) fn config(&self, server: &str) -> anyhow::Result<Option<ClientTlsConfig>> {
+        if !server.starts_with("https://") && self.ca_cert.is_none() && self.tls_name.is_none() {
+            return Ok(None);
+        }
+        let mut config = ClientTlsConfig::new();
+        config = match &self.ca_cert {
+            Some(path) => {
+                let pem = std::fs::read(path).with_context(|| {
+                    format!("cannot read the CA certificate {}", path.display())
+                })?;
+                config.ca_certificate(Certificate::from_pem(pem))
+            }
+            None => config.with_native_roots(),
+        };
+        if let Some(name) = &self.tls_name {
+            config = config.domain_name(name);
+        }
+        Ok(Some(config))
+    }
+}
+
 /// A client of the router at `server`.
-pub(crate) fn client(server: &str, key: &ApiKey) -> anyhow::Result<Client> {
-    let channel = tandem_proto::net::channel(server, None)
+pub(crate) fn client(server: &str, key: &ApiKey, tls: &ServerTlsArgs) -> anyhow::Result<Client> {
+    let channel = tandem_proto::net::channel(server, tls.config(server)?)
         .with_context(|| format!("bad server address {server:?}"))?;
     Ok(tandem_proto::limits!(
         pb::generation_client::GenerationClient::with_interceptor(channel, key.clone())
@@ -146,7 +185,7 @@ pub(crate) fn generate(args: &GenerateArgs, server: &str) -> anyhow::Result<()> 
         .enable_all()
         .build()?;
     let out = rt.block_on(async {
-        let mut client = client(server, &ApiKey::new(args.api_key.as_deref())?)?;
+        let mut client = client(server, &ApiKey::new(args.api_key.as_deref())?, &args.tls)?;
         let mut stdout = std::io::stdout().lock();
         stream(&mut client, request, &mut |text| {
             if !args.json {
@@ -186,6 +225,8 @@ pub(crate) struct ChatArgs {
     /// The API key, when the router requires one.
     #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    #[command(flatten)]
+    tls: ServerTlsArgs,
     /// A system prompt for the conversation.
     #[arg(long)]
     system: Option<String>,
@@ -203,7 +244,11 @@ pub(crate) fn chat(args: &ChatArgs) -> anyhow::Result<()> {
         .build()?;
     // The channel's connection task needs a runtime to be spawned on.
     let _runtime = rt.enter();
-    let mut client = client(&args.server, &ApiKey::new(args.api_key.as_deref())?)?;
+    let mut client = client(
+        &args.server,
+        &ApiKey::new(args.api_key.as_deref())?,
+        &args.tls,
+    )?;
     let session_id = format!("{:016x}", rand::random::<u64>());
     let mut messages: Vec<pb::ChatMessage> = args
         .system

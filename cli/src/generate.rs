@@ -24,6 +24,8 @@ pub(crate) struct GenerateArgs {
         requires = "server"
     )]
     pub(crate) api_key: Option<String>,
+    #[command(flatten)]
+    pub(crate) tls: crate::client::ServerTlsArgs,
     /// Raw prompt text (special tokens parsed, no chat template).
     #[arg(
         long,

@@ -38,7 +38,10 @@ pub(crate) fn run(args: &HealthcheckArgs) -> anyhow::Result<()> {
                 .map(|dir| Tls::load(dir, Role::Client))
                 .transpose()?;
             let check = async {
-                let channel = tandem_proto::net::channel(&args.addr.to_string(), tls.as_ref())?;
+                let channel = tandem_proto::net::channel(
+                    &args.addr.to_string(),
+                    tls.as_ref().map(Tls::client_config),
+                )?;
                 let response = HealthClient::new(channel)
                     .check(HealthCheckRequest {
                         service: args.service.clone(),

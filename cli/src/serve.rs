@@ -3,6 +3,7 @@
 //! and serves until Ctrl-C or SIGTERM, then drains.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
@@ -223,6 +224,32 @@ pub(crate) struct RouterArgs {
     max_http_body_bytes: usize,
     #[command(flatten)]
     tls: TlsArgs,
+    #[command(flatten)]
+    api_tls: ApiTlsArgs,
+}
+
+/// TLS on the router's client ports.
+#[derive(Args, Debug, Clone, Default)]
+pub(crate) struct ApiTlsArgs {
+    /// Serve the client API (gRPC and HTTP) over TLS with this certificate chain (PEM, leaf
+    /// first), e.g. one a public CA issued for the router's name. Clients need no certificate.
+    /// The files are re-read when they change, so a renewed certificate needs no restart.
+    #[arg(long, env = "TANDEM_API_TLS_CERT", requires = "api_tls_key")]
+    pub api_tls_cert: Option<std::path::PathBuf>,
+    /// The private key (PEM) of --api-tls-cert.
+    #[arg(long, env = "TANDEM_API_TLS_KEY", requires = "api_tls_cert")]
+    pub api_tls_key: Option<std::path::PathBuf>,
+}
+
+impl ApiTlsArgs {
+    fn load(&self) -> anyhow::Result<Option<Arc<tandem_proto::api_tls::ServerCert>>> {
+        match (&self.api_tls_cert, &self.api_tls_key) {
+            (Some(cert), Some(key)) => {
+                Ok(Some(tandem_proto::api_tls::ServerCert::load(cert, key)?))
+            }
+            _ => Ok(None),
+        }
+    }
 }
 
 /// Resolves on Ctrl-C or SIGTERM.
@@ -321,6 +348,7 @@ pub(crate) fn router(args: &RouterArgs) -> anyhow::Result<()> {
             http_body_bytes: args.max_http_body_bytes,
         },
         tls: args.tls.load(Role::Router)?,
+        api_tls: args.api_tls.load()?,
     };
     runtime()?.block_on(async {
         let http = match args.http_listen {

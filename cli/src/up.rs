@@ -62,6 +62,11 @@ pub(crate) struct UpArgs {
     /// Plaintext, unauthenticated traffic between the nodes (logs a warning).
     #[arg(long)]
     insecure: bool,
+    /// Serve the client API (gRPC and HTTP) over TLS too, with the router's certificate from
+    /// the nodes' CA (it names localhost and 127.0.0.1); clients verify it with that CA's
+    /// `ca.pem` (`--ca-cert`).
+    #[arg(long, conflicts_with = "insecure")]
+    api_tls: bool,
 }
 
 /// Where the nodes' certificates are, and whether `up` made them (and so removes them).
@@ -138,17 +143,22 @@ async fn start(name: String, args: &[String]) -> anyhow::Result<Node> {
 }
 
 /// Waits until every worker reports SERVING, then the router's Generation service (which it
-/// reports once it knows the model and sees a healthy decode replica).
-async fn wait_ready(nodes: &[Node], tls: Option<&Tls>, timeout: Duration) -> anyhow::Result<()> {
+/// reports once it knows the model and sees a healthy decode replica). `tls` reaches the workers;
+/// `api_tls`, if the router's client port serves TLS, reaches the router.
+async fn wait_ready(
+    nodes: &[Node],
+    tls: Option<&Tls>,
+    api_tls: Option<&Tls>,
+    timeout: Duration,
+) -> anyhow::Result<()> {
     let ready = async {
         let (routers, workers): (Vec<&Node>, Vec<&Node>) =
             nodes.iter().partition(|n| n.name == "router");
         for n in workers.into_iter().chain(routers) {
-            // The router's port is the client API, plaintext; the workers' are mutual TLS.
             let (service, tls) = if n.name == "router" {
-                ("tandem.v1.Generation", None)
+                ("tandem.v1.Generation", api_tls.map(Tls::api_client_config))
             } else {
-                ("", tls)
+                ("", tls.map(Tls::client_config))
             };
             let channel = tandem_proto::net::channel(&n.addr, tls)?;
             tandem_proto::net::wait_serving(channel, service, timeout).await?;
@@ -242,13 +252,23 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
             router_args.extend(["--api-keys".into(), keys.display().to_string()]);
         }
         router_args.extend(tls_args.iter().cloned());
+        if let (Some(c), true) = (&certs, args.api_tls) {
+            let [cert, key] = Role::Router.files();
+            router_args.extend([
+                "--api-tls-cert".into(),
+                c.dir.join(cert).display().to_string(),
+                "--api-tls-key".into(),
+                c.dir.join(key).display().to_string(),
+            ]);
+        }
         let router = start("router".into(), &router_args).await?;
         let router_addr = router.addr.clone();
         let http_addr = router.http.clone().unwrap_or_default();
         let mut nodes = vec![router];
         nodes.extend(workers);
         let ready_timeout = Duration::from_millis(args.ready_timeout_ms);
-        if let Err(e) = wait_ready(&nodes, client_tls.as_ref(), ready_timeout).await {
+        let api_tls = client_tls.as_ref().filter(|_| args.api_tls);
+        if let Err(e) = wait_ready(&nodes, client_tls.as_ref(), api_tls, ready_timeout).await {
             stop(&mut nodes).await;
             return Err(e);
         }
@@ -256,10 +276,19 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
         for n in &nodes {
             println!("  {:<10} {}", n.name, n.addr);
         }
-        println!("router (gRPC tandem.v1.Generation): {router_addr}");
-        println!("router (OpenAI HTTP): http://{http_addr}/v1");
-        println!("try: tandem chat --server {router_addr}");
-        println!("metrics: http://{router_addr}/metrics; Ctrl-C stops the cluster");
+        // Plaintext addresses print bare (host:port), as every client takes them.
+        let (scheme, grpc, ca_flag) = match (api_tls, &certs) {
+            (Some(_), Some(c)) => (
+                "https",
+                format!("https://{router_addr}"),
+                format!(" --ca-cert {}", c.dir.join("ca.pem").display()),
+            ),
+            _ => ("http", router_addr.clone(), String::new()),
+        };
+        println!("router (gRPC tandem.v1.Generation): {grpc}");
+        println!("router (OpenAI HTTP): {scheme}://{http_addr}/v1");
+        println!("try: tandem chat --server {grpc}{ca_flag}");
+        println!("metrics: {scheme}://{router_addr}/metrics; Ctrl-C stops the cluster");
 
         let result = {
             let names: Vec<String> = nodes.iter().map(|n| n.name.clone()).collect();

@@ -610,8 +610,10 @@ async fn leaked_blocks() -> Result<u64> {
         let addr = format!("{}:{DECODE_PORT}", ip(&container("decode", n))?);
         // The router's certificate: Worker is the router's to call.
         let tls = tandem_proto::tls::Tls::load(&certs_dir(), tandem_proto::tls::Role::Router)?;
-        let mut worker =
-            pb::worker_client::WorkerClient::new(tandem_proto::net::channel(&addr, Some(&tls))?);
+        let mut worker = pb::worker_client::WorkerClient::new(tandem_proto::net::channel(
+            &addr,
+            Some(tls.client_config()),
+        )?);
         let settled = until("decode node idle", Duration::from_secs(12), async || {
             worker.load(pb::LoadRequest {}).await.is_ok_and(|l| {
                 let l = l.into_inner();

@@ -19,7 +19,7 @@ fn certs(name: &str) -> PathBuf {
 
 fn channel(addr: std::net::SocketAddr, dir: &Path, role: Role) -> Channel {
     let tls = Tls::load(dir, role).expect("tls files");
-    tandem_proto::net::channel(&addr.to_string(), Some(&tls)).expect("channel")
+    tandem_proto::net::channel(&addr.to_string(), Some(tls.client_config())).expect("channel")
 }
 
 async fn load(channel: Channel) -> Result<pb::LoadResponse, tonic::Status> {

@@ -89,7 +89,7 @@ pub async fn run(
             health,
             metrics: Arc::new(registry),
             grace: config.grace,
-            tls: config.tls.clone(),
+            tls: config.tls.clone().map(tandem_proto::net::ServerTls::Mutual),
         },
         async {
             shutdown.await;

@@ -102,13 +102,14 @@ impl PrefillService {
             chunk_count: tandem_worker::chunk_count(&layout, push.clone(), self.chunk_tokens),
             total_bytes: layout.total_bytes(push.len()),
         };
-        let channel =
-            tandem_proto::net::channel(&r.decode_addr, self.tls.as_ref()).map_err(|e| {
-                Error::InvalidArgument {
-                    field: "decode_addr",
-                    reason: e.to_string(),
-                }
-            })?;
+        let channel = tandem_proto::net::channel(
+            &r.decode_addr,
+            self.tls.as_ref().map(tandem_proto::tls::Tls::client_config),
+        )
+        .map_err(|e| Error::InvalidArgument {
+            field: "decode_addr",
+            reason: e.to_string(),
+        })?;
         let kv = KvPush::start(channel, &header);
         let cancel = CancellationToken::new();
         // Dropping this handler (the router gave up) stops the compute between chunks.

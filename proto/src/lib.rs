@@ -6,6 +6,7 @@
 //! ([`net`]) live here; conversions to domain types belong to the crate that owns each domain
 //! type.
 
+pub mod api_tls;
 pub mod block_hash;
 pub mod net;
 pub mod tls;

@@ -17,10 +17,11 @@ use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::service::Routes;
 use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
-use tonic::transport::{Channel, Endpoint, Server};
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint, Server};
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
+use crate::api_tls::{ServerCert, TlsListener};
 use crate::tls::{self, Role, Tls};
 
 /// HTTP/2 PING interval on idle and busy connections, on both ends.
@@ -39,9 +40,12 @@ pub const CONNECTION_WINDOW_BYTES: u32 = 8 << 20;
 pub const MAX_FRAME_BYTES: u32 = 1 << 20;
 
 /// A client endpoint for `addr` (`host:port`, or a full URI) with Tandem's keepalive and connect
-/// timeout, over mutual TLS with `tls` (see [`crate::tls`]). Connection happens lazily, on first
+/// timeout, over TLS with `tls` (between nodes, [`Tls::client_config`]). Connection happens lazily, on first
 /// use.
-pub fn channel(addr: &str, tls: Option<&Tls>) -> Result<Channel, tonic::transport::Error> {
+pub fn channel(
+    addr: &str,
+    tls: Option<ClientTlsConfig>,
+) -> Result<Channel, tonic::transport::Error> {
     let scheme = if tls.is_some() { "https" } else { "http" };
     let uri = match addr.split_once("://") {
         Some((_, rest)) => format!("{scheme}://{rest}"),
@@ -49,7 +53,7 @@ pub fn channel(addr: &str, tls: Option<&Tls>) -> Result<Channel, tonic::transpor
     };
     let mut endpoint = Endpoint::from_shared(uri)?;
     if let Some(tls) = tls {
-        endpoint = endpoint.tls_config(tls.client_config())?;
+        endpoint = endpoint.tls_config(tls)?;
     }
     Ok(endpoint
         .connect_timeout(CONNECT_TIMEOUT)
@@ -109,8 +113,18 @@ pub struct ServeOptions {
     pub metrics: Arc<Registry>,
     /// How long in-flight calls may run after shutdown begins.
     pub grace: Duration,
-    /// Mutual TLS, with each call allowed only to the roles [`crate::tls::allowed`] names.
-    pub tls: Option<Tls>,
+    /// TLS, if any.
+    pub tls: Option<ServerTls>,
+}
+
+/// How a server's port is secured.
+#[derive(Debug)]
+pub enum ServerTls {
+    /// Mutual TLS between nodes, with each call allowed only to the roles
+    /// [`crate::tls::allowed`] names.
+    Mutual(Tls),
+    /// A server certificate only, for clients ([`crate::api_tls`]).
+    Server(Arc<ServerCert>),
 }
 
 /// Serves `routes` (plus reflection and `/metrics`) on `listener` until `shutdown` completes,
@@ -161,7 +175,7 @@ pub async fn serve(
     );
 
     let mut builder = server();
-    if let Some(tls) = &options.tls {
+    if let Some(ServerTls::Mutual(tls)) = &options.tls {
         builder = builder.tls_config(tls.server_config())?;
         let router = std::mem::take(routes.axum_router_mut());
         *routes.axum_router_mut() = router.layer(axum::middleware::from_fn(authorize));
@@ -173,11 +187,18 @@ pub async fn serve(
             .await;
     }
     let stop_accepting = tokio_util::sync::CancellationToken::new();
-    let server = builder
+    let router = builder
         .layer(tower::util::MapResponseLayer::new(documented_codes))
-        .add_routes(routes)
-        .serve_with_incoming_shutdown(incoming(listener), stop_accepting.clone().cancelled_owned());
-    tokio::pin!(server);
+        .add_routes(routes);
+    let stopped = stop_accepting.clone().cancelled_owned();
+    let mut server = match &options.tls {
+        Some(ServerTls::Server(cert)) => {
+            let connections = TlsListener::new(listener, cert.acceptor()).into_stream();
+            Box::pin(router.serve_with_incoming_shutdown(connections, stopped))
+                as std::pin::Pin<Box<dyn Future<Output = _> + Send>>
+        }
+        _ => Box::pin(router.serve_with_incoming_shutdown(incoming(listener), stopped)),
+    };
     tokio::select! {
         result = &mut server => return result,
         () = shutdown => {}

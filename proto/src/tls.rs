@@ -62,7 +62,7 @@ impl Role {
     }
 
     /// This role's certificate and key in a TLS directory.
-    fn files(self) -> [String; 2] {
+    pub fn files(self) -> [String; 2] {
         [
             format!("{}.pem", self.name()),
             format!("{}.key", self.name()),
@@ -137,6 +137,12 @@ impl Tls {
         ServerTlsConfig::new()
             .identity(self.identity())
             .client_ca_root(Certificate::from_pem(&self.ca))
+    }
+
+    /// A client that trusts only the CA and presents no certificate, verifying the name it
+    /// dials: for a router whose client API serves this CA's router certificate.
+    pub fn api_client_config(&self) -> ClientTlsConfig {
+        ClientTlsConfig::new().ca_certificate(Certificate::from_pem(&self.ca))
     }
 
     /// A client that presents this node's certificate and trusts only the CA, for

@@ -64,6 +64,9 @@ pub struct Config {
     pub limits: Limits,
     /// Mutual TLS to the workers, with the router's certificate.
     pub tls: Option<tandem_proto::tls::Tls>,
+    /// TLS for clients on the gRPC and HTTP ports: a server certificate only (API keys
+    /// identify clients), reloaded when its files change.
+    pub api_tls: Option<std::sync::Arc<tandem_proto::api_tls::ServerCert>>,
 }
 
 impl Default for Config {
@@ -82,6 +85,7 @@ impl Default for Config {
             auth: AuthConfig::default(),
             limits: Limits::default(),
             tls: None,
+            api_tls: None,
         }
     }
 }

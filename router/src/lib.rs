@@ -22,10 +22,12 @@ mod service;
 pub mod simulation;
 
 use std::collections::HashMap;
-use std::future::Future;
+use std::future::{Future, IntoFuture};
 use std::sync::{Arc, Mutex};
 
 use prometheus_client::registry::Registry;
+use tandem_proto::api_tls::TlsListener;
+use tandem_proto::net::ServerTls;
 use tandem_proto::v1 as pb;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
@@ -154,18 +156,31 @@ pub async fn run(
     let http_stop = CancellationToken::new();
     let http_task = match http {
         Some(l) => {
-            tracing::info!(addr = ?l.local_addr().ok(), "OpenAI HTTP API serving");
+            tracing::info!(addr = ?l.local_addr().ok(), tls = config.api_tls.is_some(), "OpenAI HTTP API serving");
             let app = openai::routes(generation.clone());
-            let stop = http_stop.clone();
-            Some(tokio::spawn(async move {
-                axum::serve(l, app)
-                    .with_graceful_shutdown(stop.cancelled_owned())
-                    .await
-            }))
+            let stop = http_stop.clone().cancelled_owned();
+            Some(match &config.api_tls {
+                Some(cert) => {
+                    let l = TlsListener::new(l, cert.acceptor());
+                    tokio::spawn(
+                        axum::serve(l, app)
+                            .with_graceful_shutdown(stop)
+                            .into_future(),
+                    )
+                }
+                None => tokio::spawn(
+                    axum::serve(l, app)
+                        .with_graceful_shutdown(stop)
+                        .into_future(),
+                ),
+            })
         }
         None => None,
     };
     tracker.spawn(keys.clone().watch(root.child_token()));
+    if let Some(cert) = &config.api_tls {
+        tracker.spawn(cert.clone().watch(root.child_token()));
+    }
     let interceptor = generation.interceptor();
     let server = pb::generation_server::GenerationServer::new(generation)
         .max_decoding_message_size(config.limits.grpc_message_bytes)
@@ -177,7 +192,7 @@ pub async fn run(
         shutdown.await;
         http_stop.cancel();
     };
-    tracing::info!(addr = ?listener.local_addr().ok(), prefill = ?config.prefill, decode = ?config.decode, "router serving");
+    tracing::info!(addr = ?listener.local_addr().ok(), prefill = ?config.prefill, decode = ?config.decode, tls = config.api_tls.is_some(), "router serving");
     let served = tandem_proto::net::serve(
         listener,
         routes,
@@ -186,8 +201,7 @@ pub async fn run(
             health,
             metrics: Arc::new(registry),
             grace: config.grace,
-            // The client API; clients' TLS ends in front of the router (docs/security.md).
-            tls: None,
+            tls: config.api_tls.clone().map(ServerTls::Server),
         },
         shutdown,
     )

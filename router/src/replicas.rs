@@ -243,7 +243,10 @@ impl Replicas {
             addr: addr.to_string(),
             target: target.to_string(),
             role,
-            channel: tandem_proto::net::channel(addr, self.tls.as_ref())?,
+            channel: tandem_proto::net::channel(
+                addr,
+                self.tls.as_ref().map(tandem_proto::tls::Tls::client_config),
+            )?,
             index: CacheIndex::new(self.index_max_blocks),
             healthy: AtomicBool::new(false),
             compatible: AtomicBool::new(true),

@@ -10,7 +10,7 @@ use futures::StreamExt;
 use serde_json::{Value, json};
 use tandem_proto::v1 as pb;
 
-use crate::client::{ApiKey, Client, client};
+use crate::client::{ApiKey, Client, ServerTlsArgs, client};
 
 /// `--server` or `--openai`, shared by the load benchmarks.
 #[derive(Args, Debug, Clone)]
@@ -27,6 +27,9 @@ pub(crate) struct EndpointArgs {
     /// `Authorization` header).
     #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// TLS to the router (`--server`); the HTTP client here speaks plain HTTP only.
+    #[command(flatten)]
+    tls: ServerTlsArgs,
 }
 
 /// A running endpoint.
@@ -143,7 +146,7 @@ impl Endpoint {
         if let Some(addr) = &args.server {
             return Ok(Endpoint::Grpc {
                 addr: addr.clone(),
-                client: client(addr, &key)?,
+                client: client(addr, &key, &args.tls)?,
             });
         }
         let base = args
