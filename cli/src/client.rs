@@ -209,6 +209,8 @@ pub(crate) fn generate(args: &GenerateArgs, server: &str) -> anyhow::Result<()> 
             finish_reason,
             prefill_ms: t.prefill_ms,
             decode_ms: (t.total_ms - t.first_token_ms).max(0.0),
+            draft_tokens: t.draft_tokens.into(),
+            accepted_draft_tokens: t.accepted_draft_tokens.into(),
         };
         println!("{}", serde_json::to_string(&json)?);
     } else {

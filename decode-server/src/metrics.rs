@@ -14,6 +14,8 @@ pub const TOKENS: &str = "tandem_decode_tokens";
 pub const KV_BLOCKS_CACHED: &str = "tandem_decode_kv_blocks_cached";
 pub const CACHED_TOKENS: &str = "tandem_decode_cached_tokens";
 pub const LOCAL_PREFILL_TOKENS: &str = "tandem_decode_local_prefill_tokens";
+pub const DRAFT_TOKENS: &str = "tandem_decode_draft_tokens";
+pub const ACCEPTED_DRAFT_TOKENS: &str = "tandem_decode_accepted_draft_tokens";
 
 #[derive(Clone, Debug)]
 pub struct DecodeMetrics {
@@ -30,6 +32,9 @@ pub struct DecodeMetrics {
     pub cached_tokens: Counter,
     /// Prompt tokens computed here (conditional disaggregation).
     pub local_prefill_tokens: Counter,
+    /// Speculative decoding: tokens drafted, and those accepted.
+    pub draft_tokens: Counter,
+    pub accepted_draft_tokens: Counter,
 }
 
 impl DecodeMetrics {
@@ -44,6 +49,8 @@ impl DecodeMetrics {
             kv_blocks_cached: Gauge::default(),
             cached_tokens: Counter::default(),
             local_prefill_tokens: Counter::default(),
+            draft_tokens: Counter::default(),
+            accepted_draft_tokens: Counter::default(),
         };
         registry.register(
             ACTIVE_SLOTS,
@@ -85,6 +92,16 @@ impl DecodeMetrics {
             LOCAL_PREFILL_TOKENS,
             "Prompt tokens prefilled on the decode node",
             m.local_prefill_tokens.clone(),
+        );
+        registry.register(
+            DRAFT_TOKENS,
+            "Tokens drafted by prompt-lookup speculative decoding",
+            m.draft_tokens.clone(),
+        );
+        registry.register(
+            ACCEPTED_DRAFT_TOKENS,
+            "Drafted tokens that verification accepted",
+            m.accepted_draft_tokens.clone(),
         );
         m
     }

@@ -284,9 +284,9 @@ impl RequestContext {
             return Err(Error::ShuttingDown);
         }
 
-        let mut index = plan.resumed as u32;
         let mut completion_tokens = plan.resumed as u32;
         let mut local_prefill_ms = 0.0;
+        let mut first = true;
         loop {
             let event = tokio::select! {
                 e = events.recv() => e,
@@ -294,31 +294,43 @@ impl RequestContext {
                 () = &mut until_deadline => return Err(Error::Deadline),
                 () = self.shutdown.cancelled() => return Err(Error::ShuttingDown),
             };
-            let emission = match event {
+            let (emissions, drafted, accepted) = match event {
                 Some(Event::Prefilled { ms }) => {
                     local_prefill_ms = ms;
                     continue;
                 }
-                Some(Event::Token(e)) => e,
+                Some(Event::Tokens {
+                    emissions,
+                    drafted,
+                    accepted,
+                }) => (emissions, drafted, accepted),
                 Some(Event::Failed(e)) => {
                     guard.finished = true;
                     return Err(Error::Step(e));
                 }
                 None => return Err(Error::ShuttingDown),
             };
-            let first = index == plan.resumed as u32;
-            completion_tokens += u32::from(emission.token.is_some());
-            let last = emission.finished;
+            let index = completion_tokens;
+            let last = emissions.last().and_then(|e| e.finished);
+            let mut token_ids = Vec::with_capacity(emissions.len());
+            let mut text = String::new();
+            for e in emissions {
+                token_ids.extend(e.token);
+                text.push_str(&e.text);
+            }
+            completion_tokens += token_ids.len() as u32;
             let frame = pb::DecodeTokens {
                 index,
-                token_ids: emission.token.into_iter().collect(),
-                text: emission.text,
+                token_ids,
+                text,
                 finish_reason: last.map_or(pb::FinishReason::Unspecified, finish_reason) as i32,
                 completion_tokens: if last.is_some() { completion_tokens } else { 0 },
                 kv_wait_ms: if first { kv_wait_ms } else { 0.0 },
                 local_prefill_ms: if first { local_prefill_ms } else { 0.0 },
+                draft_tokens: if last.is_some() { drafted as u32 } else { 0 },
+                accepted_draft_tokens: if last.is_some() { accepted as u32 } else { 0 },
             };
-            index += 1;
+            first = false;
             let frame = pb::DecodeResponse {
                 event: Some(pb::decode_response::Event::Tokens(frame)),
             };

@@ -24,7 +24,7 @@ use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use tandem_engine::{Emission, Engine, KvExport, SeqId, Stream};
+use tandem_engine::{Decoding, Emission, Engine, KvExport, SeqId, Stream};
 use tandem_worker::{CacheHub, Throughput};
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
@@ -37,10 +37,14 @@ pub struct Ticket(pub u64);
 #[derive(Debug)]
 pub enum Event {
     /// The uncached suffix was computed here, in this many milliseconds.
-    Prefilled {
-        ms: f64,
+    Prefilled { ms: f64 },
+    /// What one step emitted for the sequence (several tokens when drafts were accepted), and
+    /// its speculation totals so far.
+    Tokens {
+        emissions: Vec<Emission>,
+        drafted: u64,
+        accepted: u64,
     },
-    Token(Emission),
     /// The engine failed; the sequence is gone.
     Failed(Arc<tandem_engine::Error>),
 }
@@ -78,13 +82,8 @@ enum Command {
 }
 
 struct Active {
-    seq: SeqId,
-    stream: Stream,
-    /// The tokens whose KV the sequence holds once `next` is fed.
-    tokens: Vec<u32>,
+    decoding: Decoding,
     cache_salt: String,
-    /// The token to feed at the next step.
-    next: u32,
     events: tmpsc::Sender<Event>,
 }
 
@@ -215,7 +214,7 @@ impl Scheduler {
             let _ = self.engine.free(seq);
         }
         if let Some(a) = self.active.remove(&ticket) {
-            let _ = self.engine.free(a.seq);
+            let _ = self.engine.free(a.decoding.seq);
         }
     }
 
@@ -239,17 +238,16 @@ impl Scheduler {
         };
         debug_assert_eq!(self.engine.seq_len(seq).ok(), Some(n));
         let mut a = Active {
-            seq,
-            stream: s.stream,
-            tokens: s.prompt,
+            decoding: Decoding::new(seq, s.stream, s.prompt, next),
             cache_salt: s.cache_salt,
-            next,
             events: s.events,
         };
-        if self.accept(&mut a) {
+        let tokenizer = &self.engine.model().tokenizer;
+        let first = a.decoding.stream.accept(tokenizer, next);
+        if self.deliver(&mut a, vec![first]) {
             self.active.insert(s.ticket, a);
         } else {
-            let _ = self.engine.free(a.seq);
+            let _ = self.engine.free(a.decoding.seq);
         }
     }
 
@@ -276,22 +274,25 @@ impl Scheduler {
         Ok(stream.sample(&logits, prompt.len()))
     }
 
-    /// Accepts `a.next` and tells the request; `false` when the sequence leaves the batch. A
+    /// Tells the request what a step emitted; `false` when the sequence leaves the batch. A
     /// finished sequence's KV is cached, and the cache events sent, before its last frame goes
     /// out, so a follow-up turn finds the router's index already current.
-    fn accept(&mut self, a: &mut Active) -> bool {
-        let tokenizer = &self.engine.model().tokenizer;
-        let emission = a.stream.accept(tokenizer, a.next);
-        let finished = emission.finished.is_some();
-        if emission.token.is_some() {
-            self.shared.metrics.tokens.inc();
-        }
+    fn deliver(&mut self, a: &mut Active, emissions: Vec<Emission>) -> bool {
+        let finished = emissions.iter().any(|e| e.finished.is_some());
+        let tokens = emissions.iter().filter(|e| e.token.is_some()).count();
+        self.shared.metrics.tokens.inc_by(tokens as u64);
         if finished {
             self.keep(a);
         }
+        let drafter = &a.decoding.drafter;
+        let event = Event::Tokens {
+            emissions,
+            drafted: drafter.drafted,
+            accepted: drafter.accepted,
+        };
         // A full channel cannot happen (it holds a whole generation); closed means the
         // request is gone. Either way the sequence leaves.
-        a.events.try_send(Event::Token(emission)).is_ok() && !finished
+        a.events.try_send(event).is_ok() && !finished
     }
 
     /// Keeps a sequence's full blocks (prompt and reply) in the session cache.
@@ -299,44 +300,48 @@ impl Scheduler {
         if !self.engine.prefix_cache_enabled() {
             return;
         }
-        let hashes = tandem_worker::block_hashes(self.engine.model(), &a.cache_salt, &a.tokens);
-        if let Err(e) = self.engine.cache_sequence(a.seq, &hashes) {
+        let hashes =
+            tandem_worker::block_hashes(self.engine.model(), &a.cache_salt, &a.decoding.tokens);
+        if let Err(e) = self.engine.cache_sequence(a.decoding.seq, &hashes) {
             tracing::warn!(error = %e, "could not keep a finished sequence's KV");
         }
         self.shared.hub.publish(self.engine.take_cache_events());
     }
 
     fn step(&mut self) {
-        let tickets: Vec<Ticket> = self.active.keys().copied().collect();
-        let batch: Vec<(SeqId, u32)> = tickets
-            .iter()
-            .map(|t| (self.active[t].seq, self.active[t].next))
-            .collect();
+        let mut active: Vec<(Ticket, Active)> = self.active.drain().collect();
+        let totals = |active: &[(Ticket, Active)]| {
+            active.iter().fold((0, 0), |(d, a), (_, x)| {
+                let drafter = &x.decoding.drafter;
+                (d + drafter.drafted, a + drafter.accepted)
+            })
+        };
+        let before = totals(&active);
+        let mut batch: Vec<&mut Decoding> =
+            active.iter_mut().map(|(_, a)| &mut a.decoding).collect();
         let started = Instant::now();
-        let result = self.engine.step(&batch);
+        let result = self.engine.decode_step(&mut batch);
         let m = &self.shared.metrics;
         m.steps.inc();
         m.step_seconds.observe(started.elapsed().as_secs_f64());
         match result {
-            Ok(logits) => {
-                for (ticket, logits) in tickets.iter().zip(&logits) {
-                    let Some(mut a) = self.active.remove(ticket) else {
-                        continue;
-                    };
-                    a.tokens.push(a.next);
-                    a.next = a.stream.sample(logits, a.tokens.len());
-                    if self.accept(&mut a) {
-                        self.active.insert(*ticket, a);
+            Ok(emitted) => {
+                let after = totals(&active);
+                m.draft_tokens.inc_by(after.0 - before.0);
+                m.accepted_draft_tokens.inc_by(after.1 - before.1);
+                for ((ticket, mut a), emissions) in active.into_iter().zip(emitted) {
+                    if self.deliver(&mut a, emissions) {
+                        self.active.insert(ticket, a);
                     } else {
-                        let _ = self.engine.free(a.seq);
+                        let _ = self.engine.free(a.decoding.seq);
                     }
                 }
             }
             Err(e) => {
                 tracing::error!(error = %e, "decode step failed; failing the batch");
                 let e = Arc::new(e);
-                for (_, a) in self.active.drain() {
-                    let _ = self.engine.free(a.seq);
+                for (_, a) in active {
+                    let _ = self.engine.free(a.decoding.seq);
                     let _ = a.events.try_send(Event::Failed(e.clone()));
                 }
             }

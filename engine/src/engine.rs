@@ -20,6 +20,7 @@ use crate::kv::{BLOCK_TOKENS, KvKind, KvLayout, KvPool};
 use crate::loader::{LoadedModel, ModelFingerprint};
 use crate::model::{self, Logits, ModelConfig, Row, Weights};
 use crate::prefix_cache::{CacheEvent, PrefixCache};
+use crate::speculate::{SpeculateConfig, StepCosts};
 use tandem_tokenizer::{Tokenizer, TokenizerSpec};
 
 /// A loaded model, shareable between engines.
@@ -59,6 +60,8 @@ pub struct EngineConfig {
     /// Most bytes of KV the prefix cache keeps (rounded down to blocks, at most the pool);
     /// 0 turns it off.
     pub prefix_cache_bytes: usize,
+    /// Prompt-lookup speculative decoding in [`Engine::decode_step`].
+    pub speculate: SpeculateConfig,
 }
 
 impl Default for EngineConfig {
@@ -68,6 +71,7 @@ impl Default for EngineConfig {
             kv_budget_bytes: 256 << 20,
             prefill_chunk_tokens: 256,
             prefix_cache_bytes: 0,
+            speculate: SpeculateConfig::default(),
         }
     }
 }
@@ -101,6 +105,8 @@ pub struct Engine {
     next_id: u32,
     threads: rayon::ThreadPool,
     config: EngineConfig,
+    /// Measured step times, for speculation's choices.
+    pub(crate) step_costs: StepCosts,
 }
 
 impl Engine {
@@ -130,11 +136,21 @@ impl Engine {
             next_id: 0,
             threads,
             config,
+            step_costs: StepCosts::default(),
         })
     }
 
     pub fn model(&self) -> &Arc<Model> {
         &self.model
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// Turns speculative decoding on or off, or retunes it, from the next step on.
+    pub fn set_speculate(&mut self, speculate: SpeculateConfig) {
+        self.config.speculate = speculate;
     }
 
     pub fn threads(&self) -> usize {
@@ -340,40 +356,89 @@ impl Engine {
 
     /// Advances each `(seq, token)` of the batch by one position, returning each row's logits.
     pub fn step(&mut self, batch: &[(SeqId, u32)]) -> Result<Logits> {
+        let rows: Vec<(SeqId, &[u32])> = batch
+            .iter()
+            .map(|(seq, token)| (*seq, std::slice::from_ref(token)))
+            .collect();
+        self.extend(&rows)
+    }
+
+    /// Appends each `(seq, tokens)` of the batch in one forward pass, returning the logits of
+    /// every appended position, in order. A position's logits are those a step would give.
+    pub fn extend(&mut self, batch: &[(SeqId, &[u32])]) -> Result<Logits> {
         let mut seen = std::collections::HashSet::new();
-        for (seq, token) in batch {
+        for (seq, tokens) in batch {
             if !seen.insert(*seq) {
                 return Err(Error::InvalidArgument {
                     field: "batch",
                     reason: format!("sequence {} appears twice", seq.0),
                 });
             }
-            self.check_tokens(&[*token])?;
+            if tokens.is_empty() {
+                return Err(Error::InvalidArgument {
+                    field: "batch",
+                    reason: format!("sequence {} has no tokens", seq.0),
+                });
+            }
+            self.check_tokens(tokens)?;
             let len = self.seq_len(*seq)?;
-            self.reserve(*seq, len + 1)?;
+            self.reserve(*seq, len + tokens.len())?;
         }
         let rows: Vec<Row<'_>> = batch
             .iter()
-            .map(|(seq, token)| {
+            .flat_map(|(seq, tokens)| {
                 let s = &self.seqs[seq];
-                Row {
+                tokens.iter().enumerate().map(move |(i, &token)| Row {
                     blocks: &s.blocks,
-                    pos: s.len,
-                    token: *token,
+                    pos: s.len + i,
+                    token,
                     want_logits: true,
-                }
+                })
             })
             .collect();
         let (model, pool) = (&self.model, &mut self.pool);
         let out = self
             .threads
             .install(|| model::forward(&model.config, &model.weights, pool, &rows));
-        for (seq, _) in batch {
+        for (seq, tokens) in batch {
             if let Some(s) = self.seqs.get_mut(seq) {
-                s.len += 1;
+                s.len += tokens.len();
             }
         }
         Ok(out)
+    }
+
+    /// Cuts `seq` back to its first `len` tokens, freeing the blocks past them (the KV of
+    /// rejected drafts).
+    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
+        let s = self
+            .seqs
+            .get_mut(&seq)
+            .ok_or(Error::UnknownSequence(seq.0))?;
+        if len > s.len {
+            return Err(Error::InvalidArgument {
+                field: "len",
+                reason: format!("cannot grow a sequence of {} tokens to {len}", s.len),
+            });
+        }
+        s.len = len;
+        let keep = len.div_ceil(BLOCK_TOKENS);
+        if s.blocks.len() > keep {
+            let freed = s.blocks.split_off(keep);
+            self.pool.release(freed);
+        }
+        Ok(())
+    }
+
+    /// Blocks `seq` would have to add to hold `len` tokens.
+    pub(crate) fn blocks_to_hold(&self, seq: SeqId, len: usize) -> usize {
+        let have = self.seqs.get(&seq).map_or(0, |s| s.blocks.len());
+        len.div_ceil(BLOCK_TOKENS).saturating_sub(have)
+    }
+
+    /// Blocks the pool has free, not counting cached blocks it could evict.
+    pub(crate) fn pool_free_blocks(&self) -> usize {
+        self.pool.free_blocks()
     }
 
     /// Copies out the KV of `tokens` (a range within the sequence).

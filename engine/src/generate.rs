@@ -7,9 +7,10 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::engine::{Engine, SeqId};
+use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::sampling::{History, SamplingParams, sample};
+use crate::speculate::Decoding;
 use tandem_tokenizer::{TokenDecoder, Tokenizer};
 
 #[derive(Clone, Debug, PartialEq, Default)]
@@ -101,6 +102,11 @@ impl Stream {
         Ok(stream)
     }
 
+    /// Tokens still allowed before `max_tokens`.
+    pub fn remaining(&self) -> usize {
+        self.params.max_tokens.saturating_sub(self.generated)
+    }
+
     /// Samples the token at absolute `position` from `logits`.
     pub fn sample(&self, logits: &[f32], position: usize) -> u32 {
         sample(
@@ -183,6 +189,9 @@ pub struct GenerateOutput {
     pub finish_reason: FinishReason,
     pub prefill_ms: f64,
     pub decode_ms: f64,
+    /// Speculative decoding: tokens drafted, and how many of them were accepted.
+    pub draft_tokens: u64,
+    pub accepted_draft_tokens: u64,
 }
 
 /// One prompt and its parameters.
@@ -193,10 +202,23 @@ pub struct GenerateRequest {
 }
 
 struct Active {
-    seq: SeqId,
-    stream: Stream,
-    next: u32,
+    decoding: Decoding,
     out: GenerateOutput,
+}
+
+impl Active {
+    /// Records what the generation emitted; `true` once it has finished.
+    fn record(&mut self, e: Emission, i: usize, on_text: &mut dyn FnMut(usize, &str)) -> bool {
+        self.out.token_ids.extend(e.token);
+        self.out.text.push_str(&e.text);
+        if !e.text.is_empty() {
+            on_text(i, &e.text);
+        }
+        if let Some(reason) = e.finished {
+            self.out.finish_reason = reason;
+        }
+        e.finished.is_some()
+    }
 }
 
 impl Engine {
@@ -224,10 +246,17 @@ impl Engine {
         let mut active = Vec::with_capacity(requests.len());
         let result = self.run_batch(requests, &mut active, on_text);
         for a in &active {
-            let _ = self.free(a.seq);
+            let _ = self.free(a.decoding.seq);
         }
         result?;
-        Ok(active.into_iter().map(|a| a.out).collect())
+        Ok(active
+            .into_iter()
+            .map(|a| GenerateOutput {
+                draft_tokens: a.decoding.drafter.drafted,
+                accepted_draft_tokens: a.decoding.drafter.accepted,
+                ..a.out
+            })
+            .collect())
     }
 
     fn run_batch(
@@ -253,10 +282,9 @@ impl Engine {
             }
             let seq = self.new_sequence();
             let t0 = Instant::now();
+            let stream = Stream::new(req.params.clone(), &req.prompt);
             active.push(Active {
-                seq,
-                stream: Stream::new(req.params.clone(), &req.prompt),
-                next: 0,
+                decoding: Decoding::new(seq, stream, req.prompt.clone(), 0),
                 out: GenerateOutput {
                     prompt_token_ids: req.prompt.clone(),
                     token_ids: Vec::new(),
@@ -264,44 +292,48 @@ impl Engine {
                     finish_reason: FinishReason::Length,
                     prefill_ms: 0.0,
                     decode_ms: 0.0,
+                    draft_tokens: 0,
+                    accepted_draft_tokens: 0,
                 },
             });
             let logits = self.prefill(seq, &req.prompt)?;
             let a = active.last_mut().expect("just pushed");
-            a.next = a.stream.sample(&logits, req.prompt.len());
+            a.decoding.next = a.decoding.stream.sample(&logits, req.prompt.len());
             a.out.prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
         }
         let t0 = Instant::now();
-        let mut running: Vec<usize> = (0..active.len()).collect();
+        // Each sequence's first token; those it finishes never join the batch.
+        let mut running: Vec<usize> = Vec::new();
+        for (i, a) in active.iter_mut().enumerate() {
+            let e = a.decoding.stream.accept(&model.tokenizer, a.decoding.next);
+            if a.record(e, i, on_text) {
+                a.out.decode_ms = t0.elapsed().as_secs_f64() * 1e3;
+            } else {
+                running.push(i);
+            }
+        }
         while !running.is_empty() {
-            // Accept each sequence's pending token; those that finish leave the batch.
-            running.retain(|&i| {
-                let a = &mut active[i];
-                let e = a.stream.accept(&model.tokenizer, a.next);
-                a.out.token_ids.extend(e.token);
-                a.out.text.push_str(&e.text);
-                if !e.text.is_empty() {
-                    on_text(i, &e.text);
-                }
-                if let Some(reason) = e.finished {
-                    a.out.finish_reason = reason;
-                    a.out.decode_ms = t0.elapsed().as_secs_f64() * 1e3;
-                }
-                e.finished.is_none()
-            });
-            if running.is_empty() {
-                break;
-            }
-            let batch: Vec<(SeqId, u32)> = running
-                .iter()
-                .map(|&i| (active[i].seq, active[i].next))
+            let mut batch: Vec<&mut Decoding> = active
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| running.contains(i))
+                .map(|(_, a)| &mut a.decoding)
                 .collect();
-            let logits = self.step(&batch)?;
-            for (&i, l) in running.iter().zip(&logits) {
+            let emitted = self.decode_step(&mut batch)?;
+            let mut still = Vec::with_capacity(running.len());
+            for (i, emissions) in running.into_iter().zip(emitted) {
                 let a = &mut active[i];
-                let pos = a.out.prompt_token_ids.len() + a.out.token_ids.len();
-                a.next = a.stream.sample(l, pos);
+                let mut finished = false;
+                for e in emissions {
+                    finished |= a.record(e, i, on_text);
+                }
+                if finished {
+                    a.out.decode_ms = t0.elapsed().as_secs_f64() * 1e3;
+                } else {
+                    still.push(i);
+                }
             }
+            running = still;
         }
         Ok(())
     }

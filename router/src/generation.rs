@@ -255,8 +255,10 @@ fn transfer_id() -> String {
 /// What a request's attempts have delivered so far: a later attempt resumes from here.
 #[derive(Debug, Default)]
 struct Progress {
-    /// Tokens delivered to the client, one per frame so far.
+    /// Tokens delivered to the client so far.
     generated: Vec<u32>,
+    /// Frames delivered to the client so far (a frame may carry several tokens).
+    frames: u32,
     attempts: u32,
     /// Replicas that failed this request, which its later attempts avoid.
     exclude: Vec<String>,
@@ -596,12 +598,13 @@ impl Dispatcher {
             progress.last_frame_at = Some(Instant::now());
             frames_here += 1;
             let mut frame = pb::GenerateResponse {
-                index: t.index,
+                index: progress.frames,
                 token_ids: t.token_ids,
                 text: t.text,
                 finish_reason: t.finish_reason,
                 ..Default::default()
             };
+            progress.frames += 1;
             if !last {
                 progress.generated.extend(&frame.token_ids);
                 log.push(Ok(frame));
@@ -639,6 +642,8 @@ impl Dispatcher {
                 transfer_ms: pr.as_ref().map_or(0.0, |r| r.transfer_ms),
                 first_token_ms,
                 total_ms: ms(accepted),
+                draft_tokens: t.draft_tokens,
+                accepted_draft_tokens: t.accepted_draft_tokens,
             });
             frame.route = Some(pb::Route {
                 prefill: p_addr.clone().unwrap_or_default(),

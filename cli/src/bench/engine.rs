@@ -6,7 +6,10 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use clap::Args;
 use serde::Serialize;
-use tandem_engine::{Engine, EngineConfig, SeqId, argmax};
+use tandem_engine::{
+    ChatMessage, Engine, EngineConfig, GenerateParams, GenerateRequest, SeqId, SpeculateConfig,
+    argmax,
+};
 
 use crate::ModelArgs;
 use crate::bench::stats::median;
@@ -33,7 +36,20 @@ pub(crate) struct EngineBenchArgs {
     /// KV pool capacity in tokens (the pool is what a server would allocate).
     #[arg(long, default_value_t = 65_536)]
     kv_tokens: usize,
-    /// Print `{"prefill_tok_s":F,"decode":[{"batch":B,"tok_s":F},...],"threads":N}`.
+    /// Also measure speculative decoding: built-in chat prompts whose replies copy from them
+    /// (rewrite code, summarise a passage, continue a list) and prompts with nothing to copy,
+    /// each generated greedily with speculation off and on, back to back; then all of them
+    /// together at batch `--speculate-batch`.
+    #[arg(long)]
+    speculate: bool,
+    /// Tokens generated per prompt in the speculation measurement (fewer if the reply ends).
+    #[arg(long, default_value_t = 256)]
+    speculate_tokens: usize,
+    /// The batch of the speculation measurement's aggregate run (the prompts repeated).
+    #[arg(long, default_value_t = 16)]
+    speculate_batch: usize,
+    /// Print `{"prefill_tok_s":F,"decode":[{"batch":B,"tok_s":F},...],"threads":N}` (with
+    /// `--speculate`, also `"speculation":{"prompts":[...],"batch":{...}}`).
     #[arg(long)]
     json: bool,
 }
@@ -49,7 +65,80 @@ struct BenchResult {
     prefill_tok_s: f64,
     decode: Vec<DecodeResult>,
     threads: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    speculation: Option<SpeculationResult>,
 }
+
+/// One workload generated with speculation off and on: medians over the runs.
+#[derive(Serialize)]
+struct SpecRun {
+    name: String,
+    /// `copy` (the reply copies from the prompt) or `novel`.
+    kind: &'static str,
+    batch: usize,
+    tokens: usize,
+    off_tok_s: f64,
+    on_tok_s: f64,
+    speedup: f64,
+    /// Drafted tokens accepted, over all drafted.
+    acceptance: f64,
+    /// Generated tokens per verifying forward pass of a sequence.
+    tokens_per_step: f64,
+}
+
+#[derive(Serialize)]
+struct SpeculationResult {
+    prompts: Vec<SpecRun>,
+    batch: SpecRun,
+}
+
+/// The speculation workloads: (name, kind, user message).
+const SPEC_PROMPTS: &[(&str, &str, &str)] = &[
+    (
+        "rewrite code",
+        "copy",
+        "Rewrite this Python function with type hints and a docstring. Keep the logic exactly \
+         the same.\n\n```python\ndef merge_intervals(intervals):\n    if not intervals:\n        \
+         return []\n    intervals = sorted(intervals, key=lambda item: item[0])\n    merged = \
+         [intervals[0]]\n    for start, end in intervals[1:]:\n        last_start, last_end = \
+         merged[-1]\n        if start <= last_end:\n            merged[-1] = (last_start, \
+         max(last_end, end))\n        else:\n            merged.append((start, end))\n    \
+         return merged\n\n\ndef total_covered(intervals):\n    total = 0\n    for start, end \
+         in merge_intervals(intervals):\n        total += end - start\n    return total\n```",
+    ),
+    (
+        "summarise passage",
+        "copy",
+        "Summarise this passage in a few sentences, using its own words where you can.\n\nThe \
+         lighthouse at Point Reyes was built in 1870 to warn ships away from the rocky headland, \
+         where fog settles for weeks at a time in summer. Its lens, made in France, has more \
+         than a thousand pieces of glass and was turned by a clockwork mechanism that the \
+         keepers wound every two hours through the night. The keepers lived in a house at the \
+         top of the cliff and walked down three hundred steps to reach the light. The work was \
+         lonely and hard: the wind often blew at more than forty miles an hour, and supplies \
+         came only once a month by wagon. In 1975 the Coast Guard replaced the old lens with an \
+         automatic light, and the lighthouse became part of a national seashore that visitors \
+         can explore today.",
+    ),
+    (
+        "continue list",
+        "copy",
+        "Continue this list in the same format up to item 12.\n\n1. Apple - a red fruit that \
+         grows on trees.\n2. Banana - a yellow fruit that grows on plants.\n3. Cherry - a red \
+         fruit that grows on trees.\n4. Grape - a green fruit that grows on vines.\n5. Lemon - a \
+         yellow fruit that grows on trees.",
+    ),
+    (
+        "story",
+        "novel",
+        "Write a short story about a fox who learns to play the violin.",
+    ),
+    (
+        "explain",
+        "novel",
+        "Why do we have seasons on Earth? Answer in a few paragraphs.",
+    ),
+];
 
 pub(crate) fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
     if args.runs == 0 || args.prompt_tokens == 0 || args.gen_tokens == 0 {
@@ -112,10 +201,16 @@ pub(crate) fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
             tok_s: median(rates),
         });
     }
+    let speculation = if args.speculate {
+        Some(speculation(&mut engine, args)?)
+    } else {
+        None
+    };
     let result = BenchResult {
         prefill_tok_s: median(prefill),
         decode,
         threads: engine.threads(),
+        speculation,
     };
     let rss = peak_rss_mb();
     if args.json {
@@ -129,6 +224,26 @@ pub(crate) fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
         );
         for d in &result.decode {
             println!("decode  batch {:>5}  {:>9.1} tok/s", d.batch, d.tok_s);
+        }
+        if let Some(s) = &result.speculation {
+            println!(
+                "speculation {:<18} {:>5} {:>6} {:>8} {:>8} {:>7} {:>6} {:>6}",
+                "(greedy)", "batch", "tokens", "off", "on", "speedup", "accept", "tok/pass"
+            );
+            for r in s.prompts.iter().chain([&s.batch]) {
+                println!(
+                    "  {:<16} {:>6} {:>5} {:>6} {:>8.1} {:>8.1} {:>6.2}x {:>6.2} {:>6.2}",
+                    r.name,
+                    r.kind,
+                    r.batch,
+                    r.tokens,
+                    r.off_tok_s,
+                    r.on_tok_s,
+                    r.speedup,
+                    r.acceptance,
+                    r.tokens_per_step
+                );
+            }
         }
         println!("peak resident memory {rss:.0} MB");
     }
@@ -173,4 +288,101 @@ fn peak_rss_mb() -> f64 {
                 .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
         })
         .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// Generates `requests` with speculation off and on, alternating which goes first, `runs`
+/// times; checks that both give the same tokens and reports the medians.
+fn compare(
+    engine: &mut Engine,
+    name: &str,
+    kind: &'static str,
+    requests: &[GenerateRequest],
+    runs: usize,
+) -> anyhow::Result<SpecRun> {
+    let (mut off, mut on) = (Vec::new(), Vec::new());
+    let mut last = None;
+    for run in 0..runs {
+        for speculate in [run % 2 == 1, run % 2 == 0] {
+            engine.set_speculate(if speculate {
+                SpeculateConfig::on()
+            } else {
+                SpeculateConfig::off()
+            });
+            let outs = engine.generate_batch(requests)?;
+            let tokens: usize = outs.iter().map(|o| o.token_ids.len()).sum();
+            let secs = outs.iter().map(|o| o.decode_ms).fold(0.0, f64::max) / 1e3;
+            let rate = tokens as f64 / secs.max(1e-9);
+            let ids: Vec<Vec<u32>> = outs.iter().map(|o| o.token_ids.clone()).collect();
+            if let Some(prev) = &last {
+                anyhow::ensure!(prev == &ids, "{name}: speculation changed the tokens");
+            }
+            last = Some(ids);
+            if speculate {
+                let drafted: u64 = outs.iter().map(|o| o.draft_tokens).sum();
+                let accepted: u64 = outs.iter().map(|o| o.accepted_draft_tokens).sum();
+                on.push((rate, tokens, drafted, accepted));
+            } else {
+                off.push(rate);
+            }
+            eprintln!(
+                "speculation {name} run {}/{runs}, {}: {rate:.1} tok/s",
+                run + 1,
+                if speculate { "on" } else { "off" }
+            );
+        }
+    }
+    let (_, tokens, drafted, accepted) = on[0];
+    // Sequences' verifying passes: every generated token after the first came from one, and
+    // each accepted draft token saved one.
+    let passes = (tokens as u64).saturating_sub(requests.len() as u64 + accepted);
+    let off = median(off);
+    let on = median(on.iter().map(|r| r.0).collect());
+    Ok(SpecRun {
+        name: name.into(),
+        kind,
+        batch: requests.len(),
+        tokens,
+        off_tok_s: off,
+        on_tok_s: on,
+        speedup: on / off,
+        acceptance: accepted as f64 / (drafted.max(1)) as f64,
+        tokens_per_step: (tokens as f64 - requests.len() as f64) / passes.max(1) as f64,
+    })
+}
+
+fn speculation(engine: &mut Engine, args: &EngineBenchArgs) -> anyhow::Result<SpeculationResult> {
+    let model = engine.model().clone();
+    let requests: Vec<(&str, &'static str, GenerateRequest)> = SPEC_PROMPTS
+        .iter()
+        .map(|&(name, kind, text)| {
+            let rendered = model.tokenizer.apply_chat_template(&[ChatMessage {
+                role: "user".into(),
+                content: text.into(),
+            }])?;
+            let request = GenerateRequest {
+                prompt: model.tokenizer.encode(&rendered)?,
+                params: GenerateParams {
+                    max_tokens: args.speculate_tokens,
+                    ..GenerateParams::default()
+                },
+            };
+            Ok((name, kind, request))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let mut prompts = Vec::new();
+    for (name, kind, request) in &requests {
+        prompts.push(compare(
+            engine,
+            name,
+            kind,
+            std::slice::from_ref(request),
+            args.runs,
+        )?);
+    }
+    let mixed: Vec<GenerateRequest> = (0..args.speculate_batch)
+        .map(|i| requests[i % requests.len()].2.clone())
+        .collect();
+    let batch = compare(engine, "all, batched", "mixed", &mixed, args.runs)?;
+    engine.set_speculate(SpeculateConfig::off());
+    Ok(SpeculationResult { prompts, batch })
 }

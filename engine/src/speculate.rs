@@ -1,0 +1,380 @@
+//! Prompt-lookup speculative decoding: exact, and without a draft model.
+//!
+//! Batch-1 decode reads every weight once per token, so it runs at the memory bandwidth's pace
+//! whatever the arithmetic costs. A forward pass over a few more rows reads the same weights, so
+//! it verifies several tokens for little more than the price of one. The drafts come from the
+//! sequence itself: the most recent earlier occurrence of its last n tokens (n from
+//! [`SpeculateConfig::max_ngram`] down to [`SpeculateConfig::min_ngram`]) proposes the tokens
+//! that followed it. Rewrites, summaries and lists copy long runs of their prompt, so those
+//! drafts are often right.
+//!
+//! [`Engine::decode_step`] feeds each sequence's pending token and its draft in one batched
+//! pass, samples each position with the request's own sampler (a pure function of seed,
+//! position, logits and history), and accepts the longest prefix of the draft the sampler
+//! agrees with, plus the sampler's own token at the first disagreement. A verified position's
+//! logits equal those of a plain step bit for bit (every row's arithmetic is independent of the
+//! batch around it), so the output is the output of plain decoding, token for token. The KV of
+//! rejected drafts is dropped from the sequence.
+//!
+//! How much to draft: a step's cost depends on its rows, and how steeply depends on the CPU
+//! (on a 2-core AVX2 machine a second row is almost free, a fourth costs 70% more than one), so
+//! the engine measures it: [`StepCosts`] keeps the time of recent steps per row count. Each
+//! sequence keeps an estimate `p` of the chance that its next drafted token is accepted
+//! ([`Drafter`]); drafting its `j`-th token is worth `p^j` expected tokens. Each step takes the
+//! drafts' tokens in order of that worth and cuts them where expected tokens per second of step
+//! time peak, so a sequence whose drafts fail, or a batch large enough that every row costs
+//! its full share of arithmetic, drafts little or nothing. A row count not yet measured is
+//! assumed to cost little more than the largest measured one below it, so each is tried once
+//! and then judged by its measurements.
+
+use crate::engine::{Engine, SeqId};
+use crate::error::Result;
+use crate::generate::{Emission, Stream};
+
+/// Settings for [`Engine::decode_step`] ([`crate::EngineConfig::speculate`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SpeculateConfig {
+    /// Whether to draft at all; off, each step feeds one token per sequence.
+    pub enabled: bool,
+    /// Most tokens drafted per sequence per step.
+    pub max_draft: usize,
+    /// Longest n-gram looked up (tried first).
+    pub max_ngram: usize,
+    /// Shortest n-gram looked up.
+    pub min_ngram: usize,
+    /// Most rows (pending tokens plus drafts) per step.
+    pub max_rows: usize,
+}
+
+impl Default for SpeculateConfig {
+    fn default() -> Self {
+        Self::on()
+    }
+}
+
+impl SpeculateConfig {
+    /// Speculation with the defaults the measurements chose (docs/speculative.md).
+    pub fn on() -> Self {
+        Self {
+            enabled: true,
+            max_draft: 8,
+            max_ngram: 3,
+            min_ngram: 1,
+            max_rows: 32,
+        }
+    }
+
+    /// Plain decoding: one token per sequence per step.
+    pub fn off() -> Self {
+        Self {
+            enabled: false,
+            ..Self::on()
+        }
+    }
+}
+
+/// How much older observations count after each new one, in the acceptance estimate and the
+/// step costs.
+const DECAY: f64 = 0.9;
+/// Extra cost assumed per row beyond the largest measured row count, until measured.
+const UNMEASURED_ROW_COST: f64 = 0.02;
+
+/// One sequence's drafting statistics.
+#[derive(Clone, Debug, Default)]
+pub struct Drafter {
+    /// Decayed counts of drafted tokens accepted, and of drafts cut short by a rejection.
+    hits: f64,
+    misses: f64,
+    /// Tokens drafted and accepted so far.
+    pub drafted: u64,
+    pub accepted: u64,
+}
+
+impl Drafter {
+    /// The estimated chance that the next drafted token is accepted, given the ones before it
+    /// were: hits over hits and misses, with one of each assumed at the start.
+    pub fn acceptance(&self) -> f64 {
+        (self.hits + 1.0) / (self.hits + self.misses + 2.0)
+    }
+
+    fn record(&mut self, drafted: usize, accepted: usize) {
+        if drafted == 0 {
+            return;
+        }
+        self.drafted += drafted as u64;
+        self.accepted += accepted as u64;
+        self.hits = self.hits * DECAY + accepted as f64;
+        self.misses = self.misses * DECAY + f64::from(u8::from(accepted < drafted));
+    }
+}
+
+/// Steps after which a row count's measurement is treated as unmeasured again, so that one
+/// unlucky measurement (a noisy neighbour, a cold cache) does not rule a row count out for good.
+const STALE_STEPS: u64 = 64;
+
+/// Recent step times by row count, measured.
+#[derive(Clone, Debug, Default)]
+pub struct StepCosts {
+    /// Per row count (index + 1): seconds per step, and the step it was last measured at.
+    secs: Vec<(f64, u64)>,
+    steps: u64,
+}
+
+impl StepCosts {
+    fn record(&mut self, rows: usize, secs: f64) {
+        if rows == 0 {
+            return;
+        }
+        self.steps += 1;
+        if self.secs.len() < rows {
+            self.secs.resize(rows, (0.0, 0));
+        }
+        let fresh = self.fresh(rows);
+        let (t, at) = &mut self.secs[rows - 1];
+        *t = match fresh {
+            Some(old) => DECAY * old + (1.0 - DECAY) * secs,
+            None => secs,
+        };
+        *at = self.steps;
+    }
+
+    /// The measured time of `rows`, unless it is missing or stale.
+    fn fresh(&self, rows: usize) -> Option<f64> {
+        let &(t, at) = self.secs.get(rows.checked_sub(1)?)?;
+        (t > 0.0 && self.steps - at < STALE_STEPS).then_some(t)
+    }
+
+    /// The expected seconds of a step of `rows`: measured, or the largest measured count
+    /// below's time plus [`UNMEASURED_ROW_COST`] of it per extra row (1 if nothing is).
+    fn estimate(&self, rows: usize) -> f64 {
+        if let Some(t) = self.fresh(rows) {
+            return t;
+        }
+        match (1..rows).rev().find_map(|r| self.fresh(r).map(|t| (r, t))) {
+            Some((r, t)) => t * (1.0 + UNMEASURED_ROW_COST * (rows - r) as f64),
+            None => 1.0 + UNMEASURED_ROW_COST * (rows - 1) as f64,
+        }
+    }
+}
+
+/// The tokens that followed the most recent earlier occurrence of `context`'s last n tokens,
+/// for the longest n in `min_ngram..=max_ngram` that occurs, at most `max_len` of them.
+pub fn lookup(context: &[u32], min_ngram: usize, max_ngram: usize, max_len: usize) -> &[u32] {
+    if max_len == 0 {
+        return &[];
+    }
+    let len = context.len();
+    for n in (min_ngram.max(1)..=max_ngram).rev() {
+        if len <= n {
+            continue;
+        }
+        let tail = &context[len - n..];
+        // Most recent first; the match must end before the tail does.
+        if let Some(start) = (0..len - n).rev().find(|&i| &context[i..i + n] == tail) {
+            let from = start + n;
+            return &context[from..(from + max_len).min(len)];
+        }
+    }
+    &[]
+}
+
+/// A sequence being decoded.
+#[derive(Debug)]
+pub struct Decoding {
+    pub seq: SeqId,
+    pub stream: Stream,
+    /// The tokens whose KV the sequence holds (prompt and generated tokens, `next` not yet).
+    pub tokens: Vec<u32>,
+    /// The last accepted token, fed at the next step.
+    pub next: u32,
+    pub drafter: Drafter,
+}
+
+impl Decoding {
+    pub fn new(seq: SeqId, stream: Stream, tokens: Vec<u32>, next: u32) -> Self {
+        Self {
+            seq,
+            stream,
+            tokens,
+            next,
+            drafter: Drafter::default(),
+        }
+    }
+}
+
+impl Engine {
+    /// Advances every sequence of the batch: feeds its pending token (and, with speculation,
+    /// a draft), samples and accepts. Returns each sequence's emissions in order: at least one,
+    /// and the last finishes the generation if any does (the sequence should then leave).
+    pub fn decode_step(&mut self, batch: &mut [&mut Decoding]) -> Result<Vec<Vec<Emission>>> {
+        let drafts = self.drafts(batch, &self.config().speculate);
+        let inputs: Vec<Vec<u32>> = batch
+            .iter()
+            .zip(&drafts)
+            .map(|(d, draft)| {
+                std::iter::once(d.next)
+                    .chain(draft.iter().copied())
+                    .collect()
+            })
+            .collect();
+        let rows: Vec<(SeqId, &[u32])> = batch
+            .iter()
+            .zip(&inputs)
+            .map(|(d, input)| (d.seq, &input[..]))
+            .collect();
+        let started = std::time::Instant::now();
+        let logits = self.extend(&rows)?;
+        let total_rows = inputs.iter().map(Vec::len).sum();
+        self.step_costs
+            .record(total_rows, started.elapsed().as_secs_f64());
+        let model = self.model().clone();
+        let tokenizer = &model.tokenizer;
+        let mut out = Vec::with_capacity(batch.len());
+        let mut row = 0;
+        for ((d, draft), input) in batch.iter_mut().zip(&drafts).zip(&inputs) {
+            let mut emissions = Vec::new();
+            let mut fed = 0;
+            for j in 0..input.len() {
+                fed = j + 1;
+                let position = d.tokens.len() + j + 1;
+                let token = d.stream.sample(logits.row(row + j), position);
+                let emission = d.stream.accept(tokenizer, token);
+                let finished = emission.finished.is_some();
+                emissions.push(emission);
+                d.next = token;
+                if finished || draft.get(j) != Some(&token) {
+                    break;
+                }
+            }
+            row += input.len();
+            d.drafter.record(draft.len(), fed - 1);
+            d.tokens.extend(&input[..fed]);
+            self.truncate(d.seq, d.tokens.len())?;
+            out.push(emissions);
+        }
+        Ok(out)
+    }
+
+    /// Each sequence's draft for this step: candidates from [`lookup`] (within the remaining
+    /// `max_tokens` and the context), cut to the number of rows that maximises expected tokens
+    /// per second; none if the batch leaves no room, or their KV would need more than the free
+    /// blocks (drafts never evict cached blocks).
+    fn drafts(&self, batch: &[&mut Decoding], spec: &SpeculateConfig) -> Vec<Vec<u32>> {
+        let mut drafts = vec![Vec::new(); batch.len()];
+        if !spec.enabled || batch.len() >= spec.max_rows {
+            return drafts;
+        }
+        let context_len = self.model().config.context_len;
+        let mut context = Vec::new();
+        // Every candidate token's worth (p^j), with its sequence.
+        let mut gains: Vec<(f64, usize)> = Vec::new();
+        for (i, (d, draft)) in batch.iter().zip(&mut drafts).enumerate() {
+            let room = (d.stream.remaining().saturating_sub(1))
+                .min(context_len.saturating_sub(d.tokens.len() + 1))
+                .min(spec.max_draft);
+            if room == 0 {
+                continue;
+            }
+            context.clear();
+            context.extend(&d.tokens);
+            context.push(d.next);
+            draft.extend(lookup(&context, spec.min_ngram, spec.max_ngram, room));
+            let p = d.drafter.acceptance();
+            gains.extend((1..=draft.len()).map(|j| (p.powi(j as i32), i)));
+        }
+        gains.sort_by(|a, b| b.0.total_cmp(&a.0));
+        gains.truncate(spec.max_rows - batch.len());
+        // The number of draft tokens whose step yields the most expected tokens per second.
+        let (mut best, mut best_rate) = (
+            0,
+            batch.len() as f64 / self.step_costs.estimate(batch.len()),
+        );
+        let mut expected = batch.len() as f64;
+        for (n, (gain, _)) in gains.iter().enumerate() {
+            expected += gain;
+            let rate = expected / self.step_costs.estimate(batch.len() + n + 1);
+            if rate > best_rate {
+                (best, best_rate) = (n + 1, rate);
+            }
+        }
+        let mut keep = vec![0; batch.len()];
+        for &(_, i) in &gains[..best] {
+            keep[i] += 1;
+        }
+        for (draft, keep) in drafts.iter_mut().zip(keep) {
+            draft.truncate(keep);
+        }
+        let need: usize = batch
+            .iter()
+            .zip(&drafts)
+            .map(|(d, draft)| self.blocks_to_hold(d.seq, d.tokens.len() + 1 + draft.len()))
+            .sum();
+        if need > self.pool_free_blocks() {
+            drafts.iter_mut().for_each(Vec::clear);
+        }
+        drafts
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lookup_prefers_the_longest_most_recent_match() {
+        // ... 1 2 3 [7 8] ... 2 3 [9] ... 1 2 3: the 3-gram "1 2 3" matched first.
+        let ctx = [1, 2, 3, 7, 8, 5, 2, 3, 9, 4, 1, 2, 3];
+        assert_eq!(lookup(&ctx, 1, 3, 4), &[7, 8, 5, 2]);
+        assert_eq!(lookup(&ctx, 1, 3, 1), &[7]);
+        // Only the 2-gram "2 3" is allowed: its most recent earlier occurrence is followed by 9.
+        assert_eq!(lookup(&ctx, 1, 2, 2), &[9, 4]);
+        // A draft stops where the context does.
+        assert_eq!(lookup(&[5, 6, 5], 1, 3, 8), &[6, 5]);
+        assert!(lookup(&[1, 2, 3, 4], 1, 3, 4).is_empty(), "nothing repeats");
+        assert!(lookup(&ctx, 1, 3, 0).is_empty());
+        assert!(lookup(&[], 1, 3, 4).is_empty());
+        assert!(lookup(&[7], 1, 3, 4).is_empty());
+    }
+
+    #[test]
+    fn acceptance_follows_recent_drafts() {
+        let mut d = Drafter::default();
+        assert_eq!(d.acceptance(), 0.5);
+        for _ in 0..10 {
+            d.record(4, 4);
+        }
+        assert!(d.acceptance() > 0.9, "{}", d.acceptance());
+        for _ in 0..30 {
+            d.record(2, 0);
+        }
+        assert!(d.acceptance() < 0.2, "{}", d.acceptance());
+        assert_eq!((d.drafted, d.accepted), (100, 40));
+        d.record(0, 0);
+        assert_eq!(d.drafted, 100, "a step without a draft changes nothing");
+    }
+
+    #[test]
+    fn unmeasured_row_counts_look_cheap_until_measured() {
+        let mut c = StepCosts::default();
+        assert_eq!(c.estimate(1), 1.0);
+        c.record(1, 0.010);
+        assert_eq!(c.estimate(1), 0.010);
+        assert!((c.estimate(3) - 0.0104).abs() < 1e-9);
+        c.record(3, 0.030);
+        assert_eq!(c.estimate(3), 0.030);
+        assert!(
+            (c.estimate(2) - 0.0102).abs() < 1e-9,
+            "from the count below"
+        );
+        assert!((c.estimate(5) - 0.0312).abs() < 1e-9);
+        c.record(3, 0.010);
+        assert!((c.estimate(3) - 0.028).abs() < 1e-9, "a moving average");
+        for _ in 0..STALE_STEPS {
+            c.record(1, 0.010);
+        }
+        assert!(
+            (c.estimate(3) - 0.0104).abs() < 1e-9,
+            "a measurement not repeated for {STALE_STEPS} steps is tried again"
+        );
+    }
+}
