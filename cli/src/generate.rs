@@ -53,6 +53,10 @@ pub(crate) struct GenerateArgs {
     /// Compute threads (0 = one per core).
     #[arg(long, env = "TANDEM_THREADS", default_value_t = 0)]
     pub(crate) threads: usize,
+    /// Prompt-lookup speculative decoding, in-process (a cluster's decode nodes have their
+    /// own setting); the tokens are the same either way.
+    #[arg(long, env = "TANDEM_SPECULATE", value_enum, default_value_t = crate::serve::Switch::On)]
+    pub(crate) speculate: crate::serve::Switch,
     /// Print one JSON object with ids, text, finish reason and timings.
     #[arg(long)]
     pub(crate) json: bool,

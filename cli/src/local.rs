@@ -68,6 +68,7 @@ pub(crate) fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
             // Room for this one request.
             kv_budget_bytes: (prompt.len() + args.max_tokens + tandem_engine::BLOCK_TOKENS)
                 * model.config.kv_layout().token_bytes(),
+            speculate: args.speculate.speculate(),
             ..EngineConfig::default()
         },
     )?;
@@ -154,6 +155,7 @@ pub(crate) fn generate_batch(args: &GenerateArgs, file: &std::path::Path) -> any
             threads: args.threads,
             // Room for every request at once.
             kv_budget_bytes: tokens * model.config.kv_layout().token_bytes(),
+            speculate: args.speculate.speculate(),
             ..EngineConfig::default()
         },
     )?;

@@ -27,6 +27,14 @@ impl Switch {
             Switch::Off => "off",
         }
     }
+
+    /// Speculative decoding, on or off (`--speculate`).
+    pub(crate) fn speculate(self) -> tandem_engine::SpeculateConfig {
+        match self {
+            Switch::On => tandem_engine::SpeculateConfig::on(),
+            Switch::Off => tandem_engine::SpeculateConfig::off(),
+        }
+    }
 }
 
 /// How the router chooses replicas.
@@ -145,6 +153,10 @@ pub(crate) struct DecodeArgs {
     /// it, so idle reservations cannot hold KV blocks for long.
     #[arg(long, env = "TANDEM_MAX_KV_WAIT_MS", default_value_t = 60_000)]
     max_kv_wait_ms: u64,
+    /// Prompt-lookup speculative decoding: drafts copied from the sequence itself, verified
+    /// several at a time, never changing a token (docs/speculative.md).
+    #[arg(long, env = "TANDEM_SPECULATE", value_enum, default_value_t = Switch::On)]
+    speculate: Switch,
 }
 
 #[derive(Args, Debug)]
@@ -304,7 +316,10 @@ pub(crate) fn decode(args: &DecodeArgs) -> anyhow::Result<()> {
     let model = args.worker.model.source().load()?;
     let config = tandem_decode_server::Config {
         // The session cache may use the whole pool: running sequences evict it as they need.
-        engine: args.worker.engine(usize::MAX),
+        engine: EngineConfig {
+            speculate: args.speculate.speculate(),
+            ..args.worker.engine(usize::MAX)
+        },
         max_slots: args.max_slots,
         kv_wait: Duration::from_millis(args.kv_wait_ms),
         max_kv_wait: Duration::from_millis(args.max_kv_wait_ms),

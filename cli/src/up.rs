@@ -45,6 +45,9 @@ pub(crate) struct UpArgs {
     /// Every worker's prefix or session cache (`off` is the baseline without reuse).
     #[arg(long, env = "TANDEM_PREFIX_CACHE", value_enum, default_value_t = Switch::On)]
     prefix_cache: Switch,
+    /// The decode nodes' prompt-lookup speculative decoding.
+    #[arg(long, env = "TANDEM_SPECULATE", value_enum, default_value_t = Switch::On)]
+    speculate: Switch,
     /// Each prefill node's prefix cache in MiB.
     #[arg(long, env = "TANDEM_PREFIX_CACHE_MB", default_value_t = 128)]
     prefix_cache_mb: usize,
@@ -223,6 +226,8 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
                 a.extend(common.iter().cloned());
                 if role == "prefill" {
                     a.extend(["--prefix-cache-mb".into(), args.prefix_cache_mb.to_string()]);
+                } else {
+                    a.extend(["--speculate".into(), args.speculate.name().into()]);
                 }
                 workers.push(start(format!("{role}-{i}"), &a).await?);
             }
