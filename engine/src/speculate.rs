@@ -25,7 +25,8 @@
 //! time peak, so a sequence whose drafts fail, or a batch large enough that every row costs
 //! its full share of arithmetic, drafts little or nothing. A row count not yet measured is
 //! assumed to cost little more than the largest measured one below it, so each is tried once
-//! and then judged by its measurements.
+//! and then judged by its measurements; a measurement not repeated for a while counts only
+//! half against a row count, so one spoiled by noise is retried eventually.
 
 use crate::engine::{Engine, SeqId};
 use crate::error::Result;
@@ -129,30 +130,43 @@ impl StepCosts {
         if self.secs.len() < rows {
             self.secs.resize(rows, (0.0, 0));
         }
-        let fresh = self.fresh(rows);
+        let recent = match self.measured(rows) {
+            Some((t, true)) => Some(t),
+            _ => None,
+        };
         let (t, at) = &mut self.secs[rows - 1];
-        *t = match fresh {
+        *t = match recent {
             Some(old) => DECAY * old + (1.0 - DECAY) * secs,
             None => secs,
         };
         *at = self.steps;
     }
 
-    /// The measured time of `rows`, unless it is missing or stale.
-    fn fresh(&self, rows: usize) -> Option<f64> {
+    /// The measured time of `rows`, and whether it is recent.
+    fn measured(&self, rows: usize) -> Option<(f64, bool)> {
         let &(t, at) = self.secs.get(rows.checked_sub(1)?)?;
-        (t > 0.0 && self.steps - at < STALE_STEPS).then_some(t)
+        (t > 0.0).then_some((t, self.steps - at < STALE_STEPS))
     }
 
-    /// The expected seconds of a step of `rows`: measured, or the largest measured count
-    /// below's time plus [`UNMEASURED_ROW_COST`] of it per extra row (1 if nothing is).
+    /// The expected seconds of a step of `rows`: a recent measurement; else the largest
+    /// recently measured count below's time plus [`UNMEASURED_ROW_COST`] of it per extra row
+    /// (1 if nothing is), or, for an old measurement, halfway between it and that guess.
     fn estimate(&self, rows: usize) -> f64 {
-        if let Some(t) = self.fresh(rows) {
+        let measured = self.measured(rows);
+        if let Some((t, true)) = measured {
             return t;
         }
-        match (1..rows).rev().find_map(|r| self.fresh(r).map(|t| (r, t))) {
+        let recent_below = (1..rows).rev().find_map(|r| match self.measured(r) {
+            Some((t, true)) => Some((r, t)),
+            _ => None,
+        });
+        let guess = match recent_below {
             Some((r, t)) => t * (1.0 + UNMEASURED_ROW_COST * (rows - r) as f64),
             None => 1.0 + UNMEASURED_ROW_COST * (rows - 1) as f64,
+        };
+        match measured {
+            Some((old, _)) => (old + guess) / 2.0,
+            None => guess,
         }
     }
 }
@@ -373,8 +387,10 @@ mod tests {
             c.record(1, 0.010);
         }
         assert!(
-            (c.estimate(3) - 0.0104).abs() < 1e-9,
-            "a measurement not repeated for {STALE_STEPS} steps is tried again"
+            (c.estimate(3) - (0.028 + 0.0104) / 2.0).abs() < 1e-9,
+            "a measurement not repeated for {STALE_STEPS} steps counts half"
         );
+        c.record(3, 0.020);
+        assert_eq!(c.estimate(3), 0.020, "and is replaced by the next");
     }
 }

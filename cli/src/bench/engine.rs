@@ -92,53 +92,16 @@ struct SpeculationResult {
     batch: SpecRun,
 }
 
-/// The speculation workloads: (name, kind, user message).
-const SPEC_PROMPTS: &[(&str, &str, &str)] = &[
-    (
-        "rewrite code",
-        "copy",
-        "Rewrite this Python function with type hints and a docstring. Keep the logic exactly \
-         the same.\n\n```python\ndef merge_intervals(intervals):\n    if not intervals:\n        \
-         return []\n    intervals = sorted(intervals, key=lambda item: item[0])\n    merged = \
-         [intervals[0]]\n    for start, end in intervals[1:]:\n        last_start, last_end = \
-         merged[-1]\n        if start <= last_end:\n            merged[-1] = (last_start, \
-         max(last_end, end))\n        else:\n            merged.append((start, end))\n    \
-         return merged\n\n\ndef total_covered(intervals):\n    total = 0\n    for start, end \
-         in merge_intervals(intervals):\n        total += end - start\n    return total\n```",
-    ),
-    (
-        "summarise passage",
-        "copy",
-        "Summarise this passage in a few sentences, using its own words where you can.\n\nThe \
-         lighthouse at Point Reyes was built in 1870 to warn ships away from the rocky headland, \
-         where fog settles for weeks at a time in summer. Its lens, made in France, has more \
-         than a thousand pieces of glass and was turned by a clockwork mechanism that the \
-         keepers wound every two hours through the night. The keepers lived in a house at the \
-         top of the cliff and walked down three hundred steps to reach the light. The work was \
-         lonely and hard: the wind often blew at more than forty miles an hour, and supplies \
-         came only once a month by wagon. In 1975 the Coast Guard replaced the old lens with an \
-         automatic light, and the lighthouse became part of a national seashore that visitors \
-         can explore today.",
-    ),
-    (
-        "continue list",
-        "copy",
-        "Continue this list in the same format up to item 12.\n\n1. Apple - a red fruit that \
-         grows on trees.\n2. Banana - a yellow fruit that grows on plants.\n3. Cherry - a red \
-         fruit that grows on trees.\n4. Grape - a green fruit that grows on vines.\n5. Lemon - a \
-         yellow fruit that grows on trees.",
-    ),
-    (
-        "story",
-        "novel",
-        "Write a short story about a fox who learns to play the violin.",
-    ),
-    (
-        "explain",
-        "novel",
-        "Why do we have seasons on Earth? Answer in a few paragraphs.",
-    ),
-];
+/// The speculation workloads, one JSON object per line: `name`, `kind` (`copy` or `novel`) and
+/// the user message `text`. `scripts/bench-speculate.sh` sends the same prompts to a cluster.
+const SPEC_PROMPTS: &str = include_str!("speculate-prompts.jsonl");
+
+#[derive(serde::Deserialize)]
+struct SpecPrompt {
+    name: String,
+    kind: String,
+    text: String,
+}
 
 pub(crate) fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
     if args.runs == 0 || args.prompt_tokens == 0 || args.gen_tokens == 0 {
@@ -352,12 +315,13 @@ fn compare(
 
 fn speculation(engine: &mut Engine, args: &EngineBenchArgs) -> anyhow::Result<SpeculationResult> {
     let model = engine.model().clone();
-    let requests: Vec<(&str, &'static str, GenerateRequest)> = SPEC_PROMPTS
-        .iter()
-        .map(|&(name, kind, text)| {
+    let requests: Vec<(String, &'static str, GenerateRequest)> = SPEC_PROMPTS
+        .lines()
+        .map(|line| {
+            let p: SpecPrompt = serde_json::from_str(line)?;
             let rendered = model.tokenizer.apply_chat_template(&[ChatMessage {
                 role: "user".into(),
-                content: text.into(),
+                content: p.text,
             }])?;
             let request = GenerateRequest {
                 prompt: model.tokenizer.encode(&rendered)?,
@@ -366,7 +330,8 @@ fn speculation(engine: &mut Engine, args: &EngineBenchArgs) -> anyhow::Result<Sp
                     ..GenerateParams::default()
                 },
             };
-            Ok((name, kind, request))
+            let kind = if p.kind == "copy" { "copy" } else { "novel" };
+            Ok((p.name, kind, request))
         })
         .collect::<anyhow::Result<_>>()?;
     let mut prompts = Vec::new();
