@@ -24,9 +24,10 @@
 //! drafts' tokens in order of that worth and cuts them where expected tokens per second of step
 //! time peak, so a sequence whose drafts fail, or a batch large enough that every row costs
 //! its full share of arithmetic, drafts little or nothing. A row count not yet measured is
-//! assumed to cost little more than the largest measured one below it, so each is tried once
-//! and then judged by its measurements; a measurement not repeated for a while counts only
-//! half against a row count, so one spoiled by noise is retried eventually.
+//! assumed to cost what the measured ones below it suggest (each extra row what a row cost
+//! between the two largest, and at least 2% of a step), so it is tried when that looks
+//! worthwhile and then judged by its measurements; a measurement not repeated for a while
+//! counts only half, so one spoiled by noise is retried eventually.
 
 use crate::engine::{Engine, SeqId};
 use crate::error::Result;
@@ -148,21 +149,28 @@ impl StepCosts {
         (t > 0.0).then_some((t, self.steps - at < STALE_STEPS))
     }
 
-    /// The expected seconds of a step of `rows`: a recent measurement; else the largest
-    /// recently measured count below's time plus [`UNMEASURED_ROW_COST`] of it per extra row
-    /// (1 if nothing is), or, for an old measurement, halfway between it and that guess.
+    /// The expected seconds of a step of `rows`: a recent measurement; else a guess, or for an
+    /// old measurement halfway between it and the guess. The guess extends the largest recently
+    /// measured count below by the cost per row between it and the next one measured below
+    /// (at least [`UNMEASURED_ROW_COST`] of it per row; 1 s if nothing is measured).
     fn estimate(&self, rows: usize) -> f64 {
         let measured = self.measured(rows);
         if let Some((t, true)) = measured {
             return t;
         }
-        let recent_below = (1..rows).rev().find_map(|r| match self.measured(r) {
+        let mut recent_below = (1..rows).rev().filter_map(|r| match self.measured(r) {
             Some((t, true)) => Some((r, t)),
             _ => None,
         });
-        let guess = match recent_below {
-            Some((r, t)) => t * (1.0 + UNMEASURED_ROW_COST * (rows - r) as f64),
-            None => 1.0 + UNMEASURED_ROW_COST * (rows - 1) as f64,
+        let guess = match (recent_below.next(), recent_below.next()) {
+            (Some((r1, t1)), below) => {
+                // The cost per row between the two largest counts measured, at least the floor.
+                let floor = UNMEASURED_ROW_COST * t1;
+                let slope =
+                    below.map_or(floor, |(r0, t0)| ((t1 - t0) / (r1 - r0) as f64).max(floor));
+                t1 + slope * (rows - r1) as f64
+            }
+            (None, _) => 1.0 + UNMEASURED_ROW_COST * (rows - 1) as f64,
         };
         match measured {
             Some((old, _)) => (old + guess) / 2.0,
@@ -380,7 +388,10 @@ mod tests {
             (c.estimate(2) - 0.0102).abs() < 1e-9,
             "from the count below"
         );
-        assert!((c.estimate(5) - 0.0312).abs() < 1e-9);
+        assert!(
+            (c.estimate(5) - 0.050).abs() < 1e-9,
+            "rows past 3 cost what rows 1 to 3 did each"
+        );
         c.record(3, 0.010);
         assert!((c.estimate(3) - 0.028).abs() < 1e-9, "a moving average");
         for _ in 0..STALE_STEPS {
