@@ -642,10 +642,10 @@ fn https_get(url: &str, path: &str, ca: &std::path::Path) -> std::io::Result<(St
     let mut reply = String::new();
     // The server closes without close_notify under HTTP/1.1 `Connection: close` at times;
     // what arrived before counts.
-    if let Err(e) = tls.read_to_string(&mut reply) {
-        if e.kind() != std::io::ErrorKind::UnexpectedEof || reply.is_empty() {
-            return Err(e);
-        }
+    if let Err(e) = tls.read_to_string(&mut reply)
+        && (e.kind() != std::io::ErrorKind::UnexpectedEof || reply.is_empty())
+    {
+        return Err(e);
     }
     let (head, body) = reply.split_once("\r\n\r\n").unwrap_or((&reply, ""));
     Ok((

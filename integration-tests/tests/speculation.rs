@@ -61,8 +61,7 @@ async fn speculation_streams_several_tokens_a_frame_and_changes_none() {
         on.token_ids.len()
     );
 
-    let timings =
-        |c: &tandem_integration_tests::Collected| c.last.timings.clone().expect("timings");
+    let timings = |c: &tandem_integration_tests::Collected| c.last.timings.expect("timings");
     assert_eq!(timings(&off).draft_tokens, 0);
     let t = timings(&on);
     assert!(
