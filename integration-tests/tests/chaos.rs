@@ -412,8 +412,10 @@ impl Opts {
 /// What one client saw.
 #[derive(Debug, Default, Clone)]
 struct Outcome {
-    /// Each frame's tokens, by index.
-    frames: Vec<Vec<u32>>,
+    /// The tokens delivered, in order (a frame may carry several).
+    tokens: Vec<u32>,
+    /// Frames received, over every attempt.
+    frames: usize,
     /// The final status: "Ok" or the gRPC code.
     status: String,
     message: String,
@@ -431,12 +433,6 @@ struct Outcome {
     /// The decode replica of the final answer.
     decode: String,
     events: Vec<serde_json::Value>,
-}
-
-impl Outcome {
-    fn tokens(&self) -> Vec<u32> {
-        self.frames.concat()
-    }
 }
 
 /// True when the client should send the request again: the router was unreachable or went
@@ -475,22 +471,29 @@ async fn attempt(
     req.set_timeout(left);
     SENT.fetch_add(1, Ordering::Relaxed);
     let mut frames = client.generate(req).await?.into_inner();
+    // This attempt's frames and tokens so far. A replay after a retry must repeat the tokens
+    // already delivered; its frames may group them differently (speculative decoding accepts a
+    // timing-dependent number per step).
+    let (mut index, mut offset) = (0, 0);
     while let Some(f) = frames.message().await? {
         out.events.push(event(Some(f.index), "frame"));
-        let k = f.index as usize;
-        match k.cmp(&out.frames.len()) {
-            // A replay after a retry must repeat what was delivered.
-            std::cmp::Ordering::Less => out.broken |= out.frames[k] != f.token_ids,
-            std::cmp::Ordering::Equal => out.frames.push(f.token_ids.clone()),
-            std::cmp::Ordering::Greater => out.broken = true,
+        out.broken |= f.index != index;
+        index += 1;
+        for &t in &f.token_ids {
+            match out.tokens.get(offset) {
+                Some(&delivered) => out.broken |= delivered != t,
+                None => out.tokens.push(t),
+            }
+            offset += 1;
         }
+        out.frames += 1;
         if f.finish_reason != pb::FinishReason::Unspecified as i32 {
             let route = f.route.unwrap_or_default();
             out.attempts = route.attempts.max(1);
             out.decode = route.decode;
             return Ok(true);
         }
-        if opts.cancel_after.is_some_and(|n| out.frames.len() >= n) {
+        if opts.cancel_after.is_some_and(|n| out.frames >= n) {
             return Err(tonic::Status::cancelled("the client cancelled"));
         }
     }
@@ -732,7 +735,7 @@ fn score(fault: &str, case: &Case, got: &[(usize, Outcome)], allowed: &'static [
         row.lost_or_duplicated += usize::from(g.broken);
         row.client_retries += g.client_retries as usize;
         if g.status == "Ok" {
-            if g.tokens() == case.want[*i] {
+            if g.tokens == case.want[*i] {
                 row.completed_exactly += 1;
             } else {
                 row.different += 1;
