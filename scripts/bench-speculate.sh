@@ -13,19 +13,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
-tandem=${TANDEM:-target/release/tandem}
-[ -x "$tandem" ] || cargo build --release -p tandem-cli
+. scripts/lib/cluster.sh
 out=target/bench-speculate
 mkdir -p "$out"
 for round in $(seq 1 "$rounds"); do
   for mode in off on; do
-    log="$out/up-$mode.log"
-    "$tandem" up --model default --port 0 --http-port 0 --speculate "$mode" >"$log" 2>/dev/null &
-    pid=$!
-    for _ in $(seq 1 120); do grep -q "router (gRPC" "$log" && break; sleep 0.5; done
-    addr=$(grep "router (gRPC" "$log" | awk '{print $NF}')
-    echo "round $round: speculation $mode at $addr" >&2
-    python3 - "$tandem" "$addr" >"$out/$mode.$round.prompts.json" <<'PY'
+    up "$out/up-$mode.log" --speculate "$mode"
+    echo "round $round: speculation $mode at $up_addr" >&2
+    python3 - "$tandem" "$up_addr" >"$out/$mode.$round.prompts.json" <<'PY'
 import json, subprocess, sys
 tandem, addr = sys.argv[1], sys.argv[2]
 results = []
@@ -44,11 +39,10 @@ for line in open("cli/src/bench/speculate-prompts.jsonl"):
                     "accepted_draft_tokens": r["accepted_draft_tokens"]})
 json.dump(results, sys.stdout)
 PY
-    "$tandem" bench serve --server "$addr" --concurrency 16 --requests 32 --prompt-words 100 \
+    "$tandem" bench serve --server "$up_addr" --concurrency 16 --requests 32 --prompt-words 100 \
       --max-tokens 64 --warmup 2 --seed "$round" --label "$mode" --json \
       >"$out/$mode.$round.serve.json" 2>/dev/null
-    kill -TERM "$pid"
-    wait "$pid" || true
+    down
   done
 done
 python3 - "$out" "$rounds" <<'PY'

@@ -10,25 +10,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
-tandem=${TANDEM:-target/release/tandem}
-[ -x "$tandem" ] || cargo build --release -p tandem-cli
+. scripts/lib/cluster.sh
 out=target/bench-tls
 mkdir -p "$out"
 for round in $(seq 1 "$rounds"); do
   for mode in tls insecure; do
     flags=()
     [ "$mode" = insecure ] && flags=(--insecure)
-    log="$out/up-$mode.log"
-    "$tandem" up --model default --port 0 --http-port 0 "${flags[@]}" >"$log" 2>/dev/null &
-    pid=$!
-    for _ in $(seq 1 120); do grep -q "router (gRPC" "$log" && break; sleep 0.5; done
-    addr=$(grep "router (gRPC" "$log" | awk '{print $NF}')
-    echo "round $round: $mode at $addr" >&2
-    "$tandem" bench serve --server "$addr" --concurrency 1,4 --requests 24 --prompt-words 100 \
+    up "$out/up-$mode.log" "${flags[@]}"
+    echo "round $round: $mode at $up_addr" >&2
+    "$tandem" bench serve --server "$up_addr" --concurrency 1,4 --requests 24 --prompt-words 100 \
       --max-tokens 64 --warmup 2 --seed "$round" --label "$mode" --json \
       >"$out/$mode.$round.json" 2>/dev/null
-    kill -TERM "$pid"
-    wait "$pid" || true
+    down
   done
 done
 python3 - "$out" "$rounds" <<'PY'

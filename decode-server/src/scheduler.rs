@@ -310,13 +310,6 @@ impl Scheduler {
 
     fn step(&mut self) {
         let mut active: Vec<(Ticket, Active)> = self.active.drain().collect();
-        let totals = |active: &[(Ticket, Active)]| {
-            active.iter().fold((0, 0), |(d, a), (_, x)| {
-                let drafter = &x.decoding.drafter;
-                (d + drafter.drafted, a + drafter.accepted)
-            })
-        };
-        let before = totals(&active);
         let mut batch: Vec<&mut Decoding> =
             active.iter_mut().map(|(_, a)| &mut a.decoding).collect();
         let started = Instant::now();
@@ -325,11 +318,10 @@ impl Scheduler {
         m.steps.inc();
         m.step_seconds.observe(started.elapsed().as_secs_f64());
         match result {
-            Ok(emitted) => {
-                let after = totals(&active);
-                m.draft_tokens.inc_by(after.0 - before.0);
-                m.accepted_draft_tokens.inc_by(after.1 - before.1);
-                for ((ticket, mut a), emissions) in active.into_iter().zip(emitted) {
+            Ok(step) => {
+                m.draft_tokens.inc_by(step.drafted as u64);
+                m.accepted_draft_tokens.inc_by(step.accepted as u64);
+                for ((ticket, mut a), emissions) in active.into_iter().zip(step.emissions) {
                     if self.deliver(&mut a, emissions) {
                         self.active.insert(ticket, a);
                     } else {

@@ -319,9 +319,9 @@ impl Engine {
                 .filter(|(i, _)| running.contains(i))
                 .map(|(_, a)| &mut a.decoding)
                 .collect();
-            let emitted = self.decode_step(&mut batch)?;
+            let step = self.decode_step(&mut batch)?;
             let mut still = Vec::with_capacity(running.len());
-            for (i, emissions) in running.into_iter().zip(emitted) {
+            for (i, emissions) in running.into_iter().zip(step.emissions) {
                 let a = &mut active[i];
                 let mut finished = false;
                 for e in emissions {

@@ -78,7 +78,7 @@ impl SpeculateConfig {
 /// How much older observations count after each new one, in the acceptance estimate and the
 /// step costs.
 const DECAY: f64 = 0.9;
-/// Extra cost assumed per row beyond the largest measured row count, until measured.
+/// The least extra cost, as a share of a step, assumed per row past the measured row counts.
 const UNMEASURED_ROW_COST: f64 = 0.02;
 
 /// One sequence's drafting statistics.
@@ -110,8 +110,9 @@ impl Drafter {
     }
 }
 
-/// Steps after which a row count's measurement is treated as unmeasured again, so that one
-/// unlucky measurement (a noisy neighbour, a cold cache) does not rule a row count out for good.
+/// Steps after which a row count's measurement counts only half (see [`StepCosts::estimate`]),
+/// so that one unlucky measurement (a noisy neighbour, a cold cache) does not rule a row count
+/// out for good.
 const STALE_STEPS: u64 = 64;
 
 /// Recent step times by row count, measured.
@@ -181,7 +182,7 @@ impl StepCosts {
 
 /// The tokens that followed the most recent earlier occurrence of `context`'s last n tokens,
 /// for the longest n in `min_ngram..=max_ngram` that occurs, at most `max_len` of them.
-pub fn lookup(context: &[u32], min_ngram: usize, max_ngram: usize, max_len: usize) -> &[u32] {
+fn lookup(context: &[u32], min_ngram: usize, max_ngram: usize, max_len: usize) -> &[u32] {
     if max_len == 0 {
         return &[];
     }
@@ -224,11 +225,21 @@ impl Decoding {
     }
 }
 
+/// What one [`Engine::decode_step`] did.
+#[derive(Debug)]
+pub struct Step {
+    /// Each sequence's emissions, in batch order: at least one, and the last finishes the
+    /// generation if any does (the sequence should then leave).
+    pub emissions: Vec<Vec<Emission>>,
+    /// Tokens drafted in this step, and how many of them were accepted.
+    pub drafted: usize,
+    pub accepted: usize,
+}
+
 impl Engine {
     /// Advances every sequence of the batch: feeds its pending token (and, with speculation,
-    /// a draft), samples and accepts. Returns each sequence's emissions in order: at least one,
-    /// and the last finishes the generation if any does (the sequence should then leave).
-    pub fn decode_step(&mut self, batch: &mut [&mut Decoding]) -> Result<Vec<Vec<Emission>>> {
+    /// a draft), samples and accepts.
+    pub fn decode_step(&mut self, batch: &mut [&mut Decoding]) -> Result<Step> {
         let drafts = self.drafts(batch, &self.config().speculate);
         let inputs: Vec<Vec<u32>> = batch
             .iter()
@@ -251,7 +262,11 @@ impl Engine {
             .record(total_rows, started.elapsed().as_secs_f64());
         let model = self.model().clone();
         let tokenizer = &model.tokenizer;
-        let mut out = Vec::with_capacity(batch.len());
+        let mut step = Step {
+            emissions: Vec::with_capacity(batch.len()),
+            drafted: 0,
+            accepted: 0,
+        };
         let mut row = 0;
         for ((d, draft), input) in batch.iter_mut().zip(&drafts).zip(&inputs) {
             let mut emissions = Vec::new();
@@ -270,11 +285,13 @@ impl Engine {
             }
             row += input.len();
             d.drafter.record(draft.len(), fed - 1);
+            step.drafted += draft.len();
+            step.accepted += fed - 1;
             d.tokens.extend(&input[..fed]);
             self.truncate(d.seq, d.tokens.len())?;
-            out.push(emissions);
+            step.emissions.push(emissions);
         }
-        Ok(out)
+        Ok(step)
     }
 
     /// Each sequence's draft for this step: candidates from [`lookup`] (within the remaining

@@ -47,12 +47,15 @@ struct Files {
     key: PathBuf,
 }
 
+/// The files' contents: the certificate chain's, then the key's.
+type Contents = (Vec<u8>, Vec<u8>);
+
 /// A server certificate chain and key, read from PEM files and replaced when they change.
 #[derive(Debug)]
 pub struct ServerCert {
     files: Files,
-    /// The files' bytes and what they made.
-    current: RwLock<(Vec<u8>, Arc<CertifiedKey>)>,
+    /// The files' contents when last loaded, and what they made.
+    current: RwLock<(Contents, Arc<CertifiedKey>)>,
 }
 
 fn provider() -> Arc<CryptoProvider> {
@@ -60,34 +63,32 @@ fn provider() -> Arc<CryptoProvider> {
 }
 
 impl Files {
-    fn read(&self) -> Result<Vec<u8>, ApiTlsError> {
+    fn read(&self) -> Result<Contents, ApiTlsError> {
         let read = |path: &Path| {
             std::fs::read(path).map_err(|source| ApiTlsError::Read {
                 path: path.to_owned(),
                 source,
             })
         };
-        let mut bytes = read(&self.cert)?;
-        bytes.extend(read(&self.key)?);
-        Ok(bytes)
+        Ok((read(&self.cert)?, read(&self.key)?))
     }
 
-    fn parse(&self) -> Result<CertifiedKey, ApiTlsError> {
+    /// The certified key that `contents` (read from these files) make.
+    fn parse(&self, (cert, key): &Contents) -> Result<CertifiedKey, ApiTlsError> {
         let invalid = |path: &Path, reason: String| ApiTlsError::Invalid {
             path: path.to_owned(),
             reason,
         };
-        let chain = CertificateDer::pem_file_iter(&self.cert)
-            .and_then(Iterator::collect::<Result<Vec<_>, _>>)
+        let chain = CertificateDer::pem_slice_iter(cert)
+            .collect::<Result<Vec<_>, _>>()
             .map_err(|e| invalid(&self.cert, e.to_string()))?;
         if chain.is_empty() {
             return Err(invalid(&self.cert, "no PEM certificate in the file".into()));
         }
-        let key = PrivateKeyDer::from_pem_file(&self.key)
+        let key = PrivateKeyDer::from_pem_slice(key)
             .map_err(|e| invalid(&self.key, format!("no PEM private key: {e}")))?;
-        let certified = CertifiedKey::from_der(chain, key, &provider())
-            .map_err(|e| invalid(&self.key, e.to_string()))?;
-        Ok(certified)
+        CertifiedKey::from_der(chain, key, &provider())
+            .map_err(|e| invalid(&self.key, e.to_string()))
     }
 }
 
@@ -98,23 +99,23 @@ impl ServerCert {
             cert: cert.to_owned(),
             key: key.to_owned(),
         };
-        let bytes = files.read()?;
-        let certified = Arc::new(files.parse()?);
+        let contents = files.read()?;
+        let certified = Arc::new(files.parse(&contents)?);
         Ok(Arc::new(Self {
             files,
-            current: RwLock::new((bytes, certified)),
+            current: RwLock::new((contents, certified)),
         }))
     }
 
     /// Reads the files again and, if they changed and still make a valid pair, serves them from
     /// the next handshake on. Returns whether the certificate was replaced.
     pub fn reload(&self) -> Result<bool, ApiTlsError> {
-        let bytes = self.files.read()?;
-        if self.current.read().unwrap_or_else(|e| e.into_inner()).0 == bytes {
+        let contents = self.files.read()?;
+        if self.current.read().unwrap_or_else(|e| e.into_inner()).0 == contents {
             return Ok(false);
         }
-        let certified = Arc::new(self.files.parse()?);
-        *self.current.write().unwrap_or_else(|e| e.into_inner()) = (bytes, certified);
+        let certified = Arc::new(self.files.parse(&contents)?);
+        *self.current.write().unwrap_or_else(|e| e.into_inner()) = (contents, certified);
         Ok(true)
     }
 

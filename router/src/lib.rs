@@ -160,19 +160,8 @@ pub async fn run(
             let app = openai::routes(generation.clone());
             let stop = http_stop.clone().cancelled_owned();
             Some(match &config.api_tls {
-                Some(cert) => {
-                    let l = TlsListener::new(l, cert.acceptor());
-                    tokio::spawn(
-                        axum::serve(l, app)
-                            .with_graceful_shutdown(stop)
-                            .into_future(),
-                    )
-                }
-                None => tokio::spawn(
-                    axum::serve(l, app)
-                        .with_graceful_shutdown(stop)
-                        .into_future(),
-                ),
+                Some(cert) => spawn_http(TlsListener::new(l, cert.acceptor()), app, stop),
+                None => spawn_http(l, app, stop),
             })
         }
         None => None,
@@ -221,4 +210,21 @@ pub async fn run(
     }
     served?;
     Ok(())
+}
+
+/// Serves the HTTP API on `listener` (plain TCP, or [`TlsListener`]) until `stop`.
+fn spawn_http<L>(
+    listener: L,
+    app: axum::Router,
+    stop: tokio_util::sync::WaitForCancellationFutureOwned,
+) -> tokio::task::JoinHandle<std::io::Result<()>>
+where
+    L: axum::serve::Listener,
+    L::Addr: std::fmt::Debug,
+{
+    tokio::spawn(
+        axum::serve(listener, app)
+            .with_graceful_shutdown(stop)
+            .into_future(),
+    )
 }

@@ -266,10 +266,9 @@ fn compare(
     let mut last = None;
     for run in 0..runs {
         for speculate in [run % 2 == 1, run % 2 == 0] {
-            engine.set_speculate(if speculate {
-                SpeculateConfig::on()
-            } else {
-                SpeculateConfig::off()
+            engine.set_speculate(SpeculateConfig {
+                enabled: speculate,
+                ..SpeculateConfig::on()
             });
             let outs = engine.generate_batch(requests)?;
             let tokens: usize = outs.iter().map(|o| o.token_ids.len()).sum();

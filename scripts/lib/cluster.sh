@@ -1,0 +1,23 @@
+# Sourced by the benchmark scripts that compare `tandem up` clusters one after another
+# (bench-tls.sh, bench-speculate.sh). Sets $tandem: $TANDEM, or target/release/tandem, built if
+# missing.
+tandem=${TANDEM:-target/release/tandem}
+[ -x "$tandem" ] || cargo build --release -p tandem-cli
+
+# up LOG [FLAG...]: starts `tandem up --model default` on free ports with the FLAGs, its output
+# in LOG, and waits until it prints the router's address; sets $up_pid and $up_addr (gRPC).
+up() {
+  local log=$1
+  shift
+  "$tandem" up --model default --port 0 --http-port 0 "$@" >"$log" 2>/dev/null &
+  up_pid=$!
+  for _ in $(seq 1 120); do grep -q "router (gRPC" "$log" && break; sleep 0.5; done
+  up_addr=$(grep "router (gRPC" "$log" | awk '{print $NF}')
+  [ -n "$up_addr" ] || { echo "tandem up did not start; see $log" >&2; return 1; }
+}
+
+# down: stops the cluster `up` started (SIGTERM; each node drains) and waits for it.
+down() {
+  kill -TERM "$up_pid"
+  wait "$up_pid" || true
+}
