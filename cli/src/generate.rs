@@ -57,6 +57,10 @@ pub(crate) struct GenerateArgs {
     /// own setting); the tokens are the same either way.
     #[arg(long, env = "TANDEM_SPECULATE", value_enum, default_value_t = crate::serve::Switch::On)]
     pub(crate) speculate: crate::serve::Switch,
+    /// How the KV cache stores keys and values, in-process (a cluster's nodes have their own
+    /// setting).
+    #[arg(long, env = "TANDEM_KV_DTYPE", value_enum, default_value_t = crate::serve::KvDtype::F16)]
+    pub(crate) kv_dtype: crate::serve::KvDtype,
     /// Print one JSON object with ids, text, finish reason and timings.
     #[arg(long)]
     pub(crate) json: bool,

@@ -67,8 +67,9 @@ pub(crate) fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
             threads: args.threads,
             // Room for this one request.
             kv_budget_bytes: (prompt.len() + args.max_tokens + tandem_engine::BLOCK_TOKENS)
-                * model.config.kv_layout().token_bytes(),
+                * model.config.kv_layout(args.kv_dtype.dtype()).token_bytes(),
             speculate: args.speculate.speculate(),
+            kv_dtype: args.kv_dtype.dtype(),
             ..EngineConfig::default()
         },
     )?;
@@ -154,8 +155,9 @@ pub(crate) fn generate_batch(args: &GenerateArgs, file: &std::path::Path) -> any
         EngineConfig {
             threads: args.threads,
             // Room for every request at once.
-            kv_budget_bytes: tokens * model.config.kv_layout().token_bytes(),
+            kv_budget_bytes: tokens * model.config.kv_layout(args.kv_dtype.dtype()).token_bytes(),
             speculate: args.speculate.speculate(),
+            kv_dtype: args.kv_dtype.dtype(),
             ..EngineConfig::default()
         },
     )?;

@@ -37,6 +37,24 @@ impl Switch {
     }
 }
 
+/// How the KV cache stores keys and values (`--kv-dtype`).
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KvDtype {
+    /// f16, as llama.cpp keeps it.
+    F16,
+    /// int8 with one f16 scale per token and KV head: 52% of f16's bytes (docs/kv-cache.md).
+    Q8,
+}
+
+impl KvDtype {
+    pub(crate) fn dtype(self) -> tandem_engine::KvDtype {
+        match self {
+            KvDtype::F16 => tandem_engine::KvDtype::F16,
+            KvDtype::Q8 => tandem_engine::KvDtype::Q8,
+        }
+    }
+}
+
 /// How the router chooses replicas.
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Policy {
@@ -74,6 +92,11 @@ pub(crate) struct WorkerArgs {
     /// its whole prompt.
     #[arg(long, env = "TANDEM_PREFIX_CACHE", value_enum, default_value_t = Switch::On)]
     pub prefix_cache: Switch,
+    /// How the KV cache stores keys and values, and how the KV is sent between nodes. Every
+    /// prefill and decode node of a cluster must use the same: a decode node rejects a push of
+    /// another dtype.
+    #[arg(long, env = "TANDEM_KV_DTYPE", value_enum, default_value_t = KvDtype::F16)]
+    pub kv_dtype: KvDtype,
     #[command(flatten)]
     pub tls: TlsArgs,
 }
@@ -110,6 +133,7 @@ impl WorkerArgs {
         EngineConfig {
             threads: self.threads,
             kv_budget_bytes: self.kv_budget_mb << 20,
+            kv_dtype: self.kv_dtype.dtype(),
             prefix_cache_bytes: match self.prefix_cache {
                 Switch::On => cache_bytes,
                 Switch::Off => 0,

@@ -17,7 +17,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 use crate::ModelArgs;
-use crate::serve::{Policy, Switch, shutdown_signal};
+use crate::serve::{KvDtype, Policy, Switch, shutdown_signal};
 
 #[derive(Args, Debug)]
 pub(crate) struct UpArgs {
@@ -48,6 +48,9 @@ pub(crate) struct UpArgs {
     /// The decode nodes' prompt-lookup speculative decoding.
     #[arg(long, env = "TANDEM_SPECULATE", value_enum, default_value_t = Switch::On)]
     speculate: Switch,
+    /// How every node's KV cache stores keys and values, and how prefill sends them to decode.
+    #[arg(long, env = "TANDEM_KV_DTYPE", value_enum, default_value_t = KvDtype::F16)]
+    kv_dtype: KvDtype,
     /// Each prefill node's prefix cache in MiB.
     #[arg(long, env = "TANDEM_PREFIX_CACHE_MB", default_value_t = 128)]
     prefix_cache_mb: usize,
@@ -219,6 +222,7 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
         };
         common.extend(["--threads".into(), threads.to_string()]);
         common.extend(["--prefix-cache".into(), args.prefix_cache.name().into()]);
+        common.extend(["--kv-dtype".into(), args.kv_dtype.dtype().name().into()]);
         let mut workers = Vec::new();
         for (role, n) in [("prefill", args.prefill), ("decode", args.decode)] {
             for i in 0..n {

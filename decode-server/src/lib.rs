@@ -46,6 +46,7 @@ pub async fn run(
     }
     let engine = Engine::new(config.model.clone(), config.engine.clone())?;
     let total_blocks = engine.kv_blocks_total();
+    let kv_layout = engine.kv_layout();
     let prefix_cache = engine.prefix_cache_enabled();
     let mut registry = Registry::default();
     let shared = Arc::new(Shared {
@@ -65,6 +66,7 @@ pub async fn run(
     let tracker = TaskTracker::new();
     let ctx = RequestContext {
         model: config.model.clone(),
+        kv_layout,
         admission: Admission::new(config.max_slots, total_blocks),
         total_blocks,
         reservations: reservations.clone(),

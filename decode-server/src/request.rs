@@ -57,6 +57,8 @@ pub(crate) struct Plan {
 #[derive(Clone, Debug)]
 pub(crate) struct RequestContext {
     pub model: Arc<Model>,
+    /// The engine's KV layout and dtype, which a push must match.
+    pub kv_layout: tandem_engine::KvLayout,
     pub admission: Admission,
     pub total_blocks: usize,
     pub reservations: Reservations,
@@ -227,7 +229,7 @@ impl RequestContext {
         let reservation = if plan.local_prefill {
             None
         } else {
-            let layout = tandem_worker::wire_layout(&self.model);
+            let layout = tandem_worker::wire_layout(self.kv_layout);
             let want = Expectation {
                 fingerprint: self.model.fingerprint.0,
                 layout,
@@ -265,7 +267,7 @@ impl RequestContext {
                 }
                 let first_token = received.first_token;
                 Input::Kv {
-                    kv: tandem_worker::kv_export(&self.model, received),
+                    kv: tandem_worker::kv_export(self.kv_layout, received),
                     first_token,
                 }
             }

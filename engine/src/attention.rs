@@ -1,12 +1,14 @@
 //! Causal grouped-query attention for one query row against a sequence's paged KV.
 //!
-//! Keys and values are always read back from the f16 pool, even for the positions the current
+//! Keys and values are always read back from the pool, even for the positions the current
 //! forward pass just wrote, so the result for a position does not depend on how the prompt was
 //! chunked or on which other sequences share the batch.
+//!
+//! The pool's rows (f16, or int8 with a scale) are converted to f32 one block at a time, into a
+//! per-thread buffer of 16 rows per KV head that stays in L1; nothing else of the cache is
+//! copied.
 
 use std::ops::Range;
-
-use half::slice::HalfFloatSliceExt;
 
 use crate::kv::{BLOCK_TOKENS, KvKind, KvPool};
 use crate::memory::prefetch;
@@ -49,7 +51,8 @@ pub fn attend(pool: &KvPool, g: &Query<'_>, out: &mut [f32]) {
 /// unless the next reads are already under way. Each head's arithmetic is the same whatever
 /// `kv_heads` holds (its scores, softmax and weighted sum of values in position order).
 fn attend_in(pool: &KvPool, g: &Query<'_>, out: &mut [f32], s: &mut Scratch) {
-    let hd = pool.layout().head_dim;
+    let layout = pool.layout();
+    let (hd, row_bytes) = (layout.head_dim, layout.row_bytes());
     let heads = g.q.len() / hd;
     let per_kv = heads / g.kv_heads.len();
     let slab = BLOCK_TOKENS * hd;
@@ -69,13 +72,19 @@ fn attend_in(pool: &KvPool, g: &Query<'_>, out: &mut [f32], s: &mut Scratch) {
         };
         pool.slabs(g.blocks[i % n_blocks], g.layer, kind, g.kv_heads.clone())
     };
-    // The first `n` tokens of each KV head's slab, converted to f32 in `buf` (same layout).
+    // The first `n` rows of each KV head's slab, converted to f32 in `buf`: `[head][token][hd]`.
     let load = |i: usize, n: usize, buf: &mut [f32]| {
         if i + PREFETCH_AHEAD < 2 * n_blocks {
             prefetch(read(i + PREFETCH_AHEAD));
         }
-        for (src, dst) in read(i).chunks_exact(slab).zip(buf.chunks_exact_mut(slab)) {
-            src[..n * hd].convert_to_f32_slice(&mut dst[..n * hd]);
+        let slab_bytes = BLOCK_TOKENS * row_bytes;
+        for (src, dst) in read(i)
+            .chunks_exact(slab_bytes)
+            .zip(buf.chunks_exact_mut(slab))
+        {
+            layout
+                .dtype
+                .decode_rows(hd, &src[..n * row_bytes], &mut dst[..n * hd]);
         }
     };
     for i in 0..PREFETCH_AHEAD.min(2 * n_blocks) {
@@ -275,33 +284,49 @@ pub fn softmax(x: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::KvLayout;
+    use crate::kv::{KvDtype, KvLayout};
 
-    /// Two heads against one KV head, checked against a direct computation over the
-    /// f16-rounded keys and values: head sizes that take the portable loops (12), one SIMD pass
-    /// (8, 64) and two passes (72); key counts with and without a partial block or a group of
-    /// four.
+    /// Two heads against one KV head, checked against a direct computation over the keys and
+    /// values as the pool stores them (rounded to f16, or quantized to int8): head sizes that
+    /// take the portable loops (12), one SIMD pass (8, 64) and two passes (72); key counts with
+    /// and without a partial block or a group of four.
     #[test]
     fn matches_naive_attention() {
-        for (hd, n) in [(8, 37), (12, 18), (64, 37), (64, 3), (72, 16)] {
-            check_against_naive(hd, n);
+        for dtype in [KvDtype::F16, KvDtype::Q8] {
+            for (hd, n) in [(8, 37), (12, 18), (64, 37), (64, 3), (72, 16)] {
+                check_against_naive(dtype, hd, n);
+            }
         }
     }
 
-    fn check_against_naive(hd: usize, n: usize) {
+    fn check_against_naive(dtype: KvDtype, hd: usize, n: usize) {
         let layout = KvLayout {
             n_layers: 1,
             n_kv_heads: 1,
             head_dim: hd,
+            dtype,
         };
         let mut pool = KvPool::new(layout, layout.block_bytes() * 3);
         let blocks = pool.alloc(3).expect("blocks");
         let val = |p: usize, d: usize, s: f32| (((p * hd + d) as f32) * s).sin();
+        // Each row as the pool stores it, read back through the dtype's own round trip.
+        let stored = |values: &[f32]| {
+            let mut row = vec![0u16; dtype.row_bytes(hd) / 2];
+            let row: &mut [u8] = bytemuck::cast_slice_mut(&mut row);
+            dtype.encode_row(values, row);
+            let mut back = vec![0f32; hd];
+            dtype.decode_rows(hd, row, &mut back);
+            back
+        };
+        let mut keys = Vec::new();
+        let mut values = Vec::new();
         for p in 0..n {
             let k: Vec<f32> = (0..hd).map(|d| val(p, d, 0.3)).collect();
             let v: Vec<f32> = (0..hd).map(|d| val(p, d, 0.7)).collect();
             pool.write(&blocks, p, 0, KvKind::Key, 0, &k);
             pool.write(&blocks, p, 0, KvKind::Value, 0, &v);
+            keys.push(stored(&k));
+            values.push(stored(&v));
         }
         let q: Vec<f32> = (0..2 * hd).map(|i| (i as f32 * 0.11).cos()).collect();
         let mut out = vec![0f32; 2 * hd];
@@ -316,21 +341,19 @@ mod tests {
             },
             &mut out,
         );
-        let f16r = |x: f32| half::f16::from_f32(x).to_f32();
         for h in 0..2 {
             let qh = &q[h * hd..(h + 1) * hd];
-            let mut s: Vec<f32> = (0..n)
-                .map(|p| {
-                    (0..hd).map(|d| qh[d] * f16r(val(p, d, 0.3))).sum::<f32>() / (hd as f32).sqrt()
-                })
+            let mut s: Vec<f32> = keys
+                .iter()
+                .map(|k| (0..hd).map(|d| qh[d] * k[d]).sum::<f32>() / (hd as f32).sqrt())
                 .collect();
             softmax(&mut s);
             for d in 0..hd {
-                let want: f32 = (0..n).map(|p| s[p] * f16r(val(p, d, 0.7))).sum();
+                let want: f32 = (0..n).map(|p| s[p] * values[p][d]).sum();
                 let got = out[h * hd + d];
                 assert!(
                     (want - got).abs() < 1e-4,
-                    "hd {hd} n {n} head {h} dim {d}: {got} vs {want}"
+                    "{dtype:?} hd {hd} n {n} head {h} dim {d}: {got} vs {want}"
                 );
             }
         }

@@ -16,7 +16,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::kv::{BLOCK_TOKENS, KvKind, KvLayout, KvPool};
+use crate::kv::{BLOCK_TOKENS, KvDtype, KvKind, KvLayout, KvPool};
 use crate::loader::{LoadedModel, ModelFingerprint};
 use crate::model::{self, Logits, ModelConfig, Row, Weights};
 use crate::prefix_cache::{CacheEvent, PrefixCache};
@@ -62,6 +62,8 @@ pub struct EngineConfig {
     pub prefix_cache_bytes: usize,
     /// Prompt-lookup speculative decoding in [`Engine::decode_step`].
     pub speculate: SpeculateConfig,
+    /// How the KV pool stores keys and values.
+    pub kv_dtype: KvDtype,
 }
 
 impl Default for EngineConfig {
@@ -72,6 +74,7 @@ impl Default for EngineConfig {
             prefill_chunk_tokens: 256,
             prefix_cache_bytes: 0,
             speculate: SpeculateConfig::default(),
+            kv_dtype: KvDtype::default(),
         }
     }
 }
@@ -86,8 +89,8 @@ struct Sequence {
     len: usize,
 }
 
-/// One sequence's KV for a token range, per layer, as f16 little-endian bytes laid out
-/// `[kv_head][token][head_dim]`.
+/// One sequence's KV for a token range, per layer, as the pool's rows (see [`KvDtype`]) laid out
+/// `[kv_head][token]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KvExport {
     pub layout: KvLayout,
@@ -125,7 +128,10 @@ impl Engine {
                 field: "threads",
                 reason: e.to_string(),
             })?;
-        let pool = KvPool::new(model.config.kv_layout(), config.kv_budget_bytes);
+        let pool = KvPool::new(
+            model.config.kv_layout(config.kv_dtype),
+            config.kv_budget_bytes,
+        );
         let cache_blocks =
             (config.prefix_cache_bytes / pool.layout().block_bytes()).min(pool.total_blocks());
         Ok(Self {
@@ -160,6 +166,11 @@ impl Engine {
     /// Prompt tokens per forward pass in [`Engine::prefill`].
     pub fn prefill_chunk_tokens(&self) -> usize {
         self.config.prefill_chunk_tokens
+    }
+
+    /// The KV pool's shape and dtype.
+    pub fn kv_layout(&self) -> KvLayout {
+        self.pool.layout()
     }
 
     pub fn kv_blocks_total(&self) -> usize {
@@ -484,7 +495,7 @@ impl Engine {
                 kv.tokens
             ));
         }
-        let want = kv.tokens.len() * kv.layout.n_kv_heads * kv.layout.head_dim * 2;
+        let want = kv.tokens.len() * kv.layout.n_kv_heads * kv.layout.row_bytes();
         if kv.layers.len() != kv.layout.n_layers
             || kv.layers.iter().flatten().any(|b| b.len() != want)
         {

@@ -1,9 +1,13 @@
 //! Paged KV cache: fixed 16-token blocks drawn from one preallocated pool with a byte budget.
 //!
 //! Each block holds every layer's keys and values for its 16 positions, in the layout
-//! `[layer][k|v][kv_head][token][head_dim]`, as f16 (what llama.cpp keeps too). A sequence owns
-//! a block table; appending a token never copies earlier KV. The pool is allocated zeroed, so
-//! the operating system commits its pages only as blocks are first written.
+//! `[layer][k|v][kv_head][token][row]`, where a row is one position's `head_dim` values in the
+//! pool's [`KvDtype`]: f16 (what llama.cpp keeps too), or int8 with one f16 scale per row. A
+//! sequence owns a block table; appending a token never copies earlier KV. The pool is allocated
+//! zeroed, so the operating system commits its pages only as blocks are first written.
+//!
+//! Rows leave and enter the pool ([`KvPool::export`], [`KvPool::import`]) byte for byte: the KV
+//! wire format sends the same rows.
 //!
 //! Blocks are reference-counted: a full block may be shared by several sequences and the prefix
 //! cache (it is never written again once full), and returns to the free list when its last
@@ -26,22 +30,109 @@ pub enum KvKind {
     Value = 1,
 }
 
-/// The shape of a model's KV cache.
+/// How one row (one position's `head_dim` values of one layer, kind and KV head) is stored.
+///
+/// Q8 gives each row its own scale. A row is what a forward pass writes (one token's key or
+/// value for one head) and it never changes afterwards, so its scale is final when it is
+/// written; a scale shared by a block's 16 positions would have to be chosen before the later
+/// positions exist, or the block requantized as they arrive. A row is also what attention
+/// consumes: one key's dot product, or one value weighted by its probability. Finer groups
+/// (llama.cpp's q8_0 scales every 32 values) would cost 4% more bytes at head_dim 64 for
+/// precision the fidelity measurements do not ask for (docs/kv-cache.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum KvDtype {
+    /// `head_dim` f16 values, little-endian.
+    #[default]
+    F16,
+    /// `head_dim` int8 values `q`, then their f16 scale `d`, little-endian; each value is
+    /// `q · d`, with `d = max |x| / 127` rounded to f16 and `q = round(x / d)`.
+    Q8,
+}
+
+impl KvDtype {
+    /// Bytes of one row of `head_dim` values.
+    pub fn row_bytes(self, head_dim: usize) -> usize {
+        match self {
+            KvDtype::F16 => head_dim * 2,
+            KvDtype::Q8 => head_dim + 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F16 => "f16",
+            KvDtype::Q8 => "q8",
+        }
+    }
+
+    /// Stores `values` as one row (`row_bytes(values.len())` bytes, 2-byte aligned).
+    pub(crate) fn encode_row(self, values: &[f32], row: &mut [u8]) {
+        match self {
+            KvDtype::F16 => {
+                bytemuck::cast_slice_mut::<u8, f16>(row).convert_from_f32_slice(values);
+            }
+            KvDtype::Q8 => {
+                let max = values.iter().fold(0f32, |m, x| m.max(x.abs()));
+                // Clamped, so a row beyond f16's range saturates rather than storing infinity.
+                let d = f16::from_f32((max / 127.0).min(f16::MAX.to_f32()));
+                let inv = if d.to_f32() > 0.0 {
+                    1.0 / d.to_f32()
+                } else {
+                    0.0
+                };
+                let (q, scale) = row.split_at_mut(values.len());
+                for (q, &x) in q.iter_mut().zip(values) {
+                    // The cast saturates and sends NaN to 0.
+                    *q = (x * inv).round().clamp(-127.0, 127.0) as i8 as u8;
+                }
+                scale.copy_from_slice(&d.to_bits().to_le_bytes());
+            }
+        }
+    }
+
+    /// Converts whole rows (2-byte aligned) of `head_dim` values to f32 in `out`, which holds
+    /// `head_dim` values per row.
+    pub(crate) fn decode_rows(self, head_dim: usize, rows: &[u8], out: &mut [f32]) {
+        match self {
+            KvDtype::F16 => {
+                bytemuck::cast_slice::<u8, f16>(rows).convert_to_f32_slice(out);
+            }
+            KvDtype::Q8 => {
+                let rows = rows.chunks_exact(head_dim + 2);
+                for (row, out) in rows.zip(out.chunks_exact_mut(head_dim)) {
+                    let (q, scale) = row.split_at(head_dim);
+                    let d = f16::from_bits(u16::from_le_bytes([scale[0], scale[1]])).to_f32();
+                    for (o, &q) in out.iter_mut().zip(q) {
+                        *o = f32::from(q as i8) * d;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The shape of a model's KV cache, and how its rows are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvLayout {
     pub n_layers: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
+    pub dtype: KvDtype,
 }
 
 impl KvLayout {
-    /// f16 values in one block.
-    pub fn block_elems(&self) -> usize {
-        self.n_layers * 2 * self.n_kv_heads * BLOCK_TOKENS * self.head_dim
+    /// Bytes of one row: one position's values for one layer, kind and KV head.
+    pub fn row_bytes(&self) -> usize {
+        self.dtype.row_bytes(self.head_dim)
+    }
+
+    /// Bytes of one block's `16 × head_dim` values for one layer, kind and KV head.
+    fn slab_bytes(&self) -> usize {
+        BLOCK_TOKENS * self.row_bytes()
     }
 
     pub fn block_bytes(&self) -> usize {
-        self.block_elems() * std::mem::size_of::<f16>()
+        self.n_layers * 2 * self.n_kv_heads * self.slab_bytes()
     }
 
     /// Bytes of KV per token, all layers, keys and values.
@@ -49,9 +140,9 @@ impl KvLayout {
         self.block_bytes() / BLOCK_TOKENS
     }
 
-    /// Offset of `(layer, kind, head)`'s 16×head_dim slab within a block.
+    /// Byte offset of `(layer, kind, head)`'s slab within a block.
     fn slab(&self, layer: usize, kind: KvKind, head: usize) -> usize {
-        ((layer * 2 + kind as usize) * self.n_kv_heads + head) * BLOCK_TOKENS * self.head_dim
+        ((layer * 2 + kind as usize) * self.n_kv_heads + head) * self.slab_bytes()
     }
 }
 
@@ -59,7 +150,8 @@ impl KvLayout {
 #[derive(Debug)]
 pub struct KvPool {
     layout: KvLayout,
-    /// f16 bit patterns, in a zeroed allocation (pages committed on first write).
+    /// The blocks' bytes, in a zeroed allocation (pages committed on first write), held as
+    /// `u16` so that every row, whose size is even, starts 2-byte aligned for f16 access.
     data: Vec<u16>,
     free: Vec<u32>,
     /// Holders of each block; 0 for a free block.
@@ -70,9 +162,10 @@ pub struct KvPool {
 impl KvPool {
     /// A pool of as many blocks as fit in `budget_bytes` (at least one).
     pub fn new(layout: KvLayout, budget_bytes: usize) -> Self {
+        debug_assert!(layout.row_bytes().is_multiple_of(2), "rows of even size");
         let total = (budget_bytes / layout.block_bytes()).max(1);
         // Each layer's slab of each block is read every step, blocks hundreds of KB apart.
-        let data = crate::memory::zeroed_vec(total * layout.block_elems());
+        let data = crate::memory::zeroed_vec(total * layout.block_bytes() / 2);
         Self {
             layout,
             data,
@@ -132,23 +225,30 @@ impl KvPool {
         }
     }
 
-    /// The `16 × head_dim` slabs of one block for `(layer, kind)` and the KV heads `heads`,
-    /// which lie back to back: `[head][token][head_dim]`.
-    pub fn slabs(&self, block: u32, layer: usize, kind: KvKind, heads: Range<usize>) -> &[f16] {
+    fn bytes(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.data)
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        bytemuck::cast_slice_mut(&mut self.data)
+    }
+
+    /// The 16-row slabs of one block for `(layer, kind)` and the KV heads `heads`, which lie
+    /// back to back: `[head][token][row]`, to be read with [`KvDtype::decode_rows`].
+    pub fn slabs(&self, block: u32, layer: usize, kind: KvKind, heads: Range<usize>) -> &[u8] {
         let start =
-            block as usize * self.layout.block_elems() + self.layout.slab(layer, kind, heads.start);
-        let len = heads.len() * BLOCK_TOKENS * self.layout.head_dim;
-        bytemuck::cast_slice(&self.data[start..start + len])
+            block as usize * self.layout.block_bytes() + self.layout.slab(layer, kind, heads.start);
+        &self.bytes()[start..start + heads.len() * self.layout.slab_bytes()]
     }
 
-    /// Where position `pos`'s `head_dim` values for `(layer, kind, head)` start in `data`.
+    /// Where position `pos`'s row for `(layer, kind, head)` starts, in bytes.
     fn offset(&self, blocks: &[u32], pos: usize, layer: usize, kind: KvKind, head: usize) -> usize {
-        blocks[pos / BLOCK_TOKENS] as usize * self.layout.block_elems()
+        blocks[pos / BLOCK_TOKENS] as usize * self.layout.block_bytes()
             + self.layout.slab(layer, kind, head)
-            + (pos % BLOCK_TOKENS) * self.layout.head_dim
+            + (pos % BLOCK_TOKENS) * self.layout.row_bytes()
     }
 
-    /// Stores one position's vector for `(layer, kind, head)`, rounding to f16.
+    /// Stores one position's `head_dim` values for `(layer, kind, head)` in the pool's dtype.
     pub fn write(
         &mut self,
         blocks: &[u32],
@@ -159,12 +259,11 @@ impl KvPool {
         values: &[f32],
     ) {
         let start = self.offset(blocks, pos, layer, kind, head);
-        bytemuck::cast_slice_mut::<u16, f16>(&mut self.data[start..start + values.len()])
-            .convert_from_f32_slice(values);
+        let (dtype, len) = (self.layout.dtype, self.layout.row_bytes());
+        dtype.encode_row(values, &mut self.bytes_mut()[start..start + len]);
     }
 
-    /// Copies positions `range` of `(layer, kind)` out as `[kv_head][token][head_dim]` f16
-    /// little-endian bytes.
+    /// Copies the rows of positions `range` of `(layer, kind)` out, laid out `[kv_head][token]`.
     pub fn export(
         &self,
         blocks: &[u32],
@@ -172,14 +271,12 @@ impl KvPool {
         layer: usize,
         kind: KvKind,
     ) -> Vec<u8> {
-        let hd = self.layout.head_dim;
-        let mut out = Vec::with_capacity(range.len() * self.layout.n_kv_heads * hd * 2);
+        let row = self.layout.row_bytes();
+        let mut out = Vec::with_capacity(range.len() * self.layout.n_kv_heads * row);
         for head in 0..self.layout.n_kv_heads {
             for pos in range.clone() {
                 let start = self.offset(blocks, pos, layer, kind, head);
-                for bits in &self.data[start..start + hd] {
-                    out.extend_from_slice(&bits.to_le_bytes());
-                }
+                out.extend_from_slice(&self.bytes()[start..start + row]);
             }
         }
         out
@@ -194,8 +291,8 @@ impl KvPool {
         kind: KvKind,
         bytes: &[u8],
     ) -> Result<()> {
-        let hd = self.layout.head_dim;
-        let want = range.len() * self.layout.n_kv_heads * hd * 2;
+        let row = self.layout.row_bytes();
+        let want = range.len() * self.layout.n_kv_heads * row;
         if bytes.len() != want {
             return Err(Error::KvImport {
                 reason: format!(
@@ -204,16 +301,11 @@ impl KvPool {
                 ),
             });
         }
-        let mut bits = bytes
-            .chunks_exact(2)
-            .map(|b| u16::from_le_bytes([b[0], b[1]]));
-        for head in 0..self.layout.n_kv_heads {
-            for pos in range.clone() {
-                let start = self.offset(blocks, pos, layer, kind, head);
-                for (dst, src) in self.data[start..start + hd].iter_mut().zip(&mut bits) {
-                    *dst = src;
-                }
-            }
+        let positions =
+            (0..self.layout.n_kv_heads).flat_map(|head| range.clone().map(move |pos| (head, pos)));
+        for ((head, pos), src) in positions.zip(bytes.chunks_exact(row)) {
+            let start = self.offset(blocks, pos, layer, kind, head);
+            self.bytes_mut()[start..start + row].copy_from_slice(src);
         }
         Ok(())
     }
@@ -229,6 +321,7 @@ mod tests {
             n_layers: 1,
             n_kv_heads: 1,
             head_dim: 4,
+            dtype: KvDtype::F16,
         };
         let mut pool = KvPool::new(layout, layout.block_bytes() * 3);
         assert_eq!(pool.total_blocks(), 3);
@@ -250,6 +343,7 @@ mod tests {
             n_layers: 1,
             n_kv_heads: 1,
             head_dim: 4,
+            dtype: KvDtype::F16,
         };
         let mut pool = KvPool::new(layout, layout.block_bytes() * 2);
         let b = pool.alloc(1).expect("a block")[0];
@@ -263,10 +357,17 @@ mod tests {
 
     #[test]
     fn export_import_round_trip() {
+        for dtype in [KvDtype::F16, KvDtype::Q8] {
+            round_trip(dtype);
+        }
+    }
+
+    fn round_trip(dtype: KvDtype) {
         let layout = KvLayout {
             n_layers: 2,
             n_kv_heads: 2,
             head_dim: 4,
+            dtype,
         };
         let mut pool = KvPool::new(layout, layout.block_bytes() * 4);
         let blocks = pool.alloc(2).expect("blocks");
@@ -282,5 +383,55 @@ mod tests {
             .expect("import");
         assert_eq!(pool.export(&other, 3..19, 1, KvKind::Value), bytes);
         assert!(pool.import(&other, 0..2, 0, KvKind::Key, &bytes).is_err());
+    }
+
+    #[test]
+    fn q8_rows_are_half_the_size_and_within_half_a_step() {
+        assert_eq!(KvDtype::Q8.row_bytes(64), 66);
+        assert_eq!(KvDtype::F16.row_bytes(64), 128);
+        let values: Vec<f32> = (0..64)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.173)
+            .collect();
+        let mut row = vec![0u16; 33];
+        let row: &mut [u8] = bytemuck::cast_slice_mut(&mut row);
+        KvDtype::Q8.encode_row(&values, row);
+        let mut back = vec![0f32; 64];
+        KvDtype::Q8.decode_rows(64, row, &mut back);
+        let max = values.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let step = max / 127.0;
+        for (x, y) in values.iter().zip(&back) {
+            // Half an int8 step, plus the f16 rounding of the scale (relative 2^-11 of max).
+            assert!(
+                (x - y).abs() <= step * 0.5 + max / 2048.0,
+                "{x} came back as {y}"
+            );
+        }
+        // The largest value is exact up to the scale's rounding.
+        let i = values.iter().position(|x| x.abs() == max).unwrap_or(0);
+        assert!((values[i] - back[i]).abs() <= max / 1024.0);
+    }
+
+    #[test]
+    fn q8_handles_zero_huge_and_non_finite_rows() {
+        let mut buf = vec![0u16; 3];
+        let row: &mut [u8] = bytemuck::cast_slice_mut(&mut buf);
+        let mut back = [0f32; 4];
+        let mut round_trip = |values: [f32; 4]| {
+            KvDtype::Q8.encode_row(&values, row);
+            KvDtype::Q8.decode_rows(4, row, &mut back);
+            back
+        };
+        assert_eq!(round_trip([0.0; 4]), [0.0; 4]);
+        // NaN is stored as 0; the others keep their scale.
+        let back = round_trip([f32::NAN, 1.0, -1.0, 0.5]);
+        assert_eq!(back[0], 0.0);
+        assert!(
+            (back[1] - 1.0).abs() < 1e-3 && (back[2] + 1.0).abs() < 1e-3,
+            "{back:?}"
+        );
+        // Beyond f16's range the scale saturates: finite values with their signs.
+        let back = round_trip([1e30, -1e30, 0.0, 1.0]);
+        assert!(back.iter().all(|x| x.is_finite()), "{back:?}");
+        assert!(back[0] > 1e6 && back[1] < -1e6, "{back:?}");
     }
 }

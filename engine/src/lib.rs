@@ -29,7 +29,7 @@ pub use error::{Error, Result};
 pub use generate::{
     Emission, FinishReason, GenerateOutput, GenerateParams, GenerateRequest, Stream,
 };
-pub use kv::{BLOCK_TOKENS, KvKind, KvLayout};
+pub use kv::{BLOCK_TOKENS, KvDtype, KvKind, KvLayout};
 pub use loader::ModelFingerprint;
 pub use model::{Logits, ModelConfig};
 pub use prefix_cache::CacheEvent;

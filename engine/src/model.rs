@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 use crate::attention::{Query, attend};
 use crate::kernels::QMatrix;
-use crate::kv::{KvKind, KvLayout, KvPool};
+use crate::kv::{KvDtype, KvKind, KvLayout, KvPool};
 use crate::quant::{BlockQ8_1, QK, quantize_row_q8_1};
 
 /// Hyperparameters of a llama model.
@@ -67,11 +67,13 @@ impl ModelConfig {
         Ok(())
     }
 
-    pub fn kv_layout(&self) -> KvLayout {
+    /// The KV cache's shape, with rows stored as `dtype`.
+    pub fn kv_layout(&self, dtype: KvDtype) -> KvLayout {
         KvLayout {
             n_layers: self.n_layers,
             n_kv_heads: self.n_kv_heads,
             head_dim: self.head_dim,
+            dtype,
         }
     }
 

@@ -41,6 +41,7 @@ pub async fn run(
     }
     let engine = Engine::new(config.model.clone(), config.engine.clone())?;
     let chunk_tokens = engine.prefill_chunk_tokens();
+    let kv_layout = tandem_worker::wire_layout(engine.kv_layout());
     let prefix_cache = engine.prefix_cache_enabled();
     let mut registry = Registry::default();
     let shared = Arc::new(Shared {
@@ -58,6 +59,7 @@ pub async fn run(
     let root = CancellationToken::new();
     let prefill = PrefillService {
         model: config.model.clone(),
+        kv_layout,
         jobs,
         shared: shared.clone(),
         shutdown: root.child_token(),

@@ -18,6 +18,8 @@ use crate::error::{Error, Result};
 #[derive(Clone, Debug)]
 pub struct PrefillService {
     pub(crate) model: Arc<Model>,
+    /// The KV this node sends: the engine's layout and dtype.
+    pub(crate) kv_layout: tandem_transfer::WireLayout,
     pub(crate) jobs: mpsc::Sender<Job>,
     pub(crate) shared: Arc<Shared>,
     pub(crate) shutdown: CancellationToken,
@@ -91,7 +93,7 @@ impl PrefillService {
         }
         let n = r.token_ids.len();
         let push = r.cached_tokens as usize..n;
-        let layout = tandem_worker::wire_layout(&self.model);
+        let layout = self.kv_layout;
         let header = Header {
             transfer_id: r.transfer_id.clone(),
             request_id: r.request_id.clone(),

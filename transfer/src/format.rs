@@ -23,22 +23,59 @@ pub const MAX_CHUNK_BYTES: usize = 1 << 20;
 /// The most tokens one header may describe.
 pub const MAX_TOKENS: usize = 1 << 20;
 
-/// Bytes per KV element (f16).
-const ELEM_BYTES: usize = 2;
+/// How each row (one token's `head_dim` values of one layer, kind and KV head) is encoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvDtype {
+    /// `head_dim` f16 values, little-endian.
+    F16,
+    /// `head_dim` int8 values, then their f16 scale, little-endian.
+    Q8,
+}
 
-/// The shape of the KV a model produces.
+impl KvDtype {
+    /// Bytes of one row.
+    pub fn row_bytes(self, head_dim: usize) -> usize {
+        match self {
+            KvDtype::F16 => head_dim * 2,
+            KvDtype::Q8 => head_dim + 2,
+        }
+    }
+
+    fn to_pb(self) -> pb::KvDtype {
+        match self {
+            KvDtype::F16 => pb::KvDtype::F16,
+            KvDtype::Q8 => pb::KvDtype::Q8,
+        }
+    }
+
+    fn from_pb(dtype: i32) -> Option<Self> {
+        match pb::KvDtype::try_from(dtype) {
+            Ok(pb::KvDtype::F16) => Some(KvDtype::F16),
+            Ok(pb::KvDtype::Q8) => Some(KvDtype::Q8),
+            Ok(pb::KvDtype::Unspecified) | Err(_) => None,
+        }
+    }
+}
+
+/// The shape of the KV a model produces, and its encoding.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WireLayout {
     pub layers: u32,
     pub kv_heads: u32,
     pub head_dim: u32,
     pub block_tokens: u32,
+    pub dtype: KvDtype,
 }
 
 impl WireLayout {
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        self.dtype.row_bytes(self.head_dim as usize)
+    }
+
     /// Bytes of one layer's K (or V) per token.
     pub fn token_bytes_per_kind(&self) -> usize {
-        self.kv_heads as usize * self.head_dim as usize * ELEM_BYTES
+        self.kv_heads as usize * self.row_bytes()
     }
 
     /// Bytes of the whole KV (all layers, K and V) of `tokens` tokens.
@@ -96,7 +133,7 @@ impl Header {
             transfer_id: self.transfer_id.clone(),
             request_id: self.request_id.clone(),
             model_fingerprint: Bytes::copy_from_slice(&self.fingerprint),
-            dtype: pb::KvDtype::F16 as i32,
+            dtype: self.layout.dtype.to_pb() as i32,
             layers: self.layout.layers,
             kv_heads: self.layout.kv_heads,
             head_dim: self.layout.head_dim,
@@ -110,7 +147,7 @@ impl Header {
     }
 }
 
-/// One layer's K or V for a token range, `[kv_head][token][head_dim]` f16.
+/// One layer's K or V for a token range: rows laid out `[kv_head][token]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Chunk {
     pub layer: u32,
@@ -152,8 +189,8 @@ pub struct Expectation {
     pub max_bytes: u64,
 }
 
-/// A verified transfer: the KV of `tokens`, per layer `[K, V]`, each laid out
-/// `[kv_head][token][head_dim]` over the whole range, and the first sampled token.
+/// A verified transfer: the KV of `tokens`, per layer `[K, V]`, each rows laid out
+/// `[kv_head][token]` over the whole range, and the first sampled token.
 #[derive(Debug, PartialEq, Eq)]
 pub struct ReceivedKv {
     pub request_id: String,
@@ -186,16 +223,17 @@ pub fn validate_header(h: &pb::KvHeader, want: &Expectation) -> Result<()> {
     if h.model_fingerprint.as_ref() != want.fingerprint {
         return Err(Error::Fingerprint);
     }
-    if h.dtype != pb::KvDtype::F16 as i32 {
+    let Some(dtype) = KvDtype::from_pb(h.dtype) else {
         return Err(Error::Layout {
-            detail: format!("dtype {} (only f16 is supported)", h.dtype),
+            detail: format!("unknown dtype {}", h.dtype),
         });
-    }
+    };
     let got = WireLayout {
         layers: h.layers,
         kv_heads: h.kv_heads,
         head_dim: h.head_dim,
         block_tokens: h.block_tokens,
+        dtype,
     };
     if got != want.layout {
         return Err(Error::Layout {
@@ -304,7 +342,7 @@ impl Assembler {
             ));
         }
         let len = (c.token_end - c.token_start) as usize;
-        let row = self.want.layout.head_dim as usize * ELEM_BYTES;
+        let row = self.want.layout.row_bytes();
         let heads = self.want.layout.kv_heads as usize;
         if c.data.len() != len * heads * row || c.data.len() > MAX_CHUNK_BYTES {
             return bad(format!(

@@ -14,7 +14,7 @@ pub mod service;
 
 pub use client::KvPush;
 pub use error::{Error, Result};
-pub use format::{Chunk, Expectation, Header, KvKind, ReceivedKv, WireLayout};
+pub use format::{Chunk, Expectation, Header, KvDtype, KvKind, ReceivedKv, WireLayout};
 pub use metrics::TransferMetrics;
 pub use reservation::{ReservationGuard, Reservations};
 pub use service::KvTransferService;

@@ -11,21 +11,24 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
-use tandem_engine::{GenerateParams, KvExport, Model, SamplingParams};
+use tandem_engine::{GenerateParams, KvExport, KvLayout, Model, SamplingParams};
 use tandem_proto::v1 as pb;
 use tandem_transfer::{Chunk, KvKind, ReceivedKv, WireLayout};
 
 pub use cache::CacheHub;
 pub use service::{LoadSource, WorkerService};
 
-/// The wire's description of `model`'s KV.
-pub fn wire_layout(model: &Model) -> WireLayout {
-    let l = model.config.kv_layout();
+/// The wire's description of an engine's KV (`Engine::kv_layout`).
+pub fn wire_layout(l: KvLayout) -> WireLayout {
     WireLayout {
         layers: l.n_layers as u32,
         kv_heads: l.n_kv_heads as u32,
         head_dim: l.head_dim as u32,
         block_tokens: tandem_engine::BLOCK_TOKENS as u32,
+        dtype: match l.dtype {
+            tandem_engine::KvDtype::F16 => tandem_transfer::KvDtype::F16,
+            tandem_engine::KvDtype::Q8 => tandem_transfer::KvDtype::Q8,
+        },
     }
 }
 
@@ -130,10 +133,10 @@ pub fn grid_cells(tokens: Range<usize>, grid: usize) -> impl Iterator<Item = Ran
     })
 }
 
-/// A verified transfer as the engine imports it.
-pub fn kv_export(model: &Model, received: ReceivedKv) -> KvExport {
+/// A verified transfer as the receiving engine, whose KV is `layout`, imports it.
+pub fn kv_export(layout: KvLayout, received: ReceivedKv) -> KvExport {
     KvExport {
-        layout: model.config.kv_layout(),
+        layout,
         tokens: received.tokens.start as usize..received.tokens.end as usize,
         layers: received.layers,
     }
@@ -176,5 +179,31 @@ mod tests {
         assert_eq!(cells, vec![16..256, 256..512, 512..600]);
         assert_eq!(grid_cells(5..5, 256).count(), 0);
         assert_eq!(grid_cells(0..256, 256).collect::<Vec<_>>(), vec![0..256]);
+    }
+
+    /// The wire's sizes are the engine's: an export of each dtype is exactly the bytes the
+    /// wire layout announces for it.
+    #[test]
+    fn wire_sizes_match_the_engines_export() {
+        let model = tandem_engine::ModelSource::Tiny.load().expect("tiny model");
+        for dtype in [tandem_engine::KvDtype::F16, tandem_engine::KvDtype::Q8] {
+            let config = tandem_engine::EngineConfig {
+                kv_dtype: dtype,
+                ..Default::default()
+            };
+            let mut engine = tandem_engine::Engine::new(model.clone(), config).expect("engine");
+            let seq = engine.new_sequence();
+            engine.prefill(seq, &[5, 6, 7, 8, 9]).expect("prefill");
+            let layout = wire_layout(engine.kv_layout());
+            let sent: usize = kv_chunks(engine.export_kv(seq, 1..5).expect("export"))
+                .map(|c| c.data.len())
+                .sum();
+            assert_eq!(sent as u64, layout.total_bytes(4), "{dtype:?}");
+            assert_eq!(
+                layout.total_bytes(1),
+                engine.kv_layout().token_bytes() as u64,
+                "{dtype:?}"
+            );
+        }
     }
 }

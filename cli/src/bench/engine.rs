@@ -1,5 +1,6 @@
 //! `tandem bench engine`: prefill throughput for one prompt, and aggregate decode throughput
-//! for several batch sizes, each the median of `--runs` runs. Progress goes to stderr.
+//! for several batch sizes, each the median of `--runs` runs, for each KV dtype asked for (runs
+//! alternate between them, in one pool size). Progress goes to stderr.
 
 use std::time::Instant;
 
@@ -7,8 +8,8 @@ use anyhow::{Context, bail};
 use clap::Args;
 use serde::Serialize;
 use tandem_engine::{
-    ChatMessage, Engine, EngineConfig, GenerateParams, GenerateRequest, SeqId, SpeculateConfig,
-    argmax,
+    ChatMessage, Engine, EngineConfig, GenerateParams, GenerateRequest, KvExport, SeqId,
+    SpeculateConfig, argmax,
 };
 
 use crate::ModelArgs;
@@ -27,15 +28,23 @@ pub(crate) struct EngineBenchArgs {
     /// Comma-separated decode batch sizes.
     #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
     batch: Vec<usize>,
+    /// Tokens of context each decoding sequence starts with (one prompt's KV, computed once and
+    /// copied into every sequence, so each reads its own memory).
+    #[arg(long, default_value_t = 1)]
+    context_tokens: usize,
+    /// Comma-separated KV dtypes (`f16`, `q8`): each is measured, in alternating runs, with the
+    /// same pool size.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "f16")]
+    kv_dtype: Vec<crate::serve::KvDtype>,
     /// Compute threads (0 = one per core).
     #[arg(long, env = "TANDEM_THREADS", default_value_t = 0)]
     threads: usize,
     /// Runs per measurement; the median is reported.
     #[arg(long, default_value_t = 3)]
     runs: usize,
-    /// KV pool capacity in tokens (the pool is what a server would allocate).
-    #[arg(long, default_value_t = 65_536)]
-    kv_tokens: usize,
+    /// KV pool size in MiB (what a server would allocate), the same for every dtype.
+    #[arg(long, default_value_t = 1536)]
+    kv_budget_mb: usize,
     /// Also measure speculative decoding: built-in chat prompts whose replies copy from them
     /// (rewrite code, summarise a passage, continue a list) and prompts with nothing to copy,
     /// each generated greedily with speculation off and on, back to back; then all of them
@@ -48,23 +57,35 @@ pub(crate) struct EngineBenchArgs {
     /// The batch of the speculation measurement's aggregate run (the prompts repeated).
     #[arg(long, default_value_t = 16)]
     speculate_batch: usize,
-    /// Print `{"prefill_tok_s":F,"decode":[{"batch":B,"tok_s":F},...],"threads":N}` (with
+    /// Print `{"threads":N,"context_tokens":C,"kv":[{"kv_dtype":"f16","kv_bytes_per_token":B,
+    /// "pool_sequences":S,"prefill_tok_s":F,"decode":[{"batch":B,"tok_s":F},...]},...]}` (with
     /// `--speculate`, also `"speculation":{"prompts":[...],"batch":{...}}`).
     #[arg(long)]
     json: bool,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, Clone)]
 struct DecodeResult {
     batch: usize,
     tok_s: f64,
 }
 
+/// One KV dtype's measurements.
 #[derive(Serialize)]
-struct BenchResult {
+struct KvResult {
+    kv_dtype: &'static str,
+    kv_bytes_per_token: usize,
+    /// Sequences of `context_tokens + gen_tokens` that the pool holds at once.
+    pool_sequences: usize,
     prefill_tok_s: f64,
     decode: Vec<DecodeResult>,
+}
+
+#[derive(Serialize)]
+struct BenchResult {
     threads: usize,
+    context_tokens: usize,
+    kv: Vec<KvResult>,
     #[serde(skip_serializing_if = "Option::is_none")]
     speculation: Option<SpeculationResult>,
 }
@@ -97,10 +118,18 @@ struct SpeculationResult {
 const SPEC_PROMPTS: &str = include_str!("speculate-prompts.jsonl");
 
 #[derive(serde::Deserialize)]
-struct SpecPrompt {
-    name: String,
-    kind: String,
-    text: String,
+pub(crate) struct SpecPrompt {
+    pub(crate) name: String,
+    pub(crate) kind: String,
+    pub(crate) text: String,
+}
+
+/// The speculation workloads (also the fidelity benchmark's longer prompts).
+pub(crate) fn speculation_prompts() -> anyhow::Result<Vec<SpecPrompt>> {
+    SPEC_PROMPTS
+        .lines()
+        .map(|line| Ok(serde_json::from_str(line)?))
+        .collect()
 }
 
 pub(crate) fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
@@ -110,69 +139,118 @@ pub(crate) fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
     if let Some(b) = args.batch.iter().find(|&&b| b == 0) {
         bail!("--batch sizes must be at least 1, got {b}");
     }
+    if args.kv_dtype.is_empty() {
+        bail!("--kv-dtype needs at least one dtype");
+    }
     let model = args.model.source().load()?;
     let ctx = model.config.context_len;
-    if args.prompt_tokens > ctx || args.gen_tokens + 1 > ctx {
-        bail!("--prompt-tokens and --gen-tokens must fit the context of {ctx}");
-    }
-    let mut engine = Engine::new(
-        model.clone(),
-        EngineConfig {
-            threads: args.threads,
-            kv_budget_bytes: args.kv_tokens * model.config.kv_layout().token_bytes(),
-            ..EngineConfig::default()
-        },
-    )?;
-    // A deterministic prompt of ordinary text tokens.
-    let vocab = model.config.vocab as u32;
-    let prompt: Vec<u32> = (0..args.prompt_tokens as u32)
-        .map(|i| 100 + (i * 7919) % (vocab - 100).max(1))
-        .map(|t| t.min(vocab - 1))
-        .collect();
-
-    let mut prefill = Vec::new();
-    for run in 0..args.runs {
-        let seq = engine.new_sequence();
-        let t0 = Instant::now();
-        engine.prefill(seq, &prompt)?;
-        let secs = t0.elapsed().as_secs_f64();
-        engine.free(seq)?;
-        prefill.push(args.prompt_tokens as f64 / secs);
-        eprintln!(
-            "prefill run {}/{}: {:.1} tok/s",
-            run + 1,
-            args.runs,
-            prefill[run]
+    if args.prompt_tokens > ctx || args.context_tokens.max(1) + args.gen_tokens > ctx {
+        bail!(
+            "--prompt-tokens, and --context-tokens plus --gen-tokens, must fit the context of {ctx}"
         );
     }
+    let mut engines = args
+        .kv_dtype
+        .iter()
+        .map(|d| {
+            Engine::new(
+                model.clone(),
+                EngineConfig {
+                    threads: args.threads,
+                    kv_budget_bytes: args.kv_budget_mb << 20,
+                    kv_dtype: d.dtype(),
+                    ..EngineConfig::default()
+                },
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    // A deterministic prompt of ordinary text tokens.
+    let vocab = model.config.vocab as u32;
+    let prompt_of = |n: usize| -> Vec<u32> {
+        (0..n as u32)
+            .map(|i| 100 + (i * 7919) % (vocab - 100).max(1))
+            .map(|t| t.min(vocab - 1))
+            .collect()
+    };
+    let prompt = prompt_of(args.prompt_tokens);
+    let name = |e: &Engine| e.kv_layout().dtype.name();
 
-    let mut decode = Vec::new();
-    for &batch in &args.batch {
-        let mut rates = Vec::new();
-        for run in 0..args.runs {
-            let rate = decode_run(&mut engine, &prompt[..1], batch, args.gen_tokens)
-                .with_context(|| format!("decode at batch {batch}"))?;
+    let mut prefill = vec![Vec::new(); engines.len()];
+    for run in 0..args.runs {
+        for (engine, rates) in engines.iter_mut().zip(&mut prefill) {
+            let seq = engine.new_sequence();
+            let t0 = Instant::now();
+            engine.prefill(seq, &prompt)?;
+            let secs = t0.elapsed().as_secs_f64();
+            engine.free(seq)?;
+            rates.push(args.prompt_tokens as f64 / secs);
             eprintln!(
-                "decode batch {batch} run {}/{}: {rate:.1} tok/s",
+                "prefill {} run {}/{}: {:.1} tok/s",
+                name(engine),
                 run + 1,
-                args.runs
+                args.runs,
+                rates[run]
             );
-            rates.push(rate);
         }
-        decode.push(DecodeResult {
-            batch,
-            tok_s: median(rates),
-        });
+    }
+
+    // Each engine's context KV, computed once.
+    let context = prompt_of(args.context_tokens.max(1));
+    let contexts = engines
+        .iter_mut()
+        .map(|e| {
+            let seq = e.new_sequence();
+            let logits = e.prefill(seq, &context)?;
+            let kv = e.export_kv(seq, 0..context.len())?;
+            e.free(seq)?;
+            Ok((kv, argmax(&logits)))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut decode = vec![Vec::new(); engines.len()];
+    for &batch in &args.batch {
+        let mut rates = vec![Vec::new(); engines.len()];
+        for run in 0..args.runs {
+            for ((engine, (kv, first)), rates) in engines.iter_mut().zip(&contexts).zip(&mut rates)
+            {
+                let rate = decode_run(engine, kv, *first, batch, args.gen_tokens)
+                    .with_context(|| format!("decode at batch {batch}, {}", name(engine)))?;
+                eprintln!(
+                    "decode {} batch {batch} run {}/{}: {rate:.1} tok/s",
+                    name(engine),
+                    run + 1,
+                    args.runs
+                );
+                rates.push(rate);
+            }
+        }
+        for (results, rates) in decode.iter_mut().zip(rates) {
+            results.push(DecodeResult {
+                batch,
+                tok_s: median(rates),
+            });
+        }
     }
     let speculation = if args.speculate {
-        Some(speculation(&mut engine, args)?)
+        Some(speculation(&mut engines[0], args)?)
     } else {
         None
     };
+    let per_sequence = (context.len() + args.gen_tokens).div_ceil(tandem_engine::BLOCK_TOKENS);
     let result = BenchResult {
-        prefill_tok_s: median(prefill),
-        decode,
-        threads: engine.threads(),
+        threads: engines[0].threads(),
+        context_tokens: context.len(),
+        kv: engines
+            .iter()
+            .zip(prefill)
+            .zip(decode)
+            .map(|((e, prefill), decode)| KvResult {
+                kv_dtype: name(e),
+                kv_bytes_per_token: e.kv_layout().token_bytes(),
+                pool_sequences: e.kv_blocks_total() / per_sequence,
+                prefill_tok_s: median(prefill),
+                decode,
+            })
+            .collect(),
         speculation,
     };
     let rss = peak_rss_mb();
@@ -180,13 +258,28 @@ pub(crate) fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&result)?);
         eprintln!("peak resident memory: {rss:.0} MB");
     } else {
-        println!("model {}  threads {}", model.name, result.threads);
         println!(
-            "prefill {:>5} tokens  {:>9.1} tok/s",
-            args.prompt_tokens, result.prefill_tok_s
+            "model {}  threads {}  KV pool {} MiB",
+            model.name, result.threads, args.kv_budget_mb
         );
-        for d in &result.decode {
-            println!("decode  batch {:>5}  {:>9.1} tok/s", d.batch, d.tok_s);
+        for kv in &result.kv {
+            println!(
+                "kv {}: {} bytes/token, the pool holds {} sequences of {} tokens",
+                kv.kv_dtype,
+                kv.kv_bytes_per_token,
+                kv.pool_sequences,
+                result.context_tokens + args.gen_tokens
+            );
+            println!(
+                "  prefill {:>5} tokens  {:>9.1} tok/s",
+                args.prompt_tokens, kv.prefill_tok_s
+            );
+            for d in &kv.decode {
+                println!(
+                    "  decode  batch {:>5}  {:>9.1} tok/s  (context {})",
+                    d.batch, d.tok_s, result.context_tokens
+                );
+            }
         }
         if let Some(s) = &result.speculation {
             println!(
@@ -213,19 +306,21 @@ pub(crate) fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Decodes `steps` tokens for `batch` sequences started from `start` and returns aggregate
-/// tokens per second. Greedy, and end-of-generation ids do not stop it: every step is measured.
+/// Decodes `steps` tokens for `batch` sequences, each starting from its own copy of the context
+/// KV `start` and the token `first`, and returns aggregate tokens per second. Greedy, and
+/// end-of-generation ids do not stop it: every step is measured.
 fn decode_run(
     engine: &mut Engine,
-    start: &[u32],
+    start: &KvExport,
+    first: u32,
     batch: usize,
     steps: usize,
 ) -> anyhow::Result<f64> {
     let mut seqs: Vec<(SeqId, u32)> = Vec::with_capacity(batch);
     for _ in 0..batch {
         let seq = engine.new_sequence();
-        let logits = engine.prefill(seq, start)?;
-        seqs.push((seq, argmax(&logits)));
+        engine.import_kv(seq, start)?;
+        seqs.push((seq, first));
     }
     let t0 = Instant::now();
     for _ in 0..steps {
@@ -314,10 +409,9 @@ fn compare(
 
 fn speculation(engine: &mut Engine, args: &EngineBenchArgs) -> anyhow::Result<SpeculationResult> {
     let model = engine.model().clone();
-    let requests: Vec<(String, &'static str, GenerateRequest)> = SPEC_PROMPTS
-        .lines()
-        .map(|line| {
-            let p: SpecPrompt = serde_json::from_str(line)?;
+    let requests: Vec<(String, &'static str, GenerateRequest)> = speculation_prompts()?
+        .into_iter()
+        .map(|p| {
             let rendered = model.tokenizer.apply_chat_template(&[ChatMessage {
                 role: "user".into(),
                 content: p.text,

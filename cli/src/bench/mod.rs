@@ -1,11 +1,13 @@
 //! `tandem bench`: the engine alone (`engine`), load against any running endpoint (`serve`,
-//! `multiturn`), the KV transfer path (`transfer`), and pictures of the results (`plot`).
+//! `multiturn`), the KV transfer path (`transfer`), the KV dtype's fidelity (`fidelity`), and
+//! pictures of the results (`plot`).
 //!
 //! `serve` and `multiturn` drive a Tandem router over gRPC or any OpenAI-compatible server
 //! ([`endpoint`]); they never start what they measure.
 
 pub(crate) mod endpoint;
 pub(crate) mod engine;
+pub(crate) mod fidelity;
 pub(crate) mod multiturn;
 pub(crate) mod plot;
 pub(crate) mod serve;
@@ -26,6 +28,9 @@ pub(crate) enum BenchCommand {
     Multiturn(multiturn::MultiturnArgs),
     /// KV transfer throughput: a gRPC push of one prompt's KV against a plain TCP copy.
     Transfer(transfer::TransferArgs),
+    /// What a KV dtype costs in fidelity: logits and greedy tokens against llama.cpp's fixtures
+    /// and against f16.
+    Fidelity(fidelity::FidelityArgs),
     /// Draw PNG and SVG plots from `serve` and `multiturn` results.
     Plot(plot::PlotArgs),
 }
@@ -36,6 +41,7 @@ pub(crate) fn run(command: &BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Serve(args) => serve::serve(args),
         BenchCommand::Multiturn(args) => multiturn::multiturn(args),
         BenchCommand::Transfer(args) => transfer::transfer(args),
+        BenchCommand::Fidelity(args) => fidelity::fidelity(args),
         BenchCommand::Plot(args) => plot::plot(args),
     }
 }

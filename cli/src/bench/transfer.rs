@@ -1,7 +1,7 @@
 //! `tandem bench transfer`: KV transfer throughput for one prompt's real KV (computed by the
 //! engine, chunked as a prefill node chunks it) through `KvTransfer` on loopback, against a
-//! plain TCP copy of the same bytes; medians of `--runs`. Progress goes to stderr; the report
-//! (or `--json`) to stdout.
+//! plain TCP copy of the same bytes; medians of `--runs`, for each KV dtype asked for. Progress
+//! goes to stderr; the report (or `--json`) to stdout.
 
 use std::time::Instant;
 
@@ -9,7 +9,7 @@ use anyhow::{Context, bail};
 use clap::Args;
 use serde::Serialize;
 use tandem_engine::{Engine, EngineConfig, Model};
-use tandem_transfer::{Chunk, Expectation, Header, KvPush, Reservations};
+use tandem_transfer::{Chunk, Expectation, Header, KvPush, Reservations, WireLayout};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -29,15 +29,21 @@ pub(crate) struct TransferArgs {
     /// Compute threads for the prefill that makes the KV (0 = one per core).
     #[arg(long, env = "TANDEM_THREADS", default_value_t = 0)]
     threads: usize,
-    /// Print the result as one JSON object.
+    /// Comma-separated KV dtypes (`f16`, `q8`): the KV is computed and sent in each.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "f16")]
+    kv_dtype: Vec<crate::serve::KvDtype>,
+    /// Print one JSON object per dtype, one per line.
     #[arg(long)]
     json: bool,
 }
 
 #[derive(Serialize, Debug)]
 struct Transfer {
+    kv_dtype: &'static str,
     tokens: usize,
     bytes: u64,
+    /// The median gRPC push, header to acknowledged delivery, in ms.
+    grpc_ms: f64,
     grpc_mb_s: f64,
     tcp_mb_s: f64,
     ratio: f64,
@@ -68,11 +74,11 @@ fn real_chunks(engine: &mut Engine, tokens: &[u32]) -> anyhow::Result<Vec<Chunk>
 
 async fn transfer_throughput(
     model: &Model,
+    layout: WireLayout,
     tokens: &[u32],
     chunks: &[Chunk],
     runs: usize,
-) -> anyhow::Result<Transfer> {
-    let layout = tandem_worker::wire_layout(model);
+) -> anyhow::Result<(f64, f64)> {
     let bytes: u64 = chunks.iter().map(|c| c.data.len() as u64).sum();
     // The receiving service on its own loopback server.
     let listener = TcpListener::bind("127.0.0.1:0").await?;
@@ -147,16 +153,7 @@ async fn transfer_throughput(
         );
     }
     server.abort();
-    let mb = bytes as f64 / 1e6;
-    let grpc_mb_s = mb / median(grpc);
-    let tcp_mb_s = mb / median(tcp);
-    Ok(Transfer {
-        tokens: tokens.len(),
-        bytes,
-        grpc_mb_s,
-        tcp_mb_s,
-        ratio: grpc_mb_s / tcp_mb_s,
-    })
+    Ok((median(grpc), median(tcp)))
 }
 
 pub(crate) fn transfer(args: &TransferArgs) -> anyhow::Result<()> {
@@ -168,34 +165,48 @@ pub(crate) fn transfer(args: &TransferArgs) -> anyhow::Result<()> {
     if args.tokens >= ctx {
         bail!("--tokens must be less than the context of {ctx}");
     }
-    let mut engine = Engine::new(
-        model.clone(),
-        EngineConfig {
-            threads: args.threads,
-            kv_budget_bytes: (args.tokens + tandem_engine::BLOCK_TOKENS)
-                * model.config.kv_layout().token_bytes(),
-            ..EngineConfig::default()
-        },
-    )?;
-    eprintln!("computing the KV of a {}-token prompt", args.tokens);
-    let tokens = prompt(&model, args.tokens);
-    let chunks = real_chunks(&mut engine, &tokens)?;
-    drop(engine);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let t = rt.block_on(transfer_throughput(&model, &tokens, &chunks, args.runs))?;
-    if args.json {
-        println!("{}", serde_json::to_string(&t)?);
-    } else {
-        println!(
-            "KV transfer, {} tokens ({:.1} MB): gRPC {:.0} MB/s, plain TCP {:.0} MB/s, ratio {:.2}",
-            t.tokens,
-            t.bytes as f64 / 1e6,
-            t.grpc_mb_s,
-            t.tcp_mb_s,
-            t.ratio
-        );
+    let tokens = prompt(&model, args.tokens);
+    for dtype in &args.kv_dtype {
+        let mut engine = Engine::new(
+            model.clone(),
+            EngineConfig {
+                threads: args.threads,
+                kv_budget_bytes: (args.tokens + tandem_engine::BLOCK_TOKENS)
+                    * model.config.kv_layout(dtype.dtype()).token_bytes(),
+                kv_dtype: dtype.dtype(),
+                ..EngineConfig::default()
+            },
+        )?;
+        let name = dtype.dtype().name();
+        eprintln!("computing the {name} KV of a {}-token prompt", args.tokens);
+        let chunks = real_chunks(&mut engine, &tokens)?;
+        let layout = tandem_worker::wire_layout(engine.kv_layout());
+        drop(engine);
+        let (grpc, tcp) = rt.block_on(transfer_throughput(
+            &model, layout, &tokens, &chunks, args.runs,
+        ))?;
+        let bytes: u64 = chunks.iter().map(|c| c.data.len() as u64).sum();
+        let mb = bytes as f64 / 1e6;
+        let t = Transfer {
+            kv_dtype: name,
+            tokens: tokens.len(),
+            bytes,
+            grpc_ms: grpc * 1e3,
+            grpc_mb_s: mb / grpc,
+            tcp_mb_s: mb / tcp,
+            ratio: tcp / grpc,
+        };
+        if args.json {
+            println!("{}", serde_json::to_string(&t)?);
+        } else {
+            println!(
+                "KV transfer, {} tokens of {name} ({:.1} MB): gRPC {:.1} ms, {:.0} MB/s; plain TCP {:.0} MB/s; ratio {:.2}",
+                t.tokens, mb, t.grpc_ms, t.grpc_mb_s, t.tcp_mb_s, t.ratio
+            );
+        }
     }
     Ok(())
 }
