@@ -224,7 +224,7 @@ fn bad_requests_get_precise_errors_and_change_nothing() {
 #[test]
 fn kv_exhaustion_is_an_error_not_a_panic() {
     let model = tiny();
-    let layout = model.config.kv_layout();
+    let layout = model.config.kv_layout(tandem_engine::KvDtype::F16);
     let mut e = Engine::new(
         model.clone(),
         EngineConfig {
@@ -386,7 +386,7 @@ fn chain(tokens: &[u32]) -> Vec<u64> {
 }
 
 fn cached_engine(model: &Arc<Model>, blocks: usize) -> Engine {
-    let block = model.config.kv_layout().block_bytes();
+    let block = model.config.kv_layout(tandem_engine::KvDtype::F16).block_bytes();
     Engine::new(
         model.clone(),
         EngineConfig {

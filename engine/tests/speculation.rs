@@ -21,7 +21,7 @@ fn engine(model: &Arc<Model>, speculate: SpeculateConfig) -> Engine {
         model.clone(),
         EngineConfig {
             threads: 2,
-            kv_budget_bytes: 4096 * model.config.kv_layout().token_bytes(),
+            kv_budget_bytes: 4096 * model.config.kv_layout(tandem_engine::KvDtype::F16).token_bytes(),
             speculate,
             ..EngineConfig::default()
         },

@@ -8,7 +8,7 @@ use prost::Message;
 use tandem_proto::v1 as pb;
 use tandem_proto::v1::push_frame::Frame;
 use tandem_transfer::format::Assembler;
-use tandem_transfer::{Expectation, WireLayout};
+use tandem_transfer::{Expectation, KvDtype, WireLayout};
 
 /// A small reservation: 2 layers, 1 KV head of 4 dims, tokens 0..3 (the seeds in
 /// `corpus/kv_wire` are valid transfers for it, see `make_seeds.py`).
@@ -18,6 +18,7 @@ fn expectation() -> Expectation {
         kv_heads: 1,
         head_dim: 4,
         block_tokens: 16,
+        dtype: KvDtype::F16,
     };
     Expectation {
         fingerprint: [7; 32],

@@ -101,6 +101,9 @@ pub struct ClusterConfig {
     pub tls_dir: Option<std::path::PathBuf>,
     /// Put a [`Relay`] between the router and each worker.
     pub relays: bool,
+    /// The prefill nodes' KV dtype where it differs from `engine.kv_dtype`: a misconfigured
+    /// cluster.
+    pub prefill_kv_dtype: Option<tandem_engine::KvDtype>,
 }
 
 impl ClusterConfig {
@@ -124,6 +127,7 @@ impl ClusterConfig {
             policy: tandem_router::PolicyKind::Affinity,
             relays: false,
             tls_dir: None,
+            prefill_kv_dtype: None,
         }
     }
 
@@ -177,7 +181,10 @@ impl Cluster {
         let mut prefill = Vec::new();
         for _ in 0..config.prefill {
             let c = tandem_prefill_server::Config {
-                engine: config.engine(config.engine.kv_budget_bytes / 2),
+                engine: EngineConfig {
+                    kv_dtype: config.prefill_kv_dtype.unwrap_or(config.engine.kv_dtype),
+                    ..config.engine(config.engine.kv_budget_bytes / 2)
+                },
                 grace: config.grace,
                 tls: config.tls(tandem_proto::tls::Role::Prefill)?,
                 ..tandem_prefill_server::Config::new(config.model.clone())
@@ -457,6 +464,7 @@ pub async fn stray_push(channel: Channel, transfer_id: &str) -> tandem_transfer:
             kv_heads: 1,
             head_dim: 1,
             block_tokens: 16,
+            dtype: tandem_transfer::KvDtype::F16,
         },
         tokens: 0..1,
         token_ids: vec![5],

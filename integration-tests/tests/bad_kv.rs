@@ -7,7 +7,7 @@ use bytes::Bytes;
 use tandem_engine::{Engine, EngineConfig, GenerateParams, GenerateRequest, Model};
 use tandem_integration_tests::{Cluster, ClusterConfig};
 use tandem_proto::v1 as pb;
-use tandem_transfer::{Chunk, Header, KvKind, KvPush, WireLayout};
+use tandem_transfer::{Chunk, Header, KvPush};
 use tonic::Code;
 use tonic::transport::Channel;
 
@@ -26,31 +26,14 @@ fn real_kv(model: &std::sync::Arc<Model>) -> Kv {
     let seq = engine.new_sequence();
     let logits = engine.prefill(seq, &PROMPT).expect("prefill");
     let kv = engine.export_kv(seq, 0..PROMPT.len()).expect("export");
-    let mut chunks = Vec::new();
-    for (layer, [k, v]) in kv.layers.into_iter().enumerate() {
-        for (kind, data) in [(KvKind::K, k), (KvKind::V, v)] {
-            chunks.push(Chunk {
-                layer: layer as u32,
-                kind,
-                tokens: 0..PROMPT.len() as u32,
-                data: Bytes::from(data),
-            });
-        }
-    }
     Kv {
-        chunks,
+        chunks: tandem_worker::kv_chunks(kv).collect(),
         first_token: tandem_engine::argmax(&logits),
     }
 }
 
 fn header(model: &Model, transfer_id: &str, kv: &Kv) -> Header {
-    let l = model.config.kv_layout();
-    let layout = WireLayout {
-        layers: l.n_layers as u32,
-        kv_heads: l.n_kv_heads as u32,
-        head_dim: l.head_dim as u32,
-        block_tokens: 16,
-    };
+    let layout = tandem_worker::wire_layout(model.config.kv_layout(tandem_engine::KvDtype::F16));
     Header {
         transfer_id: transfer_id.into(),
         request_id: "bad-kv".into(),

@@ -212,14 +212,6 @@ pub fn validate_header(h: &pb::KvHeader, want: &Expectation) -> Result<()> {
             detail: format!("{} token ids (at most {MAX_TOKENS})", h.token_ids.len()),
         });
     }
-    if h.total_bytes > want.max_bytes {
-        return Err(Error::HeaderTooLarge {
-            detail: format!(
-                "{} bytes announced, the reservation allows {}",
-                h.total_bytes, want.max_bytes
-            ),
-        });
-    }
     if h.model_fingerprint.as_ref() != want.fingerprint {
         return Err(Error::Fingerprint);
     }
@@ -238,6 +230,15 @@ pub fn validate_header(h: &pb::KvHeader, want: &Expectation) -> Result<()> {
     if got != want.layout {
         return Err(Error::Layout {
             detail: format!("sent {got:?}, expected {:?}", want.layout),
+        });
+    }
+    // After the layout, so that a sender of another dtype learns that rather than a size.
+    if h.total_bytes > want.max_bytes {
+        return Err(Error::HeaderTooLarge {
+            detail: format!(
+                "{} bytes announced, the reservation allows {}",
+                h.total_bytes, want.max_bytes
+            ),
         });
     }
     if (h.token_start..h.token_end) != want.tokens {

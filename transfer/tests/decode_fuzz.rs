@@ -14,6 +14,7 @@ fn want() -> Expectation {
         kv_heads: 1,
         head_dim: 2,
         block_tokens: 16,
+        dtype: tandem_transfer::KvDtype::F16,
     };
     Expectation {
         fingerprint: [1; 32],

@@ -5,7 +5,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tandem_proto::v1 as pb;
 use tandem_transfer::{
-    Chunk, Error, Expectation, Header, KvKind, KvPush, KvTransferService, Reservations,
+    Chunk, Error, Expectation, Header, KvDtype, KvKind, KvPush, KvTransferService, Reservations,
     TransferMetrics, WireLayout,
 };
 use tokio::net::TcpListener;
@@ -17,6 +17,7 @@ const LAYOUT: WireLayout = WireLayout {
     kv_heads: 2,
     head_dim: 4,
     block_tokens: 16,
+    dtype: KvDtype::F16,
 };
 const FINGERPRINT: [u8; 32] = [7; 32];
 
@@ -45,11 +46,15 @@ async fn node() -> Node {
 }
 
 fn expectation(tokens: std::ops::Range<u32>) -> Expectation {
+    expectation_in(LAYOUT, tokens)
+}
+
+fn expectation_in(layout: WireLayout, tokens: std::ops::Range<u32>) -> Expectation {
     Expectation {
         fingerprint: FINGERPRINT,
-        layout: LAYOUT,
+        layout,
         token_ids: tokens.clone().map(|t| t * 3).collect(),
-        max_bytes: LAYOUT.total_bytes(tokens.len()),
+        max_bytes: layout.total_bytes(tokens.len()),
         tokens,
     }
 }
@@ -74,13 +79,14 @@ fn byte(layer: u32, kind: KvKind, head: u32, token: u32, i: u32) -> u8 {
 
 /// The chunks for `want`, split at `split` (a token inside the range).
 fn chunks(want: &Expectation, split: u32) -> Vec<Chunk> {
-    let row = LAYOUT.head_dim * 2;
+    let layout = want.layout;
+    let row = layout.row_bytes() as u32;
     let mut out = Vec::new();
     for range in [want.tokens.start..split, split..want.tokens.end] {
-        for layer in 0..LAYOUT.layers {
+        for layer in 0..layout.layers {
             for kind in [KvKind::K, KvKind::V] {
                 let mut data = Vec::new();
-                for head in 0..LAYOUT.kv_heads {
+                for head in 0..layout.kv_heads {
                     for t in range.clone() {
                         data.extend((0..row).map(|i| byte(layer, kind, head, t, i)));
                     }
@@ -116,8 +122,14 @@ fn rejects(node: &Node, reason: &'static str) -> u64 {
 
 #[tokio::test]
 async fn a_clean_push_arrives_verified_and_relaid() {
+    for dtype in [KvDtype::F16, KvDtype::Q8] {
+        clean_push(WireLayout { dtype, ..LAYOUT }).await;
+    }
+}
+
+async fn clean_push(layout: WireLayout) {
     let node = node().await;
-    let want = expectation(3..40);
+    let want = expectation_in(layout, 3..40);
     let (_guard, delivery) = node
         .reservations
         .reserve("t1", want.clone())
@@ -126,15 +138,15 @@ async fn a_clean_push_arrives_verified_and_relaid() {
     let bytes = push(&node, &header("t1", &want, chunks.len() as u32), &chunks)
         .await
         .expect("push");
-    assert_eq!(bytes, LAYOUT.total_bytes(37));
+    assert_eq!(bytes, layout.total_bytes(37));
     let kv = delivery.await.expect("delivered").expect("verified");
     assert_eq!(kv.first_token, 42);
     assert_eq!(kv.tokens, 3..40);
-    let row = LAYOUT.head_dim as usize * 2;
-    for layer in 0..LAYOUT.layers {
+    let row = layout.row_bytes();
+    for layer in 0..layout.layers {
         for kind in [KvKind::K, KvKind::V] {
             let data = &kv.layers[layer as usize][kind.index()];
-            for head in 0..LAYOUT.kv_heads {
+            for head in 0..layout.kv_heads {
                 for t in 3..40u32 {
                     let at = (head as usize * 37 + (t - 3) as usize) * row;
                     let want: Vec<u8> = (0..row as u32)
@@ -149,8 +161,36 @@ async fn a_clean_push_arrives_verified_and_relaid() {
             }
         }
     }
-    assert_eq!(node.metrics.bytes.get(), LAYOUT.total_bytes(37));
+    assert_eq!(node.metrics.bytes.get(), layout.total_bytes(37));
     assert_eq!(node.reservations.pending(), 0);
+}
+
+/// Prefill and decode must agree on the dtype: a push in the other one is a layout mismatch,
+/// in either direction (f16 is larger than a q8 reservation allows, but the dtype is named).
+#[tokio::test]
+async fn a_push_in_another_dtype_is_a_layout_mismatch() {
+    let node = node().await;
+    let q8 = WireLayout {
+        dtype: KvDtype::Q8,
+        ..LAYOUT
+    };
+    for (i, (sent, expected)) in [(q8, LAYOUT), (LAYOUT, q8)].into_iter().enumerate() {
+        let id = format!("dtype-{i}");
+        let (_guard, delivery) = node
+            .reservations
+            .reserve(&id, expectation_in(expected, 0..16))
+            .expect("reserve");
+        let sent = expectation_in(sent, 0..16);
+        let chunks = chunks(&sent, 8);
+        let e = push(&node, &header(&id, &sent, chunks.len() as u32), &chunks)
+            .await
+            .expect_err("another dtype");
+        assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+        assert!(e.to_string().contains("dtype"), "{e}");
+        let told = delivery.await.expect("told");
+        assert!(matches!(told, Err(Error::Layout { .. })), "{told:?}");
+    }
+    assert_eq!(rejects(&node, "layout"), 2);
 }
 
 #[tokio::test]

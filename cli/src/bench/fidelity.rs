@@ -5,8 +5,10 @@
 //! llama.cpp's top 20, whether the first greedy token is llama.cpp's, and how many greedy tokens
 //! agree with llama.cpp's before the first difference. Every dtype after the first is also
 //! compared with the first (normally f16): the largest first-position logit difference over the
-//! whole vocabulary and the tokens shared. The longer prompts (the speculation benchmark's, a few
-//! hundred tokens each) are compared with the first dtype only, having no reference.
+//! whole vocabulary and the tokens shared. The longer prompts (the speculation benchmark's, up to
+//! a few hundred tokens each) have no reference, so they are compared with the first dtype only:
+//! the greedy tokens shared, and, fed the first dtype's greedy tokens (teacher forcing), how
+//! often the best token is the same and how far the logits move at each position.
 
 use std::path::PathBuf;
 
@@ -93,7 +95,19 @@ struct LongResult {
     prompt: String,
     prompt_tokens: usize,
     /// One entry per dtype after the first.
-    vs_first: Vec<(&'static str, VsFirst)>,
+    vs_first: Vec<LongVsFirst>,
+}
+
+#[derive(Serialize)]
+struct LongVsFirst {
+    kv_dtype: &'static str,
+    /// Free-running greedy generation against the first dtype's.
+    greedy: VsFirst,
+    /// Positions, fed the first dtype's greedy tokens, where the best token is the same.
+    top1_agreement: f64,
+    /// The largest |Δlogit| over the vocabulary at each position: its mean and its maximum.
+    mean_max_logit_diff: f32,
+    max_logit_diff: f32,
 }
 
 #[derive(Serialize)]
@@ -140,6 +154,21 @@ fn vs_first(first: &(Vec<f32>, Vec<u32>), this: &(Vec<f32>, Vec<u32>)) -> VsFirs
         shared_prefix: shared_prefix(&first.1, &this.1),
         of: first.1.len(),
     }
+}
+
+/// The logits at every position of `tokens` after `prompt`'s last: fed, not sampled.
+fn forced_logits(
+    engine: &mut Engine,
+    prompt: &[u32],
+    tokens: &[u32],
+) -> anyhow::Result<Vec<Vec<f32>>> {
+    let seq = engine.new_sequence();
+    let mut all = vec![engine.prefill(seq, prompt)?];
+    for &t in tokens.iter().take(tokens.len().saturating_sub(1)) {
+        all.push(engine.step(&[(seq, t)])?.row(0).to_vec());
+    }
+    engine.free(seq)?;
+    Ok(all)
 }
 
 fn fixtures(path: &std::path::Path, model: &Model) -> anyhow::Result<Vec<Fixture>> {
@@ -239,15 +268,34 @@ pub(crate) fn fidelity(args: &FidelityArgs) -> anyhow::Result<()> {
             .iter_mut()
             .map(|e| run(e, &prompt, args.long_tokens))
             .collect::<anyhow::Result<Vec<_>>>()?;
+        let forced = engines
+            .iter_mut()
+            .map(|e| forced_logits(e, &prompt, &outs[0].1))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let mut vs = Vec::new();
+        for ((e, out), logits) in engines.iter().zip(&outs).zip(&forced).skip(1) {
+            let diffs: Vec<f32> = logits
+                .iter()
+                .zip(&forced[0])
+                .map(|(a, b)| max_diff(a, b))
+                .collect();
+            let same = logits
+                .iter()
+                .zip(&forced[0])
+                .filter(|(a, b)| argmax(a) == argmax(b))
+                .count();
+            vs.push(LongVsFirst {
+                kv_dtype: e.kv_layout().dtype.name(),
+                greedy: vs_first(&outs[0], out),
+                top1_agreement: same as f64 / logits.len().max(1) as f64,
+                mean_max_logit_diff: diffs.iter().sum::<f32>() / diffs.len().max(1) as f32,
+                max_logit_diff: diffs.iter().copied().fold(0.0, f32::max),
+            });
+        }
         report.long.push(LongResult {
             prompt: p.name.clone(),
             prompt_tokens: prompt.len(),
-            vs_first: engines
-                .iter()
-                .zip(&outs)
-                .skip(1)
-                .map(|(e, out)| (e.kv_layout().dtype.name(), vs_first(&outs[0], out)))
-                .collect(),
+            vs_first: vs,
         });
     }
     if args.json {
@@ -298,13 +346,20 @@ fn print_report(report: &Report) {
     }
     if report.long.iter().any(|l| !l.vs_first.is_empty()) {
         println!(
-            "longer prompts, against the first dtype: max |Δlogit| at the first position; greedy tokens equal before the first difference"
+            "longer prompts, against the first dtype: greedy tokens equal before the first difference; fed the first dtype's tokens, positions with the same best token, and the largest |Δlogit| per position (mean, max)"
         );
         for l in &report.long {
-            for (dtype, v) in &l.vs_first {
+            for v in &l.vs_first {
                 println!(
-                    "  {:<18} {:>4} prompt tokens  {dtype}: Δ {:.3}  shared {}/{}",
-                    l.prompt, l.prompt_tokens, v.max_logit_diff, v.shared_prefix, v.of
+                    "  {:<18} {:>4} prompt tokens  {}: shared {:>3}/{:<3}  same best {:>5.1}%  Δ mean {:.3} max {:.3}",
+                    l.prompt,
+                    l.prompt_tokens,
+                    v.kv_dtype,
+                    v.greedy.shared_prefix,
+                    v.greedy.of,
+                    v.top1_agreement * 100.0,
+                    v.mean_max_logit_diff,
+                    v.max_logit_diff
                 );
             }
         }
