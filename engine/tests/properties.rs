@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use tandem_engine::{
-    Engine, EngineConfig, Error, GenerateParams, GenerateRequest, Model, ModelSource,
+    Engine, EngineConfig, Error, GenerateParams, GenerateRequest, KvDtype, Model, ModelSource,
     SamplingParams, SeqId,
 };
 
@@ -13,17 +13,25 @@ fn tiny() -> Arc<Model> {
 }
 
 fn engine_with(model: &Arc<Model>, chunk: usize) -> Engine {
+    engine_in(model, chunk, KvDtype::F16)
+}
+
+fn engine_in(model: &Arc<Model>, chunk: usize, kv_dtype: KvDtype) -> Engine {
     Engine::new(
         model.clone(),
         EngineConfig {
             threads: 2,
             kv_budget_bytes: 4 << 20,
             prefill_chunk_tokens: chunk,
+            kv_dtype,
             ..EngineConfig::default()
         },
     )
     .expect("engine")
 }
+
+/// Both KV dtypes: every property below holds for each.
+const DTYPES: [KvDtype; 2] = [KvDtype::F16, KvDtype::Q8];
 
 fn prompt(n: usize, salt: u32) -> Vec<u32> {
     (0..n as u32)
@@ -52,9 +60,16 @@ fn decode(
 
 #[test]
 fn export_import_then_decode_equals_uninterrupted_run() {
+    for dtype in DTYPES {
+        export_import_then_decode(dtype);
+    }
+}
+
+fn export_import_then_decode(dtype: KvDtype) {
     let model = tiny();
     let p = SamplingParams::default();
     let tokens = prompt(45, 1);
+    let engine_with = |model: &Arc<Model>, chunk| engine_in(model, chunk, dtype);
 
     let mut a = engine_with(&model, 256);
     let seq = a.new_sequence();
@@ -101,6 +116,12 @@ fn import_of_a_suffix_extends_a_cached_prefix() {
 
 #[test]
 fn batched_decode_equals_each_sequence_alone() {
+    for dtype in DTYPES {
+        batched_equals_alone(dtype);
+    }
+}
+
+fn batched_equals_alone(dtype: KvDtype) {
     let model = tiny();
     let params: Vec<SamplingParams> = (0..5)
         .map(|i| SamplingParams {
@@ -124,7 +145,7 @@ fn batched_decode_equals_each_sequence_alone() {
             },
         })
         .collect();
-    let mut engine = engine_with(&model, 256);
+    let mut engine = engine_in(&model, 256, dtype);
     let batched = engine.generate_batch(&requests).expect("batch");
     for (req, got) in requests.iter().zip(&batched) {
         let alone = engine
@@ -145,8 +166,15 @@ fn batched_decode_equals_each_sequence_alone() {
 
 #[test]
 fn chunked_prefill_equals_unchunked() {
+    for dtype in DTYPES {
+        chunked_equals_unchunked(dtype);
+    }
+}
+
+fn chunked_equals_unchunked(dtype: KvDtype) {
     let model = tiny();
     let tokens = prompt(100, 3);
+    let engine_with = |model: &Arc<Model>, chunk| engine_in(model, chunk, dtype);
     let mut whole = engine_with(&model, 1000);
     let s = whole.new_sequence();
     let want = whole.prefill(s, &tokens).expect("prefill");
@@ -276,10 +304,19 @@ fn import_rejects_mismatched_kv() {
         "a rejected import changes nothing"
     );
     let free_before = e.kv_blocks_free();
-    let mut other_layout = kv;
+    let mut other_layout = kv.clone();
     other_layout.layout.head_dim *= 2;
     assert!(matches!(
         e.import_kv(d, &other_layout),
+        Err(Error::KvImport { .. })
+    ));
+    // q8 KV into an f16 engine: the dtype is part of the layout.
+    let mut q8 = engine_in(&model, 64, KvDtype::Q8);
+    let s = q8.new_sequence();
+    q8.prefill(s, &prompt(20, 0)).expect("prefill");
+    let other_dtype = q8.export_kv(s, 0..20).expect("export");
+    assert!(matches!(
+        e.import_kv(d, &other_dtype),
         Err(Error::KvImport { .. })
     ));
     assert_eq!(e.kv_blocks_free(), free_before);
@@ -386,7 +423,10 @@ fn chain(tokens: &[u32]) -> Vec<u64> {
 }
 
 fn cached_engine(model: &Arc<Model>, blocks: usize) -> Engine {
-    let block = model.config.kv_layout(tandem_engine::KvDtype::F16).block_bytes();
+    let block = model
+        .config
+        .kv_layout(tandem_engine::KvDtype::F16)
+        .block_bytes();
     Engine::new(
         model.clone(),
         EngineConfig {

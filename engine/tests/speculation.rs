@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use tandem_engine::{
-    ChatMessage, Engine, EngineConfig, GenerateOutput, GenerateParams, GenerateRequest, Model,
-    ModelSource, SamplingParams, SpeculateConfig,
+    ChatMessage, Engine, EngineConfig, GenerateOutput, GenerateParams, GenerateRequest, KvDtype,
+    Model, ModelSource, SamplingParams, SpeculateConfig,
 };
 
 fn real() -> Arc<Model> {
@@ -17,12 +17,17 @@ fn real() -> Arc<Model> {
 }
 
 fn engine(model: &Arc<Model>, speculate: SpeculateConfig) -> Engine {
+    engine_in(model, speculate, KvDtype::F16)
+}
+
+fn engine_in(model: &Arc<Model>, speculate: SpeculateConfig, kv_dtype: KvDtype) -> Engine {
     Engine::new(
         model.clone(),
         EngineConfig {
             threads: 2,
-            kv_budget_bytes: 4096 * model.config.kv_layout(tandem_engine::KvDtype::F16).token_bytes(),
+            kv_budget_bytes: 4096 * model.config.kv_layout(kv_dtype).token_bytes(),
             speculate,
+            kv_dtype,
             ..EngineConfig::default()
         },
     )
@@ -121,22 +126,20 @@ fn truncating_drops_rejected_drafts_and_frees_their_blocks() {
     assert_eq!(e.kv_blocks_free(), free);
 }
 
-fn generate(
-    model: &Arc<Model>,
-    spec: SpeculateConfig,
-    reqs: &[GenerateRequest],
-) -> Vec<GenerateOutput> {
-    engine(model, spec).generate_batch(reqs).expect("generate")
-}
-
-/// Generates `reqs` alone and batched with speculation off and on; all four must agree, and
-/// speculation must have drafted and had drafts accepted (or the test would prove nothing).
-fn on_equals_off(model: &Arc<Model>, reqs: &[GenerateRequest]) {
-    let off = generate(model, SpeculateConfig::off(), reqs);
-    let on = generate(model, SpeculateConfig::on(), reqs);
+/// Generates `reqs` alone and batched with speculation off and on, with the KV in `dtype`; all
+/// four must agree, and speculation must have drafted and had drafts accepted (or the test
+/// would prove nothing).
+fn on_equals_off(model: &Arc<Model>, reqs: &[GenerateRequest], dtype: KvDtype) {
+    let generate = |spec, reqs: &[GenerateRequest]| -> Vec<GenerateOutput> {
+        engine_in(model, spec, dtype)
+            .generate_batch(reqs)
+            .expect("generate")
+    };
+    let off = generate(SpeculateConfig::off(), reqs);
+    let on = generate(SpeculateConfig::on(), reqs);
     let (mut drafted, mut accepted) = (0, 0);
     for (i, req) in reqs.iter().enumerate() {
-        let alone = generate(model, SpeculateConfig::on(), std::slice::from_ref(req));
+        let alone = generate(SpeculateConfig::on(), std::slice::from_ref(req));
         assert_eq!(alone[0].token_ids, off[i].token_ids, "request {i} alone");
         assert_eq!(alone[0].text, off[i].text, "request {i} alone");
         assert_eq!(on[i].token_ids, off[i].token_ids, "request {i} batched");
@@ -195,7 +198,19 @@ fn greedy_generations_are_identical_with_speculation_on_the_real_model() {
         max_tokens: 200,
         ..GenerateParams::default()
     };
-    on_equals_off(&model, &requests(&model, &params));
+    on_equals_off(&model, &requests(&model, &params), KvDtype::F16);
+}
+
+/// Speculation is exact whatever the KV dtype: a verified row reads the same q8 KV a plain
+/// step would.
+#[test]
+fn greedy_generations_are_identical_with_speculation_on_q8_kv() {
+    let model = real();
+    let params = GenerateParams {
+        max_tokens: 200,
+        ..GenerateParams::default()
+    };
+    on_equals_off(&model, &requests(&model, &params), KvDtype::Q8);
 }
 
 #[test]
@@ -213,7 +228,7 @@ fn seeded_sampling_is_identical_with_speculation_on_the_real_model() {
         },
         ..GenerateParams::default()
     };
-    on_equals_off(&model, &requests(&model, &params));
+    on_equals_off(&model, &requests(&model, &params), KvDtype::F16);
 }
 
 #[test]
@@ -234,5 +249,7 @@ fn tiny_model_generations_are_identical_with_speculation_on() {
             },
         })
         .collect();
-    on_equals_off(&model, &reqs);
+    for dtype in [KvDtype::F16, KvDtype::Q8] {
+        on_equals_off(&model, &reqs, dtype);
+    }
 }

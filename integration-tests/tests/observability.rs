@@ -10,7 +10,10 @@ use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_and_reflection_report_what_happened() {
     let model = tandem_engine::ModelSource::Tiny.load().expect("tiny");
-    let kv_bytes_per_token = model.config.kv_layout(tandem_engine::KvDtype::F16).token_bytes();
+    let kv_bytes_per_token = model
+        .config
+        .kv_layout(tandem_engine::KvDtype::F16)
+        .token_bytes();
     let cluster = Cluster::start(ClusterConfig::new(model))
         .await
         .expect("cluster");
