@@ -86,7 +86,7 @@ pub async fn run(
         )))
         .add_service(
             tandem_worker::WorkerService::new(
-                tandem_worker::worker_info(&config.model, "decode"),
+                tandem_worker::worker_info(&config.model, kv_layout, "decode"),
                 Arc::new(DecodeLoad { ctx: ctx.clone() }),
                 shared.hub.clone(),
                 root.child_token(),

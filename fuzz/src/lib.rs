@@ -30,5 +30,9 @@ pub fn tokenizer() -> &'static Tokenizer {
 
 /// What a decode node tells the router about itself.
 pub fn worker_info() -> pb::InfoResponse {
-    tandem_worker::worker_info(model(), "decode")
+    tandem_worker::worker_info(
+        model(),
+        model().config.kv_layout(tandem_engine::KvDtype::F16),
+        "decode",
+    )
 }

@@ -177,7 +177,16 @@ async fn start_decode(config: &ClusterConfig, addr: SocketAddr) -> anyhow::Resul
 }
 
 impl Cluster {
+    /// Starts the cluster and waits until the router sees every replica up.
     pub async fn start(config: ClusterConfig) -> anyhow::Result<Self> {
+        let cluster = Self::launch(config).await?;
+        cluster.wait_ready(Duration::from_secs(30)).await?;
+        Ok(cluster)
+    }
+
+    /// Starts the cluster without waiting for the router to take it in: for clusters it must
+    /// refuse.
+    pub async fn launch(config: ClusterConfig) -> anyhow::Result<Self> {
         let mut prefill = Vec::new();
         for _ in 0..config.prefill {
             let c = tandem_prefill_server::Config {
@@ -238,16 +247,14 @@ impl Cluster {
             Ok(tandem_router::run(listeners, rc, stopped(rx)).await?)
         })
         .await?;
-        let cluster = Self {
+        Ok(Self {
             router,
             http: http_addr,
             prefill,
             decode,
             relays,
             config,
-        };
-        cluster.wait_ready(Duration::from_secs(30)).await?;
-        Ok(cluster)
+        })
     }
 
     /// Stops decode node `i` and starts a new one (empty caches, a new cache epoch) on the

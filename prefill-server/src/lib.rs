@@ -41,7 +41,7 @@ pub async fn run(
     }
     let engine = Engine::new(config.model.clone(), config.engine.clone())?;
     let chunk_tokens = engine.prefill_chunk_tokens();
-    let kv_layout = tandem_worker::wire_layout(engine.kv_layout());
+    let kv_layout = engine.kv_layout();
     let prefix_cache = engine.prefix_cache_enabled();
     let mut registry = Registry::default();
     let shared = Arc::new(Shared {
@@ -59,7 +59,7 @@ pub async fn run(
     let root = CancellationToken::new();
     let prefill = PrefillService {
         model: config.model.clone(),
-        kv_layout,
+        kv_layout: tandem_worker::wire_layout(kv_layout),
         jobs,
         shared: shared.clone(),
         shutdown: root.child_token(),
@@ -68,7 +68,7 @@ pub async fn run(
         tls: config.tls.clone(),
     };
     let worker = tandem_worker::WorkerService::new(
-        tandem_worker::worker_info(&config.model, "prefill"),
+        tandem_worker::worker_info(&config.model, kv_layout, "prefill"),
         Arc::new(PrefillLoad {
             shared: shared.clone(),
             max_queue: config.max_queue,

@@ -23,7 +23,7 @@ pub enum Error {
         retry_after: std::time::Duration,
     },
 
-    #[error("no healthy {role} replica")]
+    #[error("no healthy {role} replica (replicas of another model or KV dtype are not used)")]
     NoReplica { role: &'static str },
 
     #[error("the model's tokenizer is not known yet (no worker has answered)")]

@@ -8,8 +8,9 @@
 //!              index task ──CacheEvents / CacheSnapshot──▶ CacheIndex
 //! ```
 //!
-//! The first worker to answer `Worker.Info` gives the router its tokenizer ([`Frontend`]);
-//! a worker whose model fingerprint differs is never picked.
+//! The first worker to answer `Worker.Info` gives the router its tokenizer and KV dtype
+//! ([`Frontend`]); a worker whose model fingerprint or KV dtype differs is never picked (its KV
+//! could not move between prefill and decode).
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
@@ -35,6 +36,8 @@ pub struct Frontend {
     pub tokenizer: Tokenizer,
     pub context_tokens: usize,
     pub fingerprint: Vec<u8>,
+    /// How the workers keep and send KV (`f16` or `q8`).
+    pub kv_dtype: String,
 }
 
 impl Frontend {
@@ -50,7 +53,16 @@ impl Frontend {
             tokenizer,
             context_tokens: info.context_tokens as usize,
             fingerprint: info.model_fingerprint.to_vec(),
+            kv_dtype: kv_dtype(info).to_string(),
         })
+    }
+}
+
+/// A worker's KV dtype; workers that do not say keep f16.
+fn kv_dtype(info: &pb::InfoResponse) -> &str {
+    match info.kv_dtype.as_str() {
+        "" => "f16",
+        other => other,
     }
 }
 
@@ -405,13 +417,22 @@ impl Replicas {
             self.changed.notify_waiters();
             tracing::info!(model = %info.model_name, from = %r.addr, "learned the model's tokenizer");
         }
-        let same = self
-            .frontend
-            .get()
-            .is_some_and(|f| f.fingerprint == info.model_fingerprint.as_ref());
-        if !same {
+        let Some(front) = self.frontend.get() else {
+            return false;
+        };
+        let same_model = front.fingerprint == info.model_fingerprint.as_ref();
+        let same_kv = front.kv_dtype == kv_dtype(&info);
+        if !same_model {
             tracing::error!(replica = %r.addr, model = %info.model_name, "replica serves a different model; not using it");
+        } else if !same_kv {
+            tracing::error!(
+                replica = %r.addr,
+                kv_dtype = kv_dtype(&info),
+                cluster = %front.kv_dtype,
+                "replica keeps its KV in another dtype (--kv-dtype); not using it"
+            );
         }
+        let same = same_model && same_kv;
         if r.compatible.swap(same, Ordering::Relaxed) != same {
             self.changed.notify_waiters();
         }

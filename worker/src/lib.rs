@@ -75,8 +75,8 @@ pub fn params_from_pb(s: Option<pb::SamplingParams>) -> GenerateParams {
     }
 }
 
-/// What a worker says about its model (`Worker.Info`).
-pub fn worker_info(model: &Model, role: &str) -> pb::InfoResponse {
+/// What a worker says about its model and KV (`Worker.Info`).
+pub fn worker_info(model: &Model, kv: KvLayout, role: &str) -> pb::InfoResponse {
     pb::InfoResponse {
         model_name: model.name.clone(),
         model_fingerprint: model.fingerprint.0.to_vec().into(),
@@ -84,6 +84,7 @@ pub fn worker_info(model: &Model, role: &str) -> pb::InfoResponse {
         block_tokens: tandem_engine::BLOCK_TOKENS as u32,
         tokenizer_spec_json: serde_json::to_string(&model.tokenizer_spec).unwrap_or_default(),
         role: role.to_string(),
+        kv_dtype: kv.dtype.name().to_string(),
     }
 }
 
