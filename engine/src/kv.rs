@@ -20,6 +20,10 @@ use half::slice::HalfFloatSliceExt;
 
 use crate::error::{Error, Result};
 
+// Rows are kept in the machine's byte order and leave the pool as they are; the wire format's
+// rows are little-endian.
+const _: () = assert!(cfg!(target_endian = "little"), "the KV rows assume a little-endian CPU");
+
 /// Tokens per KV block.
 pub const BLOCK_TOKENS: usize = 16;
 
@@ -37,8 +41,8 @@ pub enum KvKind {
 /// written; a scale shared by a block's 16 positions would have to be chosen before the later
 /// positions exist, or the block requantized as they arrive. A row is also what attention
 /// consumes: one key's dot product, or one value weighted by its probability. Finer groups
-/// (llama.cpp's q8_0 scales every 32 values) would cost 4% more bytes at head_dim 64 for
-/// precision the fidelity measurements do not ask for (docs/kv-cache.md).
+/// (llama.cpp's q8_0 scales every 32 values) cost 3% more bytes at head_dim 64 and, on the
+/// fidelity fixtures, did not move the logits less (docs/kv-cache.md).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum KvDtype {
     /// `head_dim` f16 values, little-endian.
