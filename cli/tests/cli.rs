@@ -217,6 +217,12 @@ fn bench_engine_json_shape() {
         "8",
         "--batch",
         "1,3",
+        "--context-tokens",
+        "40",
+        "--kv-dtype",
+        "f16,q8",
+        "--kv-budget-mb",
+        "16",
         "--runs",
         "1",
         "--threads",
@@ -225,12 +231,99 @@ fn bench_engine_json_shape() {
     ]);
     assert!(ok, "{err}");
     let v = json(&out);
-    assert!(v["prefill_tok_s"].as_f64().expect("prefill") > 0.0);
-    let decode = v["decode"].as_array().expect("decode");
-    assert_eq!(decode.len(), 2);
-    assert_eq!(decode[1]["batch"], 3);
-    assert!(decode[1]["tok_s"].as_f64().expect("tok_s") > 0.0);
     assert_eq!(v["threads"], 1);
+    assert_eq!(v["context_tokens"], 40);
+    let kv = v["kv"].as_array().expect("kv");
+    assert_eq!(kv.len(), 2);
+    for (k, dtype) in kv.iter().zip(["f16", "q8"]) {
+        assert_eq!(k["kv_dtype"], dtype);
+        assert!(k["prefill_tok_s"].as_f64().expect("prefill") > 0.0);
+        let decode = k["decode"].as_array().expect("decode");
+        assert_eq!(decode.len(), 2);
+        assert_eq!(decode[1]["batch"], 3);
+        assert!(decode[1]["tok_s"].as_f64().expect("tok_s") > 0.0);
+    }
+    let num = |i: usize, f: &str| kv[i][f].as_f64().expect(f);
+    // q8 rows are head_dim + 2 bytes against f16's 2·head_dim: a little over half.
+    let ratio = num(1, "kv_bytes_per_token") / num(0, "kv_bytes_per_token");
+    assert!((0.5..0.6).contains(&ratio), "{ratio}");
+    assert!(num(1, "pool_sequences") > num(0, "pool_sequences") * 1.6);
+}
+
+/// `bench transfer` sends each dtype's KV, q8 at a little over half the bytes; `bench fidelity`
+/// compares the dtypes on a fixture file (here one made for the tiny model) and refuses
+/// fixtures of another model by name.
+#[test]
+fn bench_transfer_and_fidelity_compare_kv_dtypes() {
+    let (ok, out, err) = tandem(&[
+        "bench",
+        "transfer",
+        "--model",
+        "tiny",
+        "--tokens",
+        "40",
+        "--runs",
+        "1",
+        "--kv-dtype",
+        "f16,q8",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let runs: Vec<Value> = out.lines().map(json).collect();
+    assert_eq!(runs.len(), 2, "{out}");
+    assert_eq!(
+        (&runs[0]["kv_dtype"], &runs[1]["kv_dtype"]),
+        (&"f16".into(), &"q8".into())
+    );
+    let bytes = |r: &Value| r["bytes"].as_f64().expect("bytes");
+    let ratio = bytes(&runs[1]) / bytes(&runs[0]);
+    assert!((0.5..0.6).contains(&ratio), "{ratio}");
+    assert!(runs[1]["grpc_ms"].as_f64().expect("grpc_ms") > 0.0);
+
+    let dir = std::env::temp_dir().join(format!("tandem-fixtures-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    std::fs::write(
+        dir.join("smollm2-greedy.jsonl"),
+        r#"{"prompt_text":"x","prompt_token_ids":[5,6,7,8],"generated_token_ids":[9,10,11],"first_position_logits":{"top20":[[9,1.5],[10,0.5]]}}"#,
+    )
+    .expect("fixture");
+    let fixtures = dir.display().to_string();
+    let args = [
+        "bench",
+        "fidelity",
+        "--model",
+        "tiny",
+        "--fixtures",
+        &fixtures,
+    ];
+    let (ok, out, err) = tandem(&[&args[..], &["--long-tokens", "4", "--json"]].concat());
+    assert!(ok, "{err}");
+    let v = json(&out);
+    let runs = v["fixtures"][0]["runs"].as_array().expect("runs");
+    assert_eq!(
+        (&runs[0]["kv_dtype"], &runs[1]["kv_dtype"]),
+        (&"f16".into(), &"q8".into())
+    );
+    assert!(runs[0]["vs_first"].is_null());
+    assert_eq!(runs[1]["vs_first"]["of"], 3);
+    let long = v["long"].as_array().expect("long");
+    assert!(!long.is_empty());
+    for l in long {
+        let q8 = &l["vs_first"][0];
+        assert_eq!(q8["kv_dtype"], "q8");
+        let agree = q8["top1_agreement"].as_f64().expect("agreement");
+        assert!((0.0..=1.0).contains(&agree), "{agree}");
+    }
+
+    std::fs::write(
+        dir.join("smollm2-greedy.jsonl"),
+        r#"{"prompt_text":"x","prompt_token_ids":[9690],"generated_token_ids":[9],"first_position_logits":{"top20":[[9,1.5]]}}"#,
+    )
+    .expect("fixture");
+    let (ok, _, err) = tandem(&args);
+    assert!(!ok);
+    assert!(err.contains("belong to another model"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// `tandem up` starts a cluster, `generate --server` through it prints the same JSON fields and

@@ -22,7 +22,10 @@ use crate::error::{Error, Result};
 
 // Rows are kept in the machine's byte order and leave the pool as they are; the wire format's
 // rows are little-endian.
-const _: () = assert!(cfg!(target_endian = "little"), "the KV rows assume a little-endian CPU");
+const _: () = assert!(
+    cfg!(target_endian = "little"),
+    "the KV rows assume a little-endian CPU"
+);
 
 /// Tokens per KV block.
 pub const BLOCK_TOKENS: usize = 16;
