@@ -415,7 +415,7 @@ impl Replicas {
             && self.frontend.set(Arc::new(f)).is_ok()
         {
             self.changed.notify_waiters();
-            tracing::info!(model = %info.model_name, from = %r.addr, "learned the model's tokenizer");
+            tracing::info!(model = %info.model_name, kv_dtype = kv_dtype(&info), from = %r.addr, "learned the model's tokenizer and KV dtype");
         }
         let Some(front) = self.frontend.get() else {
             return false;
