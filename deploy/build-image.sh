@@ -19,7 +19,7 @@ cargo build --release --locked --target "$target" -p tandem-cli --features "$fea
 ctx=target/image
 mkdir -p "$ctx"
 # The image needs no debug info (the release profile keeps it for profiling).
-strip --strip-debug -o "$ctx/tandem" "target/$target/release/tandem"
+strip --strip-debug -o "$ctx/tandem" "${CARGO_TARGET_DIR:-target}/$target/release/tandem"
 # A static binary has no interpreter to load; refuse to ship one that does.
 if readelf -l "$ctx/tandem" | grep -q 'Requesting program interpreter'; then
   echo "build-image: target/image/tandem is dynamically linked" >&2

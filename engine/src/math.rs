@@ -64,8 +64,6 @@ const C2: f64 = f64::from_bits(0x3fe62e42ff0c52d6) / 32.0;
 /// Inputs at or beyond these take glibc's special cases (infinity, zero) rather than the table.
 const OVERFLOW: f32 = 88.72283;
 const UNDERFLOW: f32 = -103.97208;
-/// Below this magnitude every lane takes the table path (glibc's own fast-path bound).
-const FAST: f32 = 88.0;
 
 /// `e^x`, rounded exactly as glibc's `expf` rounds it.
 pub fn exp(x: f32) -> f32 {
@@ -110,6 +108,8 @@ pub fn exp_in_place(x: &mut [f32]) {
 ))]
 fn exp4(x: [f32; 4]) -> [f32; 4] {
     use std::arch::x86_64::*;
+    /// Below this magnitude every lane takes the table path (glibc's own fast-path bound).
+    const FAST: f32 = 88.0;
     if !x.iter().all(|v| v.abs() < FAST) {
         return x.map(exp);
     }
