@@ -250,37 +250,11 @@ fn bench_engine_json_shape() {
     assert!(num(1, "pool_sequences") > num(0, "pool_sequences") * 1.6);
 }
 
-/// `bench transfer` sends each dtype's KV, q8 at a little over half the bytes; `bench fidelity`
-/// compares the dtypes on a fixture file (here one made for the tiny model) and refuses
-/// fixtures of another model by name.
+/// `bench fidelity` compares the dtypes on a fixture file (here one made for the tiny model) and
+/// refuses fixtures of another model by name.
 #[test]
-fn bench_transfer_and_fidelity_compare_kv_dtypes() {
-    let (ok, out, err) = tandem(&[
-        "bench",
-        "transfer",
-        "--model",
-        "tiny",
-        "--tokens",
-        "40",
-        "--runs",
-        "1",
-        "--kv-dtype",
-        "f16,q8",
-        "--json",
-    ]);
-    assert!(ok, "{err}");
-    let runs: Vec<Value> = out.lines().map(json).collect();
-    assert_eq!(runs.len(), 2, "{out}");
-    assert_eq!(
-        (&runs[0]["kv_dtype"], &runs[1]["kv_dtype"]),
-        (&"f16".into(), &"q8".into())
-    );
-    let bytes = |r: &Value| r["bytes"].as_f64().expect("bytes");
-    let ratio = bytes(&runs[1]) / bytes(&runs[0]);
-    assert!((0.5..0.6).contains(&ratio), "{ratio}");
-    assert!(runs[1]["grpc_ms"].as_f64().expect("grpc_ms") > 0.0);
-
-    let dir = std::env::temp_dir().join(format!("tandem-fixtures-{}", std::process::id()));
+fn bench_fidelity_compares_kv_dtypes() {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("fidelity-fixtures");
     std::fs::create_dir_all(&dir).expect("dir");
     std::fs::write(
         dir.join("smollm2-greedy.jsonl"),
@@ -323,7 +297,6 @@ fn bench_transfer_and_fidelity_compare_kv_dtypes() {
     let (ok, _, err) = tandem(&args);
     assert!(!ok);
     assert!(err.contains("belong to another model"), "{err}");
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// `tandem up` starts a cluster, `generate --server` through it prints the same JSON fields and
@@ -478,12 +451,23 @@ fn bench_serve_drives_both_apis_and_plots() {
         "2",
         "--threads",
         "1",
+        "--kv-dtype",
+        "f16,q8",
         "--json",
     ]);
     assert!(ok, "{err}");
-    let t = json(&out);
-    assert_eq!(t["tokens"], 300);
-    assert!(t["grpc_mb_s"].as_f64().is_some_and(|x| x > 0.0) && t["ratio"].as_f64().is_some());
+    // One object per dtype; q8 sends a little over half of f16's bytes.
+    let runs: Vec<Value> = out.lines().map(json).collect();
+    assert_eq!(runs.len(), 2, "{out}");
+    for (t, dtype) in runs.iter().zip(["f16", "q8"]) {
+        assert_eq!(t["kv_dtype"], dtype);
+        assert_eq!(t["tokens"], 300);
+        assert!(t["grpc_mb_s"].as_f64().is_some_and(|x| x > 0.0) && t["ratio"].as_f64().is_some());
+        assert!(t["grpc_ms"].as_f64().is_some_and(|x| x > 0.0));
+    }
+    let bytes = |r: &Value| r["bytes"].as_f64().expect("bytes");
+    let ratio = bytes(&runs[1]) / bytes(&runs[0]);
+    assert!((0.5..0.6).contains(&ratio), "{ratio}");
 }
 
 /// With `--log-json`, a request's log lines on the router, the prefill node and the decode node

@@ -139,9 +139,6 @@ pub(crate) fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
     if let Some(b) = args.batch.iter().find(|&&b| b == 0) {
         bail!("--batch sizes must be at least 1, got {b}");
     }
-    if args.kv_dtype.is_empty() {
-        bail!("--kv-dtype needs at least one dtype");
-    }
     let model = args.model.source().load()?;
     let ctx = model.config.context_len;
     if args.prompt_tokens > ctx || args.context_tokens.max(1) + args.gen_tokens > ctx {
@@ -149,21 +146,12 @@ pub(crate) fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
             "--prompt-tokens, and --context-tokens plus --gen-tokens, must fit the context of {ctx}"
         );
     }
-    let mut engines = args
-        .kv_dtype
-        .iter()
-        .map(|d| {
-            Engine::new(
-                model.clone(),
-                EngineConfig {
-                    threads: args.threads,
-                    kv_budget_bytes: args.kv_budget_mb << 20,
-                    kv_dtype: d.dtype(),
-                    ..EngineConfig::default()
-                },
-            )
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let config = EngineConfig {
+        threads: args.threads,
+        kv_budget_bytes: args.kv_budget_mb << 20,
+        ..EngineConfig::default()
+    };
+    let mut engines = super::engine_per_dtype(&model, &args.kv_dtype, &config)?;
     // A deterministic prompt of ordinary text tokens.
     let vocab = model.config.vocab as u32;
     let prompt_of = |n: usize| -> Vec<u32> {

@@ -196,25 +196,13 @@ fn fixtures(path: &std::path::Path, model: &Model) -> anyhow::Result<Vec<Fixture
 }
 
 pub(crate) fn fidelity(args: &FidelityArgs) -> anyhow::Result<()> {
-    if args.kv_dtype.is_empty() {
-        bail!("--kv-dtype needs at least one dtype");
-    }
     let model = args.model.source().load()?;
     let records = fixtures(&args.fixtures.join("smollm2-greedy.jsonl"), &model)?;
-    let mut engines = args
-        .kv_dtype
-        .iter()
-        .map(|d| {
-            Engine::new(
-                model.clone(),
-                EngineConfig {
-                    threads: args.threads,
-                    kv_dtype: d.dtype(),
-                    ..EngineConfig::default()
-                },
-            )
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let config = EngineConfig {
+        threads: args.threads,
+        ..EngineConfig::default()
+    };
+    let mut engines = super::engine_per_dtype(&model, &args.kv_dtype, &config)?;
     let eog = model.tokenizer.eog_ids();
     let mut report = Report {
         fixtures: Vec::new(),

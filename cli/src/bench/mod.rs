@@ -46,6 +46,24 @@ pub(crate) fn run(command: &BenchCommand) -> anyhow::Result<()> {
     }
 }
 
+/// One engine per dtype of `dtypes` (a `--kv-dtype` list), each configured as `config` otherwise.
+pub(crate) fn engine_per_dtype(
+    model: &std::sync::Arc<tandem_engine::Model>,
+    dtypes: &[crate::serve::KvDtype],
+    config: &tandem_engine::EngineConfig,
+) -> anyhow::Result<Vec<tandem_engine::Engine>> {
+    dtypes
+        .iter()
+        .map(|d| {
+            let config = tandem_engine::EngineConfig {
+                kv_dtype: d.dtype(),
+                ..config.clone()
+            };
+            Ok(tandem_engine::Engine::new(model.clone(), config)?)
+        })
+        .collect()
+}
+
 /// A progress bar on stderr (drawn only on a terminal) for `total` requests.
 pub(crate) fn progress_bar(total: u64, what: &str) -> indicatif::ProgressBar {
     let bar = indicatif::ProgressBar::new(total);
