@@ -107,6 +107,27 @@ pub(crate) fn client(server: &str, key: &ApiKey, tls: &ServerTlsArgs) -> anyhow:
     ))
 }
 
+/// How long a failed plaintext client waits to learn whether the server wanted TLS.
+const TLS_PROBE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// `error`, or, when a plaintext client's call to `server` failed because the server speaks
+/// TLS, that: the call's own error then reads as an HTTP/2 protocol error or a broken transport.
+pub(crate) async fn explain(
+    server: &str,
+    tls: &ServerTlsArgs,
+    error: anyhow::Error,
+) -> anyhow::Error {
+    let plaintext = matches!(tls.config(server), Ok(None));
+    if plaintext && tandem_proto::net::requires_tls(server, TLS_PROBE).await {
+        return anyhow::anyhow!(
+            "{server} serves TLS: give the address as https://{}, with --ca-cert when its \
+             certificate is not from a public CA ({error:#})",
+            server.split_once("://").map_or(server, |(_, rest)| rest)
+        );
+    }
+    error
+}
+
 fn finish_name(code: i32) -> String {
     match pb::FinishReason::try_from(code) {
         Ok(pb::FinishReason::Stop) => "stop",
@@ -187,13 +208,17 @@ pub(crate) fn generate(args: &GenerateArgs, server: &str) -> anyhow::Result<()> 
     let out = rt.block_on(async {
         let mut client = client(server, &ApiKey::new(args.api_key.as_deref())?, &args.tls)?;
         let mut stdout = std::io::stdout().lock();
-        stream(&mut client, request, &mut |text| {
+        let out = stream(&mut client, request, &mut |text| {
             if !args.json {
                 let _ = stdout.write_all(text.as_bytes());
                 let _ = stdout.flush();
             }
         })
-        .await
+        .await;
+        match out {
+            Err(e) => Err(explain(server, &args.tls, e).await),
+            ok => ok,
+        }
     })?;
     if args.json {
         let finish_reason = match out.finish_reason.as_str() {
@@ -310,6 +335,7 @@ pub(crate) fn chat(args: &ChatArgs) -> anyhow::Result<()> {
                 content: r.text,
             }),
             Err(e) => {
+                let e = rt.block_on(explain(&args.server, &args.tls, e));
                 eprintln!("error: {e:#}");
                 messages.pop();
             }

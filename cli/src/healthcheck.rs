@@ -49,9 +49,24 @@ pub(crate) fn run(args: &HealthcheckArgs) -> anyhow::Result<()> {
                     .await?;
                 anyhow::Ok(response.into_inner().status)
             };
-            tokio::time::timeout(deadline, check)
+            let answer = tokio::time::timeout(deadline, check)
                 .await
-                .map_err(|_| anyhow::anyhow!("no answer within {} ms", args.timeout_ms))?
+                .map_err(|_| anyhow::anyhow!("no answer within {} ms", args.timeout_ms))
+                .and_then(|answer| answer);
+            match answer {
+                Err(e)
+                    if tls.is_none()
+                        && tandem_proto::net::requires_tls(&args.addr.to_string(), deadline)
+                            .await =>
+                {
+                    Err(anyhow::anyhow!(
+                        "{} requires TLS: pass --tls-dir with the cluster's certificates \
+                         (`tandem certs init`) ({e:#})",
+                        args.addr
+                    ))
+                }
+                answer => answer,
+            }
         })?;
     let status = ServingStatus::try_from(status).unwrap_or(ServingStatus::Unknown);
     anyhow::ensure!(

@@ -208,9 +208,11 @@ pub(crate) struct RouterArgs {
     /// node, in ms.
     #[arg(long, env = "TANDEM_KV_WAIT_MS", default_value_t = 10_000)]
     kv_wait_ms: u64,
-    /// Longest wait for a decode node's next token frame once it has its KV, in ms (after a
-    /// local prefill, plus twice its estimated time). Past it the node counts as failed and the
-    /// generation resumes on another one.
+    /// How long a decode node's token stream may be silent once it has its KV, in ms (after a
+    /// local prefill, plus twice its estimated time), before the router checks the node. One
+    /// that still answers its health checks is busy and the stream waits on (up to the
+    /// request's deadline); one that does not counts as failed, and the generation resumes on
+    /// another.
     #[arg(long, env = "TANDEM_TOKEN_GAP_MS", default_value_t = 5_000)]
     token_gap_ms: u64,
     /// How often replicas are asked for their load, in ms.

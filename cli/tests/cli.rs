@@ -682,8 +682,12 @@ fn certs_init_and_a_cluster_over_mutual_tls() {
         .1;
     let (ok, _, err) = tandem(&["healthcheck", "--addr", decode, "--tls-dir", d]);
     assert!(ok, "{err}");
-    let (ok, _, _) = tandem(&["healthcheck", "--addr", decode]);
+    let (ok, _, err) = tandem(&["healthcheck", "--addr", decode]);
     assert!(!ok, "a plaintext health check of a TLS worker fails");
+    assert!(
+        err.contains("requires TLS") && err.contains("--tls-dir"),
+        "{err}"
+    );
     up.stop();
 }
 
@@ -767,8 +771,12 @@ fn the_client_api_over_tls() {
     let (ok, _, err) = tandem(&[SEEDED, &["--server", &up.grpc]].concat());
     assert!(!ok, "a client that does not trust the CA is refused");
     assert!(err.to_lowercase().contains("certificate"), "{err}");
-    let (ok, _, _) = tandem(&[SEEDED, &["--server", addr]].concat());
+    let (ok, _, err) = tandem(&[SEEDED, &["--server", addr]].concat());
     assert!(!ok, "a plaintext client of a TLS port fails");
+    assert!(
+        err.contains(&format!("serves TLS: give the address as https://{addr}")),
+        "{err}"
+    );
     let (ok, _, err) =
         tandem(&[SEEDED, &["--server", addr, "--ca-cert", "/nonexistent.pem"]].concat());
     assert!(!ok && err.contains("/nonexistent.pem"), "{err}");

@@ -86,6 +86,9 @@ pub struct ClusterConfig {
     /// Batch slots per decode node.
     pub decode_slots: usize,
     pub kv_wait: Duration,
+    /// The router's token gap: how long a decode stream may be silent before the router checks
+    /// that its node still serves.
+    pub token_gap: Duration,
     /// The decode nodes' ceiling on a caller's `kv_wait_ms`.
     pub max_kv_wait: Duration,
     pub grace: Duration,
@@ -119,6 +122,7 @@ impl ClusterConfig {
             },
             decode_slots: 16,
             kv_wait: Duration::from_secs(10),
+            token_gap: tandem_router::Config::default().token_gap,
             max_kv_wait: Duration::from_secs(60),
             grace: Duration::from_secs(2),
             auth: tandem_router::AuthConfig::default(),
@@ -229,6 +233,7 @@ impl Cluster {
             prefill: seen(&prefill, 0),
             decode: seen(&decode, prefill.len()),
             kv_wait: config.kv_wait,
+            token_gap: config.token_gap,
             grace: config.grace,
             load_poll: Duration::from_millis(50),
             policy: config.policy,
@@ -451,6 +456,21 @@ pub async fn metrics(addr: SocketAddr) -> anyhow::Result<String> {
     conn.read_to_string(&mut body).await?;
     anyhow::ensure!(body.starts_with("HTTP/1.1 200"), "GET /metrics: {body}");
     Ok(body)
+}
+
+/// A server's Prometheus text from `GET /metrics` over `channel`, as HTTP/2 (over TLS when the
+/// channel is): how a scraper with a client certificate reads a mutual-TLS node.
+pub async fn metrics_over(channel: Channel) -> anyhow::Result<String> {
+    use tower::ServiceExt;
+    let request = tonic::codegen::http::Request::get("/metrics").body(tonic::body::Body::empty())?;
+    let response = channel.oneshot(request).await?;
+    anyhow::ensure!(
+        response.status().is_success(),
+        "GET /metrics: {}",
+        response.status()
+    );
+    let body = axum::body::to_bytes(axum::body::Body::new(response.into_body()), 16 << 20).await?;
+    Ok(String::from_utf8(body.to_vec())?)
 }
 
 /// The value of one sample line (`name{labels} value`) in Prometheus text.

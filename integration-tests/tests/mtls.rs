@@ -1,10 +1,13 @@
 //! Mutual TLS between the nodes: a cluster whose every internal hop is TLS serves as before
 //! (router to workers, prefill to decode's KvTransfer), and each role may call only what it
-//! needs. A peer without a certificate from the cluster's CA is refused at the handshake.
+//! needs. A peer without a certificate from the cluster's CA is refused at the handshake: no
+//! call of its reaches the node, which the node's own call counter shows.
 
 use std::path::{Path, PathBuf};
 
-use tandem_integration_tests::{Cluster, ClusterConfig, collect, greedy, stray_push};
+use tandem_integration_tests::{
+    Cluster, ClusterConfig, collect, greedy, metrics_over, sample, stray_push,
+};
 use tandem_proto::tls::{Role, Tls, write_dev_certs};
 use tandem_proto::v1 as pb;
 use tonic::Code;
@@ -55,6 +58,10 @@ async fn nodes_speak_mutual_tls_and_each_role_calls_only_what_it_needs() {
         .await
         .expect("plaintext");
     assert_eq!(out.token_ids, same.token_ids);
+    // Tandem's own clients can tell a port that needs TLS from one that does not.
+    let probe = std::time::Duration::from_secs(2);
+    let plain_decode = plain.decode[0].addr.to_string();
+    assert!(!tandem_proto::net::requires_tls(&plain_decode, probe).await);
     plain.stop().await.expect("stop");
 
     let (prefill, decode) = (cluster.prefill[0].addr, cluster.decode[0].addr);
@@ -102,25 +109,46 @@ async fn nodes_speak_mutual_tls_and_each_role_calls_only_what_it_needs() {
         .into_inner();
     assert_eq!(serving.status, 1, "SERVING");
 
-    // No certificate, or one from another CA: the server closes the connection before any call
-    // is made. tonic reports that as UNAVAILABLE or CANCELLED, or, when the close breaks the
-    // client's write of its request, as UNKNOWN "transport error".
-    let refused = |e: tonic::Status| {
-        let transport = e.code() == Code::Unknown && e.message() == "transport error";
-        assert!(
-            matches!(e.code(), Code::Unavailable | Code::Cancelled) || transport,
-            "{e:?}"
+    // The role refusals above reached the node's authorization and were counted there.
+    let text = metrics_over(channel(decode, &dir, Role::Client))
+        .await
+        .expect("metrics over TLS");
+    let kv_calls = |text: &str, role: &str, outcome: &str| {
+        sample(
+            text,
+            &format!(
+                "tandem_node_calls_total{{service=\"tandem.v1.KvTransfer\",role=\"{role}\",outcome=\"{outcome}\"}}"
+            ),
         )
     };
+    assert_eq!(kv_calls(&text, "client", "refused"), Some(1.0), "{text}");
+    assert_eq!(kv_calls(&text, "router", "refused"), Some(1.0), "{text}");
+    let before = kv_pushes(&text);
+
+    // No certificate, or one from another CA (with the one role that may push KV): the handshake
+    // refuses the peer, so no call reaches the node. How the client library reports that varies
+    // (UNAVAILABLE, CANCELLED, UNKNOWN "transport error", or an HTTP/2 protocol error when it
+    // reads the TLS alert as a frame); what must hold is that the push fails and the node
+    // counted no call.
     let plaintext = tandem_proto::net::channel(&decode.to_string(), None).expect("channel");
-    refused(load(plaintext).await.expect_err("plaintext to a TLS port"));
+    stray_push(plaintext, "plaintext").await;
     let stranger = certs("stranger");
-    refused(
-        load(channel(decode, &stranger, Role::Router))
-            .await
-            .expect_err("a certificate from another CA"),
-    );
+    stray_push(channel(decode, &stranger, Role::Prefill), "stranger").await;
+    let text = metrics_over(channel(decode, &dir, Role::Client))
+        .await
+        .expect("metrics over TLS");
+    assert_eq!(kv_pushes(&text), before, "{text}");
+    assert!(tandem_proto::net::requires_tls(&decode.to_string(), probe).await);
     cluster.stop().await.expect("stop");
+}
+
+/// Every KvTransfer call the node counted, whoever made it and however it ended.
+fn kv_pushes(text: &str) -> usize {
+    text.lines()
+        .filter(|l| l.starts_with("tandem_node_calls_total{service=\"tandem.v1.KvTransfer\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .map(|v| v as usize)
+        .sum()
 }
 
 #[test]

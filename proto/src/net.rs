@@ -12,6 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::response::IntoResponse;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -23,6 +26,11 @@ use tonic_health::server::HealthReporter;
 
 use crate::api_tls::{ServerCert, TlsListener};
 use crate::tls::{self, Role, Tls};
+
+/// Calls that reached a mutual-TLS node's authorization, by service, the peer's role and
+/// whether the role may make them. A peer the handshake refused never gets this far, so it is
+/// never counted.
+pub const NODE_CALLS: &str = "tandem_node_calls";
 
 /// HTTP/2 PING interval on idle and busy connections, on both ends.
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
@@ -148,14 +156,30 @@ pub async fn serve(
         }
     };
     let registry = options.metrics;
+    // The node's own registry is the caller's (shared, and so read-only here); what `serve`
+    // counts itself lives in a second one, encoded after it.
+    let mut served = Registry::default();
+    let calls = Family::<CallLabels, Counter>::default();
+    served.register(
+        NODE_CALLS,
+        "Calls that reached a node's mutual-TLS authorization, by service, peer role and outcome",
+        calls.clone(),
+    );
+    let served = Arc::new(served);
     let router = std::mem::take(routes.axum_router_mut());
     *routes.axum_router_mut() = router.route(
         "/metrics",
         axum::routing::get(move || {
-            let registry = registry.clone();
+            let (registry, served) = (registry.clone(), served.clone());
             async move {
                 let mut text = String::new();
-                match prometheus_client::encoding::text::encode(&mut text, &registry) {
+                let encoded =
+                    prometheus_client::encoding::text::encode_registry(&mut text, &registry)
+                        .and_then(|()| {
+                            prometheus_client::encoding::text::encode_registry(&mut text, &served)
+                        })
+                        .and_then(|()| prometheus_client::encoding::text::encode_eof(&mut text));
+                match encoded {
                     Ok(()) => (
                         [(
                             axum::http::header::CONTENT_TYPE,
@@ -178,7 +202,8 @@ pub async fn serve(
     if let Some(ServerTls::Mutual(tls)) = &options.tls {
         builder = builder.tls_config(tls.server_config())?;
         let router = std::mem::take(routes.axum_router_mut());
-        *routes.axum_router_mut() = router.layer(axum::middleware::from_fn(authorize));
+        *routes.axum_router_mut() =
+            router.layer(axum::middleware::from_fn_with_state(calls, authorize));
     }
     for name in std::iter::once("").chain(options.service_names.iter().copied()) {
         options
@@ -220,10 +245,19 @@ pub async fn serve(
     }
 }
 
+/// The labels of [`NODE_CALLS`]. Every value comes from a fixed set, whatever the peer sends.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CallLabels {
+    service: &'static str,
+    role: &'static str,
+    outcome: &'static str,
+}
+
 /// Lets a call through only if the peer's certificate names a role that may make it; others get
-/// PERMISSION_DENIED. (The TLS handshake has already refused peers without a certificate from the
-/// CA.)
+/// PERMISSION_DENIED. Counts both in [`NODE_CALLS`]. (The TLS handshake has already refused
+/// peers without a certificate from the CA.)
 async fn authorize(
+    axum::extract::State(calls): axum::extract::State<Family<CallLabels, Counter>>,
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
@@ -233,15 +267,22 @@ async fn authorize(
         .and_then(TlsConnectInfo::peer_certs)
         .and_then(|certs| certs.first().and_then(|c| tls::peer_role(c)));
     let path = request.uri().path();
-    match role {
-        Some(role) if tls::allowed(path).contains(&role) => next.run(request).await,
-        _ => {
-            let who = role.map_or("a certificate without a role", Role::name);
-            tracing::warn!(peer = who, path, "call refused: role not allowed");
-            let service = path.trim_start_matches('/').split('/').next().unwrap_or("");
-            tonic::Status::permission_denied(format!("{who} may not call {service}")).into_http()
-        }
+    let service = tls::service(path);
+    let allowed = role.is_some_and(|role| tls::allowed(path).contains(&role));
+    calls
+        .get_or_create(&CallLabels {
+            service: service.unwrap_or("other"),
+            role: role.map_or("none", Role::name),
+            outcome: if allowed { "allowed" } else { "refused" },
+        })
+        .inc();
+    if allowed {
+        return next.run(request).await;
     }
+    let who = role.map_or("a certificate without a role", Role::name);
+    tracing::warn!(peer = who, path, "call refused: role not allowed");
+    let service = service.unwrap_or(path);
+    tonic::Status::permission_denied(format!("{who} may not call {service}")).into_http()
 }
 
 /// Rewrites the codes tonic's codec gives a request it cannot read, OUT_OF_RANGE (a message
@@ -281,6 +322,28 @@ pub fn deadline(metadata: &tonic::metadata::MetadataMap) -> Option<tokio::time::
         _ => return None,
     };
     tokio::time::Instant::now().checked_add(timeout)
+}
+
+/// Whether the server at `addr` (`host:port`, or a URI) expects TLS. It sends HTTP/2's
+/// connection preface, as a plaintext client does, and looks for a TLS alert record (content
+/// type 21, protocol version 3.x) in the answer, which a plaintext HTTP/2 server never sends.
+/// A plaintext client reads that alert as a malformed frame and reports an HTTP/2 protocol error
+/// or a broken transport; Tandem's clients ask this after a plaintext call fails, to say what
+/// is wrong instead.
+pub async fn requires_tls(addr: &str, timeout: Duration) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let host_port = addr.split_once("://").map_or(addr, |(_, rest)| rest);
+    let host_port = host_port.split('/').next().unwrap_or(host_port);
+    let probe = async {
+        let mut conn = tokio::net::TcpStream::connect(host_port).await.ok()?;
+        conn.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            .await
+            .ok()?;
+        let mut head = [0u8; 2];
+        conn.read_exact(&mut head).await.ok()?;
+        Some(head == [21, 3])
+    };
+    matches!(tokio::time::timeout(timeout, probe).await, Ok(Some(true)))
 }
 
 /// Follows `service`'s health on `channel` until it reports SERVING.

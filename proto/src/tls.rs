@@ -70,16 +70,32 @@ impl Role {
     }
 }
 
-/// The roles that may call `path` (`/package.Service/Method`, or an HTTP path such as
-/// `/metrics`) on a worker. Health, reflection and metrics are open to every role.
-pub fn allowed(path: &str) -> &'static [Role] {
+/// The services a worker serves over mutual TLS, and the roles that may call each. Health,
+/// reflection and metrics are open to every role.
+const SERVICES: [(&str, &[Role]); 7] = [
+    ("tandem.v1.Prefill", &[Role::Router]),
+    ("tandem.v1.Decode", &[Role::Router]),
+    ("tandem.v1.Worker", &[Role::Router]),
+    ("tandem.v1.KvTransfer", &[Role::Prefill]),
+    ("grpc.health.v1.Health", &Role::ALL),
+    ("grpc.reflection.v1.ServerReflection", &Role::ALL),
+    ("metrics", &Role::ALL),
+];
+
+/// The service `path` (`/package.Service/Method`, or an HTTP path such as `/metrics`) names,
+/// if a worker serves it.
+pub fn service(path: &str) -> Option<&'static str> {
     let service = path.trim_start_matches('/').split('/').next().unwrap_or("");
-    match service {
-        "tandem.v1.Prefill" | "tandem.v1.Decode" | "tandem.v1.Worker" => &[Role::Router],
-        "tandem.v1.KvTransfer" => &[Role::Prefill],
-        "grpc.health.v1.Health" | "grpc.reflection.v1.ServerReflection" | "metrics" => &Role::ALL,
-        _ => &[],
-    }
+    SERVICES.iter().map(|(s, _)| *s).find(|s| *s == service)
+}
+
+/// The roles that may call `path` on a worker.
+pub fn allowed(path: &str) -> &'static [Role] {
+    let service = service(path);
+    SERVICES
+        .iter()
+        .find(|(s, _)| Some(*s) == service)
+        .map_or(&[], |(_, roles)| *roles)
 }
 
 /// The role named by a peer certificate (DER), if it carries exactly one.
@@ -258,5 +274,11 @@ mod tests {
         assert!(may("/metrics", Role::Client));
         assert!(!may("/tandem.v1.Unknown/X", Role::Router));
         assert!(allowed("").is_empty());
+        assert_eq!(
+            service("/tandem.v1.KvTransfer/Push"),
+            Some("tandem.v1.KvTransfer")
+        );
+        assert_eq!(service("/metrics"), Some("metrics"));
+        assert_eq!(service("/tandem.v1.Unknown/X"), None);
     }
 }

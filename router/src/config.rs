@@ -47,9 +47,11 @@ pub struct Config {
     /// The longest a decode node waits without KV progress (before the push starts, or
     /// between its chunks) after admitting a request.
     pub kv_wait: Duration,
-    /// The longest wait for a decode node's next frame once it has its KV (after a local
-    /// prefill, plus twice the prefill's estimated time); past it, the node counts as failed
-    /// and the generation resumes elsewhere.
+    /// How long a decode node's stream may be silent once it has its KV (after a local
+    /// prefill, plus twice the prefill's estimated time) before the router looks at the node:
+    /// one that still serves is busy, and the stream goes on waiting (up to the request's
+    /// deadline); one that stopped serving counts as failed, and the generation resumes
+    /// elsewhere.
     pub token_gap: Duration,
     /// How often replicas are asked for their load.
     pub load_poll: Duration,

@@ -238,8 +238,9 @@ pub struct Dispatcher {
     pub policy: Arc<Policy>,
     pub metrics: RouterMetrics,
     pub kv_wait: Duration,
-    /// Longest wait for a decode node's next frame once it has its KV (before the first frame
-    /// of a local prefill, plus twice the prefill's estimated time).
+    /// How long a decode node's stream may be silent once it has its KV (before the first
+    /// frame of a local prefill, plus twice the prefill's estimated time) before the router
+    /// checks that the node still serves; see [`Dispatcher::next_frame`].
     pub token_gap: Duration,
     pub budget: Arc<RetryBudget>,
 }
@@ -386,6 +387,42 @@ impl Dispatcher {
         }
     }
 
+    /// The decode stream's next message. Silence longer than `gap` fails the attempt only when
+    /// the node has also stopped serving (its health watch ended or reports NOT_SERVING): a busy
+    /// node is slow, not dead, and its streams wait for it up to the request's deadline. A node
+    /// that dies breaks the connection, which ends the stream at once, and one that stops
+    /// answering HTTP/2 pings loses it within the keepalive bound.
+    async fn next_frame(
+        &self,
+        frames: &mut tonic::Streaming<pb::DecodeResponse>,
+        gap: Duration,
+        replica: &crate::replicas::Replica,
+    ) -> Result<Option<pb::DecodeResponse>, Status> {
+        let mut quiet = Duration::ZERO;
+        loop {
+            match tokio::time::timeout(gap, frames.message()).await {
+                Ok(message) => return message,
+                Err(_) if replica.is_up() => {
+                    if quiet.is_zero() {
+                        self.metrics.decode_stalls.inc();
+                        tracing::info!(
+                            replica = %replica.addr,
+                            gap_ms = gap.as_millis() as u64,
+                            "decode node busy: no frame within the token gap, still waiting"
+                        );
+                    }
+                    quiet += gap;
+                }
+                Err(_) => {
+                    return Err(Status::unavailable(format!(
+                        "no frame for {} ms and the node stopped serving",
+                        (quiet + gap).as_millis()
+                    )));
+                }
+            }
+        }
+    }
+
     /// One attempt: choose replicas, admit on decode, prefill (remote or local), relay frames.
     async fn attempt(
         &self,
@@ -475,9 +512,9 @@ impl Dispatcher {
             .await
             .map_err(|s| on_decode(&s))?
             .into_inner();
-        let admitted = tokio::time::timeout(self.token_gap, frames.message())
+        let admitted = self
+            .next_frame(&mut frames, self.token_gap, decode.replica())
             .await
-            .map_err(|_| on_decode(&Status::unavailable("no admission within the token gap")))?
             .map_err(|s| on_decode(&s))?;
         let decode_cached = match admitted.and_then(|m| m.event) {
             Some(pb::decode_response::Event::Admitted(a)) => a.cached_tokens,
@@ -542,14 +579,7 @@ impl Dispatcher {
             };
             let next = async {
                 match bound {
-                    Some(b) => tokio::time::timeout(b, frames.message())
-                        .await
-                        .unwrap_or_else(|_| {
-                            Err(Status::unavailable(format!(
-                                "no frame for {} ms",
-                                b.as_millis()
-                            )))
-                        }),
+                    Some(b) => self.next_frame(&mut frames, b, decode.replica()).await,
                     None => frames.message().await,
                 }
             };

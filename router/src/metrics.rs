@@ -22,6 +22,7 @@ pub const INDEX_MODE: &str = "tandem_router_index_mode";
 pub const INDEX_BLOCKS: &str = "tandem_router_index_blocks";
 pub const ATTEMPTS: &str = "tandem_router_dispatch_attempts";
 pub const FAILOVERS: &str = "tandem_router_failovers";
+pub const DECODE_STALLS: &str = "tandem_router_decode_stalls";
 pub const PROMPT_TOKENS: &str = "tandem_router_prompt_tokens";
 pub const CACHED_PROMPT_TOKENS: &str = "tandem_router_cached_prompt_tokens";
 
@@ -84,6 +85,8 @@ pub struct RouterMetrics {
     /// Dispatch attempts, first ones and failovers alike.
     pub attempts: Counter,
     pub failovers: Family<HopLabel, Counter>,
+    /// Decode streams silent past the token gap on a node that still served (busy, not dead).
+    pub decode_stalls: Counter,
     /// Prompt tokens of completed requests, and those of them a cache supplied: the
     /// cluster's prefix-cache hit rate is their ratio.
     pub prompt_tokens: Counter,
@@ -105,6 +108,7 @@ impl RouterMetrics {
             index_blocks: Family::default(),
             attempts: Counter::default(),
             failovers: Family::default(),
+            decode_stalls: Counter::default(),
             prompt_tokens: Counter::default(),
             cached_prompt_tokens: Counter::default(),
         };
@@ -164,6 +168,11 @@ impl RouterMetrics {
             FAILOVERS,
             "Generations resumed on other replicas after a replica failed, by failed hop",
             m.failovers.clone(),
+        );
+        registry.register(
+            DECODE_STALLS,
+            "Decode streams silent past the token gap on a node that still served: waited, not failed over",
+            m.decode_stalls.clone(),
         );
         registry.register(
             PROMPT_TOKENS,
