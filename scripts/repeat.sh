@@ -3,17 +3,19 @@
 # flaky tests. With --beside COMMAND, COMMAND runs over and over in the background for the whole
 # time (say, another test binary), so the tests meet a loaded machine as they do in CI.
 #
-#   scripts/repeat.sh N [--beside COMMAND] CARGO_TEST_ARGS...
+#   scripts/repeat.sh N [--beside COMMAND] CARGO_TEST_ARGS... [-- TEST_BINARY_ARGS...]
 #   scripts/repeat.sh 100 -p tandem-integration-tests --test mtls
 #   scripts/repeat.sh 50 --beside 'cargo test -p tandem-engine' -p tandem-integration-tests --test mtls
 #
-# The selection is built once first. Each run's output goes to target/repeat/run-I.log; the logs
-# of the runs that passed are deleted. Exits non-zero if any run failed.
+# The selection is built once, and each run starts the built test binaries themselves (from
+# their package's folder, as cargo does), so editing the sources meanwhile changes nothing.
+# Each failed run's output stays in target/repeat/STAMP/run-I.log. Exits non-zero if any run
+# failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 usage() {
-  echo "usage: scripts/repeat.sh N [--beside COMMAND] CARGO_TEST_ARGS..." >&2
+  echo "usage: scripts/repeat.sh N [--beside COMMAND] CARGO_TEST_ARGS... [-- TEST_BINARY_ARGS...]" >&2
   exit 2
 }
 [ $# -ge 1 ] || usage
@@ -26,18 +28,35 @@ if [ "${1:-}" = "--beside" ]; then
   beside=$2
   shift 2
 fi
+cargo_args=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do
+  cargo_args+=("$1")
+  shift
+done
+[ "${1:-}" = "--" ] && shift
+test_args=("$@")
 
-logs="${CARGO_TARGET_DIR:-target}/repeat"
+logs="${CARGO_TARGET_DIR:-target}/repeat/$(date +%Y%m%d-%H%M%S)-$$"
 mkdir -p "$logs"
-cargo test --no-run "$@" >"$logs/build.log" 2>&1 || {
+# Each test binary of the selection, as "package-folder<TAB>executable".
+binaries=$(cargo test --no-run --message-format=json "${cargo_args[@]}" 2>"$logs/build.log" |
+  python3 -c '
+import json, os, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        print(os.path.dirname(m["manifest_path"]) + "\t" + m["executable"])
+') || {
   cat "$logs/build.log" >&2
   exit 1
 }
+[ -n "$binaries" ] || { echo "repeat: the selection has no test binary" >&2; exit 2; }
+
 if [ -n "$beside" ]; then
-  # Build what runs beside before the clock starts, then keep it running until we are done.
+  # Build what runs beside before the clock starts, then keep it running until we are done, in
+  # a process group of its own so that the whole group (its cargo and test processes too) ends
+  # with this script.
   bash -c "$beside" >"$logs/beside.log" 2>&1 || true
-  # In a process group of its own, so that the whole group (its cargo and test processes too)
-  # ends with this script.
   BESIDE=$beside LOG="$logs/beside.log" setsid bash -c \
     'while :; do bash -c "$BESIDE" >>"$LOG" 2>&1 || true; done' &
   load=$!
@@ -48,7 +67,12 @@ failed=0
 for i in $(seq 1 "$runs"); do
   log="$logs/run-$i.log"
   started=$SECONDS
-  if cargo test "$@" >"$log" 2>&1; then
+  ok=1
+  : >"$log"
+  while IFS=$'\t' read -r dir exe; do
+    (cd "$dir" && "$exe" "${test_args[@]}") >>"$log" 2>&1 || ok=0
+  done <<<"$binaries"
+  if [ "$ok" = 1 ]; then
     echo "run $i/$runs: ok ($((SECONDS - started)) s)"
     rm -f "$log"
   else

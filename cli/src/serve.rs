@@ -192,8 +192,9 @@ pub(crate) struct RouterArgs {
     /// `/v1/models`, `/health`); `off` serves none.
     #[arg(long, env = "TANDEM_HTTP_LISTEN", default_value = "127.0.0.1:8000", value_parser = parse_http_listen)]
     http_listen: HttpListen,
-    /// Prefill replicas, host:port (repeat or comma-separate).
-    #[arg(long, env = "TANDEM_PREFILL", value_delimiter = ',', required = true)]
+    /// Prefill replicas, host:port (repeat or comma-separate). None: the decode nodes prefill
+    /// every prompt themselves (`affinity` policy only).
+    #[arg(long, env = "TANDEM_PREFILL", value_delimiter = ',')]
     prefill: Vec<String>,
     /// Decode replicas, host:port (repeat or comma-separate).
     #[arg(long, env = "TANDEM_DECODE", value_delimiter = ',', required = true)]

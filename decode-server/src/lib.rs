@@ -55,12 +55,13 @@ pub async fn run(
         throughput: Default::default(),
     });
     let transfer_metrics = TransferMetrics::register(&mut registry);
-    let (scheduler, thread) = SchedulerHandle::spawn(engine, shared.clone()).map_err(|e| {
-        Error::Engine(tandem_engine::Error::InvalidArgument {
-            field: "threads",
-            reason: format!("cannot start the scheduler thread: {e}"),
-        })
-    })?;
+    let (scheduler, thread) = SchedulerHandle::spawn(engine, shared.clone(), config.max_slots)
+        .map_err(|e| {
+            Error::Engine(tandem_engine::Error::InvalidArgument {
+                field: "threads",
+                reason: format!("cannot start the scheduler thread: {e}"),
+            })
+        })?;
     let reservations = Reservations::default();
     let root = CancellationToken::new();
     let tracker = TaskTracker::new();

@@ -6,6 +6,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 pub const ACTIVE_SLOTS: &str = "tandem_decode_active_slots";
+pub const WAITING_SEQUENCES: &str = "tandem_decode_waiting_sequences";
 pub const KV_BLOCKS_IN_USE: &str = "tandem_decode_kv_blocks_in_use";
 pub const KV_BLOCKS_FREE: &str = "tandem_decode_kv_blocks_free";
 pub const STEPS: &str = "tandem_decode_steps";
@@ -20,6 +21,8 @@ pub const ACCEPTED_DRAFT_TOKENS: &str = "tandem_decode_accepted_draft_tokens";
 #[derive(Clone, Debug)]
 pub struct DecodeMetrics {
     pub active_slots: Gauge,
+    /// Sequences that hold their KV and wait for a batch slot.
+    pub waiting_sequences: Gauge,
     pub kv_blocks_in_use: Gauge,
     pub kv_blocks_free: Gauge,
     /// Batched decode steps; `rate()` of it is steps per second.
@@ -41,6 +44,7 @@ impl DecodeMetrics {
     pub fn register(registry: &mut Registry) -> Self {
         let m = Self {
             active_slots: Gauge::default(),
+            waiting_sequences: Gauge::default(),
             kv_blocks_in_use: Gauge::default(),
             kv_blocks_free: Gauge::default(),
             steps: Counter::default(),
@@ -56,6 +60,11 @@ impl DecodeMetrics {
             ACTIVE_SLOTS,
             "Sequences in the decode batch",
             m.active_slots.clone(),
+        );
+        registry.register(
+            WAITING_SEQUENCES,
+            "Sequences that hold their KV and wait for a batch slot",
+            m.waiting_sequences.clone(),
         );
         registry.register(
             KV_BLOCKS_IN_USE,

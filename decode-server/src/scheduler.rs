@@ -1,8 +1,14 @@
 //! The continuous-batching scheduler: one thread owns the engine and runs one batched decode step
 //! after another. New sequences join and finished or cancelled ones leave between steps; it never
 //! waits on a remote prefill, because a sequence only joins once its KV has arrived and been
-//! verified. A short uncached suffix may instead be prefilled here (conditional
-//! disaggregation), which pauses the batch for that long.
+//! verified. An uncached suffix may instead be prefilled here (conditional disaggregation): one
+//! chunk per round, between the batch's steps, each about as long as a step, so running
+//! streams keep their inter-token latency (at most about doubled) while a prompt is computed.
+//!
+//! At most `max_slots` sequences decode at once. A sequence takes its batch slot only once it
+//! holds its whole prompt's KV (pushed or computed here): one that is ready while every slot is
+//! taken emits its first token and waits, first come first served, for a sequence to leave.
+//! Requests still waiting for their KV hold no slot, only their KV blocks (admission).
 //!
 //! ```text
 //! request tasks ──Command::{Open, Start, Cancel}──▶ scheduler thread ──Event per step──▶ request task
@@ -19,7 +25,7 @@
 //! and there are at most `max_slots` of those, each sending at most one `Open`, one `Start` and
 //! one `Cancel`. Event channels hold a whole generation, so a slow client never blocks a step.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -81,6 +87,36 @@ enum Command {
     Cancel(Ticket),
 }
 
+/// A started sequence, besides its KV: what it needs to join the batch.
+struct Joining {
+    ticket: Ticket,
+    prompt: Vec<u32>,
+    cache_salt: String,
+    stream: Stream,
+    events: tmpsc::Sender<Event>,
+}
+
+/// A sequence whose prompt is being computed here, a chunk per round.
+struct Prefilling {
+    seq: SeqId,
+    joining: Joining,
+    /// Prompt tokens the sequence holds so far.
+    done: usize,
+    /// Tokens computed here, and the time their chunks took (steps between them excluded).
+    computed: usize,
+    compute_secs: f64,
+    /// Seconds per token of the last chunk: what the next one costs, at about this context
+    /// (attention makes a token dearer the longer its prompt so far).
+    secs_per_token: Option<f64>,
+    started: Instant,
+}
+
+/// The fewest prompt tokens a round computes while sequences decode.
+const MIN_CHUNK_TOKENS: usize = 4;
+/// A round's prefill chunk, while sequences decode, takes about this share of a step's time,
+/// so their inter-token gaps grow by less than that share while a prompt is prefilled here.
+const CHUNK_SHARE_OF_STEP: f64 = 0.8;
+
 struct Active {
     decoding: Decoding,
     cache_salt: String,
@@ -104,11 +140,15 @@ pub struct Shared {
 
 impl SchedulerHandle {
     /// Starts the thread. It ends when every handle is dropped.
-    pub fn spawn(engine: Engine, shared: Arc<Shared>) -> std::io::Result<(Self, JoinHandle<()>)> {
+    pub fn spawn(
+        engine: Engine,
+        shared: Arc<Shared>,
+        max_slots: usize,
+    ) -> std::io::Result<(Self, JoinHandle<()>)> {
         let (tx, rx) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("tandem-decode-scheduler".into())
-            .spawn(move || Scheduler::new(engine, shared).run(&rx))?;
+            .spawn(move || Scheduler::new(engine, shared, max_slots).run(&rx))?;
         Ok((Self { tx }, thread))
     }
 
@@ -141,16 +181,27 @@ struct Scheduler {
     engine: Engine,
     shared: Arc<Shared>,
     opened: HashMap<Ticket, SeqId>,
+    /// First come, first computed: one chunk of the front one per round.
+    prefilling: VecDeque<Prefilling>,
     active: HashMap<Ticket, Active>,
+    /// Ready sequences waiting for a batch slot, oldest first.
+    waiting: VecDeque<(Ticket, Active)>,
+    max_slots: usize,
+    /// How long the last batch step took.
+    last_step_secs: f64,
 }
 
 impl Scheduler {
-    fn new(engine: Engine, shared: Arc<Shared>) -> Self {
+    fn new(engine: Engine, shared: Arc<Shared>, max_slots: usize) -> Self {
         let mut s = Self {
             engine,
             shared,
             opened: HashMap::new(),
+            prefilling: VecDeque::new(),
             active: HashMap::new(),
+            waiting: VecDeque::new(),
+            max_slots,
+            last_step_secs: 0.0,
         };
         s.publish();
         s
@@ -158,7 +209,7 @@ impl Scheduler {
 
     fn run(mut self, rx: &mpsc::Receiver<Command>) {
         loop {
-            if self.active.is_empty() {
+            if self.active.is_empty() && self.prefilling.is_empty() {
                 match rx.recv() {
                     Ok(c) => self.handle(c),
                     Err(_) => return,
@@ -170,6 +221,12 @@ impl Scheduler {
                     Err(mpsc::TryRecvError::Empty) => break,
                     Err(mpsc::TryRecvError::Disconnected) => return,
                 }
+            }
+            self.prefill_chunk();
+            while self.active.len() < self.max_slots
+                && let Some((ticket, a)) = self.waiting.pop_front()
+            {
+                self.active.insert(ticket, a);
             }
             if !self.active.is_empty() {
                 self.step();
@@ -185,6 +242,7 @@ impl Scheduler {
         let total = self.engine.kv_blocks_total();
         let free = self.engine.kv_blocks_free();
         m.active_slots.set(self.active.len() as i64);
+        m.waiting_sequences.set(self.waiting.len() as i64);
         m.kv_blocks_free.set(free as i64);
         m.kv_blocks_in_use.set((total - free) as i64);
         m.kv_blocks_cached
@@ -216,6 +274,19 @@ impl Scheduler {
         if let Some(a) = self.active.remove(&ticket) {
             let _ = self.engine.free(a.decoding.seq);
         }
+        if let Some(i) = self.waiting.iter().position(|(t, _)| *t == ticket)
+            && let Some((_, a)) = self.waiting.remove(i)
+        {
+            let _ = self.engine.free(a.decoding.seq);
+        }
+        if let Some(i) = self
+            .prefilling
+            .iter()
+            .position(|p| p.joining.ticket == ticket)
+            && let Some(p) = self.prefilling.remove(i)
+        {
+            let _ = self.engine.free(p.seq);
+        }
     }
 
     fn start(&mut self, s: Start) {
@@ -223,55 +294,116 @@ impl Scheduler {
             // Cancelled before it started.
             return;
         };
-        let n = s.prompt.len();
-        let first = match s.input {
-            Input::Kv { kv, first_token } => self.engine.import_kv(seq, &kv).map(|()| first_token),
-            Input::Local => self.prefill(seq, &s.prompt, &s.stream, &s.events),
-        };
-        let next = match first {
-            Ok(t) => t,
-            Err(e) => {
-                let _ = self.engine.free(seq);
-                let _ = s.events.try_send(Event::Failed(Arc::new(e)));
-                return;
-            }
-        };
-        debug_assert_eq!(self.engine.seq_len(seq).ok(), Some(n));
-        let mut a = Active {
-            decoding: Decoding::new(seq, s.stream, s.prompt, next),
+        let joining = Joining {
+            ticket: s.ticket,
+            prompt: s.prompt,
             cache_salt: s.cache_salt,
+            stream: s.stream,
             events: s.events,
         };
-        let tokenizer = &self.engine.model().tokenizer;
-        let first = a.decoding.stream.accept(tokenizer, next);
-        if self.deliver(&mut a, vec![first]) {
-            self.active.insert(s.ticket, a);
-        } else {
-            let _ = self.engine.free(a.decoding.seq);
+        match s.input {
+            Input::Kv { kv, first_token } => match self.engine.import_kv(seq, &kv) {
+                Ok(()) => self.join(seq, joining, first_token),
+                Err(e) => self.fail(seq, &joining.events, e),
+            },
+            Input::Local => match self.engine.seq_len(seq) {
+                Ok(done) => self.prefilling.push_back(Prefilling {
+                    seq,
+                    joining,
+                    done,
+                    computed: 0,
+                    compute_secs: 0.0,
+                    secs_per_token: None,
+                    started: Instant::now(),
+                }),
+                Err(e) => self.fail(seq, &joining.events, e),
+            },
         }
     }
 
-    /// Computes the prompt's uncached rest on `seq` and samples the first token, exactly as a
-    /// prefill node would.
-    fn prefill(
-        &mut self,
-        seq: SeqId,
-        prompt: &[u32],
-        stream: &Stream,
-        events: &tmpsc::Sender<Event>,
-    ) -> tandem_engine::Result<u32> {
+    /// Frees a sequence that could not start and tells its request why.
+    fn fail(&mut self, seq: SeqId, events: &tmpsc::Sender<Event>, e: tandem_engine::Error) {
+        let _ = self.engine.free(seq);
+        let _ = events.try_send(Event::Failed(Arc::new(e)));
+    }
+
+    /// Emits the first token, `next`, of a sequence that holds its whole prompt, and adds it to
+    /// the batch, or to the queue for a slot when the batch is full.
+    fn join(&mut self, seq: SeqId, j: Joining, next: u32) {
+        debug_assert_eq!(self.engine.seq_len(seq).ok(), Some(j.prompt.len()));
+        let mut a = Active {
+            decoding: Decoding::new(seq, j.stream, j.prompt, next),
+            cache_salt: j.cache_salt,
+            events: j.events,
+        };
+        let tokenizer = &self.engine.model().tokenizer;
+        let first = a.decoding.stream.accept(tokenizer, next);
+        if !self.deliver(&mut a, vec![first]) {
+            let _ = self.engine.free(a.decoding.seq);
+        } else if self.active.len() < self.max_slots {
+            self.active.insert(j.ticket, a);
+        } else {
+            self.waiting.push_back((j.ticket, a));
+        }
+    }
+
+    /// How many prompt tokens this round computes of `p`: while sequences decode, what fits in
+    /// [`CHUNK_SHARE_OF_STEP`] of a step at the cost per token of `p`'s last chunk (before
+    /// its first, the node's measured prefill rate), at least [`MIN_CHUNK_TOKENS`]; with none
+    /// decoding, an engine chunk.
+    fn chunk_tokens(&self, p: &Prefilling) -> usize {
+        let most = self.engine.prefill_chunk_tokens();
+        if self.active.is_empty() {
+            return most;
+        }
+        let rate = self.shared.throughput.get();
+        let secs_per_token = match p.secs_per_token {
+            Some(s) => s,
+            None if rate > 0.0 => 1.0 / rate,
+            None => return MIN_CHUNK_TOKENS.min(most),
+        };
+        let budget = self.last_step_secs * CHUNK_SHARE_OF_STEP;
+        ((budget / secs_per_token) as usize).clamp(MIN_CHUNK_TOKENS.min(most), most)
+    }
+
+    /// Computes the next chunk of the oldest prompt being prefilled here. The last chunk's
+    /// logits give the first token, sampled exactly as a prefill node would, and the sequence
+    /// joins the batch.
+    fn prefill_chunk(&mut self) {
+        let Some(tokens) = self.prefilling.front().map(|p| self.chunk_tokens(p)) else {
+            return;
+        };
+        let Some(p) = self.prefilling.front_mut() else {
+            return;
+        };
+        let prompt = &p.joining.prompt;
+        let end = (p.done + tokens).min(prompt.len());
         let started = Instant::now();
-        let cached = self.engine.seq_len(seq)?;
-        let logits = self.engine.prefill(seq, &prompt[cached..])?;
+        let result = self.engine.prefill(p.seq, &prompt[p.done..end]);
         let secs = started.elapsed().as_secs_f64();
-        let computed = prompt.len() - cached;
-        self.shared.throughput.record(computed, secs);
+        p.compute_secs += secs;
+        p.secs_per_token = Some(secs / (end - p.done) as f64);
+        p.computed += end - p.done;
+        p.done = end;
+        if result.is_ok() && end < prompt.len() {
+            return;
+        }
+        let Some(p) = self.prefilling.pop_front() else {
+            return;
+        };
+        let logits = match result {
+            Ok(logits) => logits,
+            Err(e) => return self.fail(p.seq, &p.joining.events, e),
+        };
+        self.shared.throughput.record(p.computed, p.compute_secs);
         self.shared
             .metrics
             .local_prefill_tokens
-            .inc_by(computed as u64);
-        let _ = events.try_send(Event::Prefilled { ms: secs * 1e3 });
-        Ok(stream.sample(&logits, prompt.len()))
+            .inc_by(p.computed as u64);
+        let ms = p.started.elapsed().as_secs_f64() * 1e3;
+        let _ = p.joining.events.try_send(Event::Prefilled { ms });
+        let first = p.joining.stream.sample(&logits, p.joining.prompt.len());
+        self.join(p.seq, p.joining, first);
     }
 
     /// Tells the request what a step emitted; `false` when the sequence leaves the batch. A
@@ -314,9 +446,10 @@ impl Scheduler {
             active.iter_mut().map(|(_, a)| &mut a.decoding).collect();
         let started = Instant::now();
         let result = self.engine.decode_step(&mut batch);
+        self.last_step_secs = started.elapsed().as_secs_f64();
         let m = &self.shared.metrics;
         m.steps.inc();
-        m.step_seconds.observe(started.elapsed().as_secs_f64());
+        m.step_seconds.observe(self.last_step_secs);
         match result {
             Ok(step) => {
                 m.draft_tokens.inc_by(step.drafted as u64);

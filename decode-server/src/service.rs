@@ -69,8 +69,9 @@ impl pb::decode_server::Decode for DecodeService {
     }
 }
 
-/// A decode node's load: slots and KV blocks reserved by admission, what the session cache
-/// keeps, and the measured speed of local prefills.
+/// A decode node's load: requests decoding and waiting (for KV or a batch slot), against the
+/// places admission has; KV blocks reserved by admission, what the session cache keeps, and
+/// the measured speed of local prefills.
 #[derive(Debug)]
 pub(crate) struct DecodeLoad {
     pub ctx: RequestContext,
@@ -78,13 +79,14 @@ pub(crate) struct DecodeLoad {
 
 impl tandem_worker::LoadSource for DecodeLoad {
     fn load(&self) -> pb::LoadResponse {
-        let (slots, blocks) = self.ctx.admission.in_use();
+        let (places, blocks) = self.ctx.admission.in_use();
         let total = self.ctx.total_blocks;
         let shared = &self.ctx.shared;
+        let decoding = (shared.metrics.active_slots.get().max(0) as usize).min(places);
         pb::LoadResponse {
-            active: slots as u32,
-            queued: 0,
-            capacity: self.ctx.admission.max_slots() as u32,
+            active: decoding as u32,
+            queued: (places - decoding) as u32,
+            capacity: self.ctx.admission.max_places() as u32,
             kv_blocks_free: (total - blocks) as u64,
             kv_blocks_total: total as u64,
             prefill_tokens_per_second: shared.throughput.get(),

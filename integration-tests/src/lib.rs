@@ -92,6 +92,8 @@ pub struct ClusterConfig {
     /// The decode nodes' ceiling on a caller's `kv_wait_ms`.
     pub max_kv_wait: Duration,
     pub grace: Duration,
+    /// Requests the router holds at once, running or queued; more are refused at once.
+    pub max_inflight: usize,
     /// The router's API keys and per-key limits.
     pub auth: tandem_router::AuthConfig,
     /// The router's hard limits on requests.
@@ -121,6 +123,7 @@ impl ClusterConfig {
                 ..EngineConfig::default()
             },
             decode_slots: 16,
+            max_inflight: tandem_router::Config::default().max_inflight,
             kv_wait: Duration::from_secs(10),
             token_gap: tandem_router::Config::default().token_gap,
             max_kv_wait: Duration::from_secs(60),
@@ -234,6 +237,7 @@ impl Cluster {
             decode: seen(&decode, prefill.len()),
             kv_wait: config.kv_wait,
             token_gap: config.token_gap,
+            max_inflight: config.max_inflight,
             grace: config.grace,
             load_poll: Duration::from_millis(50),
             policy: config.policy,
@@ -311,14 +315,14 @@ impl Cluster {
         Ok(worker.load(pb::LoadRequest {}).await?.into_inner())
     }
 
-    /// Waits (at most 5 s) until decode node `i` reports no active slot and every KV block
-    /// free, and returns how long that took. Resources are released as a request's task ends,
+    /// Waits (at most 5 s) until decode node `i` reports no request decoding or waiting and
+    /// every KV block free, and returns how long that took. Resources are released as a request's task ends,
     /// which can be a moment after its client read the last frame.
     pub async fn until_decode_idle(&self, i: usize) -> anyhow::Result<Duration> {
         let started = std::time::Instant::now();
         loop {
             let load = self.decode_load(i).await?;
-            if load.active == 0 && load.kv_blocks_free == load.kv_blocks_total {
+            if load.active == 0 && load.queued == 0 && load.kv_blocks_free == load.kv_blocks_total {
                 return Ok(started.elapsed());
             }
             anyhow::ensure!(

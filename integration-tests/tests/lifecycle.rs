@@ -71,38 +71,85 @@ async fn the_deadline_ends_the_stream_and_frees_everything() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_full_decode_node_answers_resource_exhausted() {
-    let cluster = cluster(1).await;
-    let mut first_client = cluster.client();
-    let mut first = first_client
-        .generate(long_request())
-        .await
-        .expect("call")
-        .into_inner();
-    first.message().await.expect("frame").expect("running");
+async fn a_full_decode_node_queues_in_the_router_and_past_the_queue_refuses_at_once() {
+    // One batch slot, so four places on the decode node; the router holds 6 requests in all.
+    let model = default_model().expect("the default model (run `tandem model fetch`)");
+    let cluster = Cluster::start(ClusterConfig {
+        decode_slots: 1,
+        max_inflight: 6,
+        ..ClusterConfig::new(model)
+    })
+    .await
+    .expect("cluster");
+    // Four long generations take the node's places: one decodes, three wait for the slot.
+    let mut long = Vec::new();
+    for _ in 0..4 {
+        let mut frames = cluster
+            .client()
+            .generate(long_request())
+            .await
+            .expect("call")
+            .into_inner();
+        frames.message().await.expect("frame").expect("admitted");
+        long.push(frames);
+    }
+    let started = Instant::now();
+    loop {
+        let load = cluster.decode_load(0).await.expect("load");
+        if (load.active, load.queued, load.capacity) == (1, 3, 4) {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "{load:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 
-    let mut client = cluster.client();
-    let status = collect(&mut client, greedy(vec![1000, 1001, 1002], 4))
+    // Two more wait in the router's queue instead of being refused ...
+    let short = |k: u32| greedy(vec![1000 + k, 1001, 1002], 4);
+    let queued: Vec<_> = (0..2)
+        .map(|k| {
+            let mut client = cluster.client();
+            tokio::spawn(async move { collect(&mut client, short(k)).await })
+        })
+        .collect();
+    let router = cluster.router.addr;
+    let started = Instant::now();
+    let text = loop {
+        let text = metrics(router).await.expect("metrics");
+        if sample(&text, "tandem_router_queued_requests") == Some(2.0) {
+            break text;
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "{text}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(
+        sample(&text, "tandem_requests_total{code=\"ResourceExhausted\"}"),
+        Some(0.0)
+    );
+    // ... and past the router's bound the answer is immediate, with retry pushback.
+    let started = Instant::now();
+    let status = collect(&mut cluster.client(), short(9))
         .await
-        .expect_err("no slot");
+        .expect_err("past the queue");
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
-    assert!(status.message().contains("slots"), "{status:?}");
-    // With retry pushback (gRPC A6), which the client must see on the stream's status.
+    assert!(
+        started.elapsed() < Duration::from_millis(100),
+        "{:?}",
+        started.elapsed()
+    );
     assert!(
         status.metadata().get("grpc-retry-pushback-ms").is_some(),
         "{status:?}"
     );
 
-    drop(first);
-    until_idle(&cluster).await;
-    // With the slot back, the same request succeeds.
-    let ok = collect(&mut client, greedy(vec![1000, 1001, 1002], 4))
-        .await
-        .expect("slot free again");
-    assert_eq!(
-        ok.last.usage.expect("usage").completion_tokens as usize,
-        ok.token_ids.len()
-    );
+    // Places free up: the queued requests are served, exactly as they would be alone.
+    drop(long);
+    for (k, q) in queued.into_iter().enumerate() {
+        let out = q.await.expect("task").expect("served after queueing");
+        let alone = collect(&mut cluster.client(), short(k as u32))
+            .await
+            .expect("alone");
+        assert_eq!(out.token_ids, alone.token_ids);
+    }
     until_idle(&cluster).await;
     cluster.stop().await.expect("clean stop");
 }

@@ -269,6 +269,35 @@ struct Progress {
     last_frame_at: Option<Instant>,
 }
 
+/// A request a decode node admitted: the replicas chosen, the decode stream (its `admitted`
+/// frame read), and what the admission said.
+#[derive(Debug)]
+struct Admission {
+    choice: Choice,
+    frames: tonic::Streaming<pb::DecodeResponse>,
+    decode_cached: u32,
+    transfer_id: String,
+    /// From the request's acceptance to its admission, in ms.
+    queue_ms: f64,
+}
+
+/// Counts a request in the router's queue while it lives.
+#[derive(Debug)]
+struct QueuedGuard(prometheus_client::metrics::gauge::Gauge);
+
+impl QueuedGuard {
+    fn new(metrics: &RouterMetrics) -> Self {
+        metrics.queued.inc();
+        Self(metrics.queued.clone())
+    }
+}
+
+impl Drop for QueuedGuard {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 /// An attempt's failure, and the replicas it implicates.
 #[derive(Debug)]
 struct Failure {
@@ -423,6 +452,118 @@ impl Dispatcher {
         }
     }
 
+    /// Waits in the router's queue until a decode replica this request may use has room
+    /// ([`crate::replicas::Replica::has_room`]), then chooses replicas and has the decode node
+    /// admit the request. A node that refuses for capacity after all (other routers' requests,
+    /// its KV blocks) sends the request back to the queue until something changes, never to
+    /// the client; the request's deadline bounds the wait. The queue itself is bounded by the
+    /// router's `max_inflight`, past which requests are refused at once.
+    async fn admit(
+        &self,
+        p: &Prepared,
+        tokens: &[u32],
+        hashes: &[u64],
+        progress: &Progress,
+        accepted: Instant,
+        deadline: TokioInstant,
+    ) -> Result<Admission, Failure> {
+        let mut queued = None;
+        loop {
+            let change = self.replicas.changed();
+            tokio::pin!(change);
+            change.as_mut().enable();
+            let candidates: Vec<_> = self
+                .replicas
+                .up(crate::replicas::Role::Decode)
+                .into_iter()
+                .filter(|r| !progress.exclude.contains(&r.addr))
+                .collect();
+            // With none up, the policy answers at once.
+            if !candidates.is_empty() && !candidates.iter().any(|r| r.has_room()) {
+                queued.get_or_insert_with(|| QueuedGuard::new(&self.metrics));
+                change.await;
+                continue;
+            }
+            let choice = self.policy.choose(
+                &self.replicas,
+                &Ask {
+                    tokens: tokens.len(),
+                    hashes,
+                    session_id: &p.session_id,
+                    exclude: &progress.exclude,
+                },
+            )?;
+            let local = choice.prefill.is_none();
+            let decode = choice.decode.replica();
+            tracing::debug!(
+                attempt = progress.attempts,
+                decode = %decode.addr,
+                prefill = choice.prefill.as_ref().map_or("local", |g| g.replica().addr.as_str()),
+                reason = %choice.reason,
+                "dispatching"
+            );
+            let on_decode = |s: &Status| Failure {
+                error: Error::downstream("decode", s),
+                suspects: vec![decode.addr.clone()],
+            };
+            let transfer_id = if local { String::new() } else { transfer_id() };
+            let mut d_client =
+                tandem_proto::limits!(pb::decode_client::DecodeClient::new(decode.channel.clone()));
+            let mut d_req = tonic::Request::new(pb::DecodeRequest {
+                request_id: p.request_id.clone(),
+                transfer_id: transfer_id.clone(),
+                prompt_token_ids: tokens.to_vec(),
+                sampling: Some(p.sampling.clone()),
+                // Silence is expected while the prefill node works through its queue.
+                kv_wait_ms: u32::try_from((self.kv_wait + 2 * choice.prefill_estimate).as_millis())
+                    .unwrap_or(u32::MAX),
+                local_prefill: local,
+                resumed_tokens: progress.generated.len() as u32,
+                cache_salt: p.cache_salt.clone(),
+            });
+            d_req.set_timeout(deadline.saturating_duration_since(TokioInstant::now()));
+            let mut frames = match d_client.generate(d_req).await {
+                Ok(frames) => frames.into_inner(),
+                Err(s) if s.code() == tonic::Code::ResourceExhausted => {
+                    tracing::debug!(decode = %decode.addr, status = %s.message(), "decode node full; back to the queue");
+                    drop(choice);
+                    queued.get_or_insert_with(|| QueuedGuard::new(&self.metrics));
+                    self.replicas.changed().await;
+                    continue;
+                }
+                Err(s) => return Err(on_decode(&s)),
+            };
+            let admitted = self
+                .next_frame(&mut frames, self.token_gap, decode)
+                .await
+                .map_err(|s| on_decode(&s))?;
+            let Some(pb::decode_response::Event::Admitted(a)) = admitted.and_then(|m| m.event)
+            else {
+                return Err(on_decode(&Status::unavailable(
+                    "the decode node did not admit the request",
+                )));
+            };
+            drop(queued);
+            self.metrics
+                .disagg_decisions
+                .get_or_create(&DecisionLabel {
+                    decision: if local { "local" } else { "remote" },
+                })
+                .inc();
+            let queue_ms = ms(accepted);
+            if progress.attempts == 1 {
+                self.metrics.queue.observe(queue_ms / 1e3);
+            }
+            return Ok(Admission {
+                choice,
+                frames,
+                decode_cached: a.cached_tokens,
+                transfer_id,
+                queue_ms,
+            });
+        }
+    }
+
     /// One attempt: choose replicas, admit on decode, prefill (remote or local), relay frames.
     async fn attempt(
         &self,
@@ -447,15 +588,15 @@ impl Dispatcher {
                 tandem_proto::block_hash::prompt_hashes(fingerprint, &p.cache_salt, &tokens);
             (tokens, hashes)
         };
-        let choice = self.policy.choose(
-            &self.replicas,
-            &Ask {
-                tokens: tokens.len(),
-                hashes: &hashes,
-                session_id: &p.session_id,
-                exclude: &progress.exclude,
-            },
-        )?;
+        let Admission {
+            choice,
+            mut frames,
+            decode_cached,
+            transfer_id,
+            queue_ms,
+        } = self
+            .admit(p, &tokens, &hashes, progress, accepted, deadline)
+            .await?;
         let Choice {
             decode,
             prefill,
@@ -463,66 +604,14 @@ impl Dispatcher {
             prefill_overlap,
             reason,
             prefill_idle,
-            prefill_estimate,
+            prefill_estimate: _,
         } = choice;
         let local = prefill.is_none();
-        tracing::debug!(
-            attempt = progress.attempts,
-            decode = %decode.replica().addr,
-            prefill = prefill.as_ref().map_or("local", |g| g.replica().addr.as_str()),
-            reason = %reason,
-            "dispatching"
-        );
-        self.metrics
-            .disagg_decisions
-            .get_or_create(&DecisionLabel {
-                decision: if local { "local" } else { "remote" },
-            })
-            .inc();
-        let queue_ms = ms(accepted);
-        if progress.attempts == 1 {
-            self.metrics.queue.observe(queue_ms / 1e3);
-        }
         let remaining = deadline.saturating_duration_since(TokioInstant::now());
-        let transfer_id = if local { String::new() } else { transfer_id() };
         let d_addr = decode.replica().addr.clone();
         let on_decode = |s: &Status| Failure {
             error: Error::downstream("decode", s),
             suspects: vec![d_addr.clone()],
-        };
-
-        let mut d_client = tandem_proto::limits!(pb::decode_client::DecodeClient::new(
-            decode.replica().channel.clone()
-        ));
-        let mut d_req = tonic::Request::new(pb::DecodeRequest {
-            request_id: p.request_id.clone(),
-            transfer_id: transfer_id.clone(),
-            prompt_token_ids: tokens.clone(),
-            sampling: Some(p.sampling.clone()),
-            // Silence is expected while the prefill node works through its queue.
-            kv_wait_ms: u32::try_from((self.kv_wait + 2 * prefill_estimate).as_millis())
-                .unwrap_or(u32::MAX),
-            local_prefill: local,
-            resumed_tokens: resumed as u32,
-            cache_salt: p.cache_salt.clone(),
-        });
-        d_req.set_timeout(remaining);
-        let mut frames = d_client
-            .generate(d_req)
-            .await
-            .map_err(|s| on_decode(&s))?
-            .into_inner();
-        let admitted = self
-            .next_frame(&mut frames, self.token_gap, decode.replica())
-            .await
-            .map_err(|s| on_decode(&s))?;
-        let decode_cached = match admitted.and_then(|m| m.event) {
-            Some(pb::decode_response::Event::Admitted(a)) => a.cached_tokens,
-            _ => {
-                return Err(on_decode(&Status::unavailable(
-                    "the decode node did not admit the request",
-                )));
-            }
         };
 
         // Remote: the prefill call runs beside the decode stream (it ends once the KV is

@@ -67,10 +67,18 @@ pub async fn run(
         grpc: listener,
         http,
     } = listeners;
-    if config.prefill.is_empty() || config.decode.is_empty() {
+    // Without prefill replicas the decode nodes prefill every prompt themselves, which the
+    // affinity policy does whenever no prefill replica is up; round-robin always wants one.
+    if config.decode.is_empty() {
         return Err(Error::InvalidArgument {
             field: "replicas",
-            reason: "at least one prefill and one decode replica are required".into(),
+            reason: "at least one decode replica is required".into(),
+        });
+    }
+    if config.prefill.is_empty() && config.policy == PolicyKind::RoundRobin {
+        return Err(Error::InvalidArgument {
+            field: "policy",
+            reason: "round-robin always prefills remotely: it needs a prefill replica".into(),
         });
     }
     if config.token_gap.is_zero() {

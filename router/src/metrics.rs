@@ -23,6 +23,7 @@ pub const INDEX_BLOCKS: &str = "tandem_router_index_blocks";
 pub const ATTEMPTS: &str = "tandem_router_dispatch_attempts";
 pub const FAILOVERS: &str = "tandem_router_failovers";
 pub const DECODE_STALLS: &str = "tandem_router_decode_stalls";
+pub const QUEUED: &str = "tandem_router_queued_requests";
 pub const PROMPT_TOKENS: &str = "tandem_router_prompt_tokens";
 pub const CACHED_PROMPT_TOKENS: &str = "tandem_router_cached_prompt_tokens";
 
@@ -73,6 +74,8 @@ pub struct RouterMetrics {
     pub ttft: Histogram,
     pub inter_token: Histogram,
     pub queue: Histogram,
+    /// Requests waiting in the router's queue for room on a decode replica.
+    pub queued: Gauge,
     pub requests: Family<StatusLabel, Counter>,
     pub disagg_decisions: Family<DecisionLabel, Counter>,
     /// 1 while the replica is healthy and serves the router's model.
@@ -98,7 +101,8 @@ impl RouterMetrics {
         let m = Self {
             ttft: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
             inter_token: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
-            queue: Histogram::new(exponential_buckets(0.0001, 2.0, 16)),
+            queue: Histogram::new(exponential_buckets(0.0001, 2.0, 18)),
+            queued: Gauge::default(),
             requests: Family::default(),
             disagg_decisions: Family::default(),
             replica_up: Family::default(),
@@ -127,7 +131,16 @@ impl RouterMetrics {
             "Time between token frames",
             m.inter_token.clone(),
         );
-        registry.register(QUEUE, "Time from request to dispatch", m.queue.clone());
+        registry.register(
+            QUEUE,
+            "Time from request to admission on a decode node (the router's queue included)",
+            m.queue.clone(),
+        );
+        registry.register(
+            QUEUED,
+            "Requests waiting in the router's queue for room on a decode replica",
+            m.queued.clone(),
+        );
         registry.register(REQUESTS, "Requests by final status", m.requests.clone());
         registry.register(
             DISAGG_DECISIONS,

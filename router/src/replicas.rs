@@ -105,6 +105,8 @@ pub struct Replica {
     inflight_tokens: AtomicU64,
     /// Cancelled when the replica leaves the set; ends its monitor and index tasks.
     stop: CancellationToken,
+    /// The set's [`Replicas::changed`], woken when this replica may have room again.
+    changed: Arc<tokio::sync::Notify>,
 }
 
 impl Replica {
@@ -122,6 +124,14 @@ impl Replica {
 
     pub fn capacity(&self) -> u32 {
         self.capacity.load(Ordering::Relaxed)
+    }
+
+    /// Whether this router may send the replica another request: fewer of its own requests
+    /// there than the places the replica reports (any number before its first report). Other
+    /// routers' requests show only in the replica's admission, which refuses what does not fit.
+    pub fn has_room(&self) -> bool {
+        let capacity = self.capacity();
+        capacity == 0 || self.inflight.load(Ordering::Relaxed) < capacity
     }
 
     /// Prompt tokens waiting there: the larger of the last report and this router's own in
@@ -180,6 +190,7 @@ impl Drop for InflightGuard {
         self.replica
             .inflight_tokens
             .fetch_sub(self.tokens, Ordering::Relaxed);
+        self.replica.changed.notify_waiters();
     }
 }
 
@@ -201,8 +212,9 @@ pub struct Replicas {
     frontend: OnceLock<Arc<Frontend>>,
     /// Mutual TLS to the workers, as the router.
     tls: Option<tandem_proto::tls::Tls>,
-    /// Woken whenever a replica's health or compatibility, the set, or the frontend changes.
-    changed: tokio::sync::Notify,
+    /// Woken whenever a replica's health, compatibility or room, the set, or the frontend
+    /// changes.
+    changed: Arc<tokio::sync::Notify>,
 }
 
 impl Replicas {
@@ -225,7 +237,7 @@ impl Replicas {
             monitoring: OnceLock::new(),
             frontend: OnceLock::new(),
             tls,
-            changed: tokio::sync::Notify::new(),
+            changed: Arc::default(),
         }
     }
 
@@ -269,6 +281,7 @@ impl Replicas {
             inflight: AtomicU32::new(0),
             inflight_tokens: AtomicU64::new(0),
             stop: self.cancel.child_token(),
+            changed: self.changed.clone(),
         });
         all.push(replica.clone());
         drop(all);
@@ -301,8 +314,8 @@ impl Replicas {
         self.frontend.get()
     }
 
-    /// Resolves at the next change of [`Replicas::ready`]'s inputs. Create it before reading
-    /// them, so that no change is missed.
+    /// Resolves at the next change of [`Replicas::ready`]'s inputs or of a replica's room
+    /// ([`Replica::has_room`]). Create it before reading them, so that no change is missed.
     pub fn changed(&self) -> tokio::sync::futures::Notified<'_> {
         self.changed.notified()
     }
@@ -469,8 +482,11 @@ impl Replicas {
                     match worker.load(req).await {
                         Ok(load) => {
                             let load = load.into_inner();
-                            r.reported.store(load.active + load.queued, Ordering::Relaxed);
-                            r.capacity.store(load.capacity, Ordering::Relaxed);
+                            let reported = r.reported.swap(load.active + load.queued, Ordering::Relaxed);
+                            let capacity = r.capacity.swap(load.capacity, Ordering::Relaxed);
+                            if (reported, capacity) != (load.active + load.queued, load.capacity) {
+                                self.changed.notify_waiters();
+                            }
                             r.queued_tokens.store(load.queued_tokens, Ordering::Relaxed);
                             r.prefill_tokens_per_second
                                 .store(load.prefill_tokens_per_second.to_bits(), Ordering::Relaxed);

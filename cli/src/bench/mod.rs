@@ -1,6 +1,7 @@
 //! `tandem bench`: the engine alone (`engine`), load against any running endpoint (`serve`,
-//! `multiturn`), the KV transfer path (`transfer`), the KV dtype's fidelity (`fidelity`), and
-//! pictures of the results (`plot`).
+//! `multiturn`), the KV transfer path (`transfer`), the KV dtype's fidelity (`fidelity`), what a
+//! long local prefill does to a decode node's streams (`interference`), and pictures of the
+//! results (`plot`).
 //!
 //! `serve` and `multiturn` drive a Tandem router over gRPC or any OpenAI-compatible server
 //! ([`endpoint`]); they never start what they measure.
@@ -8,6 +9,7 @@
 pub(crate) mod endpoint;
 pub(crate) mod engine;
 pub(crate) mod fidelity;
+pub(crate) mod interference;
 pub(crate) mod multiturn;
 pub(crate) mod plot;
 pub(crate) mod serve;
@@ -31,6 +33,9 @@ pub(crate) enum BenchCommand {
     /// What a KV dtype costs in fidelity: logits and greedy tokens against llama.cpp's fixtures
     /// and against f16.
     Fidelity(fidelity::FidelityArgs),
+    /// Inter-token latency of streams on a decode node while it prefills a long prompt, against
+    /// the same streams alone (a decode node and router started in this process).
+    Interference(interference::InterferenceArgs),
     /// Draw PNG and SVG plots from `serve` and `multiturn` results.
     Plot(plot::PlotArgs),
 }
@@ -42,6 +47,7 @@ pub(crate) fn run(command: &BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Multiturn(args) => multiturn::multiturn(args),
         BenchCommand::Transfer(args) => transfer::transfer(args),
         BenchCommand::Fidelity(args) => fidelity::fidelity(args),
+        BenchCommand::Interference(args) => interference::interference(args),
         BenchCommand::Plot(args) => plot::plot(args),
     }
 }

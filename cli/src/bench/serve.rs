@@ -1,9 +1,11 @@
 //! `tandem bench serve`: load against a running endpoint (a Tandem router over gRPC, or any
 //! OpenAI-compatible server), at fixed concurrencies (closed loop: each client sends its next
-//! request when the last one ends) or at request rates (open loop: Poisson arrivals).
+//! request when the last one ends) or at request rates (open loop: Poisson arrivals, or burstier
+//! ones with `--burstiness` below 1).
 //!
-//! Every request is a distinct raw-text prompt of `--prompt-words` words (no cache can serve
-//! it) asking for `--max-tokens` greedy tokens. Per level it reports TTFT, TPOT (time per output
+//! Every request is a distinct raw-text prompt (no cache can serve it) of `--prompt-words`
+//! words, or, with `--prompt-sigma`, of a heavy-tailed (log-normal) number of words around it,
+//! asking for `--max-tokens` greedy tokens. Per level it reports TTFT, TPOT (time per output
 //! token after the first), ITL (gaps between streamed tokens) and end-to-end latency as p50,
 //! p90 and p99; request throughput and output tokens/s; goodput (requests per second that met
 //! both `--slo-ttft-ms` and `--slo-tpot-ms`); and failures by status code. Against Tandem over
@@ -17,7 +19,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Args;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
+use rand_distr::{Distribution, Gamma, LogNormal};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 
@@ -38,18 +41,29 @@ pub(crate) struct ServeArgs {
         conflicts_with = "rate"
     )]
     concurrency: Vec<usize>,
-    /// Open-loop Poisson arrivals instead, in requests per second, one level per value.
+    /// Open-loop arrivals instead, in requests per second, one level per value.
     #[arg(long, value_delimiter = ',')]
     rate: Vec<f64>,
+    /// How the gaps between open-loop arrivals vary: Gamma-distributed with this shape (and the
+    /// mean `1 / --rate`), as vLLM's `bench serve` does. 1 is Poisson; below 1, requests come in
+    /// bursts with quiet spells between them (0.25: gaps with 2x the spread of Poisson's).
+    #[arg(long, default_value_t = 1.0)]
+    burstiness: f64,
     /// Most requests in flight at a request rate; an arrival past it waits for a slot.
     #[arg(long, default_value_t = 256)]
     max_inflight: usize,
     /// Requests per level.
     #[arg(long, default_value_t = 64)]
     requests: usize,
-    /// Words per prompt (about one token each with the default model).
+    /// Words per prompt (about one token each with the default model); with `--prompt-sigma`,
+    /// the median.
     #[arg(long, default_value_t = 100)]
     prompt_words: usize,
+    /// Spread prompt lengths log-normally around `--prompt-words` with this sigma (at most 16
+    /// times the median); 0 gives every prompt `--prompt-words` words. 1.0 is like chat traffic:
+    /// a tenth of the median at p1, about 10 times it at p99.
+    #[arg(long, default_value_t = 0.0)]
+    prompt_sigma: f64,
     /// Tokens asked of each request (it may stop sooner at an end-of-text token).
     #[arg(long, default_value_t = 64)]
     max_tokens: u32,
@@ -135,10 +149,18 @@ pub(crate) struct Results {
     pub endpoint: String,
     pub seed: u64,
     pub prompt_words: usize,
+    #[serde(default)]
+    pub prompt_sigma: f64,
+    #[serde(default = "poisson")]
+    pub burstiness: f64,
     pub max_tokens: u32,
     pub slo_ttft_ms: f64,
     pub slo_tpot_ms: f64,
     pub levels: Vec<Level>,
+}
+
+fn poisson() -> f64 {
+    1.0
 }
 
 /// How requests are released.
@@ -167,8 +189,14 @@ pub(crate) fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         if args.max_inflight == 0 {
             bail!("--max-inflight must be at least 1");
         }
+        if !(args.burstiness.is_finite() && args.burstiness > 0.0) {
+            bail!("--burstiness must be a positive number");
+        }
         args.rate.iter().map(|&r| Load::Rate(r)).collect()
     };
+    if !(args.prompt_sigma.is_finite() && args.prompt_sigma >= 0.0) {
+        bail!("--prompt-sigma must be a number at least 0");
+    }
     let seed = args.seed.unwrap_or_else(rand::random);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -190,6 +218,8 @@ pub(crate) fn serve(args: &ServeArgs) -> anyhow::Result<()> {
             endpoint: endpoint.describe(),
             seed,
             prompt_words: args.prompt_words,
+            prompt_sigma: args.prompt_sigma,
+            burstiness: args.burstiness,
             max_tokens: args.max_tokens,
             slo_ttft_ms: args.slo_ttft_ms,
             slo_tpot_ms: args.slo_tpot_ms,
@@ -208,10 +238,18 @@ pub(crate) fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Request `i` of level `level`: its own prompt.
+/// Request `i` of level `level`: its own prompt, of its own length.
 fn ask(args: &ServeArgs, seed: u64, level: usize, i: usize) -> Ask {
+    let n = match LogNormal::new((args.prompt_words as f64).ln(), args.prompt_sigma) {
+        Ok(d) if args.prompt_sigma > 0.0 => {
+            let key = seed ^ (level as u64) << 40 ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            let words = d.sample(&mut rand_chacha::ChaCha8Rng::seed_from_u64(key));
+            (words.round() as usize).clamp(1, args.prompt_words * 16)
+        }
+        _ => args.prompt_words,
+    };
     Ask {
-        input: Input::Prompt(words(args.prompt_words, seed, level, i)),
+        input: Input::Prompt(words(n, seed, level, i)),
         max_tokens: args.max_tokens,
         session: format!("bench-serve-{level}-{i}"),
     }
@@ -276,8 +314,8 @@ async fn closed_loop(
         .collect()
 }
 
-/// Requests released at Poisson arrival times (`rate` per second, seeded), at most
-/// `--max-inflight` at once.
+/// Requests released at seeded arrival times (`rate` per second, Gamma-distributed gaps of shape
+/// `--burstiness`), at most `--max-inflight` at once.
 async fn open_loop(
     endpoint: &Endpoint,
     args: &ServeArgs,
@@ -291,10 +329,11 @@ async fn open_loop(
     let start = tokio::time::Instant::now();
     let mut at = Duration::ZERO;
     let tasks = futures::stream::FuturesUnordered::new();
+    // The arguments were checked: a positive shape and a positive rate.
+    let gaps = Gamma::new(args.burstiness, 1.0 / (rate * args.burstiness)).ok();
     for i in 0..args.requests {
-        // Exponential gaps: -ln(U) / rate, U in (0, 1].
-        let u: f64 = 1.0 - rng.random::<f64>();
-        at += Duration::from_secs_f64(-u.ln() / rate);
+        let gap = gaps.as_ref().map_or(1.0 / rate, |g| g.sample(&mut rng));
+        at += Duration::from_secs_f64(gap);
         let ask = ask(args, seed, n, i);
         tasks.push(async move {
             tokio::time::sleep_until(start + at).await;
@@ -380,9 +419,17 @@ fn summarize(
 }
 
 fn print_table(r: &Results) {
+    let prompts = if r.prompt_sigma > 0.0 {
+        format!(
+            "log-normal prompts around {} words (sigma {})",
+            r.prompt_words, r.prompt_sigma
+        )
+    } else {
+        format!("{}-word prompts", r.prompt_words)
+    };
     println!(
-        "{} ({}): {}-word prompts (seed {}), up to {} tokens, SLO TTFT {} ms and TPOT {} ms",
-        r.label, r.endpoint, r.prompt_words, r.seed, r.max_tokens, r.slo_ttft_ms, r.slo_tpot_ms
+        "{} ({}): {prompts} (seed {}), up to {} tokens, burstiness {}, SLO TTFT {} ms and TPOT {} ms",
+        r.label, r.endpoint, r.seed, r.max_tokens, r.burstiness, r.slo_ttft_ms, r.slo_tpot_ms
     );
     println!(
         "{:>12} {:>9} {:>8} {:>8} {:>19} {:>19} {:>19} {:>9} {:>10}  failed",
