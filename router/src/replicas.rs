@@ -492,8 +492,14 @@ impl Replicas {
                                 .store(load.prefill_tokens_per_second.to_bits(), Ordering::Relaxed);
                             r.index.observe_report(load.cache_epoch, load.cache_seq);
                         }
-                        // A busy node answers late; only the health watch says it is gone.
-                        Err(e) => tracing::debug!(replica = %r.addr, error = %e, "load poll failed"),
+                        // A busy node answers late: that is no sign it is gone (the health
+                        // watch and keepalive tell), so the next poll asks again.
+                        Err(e) if matches!(e.code(), tonic::Code::DeadlineExceeded | tonic::Code::Cancelled) => {
+                            tracing::debug!(replica = %r.addr, error = %e, "load poll answered late");
+                        }
+                        // Anything else (a closed connection, another node behind the address)
+                        // ends the watch, and the monitor asks the node who it is again.
+                        Err(_) => return,
                     }
                 }
             }
