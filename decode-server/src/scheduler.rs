@@ -209,7 +209,7 @@ impl Scheduler {
 
     fn run(mut self, rx: &mpsc::Receiver<Command>) {
         loop {
-            if self.active.is_empty() && self.prefilling.is_empty() {
+            if self.active.is_empty() && self.prefilling.is_empty() && self.waiting.is_empty() {
                 match rx.recv() {
                     Ok(c) => self.handle(c),
                     Err(_) => return,

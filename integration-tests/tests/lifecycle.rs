@@ -72,12 +72,18 @@ async fn the_deadline_ends_the_stream_and_frees_everything() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_decode_node_queues_in_the_router_and_past_the_queue_refuses_at_once() {
-    // One batch slot, so four places on the decode node; the router holds 6 requests in all.
+    // One batch slot, so four places on the decode node, and KV for all four long requests
+    // (64 MiB holds one); the router holds 6 requests in all.
     let model = default_model().expect("the default model (run `tandem model fetch`)");
+    let config = ClusterConfig::new(model);
     let cluster = Cluster::start(ClusterConfig {
         decode_slots: 1,
         max_inflight: 6,
-        ..ClusterConfig::new(model)
+        engine: tandem_engine::EngineConfig {
+            kv_budget_bytes: 512 << 20,
+            ..config.engine.clone()
+        },
+        ..config
     })
     .await
     .expect("cluster");
