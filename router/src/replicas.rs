@@ -66,6 +66,9 @@ fn kv_dtype(info: &pb::InfoResponse) -> &str {
     }
 }
 
+/// How long a replica may take to answer a health check before it counts as gone.
+pub const LIVENESS_TIMEOUT: Duration = Duration::from_secs(1);
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
     Prefill,
@@ -452,13 +455,17 @@ impl Replicas {
         same
     }
 
-    /// Follows the replica's health and load until the watch breaks.
+    /// Follows the replica's health and load until the watch breaks or the replica stops
+    /// answering. Each poll first asks `Health.Check` with a [`LIVENESS_TIMEOUT`] deadline: a
+    /// node answers that off its step loop however busy it is, so one that cannot is gone
+    /// (paused, cut off) and the watch ends, which marks it down long before keepalive would.
+    /// The load itself may come late from a busy node; that ends nothing.
     async fn watch(&self, r: &Replica, load_poll: Duration) {
         let mut health = HealthClient::new(r.channel.clone());
         let request = tonic_health::pb::HealthCheckRequest {
             service: String::new(),
         };
-        let Ok(stream) = health.watch(request).await else {
+        let Ok(stream) = health.watch(request.clone()).await else {
             return;
         };
         let mut stream = stream.into_inner();
@@ -477,6 +484,13 @@ impl Replicas {
                     _ => return,
                 },
                 _ = tick.tick() => {
+                    let mut probe = tonic::Request::new(request.clone());
+                    probe.set_timeout(LIVENESS_TIMEOUT);
+                    let answered = tokio::time::timeout(LIVENESS_TIMEOUT, health.check(probe)).await;
+                    if !matches!(answered, Ok(Ok(_))) {
+                        tracing::warn!(replica = %r.addr, role = r.role.name(), "replica stopped answering health checks");
+                        return;
+                    }
                     let mut req = tonic::Request::new(pb::LoadRequest {});
                     req.set_timeout(load_poll.max(Duration::from_millis(500)));
                     match worker.load(req).await {
