@@ -122,7 +122,7 @@ pub(crate) async fn explain(
         return anyhow::anyhow!(
             "{server} serves TLS: give the address as https://{}, with --ca-cert when its \
              certificate is not from a public CA ({error:#})",
-            server.split_once("://").map_or(server, |(_, rest)| rest)
+            tandem_proto::net::authority(server)
         );
     }
     error

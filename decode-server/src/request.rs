@@ -30,7 +30,7 @@ use tracing::Instrument;
 
 use crate::admission::{Admission, Admitted};
 use crate::error::{Error, Result};
-use crate::scheduler::{Event, Input, SchedulerHandle, Shared, Start, Ticket};
+use crate::scheduler::{Event, Input, Joining, SchedulerHandle, Shared, Start, Ticket};
 
 /// Frames buffered towards the client before the request task waits.
 const FRAME_BUFFER: usize = 16;
@@ -275,12 +275,14 @@ impl RequestContext {
         let kv_wait_ms = admitted_at.elapsed().as_secs_f64() * 1e3;
         let (events_tx, mut events) = mpsc::channel(plan.params.max_tokens + 3);
         let started = self.scheduler.start(Start {
-            ticket,
-            prompt: plan.prompt,
-            cache_salt: plan.cache_salt,
             input,
-            stream,
-            events: events_tx,
+            joining: Joining {
+                ticket,
+                prompt: plan.prompt,
+                cache_salt: plan.cache_salt,
+                stream,
+                events: events_tx,
+            },
         });
         if !started {
             return Err(Error::ShuttingDown);

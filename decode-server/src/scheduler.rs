@@ -2,8 +2,8 @@
 //! after another. New sequences join and finished or cancelled ones leave between steps; it never
 //! waits on a remote prefill, because a sequence only joins once its KV has arrived and been
 //! verified. An uncached suffix may instead be prefilled here (conditional disaggregation): one
-//! chunk per round, between the batch's steps, each about as long as a step, so running
-//! streams keep their inter-token latency (at most about doubled) while a prompt is computed.
+//! chunk per round, between the batch's steps, each sized to about 0.8 of a step, so running
+//! streams keep their pace (their gaps grow by about that share) while a prompt is computed.
 //!
 //! At most `max_slots` sequences decode at once. A sequence takes its batch slot only once it
 //! holds its whole prompt's KV (pushed or computed here): one that is ready while every slot is
@@ -22,7 +22,7 @@
 //! the [`CacheHub`].
 //!
 //! The command queue needs no bound of its own: every command belongs to an admitted request,
-//! and there are at most `max_slots` of those, each sending at most one `Open`, one `Start` and
+//! and admission has a bounded number of places (see [`crate::admission`]), each sending at most one `Open`, one `Start` and
 //! one `Cancel`. Event channels hold a whole generation, so a slow client never blocks a step.
 
 use std::collections::{HashMap, VecDeque};
@@ -66,11 +66,17 @@ pub enum Input {
 
 #[derive(Debug)]
 pub struct Start {
+    pub input: Input,
+    pub joining: Joining,
+}
+
+/// A started sequence, besides its KV: what it needs to join the batch.
+#[derive(Debug)]
+pub struct Joining {
     pub ticket: Ticket,
     pub prompt: Vec<u32>,
     /// The request's cache partition: the finished sequence is kept under it.
     pub cache_salt: String,
-    pub input: Input,
     /// The generation's state: fresh, or resumed after tokens an earlier attempt delivered.
     pub stream: Stream,
     pub events: tmpsc::Sender<Event>,
@@ -85,15 +91,6 @@ enum Command {
     },
     Start(Box<Start>),
     Cancel(Ticket),
-}
-
-/// A started sequence, besides its KV: what it needs to join the batch.
-struct Joining {
-    ticket: Ticket,
-    prompt: Vec<u32>,
-    cache_salt: String,
-    stream: Stream,
-    events: tmpsc::Sender<Event>,
 }
 
 /// A sequence whose prompt is being computed here, a chunk per round.
@@ -290,18 +287,12 @@ impl Scheduler {
     }
 
     fn start(&mut self, s: Start) {
-        let Some(seq) = self.opened.remove(&s.ticket) else {
+        let Start { input, joining } = s;
+        let Some(seq) = self.opened.remove(&joining.ticket) else {
             // Cancelled before it started.
             return;
         };
-        let joining = Joining {
-            ticket: s.ticket,
-            prompt: s.prompt,
-            cache_salt: s.cache_salt,
-            stream: s.stream,
-            events: s.events,
-        };
-        match s.input {
+        match input {
             Input::Kv { kv, first_token } => match self.engine.import_kv(seq, &kv) {
                 Ok(()) => self.join(seq, joining, first_token),
                 Err(e) => self.fail(seq, &joining.events, e),

@@ -332,8 +332,7 @@ pub fn deadline(metadata: &tonic::metadata::MetadataMap) -> Option<tokio::time::
 /// is wrong instead.
 pub async fn requires_tls(addr: &str, timeout: Duration) -> bool {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let host_port = addr.split_once("://").map_or(addr, |(_, rest)| rest);
-    let host_port = host_port.split('/').next().unwrap_or(host_port);
+    let host_port = authority(addr);
     let probe = async {
         let mut conn = tokio::net::TcpStream::connect(host_port).await.ok()?;
         conn.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
@@ -344,6 +343,12 @@ pub async fn requires_tls(addr: &str, timeout: Duration) -> bool {
         Some(head == [21, 3])
     };
     matches!(tokio::time::timeout(timeout, probe).await, Ok(Some(true)))
+}
+
+/// The `host:port` of `addr`, given as `host:port` or as a URI (`https://host:port/...`).
+pub fn authority(addr: &str) -> &str {
+    let rest = addr.split_once("://").map_or(addr, |(_, rest)| rest);
+    rest.split('/').next().unwrap_or(rest)
 }
 
 /// Follows `service`'s health on `channel` until it reports SERVING.

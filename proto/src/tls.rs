@@ -82,20 +82,21 @@ const SERVICES: [(&str, &[Role]); 7] = [
     ("metrics", &Role::ALL),
 ];
 
-/// The service `path` (`/package.Service/Method`, or an HTTP path such as `/metrics`) names,
-/// if a worker serves it.
-pub fn service(path: &str) -> Option<&'static str> {
+/// The entry of [`SERVICES`] that `path` (`/package.Service/Method`, or an HTTP path such as
+/// `/metrics`) names.
+fn entry(path: &str) -> Option<&'static (&'static str, &'static [Role])> {
     let service = path.trim_start_matches('/').split('/').next().unwrap_or("");
-    SERVICES.iter().map(|(s, _)| *s).find(|s| *s == service)
+    SERVICES.iter().find(|(s, _)| *s == service)
+}
+
+/// The service `path` names, if a worker serves it.
+pub fn service(path: &str) -> Option<&'static str> {
+    entry(path).map(|(s, _)| *s)
 }
 
 /// The roles that may call `path` on a worker.
 pub fn allowed(path: &str) -> &'static [Role] {
-    let service = service(path);
-    SERVICES
-        .iter()
-        .find(|(s, _)| Some(*s) == service)
-        .map_or(&[], |(_, roles)| *roles)
+    entry(path).map_or(&[], |(_, roles)| *roles)
 }
 
 /// The role named by a peer certificate (DER), if it carries exactly one.

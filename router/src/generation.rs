@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 use crate::log::LogWriter;
 use crate::metrics::{DecisionLabel, RouterMetrics};
 use crate::policy::{Ask, Choice, Policy};
-use crate::replicas::{Frontend, Replicas};
+use crate::replicas::{Frontend, Replica, Replicas, Role};
 use crate::retry::RetryBudget;
 
 /// A request after validation: prompt token ids, their block hashes, and sampling.
@@ -425,7 +425,7 @@ impl Dispatcher {
         &self,
         frames: &mut tonic::Streaming<pb::DecodeResponse>,
         gap: Duration,
-        replica: &crate::replicas::Replica,
+        replica: &Replica,
     ) -> Result<Option<pb::DecodeResponse>, Status> {
         let mut quiet = Duration::ZERO;
         loop {
@@ -472,27 +472,20 @@ impl Dispatcher {
             let change = self.replicas.changed();
             tokio::pin!(change);
             change.as_mut().enable();
-            let candidates: Vec<_> = self
-                .replicas
-                .up(crate::replicas::Role::Decode)
-                .into_iter()
-                .filter(|r| !progress.exclude.contains(&r.addr))
-                .collect();
+            let ask = Ask {
+                tokens: tokens.len(),
+                hashes,
+                session_id: &p.session_id,
+                exclude: &progress.exclude,
+            };
+            let decodes = crate::policy::candidates(&self.replicas, Role::Decode, &ask);
             // With none up, the policy answers at once.
-            if !candidates.is_empty() && !candidates.iter().any(|r| r.has_room()) {
+            if !decodes.is_empty() && !decodes.iter().any(|r| r.has_room()) {
                 queued.get_or_insert_with(|| QueuedGuard::new(&self.metrics));
                 change.await;
                 continue;
             }
-            let choice = self.policy.choose(
-                &self.replicas,
-                &Ask {
-                    tokens: tokens.len(),
-                    hashes,
-                    session_id: &p.session_id,
-                    exclude: &progress.exclude,
-                },
-            )?;
+            let choice = self.policy.choose(&self.replicas, &ask)?;
             let local = choice.prefill.is_none();
             let decode = choice.decode.replica();
             tracing::debug!(

@@ -120,7 +120,7 @@ fn rendezvous(key: &[u8], replica: &Replica) -> u64 {
 }
 
 /// The healthy replicas of `role` that have not failed this request.
-fn candidates(replicas: &Replicas, role: Role, ask: &Ask<'_>) -> Vec<Arc<Replica>> {
+pub(crate) fn candidates(replicas: &Replicas, role: Role, ask: &Ask<'_>) -> Vec<Arc<Replica>> {
     let mut up = replicas.up(role);
     up.retain(|r| !ask.exclude.contains(&r.addr));
     up

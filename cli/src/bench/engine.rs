@@ -152,14 +152,7 @@ pub(crate) fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
         ..EngineConfig::default()
     };
     let mut engines = super::engine_per_dtype(&model, &args.kv_dtype, &config)?;
-    // A deterministic prompt of ordinary text tokens.
-    let vocab = model.config.vocab as u32;
-    let prompt_of = |n: usize| -> Vec<u32> {
-        (0..n as u32)
-            .map(|i| 100 + (i * 7919) % (vocab - 100).max(1))
-            .map(|t| t.min(vocab - 1))
-            .collect()
-    };
+    let prompt_of = |n: usize| super::ordinary_tokens(&model, n, 0);
     let prompt = prompt_of(args.prompt_tokens);
     let name = |e: &Engine| e.kv_layout().dtype.name();
 

@@ -99,6 +99,11 @@ struct Report {
 /// Frame arrival times, one list per stream.
 type Arrivals = Arc<Mutex<Vec<Vec<Instant>>>>;
 
+fn lock(arrivals: &Arrivals) -> std::sync::MutexGuard<'_, Vec<Vec<Instant>>> {
+    // Only pushes happen under the lock; a poisoned one is still consistent.
+    arrivals.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 pub(crate) fn interference(args: &InterferenceArgs) -> anyhow::Result<()> {
     if args.streams == 0 || args.runs == 0 || args.prompt_tokens == 0 || args.stream_tokens < 16 {
         bail!(
@@ -149,11 +154,10 @@ pub(crate) fn interference(args: &InterferenceArgs) -> anyhow::Result<()> {
         .await
         .context("the router did not start")?;
         let client = client(&router_addr, &ApiKey::default(), &ServerTlsArgs::default())?;
-        let vocab = model.config.vocab as u32;
         let mut runs = Vec::new();
         for run in 0..args.runs {
             eprintln!("run {}/{}", run + 1, args.runs);
-            runs.push(measure(&client, args, &model.tokenizer, vocab, run as u32).await?);
+            runs.push(measure(&client, args, &model, run as u32).await?);
         }
         stop.cancel();
         let _ = router_task.await;
@@ -220,8 +224,7 @@ fn gaps_in(arrivals: &[Vec<Instant>], from: Instant, to: Instant) -> Vec<f64> {
 async fn measure(
     client: &Client,
     args: &InterferenceArgs,
-    tokenizer: &tandem_engine::Tokenizer,
-    vocab: u32,
+    model: &tandem_engine::Model,
     run: u32,
 ) -> anyhow::Result<Run> {
     let arrivals: Arrivals = Arc::new(Mutex::new(vec![Vec::new(); args.streams]));
@@ -232,7 +235,7 @@ async fn measure(
         let k = 1000 * (run as usize + 1) + 37 * i;
         let prompt = format!("{}, {}, {}, {}, {},", k, k + 1, k + 2, k + 3, k + 4);
         let request = pb::GenerateRequest {
-            token_ids: tokenizer.encode(&prompt)?,
+            token_ids: model.tokenizer.encode(&prompt)?,
             sampling: Some(pb::SamplingParams {
                 max_tokens: args.stream_tokens,
                 ..Default::default()
@@ -247,7 +250,7 @@ async fn measure(
                     frame = frames.message() => match frame? {
                         Some(f) if !f.token_ids.is_empty() => {
                             let now = Instant::now();
-                            arrivals.lock().map_err(|_| anyhow::anyhow!("poisoned"))?[i].push(now);
+                            lock(&arrivals)[i].push(now);
                             if f.finish_reason != pb::FinishReason::Unspecified as i32 {
                                 return anyhow::Ok(());
                             }
@@ -263,12 +266,7 @@ async fn measure(
     // Every stream decoding (a few frames in), then the window alone.
     let warm = Instant::now();
     loop {
-        let frames: Vec<usize> = arrivals
-            .lock()
-            .map_err(|_| anyhow::anyhow!("poisoned"))?
-            .iter()
-            .map(Vec::len)
-            .collect();
+        let frames: Vec<usize> = lock(&arrivals).iter().map(Vec::len).collect();
         if frames.iter().all(|&n| n >= 8) {
             break;
         }
@@ -287,9 +285,7 @@ async fn measure(
     let alone_from = Instant::now();
     tokio::time::sleep(Duration::from_millis(args.alone_ms)).await;
     let sent = Instant::now();
-    let long: Vec<u32> = (0..args.prompt_tokens as u32)
-        .map(|t| 100 + (t * 7_919 + run * 104_729) % (vocab - 100).max(1))
-        .collect();
+    let long = super::ordinary_tokens(model, args.prompt_tokens, run + 1);
     let request = pb::GenerateRequest {
         token_ids: long,
         sampling: Some(pb::SamplingParams {
@@ -311,7 +307,7 @@ async fn measure(
     for t in tasks {
         t.await??;
     }
-    let arrivals = arrivals.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+    let arrivals = lock(&arrivals);
     let streams_live = arrivals
         .iter()
         .filter(|a| {

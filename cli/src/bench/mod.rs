@@ -70,6 +70,22 @@ pub(crate) fn engine_per_dtype(
         .collect()
 }
 
+/// `n` deterministic ordinary tokens of `model` (ids from 100 up, spread over the
+/// vocabulary); `variant` picks another sequence of the same kind, so prompts need not share a
+/// cached prefix.
+pub(crate) fn ordinary_tokens(model: &tandem_engine::Model, n: usize, variant: u32) -> Vec<u32> {
+    let vocab = model.config.vocab as u32;
+    (0..n as u32)
+        .map(|i| {
+            100 + (i
+                .wrapping_mul(7919)
+                .wrapping_add(variant.wrapping_mul(104_729)))
+                % (vocab - 100).max(1)
+        })
+        .map(|t| t.min(vocab - 1))
+        .collect()
+}
+
 /// A progress bar on stderr (drawn only on a terminal) for `total` requests.
 pub(crate) fn progress_bar(total: u64, what: &str) -> indicatif::ProgressBar {
     let bar = indicatif::ProgressBar::new(total);

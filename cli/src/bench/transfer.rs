@@ -49,15 +49,6 @@ struct Transfer {
     ratio: f64,
 }
 
-/// A deterministic prompt of ordinary tokens.
-fn prompt(model: &Model, n: usize) -> Vec<u32> {
-    let vocab = model.config.vocab as u32;
-    (0..n as u32)
-        .map(|i| 100 + (i * 7919) % (vocab - 100).max(1))
-        .map(|t| t.min(vocab - 1))
-        .collect()
-}
-
 /// The KV chunks a prefill node would send for `tokens` (256-token chunks, per layer and kind).
 fn real_chunks(engine: &mut Engine, tokens: &[u32]) -> anyhow::Result<Vec<Chunk>> {
     let seq = engine.new_sequence();
@@ -168,7 +159,7 @@ pub(crate) fn transfer(args: &TransferArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let tokens = prompt(&model, args.tokens);
+    let tokens = super::ordinary_tokens(&model, args.tokens, 0);
     for dtype in &args.kv_dtype {
         let mut engine = Engine::new(
             model.clone(),
