@@ -91,6 +91,8 @@ pub struct ClusterConfig {
     pub token_gap: Duration,
     /// The decode nodes' ceiling on a caller's `kv_wait_ms`.
     pub max_kv_wait: Duration,
+    /// How often the prefill nodes' pushes send keepalives while their KV does not flow.
+    pub keepalive: Duration,
     pub grace: Duration,
     /// Requests the router holds at once, running or queued; more are refused at once.
     pub max_inflight: usize,
@@ -127,6 +129,7 @@ impl ClusterConfig {
             kv_wait: Duration::from_secs(10),
             token_gap: tandem_router::Config::default().token_gap,
             max_kv_wait: Duration::from_secs(60),
+            keepalive: tandem_transfer::client::KEEPALIVE_INTERVAL,
             grace: Duration::from_secs(2),
             auth: tandem_router::AuthConfig::default(),
             limits: tandem_router::Limits::default(),
@@ -202,6 +205,7 @@ impl Cluster {
                     ..config.engine(config.engine.kv_budget_bytes / 2)
                 },
                 grace: config.grace,
+                keepalive: config.keepalive,
                 tls: config.tls(tandem_proto::tls::Role::Prefill)?,
                 ..tandem_prefill_server::Config::new(config.model.clone())
             };

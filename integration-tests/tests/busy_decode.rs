@@ -1,36 +1,21 @@
-//! Slow is not dead: a decode node busy with long local prefills stays silent far longer than
+//! Slow is not dead. A decode node busy with long local prefills stays silent far longer than
 //! the router's token gap, yet every stream on it completes on its first attempt with exactly
 //! the tokens the engine gives each request alone, and requests that arrive while it is busy
-//! are admitted there too, even though it is the only decode replica.
+//! are admitted there too, even though it is the only decode replica. And a prompt that waits in
+//! a busy prefill node's queue far longer than the decode node's bound on KV silence is not
+//! taken for a dead push.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use tandem_engine::{Engine, EngineConfig, GenerateParams, GenerateRequest};
+use tandem_engine::{Engine, EngineConfig, GenerateParams, GenerateRequest, Model};
 use tandem_integration_tests::{
     Cluster, ClusterConfig, collect, default_model, greedy, metrics, sample,
 };
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_busy_decode_node_keeps_its_streams_and_admits_new_ones() {
-    let model = default_model().expect("the default model (run `tandem model fetch`)");
-    // Short chats, and two prompts of 1,200 tokens that the decode node prefills itself (there is
-    // no prefill node): each holds its one engine thread for far longer than the 50 ms gap.
-    let mut prompts: Vec<(Vec<u32>, u32)> = [
-        "The capital of France is",
-        "Once upon a time,",
-        "def fibonacci(n):",
-        "1, 2, 3, 4,",
-    ]
-    .iter()
-    .map(|t| (model.tokenizer.encode(t).expect("encode"), 32))
-    .collect();
-    for seed in [1u32, 2] {
-        let long = (0..1_200u32)
-            .map(|i| 200 + (i * 7_919 + seed * 104_729) % 40_000)
-            .collect();
-        prompts.push((long, 8));
-    }
-    let expected: Vec<Vec<u32>> = prompts
+/// What the engine generates for each `(prompt, max_tokens)` greedily, alone.
+fn alone(model: &Arc<Model>, prompts: &[(Vec<u32>, u32)]) -> Vec<Vec<u32>> {
+    prompts
         .iter()
         .map(|(prompt, max_tokens)| {
             let mut engine = Engine::new(model.clone(), EngineConfig::default()).expect("engine");
@@ -46,7 +31,36 @@ async fn a_busy_decode_node_keeps_its_streams_and_admits_new_ones() {
                 .token_ids
                 .clone()
         })
-        .collect();
+        .collect()
+}
+
+/// `n` distinct prompts of `len` token ids, in the vocabulary's ordinary range.
+fn long_prompts(n: u32, len: u32) -> Vec<Vec<u32>> {
+    (1..=n)
+        .map(|seed| {
+            (0..len)
+                .map(|i| 200 + (i * 7_919 + seed * 104_729) % 40_000)
+                .collect()
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_decode_node_keeps_its_streams_and_admits_new_ones() {
+    let model = default_model().expect("the default model (run `tandem model fetch`)");
+    // Short chats, and two prompts of 1,200 tokens that the decode node prefills itself (there is
+    // no prefill node): each holds its one engine thread for far longer than the 50 ms gap.
+    let mut prompts: Vec<(Vec<u32>, u32)> = [
+        "The capital of France is",
+        "Once upon a time,",
+        "def fibonacci(n):",
+        "1, 2, 3, 4,",
+    ]
+    .iter()
+    .map(|t| (model.tokenizer.encode(t).expect("encode"), 32))
+    .collect();
+    prompts.extend(long_prompts(2, 1_200).into_iter().map(|p| (p, 8)));
+    let expected = alone(&model, &prompts);
 
     let cluster = Cluster::start(ClusterConfig {
         prefill: 0,
@@ -84,6 +98,55 @@ async fn a_busy_decode_node_keeps_its_streams_and_admits_new_ones() {
         .await
         .expect("a request after the busy spell");
     assert_eq!(again.token_ids, expected[0]);
+    cluster.until_decode_idle(0).await.expect("idle");
+    cluster.stop().await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_queued_on_a_busy_prefill_node_outwaits_the_kv_silence_bound() {
+    let model = default_model().expect("the default model (run `tandem model fetch`)");
+    // Every prompt is prefilled remotely, one at a time: the last of four waits behind three
+    // prompts of 800 tokens, seconds on one thread, while the decode node tolerates 1 s of KV
+    // silence. The pushes' keepalives come every 100 ms.
+    let prompts: Vec<(Vec<u32>, u32)> = long_prompts(4, 800).into_iter().map(|p| (p, 4)).collect();
+    let expected = alone(&model, &prompts);
+    let kv_wait = Duration::from_secs(1);
+    let base = ClusterConfig::new(model);
+    let cluster = Cluster::start(ClusterConfig {
+        policy: tandem_router::PolicyKind::RoundRobin,
+        kv_wait,
+        keepalive: Duration::from_millis(100),
+        // Room for every prompt's KV on the decode node at once.
+        engine: EngineConfig {
+            kv_budget_bytes: 256 << 20,
+            ..base.engine.clone()
+        },
+        ..base
+    })
+    .await
+    .expect("cluster");
+    let streams = prompts.iter().map(|(prompt, max_tokens)| {
+        let mut client = cluster.client();
+        let request = greedy(prompt.clone(), *max_tokens);
+        async move { collect(&mut client, request).await }
+    });
+    let outs = futures::future::join_all(streams).await;
+    let mut longest_wait = 0.0f64;
+    for (i, (out, want)) in outs.into_iter().zip(&expected).enumerate() {
+        let out = out.unwrap_or_else(|s| panic!("stream {i} failed behind the queue: {s:?}"));
+        assert_eq!(&out.token_ids, want, "stream {i}");
+        let route = out.last.route.expect("route");
+        assert_eq!(route.attempts, 1, "stream {i} was failed over: {route:?}");
+        assert_eq!(route.disaggregation, "remote", "stream {i}");
+        // The first token's wait, less its own prompt's compute: the prefill queue's share.
+        let t = out.last.timings.expect("timings");
+        longest_wait = longest_wait.max(t.first_token_ms - t.prefill_ms);
+    }
+    // Some prompt did wait longer than the bound (else the check above proves nothing).
+    assert!(
+        longest_wait > kv_wait.as_secs_f64() * 1e3,
+        "the longest wait was {longest_wait:.0} ms: no prompt outwaited the bound"
+    );
     cluster.until_decode_idle(0).await.expect("idle");
     cluster.stop().await.expect("stop");
 }

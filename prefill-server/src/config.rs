@@ -20,6 +20,9 @@ pub struct Config {
     pub tls: Option<tandem_proto::tls::Tls>,
     /// How long in-flight requests may run after shutdown begins.
     pub grace: Duration,
+    /// How often a push whose KV does not flow yet tells the decode node it lives
+    /// ([`tandem_transfer::client::Heartbeat`]); the decode nodes' KV wait must be longer.
+    pub keepalive: Duration,
 }
 
 impl Config {
@@ -32,6 +35,7 @@ impl Config {
             },
             max_queue: 64,
             grace: Duration::from_secs(10),
+            keepalive: tandem_transfer::client::KEEPALIVE_INTERVAL,
             tls: None,
         }
     }

@@ -64,6 +64,7 @@ pub async fn run(
         shared: shared.clone(),
         shutdown: root.child_token(),
         chunk_tokens,
+        keepalive: config.keepalive,
         prefix_cache,
         tls: config.tls.clone(),
     };

@@ -24,6 +24,7 @@ pub struct PrefillService {
     pub(crate) shared: Arc<Shared>,
     pub(crate) shutdown: CancellationToken,
     pub(crate) chunk_tokens: usize,
+    pub(crate) keepalive: std::time::Duration,
     pub(crate) prefix_cache: bool,
     /// Mutual TLS to the decode nodes, as a prefill node.
     pub(crate) tls: Option<tandem_proto::tls::Tls>,
@@ -113,6 +114,8 @@ impl PrefillService {
             reason: e.to_string(),
         })?;
         let kv = KvPush::start(channel, &header);
+        // While the prompt waits in the queue the decode node hears from this push all the same.
+        let heartbeat = kv.heartbeat();
         let cancel = CancellationToken::new();
         // Dropping this handler (the router gave up) stops the compute between chunks.
         let _stop = cancel.clone().drop_guard();
@@ -143,7 +146,11 @@ impl PrefillService {
         })?;
         metrics.queue_depth.inc();
         metrics.queued_tokens.inc_by(n as i64);
-        let done = done.await.map_err(|_| Error::ShuttingDown)??;
+        let done = tokio::select! {
+            done = done => done,
+            never = heartbeat.run(self.keepalive) => match never {},
+        };
+        let done = done.map_err(|_| Error::ShuttingDown)??;
         let first_sent = done.first_chunk_sent.unwrap_or_else(Instant::now);
         let ack = done.kv.finish(done.first_token.unwrap_or_default()).await?;
         let first_token = done

@@ -13,6 +13,17 @@ pub enum Error {
     #[error("router busy: {inflight} requests in flight")]
     Busy { inflight: usize },
 
+    #[error(
+        "router busy: {ahead} requests queued ahead, about {} ms of waiting, past this request's deadline in {} ms",
+        wait.as_millis(),
+        left.as_millis()
+    )]
+    QueueTooLong {
+        ahead: usize,
+        wait: std::time::Duration,
+        left: std::time::Duration,
+    },
+
     /// The message never says which of missing, malformed or unknown the key was.
     #[error("a valid API key is required (authorization: Bearer KEY)")]
     Unauthenticated,
@@ -72,7 +83,9 @@ impl Error {
     pub fn code(&self) -> Code {
         match self {
             Error::InvalidArgument { .. } => Code::InvalidArgument,
-            Error::Busy { .. } | Error::RateLimited { .. } => Code::ResourceExhausted,
+            Error::Busy { .. } | Error::QueueTooLong { .. } | Error::RateLimited { .. } => {
+                Code::ResourceExhausted
+            }
             Error::Unauthenticated => Code::Unauthenticated,
             Error::NoReplica { .. } | Error::NotReady | Error::ShuttingDown | Error::Serve(_) => {
                 Code::Unavailable
@@ -87,6 +100,8 @@ impl Error {
     pub fn retry_after(&self) -> Option<std::time::Duration> {
         match self {
             Error::RateLimited { retry_after, .. } => Some(*retry_after),
+            // When the queue ahead should have drained.
+            Error::QueueTooLong { wait, .. } => Some(*wait),
             _ if self.code() == Code::ResourceExhausted => {
                 Some(std::time::Duration::from_millis(200))
             }

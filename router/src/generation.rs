@@ -243,6 +243,7 @@ pub struct Dispatcher {
     /// checks that the node still serves; see [`Dispatcher::next_frame`].
     pub token_gap: Duration,
     pub budget: Arc<RetryBudget>,
+    pub pace: Arc<QueuePace>,
 }
 
 fn ms(since: Instant) -> f64 {
@@ -281,20 +282,47 @@ struct Admission {
     queue_ms: f64,
 }
 
-/// Counts a request in the router's queue while it lives.
+/// A request's place in the router's queue: counted in the queue's gauge while it lives.
 #[derive(Debug)]
-struct QueuedGuard(prometheus_client::metrics::gauge::Gauge);
+struct Queued {
+    gauge: prometheus_client::metrics::gauge::Gauge,
+    /// Requests in the queue when this one joined.
+    ahead: usize,
+    since: Instant,
+}
 
-impl QueuedGuard {
-    fn new(metrics: &RouterMetrics) -> Self {
-        metrics.queued.inc();
-        Self(metrics.queued.clone())
+impl Drop for Queued {
+    fn drop(&mut self) {
+        self.gauge.dec();
     }
 }
 
-impl Drop for QueuedGuard {
-    fn drop(&mut self) {
-        self.0.dec();
+/// The pace of the router's queue: the wait per request ahead, a moving average over the
+/// queued requests admitted lately. It predicts a newcomer's wait, so that one whose deadline
+/// that wait would outlast is refused at once instead of timing out in the queue.
+#[derive(Debug, Default)]
+pub struct QueuePace(std::sync::Mutex<Option<f64>>);
+
+impl QueuePace {
+    /// Weight of the newest wait in the average.
+    const WEIGHT: f64 = 0.2;
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<f64>> {
+        // A plain number: a panic elsewhere cannot leave it half-written.
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn record(&self, queued: &Queued) {
+        let per = queued.since.elapsed().as_secs_f64() / (queued.ahead + 1) as f64;
+        let mut pace = self.lock();
+        *pace = Some(pace.map_or(per, |old| old + Self::WEIGHT * (per - old)));
+    }
+
+    /// The wait predicted behind `ahead` requests; `None` before any queued request was
+    /// admitted.
+    fn predict(&self, ahead: usize) -> Option<Duration> {
+        self.lock()
+            .map(|per| Duration::from_secs_f64(per * (ahead + 1) as f64))
     }
 }
 
@@ -416,6 +444,27 @@ impl Dispatcher {
         }
     }
 
+    /// Puts the request in the router's queue. A request not yet started whose deadline the
+    /// predicted wait would outlast is refused instead, at once (RESOURCE_EXHAUSTED, with that
+    /// wait as its retry pushback); a failover is never refused, its stream has begun.
+    fn enqueue(&self, progress: &Progress, deadline: TokioInstant) -> Result<Queued, Failure> {
+        let ahead = self.metrics.queued.get().max(0) as usize;
+        let left = deadline.saturating_duration_since(TokioInstant::now());
+        if progress.attempts == 1
+            && let Some(wait) = self.pace.predict(ahead)
+            && wait > left
+        {
+            self.metrics.refused("deadline");
+            return Err(Error::QueueTooLong { ahead, wait, left }.into());
+        }
+        self.metrics.queued.inc();
+        Ok(Queued {
+            gauge: self.metrics.queued.clone(),
+            ahead,
+            since: Instant::now(),
+        })
+    }
+
     /// The decode stream's next message. Silence longer than `gap` fails the attempt only when
     /// the node has also stopped serving (its health watch ended or reports NOT_SERVING): a busy
     /// node is slow, not dead, and its streams wait for it up to the request's deadline. A node
@@ -453,11 +502,14 @@ impl Dispatcher {
     }
 
     /// Waits in the router's queue until a decode replica this request may use has room
-    /// ([`crate::replicas::Replica::has_room`]), then chooses replicas and has the decode node
+    /// ([`crate::replicas::Replica::has_room`]), and the chosen prefill replica too when the
+    /// prompt goes to one, then chooses replicas and has the decode node
     /// admit the request. A node that refuses for capacity after all (other routers' requests,
     /// its KV blocks) sends the request back to the queue until something changes, never to
-    /// the client; the request's deadline bounds the wait. The queue itself is bounded by the
-    /// router's `max_inflight`, past which requests are refused at once.
+    /// the client; the request's deadline bounds the wait, and a request whose deadline the
+    /// queue's predicted wait would outlast is refused at once ([`Dispatcher::enqueue`]). The
+    /// queue itself is bounded by the router's `max_inflight`, past which requests are refused
+    /// at once.
     async fn admit(
         &self,
         p: &Prepared,
@@ -481,11 +533,22 @@ impl Dispatcher {
             let decodes = crate::policy::candidates(&self.replicas, Role::Decode, &ask);
             // With none up, the policy answers at once.
             if !decodes.is_empty() && !decodes.iter().any(|r| r.has_room()) {
-                queued.get_or_insert_with(|| QueuedGuard::new(&self.metrics));
+                if queued.is_none() {
+                    queued = Some(self.enqueue(progress, deadline)?);
+                }
                 change.await;
                 continue;
             }
             let choice = self.policy.choose(&self.replicas, &ask)?;
+            if choice.prefill.as_ref().is_some_and(|p| !p.fits()) {
+                // The prefill node's queue is full: wait here rather than be refused there.
+                drop(choice);
+                if queued.is_none() {
+                    queued = Some(self.enqueue(progress, deadline)?);
+                }
+                change.await;
+                continue;
+            }
             let local = choice.prefill.is_none();
             let decode = choice.decode.replica();
             tracing::debug!(
@@ -507,9 +570,8 @@ impl Dispatcher {
                 transfer_id: transfer_id.clone(),
                 prompt_token_ids: tokens.to_vec(),
                 sampling: Some(p.sampling.clone()),
-                // Silence is expected while the prefill node works through its queue.
-                kv_wait_ms: u32::try_from((self.kv_wait + 2 * choice.prefill_estimate).as_millis())
-                    .unwrap_or(u32::MAX),
+                // A prompt queued on the prefill node is not silence: its push sends keepalives.
+                kv_wait_ms: u32::try_from(self.kv_wait.as_millis()).unwrap_or(u32::MAX),
                 local_prefill: local,
                 resumed_tokens: progress.generated.len() as u32,
                 cache_salt: p.cache_salt.clone(),
@@ -520,7 +582,9 @@ impl Dispatcher {
                 Err(s) if s.code() == tonic::Code::ResourceExhausted => {
                     tracing::debug!(decode = %decode.addr, status = %s.message(), "decode node full; back to the queue");
                     drop(choice);
-                    queued.get_or_insert_with(|| QueuedGuard::new(&self.metrics));
+                    if queued.is_none() {
+                        queued = Some(self.enqueue(progress, deadline)?);
+                    }
                     self.replicas.changed().await;
                     continue;
                 }
@@ -536,7 +600,9 @@ impl Dispatcher {
                     "the decode node did not admit the request",
                 )));
             };
-            drop(queued);
+            if let Some(queued) = queued {
+                self.pace.record(&queued);
+            }
             self.metrics
                 .disagg_decisions
                 .get_or_create(&DecisionLabel {
@@ -597,7 +663,6 @@ impl Dispatcher {
             prefill_overlap,
             reason,
             prefill_idle,
-            prefill_estimate: _,
         } = choice;
         let local = prefill.is_none();
         let remaining = deadline.saturating_duration_since(TokioInstant::now());

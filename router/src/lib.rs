@@ -124,6 +124,7 @@ pub async fn run(
             kv_wait: config.kv_wait,
             token_gap: config.token_gap,
             budget: Arc::default(),
+            pace: Arc::default(),
         },
         admission: Arc::new(Semaphore::new(config.max_inflight)),
         max_inflight: config.max_inflight,

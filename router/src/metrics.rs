@@ -24,6 +24,7 @@ pub const ATTEMPTS: &str = "tandem_router_dispatch_attempts";
 pub const FAILOVERS: &str = "tandem_router_failovers";
 pub const DECODE_STALLS: &str = "tandem_router_decode_stalls";
 pub const QUEUED: &str = "tandem_router_queued_requests";
+pub const REFUSED: &str = "tandem_router_refused_requests";
 pub const PROMPT_TOKENS: &str = "tandem_router_prompt_tokens";
 pub const CACHED_PROMPT_TOKENS: &str = "tandem_router_cached_prompt_tokens";
 
@@ -42,6 +43,13 @@ const CODES: [tonic::Code; 7] = [
 pub struct StatusLabel {
     /// The final gRPC code, e.g. `Ok`, `InvalidArgument`.
     pub code: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusalLabel {
+    /// `queue_full` (`--max-inflight` reached) or `deadline` (the queue's wait would outlast
+    /// the request's deadline).
+    pub reason: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -76,6 +84,8 @@ pub struct RouterMetrics {
     pub queue: Histogram,
     /// Requests waiting in the router's queue for room on a decode replica.
     pub queued: Gauge,
+    /// Requests refused at once for want of room, by reason.
+    pub refused: Family<RefusalLabel, Counter>,
     pub requests: Family<StatusLabel, Counter>,
     pub disagg_decisions: Family<DecisionLabel, Counter>,
     /// 1 while the replica is healthy and serves the router's model.
@@ -103,6 +113,7 @@ impl RouterMetrics {
             inter_token: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
             queue: Histogram::new(exponential_buckets(0.0001, 2.0, 18)),
             queued: Gauge::default(),
+            refused: Family::default(),
             requests: Family::default(),
             disagg_decisions: Family::default(),
             replica_up: Family::default(),
@@ -119,6 +130,9 @@ impl RouterMetrics {
         // Series a dashboard queries exist before their first event.
         for hop in ["decode", "prefill"] {
             let _ = m.failovers.get_or_create(&HopLabel { hop });
+        }
+        for reason in ["queue_full", "deadline"] {
+            let _ = m.refused.get_or_create(&RefusalLabel { reason });
         }
         for code in CODES {
             let _ = m.requests.get_or_create(&StatusLabel {
@@ -140,6 +154,11 @@ impl RouterMetrics {
             QUEUED,
             "Requests waiting in the router's queue for room on a decode replica",
             m.queued.clone(),
+        );
+        registry.register(
+            REFUSED,
+            "Requests refused at once for want of room: the queue was full, or its wait would outlast the request's deadline",
+            m.refused.clone(),
         );
         registry.register(REQUESTS, "Requests by final status", m.requests.clone());
         registry.register(
@@ -247,6 +266,10 @@ impl RouterMetrics {
                 mode: mode.name(),
             });
         }
+    }
+
+    pub fn refused(&self, reason: &'static str) {
+        self.refused.get_or_create(&RefusalLabel { reason }).inc();
     }
 
     pub fn finished(&self, code: tonic::Code) {

@@ -38,7 +38,6 @@
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
 
 use tandem_proto::block_hash::BLOCK_TOKENS;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -85,11 +84,6 @@ pub struct Choice {
     /// Whether the prefill replica's queue was empty when chosen (its handoff then measures
     /// the transfer alone).
     pub prefill_idle: bool,
-    /// How long the prefill replica should take to start and finish the push: its queue and
-    /// the uncached tokens at its measured rate (zero for a local prefill). The decode node's
-    /// bound on KV silence is stretched by it, so a request queued behind long prompts is not
-    /// taken for a failure.
-    pub prefill_estimate: Duration,
 }
 
 /// Moving averages of measured handoffs, in ms.
@@ -182,10 +176,6 @@ impl Policy {
         let decode = pick(Role::Decode).ok_or(Error::NoReplica { role: "decode" })?;
         let prefill = pick(Role::Prefill).ok_or(Error::NoReplica { role: "prefill" })?;
         Ok(Choice {
-            prefill_estimate: Duration::from_secs_f64(
-                (prefill.queued_tokens() + ask.tokens as u64) as f64
-                    / prefill.prefill_rate_or(DEFAULT_RATE),
-            ),
             prefill_idle: prefill.queued_tokens() == 0,
             decode: decode.claim(0),
             prefill: Some(prefill.claim(ask.tokens as u64)),
@@ -293,7 +283,6 @@ impl Policy {
                 prefill_overlap: 0,
                 reason,
                 prefill_idle: false,
-                prefill_estimate: Duration::ZERO,
             });
         }
         let Some((r_ms, p, ph)) = remote else {
@@ -312,7 +301,6 @@ impl Policy {
             d.load()
         );
         Ok(Choice {
-            prefill_estimate: Duration::from_secs_f64((r_ms - h_remote).max(0.0) / 1e3),
             prefill_idle: p.queued_tokens() == 0,
             decode: d.claim(0),
             prefill: Some(p.claim(ask.tokens.saturating_sub(ph) as u64)),
@@ -320,48 +308,5 @@ impl Policy {
             prefill_overlap: ph,
             reason,
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The decode node's KV-silence bound is stretched by the chosen prefill replica's queue:
-    /// a second prompt behind the first is estimated to take twice as long.
-    #[tokio::test]
-    async fn the_prefill_estimate_counts_the_queue() {
-        let replicas = Arc::new(Replicas::new(
-            usize::MAX,
-            tokio_util::sync::CancellationToken::new(),
-        ));
-        for (role, addr) in [
-            (Role::Prefill, "127.0.0.1:1"),
-            (Role::Decode, "127.0.0.1:2"),
-        ] {
-            replicas.add(role, addr, addr).expect("add");
-        }
-        for (i, r) in replicas.all().iter().enumerate() {
-            r.set_healthy(true);
-            r.index
-                .apply_snapshot(tandem_proto::v1::CacheSnapshotResponse {
-                    epoch: 1 + i as u64,
-                    seq: 0,
-                    hashes: Vec::new(),
-                });
-        }
-        let policy = Policy::new(PolicyKind::Affinity);
-        let ask = Ask {
-            tokens: 1000,
-            hashes: &[],
-            session_id: "s",
-            exclude: &[],
-        };
-        let first = policy.choose(&replicas, &ask).expect("first");
-        assert!(first.prefill.is_some(), "{}", first.reason);
-        let alone = Duration::from_secs_f64(1000.0 / DEFAULT_RATE);
-        assert_eq!(first.prefill_estimate, alone);
-        let second = policy.choose(&replicas, &ask).expect("second");
-        assert_eq!(second.prefill_estimate, 2 * alone);
     }
 }

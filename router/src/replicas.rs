@@ -185,6 +185,13 @@ impl InflightGuard {
     pub fn replica(&self) -> &Arc<Replica> {
         &self.replica
     }
+
+    /// Whether the replica had room for this request ([`Replica::has_room`] before it was
+    /// counted).
+    pub fn fits(&self) -> bool {
+        let capacity = self.replica.capacity();
+        capacity == 0 || self.replica.inflight.load(Ordering::Relaxed) <= capacity
+    }
 }
 
 impl Drop for InflightGuard {

@@ -124,13 +124,12 @@ impl GenerationService {
             .cloned()
             .ok_or(Error::NotReady)?;
         // The admission permit bounds the tokenizations running at once as well.
-        let permit = self
-            .admission
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| Error::Busy {
+        let permit = self.admission.clone().try_acquire_owned().map_err(|_| {
+            self.dispatcher.metrics.refused("queue_full");
+            Error::Busy {
                 inflight: self.max_inflight,
-            })?;
+            }
+        })?;
         let (limits, tenant) = (self.limits.clone(), principal.tenant.clone());
         let prepared = tokio::task::spawn_blocking(move || {
             prepare(&front, r, &limits, default_max_tokens, &tenant)

@@ -4,6 +4,8 @@
 //! receiver (HTTP/2 flow control) blocks the producer instead of growing its memory. The producer
 //! may be async ([`KvPush::send`]) or a compute thread ([`KvPush::blocking_send`]).
 
+use std::time::Duration;
+
 use tandem_proto::v1 as pb;
 use tandem_proto::v1::push_frame::Frame;
 use tokio::sync::mpsc;
@@ -16,6 +18,10 @@ use crate::format::{Chunk, Header, digest_append};
 
 /// Frames buffered between the producer and the gRPC stream.
 pub const PUSH_BUFFER_FRAMES: usize = 8;
+
+/// How often a [`Heartbeat`] tells the receiver the push is still coming, by default. A
+/// receiver's bound on silence must be longer.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(1);
 
 /// One transfer in progress.
 #[derive(Debug)]
@@ -100,6 +106,14 @@ impl KvPush {
         })?
     }
 
+    /// A heartbeat for this push, for the time its KV is not flowing yet (the prompt waits in
+    /// a queue) or between chunks.
+    pub fn heartbeat(&self) -> Heartbeat {
+        Heartbeat {
+            tx: self.tx.clone(),
+        }
+    }
+
     /// Tells the receiver why the transfer stops, and ends it, from a thread outside the async
     /// runtime. The push task finishes on its own once the receiver has answered.
     pub fn blocking_abort(self, reason: String) {
@@ -107,6 +121,33 @@ impl KvPush {
             frame: Some(Frame::Abort(pb::KvAbort { reason })),
         };
         let _ = self.tx.blocking_send(frame);
+    }
+}
+
+/// Sends a keepalive frame at a steady interval ([`KEEPALIVE_INTERVAL`] by default), so that the receiver, which bounds the
+/// silence of a push to find a dead sender, waits on a live one whose prompt is queued. It holds
+/// the push open: drop it before [`KvPush::finish`].
+#[derive(Debug)]
+pub struct Heartbeat {
+    tx: mpsc::Sender<pb::PushFrame>,
+}
+
+impl Heartbeat {
+    /// Beats until dropped; never returns. A push that ended makes it beat no more (the push's
+    /// own result says why).
+    pub async fn run(self, every: Duration) -> std::convert::Infallible {
+        let mut ticks = tokio::time::interval(every);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        ticks.tick().await;
+        loop {
+            ticks.tick().await;
+            let frame = pb::PushFrame {
+                frame: Some(Frame::Keepalive(pb::KvKeepalive {})),
+            };
+            if self.tx.send(frame).await.is_err() {
+                return std::future::pending().await;
+            }
+        }
     }
 }
 

@@ -12,7 +12,7 @@ pub mod metrics;
 pub mod reservation;
 pub mod service;
 
-pub use client::KvPush;
+pub use client::{Heartbeat, KvPush};
 pub use error::{Error, Result};
 pub use format::{Chunk, Expectation, Header, KvDtype, KvKind, ReceivedKv, WireLayout};
 pub use metrics::TransferMetrics;

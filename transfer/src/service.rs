@@ -76,6 +76,10 @@ impl KvTransferService {
                         asm.chunk(&c)?;
                         progress.send_replace(asm.bytes_received());
                     }
+                    // No bytes, but news: the waiter's silence bound starts again.
+                    Frame::Keepalive(_) => {
+                        progress.send_replace(asm.bytes_received());
+                    }
                     Frame::Trailer(t) => {
                         let bytes = asm.bytes_received();
                         return asm.finish(&t).map(|kv| (kv, bytes));

@@ -139,7 +139,15 @@ pub(crate) struct Level {
     /// The share of requests sent that met both SLOs.
     pub goodput_share: f64,
     pub tandem: Option<TandemTimings>,
+    /// How long the failed requests took to fail, in ms: a refusal for want of room should
+    /// come at once.
+    #[serde(default)]
+    pub failed_ms: Dist,
     pub samples: Samples,
+    /// Each request's completion text, in request order (`None`: it failed). Greedy decoding
+    /// makes them comparable between runs of the same seed: an exact server answers the same.
+    #[serde(default)]
+    pub texts: Vec<Option<String>>,
 }
 
 /// A `bench serve` run.
@@ -262,12 +270,14 @@ async fn level(endpoint: &Endpoint, args: &ServeArgs, seed: u64, n: usize, load:
     };
     let progress = progress_bar(args.requests as u64, &format!("{mode} {value}"));
     let started = Instant::now();
-    let outcomes: Vec<Result<Reply, String>> = match load {
+    let mut outcomes: Vec<(usize, Outcome)> = match load {
         Load::Concurrency(c) => closed_loop(endpoint, args, seed, n, c, &progress).await,
         Load::Rate(r) => open_loop(endpoint, args, seed, n, r, &progress).await,
     };
     let duration_s = started.elapsed().as_secs_f64();
     progress.finish_and_clear();
+    outcomes.sort_by_key(|(i, _)| *i);
+    let outcomes: Vec<Outcome> = outcomes.into_iter().map(|(_, o)| o).collect();
     let level = summarize(args, mode, value, &outcomes, duration_s);
     eprintln!(
         "{mode} {value}: {} of {} completed in {duration_s:.1} s",
@@ -276,13 +286,16 @@ async fn level(endpoint: &Endpoint, args: &ServeArgs, seed: u64, n: usize, load:
     level
 }
 
-/// Sends one request and ticks the progress bar; a failure is kept as its status code.
-async fn send(
-    endpoint: &Endpoint,
-    ask: &Ask,
-    progress: &indicatif::ProgressBar,
-) -> Result<Reply, String> {
-    let reply = endpoint.generate(ask).await.map_err(|f| f.code);
+/// A request's outcome: its reply, or its status code and how long it took to fail (ms).
+type Outcome = Result<Reply, (String, f64)>;
+
+/// Sends one request and ticks the progress bar.
+async fn send(endpoint: &Endpoint, ask: &Ask, progress: &indicatif::ProgressBar) -> Outcome {
+    let sent = Instant::now();
+    let reply = endpoint
+        .generate(ask)
+        .await
+        .map_err(|f| (f.code, sent.elapsed().as_secs_f64() * 1e3));
     progress.inc(1);
     reply
 }
@@ -295,7 +308,7 @@ async fn closed_loop(
     n: usize,
     clients: usize,
     progress: &indicatif::ProgressBar,
-) -> Vec<Result<Reply, String>> {
+) -> Vec<(usize, Outcome)> {
     let next = std::sync::atomic::AtomicUsize::new(0);
     let client = || async {
         let mut out = Vec::new();
@@ -304,7 +317,7 @@ async fn closed_loop(
             if i >= args.requests {
                 return out;
             }
-            out.push(send(endpoint, &ask(args, seed, n, i), progress).await);
+            out.push((i, send(endpoint, &ask(args, seed, n, i), progress).await));
         }
     };
     futures::future::join_all((0..clients).map(|_| client()))
@@ -323,7 +336,7 @@ async fn open_loop(
     n: usize,
     rate: f64,
     progress: &indicatif::ProgressBar,
-) -> Vec<Result<Reply, String>> {
+) -> Vec<(usize, Outcome)> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ n as u64);
     let slots = &Semaphore::new(args.max_inflight);
     let start = tokio::time::Instant::now();
@@ -338,7 +351,7 @@ async fn open_loop(
         tasks.push(async move {
             tokio::time::sleep_until(start + at).await;
             let _slot = slots.acquire().await;
-            send(endpoint, &ask, progress).await
+            (i, send(endpoint, &ask, progress).await)
         });
     }
     futures::StreamExt::collect(tasks).await
@@ -348,10 +361,11 @@ fn summarize(
     args: &ServeArgs,
     mode: &str,
     value: f64,
-    outcomes: &[Result<Reply, String>],
+    outcomes: &[Outcome],
     duration_s: f64,
 ) -> Level {
     let mut failed = BTreeMap::new();
+    let mut failed_ms = Vec::new();
     let mut samples = Samples::default();
     let (mut e2e, mut prompt, mut completion) = (Vec::new(), Vec::new(), Vec::new());
     let (mut queue, mut prefill, mut transfer, mut waited) =
@@ -362,8 +376,9 @@ fn summarize(
     for o in outcomes {
         let r = match o {
             Ok(r) => r,
-            Err(code) => {
+            Err((code, ms)) => {
                 *failed.entry(code.clone()).or_insert(0) += 1;
+                failed_ms.push(*ms);
                 continue;
             }
         };
@@ -414,7 +429,12 @@ fn summarize(
             transfer_ms: median(transfer),
             wait_and_transfer_ms: median(waited),
         }),
+        failed_ms: Dist::of(&failed_ms),
         samples,
+        texts: outcomes
+            .iter()
+            .map(|o| o.as_ref().ok().map(|r| r.text.clone()))
+            .collect(),
     }
 }
 
