@@ -87,27 +87,7 @@ async fn a_full_decode_node_queues_in_the_router_and_past_the_queue_refuses_at_o
     })
     .await
     .expect("cluster");
-    // Four long generations take the node's places: one decodes, three wait for the slot.
-    let mut long = Vec::new();
-    for _ in 0..4 {
-        let mut frames = cluster
-            .client()
-            .generate(long_request())
-            .await
-            .expect("call")
-            .into_inner();
-        frames.message().await.expect("frame").expect("admitted");
-        long.push(frames);
-    }
-    let started = Instant::now();
-    loop {
-        let load = cluster.decode_load(0).await.expect("load");
-        if (load.active, load.queued, load.capacity) == (1, 3, 4) {
-            break;
-        }
-        assert!(started.elapsed() < Duration::from_secs(5), "{load:?}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let long = fill(&cluster).await;
 
     // Two more wait in the router's queue instead of being refused ...
     let short = |k: u32| greedy(vec![1000 + k, 1001, 1002], 4);
@@ -147,7 +127,9 @@ async fn a_full_decode_node_queues_in_the_router_and_past_the_queue_refuses_at_o
         "{status:?}"
     );
 
-    // Places free up: the queued requests are served, exactly as they would be alone.
+    // Places free up, after the queued requests waited half a second at least: they are
+    // served, exactly as they would be alone.
+    tokio::time::sleep(Duration::from_millis(500)).await;
     drop(long);
     for (k, q) in queued.into_iter().enumerate() {
         let out = q.await.expect("task").expect("served after queueing");
@@ -156,8 +138,64 @@ async fn a_full_decode_node_queues_in_the_router_and_past_the_queue_refuses_at_o
             .expect("alone");
         assert_eq!(out.token_ids, alone.token_ids);
     }
+
+    // With the node full again, the queue predicts a wait of a quarter second at least (half a
+    // second behind one request): a request with a deadline 100 ms away is refused at once,
+    // not left to time out in the queue.
+    until_idle(&cluster).await;
+    let long = fill(&cluster).await;
+    let mut hurried = tonic::Request::new(short(7));
+    hurried.set_timeout(Duration::from_millis(100));
+    let started = Instant::now();
+    let status = collect(&mut cluster.client(), hurried)
+        .await
+        .expect_err("a deadline the queue cannot meet");
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(status.message().contains("deadline"), "{status:?}");
+    assert!(
+        started.elapsed() < Duration::from_millis(100),
+        "{:?}",
+        started.elapsed()
+    );
+    let text = metrics(router).await.expect("metrics");
+    for (reason, count) in [("queue_full", 1.0), ("deadline", 1.0)] {
+        assert_eq!(
+            sample(
+                &text,
+                &format!("tandem_router_refused_requests_total{{reason=\"{reason}\"}}")
+            ),
+            Some(count),
+            "{text}"
+        );
+    }
+    drop(long);
     until_idle(&cluster).await;
     cluster.stop().await.expect("clean stop");
+}
+
+/// Four long generations take a one-slot decode node's places: one decodes, three wait for the
+/// slot. Dropping the streams ends them.
+async fn fill(cluster: &Cluster) -> Vec<tonic::Streaming<pb::GenerateResponse>> {
+    let mut long = Vec::new();
+    for _ in 0..4 {
+        let mut frames = cluster
+            .client()
+            .generate(long_request())
+            .await
+            .expect("call")
+            .into_inner();
+        frames.message().await.expect("frame").expect("admitted");
+        long.push(frames);
+    }
+    let started = Instant::now();
+    loop {
+        let load = cluster.decode_load(0).await.expect("load");
+        if (load.active, load.queued, load.capacity) == (1, 3, 4) {
+            return long;
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "{load:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
