@@ -6,7 +6,7 @@
 #      refused, at once;
 #   2. a 1P2D cluster (nodes started one by one, so that one can die) whose first decode node is
 #      SIGKILLed halfway through the arrivals: its streams must resume on the other exactly;
-#   3. llama-server (both cores, 16 slots), unless NO_LLAMA=1.
+#   3. llama-server (both cores, 16 slots of 4,096 tokens, the longest prompt's room).
 # Greedy decoding makes the runs comparable request by request: every completion of every run
 # must equal the first run's for the same prompt (an exact server answers the same whatever the
 # batching, routing and failovers).
@@ -14,7 +14,9 @@
 # Usage: scripts/bench-overload.sh [RATE] [REQUESTS]   (default 1.35 requests/s, 243 requests:
 #   3 minutes at 1.5 times the 0.9 requests/s 1P1D serves on a 2-core machine)
 # Env: TANDEM (the binary, default target/release/tandem), SEED (default 1), LLAMA_SERVER
-#   (default the one ../shared/tools/build-llamacpp.sh builds), NO_LLAMA.
+#   (default the one ../shared/tools/build-llamacpp.sh builds), RUNS (default
+#   "affinity round-robin 1p2d-kill llama-server": a subset reruns those alone, and the
+#   exactness check then compares with the last affinity run of the same load).
 # Load: `tandem bench serve --rate RATE --burstiness 0.25 --prompt-words 230 --prompt-sigma 1
 #   --max-tokens 64 --max-inflight 1024`.
 # Results: target/bench-overload/<run>.json, a line per run on stdout (completed, failures by
@@ -41,7 +43,7 @@ report() { # report NAME: one line from target/bench-overload/NAME.json
 import json, sys
 l = json.load(open(sys.argv[1]))["levels"][0]
 failed = sum(l["failed"].values())
-fast = f', failures came after p50/p99 {l["failed_ms"]["p50"]:.0f}/{l["failed_ms"]["p99"]:.0f} ms' if failed else ''
+fast = f', failures came after p50/p99 {l["failed_ms"]["p50"]:.0f}/{l["failed_ms"]["p99"]:.0f} ms ({l.get("failed_example")})' if failed else ''
 print(f'{sys.argv[2]}: {l["completed"]}/{l["requests"]} completed, failed {l["failed"]}{fast}, '
       f'{l["request_throughput"]:.2f} req/s served of {l["value"]} offered, '
       f'TTFT p50/p99 {l["ttft_ms"]["p50"]:.0f}/{l["ttft_ms"]["p99"]:.0f} ms, '
@@ -50,14 +52,15 @@ print(f'{sys.argv[2]}: {l["completed"]}/{l["requests"]} completed, failed {l["fa
 PY
 }
 
-runs=()
+todo=${RUNS:-affinity round-robin 1p2d-kill llama-server}
+wants() { [[ " $todo " == *" $1 "* ]]; }
 for policy in affinity round-robin; do
+  wants "$policy" || continue
   up "$out/up-$policy.log" --prefill 1 --decode 1 --policy "$policy"
   "$tandem" bench serve --server "$up_addr" "${load[@]}" --label "tandem-$policy" \
     --out "$out/$policy.json" >"$out/$policy.txt"
   down
   report "$policy"
-  runs+=("$policy")
 done
 
 # node LOG ROLE [FLAG...]: starts one node on a free port; sets $node_pid and $node_addr.
@@ -71,6 +74,7 @@ node() {
   node_addr=$(grep -m1 "^listening on " "$log" | awk '{print $NF}')
   [ -n "$node_addr" ] || { echo "$* did not start; see $log" >&2; return 1; }
 }
+if wants 1p2d-kill; then
 worker=(--model default --threads 1)
 node "$out/kill-prefill.log" prefill "${worker[@]}"
 p=$node_addr
@@ -91,15 +95,15 @@ half=$(python3 -c "print($requests / $rate / 2)")
   --out "$out/1p2d-kill.json" >"$out/1p2d-kill.txt"
 grep -c "attempt failed; resuming" "$out/kill-router.log" | sed 's/^/failovers in the router log: /'
 report 1p2d-kill
-runs+=(1p2d-kill)
 cleanup
 pids=()
+fi
 
-if [ "${NO_LLAMA:-0}" != 1 ]; then
+if wants llama-server; then
   llama=${LLAMA_SERVER:-$HOME/.cache/tandem-peer/build/bin/llama-server}
   gguf=${GGUF:-${TANDEM_MODEL_DIR:-$HOME/.cache/tandem/models}/SmolLM2-135M-Instruct.Q4_1.gguf}
   [ -x "$llama" ] || { echo "no llama-server at $llama (run ../shared/tools/build-llamacpp.sh)" >&2; exit 1; }
-  "$llama" -m "$gguf" -t 2 --parallel 16 -c 16384 --port 8093 >"$out/llama-server.log" 2>&1 &
+  "$llama" -m "$gguf" -t 2 --parallel 16 -c 65536 --port 8093 >"$out/llama-server.log" 2>&1 &
   pids+=($!)
   for _ in $(seq 600); do curl -sf 127.0.0.1:8093/health >/dev/null && break; sleep 0.1; done
   "$tandem" bench serve --openai http://127.0.0.1:8093/v1 "${load[@]}" --label llama-server \
@@ -107,10 +111,10 @@ if [ "${NO_LLAMA:-0}" != 1 ]; then
   report llama-server
 fi
 
-# Exactness: Tandem's runs against the first, request by request.
-python3 - "$out" "${runs[@]}" <<'PY'
-import json, sys
-out, runs = sys.argv[1], sys.argv[2:]
+# Exactness: Tandem's runs against the affinity run, request by request.
+python3 - "$out" affinity round-robin 1p2d-kill <<'PY'
+import json, os, sys
+out, runs = sys.argv[1], [r for r in sys.argv[2:] if os.path.exists(f"{sys.argv[1]}/{r}.json")]
 texts = {r: json.load(open(f"{out}/{r}.json"))["levels"][0]["texts"] for r in runs}
 ref = texts[runs[0]]
 for r in runs[1:]:

@@ -1,9 +1,11 @@
 //! The continuous-batching scheduler: one thread owns the engine and runs one batched decode step
 //! after another. New sequences join and finished or cancelled ones leave between steps; it never
 //! waits on a remote prefill, because a sequence only joins once its KV has arrived and been
-//! verified. An uncached suffix may instead be prefilled here (conditional disaggregation): one
-//! chunk per round, between the batch's steps, each sized to about 0.8 of a step, so running
-//! streams keep their pace (their gaps grow by about that share) while a prompt is computed.
+//! verified. An uncached suffix may instead be prefilled here (conditional disaggregation): a
+//! chunk per step, computed in the step's own forward pass (the weights are read once for
+//! both), each sized so that it adds about 0.6 of a plain step's time, so running streams keep
+//! their pace (their gaps grow by less than that share) while a prompt is computed. With
+//! nothing decoding, a prompt goes an engine chunk at a time.
 //!
 //! At most `max_slots` sequences decode at once. A sequence takes its batch slot only once it
 //! holds its whole prompt's KV (pushed or computed here): one that is ready while every slot is
@@ -30,7 +32,7 @@ use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use tandem_engine::{Decoding, Emission, Engine, KvExport, SeqId, Stream};
+use tandem_engine::{Decoding, Emission, Engine, KvExport, PromptChunk, SeqId, Stream};
 use tandem_worker::{CacheHub, Throughput};
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
@@ -99,20 +101,26 @@ struct Prefilling {
     joining: Joining,
     /// Prompt tokens the sequence holds so far.
     done: usize,
-    /// Tokens computed here, and the time their chunks took (steps between them excluded).
+    /// Tokens computed here, and the time of the passes that computed them (with the steps
+    /// they rode on): the node's local prefill speed, as a request sees it.
     computed: usize,
     compute_secs: f64,
-    /// Seconds per token of the last chunk: what the next one costs, at about this context
-    /// (attention makes a token dearer the longer its prompt so far).
+    /// What a token of the last chunk added to its step: what the next one costs, at about this
+    /// context (attention makes a token dearer the longer its prompt so far).
     secs_per_token: Option<f64>,
+    /// The last chunk's size: the next is at most twice it.
+    last_chunk: usize,
     started: Instant,
 }
 
-/// The fewest prompt tokens a round computes while sequences decode.
-const MIN_CHUNK_TOKENS: usize = 4;
-/// A round's prefill chunk, while sequences decode, takes about this share of a step's time,
-/// so their inter-token gaps grow by less than that share while a prompt is prefilled here.
-const CHUNK_SHARE_OF_STEP: f64 = 0.8;
+/// The fewest prompt tokens a step computes while sequences decode.
+const MIN_CHUNK_TOKENS: usize = 1;
+/// A step's prompt chunk adds about this share of a plain step's time, so that the batch's
+/// inter-token gaps grow by less than that share while a prompt is prefilled here.
+const CHUNK_SHARE_OF_STEP: f64 = 0.6;
+/// One step in this many goes without a chunk, to measure what a plain step costs now (the
+/// batch's contexts grow as it decodes).
+const PLAIN_STEP_EVERY: u32 = 8;
 
 struct Active {
     decoding: Decoding,
@@ -184,8 +192,10 @@ struct Scheduler {
     /// Ready sequences waiting for a batch slot, oldest first.
     waiting: VecDeque<(Ticket, Active)>,
     max_slots: usize,
-    /// How long the last batch step took.
-    last_step_secs: f64,
+    /// How long the last step without a prompt chunk took.
+    plain_step_secs: f64,
+    /// Steps with a chunk since the last one without.
+    fused_steps: u32,
 }
 
 impl Scheduler {
@@ -198,7 +208,8 @@ impl Scheduler {
             active: HashMap::new(),
             waiting: VecDeque::new(),
             max_slots,
-            last_step_secs: 0.0,
+            plain_step_secs: 0.0,
+            fused_steps: 0,
         };
         s.publish();
         s
@@ -219,13 +230,14 @@ impl Scheduler {
                     Err(mpsc::TryRecvError::Disconnected) => return,
                 }
             }
-            self.prefill_chunk();
             while self.active.len() < self.max_slots
                 && let Some((ticket, a)) = self.waiting.pop_front()
             {
                 self.active.insert(ticket, a);
             }
-            if !self.active.is_empty() {
+            if self.active.is_empty() {
+                self.prefill_alone();
+            } else {
                 self.step();
             }
             self.publish();
@@ -305,6 +317,7 @@ impl Scheduler {
                     computed: 0,
                     compute_secs: 0.0,
                     secs_per_token: None,
+                    last_chunk: MIN_CHUNK_TOKENS,
                     started: Instant::now(),
                 }),
                 Err(e) => self.fail(seq, &joining.events, e),
@@ -338,53 +351,50 @@ impl Scheduler {
         }
     }
 
-    /// How many prompt tokens this round computes of `p`: while sequences decode, what fits in
-    /// [`CHUNK_SHARE_OF_STEP`] of a step at the cost per token of `p`'s last chunk (before
-    /// its first, the node's measured prefill rate), at least [`MIN_CHUNK_TOKENS`]; with none
-    /// decoding, an engine chunk.
+    /// How many prompt tokens the next step computes of `p`: what adds
+    /// [`CHUNK_SHARE_OF_STEP`] of a plain step at what a token of `p`'s last chunk added (before
+    /// its first, [`MIN_CHUNK_TOKENS`]), at most twice the last chunk and an engine chunk.
     fn chunk_tokens(&self, p: &Prefilling) -> usize {
         let most = self.engine.prefill_chunk_tokens();
-        if self.active.is_empty() {
-            return most;
-        }
-        let rate = self.shared.throughput.get();
-        let secs_per_token = match p.secs_per_token {
-            Some(s) => s,
-            None if rate > 0.0 => 1.0 / rate,
-            None => return MIN_CHUNK_TOKENS.min(most),
+        let Some(secs_per_token) = p.secs_per_token else {
+            return MIN_CHUNK_TOKENS.min(most);
         };
-        let budget = self.last_step_secs * CHUNK_SHARE_OF_STEP;
-        ((budget / secs_per_token) as usize).clamp(MIN_CHUNK_TOKENS.min(most), most)
+        let budget = self.plain_step_secs * CHUNK_SHARE_OF_STEP;
+        let fits = (budget / secs_per_token.max(1e-9)) as usize;
+        fits.min(2 * p.last_chunk)
+            .clamp(MIN_CHUNK_TOKENS.min(most), most)
     }
 
-    /// Computes the next chunk of the oldest prompt being prefilled here. The last chunk's
-    /// logits give the first token, sampled exactly as a prefill node would, and the sequence
-    /// joins the batch.
-    fn prefill_chunk(&mut self) {
-        let Some(tokens) = self.prefilling.front().map(|p| self.chunk_tokens(p)) else {
-            return;
-        };
+    /// With nothing decoding, computes the next engine chunk of the oldest prompt being
+    /// prefilled here.
+    fn prefill_alone(&mut self) {
+        let most = self.engine.prefill_chunk_tokens();
         let Some(p) = self.prefilling.front_mut() else {
             return;
         };
-        let prompt = &p.joining.prompt;
-        let end = (p.done + tokens).min(prompt.len());
+        let end = (p.done + most).min(p.joining.prompt.len());
         let started = Instant::now();
-        let result = self.engine.prefill(p.seq, &prompt[p.done..end]);
+        let result = self.engine.prefill(p.seq, &p.joining.prompt[p.done..end]);
         let secs = started.elapsed().as_secs_f64();
         p.compute_secs += secs;
-        p.secs_per_token = Some(secs / (end - p.done) as f64);
         p.computed += end - p.done;
         p.done = end;
-        if result.is_ok() && end < prompt.len() {
-            return;
+        match result {
+            Ok(_) if end < p.joining.prompt.len() => {}
+            Ok(logits) => self.prefilled(logits),
+            Err(e) => {
+                if let Some(p) = self.prefilling.pop_front() {
+                    self.fail(p.seq, &p.joining.events, e);
+                }
+            }
         }
+    }
+
+    /// The front prompt is computed: the last chunk's logits give the first token, sampled
+    /// exactly as a prefill node would, and the sequence joins the batch.
+    fn prefilled(&mut self, logits: Vec<f32>) {
         let Some(p) = self.prefilling.pop_front() else {
             return;
-        };
-        let logits = match result {
-            Ok(logits) => logits,
-            Err(e) => return self.fail(p.seq, &p.joining.events, e),
         };
         self.shared.throughput.record(p.computed, p.compute_secs);
         self.shared
@@ -431,18 +441,52 @@ impl Scheduler {
         self.shared.hub.publish(self.engine.take_cache_events());
     }
 
+    /// One batch step, with the next chunk of the oldest prompt being prefilled here in the
+    /// same pass (but for one step in [`PLAIN_STEP_EVERY`], which measures a plain step).
     fn step(&mut self) {
         let mut active: Vec<(Ticket, Active)> = self.active.drain().collect();
         let mut batch: Vec<&mut Decoding> =
             active.iter_mut().map(|(_, a)| &mut a.decoding).collect();
+        let plain = self.fused_steps + 1 >= PLAIN_STEP_EVERY || self.plain_step_secs == 0.0;
+        let chunk = match self.prefilling.front() {
+            Some(p) if !plain => {
+                let end = (p.done + self.chunk_tokens(p)).min(p.joining.prompt.len());
+                Some(p.done..end)
+            }
+            _ => None,
+        };
+        let piggyback = chunk
+            .clone()
+            .zip(self.prefilling.front())
+            .map(|(c, p)| PromptChunk {
+                seq: p.seq,
+                last: c.end == p.joining.prompt.len(),
+                tokens: &p.joining.prompt[c],
+            });
         let started = Instant::now();
-        let result = self.engine.decode_step(&mut batch);
-        self.last_step_secs = started.elapsed().as_secs_f64();
+        let result = self.engine.decode_step_with(&mut batch, piggyback);
+        let secs = started.elapsed().as_secs_f64();
         let m = &self.shared.metrics;
         m.steps.inc();
-        m.step_seconds.observe(self.last_step_secs);
+        m.step_seconds.observe(secs);
+        match (&chunk, self.prefilling.front_mut()) {
+            (Some(c), Some(p)) => {
+                self.fused_steps += 1;
+                let tokens = c.len();
+                // What the chunk added to a plain step.
+                p.secs_per_token = Some((secs - self.plain_step_secs).max(0.0) / tokens as f64);
+                p.last_chunk = tokens;
+                p.compute_secs += secs;
+                p.computed += tokens;
+                p.done = c.end;
+            }
+            _ => {
+                self.fused_steps = 0;
+                self.plain_step_secs = secs;
+            }
+        }
         match result {
-            Ok(step) => {
+            Ok((step, logits)) => {
                 m.draft_tokens.inc_by(step.drafted as u64);
                 m.accepted_draft_tokens.inc_by(step.accepted as u64);
                 for ((ticket, mut a), emissions) in active.into_iter().zip(step.emissions) {
@@ -452,6 +496,9 @@ impl Scheduler {
                         let _ = self.engine.free(a.decoding.seq);
                     }
                 }
+                if let Some(logits) = logits {
+                    self.prefilled(logits);
+                }
             }
             Err(e) => {
                 tracing::error!(error = %e, "decode step failed; failing the batch");
@@ -459,6 +506,13 @@ impl Scheduler {
                 for (_, a) in active {
                     let _ = self.engine.free(a.decoding.seq);
                     let _ = a.events.try_send(Event::Failed(e.clone()));
+                }
+                // The prompt computed in the same pass fails with it.
+                if chunk.is_some()
+                    && let Some(p) = self.prefilling.pop_front()
+                {
+                    let _ = self.engine.free(p.seq);
+                    let _ = p.joining.events.try_send(Event::Failed(e));
                 }
             }
         }

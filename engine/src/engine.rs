@@ -79,6 +79,14 @@ impl Default for EngineConfig {
     }
 }
 
+/// Which positions of a run appended in a forward pass give logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Want {
+    All,
+    Last,
+    None,
+}
+
 /// A sequence's handle inside one engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SeqId(pub u32);
@@ -287,7 +295,7 @@ impl Engine {
     }
 
     /// Grows `seq`'s block table to hold `len` tokens.
-    fn reserve(&mut self, seq: SeqId, len: usize) -> Result<()> {
+    pub(crate) fn reserve(&mut self, seq: SeqId, len: usize) -> Result<()> {
         if len > self.model.config.context_len {
             return Err(Error::InvalidArgument {
                 field: "tokens",
@@ -377,8 +385,18 @@ impl Engine {
     /// Appends each `(seq, tokens)` of the batch in one forward pass, returning the logits of
     /// every appended position, in order. A position's logits are those a step would give.
     pub fn extend(&mut self, batch: &[(SeqId, &[u32])]) -> Result<Logits> {
+        let runs: Vec<(SeqId, &[u32], Want)> = batch
+            .iter()
+            .map(|&(seq, tokens)| (seq, tokens, Want::All))
+            .collect();
+        self.append(&runs)
+    }
+
+    /// Appends each `(seq, tokens, want)` of the batch in one forward pass, returning the
+    /// logits `want` asks for, in order.
+    pub(crate) fn append(&mut self, batch: &[(SeqId, &[u32], Want)]) -> Result<Logits> {
         let mut seen = std::collections::HashSet::new();
-        for (seq, tokens) in batch {
+        for (seq, tokens, _) in batch {
             if !seen.insert(*seq) {
                 return Err(Error::InvalidArgument {
                     field: "batch",
@@ -397,13 +415,18 @@ impl Engine {
         }
         let rows: Vec<Row<'_>> = batch
             .iter()
-            .flat_map(|(seq, tokens)| {
+            .flat_map(|(seq, tokens, want)| {
                 let s = &self.seqs[seq];
+                let last = tokens.len() - 1;
                 tokens.iter().enumerate().map(move |(i, &token)| Row {
                     blocks: &s.blocks,
                     pos: s.len + i,
                     token,
-                    want_logits: true,
+                    want_logits: match want {
+                        Want::All => true,
+                        Want::Last => i == last,
+                        Want::None => false,
+                    },
                 })
             })
             .collect();
@@ -411,7 +434,7 @@ impl Engine {
         let out = self
             .threads
             .install(|| model::forward(&model.config, &model.weights, pool, &rows));
-        for (seq, tokens) in batch {
+        for (seq, tokens, _) in batch {
             if let Some(s) = self.seqs.get_mut(seq) {
                 s.len += tokens.len();
             }

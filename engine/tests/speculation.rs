@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use tandem_engine::{
-    ChatMessage, Engine, EngineConfig, GenerateOutput, GenerateParams, GenerateRequest, KvDtype,
-    Model, ModelSource, SamplingParams, SpeculateConfig,
+    ChatMessage, Decoding, Engine, EngineConfig, GenerateOutput, GenerateParams, GenerateRequest,
+    KvDtype, Model, ModelSource, PromptChunk, SamplingParams, SpeculateConfig, Stream,
 };
 
 fn real() -> Arc<Model> {
@@ -243,4 +243,102 @@ fn tiny_model_generations_are_identical_with_speculation_on() {
     for dtype in [KvDtype::F16, KvDtype::Q8] {
         on_equals_off(&model, &reqs, dtype);
     }
+}
+
+/// Decodes `prompts` greedily on `engine`, a step per chunk of `long`, and prefills `long`
+/// beside them: in chunks of `chunk` tokens inside the steps when `fused`, else by a prefill of
+/// its own before the steps. Returns each sequence's tokens, and the long prompt's last logits.
+fn decode_beside_a_prefill(
+    engine: &mut Engine,
+    prompts: &[Vec<u32>],
+    long: &[u32],
+    chunk: usize,
+    fused: bool,
+) -> (Vec<Vec<u32>>, Vec<f32>) {
+    let params = GenerateParams {
+        max_tokens: 64,
+        ..GenerateParams::default()
+    };
+    let mut decodings: Vec<Decoding> = prompts
+        .iter()
+        .map(|p| {
+            let seq = engine.new_sequence();
+            let logits = engine.prefill(seq, p).expect("prefill");
+            let stream = Stream::new(params.clone(), p);
+            let next = stream.sample(&logits, p.len());
+            Decoding::new(seq, stream, p.clone(), next)
+        })
+        .collect();
+    let seq = engine.new_sequence();
+    let mut long_logits = None;
+    if !fused {
+        long_logits = Some(engine.prefill(seq, long).expect("long prefill"));
+    }
+    let mut done = 0;
+    let mut tokens = vec![Vec::new(); prompts.len()];
+    for _ in 0..long.len().div_ceil(chunk) {
+        let mut batch: Vec<&mut Decoding> = decodings.iter_mut().collect();
+        let end = (done + chunk).min(long.len());
+        let piggyback = fused.then(|| PromptChunk {
+            seq,
+            tokens: &long[done..end],
+            last: end == long.len(),
+        });
+        let (step, logits) = engine
+            .decode_step_with(&mut batch, piggyback)
+            .expect("step");
+        if fused {
+            done = end;
+            if let Some(l) = logits {
+                long_logits = Some(l);
+            }
+        }
+        for (out, emissions) in tokens.iter_mut().zip(&step.emissions) {
+            out.extend(emissions.iter().filter_map(|e| e.token));
+        }
+    }
+    (tokens, long_logits.expect("the long prompt's logits"))
+}
+
+/// A prompt computed a chunk at a time inside decode steps (the decode node's local prefill)
+/// gives the logits a prefill of its own gives, bit for bit, and the steps' tokens are those
+/// they give without it; with speculation on, so drafts share the pass too (how many a step
+/// accepts may differ, since free blocks and step costs do: each sequence's tokens so far are
+/// a prefix of the other run's).
+#[test]
+fn a_prompt_chunked_into_decode_steps_equals_its_own_prefill() {
+    let model = real();
+    let prompts = [
+        chat(&model, "Count from one to twenty: one, two, three,"),
+        chat(
+            &model,
+            "Repeat after me: the cat sat on the mat, the cat sat on the mat,",
+        ),
+    ];
+    let long: Vec<u32> = (0..300u32).map(|i| 200 + (i * 7_919) % 40_000).collect();
+    let spec = SpeculateConfig::default();
+    let (alone_steps, alone_logits) = decode_beside_a_prefill(
+        &mut engine(&model, spec.clone()),
+        &prompts,
+        &long,
+        37,
+        false,
+    );
+    let (fused_steps, fused_logits) =
+        decode_beside_a_prefill(&mut engine(&model, spec), &prompts, &long, 37, true);
+    for (fused, alone) in fused_steps.iter().zip(&alone_steps) {
+        let n = fused.len().min(alone.len());
+        assert!(
+            n >= long.len().div_ceil(37),
+            "a step emitted nothing: {fused:?} {alone:?}"
+        );
+        assert_eq!(fused[..n], alone[..n]);
+    }
+    assert!(
+        fused_logits
+            .iter()
+            .zip(&alone_logits)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "the chunked prompt's logits differ from its own prefill's"
+    );
 }

@@ -388,6 +388,15 @@ impl Dispatcher {
             Ok(()) => tonic::Code::Ok,
             Err(e) => {
                 let code = e.code();
+                if code == tonic::Code::Unavailable || code == tonic::Code::DataLoss {
+                    // The cluster failed the request (the client's own errors are its to see).
+                    tracing::warn!(
+                        error = %e,
+                        attempts = progress.attempts,
+                        delivered = progress.generated.len(),
+                        "generation failed"
+                    );
+                }
                 log.push(Err(Status::from(e)));
                 code
             }

@@ -2,9 +2,11 @@
 //! already decoding there. It starts a decode node and a router with no prefill node in this
 //! process (so every prompt is prefilled on the decode node, as conditional disaggregation does
 //! for short suffixes), opens `--streams` greedy streams, and records when each frame arrives.
-//! Once every stream is decoding, it measures their inter-token gaps for `--alone-ms`, then sends
-//! one `--prompt-tokens` prompt and measures the gaps from its send to its first token. Each of
-//! `--runs` runs uses fresh prompts (nothing cached); the report gives each run and the medians.
+//! Once every stream has decoded for `--alone-ms`, it sends one `--prompt-tokens` prompt and
+//! takes the streams' gaps from its send to its first token. The baseline is the same streams
+//! run again without it, over the same tokens: a stream's steps grow dearer as its context does,
+//! so only the same positions compare. Each of `--runs` runs uses fresh prompts; the report
+//! gives each run and the medians.
 //!
 //! Speculation is off on the node, so every frame is one token and a gap is one step.
 
@@ -33,7 +35,7 @@ pub(crate) struct InterferenceArgs {
     /// The long prompt's length in tokens.
     #[arg(long, default_value_t = 2000)]
     prompt_tokens: usize,
-    /// How long the streams' gaps are measured alone, before the long prompt is sent, in ms.
+    /// How long the streams decode before the long prompt is sent, in ms.
     #[arg(long, default_value_t = 2000)]
     alone_ms: u64,
     /// The decode node's KV pool in MiB.
@@ -75,6 +77,7 @@ impl Gaps {
 
 #[derive(Serialize, Debug)]
 struct Run {
+    /// The same streams without the long prompt, over the same frames.
     alone: Gaps,
     during_prefill: Gaps,
     /// During over alone, at p99.
@@ -209,29 +212,82 @@ pub(crate) fn interference(args: &InterferenceArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The gaps between consecutive frames of each stream whose later frame arrived in
-/// `from..to`, in ms.
-fn gaps_in(arrivals: &[Vec<Instant>], from: Instant, to: Instant) -> Vec<f64> {
+/// The gaps before frames `from[s] + 1 ..= to[s]` of each stream `s`, in ms.
+fn gaps_in(arrivals: &[Vec<Instant>], from: &[usize], to: &[usize]) -> Vec<f64> {
     arrivals
         .iter()
-        .flat_map(|a| a.windows(2))
-        .filter(|w| w[1] >= from && w[1] < to)
-        .map(|w| (w[1] - w[0]).as_secs_f64() * 1e3)
+        .zip(from.iter().zip(to))
+        .flat_map(|(a, (&from, &to))| {
+            let to = to.min(a.len().saturating_sub(1));
+            (from.max(1)..=to).map(move |j| (a[j] - a[j - 1]).as_secs_f64() * 1e3)
+        })
         .collect()
 }
 
-/// One run: streams alone for `--alone-ms`, then with the long prompt until its first token.
+/// Frames each stream had received by `at`.
+fn frames_by(arrivals: &[Vec<Instant>], at: Instant) -> Vec<usize> {
+    arrivals
+        .iter()
+        .map(|a| a.iter().take_while(|&&t| t <= at).count())
+        .collect()
+}
+
+/// One run: the streams with the long prompt, then the same streams alone, compared over the
+/// frames that came while the long prompt was prefilled.
 async fn measure(
     client: &Client,
     args: &InterferenceArgs,
     model: &tandem_engine::Model,
     run: u32,
 ) -> anyhow::Result<Run> {
+    let long = super::ordinary_tokens(model, args.prompt_tokens, run + 1);
+    let (with, Some((sent, first))) = streams(client, args, model, run, Until::Long(long)).await?
+    else {
+        bail!("the long prompt was not sent");
+    };
+    let (from, to) = (frames_by(&with, sent), frames_by(&with, first));
+    let (alone, _) = streams(client, args, model, run, Until::Frames(to.clone())).await?;
+    let streams_live = with
+        .iter()
+        .filter(|a| {
+            a.last()
+                .is_some_and(|&t| t >= first - Duration::from_millis(500))
+        })
+        .count();
+    let alone = Gaps::of(gaps_in(&alone, &from, &to));
+    let during_prefill = Gaps::of(gaps_in(&with, &from, &to));
+    Ok(Run {
+        p99_ratio: during_prefill.p99_ms / alone.p99_ms,
+        alone,
+        during_prefill,
+        long_ttft_ms: (first - sent).as_secs_f64() * 1e3,
+        streams_live,
+    })
+}
+
+/// When a session of streams ends.
+enum Until {
+    /// After `--alone-ms`, this prompt is sent; the session ends at its first token.
+    Long(Vec<u32>),
+    /// When each stream has this many frames (or ended).
+    Frames(Vec<usize>),
+}
+
+/// Runs `--streams` streams of run `run` (the same prompts each time) until `until`; returns
+/// their frames' arrival times and, for [`Until::Long`], when the long prompt was sent and
+/// when its first token came.
+async fn streams(
+    client: &Client,
+    args: &InterferenceArgs,
+    model: &tandem_engine::Model,
+    run: u32,
+    until: Until,
+) -> anyhow::Result<(Vec<Vec<Instant>>, Option<(Instant, Instant)>)> {
     let arrivals: Arrivals = Arc::new(Mutex::new(vec![Vec::new(); args.streams]));
     let done = CancellationToken::new();
     let mut tasks = Vec::new();
     for i in 0..args.streams {
-        // Counting from a number of this run and stream: a long, cache-cold reply.
+        // Counting from a number of this run and stream: a long reply.
         let k = 1000 * (run as usize + 1) + 37 * i;
         let prompt = format!("{}, {}, {}, {}, {},", k, k + 1, k + 2, k + 3, k + 4);
         let request = pb::GenerateRequest {
@@ -263,7 +319,7 @@ async fn measure(
             }
         }));
     }
-    // Every stream decoding (a few frames in), then the window alone.
+    // Every stream decoding (a few frames in).
     let warm = Instant::now();
     loop {
         let frames: Vec<usize> = lock(&arrivals).iter().map(Vec::len).collect();
@@ -282,46 +338,45 @@ async fn measure(
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let alone_from = Instant::now();
-    tokio::time::sleep(Duration::from_millis(args.alone_ms)).await;
-    let sent = Instant::now();
-    let long = super::ordinary_tokens(model, args.prompt_tokens, run + 1);
-    let request = pb::GenerateRequest {
-        token_ids: long,
-        sampling: Some(pb::SamplingParams {
-            max_tokens: 1,
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
-    let mut long_client = client.clone();
-    let mut frames = long_client.generate(request).await?.into_inner();
-    let first = loop {
-        match frames.message().await? {
-            Some(f) if !f.token_ids.is_empty() => break Instant::now(),
-            Some(_) => {}
-            None => bail!("the long prompt's stream ended without a token"),
+    let long = match until {
+        Until::Long(long) => {
+            tokio::time::sleep(Duration::from_millis(args.alone_ms)).await;
+            let sent = Instant::now();
+            let request = pb::GenerateRequest {
+                token_ids: long,
+                sampling: Some(pb::SamplingParams {
+                    max_tokens: 1,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+            let mut long_client = client.clone();
+            let mut frames = long_client.generate(request).await?.into_inner();
+            let first = loop {
+                match frames.message().await? {
+                    Some(f) if !f.token_ids.is_empty() => break Instant::now(),
+                    Some(_) => {}
+                    None => bail!("the long prompt's stream ended without a token"),
+                }
+            };
+            Some((sent, first))
+        }
+        Until::Frames(want) => {
+            while tasks.iter().any(|t| !t.is_finished())
+                && lock(&arrivals)
+                    .iter()
+                    .zip(&want)
+                    .any(|(a, &n)| a.len() <= n)
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            None
         }
     };
     done.cancel();
     for t in tasks {
         t.await??;
     }
-    let arrivals = lock(&arrivals);
-    let streams_live = arrivals
-        .iter()
-        .filter(|a| {
-            a.last()
-                .is_some_and(|&t| t >= first - Duration::from_millis(500))
-        })
-        .count();
-    let alone = Gaps::of(gaps_in(&arrivals, alone_from, sent));
-    let during_prefill = Gaps::of(gaps_in(&arrivals, sent, first));
-    Ok(Run {
-        p99_ratio: during_prefill.p99_ms / alone.p99_ms,
-        alone,
-        during_prefill,
-        long_ttft_ms: (first - sent).as_secs_f64() * 1e3,
-        streams_live,
-    })
+    let arrivals = lock(&arrivals).clone();
+    Ok((arrivals, long))
 }

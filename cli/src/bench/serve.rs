@@ -24,7 +24,7 @@ use rand_distr::{Distribution, Gamma, LogNormal};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 
-use crate::bench::endpoint::{Ask, Endpoint, EndpointArgs, Input, Reply};
+use crate::bench::endpoint::{Ask, Endpoint, EndpointArgs, Failure, Input, Reply};
 use crate::bench::progress_bar;
 use crate::bench::stats::{Dist, median};
 use crate::bench::workload::words;
@@ -125,6 +125,9 @@ pub(crate) struct Level {
     /// Completed requests that produced no token (the model ended at once): no TTFT.
     pub empty: usize,
     pub failed: BTreeMap<String, usize>,
+    /// The first failure's message for each code.
+    #[serde(default)]
+    pub failed_example: BTreeMap<String, String>,
     pub duration_s: f64,
     pub request_throughput: f64,
     pub output_tok_s: f64,
@@ -286,8 +289,8 @@ async fn level(endpoint: &Endpoint, args: &ServeArgs, seed: u64, n: usize, load:
     level
 }
 
-/// A request's outcome: its reply, or its status code and how long it took to fail (ms).
-type Outcome = Result<Reply, (String, f64)>;
+/// A request's outcome: its reply, or how it failed and how long that took (ms).
+type Outcome = Result<Reply, (Failure, f64)>;
 
 /// Sends one request and ticks the progress bar.
 async fn send(endpoint: &Endpoint, ask: &Ask, progress: &indicatif::ProgressBar) -> Outcome {
@@ -295,7 +298,7 @@ async fn send(endpoint: &Endpoint, ask: &Ask, progress: &indicatif::ProgressBar)
     let reply = endpoint
         .generate(ask)
         .await
-        .map_err(|f| (f.code, sent.elapsed().as_secs_f64() * 1e3));
+        .map_err(|f| (f, sent.elapsed().as_secs_f64() * 1e3));
     progress.inc(1);
     reply
 }
@@ -365,6 +368,7 @@ fn summarize(
     duration_s: f64,
 ) -> Level {
     let mut failed = BTreeMap::new();
+    let mut failed_example = BTreeMap::new();
     let mut failed_ms = Vec::new();
     let mut samples = Samples::default();
     let (mut e2e, mut prompt, mut completion) = (Vec::new(), Vec::new(), Vec::new());
@@ -376,8 +380,11 @@ fn summarize(
     for o in outcomes {
         let r = match o {
             Ok(r) => r,
-            Err((code, ms)) => {
-                *failed.entry(code.clone()).or_insert(0) += 1;
+            Err((f, ms)) => {
+                *failed.entry(f.code.clone()).or_insert(0) += 1;
+                failed_example
+                    .entry(f.code.clone())
+                    .or_insert_with(|| f.message.clone());
                 failed_ms.push(*ms);
                 continue;
             }
@@ -412,6 +419,7 @@ fn summarize(
         completed,
         empty,
         failed,
+        failed_example,
         duration_s,
         request_throughput: completed as f64 / duration_s,
         output_tok_s: completion.iter().sum::<f64>() / duration_s,
