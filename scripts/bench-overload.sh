@@ -4,6 +4,7 @@
 #   1. a 1P1D `tandem up` cluster, once per routing policy: accepted requests must complete
 #      (they wait in the router's queue), and only requests past the router's bound may be
 #      refused, at once;
+#      With the router bounded to 32 requests (`bounded`), the rest are refused at once;
 #   2. a 1P2D cluster (nodes started one by one, so that one can die) whose first decode node is
 #      SIGKILLed halfway through the arrivals: its streams must resume on the other exactly;
 #   3. llama-server (both cores, 16 slots of 4,096 tokens, the longest prompt's room).
@@ -15,7 +16,7 @@
 #   3 minutes at 1.5 times the 0.9 requests/s 1P1D serves on a 2-core machine)
 # Env: TANDEM (the binary, default target/release/tandem), SEED (default 1), LLAMA_SERVER
 #   (default the one ../shared/tools/build-llamacpp.sh builds), RUNS (default
-#   "affinity round-robin 1p2d-kill llama-server": a subset reruns those alone, and the
+#   "affinity round-robin bounded 1p2d-kill llama-server": a subset reruns those alone, and the
 #   exactness check then compares with the last affinity run of the same load).
 # Load: `tandem bench serve --rate RATE --burstiness 0.25 --prompt-words 230 --prompt-sigma 1
 #   --max-tokens 64 --max-inflight 1024`.
@@ -33,7 +34,7 @@ load=(--rate "$rate" --burstiness 0.25 --prompt-words 230 --prompt-sigma 1 --max
   --requests "$requests" --seed "$seed" --max-inflight 1024 --warmup 2)
 pids=()
 cleanup() {
-  down 2>/dev/null || true
+  [ -z "${up_pid:-}" ] || down 2>/dev/null || true
   for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
 }
 trap cleanup EXIT
@@ -52,7 +53,7 @@ print(f'{sys.argv[2]}: {l["completed"]}/{l["requests"]} completed, failed {l["fa
 PY
 }
 
-todo=${RUNS:-affinity round-robin 1p2d-kill llama-server}
+todo=${RUNS:-affinity round-robin bounded 1p2d-kill llama-server}
 wants() { [[ " $todo " == *" $1 "* ]]; }
 for policy in affinity round-robin; do
   wants "$policy" || continue
@@ -62,6 +63,15 @@ for policy in affinity round-robin; do
   down
   report "$policy"
 done
+# The same with the router holding at most 32 requests (running and queued): the rest must be
+# refused at once.
+if wants bounded; then
+  TANDEM_MAX_INFLIGHT=32 up "$out/up-bounded.log" --prefill 1 --decode 1
+  "$tandem" bench serve --server "$up_addr" "${load[@]}" --label tandem-bounded \
+    --out "$out/bounded.json" >"$out/bounded.txt"
+  down
+  report bounded
+fi
 
 # node LOG ROLE [FLAG...]: starts one node on a free port; sets $node_pid and $node_addr.
 node() {
@@ -112,7 +122,7 @@ if wants llama-server; then
 fi
 
 # Exactness: Tandem's runs against the affinity run, request by request.
-python3 - "$out" affinity round-robin 1p2d-kill <<'PY'
+python3 - "$out" affinity round-robin bounded 1p2d-kill <<'PY'
 import json, os, sys
 out, runs = sys.argv[1], [r for r in sys.argv[2:] if os.path.exists(f"{sys.argv[1]}/{r}.json")]
 texts = {r: json.load(open(f"{out}/{r}.json"))["levels"][0]["texts"] for r in runs}

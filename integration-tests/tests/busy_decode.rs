@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tandem_engine::{Engine, EngineConfig, GenerateParams, GenerateRequest, Model};
 use tandem_integration_tests::{
-    Cluster, ClusterConfig, collect, default_model, greedy, metrics, sample,
+    Cluster, ClusterConfig, Collected, collect, default_model, greedy, metrics, sample,
 };
 
 /// What the engine generates for each `(prompt, max_tokens)` greedily, alone.
@@ -32,6 +32,19 @@ fn alone(model: &Arc<Model>, prompts: &[(Vec<u32>, u32)]) -> Vec<Vec<u32>> {
                 .clone()
         })
         .collect()
+}
+
+/// Sends every `(prompt, max_tokens)` greedily at once; their outcomes, in order.
+async fn all_at_once(
+    cluster: &Cluster,
+    prompts: &[(Vec<u32>, u32)],
+) -> Vec<Result<Collected, tonic::Status>> {
+    let streams = prompts.iter().map(|(prompt, max_tokens)| {
+        let mut client = cluster.client();
+        let request = greedy(prompt.clone(), *max_tokens);
+        async move { collect(&mut client, request).await }
+    });
+    futures::future::join_all(streams).await
 }
 
 /// `n` distinct prompts of `len` token ids, in the vocabulary's ordinary range.
@@ -69,12 +82,7 @@ async fn a_busy_decode_node_keeps_its_streams_and_admits_new_ones() {
     })
     .await
     .expect("cluster");
-    let streams = prompts.iter().map(|(prompt, max_tokens)| {
-        let mut client = cluster.client();
-        let request = greedy(prompt.clone(), *max_tokens);
-        async move { collect(&mut client, request).await }
-    });
-    let outs = futures::future::join_all(streams).await;
+    let outs = all_at_once(&cluster, &prompts).await;
     for (i, (out, want)) in outs.into_iter().zip(&expected).enumerate() {
         let out = out.unwrap_or_else(|s| panic!("stream {i} failed on a busy node: {s:?}"));
         assert_eq!(&out.token_ids, want, "stream {i}");
@@ -125,12 +133,7 @@ async fn a_prompt_queued_on_a_busy_prefill_node_outwaits_the_kv_silence_bound() 
     })
     .await
     .expect("cluster");
-    let streams = prompts.iter().map(|(prompt, max_tokens)| {
-        let mut client = cluster.client();
-        let request = greedy(prompt.clone(), *max_tokens);
-        async move { collect(&mut client, request).await }
-    });
-    let outs = futures::future::join_all(streams).await;
+    let outs = all_at_once(&cluster, &prompts).await;
     let mut longest_wait = 0.0f64;
     for (i, (out, want)) in outs.into_iter().zip(&expected).enumerate() {
         let out = out.unwrap_or_else(|s| panic!("stream {i} failed behind the queue: {s:?}"));

@@ -366,7 +366,8 @@ impl Dispatcher {
         deadline: TokioInstant,
         log: &LogWriter,
     ) -> Outcome {
-        self.budget.deposit();
+        let carried = self.replicas.all().iter().map(|r| r.inflight()).max();
+        self.budget.deposit(carried.unwrap_or(0));
         let mut progress = Progress::default();
         let dispatched = self.dispatch(p, &mut progress, accepted, deadline, log);
         let outcome = tokio::select! {

@@ -129,6 +129,11 @@ impl Replica {
         self.capacity.load(Ordering::Relaxed)
     }
 
+    /// This router's requests on the replica now.
+    pub fn inflight(&self) -> usize {
+        self.inflight.load(Ordering::Relaxed) as usize
+    }
+
     /// Whether this router may send the replica another request: fewer of its own requests
     /// there than the places the replica reports (any number before its first report). Other
     /// routers' requests show only in the replica's admission, which refuses what does not fit.
