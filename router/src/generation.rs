@@ -454,10 +454,19 @@ impl Dispatcher {
         }
     }
 
-    /// Puts the request in the router's queue. A request not yet started whose deadline the
-    /// predicted wait would outlast is refused instead, at once (RESOURCE_EXHAUSTED, with that
-    /// wait as its retry pushback); a failover is never refused, its stream has begun.
-    fn enqueue(&self, progress: &Progress, deadline: TokioInstant) -> Result<Queued, Failure> {
+    /// Puts the request in the router's queue, unless `queued` says it is there already. A
+    /// request not yet started whose deadline the predicted wait would outlast is refused
+    /// instead, at once (RESOURCE_EXHAUSTED, with that wait as its retry pushback); a failover
+    /// is never refused, its stream has begun.
+    fn enqueue(
+        &self,
+        queued: &mut Option<Queued>,
+        progress: &Progress,
+        deadline: TokioInstant,
+    ) -> Result<(), Failure> {
+        if queued.is_some() {
+            return Ok(());
+        }
         let ahead = self.metrics.queued.get().max(0) as usize;
         let left = deadline.saturating_duration_since(TokioInstant::now());
         if progress.attempts == 1
@@ -468,11 +477,12 @@ impl Dispatcher {
             return Err(Error::QueueTooLong { ahead, wait, left }.into());
         }
         self.metrics.queued.inc();
-        Ok(Queued {
+        *queued = Some(Queued {
             gauge: self.metrics.queued.clone(),
             ahead,
             since: Instant::now(),
-        })
+        });
+        Ok(())
     }
 
     /// The decode stream's next message. Silence longer than `gap` fails the attempt only when
@@ -543,9 +553,7 @@ impl Dispatcher {
             let decodes = crate::policy::candidates(&self.replicas, Role::Decode, &ask);
             // With none up, the policy answers at once.
             if !decodes.is_empty() && !decodes.iter().any(|r| r.has_room()) {
-                if queued.is_none() {
-                    queued = Some(self.enqueue(progress, deadline)?);
-                }
+                self.enqueue(&mut queued, progress, deadline)?;
                 change.await;
                 continue;
             }
@@ -553,9 +561,7 @@ impl Dispatcher {
             if choice.prefill.as_ref().is_some_and(|p| !p.fits()) {
                 // The prefill node's queue is full: wait here rather than be refused there.
                 drop(choice);
-                if queued.is_none() {
-                    queued = Some(self.enqueue(progress, deadline)?);
-                }
+                self.enqueue(&mut queued, progress, deadline)?;
                 change.await;
                 continue;
             }
@@ -592,9 +598,7 @@ impl Dispatcher {
                 Err(s) if s.code() == tonic::Code::ResourceExhausted => {
                     tracing::debug!(decode = %decode.addr, status = %s.message(), "decode node full; back to the queue");
                     drop(choice);
-                    if queued.is_none() {
-                        queued = Some(self.enqueue(progress, deadline)?);
-                    }
+                    self.enqueue(&mut queued, progress, deadline)?;
                     self.replicas.changed().await;
                     continue;
                 }

@@ -142,10 +142,10 @@ pub(crate) struct Level {
     /// The share of requests sent that met both SLOs.
     pub goodput_share: f64,
     pub tandem: Option<TandemTimings>,
-    /// How long the failed requests took to fail, in ms: a refusal for want of room should
-    /// come at once.
+    /// How long the failed requests took to fail, in ms (none failed: `None`): a refusal for
+    /// want of room should come at once.
     #[serde(default)]
-    pub failed_ms: Dist,
+    pub failed_ms: Option<Dist>,
     pub samples: Samples,
     /// Each request's completion text, in request order (`None`: it failed). Greedy decoding
     /// makes them comparable between runs of the same seed: an exact server answers the same.
@@ -437,7 +437,7 @@ fn summarize(
             transfer_ms: median(transfer),
             wait_and_transfer_ms: median(waited),
         }),
-        failed_ms: Dist::of(&failed_ms),
+        failed_ms: (!failed_ms.is_empty()).then(|| Dist::of(&failed_ms)),
         samples,
         texts: outcomes
             .iter()
