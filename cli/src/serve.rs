@@ -205,8 +205,9 @@ pub(crate) struct RouterArgs {
     /// Whole-request bound in ms when the client sets no deadline.
     #[arg(long, env = "TANDEM_TIMEOUT_MS", default_value_t = 300_000)]
     timeout_ms: u64,
-    /// Longest wait without KV progress (before the push, or between chunks) on the decode
-    /// node, in ms.
+    /// Longest wait without KV progress (before the push, or between its frames) on the
+    /// decode node, in ms. A prefill node's push sends keepalives while the prompt waits in its
+    /// queue, so this finds a dead sender, not a long queue.
     #[arg(long, env = "TANDEM_KV_WAIT_MS", default_value_t = 10_000)]
     kv_wait_ms: u64,
     /// How long a decode node's token stream may be silent once it has its KV, in ms (after a

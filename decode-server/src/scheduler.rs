@@ -95,7 +95,7 @@ enum Command {
     Cancel(Ticket),
 }
 
-/// A sequence whose prompt is being computed here, a chunk per round.
+/// A sequence whose prompt is being computed here, a chunk per step.
 struct Prefilling {
     seq: SeqId,
     joining: Joining,
