@@ -124,9 +124,9 @@ impl KvPush {
     }
 }
 
-/// Sends a keepalive frame at a steady interval ([`KEEPALIVE_INTERVAL`] by default), so that the receiver, which bounds the
-/// silence of a push to find a dead sender, waits on a live one whose prompt is queued. It holds
-/// the push open: drop it before [`KvPush::finish`].
+/// Sends a keepalive frame at a steady interval ([`KEEPALIVE_INTERVAL`] by default), so that
+/// the receiver, which bounds the silence of a push to find a dead sender, waits on a live one
+/// whose prompt is queued. It holds the push open: drop it before [`KvPush::finish`].
 #[derive(Debug)]
 pub struct Heartbeat {
     tx: mpsc::Sender<pb::PushFrame>,
