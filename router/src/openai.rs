@@ -265,7 +265,41 @@ const CHAT_KEYS: &[&str] = &[
     "max_completion_tokens",
     "top_logprobs",
     "response_format",
+    "store",
+    "metadata",
 ];
+
+/// OpenAI's bounds on `metadata`: pairs, and characters per key and per value.
+const METADATA_PAIRS: usize = 16;
+const METADATA_KEY_CHARS: usize = 64;
+const METADATA_VALUE_CHARS: usize = 512;
+
+/// Checks `metadata` (string pairs within OpenAI's bounds). It tags a stored completion, and
+/// nothing is stored (`store` is refused), so it is checked and then ignored.
+fn check_metadata(body: &Map<String, Value>) -> Result<(), ApiError> {
+    let Some(m) = body.get("metadata").filter(|v| !v.is_null()) else {
+        return Ok(());
+    };
+    let invalid = |why: String| Err(ApiError::invalid("metadata", why));
+    let Some(pairs) = m.as_object() else {
+        return invalid("'metadata' must be an object of strings".into());
+    };
+    if pairs.len() > METADATA_PAIRS {
+        return invalid(format!("at most {METADATA_PAIRS} pairs"));
+    }
+    for (k, v) in pairs {
+        let Some(v) = v.as_str() else {
+            return invalid(format!("metadata['{k}'] must be a string"));
+        };
+        if k.chars().count() > METADATA_KEY_CHARS || v.chars().count() > METADATA_VALUE_CHARS {
+            return invalid(format!(
+                "keys of at most {METADATA_KEY_CHARS} characters, values of at most \
+                 {METADATA_VALUE_CHARS}"
+            ));
+        }
+    }
+    Ok(())
+}
 const COMPLETION_KEYS: &[&str] = &["prompt", "echo", "best_of", "suffix"];
 
 fn number(body: &Map<String, Value>, key: &str) -> Result<Option<f64>, ApiError> {
@@ -483,6 +517,13 @@ pub(crate) fn parse(
             "log probabilities are not returned",
         ));
     }
+    if flag(&body, "store")? {
+        return Err(ApiError::unsupported(
+            "store",
+            "completions are not stored (store: false is served)",
+        ));
+    }
+    check_metadata(&body)?;
     if flag(&body, "echo")? {
         return Err(ApiError::unsupported("echo", "the prompt is not echoed"));
     }
@@ -1000,6 +1041,11 @@ mod tests {
                 json!({"messages": [{"role": "tool", "content": "x"}]}),
                 "messages[0].role",
             ),
+            (json!({"store": true}), "store"),
+            (json!({"store": "no"}), "store"),
+            (json!({"metadata": ["a"]}), "metadata"),
+            (json!({"metadata": {"k": 1}}), "metadata"),
+            (json!({"metadata": {"k": "v".repeat(513)}}), "metadata"),
             (
                 json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
                 "messages[0].content",
@@ -1014,7 +1060,8 @@ mod tests {
         let p = chat(
             json!({"max_completion_tokens": 7, "max_tokens": 9, "seed": -1, "stop": "x",
                             "stream": true, "stream_options": {"include_usage": true},
-                            "user": "u1", "temperature": 0, "repetition_penalty": 1.2}),
+                            "user": "u1", "temperature": 0, "repetition_penalty": 1.2,
+                            "store": false, "metadata": {"team": "search"}}),
         )
         .expect("valid");
         let s = p.request.sampling.expect("sampling");
