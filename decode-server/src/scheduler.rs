@@ -448,21 +448,14 @@ impl Scheduler {
         let mut batch: Vec<&mut Decoding> =
             active.iter_mut().map(|(_, a)| &mut a.decoding).collect();
         let plain = self.fused_steps + 1 >= PLAIN_STEP_EVERY || self.plain_step_secs == 0.0;
-        let chunk = match self.prefilling.front() {
-            Some(p) if !plain => {
-                let end = (p.done + self.chunk_tokens(p)).min(p.joining.prompt.len());
-                Some(p.done..end)
-            }
-            _ => None,
-        };
-        let piggyback = chunk
-            .clone()
-            .zip(self.prefilling.front())
-            .map(|(c, p)| PromptChunk {
-                seq: p.seq,
-                last: c.end == p.joining.prompt.len(),
-                tokens: &p.joining.prompt[c],
-            });
+        let front = self.prefilling.front().filter(|_| !plain);
+        let chunk =
+            front.map(|p| p.done..(p.done + self.chunk_tokens(p)).min(p.joining.prompt.len()));
+        let piggyback = front.zip(chunk.clone()).map(|(p, c)| PromptChunk {
+            seq: p.seq,
+            last: c.end == p.joining.prompt.len(),
+            tokens: &p.joining.prompt[c],
+        });
         let started = Instant::now();
         let result = self.engine.decode_step_with(&mut batch, piggyback);
         let secs = started.elapsed().as_secs_f64();

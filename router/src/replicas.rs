@@ -138,8 +138,14 @@ impl Replica {
     /// there than the places the replica reports (any number before its first report). Other
     /// routers' requests show only in the replica's admission, which refuses what does not fit.
     pub fn has_room(&self) -> bool {
+        self.holds(self.inflight.load(Ordering::Relaxed) + 1)
+    }
+
+    /// Whether `requests` of this router's fit in the places the replica reports (any number
+    /// before its first report).
+    fn holds(&self, requests: u32) -> bool {
         let capacity = self.capacity();
-        capacity == 0 || self.inflight.load(Ordering::Relaxed) < capacity
+        capacity == 0 || requests <= capacity
     }
 
     /// Prompt tokens waiting there: the larger of the last report and this router's own in
@@ -194,8 +200,8 @@ impl InflightGuard {
     /// Whether the replica had room for this request ([`Replica::has_room`] before it was
     /// counted).
     pub fn fits(&self) -> bool {
-        let capacity = self.replica.capacity();
-        capacity == 0 || self.replica.inflight.load(Ordering::Relaxed) <= capacity
+        self.replica
+            .holds(self.replica.inflight.load(Ordering::Relaxed))
     }
 }
 
