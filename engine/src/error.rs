@@ -20,8 +20,12 @@ pub enum Error {
     #[error("model file {path} is not a usable GGUF model: {reason}")]
     InvalidModel { path: PathBuf, reason: String },
 
-    #[error("model file {path} has architecture {arch:?}; only \"llama\" is supported")]
-    UnsupportedArchitecture { path: PathBuf, arch: String },
+    #[error("model file {path} has architecture {arch:?}; the supported ones are {supported}")]
+    UnsupportedArchitecture {
+        path: PathBuf,
+        arch: String,
+        supported: String,
+    },
 
     #[error("tokenizer: {reason}")]
     Tokenizer { reason: String },

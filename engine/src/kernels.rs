@@ -20,8 +20,10 @@
 
 use rayon::prelude::*;
 
-use crate::packed::{BlockQ4_1x16, BlockQ8_0x16, GROUP, pack_q4_1, pack_q8_0};
-use crate::quant::{BlockQ4_1, BlockQ8_0, BlockQ8_1, QK};
+use crate::packed::{
+    BlockQ4_1x16, BlockQ5_0x16, BlockQ8_0x16, GROUP, pack_q4_1, pack_q5_0, pack_q8_0,
+};
+use crate::quant::{BlockQ4_1, BlockQ5_0, BlockQ8_0, BlockQ8_1, QK};
 
 /// Activation rows multiplied per decoded weight block: enough independent accumulator chains
 /// to keep two `vpdpbusd` a cycle in flight (latency 4), within the 32 vector registers of
@@ -42,6 +44,7 @@ const AVX2_TILE: usize = 4;
 #[derive(Debug)]
 pub enum RawWeights {
     Q4_1(Vec<BlockQ4_1>),
+    Q5_0(Vec<BlockQ5_0>),
     Q8_0(Vec<BlockQ8_0>),
 }
 
@@ -53,58 +56,62 @@ pub struct RawMatrix {
     pub data: RawWeights,
 }
 
-impl RawMatrix {
-    /// Stacks matrices with the same `cols` and block type into one, so a single pass computes
-    /// all of them (q|k|v, gate|up). Returns `None` if they do not share a type.
-    pub fn concat(parts: Vec<RawMatrix>) -> Option<RawMatrix> {
-        let cols = parts.first()?.cols;
-        let rows = parts.iter().map(|p| p.rows).sum();
-        let mut q4 = Vec::new();
-        let mut q8 = Vec::new();
-        for p in parts {
-            if p.cols != cols {
-                return None;
-            }
-            match p.data {
-                RawWeights::Q4_1(b) => q4.extend(b),
-                RawWeights::Q8_0(b) => q8.extend(b),
-            }
-        }
-        let data = match (q4.is_empty(), q8.is_empty()) {
-            (false, true) => RawWeights::Q4_1(q4),
-            (true, false) => RawWeights::Q8_0(q8),
-            _ => return None,
-        };
-        Some(RawMatrix { rows, cols, data })
-    }
-}
-
-/// A weight matrix repacked for the kernels.
+/// A weight matrix repacked for the kernels. It may be several matrices of one width stacked
+/// (q|k|v, gate|up), each in its own block type, so a single pass computes all of them.
 #[derive(Debug)]
 pub struct QMatrix {
     pub rows: usize,
     pub cols: usize,
+    parts: Vec<Part>,
+}
+
+/// Rows `first..first + rows` of a [`QMatrix`], in one block type.
+#[derive(Debug)]
+struct Part {
+    first: usize,
+    rows: usize,
     data: Packed,
 }
 
 #[derive(Debug)]
 enum Packed {
     Q4_1(Vec<BlockQ4_1x16>),
+    Q5_0(Vec<BlockQ5_0x16>),
     Q8_0(Vec<BlockQ8_0x16>),
 }
 
 impl QMatrix {
     pub fn new(raw: RawMatrix) -> Self {
-        let nb = raw.cols / QK;
-        let data = match &raw.data {
-            RawWeights::Q4_1(b) => Packed::Q4_1(pack_q4_1(raw.rows, nb, b)),
-            RawWeights::Q8_0(b) => Packed::Q8_0(pack_q8_0(raw.rows, nb, b)),
-        };
-        Self {
-            rows: raw.rows,
-            cols: raw.cols,
-            data,
+        Self::stack(vec![raw]).expect("one matrix stacks")
+    }
+
+    /// Stacks matrices of the same width into one; `None` if the widths differ or there are none.
+    pub fn stack(raws: Vec<RawMatrix>) -> Option<Self> {
+        let cols = raws.first()?.cols;
+        let nb = cols / QK;
+        let mut parts = Vec::with_capacity(raws.len());
+        let mut first = 0;
+        for raw in raws {
+            if raw.cols != cols {
+                return None;
+            }
+            let data = match &raw.data {
+                RawWeights::Q4_1(b) => Packed::Q4_1(pack_q4_1(raw.rows, nb, b)),
+                RawWeights::Q5_0(b) => Packed::Q5_0(pack_q5_0(raw.rows, nb, b)),
+                RawWeights::Q8_0(b) => Packed::Q8_0(pack_q8_0(raw.rows, nb, b)),
+            };
+            parts.push(Part {
+                first,
+                rows: raw.rows,
+                data,
+            });
+            first += raw.rows;
         }
+        Some(Self {
+            rows: first,
+            cols,
+            parts,
+        })
     }
 
     pub fn blocks_per_row(&self) -> usize {
@@ -114,25 +121,32 @@ impl QMatrix {
     /// Row `r` as f32 values (the embedding lookup).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         let nb = self.blocks_per_row();
+        let part = self
+            .parts
+            .iter()
+            .find(|p| r < p.first + p.rows)
+            .expect("row within the matrix");
+        let r = r - part.first;
         let (g, ri) = (r / GROUP, r % GROUP);
         for (b, chunk) in out.chunks_exact_mut(QK).enumerate() {
-            match &self.data {
+            let i = g * nb + b;
+            let (d, m, q) = match &part.data {
                 Packed::Q4_1(w) => {
-                    let blk = &w[g * nb + b];
-                    let (d, m) = (blk.d[ri].to_f32(), blk.m[ri].to_f32());
-                    let q = crate::packed::q4_1_quants(blk, ri);
-                    for (o, q) in chunk.iter_mut().zip(q) {
-                        *o = d * f32::from(q) + m;
-                    }
+                    let q = crate::packed::q4_1_quants(&w[i], ri).map(f32::from);
+                    (w[i].d[ri].to_f32(), w[i].m[ri].to_f32(), q)
+                }
+                Packed::Q5_0(w) => {
+                    let q = crate::packed::q5_0_quants(&w[i], ri).map(f32::from);
+                    let d = w[i].d[ri].to_f32();
+                    (d, -16.0 * d, q)
                 }
                 Packed::Q8_0(w) => {
-                    let blk = &w[g * nb + b];
-                    let d = blk.d[ri].to_f32();
-                    let q = crate::packed::q8_0_quants(blk, ri);
-                    for (o, q) in chunk.iter_mut().zip(q) {
-                        *o = d * f32::from(q);
-                    }
+                    let q = crate::packed::q8_0_quants(&w[i], ri).map(f32::from);
+                    (w[i].d[ri].to_f32(), 0.0, q)
                 }
+            };
+            for (o, q) in chunk.iter_mut().zip(q) {
+                *o = d * q + m;
             }
         }
     }
@@ -143,33 +157,40 @@ impl QMatrix {
         let nb = self.blocks_per_row();
         assert_eq!(acts.len(), n * nb, "activation shape");
         assert_eq!(out.len(), n * self.rows, "output shape");
-        let groups = self.rows.div_ceil(GROUP);
+        // Every (part, group of rows) is one unit of work.
+        let units: Vec<(&Part, usize)> = self
+            .parts
+            .iter()
+            .flat_map(|p| (0..p.rows.div_ceil(GROUP)).map(move |g| (p, g)))
+            .collect();
         let threads = rayon::current_num_threads().max(1);
         // Enough chunks for work stealing to even out, few enough to keep hand-offs cheap.
-        let chunk = groups.div_ceil(threads * 4).max(2);
+        let chunk = units.len().div_ceil(threads * 4).max(2);
         let out_ptr = SendPtr(out.as_mut_ptr());
         let rows = self.rows;
-        let shifted;
-        let acts = match &self.data {
-            Packed::Q8_0(_) if unsigned_q8_0_acts() => {
-                shifted = shift_to_unsigned(acts);
-                &shifted[..]
-            }
-            _ => acts,
-        };
-        (0..groups.div_ceil(chunk)).into_par_iter().for_each(|c| {
-            for g in c * chunk..((c + 1) * chunk).min(groups) {
+        let shifted = self
+            .parts
+            .iter()
+            .any(|p| matches!(p.data, Packed::Q8_0(_)) && unsigned_q8_0_acts())
+            .then(|| shift_to_unsigned(acts));
+        units.par_chunks(chunk).for_each(|units| {
+            for &(part, g) in units {
                 for j0 in (0..n).step_by(TILE) {
                     let t = (n - j0).min(TILE);
                     let a = &acts[j0 * nb..(j0 + t) * nb];
                     let mut res = [[0f32; GROUP]; TILE];
-                    match &self.data {
-                        Packed::Q4_1(w) => tile_q4_1(&w[g * nb..(g + 1) * nb], a, t, &mut res),
-                        Packed::Q8_0(w) => tile_q8_0(&w[g * nb..(g + 1) * nb], a, t, &mut res),
+                    let blocks = g * nb..(g + 1) * nb;
+                    match &part.data {
+                        Packed::Q4_1(w) => tile_q4_1(&w[blocks], a, t, &mut res),
+                        Packed::Q5_0(w) => tile_q5_0(&w[blocks], a, t, &mut res),
+                        Packed::Q8_0(w) => {
+                            let a = shifted.as_ref().map_or(a, |s| &s[j0 * nb..(j0 + t) * nb]);
+                            tile_q8_0(&w[blocks], a, t, &mut res)
+                        }
                     }
-                    let live = GROUP.min(rows - g * GROUP);
+                    let live = GROUP.min(part.rows - g * GROUP);
                     for (k, r) in res[..t].iter().enumerate() {
-                        let at = (j0 + k) * rows + g * GROUP;
+                        let at = (j0 + k) * rows + part.first + g * GROUP;
                         // SAFETY: each (j, row) cell is written by exactly one task, since tasks
                         // own disjoint groups of rows; `at + live <= out.len()`.
                         unsafe {
@@ -290,13 +311,23 @@ fn tile_q8_0(w: &[BlockQ8_0x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut
     dispatch_tile!(tile_q8_0, tile_q8_0_vnni, w, acts, t, out)
 }
 
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+fn tile_q5_0(w: &[BlockQ5_0x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+    dispatch_tile!(tile_q5_0, tile_q5_0_vnni, w, acts, t, out)
+}
+
 #[cfg(not(all(
     target_arch = "x86_64",
     target_feature = "avx2",
     target_feature = "fma",
     target_feature = "f16c"
 )))]
-use scalar::{tile_q4_1, tile_q8_0};
+use scalar::{tile_q4_1, tile_q5_0, tile_q8_0};
 
 /// The portable fallback, for builds without x86-64-v3.
 #[cfg(not(all(
@@ -307,13 +338,21 @@ use scalar::{tile_q4_1, tile_q8_0};
 )))]
 mod scalar {
     use super::TileOut;
-    use crate::packed::{BlockQ4_1x16, BlockQ8_0x16};
+    use crate::packed::{BlockQ4_1x16, BlockQ5_0x16, BlockQ8_0x16};
     use crate::quant::{BlockQ8_1, QK};
 
     pub(super) fn tile_q4_1(w: &[BlockQ4_1x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
         scalar_tile(w, acts, t, out, |blk, ri, a| {
             let isum = int_dot(crate::packed::q4_1_quants(blk, ri).map(i32::from), a);
             blk.d[ri].to_f32() * a.d * isum as f32 + blk.m[ri].to_f32() * a.s
+        });
+    }
+
+    pub(super) fn tile_q5_0(w: &[BlockQ5_0x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+        scalar_tile(w, acts, t, out, |blk, ri, a| {
+            let isum = int_dot(crate::packed::q5_0_quants(blk, ri).map(i32::from), a);
+            let d = blk.d[ri].to_f32();
+            d * a.d * isum as f32 + -16.0 * d * a.s
         });
     }
 
@@ -361,7 +400,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::TileOut;
-    use crate::packed::{BlockQ4_1x16, BlockQ8_0x16, CHUNK, GROUP};
+    use crate::packed::{BlockQ4_1x16, BlockQ5_0x16, BlockQ8_0x16, CHUNK, GROUP};
     use crate::quant::BlockQ8_1;
 
     /// Rows per AVX2 pass: a 256-bit register holds 4 bytes of each.
@@ -505,6 +544,141 @@ mod x86 {
                 for k in 0..T {
                     _mm256_storeu_ps(out[k].as_mut_ptr().add(HALF * half), acc[k]);
                 }
+            }
+        }
+    }
+
+    /// 32 bytes, byte `i` 0x10 where bit `i` of `bits` is set: the fifth bits of a `Q5_0` chunk's
+    /// 8-row half.
+    #[inline(always)]
+    unsafe fn fifth_bits(bits: u32) -> __m256i {
+        // SAFETY: the cfg guarantees AVX2.
+        unsafe {
+            // Byte i takes byte i / 8 of `bits`, then tests bit i % 8 of it.
+            let spread = _mm256_shuffle_epi8(
+                _mm256_set1_epi32(bits as i32),
+                _mm256_set_epi64x(
+                    0x0303_0303_0303_0303,
+                    0x0202_0202_0202_0202,
+                    0x0101_0101_0101_0101,
+                    0,
+                ),
+            );
+            let select = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
+            let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+            _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+        }
+    }
+
+    /// One 16-row `Q5_0` group against `T` activation rows, in AVX2 halves as in `tile_q4_1`,
+    /// with each quant's fifth bit or-ed in from the chunk's mask. The kernel sums `q · a` for the
+    /// unsigned `q` (≤ 4 · 2 · 31 · 127 = 31496 per i16 lane for one nibble's four chunks), and
+    /// takes the offset 16 back off with the activation block's sum: `d·(Σ q·a)·d_a − 16·d·s_a`.
+    pub(super) unsafe fn tile_q5_0<const T: usize>(
+        w: &[BlockQ5_0x16],
+        acts: &[BlockQ8_1],
+        out: &mut TileOut,
+    ) {
+        let nb = w.len();
+        // SAFETY (whole body): as in `tile_q4_1`.
+        unsafe {
+            let mask = _mm256_set1_epi8(0x0F);
+            let ones = _mm256_set1_epi16(1);
+            let minus16 = _mm256_set1_ps(-16.0);
+            for half in 0..2 {
+                let mut acc = [_mm256_setzero_ps(); T];
+                for (b, blk) in w.iter().enumerate() {
+                    if half == 0 {
+                        prefetch_ahead(blk);
+                    }
+                    let mut isum_lo = [_mm256_setzero_si256(); T];
+                    let mut isum_hi = [_mm256_setzero_si256(); T];
+                    for j in 0..4 {
+                        let at = CHUNK * j + 4 * HALF * half;
+                        let raw = _mm256_load_si256(blk.qs.as_ptr().add(at).cast());
+                        let bits = |m: u64| fifth_bits((m >> (32 * half)) as u32);
+                        let lo = _mm256_or_si256(_mm256_and_si256(raw, mask), bits(blk.qh[2 * j]));
+                        let hi = _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask),
+                            bits(blk.qh[2 * j + 1]),
+                        );
+                        for k in 0..T {
+                            let a = &acts[k * nb + b];
+                            let (al, ah) = (quad(a, 4 * j), quad(a, 16 + 4 * j));
+                            let pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(al));
+                            let ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(ah));
+                            isum_lo[k] = _mm256_add_epi16(isum_lo[k], pl);
+                            isum_hi[k] = _mm256_add_epi16(isum_hi[k], ph);
+                        }
+                    }
+                    let dw =
+                        _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().add(HALF * half).cast()));
+                    let mw = _mm256_mul_ps(dw, minus16);
+                    for k in 0..T {
+                        let a = &acts[k * nb + b];
+                        let sum = _mm256_add_epi32(
+                            _mm256_madd_epi16(isum_lo[k], ones),
+                            _mm256_madd_epi16(isum_hi[k], ones),
+                        );
+                        let f = _mm256_cvtepi32_ps(sum);
+                        acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d)), acc[k]);
+                        acc[k] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s), acc[k]);
+                    }
+                }
+                for k in 0..T {
+                    _mm256_storeu_ps(out[k].as_mut_ptr().add(HALF * half), acc[k]);
+                }
+            }
+        }
+    }
+
+    /// One 16-row `Q5_0` group against `T` activation rows with 512-bit `vpdpbusd`, as
+    /// `tile_q4_1_vnni` with each chunk's fifth bits added by one masked move; the float steps
+    /// are `tile_q5_0`'s, so the results are bit-identical.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn tile_q5_0_vnni<const T: usize>(
+        w: &[BlockQ5_0x16],
+        acts: &[BlockQ8_1],
+        out: &mut TileOut,
+    ) {
+        let nb = w.len();
+        // SAFETY (whole body): the caller checked `has_vnni`; every load reads inside a block.
+        unsafe {
+            let mask = _mm512_set1_epi8(0x0F);
+            let fifth = _mm512_set1_epi8(0x10);
+            let minus16 = _mm512_set1_ps(-16.0);
+            let mut acc = [_mm512_setzero_ps(); T];
+            for (b, blk) in w.iter().enumerate() {
+                prefetch_ahead(blk);
+                let mut isum = [_mm512_setzero_si512(); T];
+                for j in 0..4 {
+                    let raw = _mm512_loadu_si512(blk.qs.as_ptr().add(CHUNK * j).cast());
+                    let lo = _mm512_or_si512(
+                        _mm512_and_si512(raw, mask),
+                        _mm512_maskz_mov_epi8(blk.qh[2 * j], fifth),
+                    );
+                    let hi = _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(raw), mask),
+                        _mm512_maskz_mov_epi8(blk.qh[2 * j + 1], fifth),
+                    );
+                    for k in 0..T {
+                        let a = &acts[k * nb + b];
+                        let (al, ah) = (quad(a, 4 * j), quad(a, 16 + 4 * j));
+                        isum[k] = _mm512_dpbusd_epi32(isum[k], lo, _mm512_set1_epi32(al));
+                        isum[k] = _mm512_dpbusd_epi32(isum[k], hi, _mm512_set1_epi32(ah));
+                    }
+                }
+                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk.d.as_ptr().cast()));
+                let mw = _mm512_mul_ps(dw, minus16);
+                for k in 0..T {
+                    let a = &acts[k * nb + b];
+                    let f = _mm512_cvtepi32_ps(isum[k]);
+                    acc[k] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(a.d)), acc[k]);
+                    acc[k] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s), acc[k]);
+                }
+            }
+            for k in 0..T {
+                _mm512_storeu_ps(out[k].as_mut_ptr(), acc[k]);
             }
         }
     }

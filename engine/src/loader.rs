@@ -1,8 +1,9 @@
-//! Reads a llama-architecture GGUF file (through candle's GGUF reader) into [`Weights`],
-//! [`ModelConfig`] and a [`TokenizerSpec`], validating everything before it is used.
+//! Reads a GGUF file of a supported architecture ([`Arch`]) through candle's GGUF reader into
+//! [`Weights`], [`ModelConfig`] and a [`TokenizerSpec`], validating everything before it is used.
 //!
-//! `Q4_1` and `Q8_0` tensors keep their bytes; any other type is dequantized by candle and
-//! requantized to `Q8_0`, which has a fast kernel. The fingerprint is the SHA-256 of the file.
+//! `Q4_1`, `Q5_0` and `Q8_0` tensors keep their bytes; any other type is dequantized by candle
+//! and requantized to `Q8_0`, which has a fast kernel, with a log line saying what that costs.
+//! The fingerprint is the SHA-256 of the file.
 
 use std::io::Cursor;
 use std::path::Path;
@@ -14,8 +15,8 @@ use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
 use crate::kernels::{QMatrix, RawMatrix, RawWeights};
-use crate::model::{LayerWeights, ModelConfig, Weights};
-use crate::quant::{BlockQ4_1, BlockQ8_0, QK, quantize_row_q8_0};
+use crate::model::{Arch, LayerWeights, ModelConfig, Weights};
+use crate::quant::{BlockQ4_1, BlockQ5_0, BlockQ8_0, QK, quantize_row_q8_0};
 use tandem_tokenizer::TokenizerSpec;
 
 /// The SHA-256 of a model's weights file: the KV wire format carries it, so KV computed by
@@ -65,13 +66,15 @@ pub fn load_bytes(bytes: &[u8], path: &Path) -> Result<LoadedModel> {
         .and_then(|v| v.to_string().ok())
         .cloned()
         .ok_or_else(|| bad("metadata general.architecture is missing".into()))?;
-    if arch != "llama" {
+    let Some(arch) = Arch::from_gguf(&arch) else {
+        let names: Vec<&str> = Arch::ALL.iter().map(|a| a.gguf_name()).collect();
         return Err(Error::UnsupportedArchitecture {
             path: path.to_path_buf(),
             arch,
+            supported: names.join(", "),
         });
-    }
-    let config = read_config(&content, path)?;
+    };
+    let config = read_config(arch, &content, path)?;
     let tokenizer = crate::tokenizer_gguf::spec_from_gguf(md).map_err(|e| bad(e.to_string()))?;
     let reader = TensorReader {
         content: &content,
@@ -102,9 +105,22 @@ pub fn load_bytes(bytes: &[u8], path: &Path) -> Result<LoadedModel> {
                 reader.raw_matrix(&t("ffn_gate"), config.ffn, h)?,
                 reader.raw_matrix(&t("ffn_up"), config.ffn, h)?,
             ];
+            let b = |n: &str| format!("blk.{i}.{n}.bias");
+            let qkv_bias = match arch.qkv_bias() {
+                true => Some(
+                    [
+                        reader.vector(&b("attn_q"), config.n_heads * config.head_dim)?,
+                        reader.vector(&b("attn_k"), kv)?,
+                        reader.vector(&b("attn_v"), kv)?,
+                    ]
+                    .concat(),
+                ),
+                false => None,
+            };
             Ok(LayerWeights {
                 attn_norm: reader.vector(&t("attn_norm"), h)?,
                 wqkv: reader.stack(qkv)?,
+                qkv_bias,
                 wo: reader.matrix(&t("attn_output"), h, config.n_heads * config.head_dim)?,
                 ffn_norm: reader.vector(&t("ffn_norm"), h)?,
                 w_gate_up: reader.stack(gate_up)?,
@@ -138,40 +154,44 @@ pub fn load_bytes(bytes: &[u8], path: &Path) -> Result<LoadedModel> {
     })
 }
 
-fn read_config(content: &Content, path: &Path) -> Result<ModelConfig> {
+fn read_config(arch: Arch, content: &Content, path: &Path) -> Result<ModelConfig> {
     let md = &content.metadata;
     let bad = |reason: String| Error::invalid_model(path, reason);
-    let get_u = |key: &str| -> Result<usize> {
-        md.get(key)
+    let key = |name: &str| format!("{}.{name}", arch.gguf_name());
+    let get_u = |name: &str| -> Result<usize> {
+        let key = key(name);
+        md.get(&key)
             .ok_or_else(|| bad(format!("metadata {key} is missing")))?
             .to_u32()
             .map(|v| v as usize)
             .map_err(|e| bad(format!("metadata {key}: {e}")))
     };
-    let get_f = |key: &str, default: f32| -> Result<f32> {
-        md.get(key).map_or(Ok(default), |v| {
+    let get_f = |name: &str, default: f32| -> Result<f32> {
+        let key = key(name);
+        md.get(&key).map_or(Ok(default), |v| {
             v.to_f32().map_err(|e| bad(format!("metadata {key}: {e}")))
         })
     };
-    let hidden = get_u("llama.embedding_length")?;
-    let n_heads = get_u("llama.attention.head_count")?;
-    let n_kv_heads = get_u("llama.attention.head_count_kv").unwrap_or(n_heads);
+    let hidden = get_u("embedding_length")?;
+    let n_heads = get_u("attention.head_count")?;
+    let n_kv_heads = get_u("attention.head_count_kv").unwrap_or(n_heads);
     let vocab = content
         .tensor_infos
         .get("token_embd.weight")
         .map(|t| t.shape.dims()[0])
         .ok_or_else(|| bad("tensor token_embd.weight is missing".into()))?;
     let config = ModelConfig {
-        n_layers: get_u("llama.block_count")?,
+        arch,
+        n_layers: get_u("block_count")?,
         hidden,
         n_heads,
         n_kv_heads,
         head_dim: hidden.checked_div(n_heads).unwrap_or(0),
-        ffn: get_u("llama.feed_forward_length")?,
+        ffn: get_u("feed_forward_length")?,
         vocab,
-        rope_theta: get_f("llama.rope.freq_base", 10_000.0)?,
-        context_len: get_u("llama.context_length")?,
-        rms_eps: get_f("llama.attention.layer_norm_rms_epsilon", 1e-5)?,
+        rope_theta: get_f("rope.freq_base", 10_000.0)?,
+        context_len: get_u("context_length")?,
+        rms_eps: get_f("attention.layer_norm_rms_epsilon", 1e-5)?,
     };
     config.validate().map_err(bad)?;
     Ok(config)
@@ -246,10 +266,19 @@ impl TensorReader<'_> {
             GgmlDType::Q4_1 => RawWeights::Q4_1(bytemuck::pod_collect_to_vec::<u8, BlockQ4_1>(
                 self.raw(info),
             )),
+            GgmlDType::Q5_0 => RawWeights::Q5_0(bytemuck::pod_collect_to_vec::<u8, BlockQ5_0>(
+                self.raw(info),
+            )),
             GgmlDType::Q8_0 => RawWeights::Q8_0(bytemuck::pod_collect_to_vec::<u8, BlockQ8_0>(
                 self.raw(info),
             )),
-            _ => {
+            other => {
+                let from = self.raw(info).len();
+                let to = rows * cols / QK * size_of::<BlockQ8_0>();
+                tracing::info!(
+                    tensor = name,
+                    "{other:?} has no kernel: requantized to Q8_0 ({from} -> {to} bytes)"
+                );
                 let values = self.f32_values(name, info)?;
                 let mut blocks = vec![bytemuck::Zeroable::zeroed(); rows * cols / QK];
                 quantize_row_q8_0(&values, &mut blocks);
@@ -259,36 +288,8 @@ impl TensorReader<'_> {
         Ok(RawMatrix { rows, cols, data })
     }
 
-    /// Stacks matrices into one; if their types differ, requantizes all of them to `Q8_0`.
+    /// Stacks matrices of one width into one (each keeps its block type).
     fn stack(&self, parts: Vec<RawMatrix>) -> Result<QMatrix> {
-        let uniform = parts
-            .windows(2)
-            .all(|w| std::mem::discriminant(&w[0].data) == std::mem::discriminant(&w[1].data));
-        let parts = if uniform {
-            parts
-        } else {
-            parts.into_iter().map(to_q8_0).collect()
-        };
-        RawMatrix::concat(parts)
-            .map(QMatrix::new)
-            .ok_or_else(|| self.bad("cannot stack projection matrices".into()))
-    }
-}
-
-fn to_q8_0(m: RawMatrix) -> RawMatrix {
-    let RawWeights::Q4_1(blocks) = &m.data else {
-        return m;
-    };
-    let mut row = vec![0f32; m.cols];
-    let nb = m.cols / QK;
-    let mut out = vec![bytemuck::Zeroable::zeroed(); blocks.len()];
-    for (src, dst) in blocks.chunks(nb).zip(out.chunks_mut(nb)) {
-        crate::quant::dequantize_row_q4_1(src, &mut row);
-        quantize_row_q8_0(&row, dst);
-    }
-    RawMatrix {
-        rows: m.rows,
-        cols: m.cols,
-        data: RawWeights::Q8_0(out),
+        QMatrix::stack(parts).ok_or_else(|| self.bad("cannot stack projection matrices".into()))
     }
 }

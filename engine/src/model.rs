@@ -17,9 +17,58 @@ use crate::kernels::QMatrix;
 use crate::kv::{KvDtype, KvKind, KvLayout, KvPool};
 use crate::quant::{BlockQ8_1, QK, quantize_row_q8_1};
 
-/// Hyperparameters of a llama model.
+/// The model families the engine runs. They share one forward pass; what differs is data here
+/// and in [`ModelConfig`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Qwen2,
+}
+
+impl Arch {
+    /// The GGUF `general.architecture` names, in the order of [`Arch::ALL`].
+    pub const ALL: &[Arch] = &[Arch::Llama, Arch::Qwen2];
+
+    pub fn from_gguf(name: &str) -> Option<Arch> {
+        Arch::ALL.iter().copied().find(|a| a.gguf_name() == name)
+    }
+
+    /// The architecture's name in GGUF metadata, and the prefix of its hyperparameter keys.
+    pub fn gguf_name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+        }
+    }
+
+    /// Whether Q, K and V carry biases.
+    pub fn qkv_bias(self) -> bool {
+        matches!(self, Arch::Qwen2)
+    }
+
+    /// How rotary embedding pairs the dimensions of a head: llama's GGUF weights are permuted
+    /// for adjacent pairs `(2i, 2i+1)`; the others rotate `(i, i + d/2)` (llama.cpp's NEOX).
+    pub fn rope(self) -> Rope {
+        match self {
+            Arch::Llama => Rope::Adjacent,
+            Arch::Qwen2 => Rope::Halves,
+        }
+    }
+}
+
+/// Which dimensions of a head rotary embedding rotates together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rope {
+    /// `(2i, 2i + 1)`.
+    Adjacent,
+    /// `(i, i + head_dim / 2)`.
+    Halves,
+}
+
+/// Hyperparameters of a model.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
+    pub arch: Arch,
     pub n_layers: usize,
     pub hidden: usize,
     pub n_heads: usize,
@@ -91,6 +140,8 @@ pub struct LayerWeights {
     pub attn_norm: Vec<f32>,
     /// q, k and v projections stacked: `q_dim + 2 * kv_dim` rows.
     pub wqkv: QMatrix,
+    /// Their biases, stacked the same way, where the architecture has them.
+    pub qkv_bias: Option<Vec<f32>>,
     pub wo: QMatrix,
     pub ffn_norm: Vec<f32>,
     /// gate and up projections stacked: `2 * ffn` rows.
@@ -202,12 +253,16 @@ pub fn forward(cfg: &ModelConfig, w: &Weights, pool: &mut KvPool, rows: &[Row<'_
     }
     for (li, lw) in w.layers.iter().enumerate() {
         lw.wqkv.matmul(&acts_h, n, &mut qkv);
+        let style = cfg.arch.rope();
         qkv.par_chunks_mut(qkv_w)
             .zip(&rope)
             .with_min_len(ROWS_PER_TASK)
             .for_each(|(row, (cos, sin))| {
+                if let Some(bias) = &lw.qkv_bias {
+                    add_in_place(row, bias);
+                }
                 for head in row[..qd + kvd].chunks_exact_mut(hd) {
-                    apply_rope(head, cos, sin);
+                    apply_rope(style, head, cos, sin);
                 }
             });
         for (r, row) in rows.iter().zip(qkv.chunks_exact(qkv_w)) {
@@ -361,11 +416,25 @@ fn rope_tables(cfg: &ModelConfig, rows: &[Row<'_>]) -> Vec<(Vec<f32>, Vec<f32>)>
         .collect()
 }
 
-/// GGUF llama weights are permuted for adjacent-pair ("normal") rotary embedding.
-fn apply_rope(head: &mut [f32], cos: &[f32], sin: &[f32]) {
-    for (pair, (c, s)) in head.chunks_exact_mut(2).zip(cos.iter().zip(sin)) {
-        let (x0, x1) = (pair[0], pair[1]);
-        pair[0] = x0 * c - x1 * s;
-        pair[1] = x0 * s + x1 * c;
+/// Rotates each pair of a head's dimensions (paired as `style` says) by its angle.
+fn apply_rope(style: Rope, head: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let rotate = |x0: &mut f32, x1: &mut f32, c: f32, s: f32| {
+        let (a, b) = (*x0, *x1);
+        *x0 = a * c - b * s;
+        *x1 = a * s + b * c;
+    };
+    match style {
+        Rope::Adjacent => {
+            for (pair, (c, s)) in head.chunks_exact_mut(2).zip(cos.iter().zip(sin)) {
+                let (x0, x1) = pair.split_at_mut(1);
+                rotate(&mut x0[0], &mut x1[0], *c, *s);
+            }
+        }
+        Rope::Halves => {
+            let (lo, hi) = head.split_at_mut(head.len() / 2);
+            for (((x0, x1), c), s) in lo.iter_mut().zip(hi).zip(cos).zip(sin) {
+                rotate(x0, x1, *c, *s);
+            }
+        }
     }
 }

@@ -25,6 +25,30 @@ pub struct BlockQ4_1 {
     pub qs: [u8; QK / 2],
 }
 
+/// GGML `Q5_0`: `x = d * (q - 16)` with `q` in `0..32`. Byte `j` of `qs` holds the low four
+/// bits of element `j` in its low nibble and of element `j + 16` in its high nibble; bit `i` of
+/// `qh` (read as a little-endian `u32`) is element `i`'s fifth bit.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockQ5_0 {
+    pub d: f16,
+    pub qh: [u8; 4],
+    pub qs: [u8; QK / 2],
+}
+
+impl BlockQ5_0 {
+    /// The 32 unsigned quants `q` (the values are `d * (q - 16)`).
+    pub fn quants(&self) -> [u8; QK] {
+        let qh = u32::from_le_bytes(self.qh);
+        let mut q = [0u8; QK];
+        for j in 0..QK / 2 {
+            q[j] = (self.qs[j] & 0x0F) | (((qh >> j) & 1) << 4) as u8;
+            q[j + 16] = (self.qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4) as u8;
+        }
+        q
+    }
+}
+
 /// GGML `Q8_0`: `x = d * q` with `q` in `-127..=127`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Pod, Zeroable)]
@@ -157,6 +181,33 @@ pub fn quantize_row_q4_1(x: &[f32], out: &mut [BlockQ4_1]) {
     }
 }
 
+/// Quantizes one row into GGML `Q5_0` blocks (kernel tests build weights with it).
+#[cfg(test)]
+pub fn quantize_row_q5_0(x: &[f32], out: &mut [BlockQ5_0]) {
+    debug_assert_eq!(x.len(), out.len() * QK);
+    for (chunk, block) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        // As ggml's reference: the value of largest magnitude maps to -16.
+        let max = chunk
+            .iter()
+            .copied()
+            .fold(0f32, |m, v| if v.abs() > m.abs() { v } else { m });
+        let d = max / -16.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let q: Vec<u8> = chunk
+            .iter()
+            .map(|v| ((v * id + 16.5) as i32).clamp(0, 31) as u8)
+            .collect();
+        let mut qh = 0u32;
+        for j in 0..QK / 2 {
+            block.qs[j] = (q[j] & 0x0F) | ((q[j + 16] & 0x0F) << 4);
+            qh |= u32::from(q[j] >> 4) << j | u32::from(q[j + 16] >> 4) << (j + 16);
+        }
+        block.qh = qh.to_le_bytes();
+        block.d = f16::from_f32(d);
+    }
+}
+
+#[cfg(test)]
 pub fn dequantize_row_q4_1(blocks: &[BlockQ4_1], out: &mut [f32]) {
     for (block, chunk) in blocks.iter().zip(out.chunks_exact_mut(QK)) {
         let (d, m) = (block.d.to_f32(), block.m.to_f32());
@@ -189,6 +240,23 @@ pub fn dot_q4_1_ref(w: &[BlockQ4_1], a: &[BlockQ8_1]) -> f32 {
                 sum += i32::from(w.qs[j] >> 4) * i32::from(a.qs[j + QK / 2]);
             }
             w.d.to_f32() * a.d * sum as f32 + w.m.to_f32() * a.s
+        })
+        .sum()
+}
+
+/// Scalar reference for one `Q5_0` row against one activation row, as ggml computes it.
+#[cfg(test)]
+pub fn dot_q5_0_ref(w: &[BlockQ5_0], a: &[BlockQ8_1]) -> f32 {
+    w.iter()
+        .zip(a)
+        .map(|(w, a)| {
+            let sum: i32 = w
+                .quants()
+                .iter()
+                .zip(a.qs)
+                .map(|(&q, y)| (i32::from(q) - 16) * i32::from(y))
+                .sum();
+            w.d.to_f32() * a.d * sum as f32
         })
         .sum()
 }
@@ -270,6 +338,16 @@ mod tests {
         for (a, b) in x.iter().zip(&y) {
             assert!((a - b).abs() < 2.0 / 15.0 * 0.5 + 1e-2, "{a} vs {b}");
         }
+    }
+
+    #[test]
+    fn q5_0_quants_hold_every_fifth_bit() {
+        let x: Vec<f32> = (0..QK).map(|i| i as f32 - 16.0).collect();
+        let mut q = [BlockQ5_0::zeroed()];
+        quantize_row_q5_0(&x, &mut q);
+        // d = -16 / -16 = 1: every value is exact, so q = x + 16 covers 0..32 once each.
+        let want: Vec<u8> = (0..QK as u8).collect();
+        assert_eq!(q[0].quants().to_vec(), want);
     }
 
     #[test]

@@ -16,7 +16,8 @@ use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::{AddedToken, PreTokenizerWrapper};
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
 mod error;
 
@@ -46,6 +47,10 @@ const EOG_TEXTS: &[&str] = &[
     "<reponame>",
     "<|file_sep|>",
 ];
+
+/// The pre-tokenizer split of Qwen2's tokenizer (its `tokenizer.json`, which llama.cpp's
+/// `LLAMA_VOCAB_PRE_TYPE_QWEN2` mirrors).
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// One chat message, as given to the chat template.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
@@ -104,6 +109,18 @@ impl Tokenizer {
                 Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
             }
             "default" | "gpt2" | "gpt-2" => byte_level.into(),
+            // llama.cpp's "qwen2" split (llama-vocab.cpp): GPT-4's regex with one digit per
+            // piece, then the byte-level mapping alone.
+            "qwen2" => {
+                let split = Split::new(
+                    SplitPattern::Regex(QWEN2_SPLIT.into()),
+                    SplitDelimiterBehavior::Isolated,
+                    false,
+                )
+                .map_err(|e| err(format!("the qwen2 split pattern: {e}")))?;
+                let bytes = ByteLevel::new(false, false, false);
+                Sequence::new(vec![split.into(), bytes.into()]).into()
+            }
             other => {
                 return Err(err(format!("pre-tokenizer {other:?} is not supported")));
             }
@@ -236,7 +253,11 @@ impl Tokenizer {
         let terr = |e: minijinja::Error| Error::Template {
             reason: e.to_string(),
         };
+        // Rendered the way Hugging Face's `apply_chat_template` renders, which the templates
+        // are written for.
         let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
         env.add_function("raise_exception", |msg: String| -> Result<String, _> {
             Err(minijinja::Error::new(
                 minijinja::ErrorKind::InvalidOperation,

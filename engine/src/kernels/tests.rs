@@ -4,7 +4,8 @@ use bytemuck::Zeroable;
 
 use super::*;
 use crate::quant::{
-    dot_q4_1_ref, dot_q8_0_ref, quantize_row_q4_1, quantize_row_q8_0, quantize_row_q8_1,
+    dot_q4_1_ref, dot_q5_0_ref, dot_q8_0_ref, quantize_row_q4_1, quantize_row_q5_0,
+    quantize_row_q8_0, quantize_row_q8_1,
 };
 
 fn rows(n: usize, cols: usize, seed: f32) -> Vec<f32> {
@@ -20,15 +21,54 @@ fn acts(n: usize, cols: usize) -> Vec<BlockQ8_1> {
     a
 }
 
-fn check(raw: &RawMatrix, n: usize) {
-    let m = &QMatrix::new(RawMatrix {
+fn copy(raw: &RawMatrix) -> RawMatrix {
+    RawMatrix {
         rows: raw.rows,
         cols: raw.cols,
         data: match &raw.data {
             RawWeights::Q4_1(b) => RawWeights::Q4_1(b.clone()),
+            RawWeights::Q5_0(b) => RawWeights::Q5_0(b.clone()),
             RawWeights::Q8_0(b) => RawWeights::Q8_0(b.clone()),
         },
-    });
+    }
+}
+
+/// The reference dot product of row `r` of `raw` with one activation row.
+fn reference(raw: &RawMatrix, r: usize, a: &[BlockQ8_1]) -> f32 {
+    let nb = raw.cols / QK;
+    let blocks = r * nb..(r + 1) * nb;
+    match &raw.data {
+        RawWeights::Q4_1(w) => dot_q4_1_ref(&w[blocks], a),
+        RawWeights::Q5_0(w) => dot_q5_0_ref(&w[blocks], a),
+        RawWeights::Q8_0(w) => dot_q8_0_ref(&w[blocks], a),
+    }
+}
+
+/// Matrices of one width stacked, each in its own type: rows index into them in order.
+fn check_stack(raws: &[RawMatrix], n: usize) {
+    let m = &QMatrix::stack(raws.iter().map(copy).collect()).expect("stack");
+    let nb = m.blocks_per_row();
+    let a = acts(n, m.cols);
+    let mut out = vec![0f32; n * m.rows];
+    m.matmul(&a, n, &mut out);
+    for j in 0..n {
+        let aj = &a[j * nb..(j + 1) * nb];
+        let mut r = 0;
+        for raw in raws {
+            for rr in 0..raw.rows {
+                let (want, got) = (reference(raw, rr, aj), out[j * m.rows + r]);
+                assert!(
+                    (want - got).abs() <= 1e-3 * want.abs().max(1.0),
+                    "row {r} act {j}: {got} vs {want}"
+                );
+                r += 1;
+            }
+        }
+    }
+}
+
+fn check(raw: &RawMatrix, n: usize) {
+    let m = &QMatrix::new(copy(raw));
     let nb = m.blocks_per_row();
     let a = acts(n, m.cols);
     let mut out = vec![0f32; n * m.rows];
@@ -36,10 +76,7 @@ fn check(raw: &RawMatrix, n: usize) {
     for j in 0..n {
         for r in 0..m.rows {
             let aj = &a[j * nb..(j + 1) * nb];
-            let want = match &raw.data {
-                RawWeights::Q4_1(w) => dot_q4_1_ref(&w[r * nb..(r + 1) * nb], aj),
-                RawWeights::Q8_0(w) => dot_q8_0_ref(&w[r * nb..(r + 1) * nb], aj),
-            };
+            let want = reference(raw, r, aj);
             let got = out[j * m.rows + r];
             assert!(
                 (want - got).abs() <= 1e-3 * want.abs().max(1.0),
@@ -87,6 +124,67 @@ fn q8_0_matches_reference_and_is_batch_invariant() {
     }
 }
 
+#[test]
+fn q5_0_matches_reference_and_is_batch_invariant() {
+    let (r, c) = (35, 160);
+    let x = rows(r, c, 2.0);
+    let mut w = vec![BlockQ5_0::zeroed(); r * c / QK];
+    quantize_row_q5_0(&x, &mut w);
+    let m = RawMatrix {
+        rows: r,
+        cols: c,
+        data: RawWeights::Q5_0(w),
+    };
+    for n in [1, 2, 7, 8, 11] {
+        check(&m, n);
+    }
+}
+
+#[test]
+fn a_stack_of_types_computes_each_part_with_its_own_kernel() {
+    let c = 96;
+    let raw = |r: usize, seed: f32, ty: u8| {
+        let x = rows(r, c, seed);
+        let nb = r * c / QK;
+        let data = match ty {
+            0 => {
+                let mut w = vec![BlockQ5_0::zeroed(); nb];
+                quantize_row_q5_0(&x, &mut w);
+                RawWeights::Q5_0(w)
+            }
+            1 => {
+                let mut w = vec![BlockQ8_0::zeroed(); nb];
+                quantize_row_q8_0(&x, &mut w);
+                RawWeights::Q8_0(w)
+            }
+            _ => {
+                let mut w = vec![BlockQ4_1::zeroed(); nb];
+                quantize_row_q4_1(&x, &mut w);
+                RawWeights::Q4_1(w)
+            }
+        };
+        RawMatrix {
+            rows: r,
+            cols: c,
+            data,
+        }
+    };
+    // Part sizes off the 16-row groups, so padding rows must not leak into the next part.
+    let parts = [raw(20, 0.0, 0), raw(9, 1.0, 1), raw(17, 2.0, 2)];
+    for n in [1, 3, 9] {
+        check_stack(&parts, n);
+    }
+    let m = QMatrix::stack(parts.iter().map(copy).collect()).expect("stack");
+    let mut row = vec![0f32; c];
+    m.dequantize_row(20 + 9 + 3, &mut row);
+    let RawWeights::Q4_1(w) = &parts[2].data else {
+        unreachable!()
+    };
+    let mut want = vec![0f32; c];
+    crate::quant::dequantize_row_q4_1(&w[3 * c / QK..4 * c / QK], &mut want);
+    assert_eq!(row, want);
+}
+
 /// The AVX2 and VNNI paths must agree bit for bit, so a node's results do not depend on which
 /// one its CPU runs.
 #[cfg(all(
@@ -107,10 +205,13 @@ fn avx2_and_vnni_kernels_are_bit_identical() {
         .map(|i| ((i as f32) * 0.377).sin() * 3.0)
         .collect();
     let mut q4 = vec![BlockQ4_1::zeroed(); rows * nb];
+    let mut q5 = vec![BlockQ5_0::zeroed(); rows * nb];
     let mut q8 = vec![BlockQ8_0::zeroed(); rows * nb];
     quantize_row_q4_1(&x, &mut q4);
+    quantize_row_q5_0(&x, &mut q5);
     quantize_row_q8_0(&x, &mut q8);
     let p4 = crate::packed::pack_q4_1(rows, nb, &q4);
+    let p5 = crate::packed::pack_q5_0(rows, nb, &q5);
     let p8 = crate::packed::pack_q8_0(rows, nb, &q8);
     let xa: Vec<f32> = (0..TILE * cols)
         .map(|i| ((i as f32) * 0.91).cos() * 2.0)
@@ -122,6 +223,11 @@ fn avx2_and_vnni_kernels_are_bit_identical() {
     unsafe {
         x86::tile_q4_1::<TILE>(&p4, &acts, &mut a);
         x86::tile_q4_1_vnni::<TILE>(&p4, &acts, &mut b);
+    }
+    assert_eq!(a, b);
+    unsafe {
+        x86::tile_q5_0::<TILE>(&p5, &acts, &mut a);
+        x86::tile_q5_0_vnni::<TILE>(&p5, &acts, &mut b);
     }
     assert_eq!(a, b);
     unsafe {
