@@ -450,7 +450,17 @@ pub fn greedy(token_ids: Vec<u32>, max_tokens: u32) -> pb::GenerateRequest {
 /// The real default model, if it has been fetched (`tandem model fetch`); tests that need it
 /// fail with that hint otherwise.
 pub fn default_model() -> anyhow::Result<Arc<Model>> {
-    let source = tandem_engine::ModelSource::parse("default", &tandem_engine::model_dir_from_env());
+    named_model("default")
+}
+
+/// The 0.5B Qwen2.5-Coder (Q4_K_M, a 152k vocabulary), the model of another architecture the
+/// cluster tests run on; `tandem model fetch qwen2.5-coder-0.5b` fetches it.
+pub fn qwen_model() -> anyhow::Result<Arc<Model>> {
+    named_model("qwen2.5-coder-0.5b")
+}
+
+fn named_model(name: &str) -> anyhow::Result<Arc<Model>> {
+    let source = tandem_engine::ModelSource::parse(name, &tandem_engine::model_dir_from_env());
     Ok(source.load()?)
 }
 

@@ -2,11 +2,14 @@
 //! its network goes) costs the client nothing. The router resumes the generation on another
 //! decode node from the prompt plus the tokens already delivered, and the client sees one
 //! stream with gap-free indices, equal token for token to the fault-free run of the same seed.
-//! On the real model: the tiny one can finish 600 tokens before the test cuts into them.
+//! On the real models: the tiny one can finish 600 tokens before the test cuts into them.
 
 use std::time::{Duration, Instant};
 
-use tandem_integration_tests::{Cluster, ClusterConfig, collect, default_model};
+use std::sync::Arc;
+
+use tandem_engine::Model;
+use tandem_integration_tests::{Cluster, ClusterConfig, collect, default_model, qwen_model};
 use tandem_proto::v1 as pb;
 
 fn seeded(max_tokens: u32) -> pb::GenerateRequest {
@@ -23,8 +26,8 @@ fn seeded(max_tokens: u32) -> pb::GenerateRequest {
     }
 }
 
-async fn cluster(prefill: usize, decode: usize) -> Cluster {
-    let mut config = ClusterConfig::new(default_model().expect("the default model"));
+async fn cluster(model: Arc<Model>, prefill: usize, decode: usize) -> Cluster {
+    let mut config = ClusterConfig::new(model);
     config.prefill = prefill;
     config.decode = decode;
     config.relays = true;
@@ -50,9 +53,20 @@ async fn busy_decode(cluster: &Cluster) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_node_lost_mid_stream_is_resumed_exactly_elsewhere() {
-    let cluster = cluster(1, 2).await;
+    let model = default_model().expect("the default model");
+    lost_mid_stream_resumes_exactly(model, 600).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qwen_stream_lost_mid_stream_is_resumed_exactly_elsewhere() {
+    let model = qwen_model().expect("the 0.5B Qwen (tandem model fetch qwen2.5-coder-0.5b)");
+    lost_mid_stream_resumes_exactly(model, 160).await;
+}
+
+async fn lost_mid_stream_resumes_exactly(model: Arc<Model>, max_tokens: u32) {
+    let cluster = cluster(model, 1, 2).await;
     let mut client = cluster.client();
-    let want = collect(&mut client, seeded(600))
+    let want = collect(&mut client, seeded(max_tokens))
         .await
         .expect("fault-free run");
     assert_eq!(want.last.route.as_ref().map(|r| r.attempts), Some(1));
@@ -62,7 +76,7 @@ async fn a_decode_node_lost_mid_stream_is_resumed_exactly_elsewhere() {
     );
 
     let mut frames = client
-        .generate(seeded(600))
+        .generate(seeded(max_tokens))
         .await
         .expect("generate")
         .into_inner();
@@ -117,7 +131,7 @@ async fn a_decode_node_lost_mid_stream_is_resumed_exactly_elsewhere() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_every_decode_node_gone_the_request_fails_fast_with_unavailable() {
-    let cluster = cluster(1, 2).await;
+    let cluster = cluster(default_model().expect("the default model"), 1, 2).await;
     let mut client = cluster.client();
     let mut frames = client
         .generate(seeded(600))

@@ -1,11 +1,13 @@
 //! Greedy output through the cluster is token for token what the engine produces locally (the
 //! code path of `tandem generate`), for one stream and for 8 concurrent ones, with the tiny
-//! model and with the real one.
+//! model and with the real ones (SmolLM2, and Qwen2.5 of another architecture and vocabulary).
 
 use std::sync::Arc;
 
 use tandem_engine::{Engine, EngineConfig, GenerateParams, GenerateRequest, Model};
-use tandem_integration_tests::{Cluster, ClusterConfig, collect, default_model, greedy};
+use tandem_integration_tests::{
+    Cluster, ClusterConfig, collect, default_model, greedy, qwen_model,
+};
 use tandem_proto::v1 as pb;
 
 fn local(model: &Arc<Model>, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
@@ -102,4 +104,37 @@ async fn real_model_cluster_equals_local_generation() {
         .map(|t| model.tokenizer.encode(t).expect("encode"))
         .collect();
     check(model, prompts, 24).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qwen_cluster_equals_local_generation() {
+    let model = qwen_model().expect("the 0.5B Qwen (tandem model fetch qwen2.5-coder-0.5b)");
+    let questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Reverse a list in Python.",
+        "Name three colors.",
+    ];
+    let mut prompts: Vec<Vec<u32>> = questions
+        .iter()
+        .map(|q| {
+            let text = model
+                .tokenizer
+                .apply_chat_template(&[tandem_engine::ChatMessage {
+                    role: "user".into(),
+                    content: q.to_string(),
+                }])
+                .expect("template");
+            model.tokenizer.encode(&text).expect("encode")
+        })
+        .collect();
+    for t in [
+        "def quicksort(arr):",
+        "The three laws of",
+        "1, 2, 3,",
+        "Dear Sir,",
+    ] {
+        prompts.push(model.tokenizer.encode(t).expect("encode"));
+    }
+    check(model, prompts, 16).await;
 }

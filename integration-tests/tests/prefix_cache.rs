@@ -6,7 +6,9 @@
 use std::sync::Arc;
 
 use tandem_engine::Model;
-use tandem_integration_tests::{Cluster, ClusterConfig, Collected, collect, default_model};
+use tandem_integration_tests::{
+    Cluster, ClusterConfig, Collected, collect, default_model, qwen_model,
+};
 use tandem_proto::v1 as pb;
 
 const SESSIONS: usize = 3;
@@ -124,4 +126,10 @@ async fn tiny_multi_turn_equals_cold_and_reuses_history() {
 async fn real_multi_turn_equals_cold_and_reuses_history() {
     let model = default_model().expect("the default model (run `tandem model fetch`)");
     check(model, 48, 10).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qwen_multi_turn_equals_cold_and_reuses_history() {
+    let model = qwen_model().expect("the 0.5B Qwen (tandem model fetch qwen2.5-coder-0.5b)");
+    check(model, 48, 8).await;
 }
