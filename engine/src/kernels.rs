@@ -21,9 +21,13 @@
 use rayon::prelude::*;
 
 use crate::packed::{
-    BlockQ4_1x16, BlockQ5_0x16, BlockQ8_0x16, GROUP, pack_q4_1, pack_q5_0, pack_q8_0,
+    BlockQ4_1x16, BlockQ4Kx16, BlockQ5_0x16, BlockQ6Kx16, BlockQ8_0x16, GROUP, SUBS, pack_q4_1,
+    pack_q4_k, pack_q5_0, pack_q6_k, pack_q8_0,
 };
-use crate::quant::{BlockQ4_1, BlockQ5_0, BlockQ8_0, BlockQ8_1, QK};
+use crate::quant::{
+    BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, BlockQ8_1, BlockQ8_1Halves, QK,
+    with_half_sums,
+};
 
 /// Activation rows multiplied per decoded weight block: enough independent accumulator chains
 /// to keep two `vpdpbusd` a cycle in flight (latency 4), within the 32 vector registers of
@@ -46,6 +50,8 @@ pub enum RawWeights {
     Q4_1(Vec<BlockQ4_1>),
     Q5_0(Vec<BlockQ5_0>),
     Q8_0(Vec<BlockQ8_0>),
+    Q4K(Vec<BlockQ4K>),
+    Q6K(Vec<BlockQ6K>),
 }
 
 /// A weight matrix as read from a file: `rows` output features of `cols / QK` blocks each.
@@ -78,6 +84,18 @@ enum Packed {
     Q4_1(Vec<BlockQ4_1x16>),
     Q5_0(Vec<BlockQ5_0x16>),
     Q8_0(Vec<BlockQ8_0x16>),
+    Q4K(Vec<BlockQ4Kx16>),
+    Q6K(Vec<BlockQ6Kx16>),
+}
+
+impl Packed {
+    /// Activation blocks per packed block: 1, or [`SUBS`] for a K-quant super-block.
+    fn span(&self) -> usize {
+        match self {
+            Packed::Q4K(_) | Packed::Q6K(_) => SUBS,
+            _ => 1,
+        }
+    }
 }
 
 impl QMatrix {
@@ -89,6 +107,7 @@ impl QMatrix {
     pub fn stack(raws: Vec<RawMatrix>) -> Option<Self> {
         let cols = raws.first()?.cols;
         let nb = cols / QK;
+        let nbk = nb / SUBS;
         let mut parts = Vec::with_capacity(raws.len());
         let mut first = 0;
         for raw in raws {
@@ -99,6 +118,8 @@ impl QMatrix {
                 RawWeights::Q4_1(b) => Packed::Q4_1(pack_q4_1(raw.rows, nb, b)),
                 RawWeights::Q5_0(b) => Packed::Q5_0(pack_q5_0(raw.rows, nb, b)),
                 RawWeights::Q8_0(b) => Packed::Q8_0(pack_q8_0(raw.rows, nb, b)),
+                RawWeights::Q4K(b) => Packed::Q4K(pack_q4_k(raw.rows, nbk, b)),
+                RawWeights::Q6K(b) => Packed::Q6K(pack_q6_k(raw.rows, nbk, b)),
             };
             parts.push(Part {
                 first,
@@ -129,7 +150,7 @@ impl QMatrix {
         let r = r - part.first;
         let (g, ri) = (r / GROUP, r % GROUP);
         for (b, chunk) in out.chunks_exact_mut(QK).enumerate() {
-            let i = g * nb + b;
+            let i = (g * nb + b) / part.data.span();
             let (d, m, q) = match &part.data {
                 Packed::Q4_1(w) => {
                     let q = crate::packed::q4_1_quants(&w[i], ri).map(f32::from);
@@ -143,6 +164,23 @@ impl QMatrix {
                 Packed::Q8_0(w) => {
                     let q = crate::packed::q8_0_quants(&w[i], ri).map(f32::from);
                     (w[i].d[ri].to_f32(), 0.0, q)
+                }
+                Packed::Q4K(w) => {
+                    let j = b % SUBS;
+                    let q = crate::packed::q4_k_quants(&w[i], ri, j).map(f32::from);
+                    let sc = f32::from(w[i].scales[GROUP * j + ri]);
+                    let m = f32::from(w[i].mins[GROUP * j + ri]);
+                    (w[i].d[ri].to_f32() * sc, -(w[i].dmin[ri].to_f32() * m), q)
+                }
+                Packed::Q6K(w) => {
+                    let j = b % SUBS;
+                    let q = crate::packed::q6_k_quants(&w[i], ri, j);
+                    let d = w[i].d[ri].to_f32();
+                    for (e, (o, q)) in chunk.iter_mut().zip(q).enumerate() {
+                        let sc = w[i].scales[GROUP * (2 * j + e / 16) + ri];
+                        *o = d * f32::from(sc) * (f32::from(q) - 32.0);
+                    }
+                    continue;
                 }
             };
             for (o, q) in chunk.iter_mut().zip(q) {
@@ -168,24 +206,29 @@ impl QMatrix {
         let chunk = units.len().div_ceil(threads * 4).max(2);
         let out_ptr = SendPtr(out.as_mut_ptr());
         let rows = self.rows;
-        let shifted = self
-            .parts
-            .iter()
-            .any(|p| matches!(p.data, Packed::Q8_0(_)) && unsigned_q8_0_acts())
+        let any = |f: fn(&Packed) -> bool| self.parts.iter().any(|p| f(&p.data));
+        let shifted = (unsigned_q8_0_acts() && any(|p| matches!(p, Packed::Q8_0(_))))
             .then(|| shift_to_unsigned(acts));
+        let halves = any(|p| matches!(p, Packed::Q6K(_))).then(|| with_half_sums(acts));
         units.par_chunks(chunk).for_each(|units| {
             for &(part, g) in units {
                 for j0 in (0..n).step_by(TILE) {
                     let t = (n - j0).min(TILE);
                     let a = &acts[j0 * nb..(j0 + t) * nb];
                     let mut res = [[0f32; GROUP]; TILE];
-                    let blocks = g * nb..(g + 1) * nb;
+                    let per_row = nb / part.data.span();
+                    let blocks = g * per_row..(g + 1) * per_row;
                     match &part.data {
                         Packed::Q4_1(w) => tile_q4_1(&w[blocks], a, t, &mut res),
                         Packed::Q5_0(w) => tile_q5_0(&w[blocks], a, t, &mut res),
                         Packed::Q8_0(w) => {
-                            let a = shifted.as_ref().map_or(a, |s| &s[j0 * nb..(j0 + t) * nb]);
+                            let a = shifted.as_deref().map_or(a, |s| &s[j0 * nb..(j0 + t) * nb]);
                             tile_q8_0(&w[blocks], a, t, &mut res)
+                        }
+                        Packed::Q4K(w) => tile_q4_k(&w[blocks], a, t, &mut res),
+                        Packed::Q6K(w) => {
+                            let h = halves.as_deref().expect("computed for Q6_K parts");
+                            tile_q6_k(&w[blocks], &h[j0 * nb..(j0 + t) * nb], t, &mut res)
                         }
                     }
                     let live = GROUP.min(part.rows - g * GROUP);
@@ -276,7 +319,8 @@ macro_rules! dispatch_tile {
                     _ => x86::$vnni::<TILE>(w, acts, out),
                 }
             } else {
-                let nb = w.len();
+                // Activation blocks per row.
+                let nb = acts.len() / t;
                 for (i, out) in out[..t].chunks_mut(AVX2_TILE).enumerate() {
                     let acts = &acts[i * AVX2_TILE * nb..];
                     match out.len() {
@@ -321,13 +365,33 @@ fn tile_q5_0(w: &[BlockQ5_0x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut
     dispatch_tile!(tile_q5_0, tile_q5_0_vnni, w, acts, t, out)
 }
 
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+fn tile_q4_k(w: &[BlockQ4Kx16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+    dispatch_tile!(tile_q4_k, tile_q4_k_vnni, w, acts, t, out)
+}
+
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+fn tile_q6_k(w: &[BlockQ6Kx16], acts: &[BlockQ8_1Halves], t: usize, out: &mut TileOut) {
+    dispatch_tile!(tile_q6_k, tile_q6_k_vnni, w, acts, t, out)
+}
+
 #[cfg(not(all(
     target_arch = "x86_64",
     target_feature = "avx2",
     target_feature = "fma",
     target_feature = "f16c"
 )))]
-use scalar::{tile_q4_1, tile_q5_0, tile_q8_0};
+use scalar::{tile_q4_1, tile_q4_k, tile_q5_0, tile_q6_k, tile_q8_0};
 
 /// The portable fallback, for builds without x86-64-v3.
 #[cfg(not(all(
@@ -338,8 +402,56 @@ use scalar::{tile_q4_1, tile_q5_0, tile_q8_0};
 )))]
 mod scalar {
     use super::TileOut;
-    use crate::packed::{BlockQ4_1x16, BlockQ5_0x16, BlockQ8_0x16};
-    use crate::quant::{BlockQ8_1, QK};
+    use crate::packed::{BlockQ4_1x16, BlockQ4Kx16, BlockQ5_0x16, BlockQ6Kx16, BlockQ8_0x16};
+    use crate::packed::{GROUP, SUBS, q4_k_quants, q6_k_quants};
+    use crate::quant::{BlockQ8_1, BlockQ8_1Halves, QK};
+
+    pub(super) fn tile_q4_k(w: &[BlockQ4Kx16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+        let nb = w.len() * SUBS;
+        for (k, o) in out[..t].iter_mut().enumerate() {
+            for (ri, o) in o.iter_mut().enumerate() {
+                *o = 0.0;
+                for (b, blk) in w.iter().enumerate() {
+                    for j in 0..SUBS {
+                        let a = &acts[k * nb + b * SUBS + j];
+                        let isum = int_dot(q4_k_quants(blk, ri, j).map(i32::from), a);
+                        let d = blk.d[ri].to_f32() * f32::from(blk.scales[GROUP * j + ri]);
+                        let m = blk.dmin[ri].to_f32() * f32::from(blk.mins[GROUP * j + ri]);
+                        *o += d * a.d * isum as f32 - m * a.s;
+                    }
+                }
+            }
+        }
+    }
+
+    pub(super) fn tile_q6_k(
+        w: &[BlockQ6Kx16],
+        acts: &[BlockQ8_1Halves],
+        t: usize,
+        out: &mut TileOut,
+    ) {
+        let nb = w.len() * SUBS;
+        for (k, o) in out[..t].iter_mut().enumerate() {
+            for (ri, o) in o.iter_mut().enumerate() {
+                *o = 0.0;
+                for (b, blk) in w.iter().enumerate() {
+                    for j in 0..SUBS {
+                        let a = &acts[k * nb + b * SUBS + j];
+                        let q = q6_k_quants(blk, ri, j);
+                        for half in 0..2 {
+                            let isum: i32 = q[16 * half..16 * half + 16]
+                                .iter()
+                                .zip(&a.q.qs[16 * half..])
+                                .map(|(&x, &y)| (i32::from(x) - 32) * i32::from(y))
+                                .sum();
+                            let sc = f32::from(blk.scales[GROUP * (2 * j + half) + ri]);
+                            *o += blk.d[ri].to_f32() * sc * a.q.d * isum as f32;
+                        }
+                    }
+                }
+            }
+        }
+    }
 
     pub(super) fn tile_q4_1(w: &[BlockQ4_1x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
         scalar_tile(w, acts, t, out, |blk, ri, a| {
@@ -400,8 +512,10 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::TileOut;
-    use crate::packed::{BlockQ4_1x16, BlockQ5_0x16, BlockQ8_0x16, CHUNK, GROUP};
-    use crate::quant::BlockQ8_1;
+    use crate::packed::{
+        BlockQ4_1x16, BlockQ4Kx16, BlockQ5_0x16, BlockQ6Kx16, BlockQ8_0x16, CHUNK, GROUP, SUBS,
+    };
+    use crate::quant::{BlockQ8_1, BlockQ8_1Halves, QK};
 
     /// Rows per AVX2 pass: a 256-bit register holds 4 bytes of each.
     const HALF: usize = GROUP / 2;
@@ -675,6 +789,307 @@ mod x86 {
                     let f = _mm512_cvtepi32_ps(isum[k]);
                     acc[k] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(a.d)), acc[k]);
                     acc[k] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s), acc[k]);
+                }
+            }
+            for k in 0..T {
+                _mm512_storeu_ps(out[k].as_mut_ptr(), acc[k]);
+            }
+        }
+    }
+
+    /// 16 bytes (one per row of a group) widened to f32 lanes, for the K-quants' per-row scales.
+    #[inline(always)]
+    unsafe fn scales_u8_x8(bytes: &[u8]) -> __m256 {
+        // SAFETY: the cfg guarantees AVX2; the caller passes at least 8 bytes.
+        unsafe { _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(bytes.as_ptr().cast()))) }
+    }
+
+    #[inline(always)]
+    unsafe fn scales_i8_x8(bytes: &[i8]) -> __m256 {
+        // SAFETY: as in `scales_u8_x8`.
+        unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(bytes.as_ptr().cast()))) }
+    }
+
+    /// One 16-row `Q4_K` group against `T` activation rows, in AVX2 halves. Each 32-value
+    /// sub-block is `tile_q4_1`'s block, with the row's scale `d·sc` and minimum `dmin·m` (both
+    /// exact in f32: an f16 times a 6-bit integer) in place of `Q4_1`'s.
+    pub(super) unsafe fn tile_q4_k<const T: usize>(
+        w: &[BlockQ4Kx16],
+        acts: &[BlockQ8_1],
+        out: &mut TileOut,
+    ) {
+        let nb = w.len() * SUBS;
+        // SAFETY (whole body): as in `tile_q4_1`.
+        unsafe {
+            let mask = _mm256_set1_epi8(0x0F);
+            let ones = _mm256_set1_epi16(1);
+            for half in 0..2 {
+                let row0 = HALF * half;
+                let mut acc = [_mm256_setzero_ps(); T];
+                for (b, blk) in w.iter().enumerate() {
+                    if half == 0 {
+                        prefetch_ahead(blk);
+                    }
+                    let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().add(row0).cast()));
+                    let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.dmin.as_ptr().add(row0).cast()));
+                    for j in 0..SUBS {
+                        let dw = _mm256_mul_ps(d, scales_u8_x8(&blk.scales[GROUP * j + row0..]));
+                        let mw = _mm256_mul_ps(dmin, scales_u8_x8(&blk.mins[GROUP * j + row0..]));
+                        let qs = blk.qs.as_ptr().add(j * GROUP * QK / 2);
+                        let mut isum_lo = [_mm256_setzero_si256(); T];
+                        let mut isum_hi = [_mm256_setzero_si256(); T];
+                        for c in 0..4 {
+                            let raw = _mm256_load_si256(qs.add(CHUNK * c + 4 * row0).cast());
+                            let lo = _mm256_and_si256(raw, mask);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
+                            for k in 0..T {
+                                let a = &acts[k * nb + b * SUBS + j];
+                                let (al, ah) = (quad(a, 4 * c), quad(a, 16 + 4 * c));
+                                let pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(al));
+                                let ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(ah));
+                                isum_lo[k] = _mm256_add_epi16(isum_lo[k], pl);
+                                isum_hi[k] = _mm256_add_epi16(isum_hi[k], ph);
+                            }
+                        }
+                        for k in 0..T {
+                            let a = &acts[k * nb + b * SUBS + j];
+                            let sum = _mm256_add_epi16(isum_lo[k], isum_hi[k]);
+                            let f = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, ones));
+                            acc[k] =
+                                _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d)), acc[k]);
+                            acc[k] = _mm256_fnmadd_ps(mw, _mm256_set1_ps(a.s), acc[k]);
+                        }
+                    }
+                }
+                for k in 0..T {
+                    _mm256_storeu_ps(out[k].as_mut_ptr().add(row0), acc[k]);
+                }
+            }
+        }
+    }
+
+    /// One 16-row `Q6_K` group against `T` activation rows, in AVX2 halves. Per sub-block, the
+    /// low nibbles (its first 16 values) and the high ones (its last 16) sum in separate i32
+    /// chains, each started at `−32·Σa` of its half of the activations, which takes the offset
+    /// 32 off exactly; each is then scaled by its own group's `d·sc` (exact in f32).
+    pub(super) unsafe fn tile_q6_k<const T: usize>(
+        w: &[BlockQ6Kx16],
+        acts: &[BlockQ8_1Halves],
+        out: &mut TileOut,
+    ) {
+        let nb = w.len() * SUBS;
+        // SAFETY (whole body): as in `tile_q4_1`.
+        unsafe {
+            let mask = _mm256_set1_epi8(0x0F);
+            let high = _mm256_set1_epi8(0x30);
+            let ones = _mm256_set1_epi16(1);
+            for half in 0..2 {
+                let row0 = HALF * half;
+                let mut acc = [_mm256_setzero_ps(); T];
+                for (b, blk) in w.iter().enumerate() {
+                    if half == 0 {
+                        prefetch_ahead(blk);
+                    }
+                    let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().add(row0).cast()));
+                    for j in 0..SUBS {
+                        let dl =
+                            _mm256_mul_ps(d, scales_i8_x8(&blk.scales[GROUP * 2 * j + row0..]));
+                        let dh = _mm256_mul_ps(
+                            d,
+                            scales_i8_x8(&blk.scales[GROUP * (2 * j + 1) + row0..]),
+                        );
+                        let ql = blk.ql.as_ptr().add(j * GROUP * QK / 2);
+                        let qh = blk.qh.as_ptr().add(j * GROUP * QK / 4 + 4 * row0);
+                        let (hl, hh) = (
+                            _mm256_load_si256(qh.cast()),
+                            _mm256_load_si256(qh.add(CHUNK).cast()),
+                        );
+                        let mut isum_lo: [__m256i; T] = std::array::from_fn(|k| {
+                            _mm256_set1_epi32(-32 * acts[k * nb + b * SUBS + j].sums[0])
+                        });
+                        let mut isum_hi: [__m256i; T] = std::array::from_fn(|k| {
+                            _mm256_set1_epi32(-32 * acts[k * nb + b * SUBS + j].sums[1])
+                        });
+                        for c in 0..4 {
+                            let raw = _mm256_load_si256(ql.add(CHUNK * c + 4 * row0).cast());
+                            let lo = _mm256_or_si256(
+                                _mm256_and_si256(raw, mask),
+                                _mm256_and_si256(two_bits_256(hl, c), high),
+                            );
+                            let hi = _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask),
+                                _mm256_and_si256(two_bits_256(hh, c), high),
+                            );
+                            for k in 0..T {
+                                let a = &acts[k * nb + b * SUBS + j].q;
+                                let (al, ah) = (quad(a, 4 * c), quad(a, 16 + 4 * c));
+                                let pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(al));
+                                let ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(ah));
+                                isum_lo[k] =
+                                    _mm256_add_epi32(isum_lo[k], _mm256_madd_epi16(pl, ones));
+                                isum_hi[k] =
+                                    _mm256_add_epi32(isum_hi[k], _mm256_madd_epi16(ph, ones));
+                            }
+                        }
+                        for k in 0..T {
+                            let ad = _mm256_set1_ps(acts[k * nb + b * SUBS + j].q.d);
+                            let fl = _mm256_cvtepi32_ps(isum_lo[k]);
+                            let fh = _mm256_cvtepi32_ps(isum_hi[k]);
+                            acc[k] = _mm256_fmadd_ps(fl, _mm256_mul_ps(dl, ad), acc[k]);
+                            acc[k] = _mm256_fmadd_ps(fh, _mm256_mul_ps(dh, ad), acc[k]);
+                        }
+                    }
+                }
+                for k in 0..T {
+                    _mm256_storeu_ps(out[k].as_mut_ptr().add(row0), acc[k]);
+                }
+            }
+        }
+    }
+
+    /// Chunk `c`'s two high bits of each byte of `bits`, moved to bits 4-5 (not yet masked).
+    #[inline(always)]
+    unsafe fn two_bits_256(bits: __m256i, c: usize) -> __m256i {
+        // SAFETY: the cfg guarantees AVX2. A 16-bit shift by under 8 moves each byte's own bits
+        // into bits 4-5, which the caller's mask keeps.
+        unsafe {
+            match c {
+                0 => _mm256_slli_epi16::<4>(bits),
+                1 => _mm256_slli_epi16::<2>(bits),
+                2 => bits,
+                _ => _mm256_srli_epi16::<2>(bits),
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn two_bits_512(bits: __m512i, c: usize) -> __m512i {
+        // SAFETY: the callers enable AVX-512BW; see `two_bits_256`.
+        unsafe {
+            match c {
+                0 => _mm512_slli_epi16::<4>(bits),
+                1 => _mm512_slli_epi16::<2>(bits),
+                2 => bits,
+                _ => _mm512_srli_epi16::<2>(bits),
+            }
+        }
+    }
+
+    /// 16 bytes widened to f32 lanes (the K-quants' per-row scales), 512-bit.
+    #[inline(always)]
+    unsafe fn scales_u8_x16(bytes: &[u8]) -> __m512 {
+        // SAFETY: the callers enable AVX-512F; the caller passes at least 16 bytes.
+        unsafe { _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(bytes.as_ptr().cast()))) }
+    }
+
+    #[inline(always)]
+    unsafe fn scales_i8_x16(bytes: &[i8]) -> __m512 {
+        // SAFETY: as in `scales_u8_x16`.
+        unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes.as_ptr().cast()))) }
+    }
+
+    /// `tile_q4_k` with 512-bit `vpdpbusd`, all 16 rows at once; the float steps are the same,
+    /// so the results are bit-identical.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn tile_q4_k_vnni<const T: usize>(
+        w: &[BlockQ4Kx16],
+        acts: &[BlockQ8_1],
+        out: &mut TileOut,
+    ) {
+        let nb = w.len() * SUBS;
+        // SAFETY (whole body): the caller checked `has_vnni`; every load reads inside a block.
+        unsafe {
+            let mask = _mm512_set1_epi8(0x0F);
+            let mut acc = [_mm512_setzero_ps(); T];
+            for (b, blk) in w.iter().enumerate() {
+                prefetch_ahead(blk);
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk.d.as_ptr().cast()));
+                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(blk.dmin.as_ptr().cast()));
+                for j in 0..SUBS {
+                    let dw = _mm512_mul_ps(d, scales_u8_x16(&blk.scales[GROUP * j..]));
+                    let mw = _mm512_mul_ps(dmin, scales_u8_x16(&blk.mins[GROUP * j..]));
+                    let qs = blk.qs.as_ptr().add(j * GROUP * QK / 2);
+                    let mut isum = [_mm512_setzero_si512(); T];
+                    for c in 0..4 {
+                        let raw = _mm512_load_si512(qs.add(CHUNK * c).cast());
+                        let lo = _mm512_and_si512(raw, mask);
+                        let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), mask);
+                        for k in 0..T {
+                            let a = &acts[k * nb + b * SUBS + j];
+                            let (al, ah) = (quad(a, 4 * c), quad(a, 16 + 4 * c));
+                            isum[k] = _mm512_dpbusd_epi32(isum[k], lo, _mm512_set1_epi32(al));
+                            isum[k] = _mm512_dpbusd_epi32(isum[k], hi, _mm512_set1_epi32(ah));
+                        }
+                    }
+                    for k in 0..T {
+                        let a = &acts[k * nb + b * SUBS + j];
+                        let f = _mm512_cvtepi32_ps(isum[k]);
+                        acc[k] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(a.d)), acc[k]);
+                        acc[k] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(a.s), acc[k]);
+                    }
+                }
+            }
+            for k in 0..T {
+                _mm512_storeu_ps(out[k].as_mut_ptr(), acc[k]);
+            }
+        }
+    }
+
+    /// `tile_q6_k` with 512-bit `vpdpbusd`, all 16 rows at once; bit-identical to it.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn tile_q6_k_vnni<const T: usize>(
+        w: &[BlockQ6Kx16],
+        acts: &[BlockQ8_1Halves],
+        out: &mut TileOut,
+    ) {
+        let nb = w.len() * SUBS;
+        // SAFETY (whole body): the caller checked `has_vnni`; every load reads inside a block.
+        unsafe {
+            let mask = _mm512_set1_epi8(0x0F);
+            let high = _mm512_set1_epi8(0x30);
+            let mut acc = [_mm512_setzero_ps(); T];
+            for (b, blk) in w.iter().enumerate() {
+                prefetch_ahead(blk);
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk.d.as_ptr().cast()));
+                for j in 0..SUBS {
+                    let dl = _mm512_mul_ps(d, scales_i8_x16(&blk.scales[GROUP * 2 * j..]));
+                    let dh = _mm512_mul_ps(d, scales_i8_x16(&blk.scales[GROUP * (2 * j + 1)..]));
+                    let ql = blk.ql.as_ptr().add(j * GROUP * QK / 2);
+                    let qh = blk.qh.as_ptr().add(j * GROUP * QK / 4);
+                    let (hl, hh) = (
+                        _mm512_loadu_si512(qh.cast()),
+                        _mm512_loadu_si512(qh.add(CHUNK).cast()),
+                    );
+                    let mut isum_lo: [__m512i; T] = std::array::from_fn(|k| {
+                        _mm512_set1_epi32(-32 * acts[k * nb + b * SUBS + j].sums[0])
+                    });
+                    let mut isum_hi: [__m512i; T] = std::array::from_fn(|k| {
+                        _mm512_set1_epi32(-32 * acts[k * nb + b * SUBS + j].sums[1])
+                    });
+                    for c in 0..4 {
+                        let raw = _mm512_loadu_si512(ql.add(CHUNK * c).cast());
+                        let lo = _mm512_or_si512(
+                            _mm512_and_si512(raw, mask),
+                            _mm512_and_si512(two_bits_512(hl, c), high),
+                        );
+                        let hi = _mm512_or_si512(
+                            _mm512_and_si512(_mm512_srli_epi16::<4>(raw), mask),
+                            _mm512_and_si512(two_bits_512(hh, c), high),
+                        );
+                        for k in 0..T {
+                            let a = &acts[k * nb + b * SUBS + j].q;
+                            let (al, ah) = (quad(a, 4 * c), quad(a, 16 + 4 * c));
+                            isum_lo[k] = _mm512_dpbusd_epi32(isum_lo[k], lo, _mm512_set1_epi32(al));
+                            isum_hi[k] = _mm512_dpbusd_epi32(isum_hi[k], hi, _mm512_set1_epi32(ah));
+                        }
+                    }
+                    for k in 0..T {
+                        let ad = _mm512_set1_ps(acts[k * nb + b * SUBS + j].q.d);
+                        let fl = _mm512_cvtepi32_ps(isum_lo[k]);
+                        let fh = _mm512_cvtepi32_ps(isum_hi[k]);
+                        acc[k] = _mm512_fmadd_ps(fl, _mm512_mul_ps(dl, ad), acc[k]);
+                        acc[k] = _mm512_fmadd_ps(fh, _mm512_mul_ps(dh, ad), acc[k]);
+                    }
                 }
             }
             for k in 0..T {

@@ -1,7 +1,7 @@
 //! Reads a GGUF file of a supported architecture ([`Arch`]) through candle's GGUF reader into
 //! [`Weights`], [`ModelConfig`] and a [`TokenizerSpec`], validating everything before it is used.
 //!
-//! `Q4_1`, `Q5_0` and `Q8_0` tensors keep their bytes; any other type is dequantized by candle
+//! `Q4_1`, `Q5_0`, `Q8_0`, `Q4_K` and `Q6_K` tensors keep their bytes; any other type is dequantized by candle
 //! and requantized to `Q8_0`, which has a fast kernel, with a log line saying what that costs.
 //! The fingerprint is the SHA-256 of the file.
 
@@ -16,7 +16,7 @@ use sha2::{Digest, Sha256};
 use crate::error::{Error, Result};
 use crate::kernels::{QMatrix, RawMatrix, RawWeights};
 use crate::model::{Arch, LayerWeights, ModelConfig, Weights};
-use crate::quant::{BlockQ4_1, BlockQ5_0, BlockQ8_0, QK, quantize_row_q8_0};
+use crate::quant::{BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, QK, quantize_row_q8_0};
 use tandem_tokenizer::TokenizerSpec;
 
 /// The SHA-256 of a model's weights file: the KV wire format carries it, so KV computed by
@@ -272,6 +272,12 @@ impl TensorReader<'_> {
             GgmlDType::Q8_0 => RawWeights::Q8_0(bytemuck::pod_collect_to_vec::<u8, BlockQ8_0>(
                 self.raw(info),
             )),
+            GgmlDType::Q4K => {
+                RawWeights::Q4K(bytemuck::pod_collect_to_vec::<u8, BlockQ4K>(self.raw(info)))
+            }
+            GgmlDType::Q6K => {
+                RawWeights::Q6K(bytemuck::pod_collect_to_vec::<u8, BlockQ6K>(self.raw(info)))
+            }
             other => {
                 let from = self.raw(info).len();
                 let to = rows * cols / QK * size_of::<BlockQ8_0>();

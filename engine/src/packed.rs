@@ -15,7 +15,7 @@
 use bytemuck::{Pod, Zeroable};
 use half::f16;
 
-use crate::quant::{BlockQ4_1, BlockQ5_0, BlockQ8_0, QK};
+use crate::quant::{BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, QK, QK_K};
 
 /// Rows per packed group.
 pub const GROUP: usize = 16;
@@ -38,6 +38,38 @@ pub struct BlockQ5_0x16 {
     pub qs: [u8; GROUP * QK / 2],
     /// Per chunk `j`: `qh[2j]` the fifth bits of its low nibbles, `qh[2j + 1]` of its high ones.
     pub qh: [u64; 8],
+    pub d: [f16; GROUP],
+}
+
+/// Sub-blocks of 32 values per K-quant super-block.
+pub const SUBS: usize = QK_K / QK;
+
+/// `Q4_K`, 16 rows of one super-block: each 32-value sub-block's quants in `Q4_1x16`'s nibble
+/// layout (256 bytes), then per sub-block and row its 6-bit scale and minimum unpacked to bytes.
+/// 2,368 bytes, 148 per row (the file's block is 144).
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockQ4Kx16 {
+    pub qs: [u8; SUBS * GROUP * QK / 2],
+    /// `scales[GROUP * j + ri]`: sub-block `j`, row `ri`.
+    pub scales: [u8; SUBS * GROUP],
+    pub mins: [u8; SUBS * GROUP],
+    pub d: [f16; GROUP],
+    pub dmin: [f16; GROUP],
+}
+
+/// `Q6_K`, 16 rows of one super-block: each 32-value sub-block's low four bits in `Q4_1x16`'s
+/// nibble layout (256 bytes), and its high two bits in 128 bytes: 64 for the values in low
+/// nibbles, then 64 for those in high ones, byte `4·ri + t` holding chunk `c`'s two bits at bits
+/// `2c..2c + 2`. The low nibbles of a sub-block are its first 16 values and the high nibbles its
+/// last 16, so each nibble has one scale. 3,360 bytes, 210 per row (as in the file).
+#[repr(C, align(32))]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockQ6Kx16 {
+    pub ql: [u8; SUBS * GROUP * QK / 2],
+    pub qh: [u8; SUBS * GROUP * QK / 4],
+    /// `scales[GROUP * g + ri]`: 16-value group `g`, row `ri`.
+    pub scales: [i8; 2 * SUBS * GROUP],
     pub d: [f16; GROUP],
 }
 
@@ -93,6 +125,66 @@ pub fn pack_q5_0(rows: usize, nb: usize, src: &[BlockQ5_0]) -> Vec<BlockQ5_0x16>
     out
 }
 
+/// The byte of a 32-value block's nibble layout that holds values `4c + t` (low nibble) and
+/// `16 + 4c + t` (high nibble) of row `ri`.
+fn nibble_at(c: usize, ri: usize, t: usize) -> usize {
+    CHUNK * c + ri * 4 + t
+}
+
+pub fn pack_q4_k(rows: usize, nbk: usize, src: &[BlockQ4K]) -> Vec<BlockQ4Kx16> {
+    let groups = rows.div_ceil(GROUP);
+    let mut out: Vec<BlockQ4Kx16> = crate::memory::zeroed_vec(groups * nbk);
+    for (i, dst) in out.iter_mut().enumerate() {
+        let (g, b) = (i / nbk, i % nbk);
+        for ri in 0..GROUP.min(rows - g * GROUP) {
+            let s = &src[(g * GROUP + ri) * nbk + b];
+            dst.d[ri] = s.d;
+            dst.dmin[ri] = s.dmin;
+            for j in 0..SUBS {
+                (dst.scales[GROUP * j + ri], dst.mins[GROUP * j + ri]) = s.scale_min(j);
+                let q = s.quants(j);
+                let qs = &mut dst.qs[j * GROUP * QK / 2..];
+                for c in 0..4 {
+                    for t in 0..4 {
+                        qs[nibble_at(c, ri, t)] = q[4 * c + t] | (q[16 + 4 * c + t] << 4);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+pub fn pack_q6_k(rows: usize, nbk: usize, src: &[BlockQ6K]) -> Vec<BlockQ6Kx16> {
+    let groups = rows.div_ceil(GROUP);
+    let mut out: Vec<BlockQ6Kx16> = crate::memory::zeroed_vec(groups * nbk);
+    for (i, dst) in out.iter_mut().enumerate() {
+        let (g, b) = (i / nbk, i % nbk);
+        for ri in 0..GROUP.min(rows - g * GROUP) {
+            let s = &src[(g * GROUP + ri) * nbk + b];
+            dst.d[ri] = s.d;
+            for (gi, &sc) in s.scales.iter().enumerate() {
+                dst.scales[GROUP * gi + ri] = sc;
+            }
+            let q = s.quants();
+            for j in 0..SUBS {
+                let q = &q[QK * j..QK * (j + 1)];
+                for c in 0..4 {
+                    for t in 0..4 {
+                        let (lo, hi) = (q[4 * c + t], q[16 + 4 * c + t]);
+                        dst.ql[j * GROUP * QK / 2 + nibble_at(c, ri, t)] =
+                            (lo & 0x0F) | ((hi & 0x0F) << 4);
+                        let at = j * GROUP * QK / 4 + 4 * ri + t;
+                        dst.qh[at] |= (lo >> 4) << (2 * c);
+                        dst.qh[at + CHUNK] |= (hi >> 4) << (2 * c);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
 pub fn pack_q8_0(rows: usize, nb: usize, src: &[BlockQ8_0]) -> Vec<BlockQ8_0x16> {
     let groups = rows.div_ceil(GROUP);
     let mut out: Vec<BlockQ8_0x16> = crate::memory::zeroed_vec(groups * nb);
@@ -138,6 +230,28 @@ pub fn q5_0_quants(block: &BlockQ5_0x16, ri: usize) -> [u8; QK] {
     q
 }
 
+/// Sub-block `j` of row `ri` of a group's block, as 32 unsigned quants (`Q4_K`).
+pub fn q4_k_quants(block: &BlockQ4Kx16, ri: usize, j: usize) -> [u8; QK] {
+    let qs = &block.qs[j * GROUP * QK / 2..];
+    std::array::from_fn(|e| {
+        let (c, t) = ((e % 16) / 4, e % 4);
+        let byte = qs[nibble_at(c, ri, t)];
+        if e < 16 { byte & 0x0F } else { byte >> 4 }
+    })
+}
+
+/// Sub-block `j` of row `ri` of a group's block, as 32 unsigned quants (`Q6_K`).
+pub fn q6_k_quants(block: &BlockQ6Kx16, ri: usize, j: usize) -> [u8; QK] {
+    let ql = &block.ql[j * GROUP * QK / 2..];
+    let qh = &block.qh[j * GROUP * QK / 4..];
+    std::array::from_fn(|e| {
+        let (c, t) = ((e % 16) / 4, e % 4);
+        let byte = ql[nibble_at(c, ri, t)];
+        let high = qh[4 * ri + t + if e < 16 { 0 } else { CHUNK }] >> (2 * c) & 3;
+        (if e < 16 { byte & 0x0F } else { byte >> 4 }) | (high << 4)
+    })
+}
+
 /// Row `ri` of a group's block, as 32 signed quants (`Q8_0`).
 pub fn q8_0_quants(block: &BlockQ8_0x16, ri: usize) -> [i8; QK] {
     let mut q = [0i8; QK];
@@ -149,9 +263,59 @@ pub fn q8_0_quants(block: &BlockQ8_0x16, ri: usize) -> [i8; QK] {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::quant::{quantize_row_q4_1, quantize_row_q5_0, quantize_row_q8_0};
+
+    /// K-quant blocks of pseudo-random bytes: every bit pattern is a valid block.
+    pub(crate) fn random_blocks<T: Pod>(n: usize, seed: u32) -> Vec<T> {
+        let mut state = seed.wrapping_mul(2_654_435_761).max(1);
+        let bytes: Vec<u8> = (0..n * size_of::<T>())
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 17;
+                state ^= state << 5;
+                (state >> 8) as u8
+            })
+            .collect();
+        bytemuck::pod_collect_to_vec(&bytes)
+    }
+
+    #[test]
+    fn k_quant_packing_keeps_every_value_in_place() {
+        let (rows, nbk) = (21, 2);
+        let mut q4: Vec<BlockQ4K> = random_blocks(rows * nbk, 1);
+        let mut q6: Vec<BlockQ6K> = random_blocks(rows * nbk, 2);
+        // Finite scales: random bytes may spell an f16 NaN, which packing must keep as it is
+        // but `assert_eq` cannot compare.
+        for b in &mut q4 {
+            (b.d, b.dmin) = (f16::from_f32(0.5), f16::from_f32(0.25));
+        }
+        for b in &mut q6 {
+            b.d = f16::from_f32(0.5);
+        }
+        let (p4, p6) = (pack_q4_k(rows, nbk, &q4), pack_q6_k(rows, nbk, &q6));
+        for r in 0..rows {
+            let (g, ri) = (r / GROUP, r % GROUP);
+            for b in 0..nbk {
+                let (s4, s6) = (&q4[r * nbk + b], &q6[r * nbk + b]);
+                let (k4, k6) = (&p4[g * nbk + b], &p6[g * nbk + b]);
+                let all6 = s6.quants();
+                for j in 0..SUBS {
+                    assert_eq!(q4_k_quants(k4, ri, j), s4.quants(j));
+                    assert_eq!(
+                        (k4.scales[GROUP * j + ri], k4.mins[GROUP * j + ri]),
+                        s4.scale_min(j)
+                    );
+                    assert_eq!(q6_k_quants(k6, ri, j)[..], all6[QK * j..QK * (j + 1)]);
+                }
+                for gi in 0..16 {
+                    assert_eq!(k6.scales[GROUP * gi + ri], s6.scales[gi]);
+                }
+                assert_eq!((k4.d[ri], k4.dmin[ri], k6.d[ri]), (s4.d, s4.dmin, s6.d));
+            }
+        }
+    }
 
     #[test]
     fn packing_keeps_every_value_in_place() {

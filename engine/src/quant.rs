@@ -49,6 +49,78 @@ impl BlockQ5_0 {
     }
 }
 
+/// Values per K-quant super-block.
+pub const QK_K: usize = 256;
+
+/// GGML `Q4_K`: eight 32-value sub-blocks, `x = d·sc·q − dmin·m` with `q` in `0..16` and a 6-bit
+/// scale `sc` and minimum `m` per sub-block, packed in `scales`. Sub-blocks `2p` and `2p + 1`
+/// share bytes `32p..32p + 32` of `qs`, in their low and high nibbles.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockQ4K {
+    pub d: f16,
+    pub dmin: f16,
+    pub scales: [u8; 12],
+    pub qs: [u8; QK_K / 2],
+}
+
+impl BlockQ4K {
+    /// Sub-block `j`'s 6-bit scale and minimum (ggml's `get_scale_min_k4`).
+    pub fn scale_min(&self, j: usize) -> (u8, u8) {
+        let q = &self.scales;
+        if j < 4 {
+            (q[j] & 63, q[j + 4] & 63)
+        } else {
+            (
+                (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4),
+                (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+            )
+        }
+    }
+
+    /// Sub-block `j`'s 32 quants.
+    pub fn quants(&self, j: usize) -> [u8; QK] {
+        let bytes = &self.qs[32 * (j / 2)..32 * (j / 2) + 32];
+        std::array::from_fn(|l| {
+            if j % 2 == 0 {
+                bytes[l] & 0x0F
+            } else {
+                bytes[l] >> 4
+            }
+        })
+    }
+}
+
+/// GGML `Q6_K`: sixteen 16-value groups, `x = d·sc·(q − 32)` with `q` in `0..64` and an 8-bit
+/// signed scale per group. Each 128-value half keeps its low four bits in 64 bytes of `ql` and its
+/// high two in 32 bytes of `qh` (ggml's `dequantize_row_q6_K` says which where).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockQ6K {
+    pub ql: [u8; QK_K / 2],
+    pub qh: [u8; QK_K / 4],
+    pub scales: [i8; QK_K / 16],
+    pub d: f16,
+}
+
+impl BlockQ6K {
+    /// All 256 unsigned quants `q` (the values are `d·sc·(q − 32)`).
+    pub fn quants(&self) -> [u8; QK_K] {
+        let mut q = [0u8; QK_K];
+        for half in 0..2 {
+            let (ql, qh) = (&self.ql[64 * half..], &self.qh[32 * half..]);
+            let y = &mut q[128 * half..];
+            for l in 0..32 {
+                y[l] = (ql[l] & 0x0F) | ((qh[l] & 3) << 4);
+                y[l + 32] = (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4);
+                y[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                y[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+            }
+        }
+        q
+    }
+}
+
 /// GGML `Q8_0`: `x = d * q` with `q` in `-127..=127`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Pod, Zeroable)]
@@ -181,6 +253,28 @@ pub fn quantize_row_q4_1(x: &[f32], out: &mut [BlockQ4_1]) {
     }
 }
 
+/// Each activation block with the sums of its first and last 16 quants, for
+/// weight types with a scale per 16 values (`Q6_K`).
+pub fn with_half_sums(acts: &[BlockQ8_1]) -> Vec<BlockQ8_1Halves> {
+    acts.iter()
+        .map(|a| {
+            let sum = |q: &[i8]| q.iter().map(|&v| i32::from(v)).sum();
+            BlockQ8_1Halves {
+                q: *a,
+                sums: [sum(&a.qs[..16]), sum(&a.qs[16..])],
+            }
+        })
+        .collect()
+}
+
+/// A [`BlockQ8_1`] with the integer sums of its first and last 16 quants.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockQ8_1Halves {
+    pub q: BlockQ8_1,
+    pub sums: [i32; 2],
+}
+
 /// Quantizes one row into GGML `Q5_0` blocks (kernel tests build weights with it).
 #[cfg(test)]
 pub fn quantize_row_q5_0(x: &[f32], out: &mut [BlockQ5_0]) {
@@ -259,6 +353,47 @@ pub fn dot_q5_0_ref(w: &[BlockQ5_0], a: &[BlockQ8_1]) -> f32 {
             w.d.to_f32() * a.d * sum as f32
         })
         .sum()
+}
+
+/// One `Q4_K` row as f32 values (ggml's `dequantize_row_q4_K`).
+#[cfg(test)]
+pub fn dequantize_row_q4_k(blocks: &[BlockQ4K], out: &mut [f32]) {
+    for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
+        let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
+        for (j, y) in y.chunks_exact_mut(QK).enumerate() {
+            let (sc, m) = b.scale_min(j);
+            let (d1, m1) = (d * f32::from(sc), dmin * f32::from(m));
+            for (y, q) in y.iter_mut().zip(b.quants(j)) {
+                *y = d1 * f32::from(q) - m1;
+            }
+        }
+    }
+}
+
+/// One `Q6_K` row as f32 values (ggml's `dequantize_row_q6_K`).
+#[cfg(test)]
+pub fn dequantize_row_q6_k(blocks: &[BlockQ6K], out: &mut [f32]) {
+    for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
+        let d = b.d.to_f32();
+        for (i, (y, q)) in y.iter_mut().zip(b.quants()).enumerate() {
+            *y = d * f32::from(b.scales[i / 16]) * (f32::from(q) - 32.0);
+        }
+    }
+}
+
+/// The dot product of f32 weights with quantized activations, in f64: the reference the
+/// K-quant kernels are checked against.
+#[cfg(test)]
+pub fn dot_f32_ref(w: &[f32], a: &[BlockQ8_1]) -> f32 {
+    w.chunks_exact(QK)
+        .zip(a)
+        .map(|(w, a)| {
+            w.iter()
+                .zip(a.qs)
+                .map(|(&x, q)| f64::from(x) * f64::from(a.d) * f64::from(q))
+                .sum::<f64>()
+        })
+        .sum::<f64>() as f32
 }
 
 /// Scalar reference for one `Q8_0` row against one activation row.
@@ -348,6 +483,41 @@ mod tests {
         // d = -16 / -16 = 1: every value is exact, so q = x + 16 covers 0..32 once each.
         let want: Vec<u8> = (0..QK as u8).collect();
         assert_eq!(q[0].quants().to_vec(), want);
+    }
+
+    /// ggml's layouts, read back: every sub-block's scale and minimum, and the quants of each
+    /// half of a `Q6_K` block from its own bytes.
+    #[test]
+    fn k_quant_fields_are_read_where_ggml_puts_them() {
+        let mut b = BlockQ4K::zeroed();
+        // Scales 1..8 and minimums 11..18, packed as ggml packs them.
+        for j in 0..8u8 {
+            let (sc, m) = (j + 1 + 40, j + 11);
+            let j = j as usize;
+            if j < 4 {
+                b.scales[j] = sc;
+                b.scales[j + 4] = m;
+            } else {
+                b.scales[j + 4] = (sc & 0x0F) | ((m & 0x0F) << 4);
+                b.scales[j - 4] |= (sc >> 4) << 6;
+                b.scales[j] |= (m >> 4) << 6;
+            }
+        }
+        for j in 0..8u8 {
+            assert_eq!(b.scale_min(j as usize), (j + 1 + 40, j + 11));
+        }
+        b.qs[32] = 0x5A;
+        assert_eq!(b.quants(2)[0], 0x0A);
+        assert_eq!(b.quants(3)[0], 0x05);
+
+        let mut q6 = BlockQ6K::zeroed();
+        q6.ql[64 + 32] = 0x73; // second half, l = 0: values 128 + 32 (low) and 128 + 96 (high)
+        q6.qh[32] = 0b1110_0100; // second half, l = 0: high bits 0, 1, 2, 3 of values 0/32/64/96
+        let q = q6.quants();
+        assert_eq!(q[128], 0);
+        assert_eq!(q[128 + 32], 0x03 | (1 << 4));
+        assert_eq!(q[128 + 64], 2 << 4);
+        assert_eq!(q[128 + 96], 0x07 | (3 << 4));
     }
 
     #[test]

@@ -4,8 +4,8 @@ use bytemuck::Zeroable;
 
 use super::*;
 use crate::quant::{
-    dot_q4_1_ref, dot_q5_0_ref, dot_q8_0_ref, quantize_row_q4_1, quantize_row_q5_0,
-    quantize_row_q8_0, quantize_row_q8_1,
+    QK_K, dequantize_row_q4_k, dequantize_row_q6_k, dot_f32_ref, dot_q4_1_ref, dot_q5_0_ref,
+    dot_q8_0_ref, quantize_row_q4_1, quantize_row_q5_0, quantize_row_q8_0, quantize_row_q8_1,
 };
 
 fn rows(n: usize, cols: usize, seed: f32) -> Vec<f32> {
@@ -29,6 +29,8 @@ fn copy(raw: &RawMatrix) -> RawMatrix {
             RawWeights::Q4_1(b) => RawWeights::Q4_1(b.clone()),
             RawWeights::Q5_0(b) => RawWeights::Q5_0(b.clone()),
             RawWeights::Q8_0(b) => RawWeights::Q8_0(b.clone()),
+            RawWeights::Q4K(b) => RawWeights::Q4K(b.clone()),
+            RawWeights::Q6K(b) => RawWeights::Q6K(b.clone()),
         },
     }
 }
@@ -41,6 +43,60 @@ fn reference(raw: &RawMatrix, r: usize, a: &[BlockQ8_1]) -> f32 {
         RawWeights::Q4_1(w) => dot_q4_1_ref(&w[blocks], a),
         RawWeights::Q5_0(w) => dot_q5_0_ref(&w[blocks], a),
         RawWeights::Q8_0(w) => dot_q8_0_ref(&w[blocks], a),
+        RawWeights::Q4K(w) => {
+            let nbk = raw.cols / QK_K;
+            let mut x = vec![0f32; raw.cols];
+            dequantize_row_q4_k(&w[r * nbk..(r + 1) * nbk], &mut x);
+            dot_f32_ref(&x, a)
+        }
+        RawWeights::Q6K(w) => {
+            let nbk = raw.cols / QK_K;
+            let mut x = vec![0f32; raw.cols];
+            dequantize_row_q6_k(&w[r * nbk..(r + 1) * nbk], &mut x);
+            dot_f32_ref(&x, a)
+        }
+    }
+}
+
+/// K-quant weights of pseudo-random bytes, with scales that keep the values moderate.
+fn k_quant(rows: usize, cols: usize, six: bool, seed: u32) -> RawMatrix {
+    let n = rows * cols / QK_K;
+    let data = if six {
+        let mut b: Vec<BlockQ6K> = crate::packed::tests::random_blocks(n, seed);
+        for (i, b) in b.iter_mut().enumerate() {
+            b.d = half::f16::from_f32(0.001 * (1 + i % 7) as f32);
+        }
+        RawWeights::Q6K(b)
+    } else {
+        let mut b: Vec<BlockQ4K> = crate::packed::tests::random_blocks(n, seed);
+        for (i, b) in b.iter_mut().enumerate() {
+            b.d = half::f16::from_f32(0.002 * (1 + i % 5) as f32);
+            b.dmin = half::f16::from_f32(0.003 * (1 + i % 3) as f32);
+        }
+        RawWeights::Q4K(b)
+    };
+    RawMatrix { rows, cols, data }
+}
+
+#[test]
+fn k_quants_match_reference_and_are_batch_invariant() {
+    for six in [false, true] {
+        let m = k_quant(37, 512, six, 3);
+        for n in [1, 2, 5, 8, 11] {
+            check(&m, n);
+        }
+        let mut row = vec![0f32; 512];
+        let q = QMatrix::new(copy(&m));
+        q.dequantize_row(19, &mut row);
+        let mut want = vec![0f32; 512];
+        match &m.data {
+            RawWeights::Q4K(w) => dequantize_row_q4_k(&w[19 * 2..20 * 2], &mut want),
+            RawWeights::Q6K(w) => dequantize_row_q6_k(&w[19 * 2..20 * 2], &mut want),
+            _ => unreachable!(),
+        }
+        for (a, b) in row.iter().zip(&want) {
+            assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "{a} vs {b}");
+        }
     }
 }
 
@@ -228,6 +284,27 @@ fn avx2_and_vnni_kernels_are_bit_identical() {
     unsafe {
         x86::tile_q5_0::<TILE>(&p5, &acts, &mut a);
         x86::tile_q5_0_vnni::<TILE>(&p5, &acts, &mut b);
+    }
+    assert_eq!(a, b);
+    let RawWeights::Q4K(k4) = k_quant(GROUP, cols, false, 5).data else {
+        unreachable!()
+    };
+    let RawWeights::Q6K(k6) = k_quant(GROUP, cols, true, 6).data else {
+        unreachable!()
+    };
+    let (p4k, p6k) = (
+        crate::packed::pack_q4_k(GROUP, cols / QK_K, &k4),
+        crate::packed::pack_q6_k(GROUP, cols / QK_K, &k6),
+    );
+    let halves = crate::quant::with_half_sums(&acts);
+    unsafe {
+        x86::tile_q4_k::<TILE>(&p4k, &acts, &mut a);
+        x86::tile_q4_k_vnni::<TILE>(&p4k, &acts, &mut b);
+    }
+    assert_eq!(a, b);
+    unsafe {
+        x86::tile_q6_k::<TILE>(&p6k, &halves, &mut a);
+        x86::tile_q6_k_vnni::<TILE>(&p6k, &halves, &mut b);
     }
     assert_eq!(a, b);
     unsafe {
