@@ -100,9 +100,9 @@ pub fn find(name: &str) -> Option<KnownModel> {
     }
 }
 
-/// The names `--model` accepts besides a path, for help texts and errors.
+/// The names of the catalog, `default` first, for help texts and errors.
 pub fn names() -> String {
-    let mut names = vec!["default".to_string(), "tiny".to_string()];
-    names.extend(ALL.iter().map(|m| m.name.to_string()));
+    let mut names = vec!["default"];
+    names.extend(ALL.iter().map(|m| m.name));
     names.join(", ")
 }

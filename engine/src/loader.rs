@@ -39,9 +39,10 @@ pub struct LoadedModel {
     pub fingerprint: ModelFingerprint,
 }
 
-/// Loads a GGUF file from disk.
+/// Loads a GGUF file from disk. Tensors are read one at a time and repacked, so the weights are
+/// never in memory twice (as the file's bytes and as their repacked copy).
 pub fn load_file(path: &Path) -> Result<LoadedModel> {
-    let bytes = std::fs::read(path).map_err(|source| match source.kind() {
+    let io = |source: std::io::Error| match source.kind() {
         std::io::ErrorKind::NotFound => Error::ModelNotFound {
             path: path.to_path_buf(),
             hint: String::new(),
@@ -50,15 +51,63 @@ pub fn load_file(path: &Path) -> Result<LoadedModel> {
             path: path.to_path_buf(),
             source,
         },
-    })?;
-    load_bytes(&bytes, path)
+    };
+    let file = std::fs::File::open(path).map_err(io)?;
+    let mut hasher = Sha256::new();
+    std::io::copy(&mut std::io::BufReader::new(&file), &mut hasher).map_err(io)?;
+    let fingerprint = ModelFingerprint(hasher.finalize().into());
+    std::io::Seek::rewind(&mut &file).map_err(io)?;
+    load(Bytes::File(&file), fingerprint, path)
 }
 
 /// Loads a GGUF image held in memory; `path` only names it in errors.
 pub fn load_bytes(bytes: &[u8], path: &Path) -> Result<LoadedModel> {
-    let bad = |reason: String| Error::invalid_model(path, reason);
     let fingerprint = ModelFingerprint(Sha256::digest(bytes).into());
-    let content = Content::read(&mut Cursor::new(bytes))
+    load(Bytes::Memory(bytes), fingerprint, path)
+}
+
+/// Where a GGUF image's bytes are read from.
+#[derive(Clone, Copy)]
+enum Bytes<'a> {
+    Memory(&'a [u8]),
+    File(&'a std::fs::File),
+}
+
+impl Bytes<'_> {
+    fn len(&self) -> std::io::Result<u64> {
+        match self {
+            Bytes::Memory(b) => Ok(b.len() as u64),
+            Bytes::File(f) => Ok(f.metadata()?.len()),
+        }
+    }
+
+    /// Fills `dst` from byte `start` on (the caller checked the range lies in the image).
+    fn read_at(&self, start: u64, dst: &mut [u8]) -> std::io::Result<()> {
+        match self {
+            Bytes::Memory(b) => {
+                dst.copy_from_slice(&b[start as usize..start as usize + dst.len()]);
+                Ok(())
+            }
+            Bytes::File(f) => std::os::unix::fs::FileExt::read_exact_at(*f, dst, start),
+        }
+    }
+
+    fn header(&self) -> candle_core::Result<Content> {
+        match self {
+            Bytes::Memory(b) => Content::read(&mut Cursor::new(b)),
+            Bytes::File(f) => Content::read(&mut std::io::BufReader::new(*f)),
+        }
+    }
+}
+
+fn load(bytes: Bytes<'_>, fingerprint: ModelFingerprint, path: &Path) -> Result<LoadedModel> {
+    let bad = |reason: String| Error::invalid_model(path, reason);
+    let io = |source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let content = bytes
+        .header()
         .map_err(|e| bad(format!("cannot parse the GGUF header: {e}")))?;
     let md = &content.metadata;
     let arch = md
@@ -83,12 +132,12 @@ pub fn load_bytes(bytes: &[u8], path: &Path) -> Result<LoadedModel> {
     };
     // Check that every tensor lies inside the file before reading any of them, so a
     // truncated file is reported as such.
+    let len = bytes.len().map_err(io)?;
     for (name, info) in &content.tensor_infos {
         let end = reader.tensor_end(info);
-        if end > bytes.len() as u64 {
+        if end > len {
             return Err(bad(format!(
-                "truncated: tensor {name} ends at byte {end}, the file has {} bytes",
-                bytes.len()
+                "truncated: tensor {name} ends at byte {end}, the file has {len} bytes"
             )));
         }
     }
@@ -199,7 +248,7 @@ fn read_config(arch: Arch, content: &Content, path: &Path) -> Result<ModelConfig
 
 struct TensorReader<'a> {
     content: &'a Content,
-    bytes: &'a [u8],
+    bytes: Bytes<'a>,
     path: &'a Path,
 }
 
@@ -232,20 +281,32 @@ impl TensorReader<'_> {
         Ok(info)
     }
 
-    fn raw(&self, info: &TensorInfo) -> &[u8] {
-        let start = (self.content.tensor_data_offset + info.offset) as usize;
-        &self.bytes[start..self.tensor_end(info) as usize]
+    /// A tensor's bytes as blocks of `T` (whose size must divide the tensor's).
+    fn blocks<T: bytemuck::Pod>(&self, info: &TensorInfo) -> Result<Vec<T>> {
+        let start = self.content.tensor_data_offset + info.offset;
+        let len = (self.tensor_end(info) - start) as usize;
+        let mut out = vec![T::zeroed(); len / size_of::<T>()];
+        self.bytes
+            .read_at(start, bytemuck::cast_slice_mut(&mut out))
+            .map_err(|source| Error::Io {
+                path: self.path.to_path_buf(),
+                source,
+            })?;
+        Ok(out)
     }
 
     /// Any tensor as f32 values, through candle's dequantization.
     fn f32_values(&self, name: &str, info: &TensorInfo) -> Result<Vec<f32>> {
         let err = |e: candle_core::Error| self.bad(format!("tensor {name}: {e}"));
-        info.read(
-            &mut Cursor::new(self.bytes),
-            self.content.tensor_data_offset,
-            &Device::Cpu,
-        )
-        .and_then(|q| q.dequantize(&Device::Cpu))
+        let raw: Vec<u8> = self.blocks(info)?;
+        let alone = TensorInfo {
+            ggml_dtype: info.ggml_dtype,
+            shape: info.shape.clone(),
+            offset: 0,
+        };
+        alone
+            .read(&mut Cursor::new(raw), 0, &Device::Cpu)
+            .and_then(|q| q.dequantize(&Device::Cpu))
         .and_then(|t| t.flatten_all())
         .and_then(|t| t.to_vec1::<f32>())
         .map_err(err)
@@ -263,23 +324,13 @@ impl TensorReader<'_> {
     fn raw_matrix(&self, name: &str, rows: usize, cols: usize) -> Result<RawMatrix> {
         let info = self.info(name, &[rows, cols])?;
         let data = match info.ggml_dtype {
-            GgmlDType::Q4_1 => RawWeights::Q4_1(bytemuck::pod_collect_to_vec::<u8, BlockQ4_1>(
-                self.raw(info),
-            )),
-            GgmlDType::Q5_0 => RawWeights::Q5_0(bytemuck::pod_collect_to_vec::<u8, BlockQ5_0>(
-                self.raw(info),
-            )),
-            GgmlDType::Q8_0 => RawWeights::Q8_0(bytemuck::pod_collect_to_vec::<u8, BlockQ8_0>(
-                self.raw(info),
-            )),
-            GgmlDType::Q4K => {
-                RawWeights::Q4K(bytemuck::pod_collect_to_vec::<u8, BlockQ4K>(self.raw(info)))
-            }
-            GgmlDType::Q6K => {
-                RawWeights::Q6K(bytemuck::pod_collect_to_vec::<u8, BlockQ6K>(self.raw(info)))
-            }
+            GgmlDType::Q4_1 => RawWeights::Q4_1(self.blocks::<BlockQ4_1>(info)?),
+            GgmlDType::Q5_0 => RawWeights::Q5_0(self.blocks::<BlockQ5_0>(info)?),
+            GgmlDType::Q8_0 => RawWeights::Q8_0(self.blocks::<BlockQ8_0>(info)?),
+            GgmlDType::Q4K => RawWeights::Q4K(self.blocks::<BlockQ4K>(info)?),
+            GgmlDType::Q6K => RawWeights::Q6K(self.blocks::<BlockQ6K>(info)?),
             other => {
-                let from = self.raw(info).len();
+                let from = self.tensor_end(info) - self.content.tensor_data_offset - info.offset;
                 let to = rows * cols / QK * size_of::<BlockQ8_0>();
                 tracing::info!(
                     tensor = name,

@@ -81,13 +81,8 @@ impl BlockQ4K {
     /// Sub-block `j`'s 32 quants.
     pub fn quants(&self, j: usize) -> [u8; QK] {
         let bytes = &self.qs[32 * (j / 2)..32 * (j / 2) + 32];
-        std::array::from_fn(|l| {
-            if j % 2 == 0 {
-                bytes[l] & 0x0F
-            } else {
-                bytes[l] >> 4
-            }
-        })
+        let shift = 4 * (j % 2);
+        std::array::from_fn(|l| (bytes[l] >> shift) & 0x0F)
     }
 }
 

@@ -58,8 +58,9 @@ pub(crate) struct EngineBenchArgs {
     #[arg(long, default_value_t = 16)]
     speculate_batch: usize,
     /// Print `{"threads":N,"context_tokens":C,"kv":[{"kv_dtype":"f16","kv_bytes_per_token":B,
-    /// "pool_sequences":S,"prefill_tok_s":F,"decode":[{"batch":B,"tok_s":F},...]},...]}` (with
-    /// `--speculate`, also `"speculation":{"prompts":[...],"batch":{...}}`).
+    /// "pool_sequences":S,"prefill_tok_s":F,"decode":[{"batch":B,"tok_s":F},...]},...],
+    /// "peak_rss_mb":M}` (with `--speculate`, also `"speculation":{"prompts":[...],
+    /// "batch":{...}}`).
     #[arg(long)]
     json: bool,
 }
@@ -88,6 +89,8 @@ struct BenchResult {
     kv: Vec<KvResult>,
     #[serde(skip_serializing_if = "Option::is_none")]
     speculation: Option<SpeculationResult>,
+    /// The process's peak resident memory, MB (weights, KV pool pages touched, buffers).
+    peak_rss_mb: f64,
 }
 
 /// One workload generated with speculation off and on: medians over the runs.
@@ -233,8 +236,9 @@ pub(crate) fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
             })
             .collect(),
         speculation,
+        peak_rss_mb: peak_rss_mb(),
     };
-    let rss = peak_rss_mb();
+    let rss = result.peak_rss_mb;
     if args.json {
         println!("{}", serde_json::to_string(&result)?);
         eprintln!("peak resident memory: {rss:.0} MB");
