@@ -307,9 +307,9 @@ impl TensorReader<'_> {
         alone
             .read(&mut Cursor::new(raw), 0, &Device::Cpu)
             .and_then(|q| q.dequantize(&Device::Cpu))
-        .and_then(|t| t.flatten_all())
-        .and_then(|t| t.to_vec1::<f32>())
-        .map_err(err)
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(err)
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
