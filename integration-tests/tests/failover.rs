@@ -12,9 +12,14 @@ use tandem_engine::Model;
 use tandem_integration_tests::{Cluster, ClusterConfig, collect, default_model, qwen_model};
 use tandem_proto::v1 as pb;
 
-fn seeded(max_tokens: u32) -> pb::GenerateRequest {
+/// 40 arbitrary tokens: SmolLM2 goes on and on after them.
+fn arbitrary_prompt() -> Vec<u32> {
+    (0..40).map(|i| 5 + (i * 29) % 250).collect()
+}
+
+fn seeded(prompt: Vec<u32>, max_tokens: u32) -> pb::GenerateRequest {
     pb::GenerateRequest {
-        token_ids: (0..40).map(|i| 5 + (i * 29) % 250).collect(),
+        token_ids: prompt,
         sampling: Some(pb::SamplingParams {
             max_tokens,
             temperature: 0.8,
@@ -54,29 +59,40 @@ async fn busy_decode(cluster: &Cluster) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_node_lost_mid_stream_is_resumed_exactly_elsewhere() {
     let model = default_model().expect("the default model");
-    lost_mid_stream_resumes_exactly(model, 600).await;
+    lost_mid_stream_resumes_exactly(model, arbitrary_prompt(), 600).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_qwen_stream_lost_mid_stream_is_resumed_exactly_elsewhere() {
     let model = qwen_model().expect("the 0.5B Qwen (tandem model fetch qwen2.5-coder-0.5b)");
-    lost_mid_stream_resumes_exactly(model, 160).await;
+    // An instruction model ends its reply soon after arbitrary tokens; a list it was asked for
+    // runs past the cut.
+    let text = model
+        .tokenizer
+        .apply_chat_template(&[tandem_engine::ChatMessage {
+            role: "user".into(),
+            content: "Count from 1 to 100, one number per line.".into(),
+        }])
+        .expect("template");
+    let prompt = model.tokenizer.encode(&text).expect("encode");
+    lost_mid_stream_resumes_exactly(model, prompt, 120).await;
 }
 
-async fn lost_mid_stream_resumes_exactly(model: Arc<Model>, max_tokens: u32) {
+async fn lost_mid_stream_resumes_exactly(model: Arc<Model>, prompt: Vec<u32>, max_tokens: u32) {
     let cluster = cluster(model, 1, 2).await;
     let mut client = cluster.client();
-    let want = collect(&mut client, seeded(max_tokens))
+    let want = collect(&mut client, seeded(prompt.clone(), max_tokens))
         .await
         .expect("fault-free run");
     assert_eq!(want.last.route.as_ref().map(|r| r.attempts), Some(1));
     assert!(
-        want.token_ids.len() > 100,
-        "the run is long enough to cut into"
+        want.token_ids.len() > 60,
+        "the run is long enough to cut into: {} tokens",
+        want.token_ids.len()
     );
 
     let mut frames = client
-        .generate(seeded(max_tokens))
+        .generate(seeded(prompt.clone(), max_tokens))
         .await
         .expect("generate")
         .into_inner();
@@ -108,7 +124,7 @@ async fn lost_mid_stream_resumes_exactly(model: Arc<Model>, max_tokens: u32) {
     assert_eq!(last.finish_reason, want.last.finish_reason);
     let usage = last.usage.expect("usage");
     assert_eq!(usage.completion_tokens as usize, want.token_ids.len());
-    assert_eq!(usage.prompt_tokens, 40);
+    assert_eq!(usage.prompt_tokens as usize, prompt.len());
     let route = last.route.expect("route");
     assert_eq!(route.attempts, 2, "one failover: {route:?}");
     assert_eq!(route.failovers.len(), 1);
@@ -134,7 +150,7 @@ async fn with_every_decode_node_gone_the_request_fails_fast_with_unavailable() {
     let cluster = cluster(default_model().expect("the default model"), 1, 2).await;
     let mut client = cluster.client();
     let mut frames = client
-        .generate(seeded(600))
+        .generate(seeded(arbitrary_prompt(), 600))
         .await
         .expect("generate")
         .into_inner();
