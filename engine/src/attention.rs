@@ -20,7 +20,9 @@ pub struct Query<'a> {
     pub kv_heads: Range<usize>,
     /// The sequence's block table.
     pub blocks: &'a [u32],
-    /// Keys `0..n_keys` are visible (the query's own position is `n_keys - 1`).
+    /// Keys `first_key..n_keys` are visible (the query's own position is `n_keys - 1`):
+    /// `first_key` is 0 but in a layer of sliding-window attention.
+    pub first_key: usize,
     pub n_keys: usize,
     /// `heads × head_dim` query values, already rotated: the heads of `kv_heads`, in order.
     pub q: &'a [f32],
@@ -57,12 +59,16 @@ fn attend_in(pool: &KvPool, g: &Query<'_>, out: &mut [f32], s: &mut Scratch) {
     let per_kv = heads / g.kv_heads.len();
     let slab = BLOCK_TOKENS * hd;
     let scale = 1.0 / (hd as f32).sqrt();
-    let n_keys = g.n_keys;
+    // Whole blocks from the one holding the first visible key: `span` scores per head, the
+    // keys before `first_key` in that block masked out.
+    let first_block = g.first_key / BLOCK_TOKENS;
+    let base = first_block * BLOCK_TOKENS;
+    let span = g.n_keys - base;
     s.scores.clear();
-    s.scores.resize(heads * n_keys, 0.0);
+    s.scores.resize(heads * span, 0.0);
     s.buf.resize(g.kv_heads.len() * slab, 0.0);
-    let n_blocks = n_keys.div_ceil(BLOCK_TOKENS);
-    let block_len = |bi: usize| (n_keys - bi * BLOCK_TOKENS).min(BLOCK_TOKENS);
+    let n_blocks = span.div_ceil(BLOCK_TOKENS);
+    let block_len = |bi: usize| (span - bi * BLOCK_TOKENS).min(BLOCK_TOKENS);
     // Read `i` of the 2·n_blocks: keys of every block, then values of every block.
     let read = |i: usize| {
         let kind = if i < n_blocks {
@@ -70,7 +76,8 @@ fn attend_in(pool: &KvPool, g: &Query<'_>, out: &mut [f32], s: &mut Scratch) {
         } else {
             KvKind::Value
         };
-        pool.slabs(g.blocks[i % n_blocks], g.layer, kind, g.kv_heads.clone())
+        let block = g.blocks[first_block + i % n_blocks];
+        pool.slabs(block, g.layer, kind, g.kv_heads.clone())
     };
     // The first `n` rows of each KV head's slab, converted to f32 in `buf`: `[head][token][hd]`.
     let load = |i: usize, n: usize, buf: &mut [f32]| {
@@ -95,11 +102,12 @@ fn attend_in(pool: &KvPool, g: &Query<'_>, out: &mut [f32], s: &mut Scratch) {
         load(bi, n, &mut s.buf);
         for (h, q) in g.q.chunks_exact(hd).enumerate() {
             let keys = &s.buf[h / per_kv * slab..][..n * hd];
-            let at = h * n_keys + bi * BLOCK_TOKENS;
+            let at = h * span + bi * BLOCK_TOKENS;
             simd::scores(q, keys, scale, &mut s.scores[at..at + n]);
         }
     }
-    for row in s.scores.chunks_exact_mut(n_keys) {
+    for row in s.scores.chunks_exact_mut(span) {
+        row[..g.first_key - base].fill(f32::NEG_INFINITY);
         softmax(row);
     }
     out.fill(0.0);
@@ -108,7 +116,7 @@ fn attend_in(pool: &KvPool, g: &Query<'_>, out: &mut [f32], s: &mut Scratch) {
         load(n_blocks + bi, n, &mut s.buf);
         for (h, o) in out.chunks_exact_mut(hd).enumerate() {
             let values = &s.buf[h / per_kv * slab..][..n * hd];
-            let at = h * n_keys + bi * BLOCK_TOKENS;
+            let at = h * span + bi * BLOCK_TOKENS;
             simd::accumulate(&s.scores[at..at + n], values, o);
         }
     }
@@ -294,12 +302,21 @@ mod tests {
     fn matches_naive_attention() {
         for dtype in [KvDtype::F16, KvDtype::Q8] {
             for (hd, n) in [(8, 37), (12, 18), (64, 37), (64, 3), (72, 16)] {
-                check_against_naive(dtype, hd, n);
+                check_against_naive(dtype, hd, n, 0);
             }
         }
     }
 
-    fn check_against_naive(dtype: KvDtype, hd: usize, n: usize) {
+    /// A sliding window sees keys `first..n` only: a first key inside a block, at a block's
+    /// start, and in the last block.
+    #[test]
+    fn a_window_sees_only_its_keys() {
+        for (hd, n, first) in [(64, 40, 7), (64, 40, 16), (8, 37, 33), (12, 18, 17)] {
+            check_against_naive(KvDtype::F16, hd, n, first);
+        }
+    }
+
+    fn check_against_naive(dtype: KvDtype, hd: usize, n: usize, first: usize) {
         let layout = KvLayout {
             n_layers: 1,
             n_kv_heads: 1,
@@ -334,6 +351,7 @@ mod tests {
             &pool,
             &Query {
                 layer: 0,
+                first_key: first,
                 kv_heads: 0..1,
                 blocks: &blocks,
                 n_keys: n,
@@ -343,17 +361,17 @@ mod tests {
         );
         for h in 0..2 {
             let qh = &q[h * hd..(h + 1) * hd];
-            let mut s: Vec<f32> = keys
+            let mut s: Vec<f32> = keys[first..]
                 .iter()
                 .map(|k| (0..hd).map(|d| qh[d] * k[d]).sum::<f32>() / (hd as f32).sqrt())
                 .collect();
             softmax(&mut s);
             for d in 0..hd {
-                let want: f32 = (0..n).map(|p| s[p] * values[p][d]).sum();
+                let want: f32 = (first..n).map(|p| s[p - first] * values[p][d]).sum();
                 let got = out[h * hd + d];
                 assert!(
                     (want - got).abs() < 1e-4,
-                    "{dtype:?} hd {hd} n {n} head {h} dim {d}: {got} vs {want}"
+                    "{dtype:?} hd {hd} keys {first}..{n} head {h} dim {d}: {got} vs {want}"
                 );
             }
         }

@@ -15,7 +15,7 @@ use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
 use crate::kernels::{QMatrix, RawMatrix, RawWeights};
-use crate::model::{Arch, LayerWeights, ModelConfig, Weights};
+use crate::model::{Arch, GemmaNorms, LayerWeights, ModelConfig, SlidingWindow, Weights};
 use crate::quant::{BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, QK, quantize_row_q8_0};
 use tandem_tokenizer::TokenizerSpec;
 
@@ -166,10 +166,20 @@ fn load(bytes: Bytes<'_>, fingerprint: ModelFingerprint, path: &Path) -> Result<
                 ),
                 false => None,
             };
+            let gemma = match arch.gemma_norms() {
+                true => Some(GemmaNorms {
+                    q: reader.vector(&t("attn_q_norm"), config.head_dim)?,
+                    k: reader.vector(&t("attn_k_norm"), config.head_dim)?,
+                    post_attn: reader.vector(&t("post_attention_norm"), h)?,
+                    post_ffn: reader.vector(&t("post_ffw_norm"), h)?,
+                }),
+                false => None,
+            };
             Ok(LayerWeights {
                 attn_norm: reader.vector(&t("attn_norm"), h)?,
                 wqkv: reader.stack(qkv)?,
                 qkv_bias,
+                gemma,
                 wo: reader.matrix(&t("attn_output"), h, config.n_heads * config.head_dim)?,
                 ffn_norm: reader.vector(&t("ffn_norm"), h)?,
                 w_gate_up: reader.stack(gate_up)?,
@@ -224,6 +234,31 @@ fn read_config(arch: Arch, content: &Content, path: &Path) -> Result<ModelConfig
     let hidden = get_u("embedding_length")?;
     let n_heads = get_u("attention.head_count")?;
     let n_kv_heads = get_u("attention.head_count_kv").unwrap_or(n_heads);
+    let head_dim = match md.contains_key(&key("attention.key_length")) {
+        true => get_u("attention.key_length")?,
+        false => hidden.checked_div(n_heads).unwrap_or(0),
+    };
+    if md.contains_key(&key("attention.value_length"))
+        && get_u("attention.value_length")? != head_dim
+    {
+        return Err(bad(
+            "keys and values of different lengths are not supported".into(),
+        ));
+    }
+    // Gemma 3 states its window but not which layers use it, nor their rotary base: llama.cpp
+    // takes five local layers in six and a base of 10,000 for them; a file that says otherwise
+    // is read.
+    let sliding_window = match (arch, md.contains_key(&key("attention.sliding_window"))) {
+        (Arch::Gemma3, true) => Some(SlidingWindow {
+            window: get_u("attention.sliding_window")?,
+            pattern: match md.contains_key(&key("attention.sliding_window_pattern")) {
+                true => get_u("attention.sliding_window_pattern")?,
+                false => 6,
+            },
+            rope_theta: get_f("rope.freq_base_swa", 10_000.0)?,
+        }),
+        _ => None,
+    };
     let vocab = content
         .tensor_infos
         .get("token_embd.weight")
@@ -235,12 +270,14 @@ fn read_config(arch: Arch, content: &Content, path: &Path) -> Result<ModelConfig
         hidden,
         n_heads,
         n_kv_heads,
-        head_dim: hidden.checked_div(n_heads).unwrap_or(0),
+        head_dim,
         ffn: get_u("feed_forward_length")?,
         vocab,
         rope_theta: get_f("rope.freq_base", 10_000.0)?,
         context_len: get_u("context_length")?,
         rms_eps: get_f("attention.layer_norm_rms_epsilon", 1e-5)?,
+        embed_scale: (arch == Arch::Gemma3).then(|| (hidden as f32).sqrt()),
+        sliding_window,
     };
     config.validate().map_err(bad)?;
     Ok(config)

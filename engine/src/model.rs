@@ -23,11 +23,12 @@ use crate::quant::{BlockQ8_1, QK, quantize_row_q8_1};
 pub enum Arch {
     Llama,
     Qwen2,
+    Gemma3,
 }
 
 impl Arch {
-    /// The GGUF `general.architecture` names, in the order of [`Arch::ALL`].
-    pub const ALL: &[Arch] = &[Arch::Llama, Arch::Qwen2];
+    /// Every supported architecture.
+    pub const ALL: &[Arch] = &[Arch::Llama, Arch::Qwen2, Arch::Gemma3];
 
     pub fn from_gguf(name: &str) -> Option<Arch> {
         Arch::ALL.iter().copied().find(|a| a.gguf_name() == name)
@@ -38,7 +39,14 @@ impl Arch {
         match self {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
+            Arch::Gemma3 => "gemma3",
         }
+    }
+
+    /// Gemma's extra norms: of each Q and K head before rotary embedding, and of the attention
+    /// and FFN outputs before they join the residual.
+    pub fn gemma_norms(self) -> bool {
+        matches!(self, Arch::Gemma3)
     }
 
     /// Whether Q, K and V carry biases.
@@ -51,9 +59,26 @@ impl Arch {
     pub fn rope(self) -> Rope {
         match self {
             Arch::Llama => Rope::Adjacent,
-            Arch::Qwen2 => Rope::Halves,
+            Arch::Qwen2 | Arch::Gemma3 => Rope::Halves,
         }
     }
+
+    /// The gated FFN's activation: GELU (tanh approximation) for Gemma, SiLU for the others.
+    fn gelu(self) -> bool {
+        matches!(self, Arch::Gemma3)
+    }
+}
+
+/// Sliding-window attention on some layers (Gemma 3's local layers).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SlidingWindow {
+    /// Positions a query sees, its own included.
+    pub window: usize,
+    /// Every `pattern`-th layer (the last of each run) attends to the whole context; the others
+    /// to the window.
+    pub pattern: usize,
+    /// The rotary base of the windowed layers.
+    pub rope_theta: f32,
 }
 
 /// Which dimensions of a head rotary embedding rotates together.
@@ -79,6 +104,9 @@ pub struct ModelConfig {
     pub rope_theta: f32,
     pub context_len: usize,
     pub rms_eps: f32,
+    /// Token embeddings are scaled by `sqrt(hidden)` (Gemma).
+    pub embed_scale: Option<f32>,
+    pub sliding_window: Option<SlidingWindow>,
 }
 
 impl ModelConfig {
@@ -96,22 +124,32 @@ impl ModelConfig {
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("{name} is 0"));
         }
-        if !self.hidden.is_multiple_of(self.n_heads)
-            || !self.n_heads.is_multiple_of(self.n_kv_heads)
-        {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err(format!(
-                "{} heads and {} KV heads do not divide hidden size {}",
-                self.n_heads, self.n_kv_heads, self.hidden
+                "{} KV heads do not divide {} heads",
+                self.n_kv_heads, self.n_heads
             ));
         }
         if !self.hidden.is_multiple_of(QK)
             || !self.ffn.is_multiple_of(QK)
+            || !self.q_dim().is_multiple_of(QK)
             || !self.head_dim.is_multiple_of(2)
+            || self.head_dim == 0
         {
             return Err(format!(
-                "hidden {} and ffn {} must be multiples of {QK} (head_dim {} even)",
-                self.hidden, self.ffn, self.head_dim
+                "hidden {}, ffn {} and heads × head_dim {} must be multiples of {QK} (head_dim {} even)",
+                self.hidden,
+                self.ffn,
+                self.q_dim(),
+                self.head_dim
             ));
+        }
+        if self
+            .sliding_window
+            .as_ref()
+            .is_some_and(|w| w.window == 0 || w.pattern == 0)
+        {
+            return Err("the sliding window and its layer pattern must be positive".into());
         }
         Ok(())
     }
@@ -126,11 +164,25 @@ impl ModelConfig {
         }
     }
 
-    fn q_dim(&self) -> usize {
+    /// The first key a query at `pos` sees in layer `layer`.
+    fn first_key(&self, layer: usize, pos: usize) -> usize {
+        match &self.sliding_window {
+            Some(w) if self.is_local(layer) => (pos + 1).saturating_sub(w.window),
+            _ => 0,
+        }
+    }
+
+    fn is_local(&self, layer: usize) -> bool {
+        self.sliding_window
+            .as_ref()
+            .is_some_and(|w| !(layer + 1).is_multiple_of(w.pattern))
+    }
+
+    pub(crate) fn q_dim(&self) -> usize {
         self.n_heads * self.head_dim
     }
 
-    fn kv_dim(&self) -> usize {
+    pub(crate) fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
     }
 }
@@ -142,11 +194,23 @@ pub struct LayerWeights {
     pub wqkv: QMatrix,
     /// Their biases, stacked the same way, where the architecture has them.
     pub qkv_bias: Option<Vec<f32>>,
+    /// Gemma's norms (see [`Arch::gemma_norms`]).
+    pub gemma: Option<GemmaNorms>,
     pub wo: QMatrix,
     pub ffn_norm: Vec<f32>,
     /// gate and up projections stacked: `2 * ffn` rows.
     pub w_gate_up: QMatrix,
     pub w_down: QMatrix,
+}
+
+#[derive(Debug)]
+pub struct GemmaNorms {
+    /// Of each query and key head (`head_dim` weights).
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    /// Of the attention and FFN outputs (`hidden` weights).
+    pub post_attn: Vec<f32>,
+    pub post_ffn: Vec<f32>,
 }
 
 #[derive(Debug)]
@@ -220,8 +284,15 @@ pub fn forward(cfg: &ModelConfig, w: &Weights, pool: &mut KvPool, rows: &[Row<'_
     let mut x = vec![0f32; n * h];
     for (r, xr) in rows.iter().zip(x.chunks_exact_mut(h)) {
         w.embed.dequantize_row(r.token as usize, xr);
+        if let Some(scale) = cfg.embed_scale {
+            xr.iter_mut().for_each(|v| *v *= scale);
+        }
     }
-    let rope = rope_tables(cfg, rows);
+    let rope_global = rope_tables(cfg.rope_theta, cfg.head_dim, rows);
+    let rope_local = cfg
+        .sliding_window
+        .as_ref()
+        .map(|sw| rope_tables(sw.rope_theta, cfg.head_dim, rows));
     let qkv_w = qd + 2 * kvd;
     let mut xn = vec![0f32; n * h];
     let mut acts_h = vec![bytemuck::Zeroable::zeroed(); n * h / QK];
@@ -254,12 +325,25 @@ pub fn forward(cfg: &ModelConfig, w: &Weights, pool: &mut KvPool, rows: &[Row<'_
     for (li, lw) in w.layers.iter().enumerate() {
         lw.wqkv.matmul(&acts_h, n, &mut qkv);
         let style = cfg.arch.rope();
+        let rope = match &rope_local {
+            Some(local) if cfg.is_local(li) => local,
+            _ => &rope_global,
+        };
         qkv.par_chunks_mut(qkv_w)
-            .zip(&rope)
+            .zip(rope)
             .with_min_len(ROWS_PER_TASK)
             .for_each(|(row, (cos, sin))| {
                 if let Some(bias) = &lw.qkv_bias {
                     add_in_place(row, bias);
+                }
+                if let Some(g) = &lw.gemma {
+                    let (q, k) = row[..qd + kvd].split_at_mut(qd);
+                    for head in q.chunks_exact_mut(hd) {
+                        rms_norm_in_place(head, &g.q, cfg.rms_eps);
+                    }
+                    for head in k.chunks_exact_mut(hd) {
+                        rms_norm_in_place(head, &g.k, cfg.rms_eps);
+                    }
                 }
                 for head in row[..qd + kvd].chunks_exact_mut(hd) {
                     apply_rope(style, head, cos, sin);
@@ -281,6 +365,7 @@ pub fn forward(cfg: &ModelConfig, w: &Weights, pool: &mut KvPool, rows: &[Row<'_
                 let base = ri * qkv_w + p * q_per_part;
                 let query = Query {
                     layer: li,
+                    first_key: cfg.first_key(li, rows[ri].pos),
                     kv_heads: p * kv_per_part..(p + 1) * kv_per_part,
                     blocks: rows[ri].blocks,
                     n_keys: rows[ri].pos + 1,
@@ -293,6 +378,9 @@ pub fn forward(cfg: &ModelConfig, w: &Weights, pool: &mut KvPool, rows: &[Row<'_
             .with_min_len(ROWS_PER_TASK)
             .for_each(|(a, q)| quantize_row_q8_1(a, q));
         lw.wo.matmul(&acts_q, n, &mut proj);
+        if let Some(g) = &lw.gemma {
+            norm_rows(&mut proj, &g.post_attn, cfg.rms_eps);
+        }
         add_norm_quantize(
             &mut x,
             Some(&proj),
@@ -303,6 +391,7 @@ pub fn forward(cfg: &ModelConfig, w: &Weights, pool: &mut KvPool, rows: &[Row<'_
         );
 
         lw.w_gate_up.matmul(&acts_h, n, &mut gate_up);
+        let gelu = cfg.arch.gelu();
         gate_up
             .par_chunks(2 * cfg.ffn)
             .zip(ffn_act.par_chunks_mut(cfg.ffn))
@@ -310,17 +399,26 @@ pub fn forward(cfg: &ModelConfig, w: &Weights, pool: &mut KvPool, rows: &[Row<'_
             .with_min_len(ROWS_PER_TASK)
             .for_each(|((gu, out), q)| {
                 let (gate, up) = gu.split_at(cfg.ffn);
-                // silu(g)·u = g / (1 + e^-g) · u, with e^-g computed four lanes at a time.
-                for (o, g) in out.iter_mut().zip(gate) {
-                    *o = -g;
-                }
-                crate::math::exp_in_place(out);
-                for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
-                    *o = g / (1.0 + *o) * u;
+                if gelu {
+                    for ((o, &g), u) in out.iter_mut().zip(gate).zip(up) {
+                        *o = gelu_tanh(g) * u;
+                    }
+                } else {
+                    // silu(g)·u = g / (1 + e^-g) · u, with e^-g computed four lanes at a time.
+                    for (o, g) in out.iter_mut().zip(gate) {
+                        *o = -g;
+                    }
+                    crate::math::exp_in_place(out);
+                    for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+                        *o = g / (1.0 + *o) * u;
+                    }
                 }
                 quantize_row_q8_1(out, q);
             });
         lw.w_down.matmul(&acts_f, n, &mut proj);
+        if let Some(g) = &lw.gemma {
+            norm_rows(&mut proj, &g.post_ffn, cfg.rms_eps);
+        }
         match w.layers.get(li + 1) {
             Some(next) => {
                 let norm = &next.attn_norm;
@@ -390,6 +488,27 @@ fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
+fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
+    let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let scale = 1.0 / (ms + eps).sqrt();
+    for (v, g) in x.iter_mut().zip(weight) {
+        *v = *v * scale * g;
+    }
+}
+
+/// Each row of `x` (rows of `weight.len()`) RMS-normed in place, in parallel.
+fn norm_rows(x: &mut [f32], weight: &[f32], eps: f32) {
+    x.par_chunks_mut(weight.len())
+        .with_min_len(ROWS_PER_TASK)
+        .for_each(|row| rms_norm_in_place(row, weight, eps));
+}
+
+/// GELU, tanh approximation (what Gemma's `gelu_pytorch_tanh` and llama.cpp's `ggml_gelu` are).
+fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + 0.044_715 * x * x)).tanh())
+}
+
 fn add_in_place(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {
         *a += b;
@@ -398,9 +517,9 @@ fn add_in_place(x: &mut [f32], y: &[f32]) {
 
 /// Per row, the cos and sin of each rotated pair's angle, computed the way llama.cpp does
 /// (`theta = pos · base^(-2i/d)`, advanced by repeated multiplication in f32).
-fn rope_tables(cfg: &ModelConfig, rows: &[Row<'_>]) -> Vec<(Vec<f32>, Vec<f32>)> {
-    let half = cfg.head_dim / 2;
-    let theta_scale = cfg.rope_theta.powf(-2.0 / cfg.head_dim as f32);
+fn rope_tables(base: f32, head_dim: usize, rows: &[Row<'_>]) -> Vec<(Vec<f32>, Vec<f32>)> {
+    let half = head_dim / 2;
+    let theta_scale = base.powf(-2.0 / head_dim as f32);
     rows.iter()
         .map(|r| {
             let mut theta = r.pos as f32;

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use candle_core::quantized::gguf_file::Value;
-use tandem_tokenizer::TokenizerSpec;
+use tandem_tokenizer::{TokenizerKind, TokenizerSpec};
 
 use crate::error::{Error, Result};
 
@@ -12,11 +12,15 @@ use crate::error::{Error, Result};
 pub(crate) fn spec_from_gguf(md: &HashMap<String, Value>) -> Result<TokenizerSpec> {
     let err = |reason: String| Error::Tokenizer { reason };
     let model = md_string(md, "tokenizer.ggml.model").unwrap_or_default();
-    if model != "gpt2" {
-        return Err(err(format!(
-            "tokenizer.ggml.model is {model:?}; only byte-level BPE (\"gpt2\") is supported"
-        )));
-    }
+    let kind = match model.as_str() {
+        "gpt2" => TokenizerKind::BytePairs,
+        "llama" => TokenizerKind::SentencePiece,
+        _ => {
+            return Err(err(format!(
+                "tokenizer.ggml.model is {model:?}; the supported ones are \"gpt2\" (byte-level BPE) and \"llama\" (SentencePiece)"
+            )));
+        }
+    };
     let strings = |key: &str| -> Result<Vec<String>> {
         let v = md
             .get(key)
@@ -31,7 +35,11 @@ pub(crate) fn spec_from_gguf(md: &HashMap<String, Value>) -> Result<TokenizerSpe
             .collect()
     };
     let tokens = strings("tokenizer.ggml.tokens")?;
-    let merges = strings("tokenizer.ggml.merges")?
+    let merges = match kind {
+        TokenizerKind::BytePairs => strings("tokenizer.ggml.merges")?,
+        TokenizerKind::SentencePiece => Vec::new(),
+    };
+    let merges = merges
         .into_iter()
         .map(|m| {
             m.split_once(' ')
@@ -53,19 +61,31 @@ pub(crate) fn spec_from_gguf(md: &HashMap<String, Value>) -> Result<TokenizerSpe
             tokens.len()
         )));
     }
+    let scores = match kind {
+        TokenizerKind::SentencePiece => md
+            .get("tokenizer.ggml.scores")
+            .ok_or_else(|| err("metadata tokenizer.ggml.scores is missing".into()))?
+            .to_vec()
+            .and_then(|a| a.iter().map(|s| s.to_f32()).collect())
+            .map_err(|e| err(format!("tokenizer.ggml.scores: {e}")))?,
+        TokenizerKind::BytePairs => Vec::new(),
+    };
+    let flag = |key: &str| md.get(key).and_then(|v| v.to_bool().ok());
     let id = |key: &str| md.get(key).and_then(|v| v.to_u32().ok());
     Ok(TokenizerSpec {
+        kind,
         pre: md_string(md, "tokenizer.ggml.pre").unwrap_or_else(|| "default".into()),
         tokens,
+        scores,
+        // llama.cpp's default for SentencePiece models that do not say.
+        add_space_prefix: flag("tokenizer.ggml.add_space_prefix")
+            .unwrap_or(kind == TokenizerKind::SentencePiece),
         token_types,
         merges,
         bos_id: id("tokenizer.ggml.bos_token_id"),
         eos_id: id("tokenizer.ggml.eos_token_id"),
         eot_id: id("tokenizer.ggml.eot_token_id"),
-        add_bos: md
-            .get("tokenizer.ggml.add_bos_token")
-            .and_then(|v| v.to_bool().ok())
-            .unwrap_or(false),
+        add_bos: flag("tokenizer.ggml.add_bos_token").unwrap_or(false),
         chat_template: md_string(md, "tokenizer.chat_template"),
     })
 }

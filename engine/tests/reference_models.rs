@@ -50,11 +50,14 @@ fn load(name: &str) -> Arc<Model> {
 fn tokenizer_ids_equal_llama_cpp(model: &Model, fixture: &str) {
     let recs = records(&format!("{fixture}-tokenize.jsonl"));
     assert!(!recs.is_empty());
+    // The fixtures were tokenized without the file's BOS; `encode` adds it where the file asks.
+    let bos = model.tokenizer.encode("").expect("encode");
     for r in recs {
         let text = r["text"].as_str().expect("text");
+        let want: Vec<u32> = bos.iter().copied().chain(ids(&r["token_ids"])).collect();
         assert_eq!(
             model.tokenizer.encode(text).expect("encode"),
-            ids(&r["token_ids"]),
+            want,
             "tokenizing {text:?}"
         );
     }
@@ -170,5 +173,34 @@ mod qwen2_5_coder_0_5b {
         let eog = model.tokenizer.eog_ids();
         // <|endoftext|> and <|im_end|>, among the rest of llama.cpp's end-of-generation texts.
         assert!(eog.contains(&151643) && eog.contains(&151645), "{eog:?}");
+    }
+}
+
+mod gemma_3_270m {
+    use super::*;
+
+    const NAME: &str = "gemma-3-270m";
+
+    #[test]
+    fn tokenizer_ids_equal_llama_cpp() {
+        super::tokenizer_ids_equal_llama_cpp(&load(NAME), NAME);
+    }
+
+    #[test]
+    fn greedy_continuations_agree_with_llama_cpp() {
+        super::greedy_continuations_agree(&load(NAME), NAME);
+    }
+
+    #[test]
+    fn a_chat_request_to_a_model_without_a_template_is_refused() {
+        let model = load(NAME);
+        let err = model
+            .tokenizer
+            .apply_chat_template(&[ChatMessage {
+                role: "user".into(),
+                content: "Hi".into(),
+            }])
+            .expect_err("the base model has no chat template");
+        assert!(err.to_string().contains("chat_template"), "{err}");
     }
 }

@@ -2,9 +2,11 @@
 //! a GGUF file, which the engine reads). This crate links no tensor library, so the router can
 //! tokenize and render chat templates without candle; workers hand it the spec over gRPC.
 //!
-//! Encoding uses the HF `tokenizers` crate (BPE with the pure-Rust regex engine), assembled from
-//! the vocabulary, the merges, and the token types, where control and user-defined tokens become
-//! special tokens so `<|im_start|>` is one id. Decoding goes through
+//! Byte-level BPE encodes through the HF `tokenizers` crate (with the pure-Rust regex engine),
+//! assembled from the vocabulary, the merges, and the token types, where control and
+//! user-defined tokens become special tokens so `<|im_start|>` is one id. SentencePiece models
+//! (a vocabulary with scores) encode through [`spm`], with the same special tokens split off
+//! first. Decoding goes through
 //! a precomputed token → bytes table, because streaming needs bytes: [`TokenDecoder`] emits text
 //! only up to the last complete UTF-8 character.
 
@@ -20,12 +22,14 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
 mod error;
+mod spm;
 
 pub use error::{Error, Result};
 
 /// GGUF token types (llama.cpp's `llama_token_type`).
 pub const TOKEN_TYPE_CONTROL: i32 = 3;
 pub const TOKEN_TYPE_USER_DEFINED: i32 = 4;
+pub const TOKEN_TYPE_BYTE: i32 = 6;
 
 /// Texts of control tokens that end a generation (llama.cpp's end-of-generation detection,
 /// which includes the fill-in-the-middle repository/padding markers).
@@ -63,8 +67,16 @@ pub struct ChatMessage {
 /// plain data and serializes to JSON, which is how workers hand it to the router.
 #[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 pub struct TokenizerSpec {
+    #[serde(default)]
+    pub kind: TokenizerKind,
     pub pre: String,
     pub tokens: Vec<String>,
+    /// Per token, its SentencePiece score (empty for byte-level BPE).
+    #[serde(default)]
+    pub scores: Vec<f32>,
+    /// SentencePiece: whether a word boundary is put before the text.
+    #[serde(default)]
+    pub add_space_prefix: bool,
     pub token_types: Vec<i32>,
     pub merges: Vec<(String, String)>,
     pub bos_id: Option<u32>,
@@ -74,10 +86,34 @@ pub struct TokenizerSpec {
     pub chat_template: Option<String>,
 }
 
+/// The tokenizer model a file names (`tokenizer.ggml.model`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub enum TokenizerKind {
+    /// `gpt2`: byte-level BPE with merges.
+    #[default]
+    BytePairs,
+    /// `llama`: SentencePiece, a vocabulary with scores and byte fallback.
+    SentencePiece,
+}
+
+#[derive(Debug)]
+enum Encoder {
+    Bpe(Box<tokenizers::Tokenizer>),
+    Spm(Box<SpmEncoder>),
+}
+
+#[derive(Debug)]
+struct SpmEncoder {
+    spm: spm::Spm,
+    /// The special tokens' texts (control and user-defined), matched leftmost-longest.
+    specials: aho_corasick::AhoCorasick,
+    special_ids: Vec<u32>,
+}
+
 /// Text ↔ token ids for one model.
 #[derive(Debug)]
 pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
+    inner: Encoder,
     /// The bytes each id decodes to; empty for control tokens, which are not rendered.
     token_bytes: Vec<Vec<u8>>,
     eog_ids: Vec<u32>,
@@ -90,62 +126,25 @@ pub struct Tokenizer {
 
 impl Tokenizer {
     pub fn new(spec: TokenizerSpec) -> Result<Self> {
-        let err = |reason: String| Error::Build { reason };
-        let vocab: tokenizers::models::bpe::Vocab = spec
-            .tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.clone(), i as u32))
-            .collect();
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, spec.merges.clone())
-            .build()
-            .map_err(|e| err(format!("building BPE: {e}")))?;
-        let mut inner = tokenizers::Tokenizer::new(bpe);
-        let byte_level = ByteLevel::new(false, false, true);
-        let pre: PreTokenizerWrapper = match spec.pre.as_str() {
-            // llama.cpp's "smollm" pre-tokenizer splits every digit, then applies GPT-2's regex.
-            "smollm" | "starcoder" | "refact" => {
-                Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
-            }
-            "default" | "gpt2" | "gpt-2" => byte_level.into(),
-            // llama.cpp's "qwen2" split (llama-vocab.cpp): GPT-4's regex with one digit per
-            // piece, then the byte-level mapping alone.
-            "qwen2" => {
-                let split = Split::new(
-                    SplitPattern::Regex(QWEN2_SPLIT.into()),
-                    SplitDelimiterBehavior::Isolated,
-                    false,
-                )
-                .map_err(|e| err(format!("the qwen2 split pattern: {e}")))?;
-                let bytes = ByteLevel::new(false, false, false);
-                Sequence::new(vec![split.into(), bytes.into()]).into()
-            }
-            other => {
-                return Err(err(format!("pre-tokenizer {other:?} is not supported")));
-            }
+        let inner = match spec.kind {
+            TokenizerKind::BytePairs => Encoder::Bpe(Box::new(byte_pairs(&spec)?)),
+            TokenizerKind::SentencePiece => sentence_piece(&spec)?,
         };
-        inner.with_pre_tokenizer(Some(pre));
-        let special: Vec<AddedToken> = spec
-            .tokens
-            .iter()
-            .zip(&spec.token_types)
-            .filter(|(_, t)| matches!(**t, TOKEN_TYPE_CONTROL | TOKEN_TYPE_USER_DEFINED))
-            .map(|(s, _)| AddedToken::from(s.clone(), true))
-            .collect();
-        inner
-            .add_special_tokens(special)
-            .map_err(|e| err(format!("adding special tokens: {e}")))?;
-
         let unicode_to_byte = byte_level_decode_table();
         let token_bytes = spec
             .tokens
             .iter()
             .zip(&spec.token_types)
-            .map(|(tok, &ty)| match ty {
-                TOKEN_TYPE_CONTROL => Vec::new(),
-                TOKEN_TYPE_USER_DEFINED => tok.as_bytes().to_vec(),
-                _ => tok
+            .map(|(tok, &ty)| match (ty, spec.kind) {
+                (TOKEN_TYPE_CONTROL, _) => Vec::new(),
+                (TOKEN_TYPE_USER_DEFINED, _) => tok.as_bytes().to_vec(),
+                (TOKEN_TYPE_BYTE, TokenizerKind::SentencePiece) => {
+                    let hex = tok.trim_start_matches("<0x").trim_end_matches('>');
+                    u8::from_str_radix(hex, 16)
+                        .map_or_else(|_| tok.as_bytes().to_vec(), |b| vec![b])
+                }
+                (_, TokenizerKind::SentencePiece) => tok.replace(spm::SPACE, " ").into_bytes(),
+                (_, TokenizerKind::BytePairs) => tok
                     .chars()
                     .map(|c| unicode_to_byte.get(&c).copied())
                     .collect::<Option<Vec<u8>>>()
@@ -192,16 +191,29 @@ impl Tokenizer {
 
     /// Tokenizes `text`, parsing special tokens; adds BOS only if the model asks for it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, false).map_err(|e| Error::Encode {
-            reason: e.to_string(),
-        })?;
-        let mut ids = Vec::with_capacity(enc.len() + 1);
+        let mut ids = Vec::with_capacity(text.len() / 3 + 2);
         if self.add_bos
             && let Some(bos) = self.bos_id
         {
             ids.push(bos);
         }
-        ids.extend_from_slice(enc.get_ids());
+        match &self.inner {
+            Encoder::Bpe(t) => {
+                let enc = t.encode(text, false).map_err(|e| Error::Encode {
+                    reason: e.to_string(),
+                })?;
+                ids.extend_from_slice(enc.get_ids());
+            }
+            Encoder::Spm(e) => {
+                let mut at = 0;
+                for m in e.specials.find_iter(text) {
+                    e.spm.encode(&text[at..m.start()], at == 0, &mut ids);
+                    ids.push(e.special_ids[m.pattern().as_usize()]);
+                    at = m.end();
+                }
+                e.spm.encode(&text[at..], at == 0, &mut ids);
+            }
+        }
         Ok(ids)
     }
 
@@ -276,6 +288,87 @@ impl Tokenizer {
             })
             .map_err(terr)
     }
+}
+
+/// The `tokenizers` BPE of a byte-level model, its pre-tokenizer chosen by `spec.pre`.
+fn byte_pairs(spec: &TokenizerSpec) -> Result<tokenizers::Tokenizer> {
+    let err = |reason: String| Error::Build { reason };
+    let vocab: tokenizers::models::bpe::Vocab = spec
+        .tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, spec.merges.clone())
+        .build()
+        .map_err(|e| err(format!("building BPE: {e}")))?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+    let byte_level = ByteLevel::new(false, false, true);
+    let pre: PreTokenizerWrapper = match spec.pre.as_str() {
+        // llama.cpp's "smollm" pre-tokenizer splits every digit, then applies GPT-2's regex.
+        "smollm" | "starcoder" | "refact" => {
+            Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
+        }
+        "default" | "gpt2" | "gpt-2" => byte_level.into(),
+        // llama.cpp's "qwen2" split (llama-vocab.cpp): GPT-4's regex with one digit per
+        // piece, then the byte-level mapping alone.
+        "qwen2" => {
+            let split = Split::new(
+                SplitPattern::Regex(QWEN2_SPLIT.into()),
+                SplitDelimiterBehavior::Isolated,
+                false,
+            )
+            .map_err(|e| err(format!("the qwen2 split pattern: {e}")))?;
+            let bytes = ByteLevel::new(false, false, false);
+            Sequence::new(vec![split.into(), bytes.into()]).into()
+        }
+        other => {
+            return Err(err(format!("pre-tokenizer {other:?} is not supported")));
+        }
+    };
+    inner.with_pre_tokenizer(Some(pre));
+    let special: Vec<AddedToken> = specials(spec)
+        .map(|(_, s)| AddedToken::from(s.to_string(), true))
+        .collect();
+    inner
+        .add_special_tokens(special)
+        .map_err(|e| err(format!("adding special tokens: {e}")))?;
+    Ok(inner)
+}
+
+/// The SentencePiece encoder, with the special tokens to split off before it.
+fn sentence_piece(spec: &TokenizerSpec) -> Result<Encoder> {
+    let err = |reason: String| Error::Build { reason };
+    if spec.scores.len() != spec.tokens.len() {
+        return Err(err(format!(
+            "{} scores for {} tokens",
+            spec.scores.len(),
+            spec.tokens.len()
+        )));
+    }
+    let (special_ids, texts): (Vec<u32>, Vec<&str>) = specials(spec).unzip();
+    let specials = aho_corasick::AhoCorasick::builder()
+        .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+        .build(&texts)
+        .map_err(|e| err(format!("special tokens: {e}")))?;
+    Ok(Encoder::Spm(Box::new(SpmEncoder {
+        spm: spm::Spm::new(&spec.tokens, spec.scores.clone(), spec.add_space_prefix),
+        specials,
+        special_ids,
+    })))
+}
+
+/// The tokens a text spells as one id (control and user-defined ones), with their ids.
+fn specials(spec: &TokenizerSpec) -> impl Iterator<Item = (u32, &str)> {
+    spec.tokens
+        .iter()
+        .zip(&spec.token_types)
+        .enumerate()
+        .filter(|(_, (s, t))| {
+            matches!(**t, TOKEN_TYPE_CONTROL | TOKEN_TYPE_USER_DEFINED) && !s.is_empty()
+        })
+        .map(|(i, (s, _))| (i as u32, s.as_str()))
 }
 
 /// GPT-2's byte-level alphabet: the printable stand-in character of each byte, by byte.
