@@ -100,7 +100,8 @@ struct ListArgs {
 #[derive(Args, Debug, Clone)]
 struct ModelArgs {
     /// A model of the catalog by name (`default` is SmolLM2-135M; `tandem model list` lists the
-    /// rest), `tiny` (built-in random weights) or a GGUF path.
+    /// rest), `tiny` (built-in random weights; `tiny-qwen2` and `tiny-gemma3` for those
+    /// architectures) or a GGUF path.
     #[arg(long, env = "TANDEM_MODEL", default_value = "default")]
     model: String,
     /// Directory holding fetched models.

@@ -32,7 +32,7 @@ pub use generate::{
 };
 pub use kv::{BLOCK_TOKENS, KvDtype, KvKind, KvLayout};
 pub use loader::ModelFingerprint;
-pub use model::{Logits, ModelConfig};
+pub use model::{Arch, Logits, ModelConfig};
 pub use prefix_cache::CacheEvent;
 pub use sampling::{History, REPETITION_WINDOW, SamplingParams, argmax, sample};
 pub use speculate::{Decoding, Drafter, PromptChunk, SpeculateConfig, Step};
@@ -41,8 +41,8 @@ pub use tandem_tokenizer::{ChatMessage, TokenDecoder, Tokenizer, TokenizerSpec};
 /// Where a model comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ModelSource {
-    /// The built-in random-weight model.
-    Tiny,
+    /// The built-in random-weight model of an architecture.
+    Tiny(Arch),
     /// A GGUF file; `known` when it was named from the [`catalog`] (and lives in the model
     /// directory, where `tandem model fetch NAME` puts it).
     File {
@@ -52,11 +52,14 @@ pub enum ModelSource {
 }
 
 impl ModelSource {
-    /// Parses a `--model` value: `tiny`, a name from the [`catalog`] (`default` among them), or
-    /// a path.
+    /// The built-in tiny llama model, what the fast tests run.
+    pub const TINY: ModelSource = ModelSource::Tiny(Arch::Llama);
+
+    /// Parses a `--model` value: `tiny` (or `tiny-qwen2`, `tiny-gemma3`), a name from the
+    /// [`catalog`] (`default` among them), or a path.
     pub fn parse(spec: &str, model_dir: &Path) -> Self {
-        if spec == "tiny" {
-            return ModelSource::Tiny;
+        if let Some(&arch) = Arch::ALL.iter().find(|&&a| tiny::name(a) == spec) {
+            return ModelSource::Tiny(arch);
         }
         match catalog::find(spec) {
             Some(known) => ModelSource::File {
@@ -73,7 +76,7 @@ impl ModelSource {
     /// Loads the model, with a hint on how to fetch the default one if it is missing.
     pub fn load(&self) -> Result<Arc<Model>> {
         let (name, loaded) = match self {
-            ModelSource::Tiny => ("tiny".to_string(), tiny::load()?),
+            ModelSource::Tiny(arch) => (tiny::name(*arch), tiny::load(*arch)?),
             ModelSource::File { path, known } => {
                 let loaded = loader::load_file(path).map_err(|e| match (e, known) {
                     (Error::ModelNotFound { path, .. }, Some(k)) => Error::ModelNotFound {

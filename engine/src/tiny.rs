@@ -1,6 +1,10 @@
-//! The built-in `tiny` model: the llama code path end to end (a real GGUF image, parsed by the
-//! same loader) with random weights from a fixed seed and a byte-level vocabulary, so fast tests
-//! need no download. Its outputs mean nothing; its arithmetic is the real model's.
+//! The built-in tiny models, one per architecture: each family's code path end to end (a real
+//! GGUF image, parsed by the same loader) with random weights from a fixed seed and a byte-level
+//! vocabulary, so fast tests need no download. Their outputs mean nothing; their arithmetic is
+//! the real models'. `tiny` is llama with `Q4_1` weights; `tiny-qwen2` and `tiny-gemma3` use the
+//! types of the published K-quant files (`Q5_0`, `Q8_0`, `Q4_K`, `Q6_K`), and the Gemma one a
+//! head size other than hidden / heads and a sliding window of 24 positions on every other layer,
+//! so prompts of a few dozen tokens cross it.
 
 use std::io::Cursor;
 use std::path::Path;
@@ -13,6 +17,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::error::{Error, Result};
 use crate::loader::{LoadedModel, load_bytes};
+use crate::model::Arch;
 use tandem_tokenizer::byte_level_chars;
 
 const SEED: u64 = 0x7a11_0de1;
@@ -26,17 +31,97 @@ const CONTEXT: u32 = 1024;
 /// The same chat template as the default model.
 const CHAT_TEMPLATE: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
-/// Builds the tiny model's GGUF image in memory and loads it.
-pub fn load() -> Result<LoadedModel> {
-    load_bytes(&gguf_image()?, Path::new("tiny"))
+/// A random `rows × cols` matrix in `dtype`, scaled to keep activations moderate.
+fn matrix(
+    rng: &mut ChaCha8Rng,
+    rows: usize,
+    cols: usize,
+    dtype: GgmlDType,
+) -> candle_core::Result<QTensor> {
+    let scale = 1.0 / (cols as f32).sqrt();
+    let data: Vec<f32> = (0..rows * cols)
+        .map(|_| rng.random_range(-1.0f32..1.0) * scale * 2.0)
+        .collect();
+    QTensor::quantize(&Tensor::from_vec(data, (rows, cols), &Device::Cpu)?, dtype)
 }
 
-/// The tiny model as a GGUF file image (tests write it to disk, whole or damaged).
+/// Norm weights: exactly 1 for llama (as its tiny model always had), near 1 for the others.
+fn norm(rng: &mut ChaCha8Rng, arch: Arch, len: usize) -> candle_core::Result<QTensor> {
+    let data: Vec<f32> = (0..len)
+        .map(|_| match arch {
+            Arch::Llama => 1.0,
+            _ => 1.0 + rng.random_range(-0.2f32..0.2),
+        })
+        .collect();
+    QTensor::quantize(&Tensor::from_vec(data, len, &Device::Cpu)?, GgmlDType::F32)
+}
+
+/// The shape and weight types of one family's tiny model.
+struct Shape {
+    hidden: usize,
+    heads: u32,
+    kv_heads: u32,
+    head_dim: usize,
+    ffn: usize,
+    /// Types of q, k, v, output, gate, up, down.
+    types: [GgmlDType; 7],
+}
+
+fn shape(arch: Arch) -> Shape {
+    use GgmlDType::{Q4_1, Q4K, Q5_0, Q6K, Q8_0};
+    match arch {
+        Arch::Llama => Shape {
+            hidden: HIDDEN,
+            heads: HEADS,
+            kv_heads: KV_HEADS,
+            head_dim: HIDDEN / HEADS as usize,
+            ffn: FFN,
+            types: [Q4_1; 7],
+        },
+        Arch::Qwen2 => Shape {
+            hidden: 128,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 32,
+            ffn: 256,
+            types: [Q5_0, Q5_0, Q8_0, Q5_0, Q5_0, Q5_0, Q6K],
+        },
+        Arch::Gemma3 => Shape {
+            hidden: 128,
+            heads: 4,
+            kv_heads: 1,
+            head_dim: 64,
+            ffn: 256,
+            types: [Q5_0, Q5_0, Q8_0, Q4K, Q5_0, Q5_0, Q6K],
+        },
+    }
+}
+
+/// The name `--model` takes for `arch`'s tiny model.
+pub fn name(arch: Arch) -> String {
+    match arch {
+        Arch::Llama => "tiny".into(),
+        other => format!("tiny-{}", other.gguf_name()),
+    }
+}
+
+/// Builds `arch`'s tiny model's GGUF image in memory and loads it.
+pub fn load(arch: Arch) -> Result<LoadedModel> {
+    load_bytes(&gguf_image_of(arch)?, Path::new(&name(arch)))
+}
+
+/// The (llama) tiny model as a GGUF file image (tests write it to disk, whole or damaged).
 pub fn gguf_image() -> Result<Vec<u8>> {
-    build_image().map_err(|e| Error::invalid_model("tiny", e.to_string()))
+    gguf_image_of(Arch::Llama)
 }
 
-fn build_image() -> candle_core::Result<Vec<u8>> {
+fn gguf_image_of(arch: Arch) -> Result<Vec<u8>> {
+    build_image(arch).map_err(|e| Error::invalid_model(name(arch), e.to_string()))
+}
+
+fn build_image(arch: Arch) -> candle_core::Result<Vec<u8>> {
+    let sh = shape(arch);
+    let hidden = sh.hidden;
     let specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
     let mut tokens: Vec<Value> = specials
         .iter()
@@ -50,58 +135,97 @@ fn build_image() -> candle_core::Result<Vec<u8>> {
     let vocab = tokens.len();
 
     let mut rng = ChaCha8Rng::seed_from_u64(SEED);
-    let mut matrix = |rows: usize, cols: usize, dtype: GgmlDType| {
-        let scale = 1.0 / (cols as f32).sqrt();
-        let data: Vec<f32> = (0..rows * cols)
-            .map(|_| rng.random_range(-1.0f32..1.0) * scale * 2.0)
-            .collect();
-        QTensor::quantize(&Tensor::from_vec(data, (rows, cols), &Device::Cpu)?, dtype)
-    };
-    let (q, kv) = (HIDDEN, HIDDEN / HEADS as usize * KV_HEADS as usize);
+    let (q, kv) = (
+        sh.heads as usize * sh.head_dim,
+        sh.kv_heads as usize * sh.head_dim,
+    );
     let mut tensors = vec![(
         "token_embd.weight".to_string(),
-        matrix(vocab, HIDDEN, GgmlDType::Q8_0)?,
+        matrix(&mut rng, vocab, hidden, GgmlDType::Q8_0)?,
     )];
     for l in 0..LAYERS {
-        for (name, rows, cols) in [
-            ("attn_q", q, HIDDEN),
-            ("attn_k", kv, HIDDEN),
-            ("attn_v", kv, HIDDEN),
-            ("attn_output", HIDDEN, q),
-            ("ffn_gate", FFN, HIDDEN),
-            ("ffn_up", FFN, HIDDEN),
-            ("ffn_down", HIDDEN, FFN),
-        ] {
-            tensors.push((
-                format!("blk.{l}.{name}.weight"),
-                matrix(rows, cols, GgmlDType::Q4_1)?,
-            ));
+        let shapes = [
+            ("attn_q", q, hidden),
+            ("attn_k", kv, hidden),
+            ("attn_v", kv, hidden),
+            ("attn_output", hidden, q),
+            ("ffn_gate", sh.ffn, hidden),
+            ("ffn_up", sh.ffn, hidden),
+            ("ffn_down", hidden, sh.ffn),
+        ];
+        for ((name, rows, cols), dtype) in shapes.into_iter().zip(sh.types) {
+            let m = matrix(&mut rng, rows, cols, dtype)?;
+            tensors.push((format!("blk.{l}.{name}.weight"), m));
         }
-        for name in ["attn_norm", "ffn_norm"] {
-            let ones = Tensor::ones(HIDDEN, candle_core::DType::F32, &Device::Cpu)?;
-            tensors.push((
-                format!("blk.{l}.{name}.weight"),
-                QTensor::quantize(&ones, GgmlDType::F32)?,
-            ));
+        if arch.qkv_bias() {
+            for (name, len) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv)] {
+                let bias = matrix(&mut rng, 1, len, GgmlDType::F32)?.dequantize(&Device::Cpu)?;
+                tensors.push((
+                    format!("blk.{l}.{name}.bias"),
+                    QTensor::quantize(&bias.flatten_all()?, GgmlDType::F32)?,
+                ));
+            }
+        }
+        let mut norms = vec![("attn_norm", hidden), ("ffn_norm", hidden)];
+        if arch.gemma_norms() {
+            norms.extend([
+                ("attn_q_norm", sh.head_dim),
+                ("attn_k_norm", sh.head_dim),
+                ("post_attention_norm", hidden),
+                ("post_ffw_norm", hidden),
+            ]);
+        }
+        for (name, len) in norms {
+            let w = norm(&mut rng, arch, len)?;
+            tensors.push((format!("blk.{l}.{name}.weight"), w));
         }
     }
-    let ones = Tensor::ones(HIDDEN, candle_core::DType::F32, &Device::Cpu)?;
-    tensors.push((
-        "output_norm.weight".into(),
-        QTensor::quantize(&ones, GgmlDType::F32)?,
-    ));
+    let w = norm(&mut rng, arch, hidden)?;
+    tensors.push(("output_norm.weight".into(), w));
 
-    let metadata: Vec<(&str, Value)> = vec![
-        ("general.architecture", Value::String("llama".into())),
-        ("general.name", Value::String("tandem-tiny".into())),
-        ("llama.block_count", Value::U32(LAYERS)),
-        ("llama.embedding_length", Value::U32(HIDDEN as u32)),
-        ("llama.attention.head_count", Value::U32(HEADS)),
-        ("llama.attention.head_count_kv", Value::U32(KV_HEADS)),
-        ("llama.feed_forward_length", Value::U32(FFN as u32)),
-        ("llama.context_length", Value::U32(CONTEXT)),
-        ("llama.rope.freq_base", Value::F32(10_000.0)),
-        ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+    let a = arch.gguf_name();
+    let mut metadata: Vec<(String, Value)> = vec![
+        (format!("{a}.block_count"), Value::U32(LAYERS)),
+        (format!("{a}.embedding_length"), Value::U32(hidden as u32)),
+        (format!("{a}.attention.head_count"), Value::U32(sh.heads)),
+        (
+            format!("{a}.attention.head_count_kv"),
+            Value::U32(sh.kv_heads),
+        ),
+        (
+            format!("{a}.feed_forward_length"),
+            Value::U32(sh.ffn as u32),
+        ),
+        (format!("{a}.context_length"), Value::U32(CONTEXT)),
+        (format!("{a}.rope.freq_base"), Value::F32(10_000.0)),
+        (
+            format!("{a}.attention.layer_norm_rms_epsilon"),
+            Value::F32(1e-5),
+        ),
+    ];
+    if arch == Arch::Gemma3 {
+        metadata.extend([
+            (
+                format!("{a}.attention.key_length"),
+                Value::U32(sh.head_dim as u32),
+            ),
+            (
+                format!("{a}.attention.value_length"),
+                Value::U32(sh.head_dim as u32),
+            ),
+            (format!("{a}.attention.sliding_window"), Value::U32(24)),
+            (
+                format!("{a}.attention.sliding_window_pattern"),
+                Value::U32(2),
+            ),
+        ]);
+    }
+    let common: Vec<(&str, Value)> = vec![
+        ("general.architecture", Value::String(a.into())),
+        (
+            "general.name",
+            Value::String(format!("tandem-{}", name(arch))),
+        ),
         ("tokenizer.ggml.model", Value::String("gpt2".into())),
         ("tokenizer.ggml.pre", Value::String("smollm".into())),
         ("tokenizer.ggml.tokens", Value::Array(tokens)),
@@ -115,7 +239,11 @@ fn build_image() -> candle_core::Result<Vec<u8>> {
             Value::String(CHAT_TEMPLATE.into()),
         ),
     ];
-    let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+    let md: Vec<(&str, &Value)> = common
+        .iter()
+        .map(|(k, v)| (*k, v))
+        .chain(metadata.iter().map(|(k, v)| (k.as_str(), v)))
+        .collect();
     let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let mut out = Cursor::new(Vec::new());
     gguf_file::write(&mut out, &md, &ts)?;

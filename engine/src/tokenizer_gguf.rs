@@ -101,7 +101,7 @@ mod tests {
 
     #[test]
     fn a_character_split_across_tokens_is_emitted_whole() {
-        let model = ModelSource::Tiny.load().expect("tiny");
+        let model = ModelSource::TINY.load().expect("tiny");
         let tok = &model.tokenizer;
         let ids = tok.encode("é!").expect("encode");
         assert_eq!(ids.len(), 3, "the tiny vocabulary is one token per byte");
@@ -114,7 +114,7 @@ mod tests {
 
     #[test]
     fn special_tokens_are_single_ids_and_not_rendered() {
-        let model = ModelSource::Tiny.load().expect("tiny");
+        let model = ModelSource::TINY.load().expect("tiny");
         let tok = &model.tokenizer;
         let ids = tok.encode("<|im_start|>hi<|im_end|>").expect("encode");
         assert_eq!(ids.first(), Some(&1));
@@ -125,7 +125,7 @@ mod tests {
 
     #[test]
     fn chat_template_renders_roles_and_generation_prompt() {
-        let model = ModelSource::Tiny.load().expect("tiny");
+        let model = ModelSource::TINY.load().expect("tiny");
         let text = model
             .tokenizer
             .apply_chat_template(&[ChatMessage {

@@ -9,7 +9,15 @@ use tandem_engine::{
 };
 
 fn tiny() -> Arc<Model> {
-    ModelSource::Tiny.load().expect("tiny model")
+    ModelSource::TINY.load().expect("tiny model")
+}
+
+/// The tiny model of every architecture.
+fn tinies() -> Vec<Arc<Model>> {
+    tandem_engine::Arch::ALL
+        .iter()
+        .map(|&a| ModelSource::Tiny(a).load().expect("tiny model"))
+        .collect()
 }
 
 fn engine_with(model: &Arc<Model>, chunk: usize) -> Engine {
@@ -60,13 +68,15 @@ fn decode(
 
 #[test]
 fn export_import_then_decode_equals_uninterrupted_run() {
-    for dtype in DTYPES {
-        export_import_then_decode(dtype);
+    for model in tinies() {
+        for dtype in DTYPES {
+            export_import_then_decode(&model, dtype);
+        }
     }
 }
 
-fn export_import_then_decode(dtype: KvDtype) {
-    let model = tiny();
+fn export_import_then_decode(model: &Arc<Model>, dtype: KvDtype) {
+    let model = model.clone();
     let p = SamplingParams::default();
     let tokens = prompt(45, 1);
     let engine_with = |model: &Arc<Model>, chunk| engine_in(model, chunk, dtype);
@@ -116,13 +126,14 @@ fn import_of_a_suffix_extends_a_cached_prefix() {
 
 #[test]
 fn batched_decode_equals_each_sequence_alone() {
-    for dtype in DTYPES {
-        batched_equals_alone(dtype);
+    for model in tinies() {
+        for dtype in DTYPES {
+            batched_equals_alone(&model, dtype);
+        }
     }
 }
 
-fn batched_equals_alone(dtype: KvDtype) {
-    let model = tiny();
+fn batched_equals_alone(model: &Arc<Model>, dtype: KvDtype) {
     let params: Vec<SamplingParams> = (0..5)
         .map(|i| SamplingParams {
             temperature: if i % 2 == 0 { 0.0 } else { 0.9 },
@@ -145,7 +156,7 @@ fn batched_equals_alone(dtype: KvDtype) {
             },
         })
         .collect();
-    let mut engine = engine_in(&model, 256, dtype);
+    let mut engine = engine_in(model, 256, dtype);
     let batched = engine.generate_batch(&requests).expect("batch");
     for (req, got) in requests.iter().zip(&batched) {
         let alone = engine
@@ -166,13 +177,16 @@ fn batched_equals_alone(dtype: KvDtype) {
 
 #[test]
 fn chunked_prefill_equals_unchunked() {
-    for dtype in DTYPES {
-        chunked_equals_unchunked(dtype);
+    // 100 tokens: past the tiny Gemma's 24-position window.
+    for model in tinies() {
+        for dtype in DTYPES {
+            chunked_equals_unchunked(&model, dtype);
+        }
     }
 }
 
-fn chunked_equals_unchunked(dtype: KvDtype) {
-    let model = tiny();
+fn chunked_equals_unchunked(model: &Arc<Model>, dtype: KvDtype) {
+    let model = model.clone();
     let tokens = prompt(100, 3);
     let engine_with = |model: &Arc<Model>, chunk| engine_in(model, chunk, dtype);
     let mut whole = engine_with(&model, 1000);
@@ -185,7 +199,8 @@ fn chunked_equals_unchunked(dtype: KvDtype) {
         assert_eq!(
             e.prefill(s, &tokens).expect("prefill"),
             want,
-            "chunk {chunk}"
+            "{}: chunk {chunk}",
+            model.name
         );
         assert_eq!(
             e.export_kv(s, 0..100).expect("export"),

@@ -93,13 +93,15 @@ fn verified_rows_equal_steps(model: &Arc<Model>) {
 
 #[test]
 fn a_verified_positions_logits_equal_a_plain_steps_bit_for_bit() {
-    verified_rows_equal_steps(&ModelSource::Tiny.load().expect("tiny"));
+    for &arch in tandem_engine::Arch::ALL {
+        verified_rows_equal_steps(&ModelSource::Tiny(arch).load().expect("tiny"));
+    }
     verified_rows_equal_steps(&real());
 }
 
 #[test]
 fn truncating_drops_rejected_drafts_and_frees_their_blocks() {
-    let model = ModelSource::Tiny.load().expect("tiny");
+    let model = ModelSource::TINY.load().expect("tiny");
     let mut e = engine(&model, SpeculateConfig::off());
     let free = e.kv_blocks_free();
     let s = e.new_sequence();
@@ -224,7 +226,7 @@ fn seeded_sampling_is_identical_with_speculation_on_the_real_model() {
 
 #[test]
 fn tiny_model_generations_are_identical_with_speculation_on() {
-    let model = ModelSource::Tiny.load().expect("tiny");
+    let model = ModelSource::TINY.load().expect("tiny");
     // Prompts that repeat themselves, so the lookup finds drafts in them.
     let reqs: Vec<GenerateRequest> = (0..4u32)
         .map(|salt| GenerateRequest {

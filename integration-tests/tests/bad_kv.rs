@@ -103,7 +103,7 @@ async fn push(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_kv_is_rejected_precisely_and_never_decoded() {
-    let model = tandem_engine::ModelSource::Tiny.load().expect("tiny");
+    let model = tandem_engine::ModelSource::TINY.load().expect("tiny");
     let kv = real_kv(&model);
     // Every push here carries the whole prompt: no session cache holds part of it.
     let cluster = Cluster::start(ClusterConfig {

@@ -61,7 +61,7 @@ async fn until_index(cluster: &Cluster, replica: &str, check: impl Fn(bool, f64)
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_worker_is_not_credited_with_kv_it_lost() {
-    let model = tandem_engine::ModelSource::Tiny.load().expect("tiny");
+    let model = tandem_engine::ModelSource::TINY.load().expect("tiny");
     let mut cluster = Cluster::start(ClusterConfig::new(model.clone()))
         .await
         .expect("cluster");
@@ -107,7 +107,7 @@ async fn a_restarted_worker_is_not_credited_with_kv_it_lost() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_event_stream_is_detected_and_resynced() {
-    let model = tandem_engine::ModelSource::Tiny.load().expect("tiny");
+    let model = tandem_engine::ModelSource::TINY.load().expect("tiny");
     let cluster = Cluster::start(ClusterConfig {
         relays: true,
         ..ClusterConfig::new(model)

@@ -75,7 +75,7 @@ async fn check(model: Arc<Model>, prompts: Vec<Vec<u32>>, max_tokens: u32) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tiny_model_cluster_equals_local_generation() {
-    let model = tandem_engine::ModelSource::Tiny.load().expect("tiny");
+    let model = tandem_engine::ModelSource::TINY.load().expect("tiny");
     let prompts = (0..8u32)
         .map(|i| {
             (0..(5 + 7 * i))

@@ -6,7 +6,7 @@ use tonic::Code;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_invalid_request_names_its_field() {
-    let model = tandem_engine::ModelSource::Tiny.load().expect("tiny");
+    let model = tandem_engine::ModelSource::TINY.load().expect("tiny");
     let context = model.config.context_len as u32;
     let cluster = Cluster::start(ClusterConfig::new(model))
         .await

@@ -21,7 +21,7 @@ fn limits() -> tandem_router::Limits {
 }
 
 async fn cluster() -> Cluster {
-    let model = tandem_engine::ModelSource::Tiny.load().expect("tiny");
+    let model = tandem_engine::ModelSource::TINY.load().expect("tiny");
     Cluster::start(ClusterConfig {
         limits: limits(),
         max_kv_wait: Duration::from_millis(300),

@@ -36,7 +36,7 @@ async fn load(channel: Channel) -> Result<pb::LoadResponse, tonic::Status> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nodes_speak_mutual_tls_and_each_role_calls_only_what_it_needs() {
     let dir = certs("cluster");
-    let model = tandem_engine::ModelSource::Tiny.load().expect("tiny");
+    let model = tandem_engine::ModelSource::TINY.load().expect("tiny");
     let cluster = Cluster::start(ClusterConfig {
         tls_dir: Some(dir.clone()),
         ..ClusterConfig::new(model.clone())

@@ -9,7 +9,7 @@ use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_and_reflection_report_what_happened() {
-    let model = tandem_engine::ModelSource::Tiny.load().expect("tiny");
+    let model = tandem_engine::ModelSource::TINY.load().expect("tiny");
     let kv_bytes_per_token = model
         .config
         .kv_layout(tandem_engine::KvDtype::F16)
@@ -114,7 +114,7 @@ async fn metrics_and_reflection_report_what_happened() {
 /// has served a request (and the cluster's prefix-cache counters add up).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_queries_only_exported_metrics() {
-    let model = tandem_engine::ModelSource::Tiny.load().expect("tiny");
+    let model = tandem_engine::ModelSource::TINY.load().expect("tiny");
     let cluster = Cluster::start(ClusterConfig::new(model))
         .await
         .expect("cluster");

@@ -118,7 +118,7 @@ async fn check(model: Arc<Model>, system_len: usize, max_tokens: u32) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tiny_multi_turn_equals_cold_and_reuses_history() {
-    let model = tandem_engine::ModelSource::Tiny.load().expect("tiny");
+    let model = tandem_engine::ModelSource::TINY.load().expect("tiny");
     check(model, 40, 12).await;
 }
 

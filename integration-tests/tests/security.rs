@@ -36,7 +36,7 @@ async fn cluster_with(real_model: bool, auth: AuthConfig) -> Cluster {
     let model = if real_model {
         default_model().expect("the default model (run `tandem model fetch`)")
     } else {
-        tandem_engine::ModelSource::Tiny.load().expect("tiny")
+        tandem_engine::ModelSource::TINY.load().expect("tiny")
     };
     Cluster::start(ClusterConfig {
         auth,

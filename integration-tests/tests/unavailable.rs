@@ -8,7 +8,7 @@ use tonic::Code;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_fail_unavailable_when_a_role_has_no_live_replica() {
-    let model = tandem_engine::ModelSource::Tiny.load().expect("tiny");
+    let model = tandem_engine::ModelSource::TINY.load().expect("tiny");
     let mut cluster = Cluster::start(ClusterConfig::new(model))
         .await
         .expect("cluster");

@@ -186,7 +186,7 @@ mod tests {
     /// wire layout announces for it.
     #[test]
     fn wire_sizes_match_the_engines_export() {
-        let model = tandem_engine::ModelSource::Tiny.load().expect("tiny model");
+        let model = tandem_engine::ModelSource::TINY.load().expect("tiny model");
         for dtype in [tandem_engine::KvDtype::F16, tandem_engine::KvDtype::Q8] {
             let config = tandem_engine::EngineConfig {
                 kv_dtype: dtype,
