@@ -1,10 +1,11 @@
 //! Quantized matrix multiply: `out[n][rows] = acts[n] · W[rows]ᵀ`, int8 dot products.
 //!
-//! Written by hand because candle 0.11 has no SIMD kernel for `Q4_1` on the CPU, and because
-//! batched decode and prefill need a kernel that loads each weight block once for several
-//! activation rows. Weights are repacked at load into groups of 16 interleaved rows (see
-//! `packed.rs`); the inner tile multiplies one group's block with up to [`TILE`] activation rows,
-//! summing integer products exactly and applying the scales once per block for 16 rows. Every
+//! Written by hand because candle 0.11 has no SIMD kernels for these weight types on the CPU,
+//! and because batched decode and prefill need a kernel that loads each weight block once for
+//! several activation rows. Weights (`Q4_1`, `Q5_0`, `Q8_0`, `Q4_K`, `Q6_K`) are repacked at
+//! load into groups of 16 interleaved rows (see `packed.rs`); the inner tile multiplies one
+//! group's block with up to [`TILE`] activation rows, summing integer products exactly and
+//! applying the scales once per block (or K-quant sub-block) for 16 rows. Every
 //! (weight row, activation row) pair is accumulated by the same instruction sequence whatever the
 //! tile or batch, so a sequence's logits are bit-identical alone or in a batch, and in a prefill
 //! chunk of any size.
@@ -12,11 +13,10 @@
 //! The AVX2 path (`maddubs` on a broadcast 4-byte activation chunk, 8 rows per register) is
 //! compiled when the build targets x86-64-v3 (see `.cargo/config.toml`), and an AVX-512 VNNI
 //! path (`vpdpbusd` on 512-bit registers, all 16 rows at once) is chosen at run time where the
-//! CPU has it; the two give bit-identical results. On the 2-core Xeons we ran on first, a 512-bit
-//! `vpdpbusd` issues as often as a 256-bit one (about 5.8 G/s per core, measured), so the
-//! 512-bit path does twice the work per instruction; on AMD Zen 4 (EPYC 9004, also seen here) it
-//! runs as two 256-bit halves, so it gains instructions per multiply-add, not throughput
-//! per cycle. Other targets run a scalar version.
+//! CPU has it; the two give bit-identical results. Where a 512-bit `vpdpbusd` issues as often as
+//! a 256-bit one (Intel's server cores), the 512-bit path does twice the work per instruction;
+//! where it runs as two 256-bit halves (AMD Zen 4), it saves instructions per multiply-add, not
+//! cycles. Other targets run a scalar version.
 
 use rayon::prelude::*;
 
@@ -520,10 +520,8 @@ mod x86 {
     /// Rows per AVX2 pass: a 256-bit register holds 4 bytes of each.
     const HALF: usize = GROUP / 2;
 
-    /// How far ahead of the block being multiplied the kernels ask for weights: about 2 KB.
-    /// The hardware prefetcher alone left the batched matmuls waiting on memory: batch-16
-    /// decode was 10–12% faster with it over six alternating `tandem bench engine` runs, and
-    /// batch 1 no slower.
+    /// How far ahead of the block being multiplied the kernels ask for weights: about 2 KB,
+    /// since the hardware prefetcher alone leaves the batched matmuls waiting on memory.
     const PREFETCH_BLOCKS: usize = 6;
 
     /// Asks the cache for the weight block [`PREFETCH_BLOCKS`] after `blk`. Past the end of a
