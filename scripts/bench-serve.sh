@@ -8,19 +8,20 @@
 # Usage: scripts/bench-serve.sh [ROUNDS] [extra `tandem bench serve` flags...]
 #   (default 3 rounds; default load --concurrency 1,4,16 --requests 48 --max-tokens 64)
 # Env: TANDEM (the binary, default target/release/tandem), LLAMA_SERVER (default the one
-#   ../shared/tools/build-llamacpp.sh builds), GGUF.
-# Results: target/bench-serve/<system>.<round>.json, a table of medians over the rounds on
-# stdout, and plots of the last round in target/bench-serve/plots/.
+#   ../shared/tools/build-llamacpp.sh builds), MODEL (a catalog name, default `default`; fetched
+#   first) or GGUF (a file), served by both.
+# Results: target/bench-serve[/MODEL]/<system>.<round>.json, a table of medians over the rounds
+# on stdout, and plots of the last round in plots/ beside them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
 shift || true
 tandem=${TANDEM:-target/release/tandem}
 [ -x "$tandem" ] || cargo build --release -p tandem-cli
-gguf=${GGUF:-${TANDEM_MODEL_DIR:-$HOME/.cache/tandem/models}/SmolLM2-135M-Instruct.Q4_1.gguf}
+gguf=${GGUF:-$("$tandem" model fetch "${MODEL:-default}")}
 llama=${LLAMA_SERVER:-$HOME/.cache/tandem-peer/build/bin/llama-server}
 [ -x "$llama" ] || { echo "no llama-server at $llama (run ../shared/tools/build-llamacpp.sh)" >&2; exit 1; }
-out=target/bench-serve
+out=target/bench-serve${MODEL:+/$MODEL}
 mkdir -p "$out"
 port=50081
 hport=8081
@@ -32,7 +33,7 @@ pids=()
 stop() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done; }
 trap stop EXIT
 
-"$tandem" up --model default --prefill 1 --decode 1 --port "$port" --http-port "$hport" >"$out/up.log" 2>&1 &
+"$tandem" up --model "$gguf" --prefill 1 --decode 1 --port "$port" --http-port "$hport" >"$out/up.log" 2>&1 &
 pids+=($!)
 "$llama" -m "$gguf" -t 2 --parallel 16 -c 16384 --port "$lport" >"$out/llama-server.log" 2>&1 &
 pids+=($!)
