@@ -1,12 +1,18 @@
-//! The tokenizer on arbitrary bytes: encode the text (invalid UTF-8 replaced; special tokens
-//! parsed, as a raw prompt's are), every id within the vocabulary, and decode the ids back;
-//! then decode the input read as token ids, in and out of the vocabulary.
+//! The tokenizers (byte-level BPE and SentencePiece) on arbitrary bytes: encode the text
+//! (invalid UTF-8 replaced; special tokens parsed, as a raw prompt's are), every id within the
+//! vocabulary, and decode the ids back; then decode the input read as token ids, in and out of
+//! the vocabulary.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
+use tandem_tokenizer::Tokenizer;
 
 fuzz_target!(|data: &[u8]| {
-    let tokenizer = tandem_fuzz::tokenizer();
+    check(tandem_fuzz::tokenizer(), data);
+    check(tandem_fuzz::sentence_piece_tokenizer(), data);
+});
+
+fn check(tokenizer: &Tokenizer, data: &[u8]) {
     let text = String::from_utf8_lossy(data);
     if let Ok(ids) = tokenizer.encode(&text) {
         let vocab = tokenizer.vocab_size();
@@ -20,4 +26,4 @@ fuzz_target!(|data: &[u8]| {
         })
         .collect();
     let _ = tokenizer.decode(&ids);
-});
+}
