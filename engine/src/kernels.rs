@@ -25,8 +25,7 @@ use crate::packed::{
     pack_q4_k, pack_q5_0, pack_q6_k, pack_q8_0,
 };
 use crate::quant::{
-    BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, BlockQ8_1, BlockQ8_1Halves, QK,
-    with_half_sums,
+    BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, BlockQ8_1, QK, with_half_sums,
 };
 
 /// Activation rows multiplied per decoded weight block: enough independent accumulator chains
@@ -294,45 +293,76 @@ impl SendPtr {
 /// Per activation row of a tile, the outputs of one row group.
 type TileOut = [[f32; GROUP]];
 
-/// Runs an x86 kernel for a runtime tile size `t`, in the VNNI or the AVX2 instruction set.
+/// Each weight type's tile, run in the VNNI or the AVX2 instruction set for a runtime tile size.
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
     target_feature = "fma",
     target_feature = "f16c"
 ))]
-macro_rules! dispatch_tile {
-    ($avx2:ident, $vnni:ident, $w:expr, $acts:expr, $t:expr, $out:expr) => {
-        // SAFETY: the cfg guarantees AVX2, FMA and F16C; VNNI is checked at run time; the
-        // slices are sized by `QMatrix::matmul`.
-        unsafe {
-            let (w, acts, t, out) = ($w, $acts, $t, $out);
-            if x86::has_vnni() {
-                match t {
-                    1 => x86::$vnni::<1>(w, acts, out),
-                    2 => x86::$vnni::<2>(w, acts, out),
-                    3 => x86::$vnni::<3>(w, acts, out),
-                    4 => x86::$vnni::<4>(w, acts, out),
-                    5 => x86::$vnni::<5>(w, acts, out),
-                    6 => x86::$vnni::<6>(w, acts, out),
-                    7 => x86::$vnni::<7>(w, acts, out),
-                    _ => x86::$vnni::<TILE>(w, acts, out),
-                }
-            } else {
-                // Activation blocks per row.
-                let nb = acts.len() / t;
-                for (i, out) in out[..t].chunks_mut(AVX2_TILE).enumerate() {
-                    let acts = &acts[i * AVX2_TILE * nb..];
-                    match out.len() {
-                        1 => x86::$avx2::<1>(w, acts, out),
-                        2 => x86::$avx2::<2>(w, acts, out),
-                        3 => x86::$avx2::<3>(w, acts, out),
-                        _ => x86::$avx2::<AVX2_TILE>(w, acts, out),
+mod dispatch {
+    use super::{AVX2_TILE, TILE, TileOut, x86};
+    use crate::packed::{BlockQ4_1x16, BlockQ4Kx16, BlockQ5_0x16, BlockQ6Kx16, BlockQ8_0x16};
+    use crate::quant::{BlockQ8_1, BlockQ8_1Halves};
+
+    macro_rules! dispatch_tile {
+        ($avx2:ident, $vnni:ident, $w:expr, $acts:expr, $t:expr, $out:expr) => {
+            // SAFETY: the cfg guarantees AVX2, FMA and F16C; VNNI is checked at run time; the
+            // slices are sized by `QMatrix::matmul`.
+            unsafe {
+                let (w, acts, t, out) = ($w, $acts, $t, $out);
+                if x86::has_vnni() {
+                    match t {
+                        1 => x86::$vnni::<1>(w, acts, out),
+                        2 => x86::$vnni::<2>(w, acts, out),
+                        3 => x86::$vnni::<3>(w, acts, out),
+                        4 => x86::$vnni::<4>(w, acts, out),
+                        5 => x86::$vnni::<5>(w, acts, out),
+                        6 => x86::$vnni::<6>(w, acts, out),
+                        7 => x86::$vnni::<7>(w, acts, out),
+                        _ => x86::$vnni::<TILE>(w, acts, out),
+                    }
+                } else {
+                    // Activation blocks per row.
+                    let nb = acts.len() / t;
+                    for (i, out) in out[..t].chunks_mut(AVX2_TILE).enumerate() {
+                        let acts = &acts[i * AVX2_TILE * nb..];
+                        match out.len() {
+                            1 => x86::$avx2::<1>(w, acts, out),
+                            2 => x86::$avx2::<2>(w, acts, out),
+                            3 => x86::$avx2::<3>(w, acts, out),
+                            _ => x86::$avx2::<AVX2_TILE>(w, acts, out),
+                        }
                     }
                 }
             }
-        }
-    };
+        };
+    }
+
+    pub(super) fn tile_q4_1(w: &[BlockQ4_1x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+        dispatch_tile!(tile_q4_1, tile_q4_1_vnni, w, acts, t, out)
+    }
+
+    pub(super) fn tile_q8_0(w: &[BlockQ8_0x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+        dispatch_tile!(tile_q8_0, tile_q8_0_vnni, w, acts, t, out)
+    }
+
+    pub(super) fn tile_q5_0(w: &[BlockQ5_0x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+        dispatch_tile!(tile_q5_0, tile_q5_0_vnni, w, acts, t, out)
+    }
+
+    pub(super) fn tile_q4_k(w: &[BlockQ4Kx16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+        dispatch_tile!(tile_q4_k, tile_q4_k_vnni, w, acts, t, out)
+    }
+
+    pub(super) fn tile_q6_k(
+        w: &[BlockQ6Kx16],
+        acts: &[BlockQ8_1Halves],
+        t: usize,
+        out: &mut TileOut,
+    ) {
+        dispatch_tile!(tile_q6_k, tile_q6_k_vnni, w, acts, t, out)
+    }
 }
 
 #[cfg(all(
@@ -341,49 +371,7 @@ macro_rules! dispatch_tile {
     target_feature = "fma",
     target_feature = "f16c"
 ))]
-fn tile_q4_1(w: &[BlockQ4_1x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
-    dispatch_tile!(tile_q4_1, tile_q4_1_vnni, w, acts, t, out)
-}
-
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
-fn tile_q8_0(w: &[BlockQ8_0x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
-    dispatch_tile!(tile_q8_0, tile_q8_0_vnni, w, acts, t, out)
-}
-
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
-fn tile_q5_0(w: &[BlockQ5_0x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
-    dispatch_tile!(tile_q5_0, tile_q5_0_vnni, w, acts, t, out)
-}
-
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
-fn tile_q4_k(w: &[BlockQ4Kx16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
-    dispatch_tile!(tile_q4_k, tile_q4_k_vnni, w, acts, t, out)
-}
-
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
-fn tile_q6_k(w: &[BlockQ6Kx16], acts: &[BlockQ8_1Halves], t: usize, out: &mut TileOut) {
-    dispatch_tile!(tile_q6_k, tile_q6_k_vnni, w, acts, t, out)
-}
+use dispatch::{tile_q4_1, tile_q4_k, tile_q5_0, tile_q6_k, tile_q8_0};
 
 #[cfg(not(all(
     target_arch = "x86_64",

@@ -6,40 +6,15 @@
 //! without them. The fixtures directory is `$TANDEM_FIXTURES_DIR`, else `shared/fixtures` beside
 //! the checkout.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
-use serde_json::Value;
+mod common;
+use common::{ids, records};
 use tandem_engine::{ChatMessage, Engine, EngineConfig, GenerateParams, GenerateRequest, Model};
 
 /// The widest gap, in llama.cpp's own log-probabilities, between its greedy token and ours where
 /// the two differ: a divergence must be a near-tie.
 const MAX_MARGIN: f64 = 0.75;
-
-fn fixtures_dir() -> PathBuf {
-    std::env::var_os("TANDEM_FIXTURES_DIR").map_or_else(
-        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"),
-        PathBuf::from,
-    )
-}
-
-fn records(name: &str) -> Vec<Value> {
-    let path = fixtures_dir().join(name);
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("cannot read fixture {}: {e}", path.display()));
-    text.lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| serde_json::from_str(l).expect("fixture line is JSON"))
-        .collect()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("array of ids")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
-}
 
 fn load(name: &str) -> Arc<Model> {
     tandem_engine::ModelSource::parse(name, &tandem_engine::model_dir_from_env())
