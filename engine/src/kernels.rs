@@ -88,6 +88,49 @@ enum Packed {
 }
 
 impl Packed {
+    /// Packs `raw`, rows `done..` of a `rows`-row part (`done` a multiple of [`GROUP`]), into
+    /// `packed`, made on the first chunk; returns the rows it held.
+    fn pack_chunk(
+        packed: &mut Option<Packed>,
+        rows: usize,
+        done: usize,
+        nb: usize,
+        raw: &RawWeights,
+    ) -> usize {
+        fn put<S, D: bytemuck::Zeroable>(
+            out: &mut Vec<D>,
+            rows: usize,
+            done: usize,
+            nb: usize,
+            src: &[S],
+            pack: fn(usize, usize, &[S], &mut [D]),
+        ) -> usize {
+            if out.is_empty() {
+                *out = crate::memory::zeroed_vec(rows.div_ceil(GROUP) * nb);
+            }
+            let n = src.len() / nb;
+            let g0 = done / GROUP;
+            pack(n, nb, src, &mut out[g0 * nb..(g0 + n.div_ceil(GROUP)) * nb]);
+            n
+        }
+        let nbk = nb / SUBS;
+        let p = packed.get_or_insert_with(|| match raw {
+            RawWeights::Q4_1(_) => Packed::Q4_1(Vec::new()),
+            RawWeights::Q5_0(_) => Packed::Q5_0(Vec::new()),
+            RawWeights::Q8_0(_) => Packed::Q8_0(Vec::new()),
+            RawWeights::Q4K(_) => Packed::Q4K(Vec::new()),
+            RawWeights::Q6K(_) => Packed::Q6K(Vec::new()),
+        });
+        match (p, raw) {
+            (Packed::Q4_1(o), RawWeights::Q4_1(b)) => put(o, rows, done, nb, b, pack_q4_1),
+            (Packed::Q5_0(o), RawWeights::Q5_0(b)) => put(o, rows, done, nb, b, pack_q5_0),
+            (Packed::Q8_0(o), RawWeights::Q8_0(b)) => put(o, rows, done, nb, b, pack_q8_0),
+            (Packed::Q4K(o), RawWeights::Q4K(b)) => put(o, rows, done, nbk, b, pack_q4_k),
+            (Packed::Q6K(o), RawWeights::Q6K(b)) => put(o, rows, done, nbk, b, pack_q6_k),
+            _ => unreachable!("a part's chunks are all read as its tensor's one type"),
+        }
+    }
+
     /// Activation blocks per packed block: 1, or [`SUBS`] for a K-quant super-block.
     fn span(&self) -> usize {
         match self {
@@ -105,32 +148,39 @@ impl QMatrix {
     /// Stacks matrices of the same width into one; `None` if the widths differ or there are none.
     pub fn stack(raws: Vec<RawMatrix>) -> Option<Self> {
         let cols = raws.first()?.cols;
-        let nb = cols / QK;
-        let nbk = nb / SUBS;
-        let mut parts = Vec::with_capacity(raws.len());
-        let mut first = 0;
-        for raw in raws {
-            if raw.cols != cols {
-                return None;
-            }
-            let data = match &raw.data {
-                RawWeights::Q4_1(b) => Packed::Q4_1(pack_q4_1(raw.rows, nb, b)),
-                RawWeights::Q5_0(b) => Packed::Q5_0(pack_q5_0(raw.rows, nb, b)),
-                RawWeights::Q8_0(b) => Packed::Q8_0(pack_q8_0(raw.rows, nb, b)),
-                RawWeights::Q4K(b) => Packed::Q4K(pack_q4_k(raw.rows, nbk, b)),
-                RawWeights::Q6K(b) => Packed::Q6K(pack_q6_k(raw.rows, nbk, b)),
-            };
-            parts.push(Part {
-                first,
-                rows: raw.rows,
-                data,
-            });
-            first += raw.rows;
+        if raws.iter().any(|r| r.cols != cols) {
+            return None;
         }
-        Some(Self {
+        let parts = raws
+            .into_iter()
+            .map(|r| (r.rows, std::iter::once(Ok::<_, ()>(r.data))));
+        Self::build(cols, parts).ok()
+    }
+
+    /// Builds a stack of matrices `cols` wide from each part's row count and its rows, fed in
+    /// chunks of whole [`GROUP`]s of rows (the last may be short), so a file's tensor is
+    /// repacked without ever being held whole. Every chunk of a part has the part's type.
+    pub fn build<E, C>(cols: usize, parts: impl IntoIterator<Item = (usize, C)>) -> Result<Self, E>
+    where
+        C: IntoIterator<Item = Result<RawWeights, E>>,
+    {
+        let nb = cols / QK;
+        let mut built = Vec::new();
+        let mut first = 0;
+        for (rows, chunks) in parts {
+            let mut data: Option<Packed> = None;
+            let mut done = 0;
+            for chunk in chunks {
+                done += Packed::pack_chunk(&mut data, rows, done, nb, &chunk?);
+            }
+            let data = data.unwrap_or(Packed::Q8_0(Vec::new()));
+            built.push(Part { first, rows, data });
+            first += rows;
+        }
+        Ok(Self {
             rows: first,
             cols,
-            parts,
+            parts: built,
         })
     }
 

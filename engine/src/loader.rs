@@ -14,7 +14,7 @@ use candle_core::quantized::gguf_file::{Content, TensorInfo};
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
-use crate::kernels::{QMatrix, RawMatrix, RawWeights};
+use crate::kernels::{QMatrix, RawWeights};
 use crate::model::{Arch, GemmaNorms, LayerWeights, ModelConfig, SlidingWindow, Weights};
 use crate::quant::{BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, QK, quantize_row_q8_0};
 use tandem_tokenizer::TokenizerSpec;
@@ -145,15 +145,9 @@ fn load(bytes: Bytes<'_>, fingerprint: ModelFingerprint, path: &Path) -> Result<
     let layers = (0..config.n_layers)
         .map(|i| {
             let t = |n: &str| format!("blk.{i}.{n}.weight");
-            let qkv = vec![
-                reader.raw_matrix(&t("attn_q"), config.n_heads * config.head_dim, h)?,
-                reader.raw_matrix(&t("attn_k"), kv, h)?,
-                reader.raw_matrix(&t("attn_v"), kv, h)?,
-            ];
-            let gate_up = vec![
-                reader.raw_matrix(&t("ffn_gate"), config.ffn, h)?,
-                reader.raw_matrix(&t("ffn_up"), config.ffn, h)?,
-            ];
+            let q = config.n_heads * config.head_dim;
+            let qkv = [(t("attn_q"), q), (t("attn_k"), kv), (t("attn_v"), kv)];
+            let gate_up = [(t("ffn_gate"), config.ffn), (t("ffn_up"), config.ffn)];
             let b = |n: &str| format!("blk.{i}.{n}.bias");
             let qkv_bias = match arch.qkv_bias() {
                 true => Some(
@@ -177,12 +171,12 @@ fn load(bytes: Bytes<'_>, fingerprint: ModelFingerprint, path: &Path) -> Result<
             };
             Ok(LayerWeights {
                 attn_norm: reader.vector(&t("attn_norm"), h)?,
-                wqkv: reader.stack(qkv)?,
+                wqkv: reader.stack(&qkv, h)?,
                 qkv_bias,
                 gemma,
                 wo: reader.matrix(&t("attn_output"), h, config.n_heads * config.head_dim)?,
                 ffn_norm: reader.vector(&t("ffn_norm"), h)?,
-                w_gate_up: reader.stack(gate_up)?,
+                w_gate_up: reader.stack(&gate_up, h)?,
                 w_down: reader.matrix(&t("ffn_down"), h, config.ffn)?,
             })
         })
@@ -283,6 +277,10 @@ fn read_config(arch: Arch, content: &Content, path: &Path) -> Result<ModelConfig
     Ok(config)
 }
 
+/// Rows of a matrix read and repacked at a time: a multiple of the packed groups' 16 rows,
+/// small enough that no tensor is ever held whole beside its repacked copy.
+const CHUNK_ROWS: usize = 1024;
+
 struct TensorReader<'a> {
     content: &'a Content,
     bytes: Bytes<'a>,
@@ -318,10 +316,8 @@ impl TensorReader<'_> {
         Ok(info)
     }
 
-    /// A tensor's bytes as blocks of `T` (whose size must divide the tensor's).
-    fn blocks<T: bytemuck::Pod>(&self, info: &TensorInfo) -> Result<Vec<T>> {
-        let start = self.content.tensor_data_offset + info.offset;
-        let len = (self.tensor_end(info) - start) as usize;
+    /// `len` bytes from `start` on, as blocks of `T` (whose size must divide `len`).
+    fn read_blocks<T: bytemuck::Pod>(&self, start: u64, len: usize) -> Result<Vec<T>> {
         let mut out = vec![T::zeroed(); len / size_of::<T>()];
         self.bytes
             .read_at(start, bytemuck::cast_slice_mut(&mut out))
@@ -330,6 +326,12 @@ impl TensorReader<'_> {
                 source,
             })?;
         Ok(out)
+    }
+
+    /// A tensor's bytes as blocks of `T`.
+    fn blocks<T: bytemuck::Pod>(&self, info: &TensorInfo) -> Result<Vec<T>> {
+        let start = self.content.tensor_data_offset + info.offset;
+        self.read_blocks(start, (self.tensor_end(info) - start) as usize)
     }
 
     /// Any tensor as f32 values, through candle's dequantization.
@@ -355,35 +357,72 @@ impl TensorReader<'_> {
     }
 
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<QMatrix> {
-        Ok(QMatrix::new(self.raw_matrix(name, rows, cols)?))
+        self.stack(&[(name.to_string(), rows)], cols)
     }
 
-    fn raw_matrix(&self, name: &str, rows: usize, cols: usize) -> Result<RawMatrix> {
-        let info = self.info(name, &[rows, cols])?;
-        let data = match info.ggml_dtype {
-            GgmlDType::Q4_1 => RawWeights::Q4_1(self.blocks::<BlockQ4_1>(info)?),
-            GgmlDType::Q5_0 => RawWeights::Q5_0(self.blocks::<BlockQ5_0>(info)?),
-            GgmlDType::Q8_0 => RawWeights::Q8_0(self.blocks::<BlockQ8_0>(info)?),
-            GgmlDType::Q4K => RawWeights::Q4K(self.blocks::<BlockQ4K>(info)?),
-            GgmlDType::Q6K => RawWeights::Q6K(self.blocks::<BlockQ6K>(info)?),
+    /// Matrices of one width (name, rows) stacked into one, each keeping its block type, read
+    /// and repacked [`CHUNK_ROWS`] rows at a time.
+    fn stack(&self, parts: &[(String, usize)], cols: usize) -> Result<QMatrix> {
+        let infos = parts
+            .iter()
+            .map(|(name, rows)| Ok((name.as_str(), *rows, self.info(name, &[*rows, cols])?)))
+            .collect::<Result<Vec<_>>>()?;
+        QMatrix::build(
+            cols,
+            infos.into_iter().map(|(name, rows, info)| {
+                let chunks = (0..rows).step_by(CHUNK_ROWS);
+                let read =
+                    move |r0: usize| self.rows(name, info, r0..(r0 + CHUNK_ROWS).min(rows), cols);
+                (rows, chunks.map(read))
+            }),
+        )
+    }
+
+    /// Rows `rows` of a `cols`-wide matrix tensor, in its own block type where a kernel takes
+    /// it, else requantized to `Q8_0`.
+    fn rows(
+        &self,
+        name: &str,
+        info: &TensorInfo,
+        rows: std::ops::Range<usize>,
+        cols: usize,
+    ) -> Result<RawWeights> {
+        let dtype = info.ggml_dtype;
+        let row_bytes = cols / dtype.block_size() * dtype.type_size();
+        let start = self.content.tensor_data_offset + info.offset + (rows.start * row_bytes) as u64;
+        let len = rows.len() * row_bytes;
+        Ok(match dtype {
+            GgmlDType::Q4_1 => RawWeights::Q4_1(self.read_blocks::<BlockQ4_1>(start, len)?),
+            GgmlDType::Q5_0 => RawWeights::Q5_0(self.read_blocks::<BlockQ5_0>(start, len)?),
+            GgmlDType::Q8_0 => RawWeights::Q8_0(self.read_blocks::<BlockQ8_0>(start, len)?),
+            GgmlDType::Q4K => RawWeights::Q4K(self.read_blocks::<BlockQ4K>(start, len)?),
+            GgmlDType::Q6K => RawWeights::Q6K(self.read_blocks::<BlockQ6K>(start, len)?),
             other => {
-                let from = self.tensor_end(info) - self.content.tensor_data_offset - info.offset;
-                let to = rows * cols / QK * size_of::<BlockQ8_0>();
-                tracing::info!(
-                    tensor = name,
-                    "{other:?} has no kernel: requantized to Q8_0 ({from} -> {to} bytes)"
-                );
-                let values = self.f32_values(name, info)?;
-                let mut blocks = vec![bytemuck::Zeroable::zeroed(); rows * cols / QK];
+                if rows.start == 0 {
+                    let from =
+                        self.tensor_end(info) - self.content.tensor_data_offset - info.offset;
+                    let to = info.shape.elem_count() / QK * size_of::<BlockQ8_0>();
+                    tracing::info!(
+                        tensor = name,
+                        "{other:?} has no kernel: requantized to Q8_0 ({from} -> {to} bytes)"
+                    );
+                }
+                let raw: Vec<u8> = self.read_blocks(start, len)?;
+                let chunk = TensorInfo {
+                    ggml_dtype: other,
+                    shape: candle_core::Shape::from((rows.len(), cols)),
+                    offset: 0,
+                };
+                let values = chunk
+                    .read(&mut Cursor::new(raw), 0, &Device::Cpu)
+                    .and_then(|q| q.dequantize(&Device::Cpu))
+                    .and_then(|t| t.flatten_all())
+                    .and_then(|t| t.to_vec1::<f32>())
+                    .map_err(|e| self.bad(format!("tensor {name}: {e}")))?;
+                let mut blocks = vec![bytemuck::Zeroable::zeroed(); values.len() / QK];
                 quantize_row_q8_0(&values, &mut blocks);
                 RawWeights::Q8_0(blocks)
             }
-        };
-        Ok(RawMatrix { rows, cols, data })
-    }
-
-    /// Stacks matrices of one width into one (each keeps its block type).
-    fn stack(&self, parts: Vec<RawMatrix>) -> Result<QMatrix> {
-        QMatrix::stack(parts).ok_or_else(|| self.bad("cannot stack projection matrices".into()))
+        })
     }
 }

@@ -83,10 +83,24 @@ pub struct BlockQ8_0x16 {
     pub qs: [i8; GROUP * QK],
 }
 
-/// Packs `rows × (nb blocks)` into `ceil(rows / GROUP) × nb` groups, padding with zero rows.
-pub fn pack_q4_1(rows: usize, nb: usize, src: &[BlockQ4_1]) -> Vec<BlockQ4_1x16> {
-    let groups = rows.div_ceil(GROUP);
-    let mut out: Vec<BlockQ4_1x16> = crate::memory::zeroed_vec(groups * nb);
+#[cfg(test)]
+/// Packs `rows` rows of blocks with `pack` into a fresh buffer of `ceil(rows / GROUP) × nb`
+/// groups (padded with zero rows), advised for huge pages.
+pub fn pack_all<S, D: Zeroable>(
+    rows: usize,
+    nb: usize,
+    src: &[S],
+    pack: fn(usize, usize, &[S], &mut [D]),
+) -> Vec<D> {
+    let mut out = crate::memory::zeroed_vec(rows.div_ceil(GROUP) * nb);
+    pack(rows, nb, src, &mut out);
+    out
+}
+
+/// The `pack_*` functions pack `rows × (nb blocks)` into `out`, `ceil(rows / GROUP) × nb`
+/// zeroed groups (the last padded with zero rows).
+pub fn pack_q4_1(rows: usize, nb: usize, src: &[BlockQ4_1], out: &mut [BlockQ4_1x16]) {
+    debug_assert_eq!(out.len(), rows.div_ceil(GROUP) * nb);
     for (i, dst) in out.iter_mut().enumerate() {
         let (g, b) = (i / nb, i % nb);
         for ri in 0..GROUP.min(rows - g * GROUP) {
@@ -99,12 +113,10 @@ pub fn pack_q4_1(rows: usize, nb: usize, src: &[BlockQ4_1]) -> Vec<BlockQ4_1x16>
             }
         }
     }
-    out
 }
 
-pub fn pack_q5_0(rows: usize, nb: usize, src: &[BlockQ5_0]) -> Vec<BlockQ5_0x16> {
-    let groups = rows.div_ceil(GROUP);
-    let mut out: Vec<BlockQ5_0x16> = crate::memory::zeroed_vec(groups * nb);
+pub fn pack_q5_0(rows: usize, nb: usize, src: &[BlockQ5_0], out: &mut [BlockQ5_0x16]) {
+    debug_assert_eq!(out.len(), rows.div_ceil(GROUP) * nb);
     for (i, dst) in out.iter_mut().enumerate() {
         let (g, b) = (i / nb, i % nb);
         for ri in 0..GROUP.min(rows - g * GROUP) {
@@ -122,7 +134,6 @@ pub fn pack_q5_0(rows: usize, nb: usize, src: &[BlockQ5_0]) -> Vec<BlockQ5_0x16>
             }
         }
     }
-    out
 }
 
 /// The byte of a 32-value block's nibble layout that holds values `4c + t` (low nibble) and
@@ -131,9 +142,8 @@ fn nibble_at(c: usize, ri: usize, t: usize) -> usize {
     CHUNK * c + ri * 4 + t
 }
 
-pub fn pack_q4_k(rows: usize, nbk: usize, src: &[BlockQ4K]) -> Vec<BlockQ4Kx16> {
-    let groups = rows.div_ceil(GROUP);
-    let mut out: Vec<BlockQ4Kx16> = crate::memory::zeroed_vec(groups * nbk);
+pub fn pack_q4_k(rows: usize, nbk: usize, src: &[BlockQ4K], out: &mut [BlockQ4Kx16]) {
+    debug_assert_eq!(out.len(), rows.div_ceil(GROUP) * nbk);
     for (i, dst) in out.iter_mut().enumerate() {
         let (g, b) = (i / nbk, i % nbk);
         for ri in 0..GROUP.min(rows - g * GROUP) {
@@ -152,12 +162,10 @@ pub fn pack_q4_k(rows: usize, nbk: usize, src: &[BlockQ4K]) -> Vec<BlockQ4Kx16> 
             }
         }
     }
-    out
 }
 
-pub fn pack_q6_k(rows: usize, nbk: usize, src: &[BlockQ6K]) -> Vec<BlockQ6Kx16> {
-    let groups = rows.div_ceil(GROUP);
-    let mut out: Vec<BlockQ6Kx16> = crate::memory::zeroed_vec(groups * nbk);
+pub fn pack_q6_k(rows: usize, nbk: usize, src: &[BlockQ6K], out: &mut [BlockQ6Kx16]) {
+    debug_assert_eq!(out.len(), rows.div_ceil(GROUP) * nbk);
     for (i, dst) in out.iter_mut().enumerate() {
         let (g, b) = (i / nbk, i % nbk);
         for ri in 0..GROUP.min(rows - g * GROUP) {
@@ -182,12 +190,10 @@ pub fn pack_q6_k(rows: usize, nbk: usize, src: &[BlockQ6K]) -> Vec<BlockQ6Kx16> 
             }
         }
     }
-    out
 }
 
-pub fn pack_q8_0(rows: usize, nb: usize, src: &[BlockQ8_0]) -> Vec<BlockQ8_0x16> {
-    let groups = rows.div_ceil(GROUP);
-    let mut out: Vec<BlockQ8_0x16> = crate::memory::zeroed_vec(groups * nb);
+pub fn pack_q8_0(rows: usize, nb: usize, src: &[BlockQ8_0], out: &mut [BlockQ8_0x16]) {
+    debug_assert_eq!(out.len(), rows.div_ceil(GROUP) * nb);
     for (i, dst) in out.iter_mut().enumerate() {
         let (g, b) = (i / nb, i % nb);
         for ri in 0..GROUP.min(rows - g * GROUP) {
@@ -200,7 +206,6 @@ pub fn pack_q8_0(rows: usize, nb: usize, src: &[BlockQ8_0]) -> Vec<BlockQ8_0x16>
             }
         }
     }
-    out
 }
 
 /// Row `ri` of a group's block, as 32 unsigned quants (`Q4_1`).
@@ -294,7 +299,10 @@ pub(crate) mod tests {
         for b in &mut q6 {
             b.d = f16::from_f32(0.5);
         }
-        let (p4, p6) = (pack_q4_k(rows, nbk, &q4), pack_q6_k(rows, nbk, &q6));
+        let (p4, p6) = (
+            pack_all(rows, nbk, &q4, pack_q4_k),
+            pack_all(rows, nbk, &q6, pack_q6_k),
+        );
         for r in 0..rows {
             let (g, ri) = (r / GROUP, r % GROUP);
             for b in 0..nbk {
@@ -330,9 +338,9 @@ pub(crate) mod tests {
         quantize_row_q4_1(&x, &mut q4);
         quantize_row_q5_0(&x, &mut q5);
         quantize_row_q8_0(&x, &mut q8);
-        let p4 = pack_q4_1(rows, nb, &q4);
-        let p5 = pack_q5_0(rows, nb, &q5);
-        let p8 = pack_q8_0(rows, nb, &q8);
+        let p4 = pack_all(rows, nb, &q4, pack_q4_1);
+        let p5 = pack_all(rows, nb, &q5, pack_q5_0);
+        let p8 = pack_all(rows, nb, &q8, pack_q8_0);
         assert_eq!(p4.len(), 2 * nb);
         for r in 0..rows {
             for b in 0..nb {

@@ -266,9 +266,9 @@ fn avx2_and_vnni_kernels_are_bit_identical() {
     quantize_row_q4_1(&x, &mut q4);
     quantize_row_q5_0(&x, &mut q5);
     quantize_row_q8_0(&x, &mut q8);
-    let p4 = crate::packed::pack_q4_1(rows, nb, &q4);
-    let p5 = crate::packed::pack_q5_0(rows, nb, &q5);
-    let p8 = crate::packed::pack_q8_0(rows, nb, &q8);
+    let p4 = crate::packed::pack_all(rows, nb, &q4, crate::packed::pack_q4_1);
+    let p5 = crate::packed::pack_all(rows, nb, &q5, crate::packed::pack_q5_0);
+    let p8 = crate::packed::pack_all(rows, nb, &q8, crate::packed::pack_q8_0);
     let xa: Vec<f32> = (0..TILE * cols)
         .map(|i| ((i as f32) * 0.91).cos() * 2.0)
         .collect();
@@ -293,8 +293,8 @@ fn avx2_and_vnni_kernels_are_bit_identical() {
         unreachable!()
     };
     let (p4k, p6k) = (
-        crate::packed::pack_q4_k(GROUP, cols / QK_K, &k4),
-        crate::packed::pack_q6_k(GROUP, cols / QK_K, &k6),
+        crate::packed::pack_all(GROUP, cols / QK_K, &k4, crate::packed::pack_q4_k),
+        crate::packed::pack_all(GROUP, cols / QK_K, &k6, crate::packed::pack_q6_k),
     );
     let halves = crate::quant::with_half_sums(&acts);
     unsafe {
@@ -312,4 +312,46 @@ fn avx2_and_vnni_kernels_are_bit_identical() {
         x86::tile_q8_0_vnni::<TILE>(&p8, &shift_to_unsigned(&acts), &mut b);
     }
     assert_eq!(a, b);
+}
+
+/// A matrix fed in chunks of rows (as the loader reads a file) equals the same matrix stacked
+/// whole, for every part type and a short last chunk.
+#[test]
+fn a_matrix_built_chunk_by_chunk_equals_it_built_whole() {
+    let (rows, cols) = (70, 256);
+    let nb = cols / QK;
+    let x = self::rows(rows, cols, 4.0);
+    let mut q5 = vec![BlockQ5_0::zeroed(); rows * nb];
+    quantize_row_q5_0(&x, &mut q5);
+    let RawWeights::Q6K(k6) = k_quant(rows, cols, true, 9).data else {
+        unreachable!()
+    };
+    let whole = QMatrix::stack(vec![
+        RawMatrix {
+            rows,
+            cols,
+            data: RawWeights::Q5_0(q5.clone()),
+        },
+        RawMatrix {
+            rows,
+            cols,
+            data: RawWeights::Q6K(k6.clone()),
+        },
+    ])
+    .expect("stack");
+    let chunk = 32;
+    let chunks_q5 = q5
+        .chunks(chunk * nb)
+        .map(|c| Ok::<_, ()>(RawWeights::Q5_0(c.to_vec())));
+    let chunks_k6 = k6
+        .chunks(chunk * cols / QK_K)
+        .map(|c| Ok::<_, ()>(RawWeights::Q6K(c.to_vec())));
+    let parts: Vec<(usize, Vec<Result<RawWeights, ()>>)> =
+        vec![(rows, chunks_q5.collect()), (rows, chunks_k6.collect())];
+    let built = QMatrix::build(cols, parts).expect("build");
+    let a = acts(3, cols);
+    let (mut o1, mut o2) = (vec![0f32; 3 * 2 * rows], vec![0f32; 3 * 2 * rows]);
+    whole.matmul(&a, 3, &mut o1);
+    built.matmul(&a, 3, &mut o2);
+    assert_eq!(o1, o2);
 }
