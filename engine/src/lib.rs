@@ -1,5 +1,6 @@
-//! Tandem's model engine: llama-architecture GGUF models on the CPU, with a paged KV cache that
-//! can be exported and imported as bytes, batched decode steps, and sampling.
+//! Tandem's model engine: GGUF models of the llama, qwen2 and gemma3 architectures on the CPU,
+//! with a paged KV cache that can be exported and imported as bytes, batched decode steps, and
+//! sampling.
 //!
 //! No networking lives here; the servers drive an [`Engine`] from their own threads.
 

@@ -365,7 +365,17 @@ impl TensorReader<'_> {
     fn stack(&self, parts: &[(String, usize)], cols: usize) -> Result<QMatrix> {
         let infos = parts
             .iter()
-            .map(|(name, rows)| Ok((name.as_str(), *rows, self.info(name, &[*rows, cols])?)))
+            .map(|(name, rows)| {
+                let info = self.info(name, &[*rows, cols])?;
+                let block = info.ggml_dtype.block_size();
+                if !cols.is_multiple_of(block) {
+                    return Err(self.bad(format!(
+                        "tensor {name}: rows of {cols} values are not whole {:?} blocks of {block}",
+                        info.ggml_dtype
+                    )));
+                }
+                Ok((name.as_str(), *rows, info))
+            })
             .collect::<Result<Vec<_>>>()?;
         QMatrix::build(
             cols,
