@@ -97,43 +97,51 @@ pub fn pack_all<S, D: Zeroable>(
     out
 }
 
-/// The `pack_*` functions pack `rows × (nb blocks)` into `out`, `ceil(rows / GROUP) × nb`
-/// zeroed groups (the last padded with zero rows).
-pub fn pack_q4_1(rows: usize, nb: usize, src: &[BlockQ4_1], out: &mut [BlockQ4_1x16]) {
+/// Calls `pack(dst, ri, s)` for every packed block `dst` of `out` (`ceil(rows / GROUP) × nb`
+/// zeroed groups, the last padded with zero rows) and every row `ri` of it that `src` (`rows ×
+/// nb` blocks) has, `s` being that row's source block.
+fn each_row_block<S, D>(
+    rows: usize,
+    nb: usize,
+    src: &[S],
+    out: &mut [D],
+    mut pack: impl FnMut(&mut D, usize, &S),
+) {
     debug_assert_eq!(out.len(), rows.div_ceil(GROUP) * nb);
     for (i, dst) in out.iter_mut().enumerate() {
         let (g, b) = (i / nb, i % nb);
         for ri in 0..GROUP.min(rows - g * GROUP) {
-            let s = &src[(g * GROUP + ri) * nb + b];
-            dst.d[ri] = s.d;
-            dst.m[ri] = s.m;
-            for j in 0..4 {
-                let at = CHUNK * j + ri * 4;
-                dst.qs[at..at + 4].copy_from_slice(&s.qs[4 * j..4 * j + 4]);
-            }
+            pack(dst, ri, &src[(g * GROUP + ri) * nb + b]);
         }
     }
 }
 
+/// The `pack_*` functions pack `rows × (nb blocks)` into `out`, as [`each_row_block`] walks it.
+pub fn pack_q4_1(rows: usize, nb: usize, src: &[BlockQ4_1], out: &mut [BlockQ4_1x16]) {
+    each_row_block(rows, nb, src, out, |dst, ri, s| {
+        dst.d[ri] = s.d;
+        dst.m[ri] = s.m;
+        for j in 0..4 {
+            let at = CHUNK * j + ri * 4;
+            dst.qs[at..at + 4].copy_from_slice(&s.qs[4 * j..4 * j + 4]);
+        }
+    });
+}
+
 pub fn pack_q5_0(rows: usize, nb: usize, src: &[BlockQ5_0], out: &mut [BlockQ5_0x16]) {
-    debug_assert_eq!(out.len(), rows.div_ceil(GROUP) * nb);
-    for (i, dst) in out.iter_mut().enumerate() {
-        let (g, b) = (i / nb, i % nb);
-        for ri in 0..GROUP.min(rows - g * GROUP) {
-            let s = &src[(g * GROUP + ri) * nb + b];
-            let q = s.quants();
-            dst.d[ri] = s.d;
-            for j in 0..4 {
-                for t in 0..4 {
-                    let (lo, hi) = (q[4 * j + t], q[16 + 4 * j + t]);
-                    dst.qs[CHUNK * j + ri * 4 + t] = (lo & 0x0F) | ((hi & 0x0F) << 4);
-                    let bit = 4 * ri + t;
-                    dst.qh[2 * j] |= u64::from(lo >> 4) << bit;
-                    dst.qh[2 * j + 1] |= u64::from(hi >> 4) << bit;
-                }
+    each_row_block(rows, nb, src, out, |dst, ri, s| {
+        let q = s.quants();
+        dst.d[ri] = s.d;
+        for j in 0..4 {
+            for t in 0..4 {
+                let (lo, hi) = (q[4 * j + t], q[16 + 4 * j + t]);
+                dst.qs[CHUNK * j + ri * 4 + t] = (lo & 0x0F) | ((hi & 0x0F) << 4);
+                let bit = 4 * ri + t;
+                dst.qh[2 * j] |= u64::from(lo >> 4) << bit;
+                dst.qh[2 * j + 1] |= u64::from(hi >> 4) << bit;
             }
         }
-    }
+    });
 }
 
 /// The byte of a 32-value block's nibble layout that holds values `4c + t` (low nibble) and
@@ -143,69 +151,54 @@ fn nibble_at(c: usize, ri: usize, t: usize) -> usize {
 }
 
 pub fn pack_q4_k(rows: usize, nbk: usize, src: &[BlockQ4K], out: &mut [BlockQ4Kx16]) {
-    debug_assert_eq!(out.len(), rows.div_ceil(GROUP) * nbk);
-    for (i, dst) in out.iter_mut().enumerate() {
-        let (g, b) = (i / nbk, i % nbk);
-        for ri in 0..GROUP.min(rows - g * GROUP) {
-            let s = &src[(g * GROUP + ri) * nbk + b];
-            dst.d[ri] = s.d;
-            dst.dmin[ri] = s.dmin;
-            for j in 0..SUBS {
-                (dst.scales[GROUP * j + ri], dst.mins[GROUP * j + ri]) = s.scale_min(j);
-                let q = s.quants(j);
-                let qs = &mut dst.qs[j * GROUP * QK / 2..];
-                for c in 0..4 {
-                    for t in 0..4 {
-                        qs[nibble_at(c, ri, t)] = q[4 * c + t] | (q[16 + 4 * c + t] << 4);
-                    }
+    each_row_block(rows, nbk, src, out, |dst, ri, s| {
+        dst.d[ri] = s.d;
+        dst.dmin[ri] = s.dmin;
+        for j in 0..SUBS {
+            (dst.scales[GROUP * j + ri], dst.mins[GROUP * j + ri]) = s.scale_min(j);
+            let q = s.quants(j);
+            let qs = &mut dst.qs[j * GROUP * QK / 2..];
+            for c in 0..4 {
+                for t in 0..4 {
+                    qs[nibble_at(c, ri, t)] = q[4 * c + t] | (q[16 + 4 * c + t] << 4);
                 }
             }
         }
-    }
+    });
 }
 
 pub fn pack_q6_k(rows: usize, nbk: usize, src: &[BlockQ6K], out: &mut [BlockQ6Kx16]) {
-    debug_assert_eq!(out.len(), rows.div_ceil(GROUP) * nbk);
-    for (i, dst) in out.iter_mut().enumerate() {
-        let (g, b) = (i / nbk, i % nbk);
-        for ri in 0..GROUP.min(rows - g * GROUP) {
-            let s = &src[(g * GROUP + ri) * nbk + b];
-            dst.d[ri] = s.d;
-            for (gi, &sc) in s.scales.iter().enumerate() {
-                dst.scales[GROUP * gi + ri] = sc;
-            }
-            let q = s.quants();
-            for j in 0..SUBS {
-                let q = &q[QK * j..QK * (j + 1)];
-                for c in 0..4 {
-                    for t in 0..4 {
-                        let (lo, hi) = (q[4 * c + t], q[16 + 4 * c + t]);
-                        dst.ql[j * GROUP * QK / 2 + nibble_at(c, ri, t)] =
-                            (lo & 0x0F) | ((hi & 0x0F) << 4);
-                        let at = j * GROUP * QK / 4 + 4 * ri + t;
-                        dst.qh[at] |= (lo >> 4) << (2 * c);
-                        dst.qh[at + CHUNK] |= (hi >> 4) << (2 * c);
-                    }
+    each_row_block(rows, nbk, src, out, |dst, ri, s| {
+        dst.d[ri] = s.d;
+        for (gi, &sc) in s.scales.iter().enumerate() {
+            dst.scales[GROUP * gi + ri] = sc;
+        }
+        let q = s.quants();
+        for j in 0..SUBS {
+            let q = &q[QK * j..QK * (j + 1)];
+            for c in 0..4 {
+                for t in 0..4 {
+                    let (lo, hi) = (q[4 * c + t], q[16 + 4 * c + t]);
+                    dst.ql[j * GROUP * QK / 2 + nibble_at(c, ri, t)] =
+                        (lo & 0x0F) | ((hi & 0x0F) << 4);
+                    let at = j * GROUP * QK / 4 + 4 * ri + t;
+                    dst.qh[at] |= (lo >> 4) << (2 * c);
+                    dst.qh[at + CHUNK] |= (hi >> 4) << (2 * c);
                 }
             }
         }
-    }
+    });
 }
 
 pub fn pack_q8_0(rows: usize, nb: usize, src: &[BlockQ8_0], out: &mut [BlockQ8_0x16]) {
-    debug_assert_eq!(out.len(), rows.div_ceil(GROUP) * nb);
-    for (i, dst) in out.iter_mut().enumerate() {
-        let (g, b) = (i / nb, i % nb);
-        for ri in 0..GROUP.min(rows - g * GROUP) {
-            let s = &src[(g * GROUP + ri) * nb + b];
-            dst.d[ri] = s.d;
-            dst.sum[ri] = s.qs.iter().map(|&q| i32::from(q)).sum();
-            for j in 0..8 {
-                let at = CHUNK * j + ri * 4;
-                dst.qs[at..at + 4].copy_from_slice(&s.qs[4 * j..4 * j + 4]);
-            }
+    each_row_block(rows, nb, src, out, |dst, ri, s| {
+        dst.d[ri] = s.d;
+        dst.sum[ri] = s.qs.iter().map(|&q| i32::from(q)).sum();
+        for j in 0..8 {
+            let at = CHUNK * j + ri * 4;
+            dst.qs[at..at + 4].copy_from_slice(&s.qs[4 * j..4 * j + 4]);
         }
-    }
+    });
 }
 
 /// Row `ri` of a group's block, as 32 unsigned quants (`Q4_1`).
