@@ -97,36 +97,35 @@ impl Packed {
         nb: usize,
         raw: &RawWeights,
     ) -> usize {
-        fn put<S, D: bytemuck::Zeroable>(
-            out: &mut Vec<D>,
-            rows: usize,
+        fn put<S, D>(
+            out: &mut [D],
             done: usize,
             nb: usize,
             src: &[S],
             pack: fn(usize, usize, &[S], &mut [D]),
         ) -> usize {
-            if out.is_empty() {
-                *out = crate::memory::zeroed_vec(rows.div_ceil(GROUP) * nb);
-            }
             let n = src.len() / nb;
             let g0 = done / GROUP;
             pack(n, nb, src, &mut out[g0 * nb..(g0 + n.div_ceil(GROUP)) * nb]);
             n
         }
         let nbk = nb / SUBS;
+        let groups = rows.div_ceil(GROUP);
+        let (nb_g, nbk_g) = (groups * nb, groups * nbk);
+        use crate::memory::zeroed_vec;
         let p = packed.get_or_insert_with(|| match raw {
-            RawWeights::Q4_1(_) => Packed::Q4_1(Vec::new()),
-            RawWeights::Q5_0(_) => Packed::Q5_0(Vec::new()),
-            RawWeights::Q8_0(_) => Packed::Q8_0(Vec::new()),
-            RawWeights::Q4K(_) => Packed::Q4K(Vec::new()),
-            RawWeights::Q6K(_) => Packed::Q6K(Vec::new()),
+            RawWeights::Q4_1(_) => Packed::Q4_1(zeroed_vec(nb_g)),
+            RawWeights::Q5_0(_) => Packed::Q5_0(zeroed_vec(nb_g)),
+            RawWeights::Q8_0(_) => Packed::Q8_0(zeroed_vec(nb_g)),
+            RawWeights::Q4K(_) => Packed::Q4K(zeroed_vec(nbk_g)),
+            RawWeights::Q6K(_) => Packed::Q6K(zeroed_vec(nbk_g)),
         });
         match (p, raw) {
-            (Packed::Q4_1(o), RawWeights::Q4_1(b)) => put(o, rows, done, nb, b, pack_q4_1),
-            (Packed::Q5_0(o), RawWeights::Q5_0(b)) => put(o, rows, done, nb, b, pack_q5_0),
-            (Packed::Q8_0(o), RawWeights::Q8_0(b)) => put(o, rows, done, nb, b, pack_q8_0),
-            (Packed::Q4K(o), RawWeights::Q4K(b)) => put(o, rows, done, nbk, b, pack_q4_k),
-            (Packed::Q6K(o), RawWeights::Q6K(b)) => put(o, rows, done, nbk, b, pack_q6_k),
+            (Packed::Q4_1(o), RawWeights::Q4_1(b)) => put(o, done, nb, b, pack_q4_1),
+            (Packed::Q5_0(o), RawWeights::Q5_0(b)) => put(o, done, nb, b, pack_q5_0),
+            (Packed::Q8_0(o), RawWeights::Q8_0(b)) => put(o, done, nb, b, pack_q8_0),
+            (Packed::Q4K(o), RawWeights::Q4K(b)) => put(o, done, nbk, b, pack_q4_k),
+            (Packed::Q6K(o), RawWeights::Q6K(b)) => put(o, done, nbk, b, pack_q6_k),
             _ => unreachable!("a part's chunks are all read as its tensor's one type"),
         }
     }

@@ -336,11 +336,26 @@ impl TensorReader<'_> {
 
     /// Any tensor as f32 values, through candle's dequantization.
     fn f32_values(&self, name: &str, info: &TensorInfo) -> Result<Vec<f32>> {
-        let err = |e: candle_core::Error| self.bad(format!("tensor {name}: {e}"));
-        let raw: Vec<u8> = self.blocks(info)?;
+        self.dequantize(
+            name,
+            info.ggml_dtype,
+            info.shape.clone(),
+            self.blocks(info)?,
+        )
+    }
+
+    /// `raw`, the bytes of a tensor (or of some of its rows) of `dtype` and `shape`, as f32
+    /// values, through candle's dequantization.
+    fn dequantize(
+        &self,
+        name: &str,
+        dtype: GgmlDType,
+        shape: candle_core::Shape,
+        raw: Vec<u8>,
+    ) -> Result<Vec<f32>> {
         let alone = TensorInfo {
-            ggml_dtype: info.ggml_dtype,
-            shape: info.shape.clone(),
+            ggml_dtype: dtype,
+            shape,
             offset: 0,
         };
         alone
@@ -348,7 +363,7 @@ impl TensorReader<'_> {
             .and_then(|q| q.dequantize(&Device::Cpu))
             .and_then(|t| t.flatten_all())
             .and_then(|t| t.to_vec1::<f32>())
-            .map_err(err)
+            .map_err(|e| self.bad(format!("tensor {name}: {e}")))
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
@@ -417,18 +432,9 @@ impl TensorReader<'_> {
                         "{other:?} has no kernel: requantized to Q8_0 ({from} -> {to} bytes)"
                     );
                 }
-                let raw: Vec<u8> = self.read_blocks(start, len)?;
-                let chunk = TensorInfo {
-                    ggml_dtype: other,
-                    shape: candle_core::Shape::from((rows.len(), cols)),
-                    offset: 0,
-                };
-                let values = chunk
-                    .read(&mut Cursor::new(raw), 0, &Device::Cpu)
-                    .and_then(|q| q.dequantize(&Device::Cpu))
-                    .and_then(|t| t.flatten_all())
-                    .and_then(|t| t.to_vec1::<f32>())
-                    .map_err(|e| self.bad(format!("tensor {name}: {e}")))?;
+                let raw = self.read_blocks(start, len)?;
+                let shape = candle_core::Shape::from((rows.len(), cols));
+                let values = self.dequantize(name, other, shape, raw)?;
                 let mut blocks = vec![bytemuck::Zeroable::zeroed(); values.len() / QK];
                 quantize_row_q8_0(&values, &mut blocks);
                 RawWeights::Q8_0(blocks)

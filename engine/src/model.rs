@@ -477,11 +477,16 @@ fn add_norm_quantize(
         });
 }
 
+/// `1 / sqrt(mean(x²) + eps)`: what RMS norm multiplies a row by, before its weights.
+fn rms_scale(x: &[f32], eps: f32) -> f32 {
+    let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    1.0 / (ms + eps).sqrt()
+}
+
 fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let h = weight.len();
     for (xr, or) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
-        let ms = xr.iter().map(|v| v * v).sum::<f32>() / h as f32;
-        let scale = 1.0 / (ms + eps).sqrt();
+        let scale = rms_scale(xr, eps);
         for ((o, v), g) in or.iter_mut().zip(xr).zip(weight) {
             *o = v * scale * g;
         }
@@ -489,8 +494,7 @@ fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 }
 
 fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
-    let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
-    let scale = 1.0 / (ms + eps).sqrt();
+    let scale = rms_scale(x, eps);
     for (v, g) in x.iter_mut().zip(weight) {
         *v = *v * scale * g;
     }
