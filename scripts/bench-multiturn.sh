@@ -33,7 +33,7 @@ stop() {
 trap stop EXIT
 
 up() { # flags for tandem up; waits until it says it is up
-  "$tandem" up --model default --prefill 2 --decode 2 --port "$port" --http-port 0 "$@" >"$out/up.log" 2>&1 &
+  "$tandem" up --model smollm2 --prefill 2 --decode 2 --port "$port" --http-port 0 "$@" >"$out/up.log" 2>&1 &
   pid=$!
   for _ in $(seq 600); do
     grep -q "tandem cluster is up" "$out/up.log" && return 0

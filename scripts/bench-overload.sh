@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Overload: the default model under a bursty open-loop load with heavy-tailed prompt lengths,
+# Overload: SmolLM2 under a bursty open-loop load with heavy-tailed prompt lengths,
 # offered beyond what the cluster serves, the same arrivals and prompts for every run:
 #   1. a 1P1D `tandem up` cluster, once per routing policy: accepted requests must complete
 #      (they wait in the router's queue), and only requests past the router's bound may be
@@ -85,7 +85,7 @@ node() {
   [ -n "$node_addr" ] || { echo "$* did not start; see $log" >&2; return 1; }
 }
 if wants 1p2d-kill; then
-worker=(--model default --threads 1)
+worker=(--model smollm2 --threads 1)
 node "$out/kill-prefill.log" prefill "${worker[@]}"
 p=$node_addr
 node "$out/kill-decode-0.log" decode "${worker[@]}"

@@ -8,7 +8,7 @@
 # Usage: scripts/bench-serve.sh [ROUNDS] [extra `tandem bench serve` flags...]
 #   (default 3 rounds; default load --concurrency 1,4,16 --requests 48 --max-tokens 64)
 # Env: TANDEM (the binary, default target/release/tandem), LLAMA_SERVER (default the one
-#   ../shared/tools/build-llamacpp.sh builds), MODEL (a catalog name, default `default`; fetched
+#   ../shared/tools/build-llamacpp.sh builds), MODEL (a catalog name, default `smollm2`; fetched
 #   first) or GGUF (a file), served by both.
 # Results: target/bench-serve[/MODEL]/<system>.<round>.json, a table of medians over the rounds
 # on stdout, and plots of the last round in plots/ beside them.
@@ -18,7 +18,7 @@ rounds=${1:-3}
 shift || true
 tandem=${TANDEM:-target/release/tandem}
 [ -x "$tandem" ] || cargo build --release -p tandem-cli
-gguf=${GGUF:-$("$tandem" model fetch "${MODEL:-default}")}
+gguf=${GGUF:-$("$tandem" model fetch "${MODEL:-smollm2}")}
 llama=${LLAMA_SERVER:-$HOME/.cache/tandem-peer/build/bin/llama-server}
 [ -x "$llama" ] || { echo "no llama-server at $llama (run ../shared/tools/build-llamacpp.sh)" >&2; exit 1; }
 out=target/bench-serve${MODEL:+/$MODEL}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Speculative decoding through the cluster (docs/speculative.md): `tandem up` (one prefill and
-# one decode node, default model) with --speculate off, then on, alternated round by round on
+# one decode node, SmolLM2) with --speculate off, then on, alternated round by round on
 # this machine, ROUNDS times. Each cluster serves, one at a time, the prompts of
 # cli/src/bench/speculate-prompts.jsonl (greedy, 256 tokens at most, through `tandem generate
 # --server`: single-stream decode tokens/s from the reply's timings), then `tandem bench serve` at

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What mutual TLS between the nodes costs (docs/benchmarks.md): `tandem up` (one prefill and one
-# decode node, default model) with TLS, then with --insecure, each driven by the same
+# decode node, SmolLM2) with TLS, then with --insecure, each driven by the same
 # `tandem bench serve` over gRPC, alternated round by round on this machine, ROUNDS times. Each
 # round uses its own prompts (seed = round) and fresh clusters, so no cache holds them.
 #

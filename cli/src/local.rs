@@ -48,7 +48,9 @@ pub(crate) fn prompt_tokens(
 ) -> anyhow::Result<Vec<u32>> {
     let text = match (prompt, messages) {
         (Some(p), _) => p.to_string(),
-        (None, Some(m)) => model.tokenizer.apply_chat_template(&parse_messages(m)?)?,
+        (None, Some(m)) => model
+            .tokenizer
+            .apply_chat_template(&parse_messages(m)?, &[])?,
         (None, None) => anyhow::bail!("give --prompt or --messages"),
     };
     if text.is_empty() {

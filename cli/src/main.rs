@@ -99,8 +99,8 @@ struct ListArgs {
 /// Where the model comes from; shared by every command that loads one.
 #[derive(Args, Debug, Clone)]
 struct ModelArgs {
-    /// A model of the catalog by name (`default` is SmolLM2-135M; `tandem model list` lists the
-    /// rest), `tiny` (built-in random weights; `tiny-qwen2` and `tiny-gemma3` for those
+    /// A model of the catalog by name (`default` is Qwen2.5-Coder-0.5B-Instruct; `tandem model
+    /// list` lists the rest), `tiny` (built-in random weights; `tiny-qwen2` and `tiny-gemma3` for those
     /// architectures) or a GGUF path.
     #[arg(long, env = "TANDEM_MODEL", default_value = "default")]
     model: String,

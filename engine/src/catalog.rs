@@ -89,8 +89,9 @@ pub const GEMMA3_270M: KnownModel = KnownModel {
 /// Every model known by name.
 pub const ALL: &[KnownModel] = &[SMOLLM2, QWEN25_CODER_05B, QWEN25_CODER_15B, GEMMA3_270M];
 
-/// The model `default` names.
-pub const DEFAULT: KnownModel = SMOLLM2;
+/// The model `default` names: the smallest of the catalog that answers a question sensibly
+/// (SmolLM2 stays for the tests and benchmarks that want the smallest real model).
+pub const DEFAULT: KnownModel = QWEN25_CODER_05B;
 
 /// Looks a name up; `default` names [`DEFAULT`].
 pub fn find(name: &str) -> Option<KnownModel> {

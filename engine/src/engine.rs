@@ -40,7 +40,7 @@ impl Model {
     pub fn from_loaded(name: String, loaded: LoadedModel) -> Result<Self> {
         Ok(Self {
             name,
-            tokenizer: Tokenizer::new(loaded.tokenizer.clone())?,
+            tokenizer: Tokenizer::new(&loaded.tokenizer)?,
             tokenizer_spec: loaded.tokenizer,
             config: loaded.config,
             weights: loaded.weights,

@@ -37,7 +37,9 @@ pub use model::{Arch, Logits, ModelConfig};
 pub use prefix_cache::CacheEvent;
 pub use sampling::{History, REPETITION_WINDOW, SamplingParams, argmax, sample};
 pub use speculate::{Decoding, Drafter, PromptChunk, SpeculateConfig, Step};
-pub use tandem_tokenizer::{ChatMessage, TokenDecoder, Tokenizer, TokenizerSpec};
+pub use tandem_tokenizer::{
+    ChatMessage, FunctionCall, TokenDecoder, Tokenizer, TokenizerSpec, ToolCall,
+};
 
 /// Where a model comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -1,8 +1,9 @@
 //! Reads a GGUF file of a supported architecture ([`Arch`]) through candle's GGUF reader into
 //! [`Weights`], [`ModelConfig`] and a [`TokenizerSpec`], validating everything before it is used.
 //!
-//! `Q4_1`, `Q5_0`, `Q8_0`, `Q4_K` and `Q6_K` tensors keep their bytes; any other type is dequantized by candle
-//! and requantized to `Q8_0`, which has a fast kernel, with a log line saying what that costs.
+//! `Q4_1`, `Q5_0`, `Q8_0`, `Q4_K` and `Q6_K` tensors keep their bytes, and `Q4_0` becomes `Q4_1`
+//! exactly (a minimum of `-8 * d`); any other type is dequantized by candle and requantized to
+//! `Q8_0`, which has a fast kernel, with a log line saying what that costs.
 //! The fingerprint is the SHA-256 of the file.
 
 use std::io::Cursor;
@@ -16,7 +17,9 @@ use sha2::{Digest, Sha256};
 use crate::error::{Error, Result};
 use crate::kernels::{QMatrix, RawWeights};
 use crate::model::{Arch, GemmaNorms, LayerWeights, ModelConfig, SlidingWindow, Weights};
-use crate::quant::{BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, QK, quantize_row_q8_0};
+use crate::quant::{
+    BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, QK, quantize_row_q8_0,
+};
 use tandem_tokenizer::TokenizerSpec;
 
 /// The SHA-256 of a model's weights file: the KV wire format carries it, so KV computed by
@@ -106,7 +109,7 @@ fn load(bytes: Bytes<'_>, fingerprint: ModelFingerprint, path: &Path) -> Result<
         path: path.to_path_buf(),
         source,
     };
-    let content = bytes
+    let mut content = bytes
         .header()
         .map_err(|e| bad(format!("cannot parse the GGUF header: {e}")))?;
     let md = &content.metadata;
@@ -125,6 +128,9 @@ fn load(bytes: Bytes<'_>, fingerprint: ModelFingerprint, path: &Path) -> Result<
     };
     let config = read_config(arch, &content, path)?;
     let tokenizer = crate::tokenizer_gguf::spec_from_gguf(md).map_err(|e| bad(e.to_string()))?;
+    // The metadata holds the vocabulary and merges again (tens of MB for a 152k-262k
+    // vocabulary); nothing reads it past here, so it is not kept beside the weights.
+    content.metadata = Default::default();
     let reader = TensorReader {
         content: &content,
         bytes,
@@ -418,27 +424,46 @@ impl TensorReader<'_> {
         let len = rows.len() * row_bytes;
         Ok(match dtype {
             GgmlDType::Q4_1 => RawWeights::Q4_1(self.read_blocks::<BlockQ4_1>(start, len)?),
+            GgmlDType::Q4_0 => {
+                let blocks = self.read_blocks::<BlockQ4_0>(start, len)?;
+                match blocks.iter().map(BlockQ4_0::as_q4_1).collect() {
+                    Some(q4_1) => RawWeights::Q4_1(q4_1),
+                    None => self.requantized(name, info, rows, cols, start, len)?,
+                }
+            }
             GgmlDType::Q5_0 => RawWeights::Q5_0(self.read_blocks::<BlockQ5_0>(start, len)?),
             GgmlDType::Q8_0 => RawWeights::Q8_0(self.read_blocks::<BlockQ8_0>(start, len)?),
             GgmlDType::Q4K => RawWeights::Q4K(self.read_blocks::<BlockQ4K>(start, len)?),
             GgmlDType::Q6K => RawWeights::Q6K(self.read_blocks::<BlockQ6K>(start, len)?),
-            other => {
-                if rows.start == 0 {
-                    let from =
-                        self.tensor_end(info) - self.content.tensor_data_offset - info.offset;
-                    let to = info.shape.elem_count() / QK * size_of::<BlockQ8_0>();
-                    tracing::info!(
-                        tensor = name,
-                        "{other:?} has no kernel: requantized to Q8_0 ({from} -> {to} bytes)"
-                    );
-                }
-                let raw = self.read_blocks(start, len)?;
-                let shape = candle_core::Shape::from((rows.len(), cols));
-                let values = self.dequantize(name, other, shape, raw)?;
-                let mut blocks = vec![bytemuck::Zeroable::zeroed(); values.len() / QK];
-                quantize_row_q8_0(&values, &mut blocks);
-                RawWeights::Q8_0(blocks)
-            }
+            _ => self.requantized(name, info, rows, cols, start, len)?,
         })
+    }
+
+    /// Rows of a type without a kernel, dequantized by candle and requantized to `Q8_0` (the
+    /// first chunk logs what that costs).
+    fn requantized(
+        &self,
+        name: &str,
+        info: &TensorInfo,
+        rows: std::ops::Range<usize>,
+        cols: usize,
+        start: u64,
+        len: usize,
+    ) -> Result<RawWeights> {
+        let dtype = info.ggml_dtype;
+        if rows.start == 0 {
+            let from = self.tensor_end(info) - self.content.tensor_data_offset - info.offset;
+            let to = info.shape.elem_count() / QK * size_of::<BlockQ8_0>();
+            tracing::info!(
+                tensor = name,
+                "{dtype:?} has no kernel: requantized to Q8_0 ({from} -> {to} bytes)"
+            );
+        }
+        let raw = self.read_blocks(start, len)?;
+        let shape = candle_core::Shape::from((rows.len(), cols));
+        let values = self.dequantize(name, dtype, shape, raw)?;
+        let mut blocks = vec![bytemuck::Zeroable::zeroed(); values.len() / QK];
+        quantize_row_q8_0(&values, &mut blocks);
+        Ok(RawWeights::Q8_0(blocks))
     }
 }

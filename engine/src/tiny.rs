@@ -28,7 +28,7 @@ const KV_HEADS: u32 = 2;
 const FFN: usize = 128;
 const CONTEXT: u32 = 1024;
 
-/// The same chat template as the default model.
+/// The same chat template as SmolLM2.
 const CHAT_TEMPLATE: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
 /// A random `rows × cols` matrix in `dtype`, scaled to keep activations moderate.

@@ -128,15 +128,12 @@ mod tests {
         let model = ModelSource::TINY.load().expect("tiny");
         let text = model
             .tokenizer
-            .apply_chat_template(&[ChatMessage {
-                role: "user".into(),
-                content: "Hi".into(),
-            }])
+            .apply_chat_template(&[ChatMessage::new("user", "Hi")], &[])
             .expect("render");
         assert!(text.starts_with("<|im_start|>system\n"));
         assert!(text.ends_with("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"));
         assert!(matches!(
-            model.tokenizer.apply_chat_template(&[]),
+            model.tokenizer.apply_chat_template(&[], &[]),
             Err(Error::InvalidArgument {
                 field: "messages",
                 ..

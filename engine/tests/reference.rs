@@ -1,6 +1,6 @@
-//! Fidelity against llama.cpp on the default model, using `../shared/fixtures/`.
+//! Fidelity against llama.cpp on SmolLM2, using `../shared/fixtures/`.
 //!
-//! Needs the real model file (`tandem model fetch`); the test fails, saying so, without it.
+//! Needs the real model file (`tandem model fetch smollm2`); the test fails, saying so, without it.
 //! The fixtures directory is `$TANDEM_FIXTURES_DIR`, else `shared/fixtures` beside the checkout.
 
 use std::sync::Arc;
@@ -14,7 +14,7 @@ use tandem_engine::{
 };
 
 fn model() -> Arc<Model> {
-    let source = ModelSource::parse("default", &tandem_engine::model_dir_from_env());
+    let source = ModelSource::parse("smollm2", &tandem_engine::model_dir_from_env());
     source
         .load()
         .unwrap_or_else(|e| panic!("the reference tests need the real model: {e}"))
@@ -63,7 +63,7 @@ fn greedy_generation_and_logits_agree_with_llama_cpp() {
             assert_eq!(
                 model
                     .tokenizer
-                    .apply_chat_template(&messages)
+                    .apply_chat_template(&messages, &[])
                     .expect("template"),
                 prompt_text
             );

@@ -46,17 +46,13 @@ fn greedy_continuations_agree(model: &Arc<Model>, fixture: &str) {
     let (mut equal, mut total) = (0, 0);
     for r in &recs {
         let name = r["name"].as_str().expect("name");
-        // Tool definitions in the template are the API issue's; those records are skipped here.
-        if !r["tools"].is_null() {
-            continue;
-        }
         let prompt_text = r["prompt_text"].as_str().expect("prompt_text");
         if !r["messages"].is_null() {
             let messages: Vec<ChatMessage> =
                 serde_json::from_value(r["messages"].clone()).expect("messages");
             let rendered = model
                 .tokenizer
-                .apply_chat_template(&messages)
+                .apply_chat_template(&messages, r["tools"].as_array().map_or(&[], |t| t))
                 .expect("template");
             assert_eq!(rendered, prompt_text, "{name}: the rendered chat prompt");
         }
@@ -149,6 +145,52 @@ mod qwen2_5_coder_0_5b {
         // <|endoftext|> and <|im_end|>, among the rest of llama.cpp's end-of-generation texts.
         assert!(eog.contains(&151643) && eog.contains(&151645), "{eog:?}");
     }
+
+    /// A tool round trip renders in Qwen2.5's own format (the call inside `<tool_call>` tags, the
+    /// result as a user turn in `<tool_response>` tags), and each turn's prompt is a prefix of
+    /// the next one's, so a follow-up after a tool call reuses the cached KV.
+    #[test]
+    fn a_tool_round_trip_renders_as_the_template_writes_it() {
+        use tandem_engine::{FunctionCall, ToolCall};
+        let model = load(NAME);
+        let tools = [
+            serde_json::json!({"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}),
+        ];
+        let ask = ChatMessage::new("user", "What's the weather in Paris?");
+        let call = ChatMessage {
+            role: "assistant".into(),
+            tool_calls: vec![ToolCall {
+                id: Some("call_0".into()),
+                kind: "function".into(),
+                function: FunctionCall {
+                    name: "get_weather".into(),
+                    arguments: serde_json::json!({"city": "Paris"}),
+                },
+            }],
+            ..ChatMessage::default()
+        };
+        let result = ChatMessage {
+            tool_call_id: Some("call_0".into()),
+            ..ChatMessage::new("tool", "{\"temperature_c\": 18}")
+        };
+        let render = |m: &[ChatMessage]| {
+            model
+                .tokenizer
+                .apply_chat_template(m, &tools)
+                .expect("render")
+        };
+        let first = render(std::slice::from_ref(&ask));
+        let second = render(&[ask, call, result]);
+        let turn = "<tool_call>\n\
+            {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n\
+            <|im_start|>user\n<tool_response>\n{\"temperature_c\": 18}\n</tool_response><|im_end|>\n\
+            <|im_start|>assistant\n";
+        assert_eq!(second, format!("{first}{turn}"));
+        assert!(first.contains(
+            "<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\""
+        ));
+    }
 }
 
 mod gemma_3_270m {
@@ -171,10 +213,7 @@ mod gemma_3_270m {
         let model = load(NAME);
         let err = model
             .tokenizer
-            .apply_chat_template(&[ChatMessage {
-                role: "user".into(),
-                content: "Hi".into(),
-            }])
+            .apply_chat_template(&[ChatMessage::new("user", "Hi")], &[])
             .expect_err("the base model has no chat template");
         assert!(err.to_string().contains("chat_template"), "{err}");
     }

@@ -1,7 +1,7 @@
 //! Speculative decoding is exact: a verified position's logits equal a plain step's bit for bit,
 //! and generations with speculation on equal those with it off, token for token, on the tiny
 //! model and on the real one (the fixtures' prompts, long generations, greedy and seeded
-//! sampling, alone and batched). Needs the real model (`tandem model fetch`).
+//! sampling, alone and batched). Needs SmolLM2 (`tandem model fetch smollm2`).
 
 use std::sync::Arc;
 
@@ -11,7 +11,7 @@ use tandem_engine::{
 };
 
 fn real() -> Arc<Model> {
-    ModelSource::parse("default", &tandem_engine::model_dir_from_env())
+    ModelSource::parse("smollm2", &tandem_engine::model_dir_from_env())
         .load()
         .unwrap_or_else(|e| panic!("the speculation tests need the real model: {e}"))
 }
@@ -37,10 +37,7 @@ fn engine_in(model: &Arc<Model>, speculate: SpeculateConfig, kv_dtype: KvDtype) 
 fn chat(model: &Model, text: &str) -> Vec<u32> {
     let rendered = model
         .tokenizer
-        .apply_chat_template(&[ChatMessage {
-            role: "user".into(),
-            content: text.into(),
-        }])
+        .apply_chat_template(&[ChatMessage::new("user", text)], &[])
         .expect("template");
     model.tokenizer.encode(&rendered).expect("encode")
 }

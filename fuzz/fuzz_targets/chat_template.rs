@@ -13,13 +13,10 @@ fuzz_target!(|data: &[u8]| {
         .collect();
     let messages: Vec<ChatMessage> = parts
         .chunks(2)
-        .map(|pair| ChatMessage {
-            role: pair[0].clone(),
-            content: pair.get(1).cloned().unwrap_or_default(),
-        })
+        .map(|pair| ChatMessage::new(pair[0].clone(), pair.get(1).cloned().unwrap_or_default()))
         .collect();
     let tokenizer = tandem_fuzz::tokenizer();
-    if let Ok(text) = tokenizer.apply_chat_template(&messages) {
+    if let Ok(text) = tokenizer.apply_chat_template(&messages, &[]) {
         assert!(
             messages
                 .iter()

@@ -18,15 +18,14 @@ fn load(name: &str) -> Arc<Model> {
 
 fn model() -> &'static Arc<Model> {
     static MODEL: OnceLock<Arc<Model>> = OnceLock::new();
-    MODEL.get_or_init(|| load("default"))
+    MODEL.get_or_init(|| load("smollm2"))
 }
 
 /// Gemma 3's SentencePiece tokenizer.
 pub fn sentence_piece_tokenizer() -> &'static Tokenizer {
     static TOKENIZER: OnceLock<Tokenizer> = OnceLock::new();
     TOKENIZER.get_or_init(|| {
-        let spec = load("gemma-3-270m").tokenizer_spec.clone();
-        Tokenizer::new(spec).expect("Gemma's tokenizer")
+        Tokenizer::new(&load("gemma-3-270m").tokenizer_spec).expect("Gemma's tokenizer")
     })
 }
 
@@ -34,7 +33,7 @@ pub fn sentence_piece_tokenizer() -> &'static Tokenizer {
 pub fn tokenizer() -> &'static Tokenizer {
     static TOKENIZER: OnceLock<Tokenizer> = OnceLock::new();
     TOKENIZER.get_or_init(|| {
-        Tokenizer::new(model().tokenizer_spec.clone()).expect("the model's tokenizer")
+        Tokenizer::new(&model().tokenizer_spec).expect("the model's tokenizer")
     })
 }
 

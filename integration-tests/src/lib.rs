@@ -447,10 +447,10 @@ pub fn greedy(token_ids: Vec<u32>, max_tokens: u32) -> pb::GenerateRequest {
     }
 }
 
-/// The real default model, if it has been fetched (`tandem model fetch`); tests that need it
-/// fail with that hint otherwise.
-pub fn default_model() -> anyhow::Result<Arc<Model>> {
-    named_model("default")
+/// SmolLM2-135M, the smallest real model, if it has been fetched (`tandem model fetch
+/// smollm2`); tests that need it fail with that hint otherwise.
+pub fn smollm2_model() -> anyhow::Result<Arc<Model>> {
+    named_model("smollm2")
 }
 
 /// The 0.5B Qwen2.5-Coder (Q4_K_M, a 152k vocabulary), the model of another architecture the

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tandem_engine::{Engine, EngineConfig, GenerateParams, GenerateRequest, Model};
 use tandem_integration_tests::{
-    Cluster, ClusterConfig, Collected, collect, default_model, greedy, metrics, sample,
+    Cluster, ClusterConfig, Collected, collect, greedy, metrics, sample, smollm2_model,
 };
 
 /// What the engine generates for each `(prompt, max_tokens)` greedily, alone.
@@ -60,7 +60,7 @@ fn long_prompts(n: u32, len: u32) -> Vec<Vec<u32>> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_busy_decode_node_keeps_its_streams_and_admits_new_ones() {
-    let model = default_model().expect("the default model (run `tandem model fetch`)");
+    let model = smollm2_model().expect("SmolLM2 (run `tandem model fetch smollm2`)");
     // Short chats, and two prompts of 1,200 tokens that the decode node prefills itself (there is
     // no prefill node): each holds its one engine thread for far longer than the 50 ms gap.
     let mut prompts: Vec<(Vec<u32>, u32)> = [
@@ -112,7 +112,7 @@ async fn a_busy_decode_node_keeps_its_streams_and_admits_new_ones() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_queued_on_a_busy_prefill_node_outwaits_the_kv_silence_bound() {
-    let model = default_model().expect("the default model (run `tandem model fetch`)");
+    let model = smollm2_model().expect("SmolLM2 (run `tandem model fetch smollm2`)");
     // Every prompt is prefilled remotely, one at a time: the last of four waits behind three
     // prompts of 800 tokens, seconds on one thread, while the decode node tolerates 1 s of KV
     // silence. The pushes' keepalives come every 100 ms.

@@ -29,6 +29,8 @@ use tonic::transport::Channel;
 
 const PROJECT: &str = "tandemchaos";
 const IMAGE: &str = "tandem:chaos";
+/// The model the compose cluster serves here: the smallest real one (`TANDEM_MODEL`).
+const MODEL: &str = "smollm2";
 const PORT: u16 = 50151;
 const DECODE_PORT: u16 = 50053;
 /// Requests per scenario, and how many stream at once: the fault hits the first wave, and the
@@ -95,7 +97,11 @@ fn compose_env(args: &[&str], env: &[(&str, &str)]) -> Result<String> {
         PROJECT,
     ];
     all.extend_from_slice(args);
-    run_env("docker-compose", &all, env)
+    let env: Vec<(&str, &str)> = [("TANDEM_MODEL", MODEL)]
+        .into_iter()
+        .chain(env.iter().copied())
+        .collect();
+    run_env("docker-compose", &all, &env)
 }
 
 fn docker(args: &[&str]) -> Result<String> {
@@ -277,7 +283,7 @@ impl Reference {
             &[
                 "generate",
                 "--model",
-                "default",
+                MODEL,
                 "--batch",
                 &file.to_string_lossy(),
                 "--max-tokens",
@@ -341,7 +347,7 @@ impl Reference {
             &[
                 "tokenize",
                 "--model",
-                "default",
+                MODEL,
                 "--text",
                 "\nAnd in one line:",
                 "--json",

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use std::sync::Arc;
 
 use tandem_engine::Model;
-use tandem_integration_tests::{Cluster, ClusterConfig, collect, default_model, qwen_model};
+use tandem_integration_tests::{Cluster, ClusterConfig, collect, qwen_model, smollm2_model};
 use tandem_proto::v1 as pb;
 
 /// 40 arbitrary tokens: SmolLM2 goes on and on after them.
@@ -58,7 +58,7 @@ async fn busy_decode(cluster: &Cluster) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_node_lost_mid_stream_is_resumed_exactly_elsewhere() {
-    let model = default_model().expect("the default model");
+    let model = smollm2_model().expect("SmolLM2");
     lost_mid_stream_resumes_exactly(model, arbitrary_prompt(), 600).await;
 }
 
@@ -69,10 +69,13 @@ async fn a_qwen_stream_lost_mid_stream_is_resumed_exactly_elsewhere() {
     // runs past the cut.
     let text = model
         .tokenizer
-        .apply_chat_template(&[tandem_engine::ChatMessage {
-            role: "user".into(),
-            content: "Count from 1 to 100, one number per line.".into(),
-        }])
+        .apply_chat_template(
+            &[tandem_engine::ChatMessage::new(
+                "user",
+                "Count from 1 to 100, one number per line.",
+            )],
+            &[],
+        )
         .expect("template");
     let prompt = model.tokenizer.encode(&text).expect("encode");
     lost_mid_stream_resumes_exactly(model, prompt, 120).await;
@@ -147,7 +150,7 @@ async fn lost_mid_stream_resumes_exactly(model: Arc<Model>, prompt: Vec<u32>, ma
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_every_decode_node_gone_the_request_fails_fast_with_unavailable() {
-    let cluster = cluster(default_model().expect("the default model"), 1, 2).await;
+    let cluster = cluster(smollm2_model().expect("SmolLM2"), 1, 2).await;
     let mut client = cluster.client();
     let mut frames = client
         .generate(seeded(arbitrary_prompt(), 600))

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use tandem_engine::{Engine, EngineConfig, GenerateParams, GenerateRequest, Model};
 use tandem_integration_tests::{
-    Cluster, ClusterConfig, collect, default_model, greedy, qwen_model,
+    Cluster, ClusterConfig, collect, greedy, qwen_model, smollm2_model,
 };
 use tandem_proto::v1 as pb;
 
@@ -88,7 +88,7 @@ async fn tiny_model_cluster_equals_local_generation() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_model_cluster_equals_local_generation() {
-    let model = default_model().expect("the default model (run `tandem model fetch`)");
+    let model = smollm2_model().expect("SmolLM2 (run `tandem model fetch smollm2`)");
     let texts = [
         "The capital of France is",
         "Once upon a time,",
@@ -120,10 +120,10 @@ async fn qwen_cluster_equals_local_generation() {
         .map(|q| {
             let text = model
                 .tokenizer
-                .apply_chat_template(&[tandem_engine::ChatMessage {
-                    role: "user".into(),
-                    content: q.to_string(),
-                }])
+                .apply_chat_template(
+                    &[tandem_engine::ChatMessage::new("user", q.to_string())],
+                    &[],
+                )
                 .expect("template");
             model.tokenizer.encode(&text).expect("encode")
         })

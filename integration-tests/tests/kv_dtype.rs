@@ -5,7 +5,7 @@
 use tandem_engine::{
     ChatMessage, Engine, EngineConfig, GenerateParams, GenerateRequest, KvDtype, Model,
 };
-use tandem_integration_tests::{Cluster, ClusterConfig, collect, default_model, metrics, sample};
+use tandem_integration_tests::{Cluster, ClusterConfig, collect, metrics, sample, smollm2_model};
 use tandem_proto::v1 as pb;
 
 const QUESTION: &str = "Explain in three sentences why the sky is blue.";
@@ -41,16 +41,13 @@ fn config(model: std::sync::Arc<Model>, prefill: KvDtype, decode: KvDtype) -> Cl
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn q8_kv_crosses_the_wire_at_half_the_bytes_and_decodes_exactly() {
-    let model = default_model().expect("the real model (tandem model fetch)");
+    let model = smollm2_model().expect("the real model (tandem model fetch)");
     let prompt = model
         .tokenizer
         .encode(
             &model
                 .tokenizer
-                .apply_chat_template(&[ChatMessage {
-                    role: "user".into(),
-                    content: QUESTION.into(),
-                }])
+                .apply_chat_template(&[ChatMessage::new("user", QUESTION)], &[])
                 .expect("template"),
         )
         .expect("encode");
@@ -105,7 +102,7 @@ async fn q8_kv_crosses_the_wire_at_half_the_bytes_and_decodes_exactly() {
 /// (nothing is pushed), and the status says why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_and_decode_of_different_dtypes_are_never_paired() {
-    let model = default_model().expect("the real model (tandem model fetch)");
+    let model = smollm2_model().expect("the real model (tandem model fetch)");
     let cluster = Cluster::launch(config(model, KvDtype::Q8, KvDtype::F16))
         .await
         .expect("cluster");

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use tandem_integration_tests::{
-    Cluster, ClusterConfig, collect, default_model, greedy, metrics, sample,
+    Cluster, ClusterConfig, collect, greedy, metrics, sample, smollm2_model,
 };
 use tandem_proto::v1 as pb;
 use tonic::Code;
@@ -21,7 +21,7 @@ async fn until_idle(cluster: &Cluster) -> Duration {
 }
 
 async fn cluster(slots: usize) -> Cluster {
-    let model = default_model().expect("the default model (run `tandem model fetch`)");
+    let model = smollm2_model().expect("SmolLM2 (run `tandem model fetch smollm2`)");
     Cluster::start(ClusterConfig {
         decode_slots: slots,
         ..ClusterConfig::new(model)
@@ -74,7 +74,7 @@ async fn the_deadline_ends_the_stream_and_frees_everything() {
 async fn a_full_decode_node_queues_in_the_router_and_past_the_queue_refuses_at_once() {
     // One batch slot, so four places on the decode node, and KV for all four long requests
     // (64 MiB holds one); the router holds 6 requests in all.
-    let model = default_model().expect("the default model (run `tandem model fetch`)");
+    let model = smollm2_model().expect("SmolLM2 (run `tandem model fetch smollm2`)");
     let config = ClusterConfig::new(model);
     let cluster = Cluster::start(ClusterConfig {
         decode_slots: 1,

@@ -175,7 +175,7 @@ async fn the_dashboard_queries_only_exported_metrics() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_drains_a_running_stream_to_its_final_frame() {
-    let model = tandem_integration_tests::default_model().expect("the default model");
+    let model = tandem_integration_tests::smollm2_model().expect("SmolLM2");
     let cluster = Cluster::start(ClusterConfig {
         grace: std::time::Duration::from_secs(30),
         ..ClusterConfig::new(model)

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use tandem_integration_tests::{Cluster, ClusterConfig, collect, default_model};
+use tandem_integration_tests::{Cluster, ClusterConfig, collect, smollm2_model};
 use tandem_proto::v1 as pb;
 
 /// The `openai` package version the check is written against.
@@ -64,7 +64,7 @@ async fn the_openai_client_gets_what_grpc_gets() {
     let python = tokio::task::spawn_blocking(python)
         .await
         .expect("python setup");
-    let model = default_model().expect("the default model (run `tandem model fetch`)");
+    let model = smollm2_model().expect("SmolLM2 (run `tandem model fetch smollm2`)");
     let cluster = Cluster::start(ClusterConfig::new(model))
         .await
         .expect("cluster");

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use tandem_engine::Model;
 use tandem_integration_tests::{
-    Cluster, ClusterConfig, Collected, collect, default_model, qwen_model,
+    Cluster, ClusterConfig, Collected, collect, qwen_model, smollm2_model,
 };
 use tandem_proto::v1 as pb;
 
@@ -124,7 +124,7 @@ async fn tiny_multi_turn_equals_cold_and_reuses_history() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_multi_turn_equals_cold_and_reuses_history() {
-    let model = default_model().expect("the default model (run `tandem model fetch`)");
+    let model = smollm2_model().expect("SmolLM2 (run `tandem model fetch smollm2`)");
     check(model, 48, 10).await;
 }
 

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use tandem_integration_tests::{Cluster, ClusterConfig, collect, default_model, greedy};
+use tandem_integration_tests::{Cluster, ClusterConfig, collect, greedy, smollm2_model};
 use tandem_proto::v1 as pb;
 use tandem_router::auth::key_line;
 use tandem_router::{AuthConfig, KeyLimits};
@@ -34,7 +34,7 @@ fn keyed(r: pb::GenerateRequest, key: &str) -> tonic::Request<pb::GenerateReques
 /// while the test looks (the tiny model finishes a thousand tokens in a blink).
 async fn cluster_with(real_model: bool, auth: AuthConfig) -> Cluster {
     let model = if real_model {
-        default_model().expect("the default model (run `tandem model fetch`)")
+        smollm2_model().expect("SmolLM2 (run `tandem model fetch smollm2`)")
     } else {
         tandem_engine::ModelSource::TINY.load().expect("tiny")
     };

@@ -3,7 +3,7 @@
 //! still gap-free), and the final frame and the metrics report what was drafted and accepted.
 
 use tandem_engine::{EngineConfig, SpeculateConfig};
-use tandem_integration_tests::{Cluster, ClusterConfig, collect, default_model, metrics, sample};
+use tandem_integration_tests::{Cluster, ClusterConfig, collect, metrics, sample, smollm2_model};
 use tandem_proto::v1 as pb;
 
 fn copy_request() -> pb::GenerateRequest {
@@ -25,7 +25,7 @@ fn copy_request() -> pb::GenerateRequest {
 }
 
 async fn run(speculate: SpeculateConfig) -> (tandem_integration_tests::Collected, String) {
-    let model = default_model().expect("the real model (tandem model fetch)");
+    let model = smollm2_model().expect("the real model (tandem model fetch)");
     let base = ClusterConfig::new(model);
     let cluster = Cluster::start(ClusterConfig {
         engine: EngineConfig {

@@ -151,12 +151,9 @@ pub fn prepare(
         let messages: Vec<ChatMessage> = r
             .messages
             .into_iter()
-            .map(|m| ChatMessage {
-                role: m.role,
-                content: m.content,
-            })
+            .map(|m| ChatMessage::new(m.role, m.content))
             .collect();
-        let text = front.tokenizer.apply_chat_template(&messages)?;
+        let text = front.tokenizer.apply_chat_template(&messages, &[])?;
         front.tokenizer.encode(&text)?
     } else {
         let vocab = front.tokenizer.vocab_size();

@@ -12,7 +12,6 @@
 
 use std::collections::HashMap;
 
-use minijinja::{Environment, context};
 use serde::Serialize;
 use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -21,9 +20,11 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
+mod chat;
 mod error;
 mod spm;
 
+pub use chat::{ChatMessage, FunctionCall, ToolCall};
 pub use error::{Error, Result};
 
 /// GGUF token types (llama.cpp's `llama_token_type`).
@@ -55,13 +56,6 @@ const EOG_TEXTS: &[&str] = &[
 /// The pre-tokenizer split of Qwen2's tokenizer (its `tokenizer.json`, which llama.cpp's
 /// `LLAMA_VOCAB_PRE_TYPE_QWEN2` mirrors).
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-
-/// One chat message, as given to the chat template.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
-pub struct ChatMessage {
-    pub role: String,
-    pub content: String,
-}
 
 /// What the tokenizer is built from (read from GGUF metadata, or made by the tiny model). It is
 /// plain data and serializes to JSON, which is how workers hand it to the router.
@@ -125,10 +119,10 @@ pub struct Tokenizer {
 }
 
 impl Tokenizer {
-    pub fn new(spec: TokenizerSpec) -> Result<Self> {
+    pub fn new(spec: &TokenizerSpec) -> Result<Self> {
         let inner = match spec.kind {
-            TokenizerKind::BytePairs => Encoder::Bpe(Box::new(byte_pairs(&spec)?)),
-            TokenizerKind::SentencePiece => sentence_piece(&spec)?,
+            TokenizerKind::BytePairs => Encoder::Bpe(Box::new(byte_pairs(spec)?)),
+            TokenizerKind::SentencePiece => sentence_piece(spec)?,
         };
         let unicode_to_byte = byte_level_decode_table();
         let token_bytes = spec
@@ -176,7 +170,7 @@ impl Tokenizer {
             add_bos: spec.add_bos,
             bos_text: text_of(spec.bos_id),
             eos_text: text_of(spec.eos_id),
-            chat_template: spec.chat_template,
+            chat_template: spec.chat_template.clone(),
         })
     }
 
@@ -233,60 +227,20 @@ impl Tokenizer {
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
-    /// Renders `messages` with the model's chat template and a generation prompt.
-    pub fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String> {
+    /// Renders `messages`, and the `tools` offered (OpenAI tool definitions; none is `&[]`),
+    /// with the model's chat template and a generation prompt.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[serde_json::Value],
+    ) -> Result<String> {
         let template = self
             .chat_template
             .as_deref()
             .ok_or_else(|| Error::Template {
                 reason: "the model has no tokenizer.chat_template".into(),
             })?;
-        if messages.is_empty() {
-            return Err(Error::InvalidArgument {
-                field: "messages",
-                reason: "at least one message is required".into(),
-            });
-        }
-        // Only the roles chat templates are written for; any other would be rendered as
-        // whatever the template makes of it.
-        if let Some((i, m)) = messages
-            .iter()
-            .enumerate()
-            .find(|(_, m)| !matches!(m.role.as_str(), "system" | "user" | "assistant"))
-        {
-            return Err(Error::InvalidArgument {
-                field: "messages",
-                reason: format!(
-                    "message {i} has role {:?}; roles are system, user and assistant",
-                    m.role.chars().take(32).collect::<String>()
-                ),
-            });
-        }
-        let terr = |e: minijinja::Error| Error::Template {
-            reason: e.to_string(),
-        };
-        // Rendered the way Hugging Face's `apply_chat_template` renders, which the templates
-        // are written for.
-        let mut env = Environment::new();
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
-        env.add_function("raise_exception", |msg: String| -> Result<String, _> {
-            Err(minijinja::Error::new(
-                minijinja::ErrorKind::InvalidOperation,
-                msg,
-            ))
-        });
-        env.add_template("chat", template).map_err(terr)?;
-        env.get_template("chat")
-            .and_then(|t| {
-                t.render(context! {
-                    messages => messages,
-                    add_generation_prompt => true,
-                    bos_token => &self.bos_text,
-                    eos_token => &self.eos_text,
-                })
-            })
-            .map_err(terr)
+        chat::render(template, messages, tools, &self.bos_text, &self.eos_text)
     }
 }
 

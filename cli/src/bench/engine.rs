@@ -397,10 +397,9 @@ fn speculation(engine: &mut Engine, args: &EngineBenchArgs) -> anyhow::Result<Sp
     let requests: Vec<(String, &'static str, GenerateRequest)> = speculation_prompts()?
         .into_iter()
         .map(|p| {
-            let rendered = model.tokenizer.apply_chat_template(&[ChatMessage {
-                role: "user".into(),
-                content: p.text,
-            }])?;
+            let rendered = model
+                .tokenizer
+                .apply_chat_template(&[ChatMessage::new("user", p.text)], &[])?;
             let request = GenerateRequest {
                 prompt: model.tokenizer.encode(&rendered)?,
                 params: GenerateParams {

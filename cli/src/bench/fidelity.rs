@@ -25,7 +25,7 @@ use crate::ModelArgs;
 pub(crate) struct FidelityArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// The directory holding `smollm2-greedy.jsonl` (llama.cpp's outputs on the default model).
+    /// The directory holding `smollm2-greedy.jsonl` (llama.cpp's outputs on SmolLM2).
     #[arg(long, env = "TANDEM_FIXTURES_DIR")]
     fixtures: PathBuf,
     /// Comma-separated KV dtypes; the first is the one the others are compared with.
@@ -247,10 +247,9 @@ pub(crate) fn fidelity(args: &FidelityArgs) -> anyhow::Result<()> {
     let long = super::engine::speculation_prompts()?;
     for (i, p) in long.iter().enumerate() {
         eprintln!("long prompt {}/{}", i + 1, long.len());
-        let rendered = model.tokenizer.apply_chat_template(&[ChatMessage {
-            role: "user".into(),
-            content: p.text.clone(),
-        }])?;
+        let rendered = model
+            .tokenizer
+            .apply_chat_template(&[ChatMessage::new("user", p.text.clone())], &[])?;
         let prompt = model.tokenizer.encode(&rendered)?;
         let outs = engines
             .iter_mut()

@@ -55,7 +55,7 @@ pub(crate) struct ServeArgs {
     /// Requests per level.
     #[arg(long, default_value_t = 64)]
     requests: usize,
-    /// Words per prompt (about one token each with the default model); with `--prompt-sigma`,
+    /// Words per prompt (about one token each with SmolLM2); with `--prompt-sigma`,
     /// the median.
     #[arg(long, default_value_t = 100)]
     prompt_words: usize,
