@@ -1,0 +1,161 @@
+//! OpenAI error objects: the status, type, code and parameter a refusal carries, from this
+//! crate's errors and from gRPC statuses.
+
+use axum::Json;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+use tonic::Code;
+
+use crate::error::Error;
+
+/// An OpenAI error object with its HTTP status.
+#[derive(Debug)]
+pub(crate) struct ApiError {
+    pub(super) status: StatusCode,
+    pub(super) message: String,
+    pub(super) kind: &'static str,
+    pub(super) param: Option<String>,
+    pub(super) code: Option<&'static str>,
+    pub(super) retry_after_s: Option<u64>,
+}
+
+impl ApiError {
+    pub(super) fn new(status: StatusCode, message: impl Into<String>, kind: &'static str) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code: None,
+            retry_after_s: None,
+        }
+    }
+
+    pub(super) fn invalid(param: &str, message: impl Into<String>) -> Self {
+        Self {
+            param: Some(param.to_string()),
+            ..Self::new(StatusCode::BAD_REQUEST, message, "invalid_request_error")
+        }
+    }
+
+    pub(super) fn unsupported(param: &str, why: &str) -> Self {
+        Self {
+            code: Some("unsupported_parameter"),
+            ..Self::invalid(param, format!("unsupported parameter '{param}': {why}"))
+        }
+    }
+
+    /// The status a gRPC code maps to. `retry_after_ms` is the pushback that came with it.
+    pub(super) fn from_code(code: Code, message: String, retry_after_ms: Option<u64>) -> Self {
+        let (status, kind, code) = match code {
+            Code::InvalidArgument => (StatusCode::BAD_REQUEST, "invalid_request_error", None),
+            Code::Unauthenticated => (
+                StatusCode::UNAUTHORIZED,
+                "authentication_error",
+                Some("invalid_api_key"),
+            ),
+            Code::ResourceExhausted => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                Some("rate_limit_exceeded"),
+            ),
+            Code::DeadlineExceeded => (StatusCode::GATEWAY_TIMEOUT, "timeout", Some("timeout")),
+            Code::Unavailable | Code::DataLoss => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                Some("service_unavailable"),
+            ),
+            // A client that went away reads no answer; the status is for the logs.
+            Code::Cancelled => (
+                StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
+                "cancelled",
+                Some("cancelled"),
+            ),
+            _ => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
+        };
+        Self {
+            code,
+            retry_after_s: (status == StatusCode::TOO_MANY_REQUESTS)
+                .then(|| retry_after_ms.unwrap_or(1000).div_ceil(1000).max(1)),
+            ..Self::new(status, message, kind)
+        }
+    }
+
+    pub(super) fn from_status(s: &tonic::Status) -> Self {
+        let pushback = s
+            .metadata()
+            .get("grpc-retry-pushback-ms")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok());
+        Self::from_code(s.code(), s.message().to_string(), pushback)
+    }
+
+    pub(super) fn body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+}
+
+impl From<Error> for ApiError {
+    fn from(e: Error) -> Self {
+        let pushback = e.retry_after().map(|d| d.as_millis() as u64);
+        let mut api = Self::from_code(e.code(), e.to_string(), pushback);
+        if let Error::InvalidArgument { field, .. } = &e {
+            // The gRPC field's OpenAI name.
+            let name = field.strip_prefix("sampling.").unwrap_or(field);
+            api.param = Some(name.to_string());
+        }
+        api
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, Json(self.body())).into_response();
+        if self.status == StatusCode::UNAUTHORIZED {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        if let Some(s) = self.retry_after_s {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_follow_the_grpc_codes() {
+        let busy = ApiError::from(Error::Busy { inflight: 1 });
+        assert_eq!(busy.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(busy.retry_after_s, Some(1));
+        let mut s = tonic::Status::resource_exhausted("full");
+        s.metadata_mut()
+            .insert("grpc-retry-pushback-ms", "2500".parse().expect("ascii"));
+        assert_eq!(ApiError::from_status(&s).retry_after_s, Some(3));
+        for (code, status) in [
+            (Code::InvalidArgument, 400),
+            (Code::Unauthenticated, 401),
+            (Code::Unavailable, 503),
+            (Code::DeadlineExceeded, 504),
+        ] {
+            assert_eq!(
+                ApiError::from_code(code, String::new(), None)
+                    .status
+                    .as_u16(),
+                status
+            );
+        }
+    }
+}
