@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
+use tandem_engine::GenerateParams;
 use tandem_proto::v1 as pb;
 use tonic::Status;
 use tonic::metadata::{Ascii, MetadataValue};
@@ -14,7 +15,7 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 
 use crate::generate::{GenerateArgs, parse_messages};
-use crate::sampling::{CHAT_DEFAULTS, GENERATE_DEFAULTS, SamplingArgs};
+use crate::sampling::{CHAT_DEFAULTS, SamplingArgs};
 
 /// What one streamed generation produced.
 #[derive(Debug, Default)]
@@ -175,18 +176,10 @@ pub(crate) async fn stream(
     }
 }
 
-fn sampling(args: &GenerateArgs) -> pb::SamplingParams {
-    tandem_worker::sampling_to_pb(
-        &args.sampling.resolve(&GENERATE_DEFAULTS),
-        args.max_tokens as u32,
-        args.stop.clone(),
-    )
-}
-
 /// `tandem generate --server ADDR ...`.
 pub(crate) fn generate(args: &GenerateArgs, server: &str) -> anyhow::Result<()> {
     let mut request = pb::GenerateRequest {
-        sampling: Some(sampling(args)),
+        sampling: Some(tandem_worker::params_to_pb(&args.params(None))),
         ..Default::default()
     };
     match (&args.prompt, &args.messages) {
@@ -316,11 +309,11 @@ pub(crate) fn chat(args: &ChatArgs) -> anyhow::Result<()> {
         let request = pb::GenerateRequest {
             session_id: session_id.clone(),
             messages: messages.clone(),
-            sampling: Some(tandem_worker::sampling_to_pb(
-                &sampling,
-                args.max_tokens,
-                Vec::new(),
-            )),
+            sampling: Some(tandem_worker::params_to_pb(&GenerateParams {
+                sampling: sampling.clone(),
+                max_tokens: args.max_tokens as usize,
+                ..GenerateParams::default()
+            })),
             ..Default::default()
         };
         let mut stdout = std::io::stdout().lock();

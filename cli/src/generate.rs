@@ -4,10 +4,10 @@
 
 use anyhow::Context;
 use clap::Args;
-use tandem_engine::ChatMessage;
+use tandem_engine::{ChatMessage, GenerateParams};
 
 use crate::ModelArgs;
-use crate::sampling::SamplingArgs;
+use crate::sampling::{GENERATE_DEFAULTS, SamplingArgs};
 
 #[derive(Args, Debug)]
 pub(crate) struct GenerateArgs {
@@ -50,6 +50,15 @@ pub(crate) struct GenerateArgs {
     /// Stop when this text appears (repeatable); it is not included in the output.
     #[arg(long)]
     pub(crate) stop: Vec<String>,
+    /// Stop at this token id, as at an end-of-generation id (repeatable; not output).
+    #[arg(long = "stop-token-id")]
+    pub(crate) stop_token_ids: Vec<u32>,
+    /// Never sample an end-of-generation id: generate `--max-tokens` tokens (or up to a stop).
+    #[arg(long)]
+    pub(crate) ignore_eos: bool,
+    /// Sample no end-of-generation id (nor a `--stop-token-id`) before this many tokens.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) min_tokens: usize,
     /// Compute threads (0 = one per core).
     #[arg(long, env = "TANDEM_THREADS", default_value_t = 0)]
     pub(crate) threads: usize,
@@ -64,6 +73,22 @@ pub(crate) struct GenerateArgs {
     /// Print one JSON object with ids, text, finish reason and timings.
     #[arg(long)]
     pub(crate) json: bool,
+}
+
+impl GenerateArgs {
+    /// The generation the flags ask for, with `seed` (a `--batch` line's) over `--seed`.
+    pub(crate) fn params(&self, seed: Option<u64>) -> GenerateParams {
+        let mut sampling = self.sampling.resolve(&GENERATE_DEFAULTS);
+        sampling.seed = seed.unwrap_or(sampling.seed);
+        GenerateParams {
+            sampling,
+            max_tokens: self.max_tokens,
+            stop: self.stop.clone(),
+            stop_token_ids: self.stop_token_ids.clone(),
+            ignore_eos: self.ignore_eos,
+            min_tokens: self.min_tokens,
+        }
+    }
 }
 
 /// `tandem generate`: through a cluster with `--server`, else in-process.

@@ -5,11 +5,10 @@ use std::io::Write;
 use anyhow::Context;
 use clap::Args;
 use serde::Serialize;
-use tandem_engine::{Engine, EngineConfig, GenerateParams, GenerateRequest, Model};
+use tandem_engine::{Engine, EngineConfig, GenerateRequest, Model};
 
 use crate::ModelArgs;
 use crate::generate::{GenerateArgs, parse_messages};
-use crate::sampling::GENERATE_DEFAULTS;
 
 #[derive(Args, Debug)]
 pub(crate) struct TokenizeArgs {
@@ -77,7 +76,7 @@ pub(crate) fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
     )?;
     let request = GenerateRequest {
         prompt,
-        params: params(args, None),
+        params: args.params(None),
     };
     let mut stdout = std::io::stdout().lock();
     let mut print = |text: &str| {
@@ -93,16 +92,6 @@ pub(crate) fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
         println!();
     }
     Ok(())
-}
-
-fn params(args: &GenerateArgs, seed: Option<u64>) -> GenerateParams {
-    let mut sampling = args.sampling.resolve(&GENERATE_DEFAULTS);
-    sampling.seed = seed.unwrap_or(sampling.seed);
-    GenerateParams {
-        sampling,
-        max_tokens: args.max_tokens,
-        stop: args.stop.clone(),
-    }
 }
 
 /// One line of a `--batch` file.
@@ -144,7 +133,7 @@ pub(crate) fn generate_batch(args: &GenerateArgs, file: &std::path::Path) -> any
         }
         requests.push(GenerateRequest {
             prompt,
-            params: params(args, line.seed),
+            params: args.params(line.seed),
         });
     }
     anyhow::ensure!(!requests.is_empty(), "{} holds no request", file.display());

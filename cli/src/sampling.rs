@@ -31,6 +31,26 @@ pub(crate) struct SamplingArgs {
     /// [generate: 1; chat: 1.1].
     #[arg(long)]
     repetition_penalty: Option<f32>,
+    /// Cut tokens whose probability (after the temperature) is under P times the most likely
+    /// one's; 0 is off [default: 0].
+    #[arg(long)]
+    min_p: Option<f32>,
+    /// Add BIAS (-100 to 100) to token ID's logit, as `ID=BIAS` (repeatable).
+    #[arg(long, value_parser = parse_bias, allow_hyphen_values = true)]
+    logit_bias: Vec<(u32, f32)>,
+}
+
+fn parse_bias(s: &str) -> Result<(u32, f32), String> {
+    let (id, bias) = s.split_once('=').ok_or("expected ID=BIAS")?;
+    let id = id
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{id}' is not a token id"))?;
+    let bias = bias
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{bias}' is not a number"))?;
+    Ok((id, bias))
 }
 
 /// `tandem generate`'s defaults: greedy, no penalty, so that output is the model's own.
@@ -40,9 +60,14 @@ pub(crate) const GENERATE_DEFAULTS: SamplingParams = SamplingParams::GREEDY;
 /// penalty, because greedy decoding makes this small model loop.
 pub(crate) const CHAT_DEFAULTS: SamplingParams = SamplingParams {
     temperature: 0.2,
+    top_k: 0,
     top_p: 0.9,
+    seed: 0,
+    frequency_penalty: 0.0,
+    presence_penalty: 0.0,
     repetition_penalty: 1.1,
-    ..SamplingParams::GREEDY
+    min_p: 0.0,
+    logit_bias: Vec::new(),
 };
 
 impl SamplingArgs {
@@ -58,6 +83,18 @@ impl SamplingArgs {
             repetition_penalty: self
                 .repetition_penalty
                 .unwrap_or(defaults.repetition_penalty),
+            min_p: self.min_p.unwrap_or(defaults.min_p),
+            logit_bias: if self.logit_bias.is_empty() {
+                defaults.logit_bias.clone()
+            } else {
+                // One bias per id (the last given), sorted by id as the engine wants.
+                let mut bias = self.logit_bias.clone();
+                bias.sort_by_key(|&(id, _)| id);
+                bias.reverse();
+                bias.dedup_by_key(|&mut (id, _)| id);
+                bias.reverse();
+                bias
+            },
         }
     }
 }

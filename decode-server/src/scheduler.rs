@@ -403,7 +403,11 @@ impl Scheduler {
             .inc_by(p.computed as u64);
         let ms = p.started.elapsed().as_secs_f64() * 1e3;
         let _ = p.joining.events.try_send(Event::Prefilled { ms });
-        let first = p.joining.stream.sample(&logits, p.joining.prompt.len());
+        let first = p.joining.stream.sample(
+            &self.engine.model().tokenizer,
+            &logits,
+            p.joining.prompt.len(),
+        );
         self.join(p.seq, p.joining, first);
     }
 

@@ -1,5 +1,6 @@
-//! Turning sampled tokens into a finished generation: end-of-generation ids, `max_tokens`, stop
-//! strings, and streaming-safe text. [`Stream`] is the per-request state any loop (the local
+//! Turning sampled tokens into a finished generation: end-of-generation ids (and
+//! `stop_token_ids`, banned from sampling before `min_tokens` or, with `ignore_eos`, always),
+//! `max_tokens`, stop strings, and streaming-safe text. [`Stream`] is the per-request state any loop (the local
 //! CLI, a decode server's scheduler) feeds one token at a time; [`Engine::generate_batch`] is
 //! the simple blocking loop used by the CLI, the benchmarks and the tests.
 
@@ -19,6 +20,13 @@ pub struct GenerateParams {
     pub max_tokens: usize,
     /// Text that ends the generation; it is not included in the output text.
     pub stop: Vec<String>,
+    /// More ids that end the generation, as the model's end-of-generation ids do (not output).
+    pub stop_token_ids: Vec<u32>,
+    /// No end-of-generation id is sampled: the generation runs to `max_tokens` or a stop.
+    pub ignore_eos: bool,
+    /// Neither an end-of-generation id nor a `stop_token_ids` id is sampled before this many
+    /// tokens; at most `max_tokens`.
+    pub min_tokens: usize,
 }
 
 impl GenerateParams {
@@ -34,6 +42,15 @@ impl GenerateParams {
             return Err(Error::InvalidArgument {
                 field: "stop",
                 reason: "stop strings must not be empty".into(),
+            });
+        }
+        if self.min_tokens > self.max_tokens {
+            return Err(Error::InvalidArgument {
+                field: "min_tokens",
+                reason: format!(
+                    "min_tokens {} is more than max_tokens {}",
+                    self.min_tokens, self.max_tokens
+                ),
             });
         }
         Ok(())
@@ -108,18 +125,25 @@ impl Stream {
     }
 
     /// Samples the token at absolute `position` from `logits`.
-    pub fn sample(&self, logits: &[f32], position: usize) -> u32 {
+    pub fn sample(&self, tokenizer: &Tokenizer, logits: &[f32], position: usize) -> u32 {
+        let early = self.generated < self.params.min_tokens;
+        let banned: Vec<u32> = match (self.params.ignore_eos || early, early) {
+            (false, _) => Vec::new(),
+            (true, false) => tokenizer.eog_ids().to_vec(),
+            (true, true) => [tokenizer.eog_ids(), &self.params.stop_token_ids].concat(),
+        };
         sample(
             logits,
             &self.params.sampling,
             position as u64,
             &self.history,
+            &banned,
         )
     }
 
     /// Accepts a sampled token.
     pub fn accept(&mut self, tokenizer: &Tokenizer, token: u32) -> Emission {
-        if tokenizer.eog_ids().contains(&token) {
+        if tokenizer.eog_ids().contains(&token) || self.params.stop_token_ids.contains(&token) {
             let text = self.flush();
             return Emission {
                 token: None,
@@ -298,7 +322,10 @@ impl Engine {
             });
             let logits = self.prefill(seq, &req.prompt)?;
             let a = active.last_mut().expect("just pushed");
-            a.decoding.next = a.decoding.stream.sample(&logits, req.prompt.len());
+            a.decoding.next = a
+                .decoding
+                .stream
+                .sample(&model.tokenizer, &logits, req.prompt.len());
             a.out.prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
         }
         let t0 = Instant::now();

@@ -1,5 +1,9 @@
 //! Token sampling as a pure function of `(seed, position, logits, the tokens so far)`.
 //!
+//! The order: logit biases, then penalties, then banned ids (to `-inf`); greedy takes the
+//! argmax of that. A draw divides by the temperature, cuts by min-p, then top-k, then top-p (as
+//! vLLM does), and picks among what is left.
+//!
 //! The random draw for a position comes from a ChaCha8 stream keyed by the request's seed and
 //! the token's absolute position, so a request gives the same tokens alone, in a batch, or
 //! after its KV moved to another node. Penalties read the tokens so far from a [`History`],
@@ -31,6 +35,11 @@ pub struct SamplingParams {
     /// tokens (prompt included) is divided by it when positive, multiplied when negative. 1
     /// means off; above 0, at most 10.
     pub repetition_penalty: f32,
+    /// Tokens whose probability (after the temperature) is under `min_p` times the most likely
+    /// one's are cut. 0 means off; at most 1.
+    pub min_p: f32,
+    /// Added to these tokens' logits before anything else, sorted by id; each in [-100, 100].
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl SamplingParams {
@@ -43,6 +52,8 @@ impl SamplingParams {
         frequency_penalty: 0.0,
         presence_penalty: 0.0,
         repetition_penalty: 1.0,
+        min_p: 0.0,
+        logit_bias: Vec::new(),
     };
 }
 
@@ -87,6 +98,28 @@ impl SamplingParams {
                 reason: format!("must be in (0, 10], got {}", self.repetition_penalty),
             });
         }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(Error::InvalidArgument {
+                field: "min_p",
+                reason: format!("must be in [0, 1], got {}", self.min_p),
+            });
+        }
+        if let Some((id, bias)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-100.0..=100.0).contains(b))
+        {
+            return Err(Error::InvalidArgument {
+                field: "logit_bias",
+                reason: format!("token {id}: a bias must be in [-100, 100], got {bias}"),
+            });
+        }
+        if !self.logit_bias.is_sorted_by(|a, b| a.0 < b.0) {
+            return Err(Error::InvalidArgument {
+                field: "logit_bias",
+                reason: "one bias per token id, sorted by id".into(),
+            });
+        }
         Ok(())
     }
 
@@ -98,6 +131,11 @@ impl SamplingParams {
         self.frequency_penalty != 0.0
             || self.presence_penalty != 0.0
             || self.repetition_penalty != 1.0
+    }
+
+    /// Whether `sample` changes the logits before it reads them.
+    fn adjusts(&self, banned: &[u32]) -> bool {
+        self.penalizes() || !self.logit_bias.is_empty() || !banned.is_empty()
     }
 }
 
@@ -157,14 +195,31 @@ impl History {
     }
 }
 
-/// Picks the token at absolute `position` of a sequence from its logits and the tokens so far.
-pub fn sample(logits: &[f32], params: &SamplingParams, position: u64, history: &History) -> u32 {
-    let penalized;
-    let logits = if params.penalizes() {
+/// Picks the token at absolute `position` of a sequence from its logits and the tokens so far;
+/// no id of `banned` is picked (unless every token is banned or -inf).
+pub fn sample(
+    logits: &[f32],
+    params: &SamplingParams,
+    position: u64,
+    history: &History,
+    banned: &[u32],
+) -> u32 {
+    let adjusted;
+    let logits = if params.adjusts(banned) {
         let mut l = logits.to_vec();
+        for &(t, bias) in &params.logit_bias {
+            if let Some(x) = l.get_mut(t as usize) {
+                *x += bias;
+            }
+        }
         history.penalize(&mut l, params);
-        penalized = l;
-        &penalized[..]
+        for &t in banned {
+            if let Some(x) = l.get_mut(t as usize) {
+                *x = f32::NEG_INFINITY;
+            }
+        }
+        adjusted = l;
+        &adjusted[..]
     } else {
         logits
     };
@@ -182,11 +237,18 @@ pub fn sample(logits: &[f32], params: &SamplingParams, position: u64, history: &
     if top == f32::NEG_INFINITY {
         return argmax(logits);
     }
+    // min-p: `exp(c) >= min_p`, with the top candidate at `c = 0`.
+    let floor = if params.min_p > 0.0 {
+        params.min_p.ln()
+    } else {
+        f32::NEG_INFINITY
+    };
     let cands: Vec<(u32, f32)> = logits
         .iter()
         .enumerate()
         .filter(|(_, l)| l.is_finite())
         .map(|(i, &l)| (i as u32, (l - top) / params.temperature))
+        .filter(|c| c.1 >= floor)
         .collect();
     let mut ranked = Ranked { cands, sorted: 0 };
     let mut key = [0u8; 32];
@@ -289,7 +351,7 @@ mod tests {
     fn greedy_is_argmax() {
         let l = logits();
         assert_eq!(
-            sample(&l, &SamplingParams::default(), 5, &History::default()),
+            sample(&l, &SamplingParams::default(), 5, &History::default(), &[]),
             argmax(&l)
         );
         assert_eq!(l[argmax(&l) as usize], 9.9);
@@ -304,10 +366,10 @@ mod tests {
             ..Default::default()
         };
         let a: Vec<u32> = (0..50)
-            .map(|pos| sample(&l, &p, pos, &History::default()))
+            .map(|pos| sample(&l, &p, pos, &History::default(), &[]))
             .collect();
         let b: Vec<u32> = (0..50)
-            .map(|pos| sample(&l, &p, pos, &History::default()))
+            .map(|pos| sample(&l, &p, pos, &History::default(), &[]))
             .collect();
         assert_eq!(a, b);
         // Different positions draw differently: 50 draws are not all the same token.
@@ -329,7 +391,7 @@ mod tests {
             ..Default::default()
         };
         for pos in 0..200 {
-            assert!(top3.contains(&sample(&l, &p, pos, &History::default())));
+            assert!(top3.contains(&sample(&l, &p, pos, &History::default(), &[])));
         }
         let p = SamplingParams {
             temperature: 0.01,
@@ -338,7 +400,7 @@ mod tests {
             ..Default::default()
         };
         for pos in 0..50 {
-            assert_eq!(sample(&l, &p, pos, &History::default()), argmax(&l));
+            assert_eq!(sample(&l, &p, pos, &History::default(), &[]), argmax(&l));
         }
     }
 
@@ -395,7 +457,7 @@ mod tests {
             let draws = 800;
             let mut counts: HashMap<u32, u32> = HashMap::new();
             for pos in 0..draws {
-                let t = sample(&l, &p, pos, &History::default());
+                let t = sample(&l, &p, pos, &History::default(), &[]);
                 assert!(
                     probs.contains_key(&t),
                     "{t} is outside the allowed set for {p:?}"
@@ -424,7 +486,11 @@ mod tests {
                 ..Default::default()
             };
             for pos in 0..20 {
-                assert_eq!(sample(&l, &p, pos, &History::default()), argmax(&l), "{t}");
+                assert_eq!(
+                    sample(&l, &p, pos, &History::default(), &[]),
+                    argmax(&l),
+                    "{t}"
+                );
             }
         }
     }
@@ -435,27 +501,27 @@ mod tests {
         let l = vec![0.0, 3.0, 2.5, -1.0];
         let greedy = SamplingParams::default();
         let h = History::new(&[3], &[1, 1]);
-        assert_eq!(sample(&l, &greedy, 3, &h), 1);
+        assert_eq!(sample(&l, &greedy, 3, &h, &[]), 1);
         // Frequency: 2 x 0.3 = 0.6 off token 1, which now trails token 2.
         let freq = SamplingParams {
             frequency_penalty: 0.3,
             ..Default::default()
         };
-        assert_eq!(sample(&l, &freq, 3, &h), 2);
+        assert_eq!(sample(&l, &freq, 3, &h, &[]), 2);
         // Presence counts once: 0.3 is not enough, 0.6 is.
         let pres = |p| SamplingParams {
             presence_penalty: p,
             ..Default::default()
         };
-        assert_eq!(sample(&l, &pres(0.3), 3, &h), 1);
-        assert_eq!(sample(&l, &pres(0.6), 3, &h), 2);
+        assert_eq!(sample(&l, &pres(0.3), 3, &h, &[]), 1);
+        assert_eq!(sample(&l, &pres(0.6), 3, &h, &[]), 2);
         // Prompt tokens count for the repetition penalty only: token 3 in the prompt, token 1
         // generated; 3.0 / 1.3 < 2.5.
         let rep = SamplingParams {
             repetition_penalty: 1.3,
             ..Default::default()
         };
-        assert_eq!(sample(&l, &rep, 3, &h), 2);
+        assert_eq!(sample(&l, &rep, 3, &h, &[]), 2);
         let mut pl = l.clone();
         History::new(&[3], &[]).penalize(&mut pl, &freq);
         assert_eq!(pl, l, "OpenAI's penalties ignore the prompt");
@@ -506,6 +572,73 @@ mod tests {
             },
         ] {
             assert!(bad.validate().is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn min_p_cuts_tokens_far_below_the_top() {
+        let l = logits();
+        let best = l[argmax(&l) as usize];
+        // At temperature 1, min_p 0.5 keeps the tokens within ln 2 of the top logit.
+        let p = SamplingParams {
+            temperature: 1.0,
+            min_p: 0.5,
+            seed: 3,
+            ..Default::default()
+        };
+        let mut seen = std::collections::HashSet::new();
+        for pos in 0..400 {
+            let t = sample(&l, &p, pos, &History::default(), &[]);
+            assert!(
+                l[t as usize] >= best + 0.5f32.ln(),
+                "{t}: {}",
+                l[t as usize]
+            );
+            seen.insert(t);
+        }
+        assert!(seen.len() > 1, "more than the top token is drawn");
+        assert!(
+            SamplingParams {
+                min_p: 1.5,
+                ..Default::default()
+            }
+            .validate()
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn logit_bias_and_banned_ids_move_the_greedy_choice() {
+        let l = logits();
+        let best = argmax(&l);
+        let low = 0; // logit 0.0, the lowest
+        let biased = SamplingParams {
+            logit_bias: vec![(low, 100.0)],
+            ..Default::default()
+        };
+        assert_eq!(sample(&l, &biased, 0, &History::default(), &[]), low);
+        let second = {
+            let mut l2 = l.clone();
+            l2[best as usize] = f32::NEG_INFINITY;
+            argmax(&l2)
+        };
+        let greedy = SamplingParams::default();
+        assert_eq!(sample(&l, &greedy, 0, &History::default(), &[best]), second);
+        // A draw never picks a banned id either.
+        let hot = SamplingParams {
+            temperature: 1.0,
+            seed: 9,
+            ..Default::default()
+        };
+        for pos in 0..200 {
+            assert_ne!(sample(&l, &hot, pos, &History::default(), &[best]), best);
+        }
+        for bad in [vec![(1, 101.0)], vec![(2, 1.0), (1, 1.0)]] {
+            let p = SamplingParams {
+                logit_bias: bad,
+                ..Default::default()
+            };
+            assert!(p.validate().is_err(), "{p:?}");
         }
     }
 }

@@ -314,7 +314,7 @@ impl Engine {
             for j in 0..input.len() {
                 fed = j + 1;
                 let position = d.tokens.len() + j + 1;
-                let token = d.stream.sample(logits.row(row + j), position);
+                let token = d.stream.sample(tokenizer, logits.row(row + j), position);
                 let emission = d.stream.accept(tokenizer, token);
                 let finished = emission.finished.is_some();
                 emissions.push(emission);

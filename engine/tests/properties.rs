@@ -59,7 +59,7 @@ fn decode(
     let mut out = Vec::new();
     for _ in 0..steps {
         let pos = engine.seq_len(seq).expect("len");
-        let tok = tandem_engine::sample(&logits, p, pos as u64, &Default::default());
+        let tok = tandem_engine::sample(&logits, p, pos as u64, &Default::default(), &[]);
         out.push(tok);
         logits = engine.step(&[(seq, tok)]).expect("step").row(0).to_vec();
     }
@@ -144,6 +144,13 @@ fn batched_equals_alone(model: &Arc<Model>, dtype: KvDtype) {
             frequency_penalty: if i % 3 == 1 { 0.5 } else { 0.0 },
             presence_penalty: if i % 3 == 1 { 0.4 } else { 0.0 },
             repetition_penalty: if i % 3 == 2 { 1.3 } else { 1.0 },
+            // The cuts and biases too.
+            min_p: if i == 3 { 0.05 } else { 0.0 },
+            logit_bias: if i == 1 {
+                vec![(3, 2.5), (9, -100.0)]
+            } else {
+                Vec::new()
+            },
         })
         .collect();
     let requests: Vec<GenerateRequest> = (0..5)
@@ -152,7 +159,8 @@ fn batched_equals_alone(model: &Arc<Model>, dtype: KvDtype) {
             params: GenerateParams {
                 sampling: params[i].clone(),
                 max_tokens: 24,
-                stop: Vec::new(),
+                min_tokens: if i == 2 { 12 } else { 0 },
+                ..Default::default()
             },
         })
         .collect();
@@ -376,6 +384,80 @@ fn stop_strings_and_streaming_text() {
     assert_eq!(out.finish_reason, tandem_engine::FinishReason::Stop);
 }
 
+/// `min_tokens`, `ignore_eos` and `stop_token_ids`, with a logit bias that makes an
+/// end-of-generation id (or a stop id) the greedy choice at every position.
+#[test]
+fn end_of_generation_ids_wait_for_min_tokens_and_ignore_eos_ignores_them() {
+    use tandem_engine::FinishReason::{Length, Stop};
+    let model = tiny();
+    let eog = model.tokenizer.eog_ids()[0];
+    let mut e = engine_with(&model, 64);
+    let mut run = |params: GenerateParams| {
+        let out = e
+            .generate_batch(&[GenerateRequest {
+                prompt: prompt(10, 5),
+                params,
+            }])
+            .expect("generate")
+            .remove(0);
+        (out.token_ids.len(), out.finish_reason)
+    };
+    let favour = |id: u32| GenerateParams {
+        sampling: SamplingParams {
+            logit_bias: vec![(id, 100.0)],
+            ..Default::default()
+        },
+        max_tokens: 12,
+        ..Default::default()
+    };
+    assert_eq!(run(favour(eog)), (0, Stop), "the biased id ends it at once");
+    let min5 = GenerateParams {
+        min_tokens: 5,
+        ..favour(eog)
+    };
+    assert_eq!(run(min5), (5, Stop));
+    let ignore = GenerateParams {
+        ignore_eos: true,
+        ..favour(eog)
+    };
+    assert_eq!(run(ignore), (12, Length));
+    // A stop id ends the generation as an end-of-generation id does, and waits for min_tokens.
+    let stop_id = 40;
+    let stop = GenerateParams {
+        stop_token_ids: vec![stop_id],
+        ..favour(stop_id)
+    };
+    assert_eq!(run(stop.clone()), (0, Stop));
+    let min3 = GenerateParams {
+        min_tokens: 3,
+        ..stop.clone()
+    };
+    assert_eq!(run(min3), (3, Stop));
+    let without = GenerateParams {
+        stop_token_ids: Vec::new(),
+        ..stop
+    };
+    assert_eq!(
+        run(without),
+        (12, Length),
+        "unlisted, the id is just a token"
+    );
+    let too_many = GenerateParams {
+        min_tokens: 13,
+        ..favour(eog)
+    };
+    assert!(matches!(
+        e.generate_batch(&[GenerateRequest {
+            prompt: prompt(4, 1),
+            params: too_many,
+        }]),
+        Err(Error::InvalidArgument {
+            field: "min_tokens",
+            ..
+        })
+    ));
+}
+
 #[test]
 fn damaged_model_files_fail_with_a_clear_error() {
     let dir = std::env::temp_dir().join(format!("tandem-engine-test-{}", std::process::id()));
@@ -581,7 +663,7 @@ fn a_generation_resumed_from_its_delivered_tokens_equals_the_uninterrupted_one()
     let (mut out, mut step_logits) = (Vec::new(), Vec::new());
     for _ in 0..24 {
         let pos = e.seq_len(s).expect("len");
-        let tok = tandem_engine::sample(&logits, &p, pos as u64, &Default::default());
+        let tok = tandem_engine::sample(&logits, &p, pos as u64, &Default::default(), &[]);
         out.push(tok);
         step_logits.push(logits.clone());
         logits = e.step(&[(s, tok)]).expect("step").row(0).to_vec();

@@ -264,7 +264,7 @@ fn decode_beside_a_prefill(
             let seq = engine.new_sequence();
             let logits = engine.prefill(seq, p).expect("prefill");
             let stream = Stream::new(params.clone(), p);
-            let next = stream.sample(&logits, p.len());
+            let next = stream.sample(&engine.model().tokenizer, &logits, p.len());
             Decoding::new(seq, stream, p.clone(), next)
         })
         .collect();

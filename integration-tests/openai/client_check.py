@@ -121,6 +121,50 @@ sampled = [
 ]
 assert sampled[0] == sampled[1], sampled
 
+# What benchmark clients send to fix the output length: ignore_eos gives exactly max_tokens;
+# min_tokens at least that many (the greedy chat reply above ends sooner).
+short = seen["chat_usage"]["completion"]
+fixed = client.chat.completions.create(
+    model=model,
+    messages=messages,
+    max_tokens=short + 20,
+    temperature=0,
+    extra_body={"ignore_eos": True},
+)
+assert fixed.usage.completion_tokens == short + 20, fixed.usage
+assert fixed.choices[0].finish_reason == "length", fixed.choices[0]
+longer = client.chat.completions.create(
+    model=model,
+    messages=messages,
+    max_tokens=short + 40,
+    temperature=0,
+    extra_body={"min_tokens": short + 10},
+)
+assert longer.usage.completion_tokens >= short + 10, longer.usage
+# A logit bias of +100 makes token 42 the greedy choice at every position; listed in
+# stop_token_ids, it then ends the reply at once. min_p 1 keeps only the most likely token,
+# so sampling is greedy whatever the temperature, with top_k beside it.
+biased = client.completions.create(
+    model=model, prompt=prompt, max_tokens=4, temperature=0, logit_bias={"42": 100}
+)
+assert biased.usage.completion_tokens == 4, biased.usage
+assert biased.choices[0].text != text, biased.choices[0].text
+stopped = client.completions.create(
+    model=model,
+    prompt=prompt,
+    max_tokens=4,
+    temperature=0,
+    logit_bias={"42": 100},
+    extra_body={"stop_token_ids": [42]},
+)
+assert stopped.usage.completion_tokens == 0, stopped.usage
+assert stopped.choices[0].finish_reason == "stop", stopped.choices[0]
+hot_but_greedy = client.completions.create(
+    model=model, prompt=prompt, max_tokens=16, temperature=1.5, seed=3,
+    extra_body={"min_p": 1.0, "top_k": 40},
+)
+assert hot_but_greedy.choices[0].text == text, (hot_but_greedy.choices[0].text, text)
+
 # A parameter Tandem does not support is rejected by name.
 try:
     client.chat.completions.create(model=model, messages=messages, n=2)

@@ -2,7 +2,9 @@
 //! its network goes) costs the client nothing. The router resumes the generation on another
 //! decode node from the prompt plus the tokens already delivered, and the client sees one
 //! stream with gap-free indices, equal token for token to the fault-free run of the same seed.
-//! On the real models: the tiny one can finish 600 tokens before the test cuts into them.
+//! On the real models: the tiny one can finish 600 tokens before the test cuts into them. The
+//! sampling uses every knob that reads the position or the tokens so far (min_tokens bans the
+//! end-of-generation ids across the cut; min_p and logit biases shape each draw).
 
 use std::time::{Duration, Instant};
 
@@ -25,6 +27,9 @@ fn seeded(prompt: Vec<u32>, max_tokens: u32) -> pb::GenerateRequest {
             temperature: 0.8,
             top_p: Some(0.95),
             seed: 42,
+            min_p: Some(0.02),
+            logit_bias: [(100, -5.0), (200, 1.5)].into(),
+            min_tokens: 64,
             ..Default::default()
         }),
         ..Default::default()
@@ -89,8 +94,8 @@ async fn lost_mid_stream_resumes_exactly(model: Arc<Model>, prompt: Vec<u32>, ma
         .expect("fault-free run");
     assert_eq!(want.last.route.as_ref().map(|r| r.attempts), Some(1));
     assert!(
-        want.token_ids.len() > 60,
-        "the run is long enough to cut into: {} tokens",
+        want.token_ids.len() >= 64,
+        "min_tokens holds, and the run is long enough to cut into: {} tokens",
         want.token_ids.len()
     );
 

@@ -77,7 +77,7 @@ impl PrefillService {
                 "transfer_id and decode_addr are required".into(),
             );
         }
-        tandem_worker::sampling_from_pb(r.sampling.as_ref()).validate()?;
+        tandem_worker::params_from_pb(r.sampling.clone()).validate()?;
         if r.resumed_tokens as usize >= r.token_ids.len() {
             return invalid(
                 "resumed_tokens",
@@ -131,7 +131,7 @@ impl PrefillService {
                 hashes,
                 push,
                 resumed: r.resumed_tokens as usize,
-                sampling: tandem_worker::sampling_from_pb(r.sampling.as_ref()),
+                params: tandem_worker::params_from_pb(r.sampling),
                 kv,
                 cancel,
             },

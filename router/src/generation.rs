@@ -106,6 +106,12 @@ pub fn prepare(
     if sampling.stop.iter().any(String::is_empty) {
         return invalid("sampling.stop", "stop strings must not be empty");
     }
+    if let Some(p) = sampling.min_p
+        && !(0.0..=1.0).contains(&p)
+    {
+        return invalid("sampling.min_p", "must be in [0, 1]");
+    }
+    check_token_ids(&sampling, front.tokenizer.vocab_size())?;
     if sampling.max_tokens == 0 && default_max_tokens.is_none() {
         return invalid("sampling.max_tokens", "must be at least 1");
     }
@@ -195,6 +201,15 @@ pub fn prepare(
             .min(rest)
             .min(limits.max_tokens);
     }
+    if sampling.min_tokens > sampling.max_tokens {
+        return Err(Error::InvalidArgument {
+            field: "sampling.min_tokens",
+            reason: format!(
+                "{} is more than max_tokens {}",
+                sampling.min_tokens, sampling.max_tokens
+            ),
+        });
+    }
     if tokens.len() + sampling.max_tokens as usize > front.context_tokens {
         return Err(Error::InvalidArgument {
             field: "sampling.max_tokens",
@@ -216,6 +231,60 @@ pub fn prepare(
         sampling,
         cache_salt,
     })
+}
+
+/// Most logit biases a request may set (OpenAI allows 300).
+pub const MAX_LOGIT_BIAS: usize = 1024;
+/// Most `stop_token_ids` a request may set.
+pub const MAX_STOP_TOKEN_IDS: usize = 64;
+
+/// The token ids a request names besides its prompt (`logit_bias`, `stop_token_ids`): within
+/// the vocabulary and their bounds.
+fn check_token_ids(s: &pb::SamplingParams, vocab: usize) -> Result<()> {
+    let invalid = |field, reason: String| Err(Error::InvalidArgument { field, reason });
+    if s.logit_bias.len() > MAX_LOGIT_BIAS {
+        return invalid(
+            "sampling.logit_bias",
+            format!(
+                "{} biases, over the limit of {MAX_LOGIT_BIAS}",
+                s.logit_bias.len()
+            ),
+        );
+    }
+    if s.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+        return invalid(
+            "sampling.stop_token_ids",
+            format!(
+                "{} ids, over the limit of {MAX_STOP_TOKEN_IDS}",
+                s.stop_token_ids.len()
+            ),
+        );
+    }
+    if let Some((t, b)) = s
+        .logit_bias
+        .iter()
+        .find(|&(_, b)| !(-100.0..=100.0).contains(b))
+    {
+        return invalid(
+            "sampling.logit_bias",
+            format!("token {t}: a bias must be in [-100, 100], got {b}"),
+        );
+    }
+    for (field, ids) in [
+        (
+            "sampling.logit_bias",
+            s.logit_bias.keys().collect::<Vec<_>>(),
+        ),
+        ("sampling.stop_token_ids", s.stop_token_ids.iter().collect()),
+    ] {
+        if let Some(t) = ids.into_iter().find(|&&t| t as usize >= vocab) {
+            return invalid(
+                field,
+                format!("token id {t} is outside the vocabulary of {vocab}"),
+            );
+        }
+    }
+    Ok(())
 }
 
 /// How a generation ended: its status code and the tokens it delivered.

@@ -32,10 +32,13 @@ pub fn wire_layout(l: KvLayout) -> WireLayout {
     }
 }
 
-/// The engine's sampling from the wire's (an absent message is the default: greedy).
+/// The engine's sampling from the wire's (an absent message is the default: greedy). The logit
+/// biases come out sorted by id, as the engine wants them.
 pub fn sampling_from_pb(s: Option<&pb::SamplingParams>) -> SamplingParams {
     let default = pb::SamplingParams::default();
     let s = s.unwrap_or(&default);
+    let mut logit_bias: Vec<(u32, f32)> = s.logit_bias.iter().map(|(&t, &b)| (t, b)).collect();
+    logit_bias.sort_unstable_by_key(|&(t, _)| t);
     SamplingParams {
         temperature: s.temperature,
         top_k: s.top_k as usize,
@@ -44,34 +47,43 @@ pub fn sampling_from_pb(s: Option<&pb::SamplingParams>) -> SamplingParams {
         frequency_penalty: s.frequency_penalty.unwrap_or(0.0),
         presence_penalty: s.presence_penalty.unwrap_or(0.0),
         repetition_penalty: s.repetition_penalty.unwrap_or(1.0),
+        min_p: s.min_p.unwrap_or(0.0),
+        logit_bias,
     }
 }
 
-/// The wire's sampling from the engine's, with the generation's `max_tokens` and `stop`.
-pub fn sampling_to_pb(
-    s: &SamplingParams,
-    max_tokens: u32,
-    stop: Vec<String>,
-) -> pb::SamplingParams {
+/// The wire's sampling message for a generation.
+pub fn params_to_pb(p: &GenerateParams) -> pb::SamplingParams {
+    let s = &p.sampling;
     pb::SamplingParams {
         temperature: s.temperature,
         top_k: s.top_k as u32,
         top_p: Some(s.top_p),
         seed: s.seed,
-        max_tokens,
-        stop,
+        max_tokens: p.max_tokens as u32,
+        stop: p.stop.clone(),
         frequency_penalty: Some(s.frequency_penalty),
         presence_penalty: Some(s.presence_penalty),
         repetition_penalty: Some(s.repetition_penalty),
+        min_p: Some(s.min_p),
+        logit_bias: s.logit_bias.iter().copied().collect(),
+        ignore_eos: p.ignore_eos,
+        min_tokens: p.min_tokens as u32,
+        stop_token_ids: p.stop_token_ids.clone(),
     }
 }
 
 /// The engine's generation parameters from the wire's sampling message.
 pub fn params_from_pb(s: Option<pb::SamplingParams>) -> GenerateParams {
+    let sampling = sampling_from_pb(s.as_ref());
+    let s = s.unwrap_or_default();
     GenerateParams {
-        sampling: sampling_from_pb(s.as_ref()),
-        max_tokens: s.as_ref().map_or(0, |s| s.max_tokens as usize),
-        stop: s.map(|s| s.stop).unwrap_or_default(),
+        sampling,
+        max_tokens: s.max_tokens as usize,
+        stop: s.stop,
+        stop_token_ids: s.stop_token_ids,
+        ignore_eos: s.ignore_eos,
+        min_tokens: s.min_tokens as usize,
     }
 }
 

@@ -4,6 +4,7 @@
 //! The body is parsed by hand from a JSON object, not derived, so that an unknown key can be
 //! named in the error instead of failing the whole parse or being dropped.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use axum::http::{HeaderMap, StatusCode};
@@ -40,6 +41,10 @@ const COMMON_KEYS: &[&str] = &[
     "cache_salt",
     "logprobs",
     "logit_bias",
+    "min_p",
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
 ];
 const CHAT_KEYS: &[&str] = &[
     "messages",
@@ -48,6 +53,8 @@ const CHAT_KEYS: &[&str] = &[
     "response_format",
     "store",
     "metadata",
+    "parallel_tool_calls",
+    "service_tier",
 ];
 
 /// OpenAI's bounds on `metadata`: pairs, and characters per key and per value.
@@ -249,6 +256,55 @@ fn stop(body: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
 }
 
 /// A header's value, if present and readable.
+/// `logit_bias`: token ids (as JSON object keys) to biases in [-100, 100]; the bounds on how
+/// many and which ids are the router's, for both APIs.
+fn logit_bias(body: &Map<String, Value>) -> Result<HashMap<u32, f32>, ApiError> {
+    let Some(v) = body.get("logit_bias").filter(|v| !v.is_null()) else {
+        return Ok(HashMap::new());
+    };
+    let Some(o) = v.as_object() else {
+        return Err(ApiError::invalid(
+            "logit_bias",
+            "'logit_bias' must be an object of token ids to numbers",
+        ));
+    };
+    o.iter()
+        .map(|(k, v)| {
+            let id = k
+                .parse::<u32>()
+                .map_err(|_| ApiError::invalid("logit_bias", format!("'{k}' is not a token id")))?;
+            match v.as_f64() {
+                Some(b) if (-100.0..=100.0).contains(&b) => Ok((id, b as f32)),
+                _ => Err(ApiError::invalid(
+                    "logit_bias",
+                    format!("logit_bias['{k}'] must be a number from -100 to 100"),
+                )),
+            }
+        })
+        .collect()
+}
+
+/// An array of token ids.
+fn token_ids(body: &Map<String, Value>, key: &str) -> Result<Vec<u32>, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|t| {
+                t.as_u64()
+                    .and_then(|t| u32::try_from(t).ok())
+                    .ok_or_else(|| {
+                        ApiError::invalid(key, format!("'{key}' must be an array of token ids"))
+                    })
+            })
+            .collect(),
+        Some(_) => Err(ApiError::invalid(
+            key,
+            format!("'{key}' must be an array of token ids"),
+        )),
+    }
+}
+
 fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
     headers.get(name).and_then(|v| v.to_str().ok())
 }
@@ -305,6 +361,18 @@ pub(crate) fn parse(
         ));
     }
     check_metadata(&body)?;
+    // Without tools there is no call to parallelize: either value asks nothing.
+    flag(&body, "parallel_tool_calls")?;
+    match body.get("service_tier") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(t)) if t == "auto" || t == "default" => {}
+        Some(_) => {
+            return Err(ApiError::unsupported(
+                "service_tier",
+                "one tier is served (\"auto\" or \"default\")",
+            ));
+        }
+    }
     if flag(&body, "echo")? {
         return Err(ApiError::unsupported("echo", "the prompt is not echoed"));
     }
@@ -312,15 +380,6 @@ pub(crate) fn parse(
         return Err(ApiError::unsupported(
             "suffix",
             "there is no insertion mode",
-        ));
-    }
-    if body
-        .get("logit_bias")
-        .is_some_and(|v| !v.is_null() && v.as_object().is_none_or(|o| !o.is_empty()))
-    {
-        return Err(ApiError::unsupported(
-            "logit_bias",
-            "logit biases are not applied",
         ));
     }
     if body
@@ -420,6 +479,12 @@ pub(crate) fn parse(
         frequency_penalty: in_range(&body, "frequency_penalty", -2.0..=2.0)?,
         presence_penalty: in_range(&body, "presence_penalty", -2.0..=2.0)?,
         repetition_penalty: number(&body, "repetition_penalty")?.map(|r| r as f32),
+        min_p: in_range(&body, "min_p", 0.0..=1.0)?,
+        logit_bias: logit_bias(&body)?,
+        ignore_eos: flag(&body, "ignore_eos")?,
+        min_tokens: unsigned(&body, "min_tokens")?
+            .map_or(0, |m| u32::try_from(m).unwrap_or(u32::MAX)),
+        stop_token_ids: token_ids(&body, "stop_token_ids")?,
     };
     let mut request = pb::GenerateRequest {
         request_id: header_str(headers, "x-request-id")
@@ -541,6 +606,15 @@ mod tests {
             (json!({"metadata": ["a"]}), "metadata"),
             (json!({"metadata": {"k": 1}}), "metadata"),
             (json!({"metadata": {"k": "v".repeat(513)}}), "metadata"),
+            (json!({"min_p": 1.5}), "min_p"),
+            (json!({"logit_bias": {"x": 1}}), "logit_bias"),
+            (json!({"logit_bias": {"5": 101}}), "logit_bias"),
+            (json!({"logit_bias": [1]}), "logit_bias"),
+            (json!({"ignore_eos": 1}), "ignore_eos"),
+            (json!({"min_tokens": -1}), "min_tokens"),
+            (json!({"stop_token_ids": [1, "2"]}), "stop_token_ids"),
+            (json!({"service_tier": "flex"}), "service_tier"),
+            (json!({"parallel_tool_calls": "yes"}), "parallel_tool_calls"),
             (
                 json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
                 "messages[0].content",
@@ -556,7 +630,8 @@ mod tests {
             json!({"max_completion_tokens": 7, "max_tokens": 9, "seed": -1, "stop": "x",
                             "stream": true, "stream_options": {"include_usage": true},
                             "user": "u1", "temperature": 0, "repetition_penalty": 1.2,
-                            "store": false, "metadata": {"team": "search"}}),
+                            "store": false, "metadata": {"team": "search"},
+                            "service_tier": "auto", "parallel_tool_calls": true}),
         )
         .expect("valid");
         let s = p.request.sampling.expect("sampling");
@@ -567,5 +642,19 @@ mod tests {
         assert_eq!((s.temperature, s.repetition_penalty), (0.0, Some(1.2)));
         assert!(p.stream && p.include_usage);
         assert_eq!(p.request.session_id, "u1");
+        let knobs = chat(
+            json!({"min_p": 0.05, "top_k": 40, "logit_bias": {"17": -100, "3": 2.5},
+                                "ignore_eos": true, "min_tokens": 4, "stop_token_ids": [7, 8]}),
+        )
+        .expect("valid")
+        .request
+        .sampling
+        .expect("sampling");
+        assert_eq!((knobs.min_p, knobs.top_k), (Some(0.05), 40));
+        assert_eq!(knobs.logit_bias, HashMap::from([(17, -100.0), (3, 2.5)]));
+        assert_eq!(
+            (knobs.ignore_eos, knobs.min_tokens, knobs.stop_token_ids),
+            (true, 4, vec![7, 8])
+        );
     }
 }
