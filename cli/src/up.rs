@@ -23,6 +23,8 @@ use crate::serve::{KvDtype, Policy, Switch, shutdown_signal};
 pub(crate) struct UpArgs {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    sampling_defaults: crate::serve::SamplingDefaultsArgs,
     /// Prefill nodes to start.
     #[arg(long, default_value_t = 1)]
     prefill: usize,
@@ -32,9 +34,11 @@ pub(crate) struct UpArgs {
     /// The router's port on 127.0.0.1 (0 picks a free one).
     #[arg(long, env = "TANDEM_PORT", default_value_t = 50051)]
     port: u16,
-    /// The router's OpenAI-compatible HTTP port on 127.0.0.1 (0 picks a free one).
-    #[arg(long, env = "TANDEM_HTTP_PORT", default_value_t = 8000)]
-    http_port: u16,
+    /// The router's OpenAI-compatible HTTP port on 127.0.0.1 (0 picks a free one) [default: 8000
+    /// with the default --port, else --port + 1, so that a second cluster started with another
+    /// --port does not collide on HTTP].
+    #[arg(long, env = "TANDEM_HTTP_PORT")]
+    http_port: Option<u16>,
     /// Compute threads per worker (0 = the cores split evenly among the workers, at least one
     /// each, so that prefill and decode do not fight over the same cores).
     #[arg(long, env = "TANDEM_THREADS", default_value_t = 0)]
@@ -249,7 +253,7 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
             "--listen".into(),
             format!("127.0.0.1:{}", args.port),
             "--http-listen".into(),
-            format!("127.0.0.1:{}", args.http_port),
+            format!("127.0.0.1:{}", http_port(args.port, args.http_port)),
             "--prefill".into(),
             list("prefill"),
             "--decode".into(),
@@ -260,6 +264,7 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
         if let Some(keys) = &args.api_keys {
             router_args.extend(["--api-keys".into(), keys.display().to_string()]);
         }
+        router_args.extend(args.sampling_defaults.to_args());
         router_args.extend(tls_args.iter().cloned());
         if let (Some(c), true) = (&certs, args.api_tls) {
             let [cert, key] = Role::Router.files();
@@ -316,4 +321,27 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
         stop(&mut nodes).await;
         result
     })
+}
+
+/// The HTTP port: the one given, else 8000 beside the default gRPC port 50051, else the gRPC
+/// port's next (a free one beside a free one, port 0).
+fn http_port(grpc: u16, http: Option<u16>) -> u16 {
+    http.unwrap_or(match grpc {
+        50051 => 8000,
+        0 => 0,
+        p => p.checked_add(1).unwrap_or(0),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_http_port_follows_the_grpc_port_unless_given() {
+        use super::http_port;
+        assert_eq!(http_port(50051, None), 8000);
+        assert_eq!(http_port(50061, None), 50062);
+        assert_eq!(http_port(0, None), 0);
+        assert_eq!(http_port(65535, None), 0);
+        assert_eq!(http_port(50061, Some(9000)), 9000);
+    }
 }

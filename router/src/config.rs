@@ -69,6 +69,51 @@ pub struct Config {
     /// TLS for clients on the gRPC and HTTP ports: a server certificate only (API keys
     /// identify clients), reloaded when its files change.
     pub api_tls: Option<std::sync::Arc<tandem_proto::api_tls::ServerCert>>,
+    /// Sampling for HTTP requests that leave these unset.
+    pub sampling_defaults: SamplingDefaults,
+}
+
+/// The sampling an OpenAI HTTP request gets for what it leaves unset, as llama-server's flags
+/// and vLLM's generation config give it; `None` is OpenAI's own default (temperature 1, no
+/// cut). gRPC requests state their sampling (proto3 cannot tell an unset temperature from 0,
+/// which is greedy there).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SamplingDefaults {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<u32>,
+    pub min_p: Option<f32>,
+}
+
+impl SamplingDefaults {
+    /// Each default within what a request may set.
+    pub fn validate(&self) -> crate::Result<()> {
+        let out = |field, v: Option<f32>, ok: fn(f32) -> bool, range: &str| match v {
+            Some(v) if !ok(v) => Err(crate::Error::InvalidArgument {
+                field,
+                reason: format!("must be in {range}, got {v}"),
+            }),
+            _ => Ok(()),
+        };
+        out(
+            "default_temperature",
+            self.temperature,
+            |t| (0.0..=2.0).contains(&t),
+            "[0, 2]",
+        )?;
+        out(
+            "default_top_p",
+            self.top_p,
+            |p| p > 0.0 && p <= 1.0,
+            "(0, 1]",
+        )?;
+        out(
+            "default_min_p",
+            self.min_p,
+            |p| (0.0..=1.0).contains(&p),
+            "[0, 1]",
+        )
+    }
 }
 
 impl Default for Config {
@@ -88,6 +133,7 @@ impl Default for Config {
             limits: Limits::default(),
             tls: None,
             api_tls: None,
+            sampling_defaults: SamplingDefaults::default(),
         }
     }
 }

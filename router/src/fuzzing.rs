@@ -35,7 +35,13 @@ impl RequestChecks {
     /// validates and tokenizes it; whether it was accepted.
     pub fn http(&self, chat: bool, body: &[u8]) -> bool {
         let kind = if chat { Kind::Chat } else { Kind::Completion };
-        match parse(kind, &self.front.model_name, &HeaderMap::new(), body) {
+        match parse(
+            kind,
+            &self.front.model_name,
+            &HeaderMap::new(),
+            body,
+            &crate::SamplingDefaults::default(),
+        ) {
             Ok(parsed) => self.check(parsed.request, Some(DEFAULT_MAX_TOKENS)),
             Err(_) => false,
         }

@@ -36,7 +36,7 @@ use tokio_util::task::TaskTracker;
 use tonic::service::Routes;
 use tonic_health::ServingStatus;
 
-pub use config::{AuthConfig, Config, KeyLimits, Limits, PolicyKind};
+pub use config::{AuthConfig, Config, KeyLimits, Limits, PolicyKind, SamplingDefaults};
 pub use discovery::{Target, resolve};
 pub use error::{Error, Result};
 
@@ -93,6 +93,7 @@ pub async fn run(
             reason: "must be at least 1".into(),
         });
     }
+    config.sampling_defaults.validate()?;
     let keys = auth::KeyStore::open(config.auth.clone())?;
     if keys.required() {
         tracing::info!(keys = keys.key_count(), "API keys required");
@@ -129,6 +130,7 @@ pub async fn run(
         admission: Arc::new(Semaphore::new(config.max_inflight)),
         max_inflight: config.max_inflight,
         limits: Arc::new(config.limits.clone()),
+        sampling_defaults: config.sampling_defaults,
         keys: keys.clone(),
         default_timeout: config.default_timeout,
         running: Arc::new(Mutex::new(HashMap::new())),

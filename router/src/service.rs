@@ -36,6 +36,8 @@ pub struct GenerationService {
     pub(crate) max_inflight: usize,
     pub(crate) default_timeout: std::time::Duration,
     pub(crate) limits: Arc<Limits>,
+    /// What an HTTP request's unset sampling fields become.
+    pub(crate) sampling_defaults: crate::config::SamplingDefaults,
     pub(crate) keys: Arc<KeyStore>,
     /// Generations running under a client-given request id, per tenant: a retry attaches only
     /// to its own tenant's generation.

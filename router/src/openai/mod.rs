@@ -177,7 +177,7 @@ async fn run(
         .frontend()
         .map(|f| f.model_name.clone())
         .ok_or(Error::NotReady)?;
-    let mut parsed = parse(kind, &model, headers, body)?;
+    let mut parsed = parse(kind, &model, headers, body, &api.sampling_defaults)?;
     if parsed.request.request_id.is_empty() {
         parsed.request.request_id = fresh_request_id();
     }

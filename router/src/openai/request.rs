@@ -12,6 +12,7 @@ use serde_json::{Map, Value, json};
 use tandem_proto::v1 as pb;
 
 use super::{ApiError, Kind, MAX_STOP};
+use crate::config::SamplingDefaults;
 
 /// A request, read and checked.
 #[derive(Debug)]
@@ -314,6 +315,7 @@ pub(crate) fn parse(
     model: &str,
     headers: &HeaderMap,
     body: &[u8],
+    defaults: &SamplingDefaults,
 ) -> Result<Parsed, ApiError> {
     let body: Map<String, Value> = serde_json::from_slice(body).map_err(|e| {
         ApiError::new(
@@ -464,14 +466,19 @@ pub(crate) fn parse(
     let user = string("user")?;
     let cache_salt = string("cache_salt")?.unwrap_or_default();
     let sampling = pb::SamplingParams {
-        // OpenAI's default temperature and top_p are 1.
-        temperature: in_range(&body, "temperature", 0.0..=2.0)?.unwrap_or(1.0),
-        top_k: unsigned(&body, "top_k")?.map_or(0, |k| u32::try_from(k).unwrap_or(u32::MAX)),
+        // Unset: the server's default, else OpenAI's (temperature and top_p 1).
+        temperature: in_range(&body, "temperature", 0.0..=2.0)?
+            .or(defaults.temperature)
+            .unwrap_or(1.0),
+        top_k: unsigned(&body, "top_k")?
+            .map(|k| u32::try_from(k).unwrap_or(u32::MAX))
+            .or(defaults.top_k)
+            .unwrap_or(0),
         top_p: match in_range(&body, "top_p", 0.0..=1.0)? {
             Some(0.0) => {
                 return Err(ApiError::invalid("top_p", "'top_p' must be above 0"));
             }
-            p => Some(p.unwrap_or(1.0)),
+            p => Some(p.or(defaults.top_p).unwrap_or(1.0)),
         },
         seed,
         max_tokens,
@@ -479,7 +486,7 @@ pub(crate) fn parse(
         frequency_penalty: in_range(&body, "frequency_penalty", -2.0..=2.0)?,
         presence_penalty: in_range(&body, "presence_penalty", -2.0..=2.0)?,
         repetition_penalty: number(&body, "repetition_penalty")?.map(|r| r as f32),
-        min_p: in_range(&body, "min_p", 0.0..=1.0)?,
+        min_p: in_range(&body, "min_p", 0.0..=1.0)?.or(defaults.min_p),
         logit_bias: logit_bias(&body)?,
         ignore_eos: flag(&body, "ignore_eos")?,
         min_tokens: unsigned(&body, "min_tokens")?
@@ -545,7 +552,13 @@ mod tests {
     use super::*;
 
     fn parse_json(kind: Kind, body: Value) -> Result<Parsed, ApiError> {
-        parse(kind, "m", &HeaderMap::new(), body.to_string().as_bytes())
+        parse(
+            kind,
+            "m",
+            &HeaderMap::new(),
+            body.to_string().as_bytes(),
+            &SamplingDefaults::default(),
+        )
     }
 
     #[test]
@@ -655,6 +668,50 @@ mod tests {
         assert_eq!(
             (knobs.ignore_eos, knobs.min_tokens, knobs.stop_token_ids),
             (true, 4, vec![7, 8])
+        );
+    }
+
+    #[test]
+    fn unset_sampling_takes_the_servers_defaults() {
+        let defaults = SamplingDefaults {
+            temperature: Some(0.7),
+            top_p: Some(0.8),
+            top_k: Some(20),
+            min_p: Some(0.05),
+        };
+        let sampling = |body: Value| {
+            parse(
+                Kind::Chat,
+                "m",
+                &HeaderMap::new(),
+                body.to_string().as_bytes(),
+                &defaults,
+            )
+            .expect("valid")
+            .request
+            .sampling
+            .expect("sampling")
+        };
+        let messages = json!([{"role": "user", "content": "hi"}]);
+        let s = sampling(json!({"model": "m", "messages": messages}));
+        assert_eq!(
+            (s.temperature, s.top_p, s.top_k, s.min_p),
+            (0.7, Some(0.8), 20, Some(0.05))
+        );
+        let s = sampling(json!({"model": "m", "messages": messages, "temperature": 0,
+                                "top_p": 1, "top_k": 0, "min_p": 0}));
+        assert_eq!(
+            (s.temperature, s.top_p, s.top_k, s.min_p),
+            (0.0, Some(1.0), 0, Some(0.0)),
+            "what a request sets wins"
+        );
+        assert!(
+            SamplingDefaults {
+                top_p: Some(0.0),
+                ..SamplingDefaults::default()
+            }
+            .validate()
+            .is_err()
         );
     }
 }
