@@ -151,29 +151,18 @@ mod qwen2_5_coder_0_5b {
     /// the next one's, so a follow-up after a tool call reuses the cached KV.
     #[test]
     fn a_tool_round_trip_renders_as_the_template_writes_it() {
-        use tandem_engine::{FunctionCall, ToolCall};
         let model = load(NAME);
         let tools = [
             serde_json::json!({"type": "function", "function": {"name": "get_weather",
             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}),
         ];
         let ask = ChatMessage::new("user", "What's the weather in Paris?");
-        let call = ChatMessage {
-            role: "assistant".into(),
-            tool_calls: vec![ToolCall {
-                id: Some("call_0".into()),
-                kind: "function".into(),
-                function: FunctionCall {
-                    name: "get_weather".into(),
-                    arguments: serde_json::json!({"city": "Paris"}),
-                },
-            }],
-            ..ChatMessage::default()
-        };
-        let result = ChatMessage {
-            tool_call_id: Some("call_0".into()),
-            ..ChatMessage::new("tool", "{\"temperature_c\": 18}")
-        };
+        let call = ChatMessage::tool_call(
+            "call_0",
+            "get_weather",
+            serde_json::json!({"city": "Paris"}),
+        );
+        let result = ChatMessage::tool_result("call_0", "{\"temperature_c\": 18}");
         let render = |m: &[ChatMessage]| {
             model
                 .tokenizer

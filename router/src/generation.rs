@@ -154,6 +154,21 @@ pub fn prepare(
         }
         front.tokenizer.encode(&prompt)?
     } else if !r.messages.is_empty() {
+        // The APIs carry no tool calls yet, so a tool result has nothing to answer.
+        if let Some((i, m)) = r
+            .messages
+            .iter()
+            .enumerate()
+            .find(|(_, m)| !API_ROLES.contains(&m.role.as_str()))
+        {
+            return Err(Error::InvalidArgument {
+                field: "messages",
+                reason: format!(
+                    "message {i} has role {:?}; roles are system, user and assistant",
+                    m.role.chars().take(32).collect::<String>()
+                ),
+            });
+        }
         let messages: Vec<ChatMessage> = r
             .messages
             .into_iter()
@@ -232,6 +247,9 @@ pub fn prepare(
         cache_salt,
     })
 }
+
+/// The chat roles the APIs take.
+const API_ROLES: &[&str] = &["system", "user", "assistant"];
 
 /// Most logit biases a request may set (OpenAI allows 300).
 pub const MAX_LOGIT_BIAS: usize = 1024;

@@ -39,6 +39,34 @@ impl ChatMessage {
             ..Self::default()
         }
     }
+
+    /// An assistant turn that calls function `name` with `arguments`, as call `id`.
+    pub fn tool_call(
+        id: impl Into<String>,
+        name: impl Into<String>,
+        arguments: serde_json::Value,
+    ) -> Self {
+        Self {
+            role: "assistant".into(),
+            tool_calls: vec![ToolCall {
+                id: Some(id.into()),
+                kind: function_type(),
+                function: FunctionCall {
+                    name: name.into(),
+                    arguments,
+                },
+            }],
+            ..Self::default()
+        }
+    }
+
+    /// A tool's result, `content`, for call `id`.
+    pub fn tool_result(id: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            tool_call_id: Some(id.into()),
+            ..Self::new("tool", content)
+        }
+    }
 }
 
 /// A tool call made by the assistant, in OpenAI's shape.
@@ -211,22 +239,12 @@ mod tests {
             {% for c in m.tool_calls %}[{{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}\
             {% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %};{% endfor %}\
             {% if tools %}{{ tools | length }} tools{% endif %}";
-        let call = ChatMessage {
-            role: "assistant".into(),
-            tool_calls: vec![ToolCall {
-                id: Some("call_1".into()),
-                kind: "function".into(),
-                function: FunctionCall {
-                    name: "get_weather".into(),
-                    arguments: serde_json::json!({"city": "Paris"}),
-                },
-            }],
-            ..ChatMessage::default()
-        };
-        let result = ChatMessage {
-            tool_call_id: Some("call_1".into()),
-            ..ChatMessage::new("tool", "18 C")
-        };
+        let call = ChatMessage::tool_call(
+            "call_1",
+            "get_weather",
+            serde_json::json!({"city": "Paris"}),
+        );
+        let result = ChatMessage::tool_result("call_1", "18 C");
         let messages = [ChatMessage::new("user", "Weather?"), call, result];
         assert_eq!(
             render(template, &messages, &[], "", "").expect("render"),
