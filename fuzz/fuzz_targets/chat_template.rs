@@ -20,7 +20,7 @@ fuzz_target!(|data: &[u8]| {
         assert!(
             messages
                 .iter()
-                .all(|m| ["system", "user", "assistant"].contains(&m.role.as_str())),
+                .all(|m| ["system", "user", "assistant", "tool"].contains(&m.role.as_str())),
             "a message with another role was rendered"
         );
         let _ = tokenizer.encode(&text);
