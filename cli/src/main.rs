@@ -100,8 +100,8 @@ struct ListArgs {
 #[derive(Args, Debug, Clone)]
 struct ModelArgs {
     /// A model of the catalog by name (`default` is Qwen2.5-Coder-0.5B-Instruct; `tandem model
-    /// list` lists the rest), `tiny` (built-in random weights; `tiny-qwen2` and `tiny-gemma3` for those
-    /// architectures) or a GGUF path.
+    /// list` lists the rest), `tiny` (built-in random weights; `tiny-qwen2` and `tiny-gemma3`
+    /// for those architectures) or a GGUF path.
     #[arg(long, env = "TANDEM_MODEL", default_value = "default")]
     model: String,
     /// Directory holding fetched models.

@@ -1,8 +1,9 @@
 //! Turning sampled tokens into a finished generation: end-of-generation ids (and
 //! `stop_token_ids`, banned from sampling before `min_tokens` or, with `ignore_eos`, always),
-//! `max_tokens`, stop strings, and streaming-safe text. [`Stream`] is the per-request state any loop (the local
-//! CLI, a decode server's scheduler) feeds one token at a time; [`Engine::generate_batch`] is
-//! the simple blocking loop used by the CLI, the benchmarks and the tests.
+//! `max_tokens`, stop strings, and streaming-safe text. [`Stream`] is the per-request state any
+//! loop (the local CLI, a decode server's scheduler, a prefill node's first token) feeds one
+//! token at a time; [`Engine::generate_batch`] is the simple blocking loop used by the CLI, the
+//! benchmarks and the tests.
 
 use std::time::Instant;
 
