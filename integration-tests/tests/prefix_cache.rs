@@ -95,9 +95,11 @@ async fn check(model: Arc<Model>, system_len: usize, max_tokens: u32) {
             let unfed = usize::from(prev.last.finish_reason == pb::FinishReason::Length as i32);
             let fed = prev.last.prompt_token_ids.len() + prev.token_ids.len() - unfed;
             let held = fed / 16 * 16;
+            let prev_route = prev.last.route.as_ref().expect("route");
             assert_eq!(
-                route.decode,
-                prev.last.route.as_ref().expect("route").decode
+                route.decode, prev_route.decode,
+                "turn {turn}, session {s} left its decode node: {} (the turn before: {})",
+                route.reason, prev_route.reason
             );
             assert_eq!(
                 usage.decode_cached_tokens as usize, held,

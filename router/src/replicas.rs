@@ -96,8 +96,12 @@ pub struct Replica {
     pub index: CacheIndex,
     healthy: AtomicBool,
     compatible: AtomicBool,
-    /// Requests active or queued there, as last reported.
+    /// Requests active or queued there, as last reported, less this router's requests that
+    /// finished since (the report counted them): a follow-up turn sent right after its previous
+    /// turn ended must not find that turn's replica busy for up to a poll interval.
     reported: AtomicU32,
+    /// Load reports received so far.
+    reports: AtomicU64,
     capacity: AtomicU32,
     /// Prompt tokens queued there (prefill), as last reported.
     queued_tokens: AtomicU64,
@@ -181,7 +185,19 @@ impl Replica {
         InflightGuard {
             replica: self.clone(),
             tokens,
+            reports_at_claim: self.reports.load(Ordering::Relaxed),
         }
+    }
+
+    /// Records a load report: requests active or queued, and the capacity. Returns whether
+    /// either changed.
+    pub(crate) fn record_load(&self, requests: u32, capacity: u32) -> bool {
+        let was = (
+            self.reported.swap(requests, Ordering::Relaxed),
+            self.capacity.swap(capacity, Ordering::Relaxed),
+        );
+        self.reports.fetch_add(1, Ordering::Relaxed);
+        was != (requests, capacity)
     }
 }
 
@@ -190,6 +206,9 @@ impl Replica {
 pub struct InflightGuard {
     replica: Arc<Replica>,
     tokens: u64,
+    /// The replica's report count when the request was claimed: a report received since then
+    /// counted the request.
+    reports_at_claim: u64,
 }
 
 impl InflightGuard {
@@ -211,6 +230,14 @@ impl Drop for InflightGuard {
         self.replica
             .inflight_tokens
             .fetch_sub(self.tokens, Ordering::Relaxed);
+        if self.replica.reports.load(Ordering::Relaxed) != self.reports_at_claim {
+            let _ = self
+                .replica
+                .reported
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |r| {
+                    Some(r.saturating_sub(1))
+                });
+        }
         self.replica.changed.notify_waiters();
     }
 }
@@ -296,6 +323,7 @@ impl Replicas {
             healthy: AtomicBool::new(false),
             compatible: AtomicBool::new(true),
             reported: AtomicU32::new(0),
+            reports: AtomicU64::new(0),
             capacity: AtomicU32::new(0),
             queued_tokens: AtomicU64::new(0),
             prefill_tokens_per_second: AtomicU64::new(0),
@@ -514,9 +542,7 @@ impl Replicas {
                     match worker.load(req).await {
                         Ok(load) => {
                             let load = load.into_inner();
-                            let reported = r.reported.swap(load.active + load.queued, Ordering::Relaxed);
-                            let capacity = r.capacity.swap(load.capacity, Ordering::Relaxed);
-                            if (reported, capacity) != (load.active + load.queued, load.capacity) {
+                            if r.record_load(load.active + load.queued, load.capacity) {
                                 self.changed.notify_waiters();
                             }
                             r.queued_tokens.store(load.queued_tokens, Ordering::Relaxed);
@@ -536,5 +562,37 @@ impl Replicas {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_finished_request_leaves_the_report_that_counted_it() {
+        let replicas = Arc::new(Replicas::new(16, CancellationToken::new()));
+        replicas
+            .add(Role::Decode, "127.0.0.1:1", "127.0.0.1:1")
+            .expect("add");
+        let r = replicas.all().remove(0);
+        let counted = r.claim(10);
+        // A report taken while the request ran counts it (and one of another router's).
+        assert!(r.record_load(2, 8));
+        let uncounted = r.claim(10);
+        assert_eq!(r.load(), 2);
+        drop(counted);
+        assert_eq!(
+            r.load(),
+            1,
+            "the finished request is no longer in the report"
+        );
+        drop(uncounted);
+        assert_eq!(
+            r.load(),
+            1,
+            "a request claimed after the report was never in it"
+        );
+        assert!(!r.record_load(1, 8), "the next report agrees");
     }
 }
