@@ -1,6 +1,6 @@
-//! What prefill and decode nodes share, in one place: conversions between the engine's types and
-//! the wire's ([`wire_layout`], [`sampling_from_pb`], [`params_from_pb`], [`kv_chunks`],
-//! [`kv_export`]), a model's block hashes, `Worker.Info`, the cache-event hub ([`CacheHub`])
+//! What prefill and decode nodes (and the CLI's client) share, in one place: conversions
+//! between the engine's types and the wire's ([`wire_layout`], [`sampling_from_pb`],
+//! [`params_from_pb`], [`params_to_pb`], [`kv_chunks`], [`kv_export`]), a model's block hashes, `Worker.Info`, the cache-event hub ([`CacheHub`])
 //! and the `Worker` service ([`WorkerService`]), and the measured prefill throughput
 //! ([`Throughput`]).
 
