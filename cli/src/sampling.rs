@@ -1,5 +1,7 @@
 //! The sampling flags every generating command shares (`generate`, `chat`), and their defaults.
 
+use std::collections::BTreeMap;
+
 use clap::Args;
 use tandem_engine::SamplingParams;
 
@@ -88,12 +90,8 @@ impl SamplingArgs {
                 defaults.logit_bias.clone()
             } else {
                 // One bias per id (the last given), sorted by id as the engine wants.
-                let mut bias = self.logit_bias.clone();
-                bias.sort_by_key(|&(id, _)| id);
-                bias.reverse();
-                bias.dedup_by_key(|&mut (id, _)| id);
-                bias.reverse();
-                bias
+                let by_id: BTreeMap<u32, f32> = self.logit_bias.iter().copied().collect();
+                by_id.into_iter().collect()
             },
         }
     }

@@ -37,9 +37,7 @@ pub use model::{Arch, Logits, ModelConfig};
 pub use prefix_cache::CacheEvent;
 pub use sampling::{History, REPETITION_WINDOW, SamplingParams, argmax, sample};
 pub use speculate::{Decoding, Drafter, PromptChunk, SpeculateConfig, Step};
-pub use tandem_tokenizer::{
-    ChatMessage, FunctionCall, TokenDecoder, Tokenizer, TokenizerSpec, ToolCall,
-};
+pub use tandem_tokenizer::{ChatMessage, TokenDecoder, Tokenizer, TokenizerSpec};
 
 /// Where a model comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]

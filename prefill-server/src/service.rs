@@ -77,7 +77,6 @@ impl PrefillService {
                 "transfer_id and decode_addr are required".into(),
             );
         }
-        tandem_worker::params_from_pb(r.sampling.clone()).validate()?;
         if r.resumed_tokens as usize >= r.token_ids.len() {
             return invalid(
                 "resumed_tokens",
@@ -87,8 +86,10 @@ impl PrefillService {
         Ok(())
     }
 
-    async fn prefill(&self, r: pb::PrefillRequest) -> Result<pb::PrefillResponse> {
+    async fn prefill(&self, mut r: pb::PrefillRequest) -> Result<pb::PrefillResponse> {
         self.validate(&r)?;
+        let params = tandem_worker::params_from_pb(r.sampling.take());
+        params.validate()?;
         if self.shutdown.is_cancelled() {
             return Err(Error::ShuttingDown);
         }
@@ -131,7 +132,7 @@ impl PrefillService {
                 hashes,
                 push,
                 resumed: r.resumed_tokens as usize,
-                params: tandem_worker::params_from_pb(r.sampling),
+                params,
                 kv,
                 cancel,
             },

@@ -1,8 +1,8 @@
 //! What prefill and decode nodes (and the CLI's client) share, in one place: conversions
-//! between the engine's types and the wire's ([`wire_layout`], [`sampling_from_pb`],
-//! [`params_from_pb`], [`params_to_pb`], [`kv_chunks`], [`kv_export`]), a model's block hashes, `Worker.Info`, the cache-event hub ([`CacheHub`])
-//! and the `Worker` service ([`WorkerService`]), and the measured prefill throughput
-//! ([`Throughput`]).
+//! between the engine's types and the wire's ([`wire_layout`], [`params_from_pb`],
+//! [`params_to_pb`], [`kv_chunks`], [`kv_export`]), a model's block hashes, `Worker.Info`, the
+//! cache-event hub ([`CacheHub`]) and the `Worker` service ([`WorkerService`]), and the measured
+//! prefill throughput ([`Throughput`]).
 
 mod cache;
 mod service;
@@ -34,7 +34,7 @@ pub fn wire_layout(l: KvLayout) -> WireLayout {
 
 /// The engine's sampling from the wire's (an absent message is the default: greedy). The logit
 /// biases come out sorted by id, as the engine wants them.
-pub fn sampling_from_pb(s: Option<&pb::SamplingParams>) -> SamplingParams {
+fn sampling_from_pb(s: Option<&pb::SamplingParams>) -> SamplingParams {
     let default = pb::SamplingParams::default();
     let s = s.unwrap_or(&default);
     let mut logit_bias: Vec<(u32, f32)> = s.logit_bias.iter().map(|(&t, &b)| (t, b)).collect();

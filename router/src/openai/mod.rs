@@ -43,9 +43,6 @@ use response::{Envelope, sse};
 /// would let a handful of requests hold the pool.
 pub const DEFAULT_MAX_TOKENS: u32 = 1024;
 
-/// Most stop sequences, as in OpenAI's API.
-const MAX_STOP: usize = 4;
-
 /// Which endpoint a request came to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {

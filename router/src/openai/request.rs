@@ -11,7 +11,7 @@ use axum::http::{HeaderMap, StatusCode};
 use serde_json::{Map, Value, json};
 use tandem_proto::v1 as pb;
 
-use super::{ApiError, Kind, MAX_STOP};
+use super::{ApiError, Kind};
 use crate::config::SamplingDefaults;
 
 /// A request, read and checked.
@@ -57,6 +57,10 @@ const CHAT_KEYS: &[&str] = &[
     "parallel_tool_calls",
     "service_tier",
 ];
+const COMPLETION_KEYS: &[&str] = &["prompt", "echo", "best_of", "suffix"];
+
+/// Most stop sequences, as in OpenAI's API.
+const MAX_STOP: usize = 4;
 
 /// OpenAI's bounds on `metadata`: pairs, and characters per key and per value.
 const METADATA_PAIRS: usize = 16;
@@ -89,7 +93,6 @@ fn check_metadata(body: &Map<String, Value>) -> Result<(), ApiError> {
     }
     Ok(())
 }
-const COMPLETION_KEYS: &[&str] = &["prompt", "echo", "best_of", "suffix"];
 
 fn number(body: &Map<String, Value>, key: &str) -> Result<Option<f64>, ApiError> {
     match body.get(key) {
