@@ -190,6 +190,7 @@ pub(crate) fn generate(args: &GenerateArgs, server: &str) -> anyhow::Result<()> 
                 .map(|m| pb::ChatMessage {
                     role: m.role,
                     content: m.content,
+                    ..Default::default()
                 })
                 .collect();
         }
@@ -276,6 +277,7 @@ pub(crate) fn chat(args: &ChatArgs) -> anyhow::Result<()> {
         .map(|s| pb::ChatMessage {
             role: "system".into(),
             content: s.clone(),
+            ..Default::default()
         })
         .collect();
     let sampling = args.sampling.resolve(&CHAT_DEFAULTS);
@@ -305,6 +307,7 @@ pub(crate) fn chat(args: &ChatArgs) -> anyhow::Result<()> {
         messages.push(pb::ChatMessage {
             role: "user".into(),
             content: line.trim_end().to_string(),
+            ..Default::default()
         });
         let request = pb::GenerateRequest {
             session_id: session_id.clone(),
@@ -326,6 +329,7 @@ pub(crate) fn chat(args: &ChatArgs) -> anyhow::Result<()> {
             Ok(r) => messages.push(pb::ChatMessage {
                 role: "assistant".into(),
                 content: r.text,
+                ..Default::default()
             }),
             Err(e) => {
                 let e = rt.block_on(explain(&args.server, &args.tls, e));

@@ -173,6 +173,7 @@ except openai.BadRequestError as e:
     assert e.status_code == 400, e
     assert "'n'" in e.message, e.message
     assert e.body["param"] == "n", e.body
+# SmolLM2's chat template takes no tools: offering some is refused by name.
 try:
     client.chat.completions.create(
         model=model,
@@ -181,7 +182,8 @@ try:
     )
     raise AssertionError("tools were accepted")
 except openai.BadRequestError as e:
-    assert "'tools'" in e.message, e.message
+    assert e.body["param"] == "tools", e.body
+    assert "takes no tools" in e.message, e.message
 
 # Error statuses: an invalid value (400 naming it), an unknown model (404), a deadline (504).
 try:

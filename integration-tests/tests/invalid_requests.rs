@@ -111,8 +111,9 @@ async fn each_invalid_request_names_its_field() {
             "unknown chat role",
             pb::GenerateRequest {
                 messages: vec![pb::ChatMessage {
-                    role: "tool".into(),
+                    role: "function".into(),
                     content: "hi".into(),
+                    ..Default::default()
                 }],
                 sampling: sampling(4),
                 ..Default::default()
@@ -120,11 +121,56 @@ async fn each_invalid_request_names_its_field() {
             "messages",
         ),
         (
+            "tools without messages",
+            pb::GenerateRequest {
+                prompt: Some("hi".into()),
+                tools: vec![pb::Tool {
+                    name: "f".into(),
+                    ..Default::default()
+                }],
+                sampling: sampling(4),
+                ..Default::default()
+            },
+            "tools",
+        ),
+        (
+            "tools for a chat template that takes none",
+            pb::GenerateRequest {
+                messages: vec![pb::ChatMessage {
+                    role: "user".into(),
+                    content: "hi".into(),
+                    ..Default::default()
+                }],
+                tools: vec![pb::Tool {
+                    name: "f".into(),
+                    ..Default::default()
+                }],
+                sampling: sampling(4),
+                ..Default::default()
+            },
+            "tools",
+        ),
+        (
+            "a forced call without tools",
+            pb::GenerateRequest {
+                messages: vec![pb::ChatMessage {
+                    role: "user".into(),
+                    content: "hi".into(),
+                    ..Default::default()
+                }],
+                tool_choice: pb::ToolChoice::Required as i32,
+                sampling: sampling(4),
+                ..Default::default()
+            },
+            "tool_choice",
+        ),
+        (
             "empty chat role",
             pb::GenerateRequest {
                 messages: vec![pb::ChatMessage {
                     role: String::new(),
                     content: "hi".into(),
+                    ..Default::default()
                 }],
                 sampling: sampling(4),
                 ..Default::default()

@@ -16,6 +16,7 @@ fn request() -> pb::GenerateRequest {
         messages: vec![pb::ChatMessage {
             role: "user".into(),
             content: QUESTION.into(),
+            ..Default::default()
         }],
         sampling: Some(pb::SamplingParams {
             max_tokens: MAX_TOKENS,

@@ -62,6 +62,7 @@ async fn the_routers_limits_refuse_before_the_work() {
             .map(|_| pb::ChatMessage {
                 role: "user".into(),
                 content: "b".repeat(400),
+                ..Default::default()
             })
             .collect(),
         ..prompt(String::new(), 4)

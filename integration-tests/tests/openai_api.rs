@@ -88,6 +88,7 @@ async fn the_openai_client_gets_what_grpc_gets() {
             messages: vec![pb::ChatMessage {
                 role: "user".into(),
                 content: "What is the capital of France?".into(),
+                ..Default::default()
             }],
             sampling: Some(pb::SamplingParams {
                 max_tokens: 24,
@@ -171,5 +172,72 @@ async fn the_openai_client_gets_what_grpc_gets() {
     let idle = cluster.until_decode_idle(0).await.expect("decode idle");
     assert!(idle < Duration::from_secs(2), "freed after {idle:?}");
 
+    cluster.stop().await.expect("stop");
+}
+
+/// Tool calling with the official client on the 0.5B Qwen, whose template takes tools
+/// (`integration-tests/openai/tools_check.py`: forced and named calls, streamed and not, a
+/// follow-up turn with the call's result, `tool_choice: none` and the refusals); then the
+/// same forced call over gRPC, whose text is the call's markup after the forced opening.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_client_calls_tools() {
+    let python = tokio::task::spawn_blocking(python)
+        .await
+        .expect("python setup");
+    let model = tandem_integration_tests::qwen_model()
+        .expect("the 0.5B Qwen (run `tandem model fetch qwen2.5-coder-0.5b`)");
+    let cluster = Cluster::start(ClusterConfig::new(model))
+        .await
+        .expect("cluster");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("openai/tools_check.py");
+    let out = tokio::process::Command::new(&python)
+        .arg(&script)
+        .arg(format!("http://{}/v1", cluster.http))
+        .output()
+        .await
+        .expect("run the openai client");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "tools_check.py failed:\n{stderr}");
+    let seen: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("the script's JSON line");
+    eprintln!("tools_check.py saw {seen}");
+
+    let weather = pb::Tool {
+        name: "get_weather".into(),
+        description: "Get the current weather in a city.".into(),
+        parameters: r#"{"type": "object", "properties": {"city": {"type": "string", "description": "The city's name."}}, "required": ["city"]}"#.into(),
+    };
+    let clock = pb::Tool {
+        name: "get_time".into(),
+        description: "Get the current time in a time zone.".into(),
+        parameters: r#"{"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}"#.into(),
+    };
+    let text = grpc_text(
+        &cluster,
+        pb::GenerateRequest {
+            messages: vec![pb::ChatMessage {
+                role: "user".into(),
+                content: "What is the weather like in Paris today?".into(),
+                ..Default::default()
+            }],
+            tools: vec![weather, clock],
+            tool_choice: pb::ToolChoice::Required as i32,
+            sampling: Some(pb::SamplingParams {
+                max_tokens: 64,
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    )
+    .await;
+    // The forced opening ends at the name's opening quote: the text goes on from there, to the
+    // call's end (this model often ends its reply before the closing tag).
+    let call = format!(
+        "{{\"name\": \"{}",
+        text.trim_end().trim_end_matches("</tool_call>")
+    );
+    let call: serde_json::Value = serde_json::from_str(&call).expect(&text);
+    assert_eq!(call["name"], seen["required"]["name"], "{text:?}");
+    assert_eq!(call["arguments"], seen["required"]["arguments"], "{text:?}");
     cluster.stop().await.expect("stop");
 }

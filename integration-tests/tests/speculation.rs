@@ -15,6 +15,7 @@ fn copy_request() -> pb::GenerateRequest {
                       plants.\n3. Cherry - a red fruit that grows on trees.\n4. Grape - a green \
                       fruit that grows on vines.\n5. Lemon - a yellow fruit that grows on trees."
                 .into(),
+            ..Default::default()
         }],
         sampling: Some(pb::SamplingParams {
             max_tokens: 96,

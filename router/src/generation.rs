@@ -14,7 +14,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_proto::v1 as pb;
-use tandem_tokenizer::ChatMessage;
 use tokio::time::Instant as TokioInstant;
 use tonic::Status;
 
@@ -58,7 +57,7 @@ pub fn check_ids(r: &pb::GenerateRequest) -> Result<()> {
 /// off the async runtime's threads.
 pub fn prepare(
     front: &Frontend,
-    r: pb::GenerateRequest,
+    mut r: pb::GenerateRequest,
     limits: &Limits,
     default_max_tokens: Option<u32>,
     tenant: &str,
@@ -78,7 +77,10 @@ pub fn prepare(
             "exactly one of prompt, messages and token_ids must be given",
         );
     }
-    let Some(mut sampling) = r.sampling else {
+    if r.messages.is_empty() && !r.tools.is_empty() {
+        return invalid("tools", "tools are offered to a chat: give messages");
+    }
+    let Some(mut sampling) = r.sampling.take() else {
         return invalid("sampling", "sampling with max_tokens is required");
     };
     if !(sampling.temperature.is_finite() && sampling.temperature >= 0.0) {
@@ -126,13 +128,7 @@ pub fn prepare(
     }
     let (field, text_bytes) = match &r.prompt {
         Some(p) => ("prompt", p.len()),
-        None => (
-            "messages",
-            r.messages
-                .iter()
-                .map(|m| m.role.len() + m.content.len())
-                .sum(),
-        ),
+        None => ("messages", crate::chat::text_bytes(&r)),
     };
     if text_bytes > limits.prompt_bytes {
         return Err(Error::InvalidArgument {
@@ -154,27 +150,7 @@ pub fn prepare(
         }
         front.tokenizer.encode(&prompt)?
     } else if !r.messages.is_empty() {
-        // The APIs carry no tool calls yet, so a tool result has nothing to answer.
-        if let Some((i, m)) = r
-            .messages
-            .iter()
-            .enumerate()
-            .find(|(_, m)| !API_ROLES.contains(&m.role.as_str()))
-        {
-            return Err(Error::InvalidArgument {
-                field: "messages",
-                reason: format!(
-                    "message {i} has role {:?}; roles are system, user and assistant",
-                    m.role.chars().take(32).collect::<String>()
-                ),
-            });
-        }
-        let messages: Vec<ChatMessage> = r
-            .messages
-            .into_iter()
-            .map(|m| ChatMessage::new(m.role, m.content))
-            .collect();
-        let text = front.tokenizer.apply_chat_template(&messages, &[])?;
+        let text = crate::chat::render(&front.tokenizer, &r)?;
         front.tokenizer.encode(&text)?
     } else {
         let vocab = front.tokenizer.vocab_size();
@@ -247,9 +223,6 @@ pub fn prepare(
         cache_salt,
     })
 }
-
-/// The chat roles the APIs take.
-const API_ROLES: &[&str] = &["system", "user", "assistant"];
 
 /// Most logit biases a request may set (OpenAI allows 300).
 pub const MAX_LOGIT_BIAS: usize = 1024;

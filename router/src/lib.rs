@@ -4,6 +4,7 @@
 //! `/metrics` share its port. The OpenAI-compatible HTTP API ([`openai`]) has a port of its own.
 
 pub mod auth;
+mod chat;
 mod config;
 mod discovery;
 mod error;

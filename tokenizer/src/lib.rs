@@ -23,9 +23,11 @@ use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 mod chat;
 mod error;
 mod spm;
+mod tools;
 
 pub use chat::{ChatMessage, FunctionCall, ToolCall};
 pub use error::{Error, Result};
+pub use tools::{Piece, ToolCallParser, ToolFormat};
 
 /// GGUF token types (llama.cpp's `llama_token_type`).
 pub const TOKEN_TYPE_CONTROL: i32 = 3;
@@ -225,6 +227,14 @@ impl Tokenizer {
             .flat_map(|&i| self.token_bytes(i).iter().copied())
             .collect();
         String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// How the chat template writes tool calls; `None` if it takes no tools (or there is no
+    /// template).
+    pub fn tool_format(&self) -> Option<ToolFormat> {
+        self.chat_template
+            .as_deref()
+            .and_then(ToolFormat::of_template)
     }
 
     /// Renders `messages`, and the `tools` offered (OpenAI tool definitions; none is `&[]`),

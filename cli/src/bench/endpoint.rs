@@ -219,6 +219,7 @@ async fn grpc(mut client: Client, ask: &Ask) -> Result<Reply, Failure> {
                 .map(|(role, content)| pb::ChatMessage {
                     role: role.clone(),
                     content: content.clone(),
+                    ..Default::default()
                 })
                 .collect();
         }

@@ -28,6 +28,7 @@ use axum::routing::{get, post};
 use futures::StreamExt;
 use serde_json::{Value, json};
 use tandem_proto::v1 as pb;
+use tandem_tokenizer::{Tokenizer, ToolCallParser};
 use tonic::Code;
 
 use crate::auth::Principal;
@@ -36,7 +37,7 @@ use crate::service::{GenerateStream, GenerationService, fresh_request_id};
 
 pub(crate) use error::ApiError;
 pub(crate) use request::parse;
-use response::{Envelope, sse};
+use response::{Envelope, Reply, sse};
 
 /// Most tokens a request may generate when it sets no `max_tokens` (less if the context ends
 /// sooner). The decode node reserves KV for the worst case, so "the whole context" by default
@@ -168,17 +169,18 @@ async fn run(
     headers: &HeaderMap,
     body: &[u8],
 ) -> Result<Response, ApiError> {
-    let model = api
-        .dispatcher
-        .replicas
-        .frontend()
-        .map(|f| f.model_name.clone())
-        .ok_or(Error::NotReady)?;
+    let front = api.dispatcher.replicas.frontend().ok_or(Error::NotReady)?;
+    let model = front.model_name.clone();
     let mut parsed = parse(kind, &model, headers, body, &api.sampling_defaults)?;
     if parsed.request.request_id.is_empty() {
         parsed.request.request_id = fresh_request_id();
     }
     let request_id = parsed.request.request_id.clone();
+    let reply = Reply::new(
+        tool_parser(&front.tokenizer, &parsed.request),
+        parsed.parallel_tool_calls,
+        &request_id,
+    );
     let envelope = Envelope::new(kind, &request_id, &model);
     let deadline = parsed.timeout.map(|t| tokio::time::Instant::now() + t);
     let mut frames = api
@@ -192,20 +194,32 @@ async fn run(
     // The first frame decides the status: an error before any token is an HTTP error.
     let first = next_frame(&mut frames).await?;
     let mut response = if parsed.stream {
-        sse(envelope, first, frames, parsed.include_usage).into_response()
+        sse(envelope, reply, first, frames, parsed.include_usage).into_response()
     } else {
-        let mut text = first.text.clone();
+        let mut reply = reply;
+        let mut parts = reply.push(&first.text);
         let mut last = first;
         while last.finish_reason == pb::FinishReason::Unspecified as i32 {
             last = next_frame(&mut frames).await?;
-            text.push_str(&last.text);
+            parts.extend(reply.push(&last.text));
         }
-        Json(envelope.complete(&text, &last)).into_response()
+        parts.extend(reply.finish());
+        Json(envelope.complete(&parts, &reply, &last)).into_response()
     };
     if let Ok(v) = HeaderValue::from_str(&request_id) {
         response.headers_mut().insert("x-request-id", v);
     }
     Ok(response)
+}
+
+/// The parser of a chat reply's tool calls: for a request that offers tools without
+/// `tool_choice: none`, in the template's markup, started on the call the choice forces.
+/// A request whose tools the model cannot take is refused before its reply.
+fn tool_parser(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Option<ToolCallParser> {
+    let format = tokenizer.tool_format().filter(|_| !r.tools.is_empty())?;
+    let choice = pb::ToolChoice::try_from(r.tool_choice).ok()?;
+    let forced = crate::chat::reply_start(format, choice, &r.tool_choice_function)?;
+    Some(ToolCallParser::new(format, &forced))
 }
 
 /// The next frame of a generation; a stream that ends before its final frame is UNAVAILABLE.

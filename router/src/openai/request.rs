@@ -21,6 +21,8 @@ pub(crate) struct Parsed {
     pub(super) stream: bool,
     pub(super) include_usage: bool,
     pub(super) timeout: Option<Duration>,
+    /// `parallel_tool_calls`: false keeps a reply's first tool call only.
+    pub(super) parallel_tool_calls: bool,
 }
 
 /// The keys each endpoint honours. Anything else that is present and not null is rejected.
@@ -56,6 +58,8 @@ const CHAT_KEYS: &[&str] = &[
     "metadata",
     "parallel_tool_calls",
     "service_tier",
+    "tools",
+    "tool_choice",
 ];
 const COMPLETION_KEYS: &[&str] = &["prompt", "echo", "best_of", "suffix"];
 
@@ -194,25 +198,16 @@ fn messages(body: &Map<String, Value>) -> Result<Vec<pb::ChatMessage>, ApiError>
                     "a message must be an object with 'role' and 'content'",
                 ));
             };
-            if let Some(k) = m
-                .iter()
-                .find(|(k, v)| !matches!(k.as_str(), "role" | "content" | "name") && !v.is_null())
-                .map(|(k, _)| k)
-            {
-                return Err(ApiError::unsupported(
-                    &format!("messages[{i}].{k}"),
-                    "Tandem has no tool calls or audio",
-                ));
-            }
             let role = match m.get("role").and_then(Value::as_str) {
-                Some(r @ ("system" | "user" | "assistant")) => r,
+                Some(r @ ("system" | "user" | "assistant" | "tool")) => r,
                 // OpenAI's newer name for the system role.
                 Some("developer") => "system",
                 Some(other) => {
                     return Err(ApiError::invalid(
                         &format!("messages[{i}].role"),
                         format!(
-                            "role '{other}' is not supported (system, developer, user, assistant)"
+                            "role '{other}' is not supported (system, developer, user, \
+                             assistant, tool)"
                         ),
                     ));
                 }
@@ -223,12 +218,201 @@ fn messages(body: &Map<String, Value>) -> Result<Vec<pb::ChatMessage>, ApiError>
                     ));
                 }
             };
+            let own: &[&str] = match role {
+                "assistant" => &["tool_calls"],
+                "tool" => &["tool_call_id"],
+                _ => &[],
+            };
+            if let Some(k) = m
+                .iter()
+                .find(|(k, v)| {
+                    !matches!(k.as_str(), "role" | "content" | "name")
+                        && !own.contains(&k.as_str())
+                        && !v.is_null()
+                })
+                .map(|(k, _)| k)
+            {
+                return Err(ApiError::unsupported(
+                    &format!("messages[{i}].{k}"),
+                    "not taken on a message of this role",
+                ));
+            }
+            let tool_calls = tool_calls(i, m.get("tool_calls"))?;
+            // An assistant turn that only calls tools has no content.
+            let content = match m.get("content") {
+                None | Some(Value::Null) if !tool_calls.is_empty() => String::new(),
+                c => content_text(i, c)?,
+            };
+            let tool_call_id = match m.get("tool_call_id") {
+                Some(Value::String(id)) => id.clone(),
+                None | Some(Value::Null) if role == "tool" => {
+                    return Err(ApiError::invalid(
+                        &format!("messages[{i}].tool_call_id"),
+                        "a tool message needs the tool_call_id it answers",
+                    ));
+                }
+                None | Some(Value::Null) => String::new(),
+                Some(_) => {
+                    return Err(ApiError::invalid(
+                        &format!("messages[{i}].tool_call_id"),
+                        "'tool_call_id' must be a string",
+                    ));
+                }
+            };
             Ok(pb::ChatMessage {
                 role: role.into(),
-                content: content_text(i, m.get("content"))?,
+                content,
+                tool_calls,
+                tool_call_id,
             })
         })
         .collect()
+}
+
+/// An assistant message's `tool_calls`: `{"id", "type": "function", "function": {"name",
+/// "arguments"}}`, the arguments a JSON string (checked to be an object where the chat is
+/// rendered).
+fn tool_calls(i: usize, calls: Option<&Value>) -> Result<Vec<pb::ToolCall>, ApiError> {
+    let param = format!("messages[{i}].tool_calls");
+    let calls = match calls {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(calls)) => calls,
+        Some(_) => return Err(ApiError::invalid(&param, "'tool_calls' must be an array")),
+    };
+    calls
+        .iter()
+        .enumerate()
+        .map(|(j, c)| {
+            let param = format!("{param}[{j}]");
+            let bad = || {
+                ApiError::invalid(
+                    &param,
+                    "a tool call is {\"id\", \"type\": \"function\", \"function\": \
+                     {\"name\", \"arguments\"}} with string values",
+                )
+            };
+            if c.get("type").is_some_and(|t| t != "function") {
+                return Err(bad());
+            }
+            let f = c.get("function").ok_or_else(bad)?;
+            let text = |v: Option<&Value>| v.and_then(Value::as_str).map(str::to_string);
+            Ok(pb::ToolCall {
+                id: text(c.get("id")).unwrap_or_default(),
+                name: text(f.get("name")).ok_or_else(bad)?,
+                arguments: text(f.get("arguments")).ok_or_else(bad)?,
+            })
+        })
+        .collect()
+}
+
+/// `tools`: function definitions, `{"type": "function", "function": {"name", "description",
+/// "parameters"}}`.
+fn tools(body: &Map<String, Value>) -> Result<Vec<pb::Tool>, ApiError> {
+    let list = match body.get("tools") {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(list)) => list,
+        Some(_) => return Err(ApiError::invalid("tools", "'tools' must be an array")),
+    };
+    list.iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let param = format!("tools[{i}]");
+            if t.get("type") != Some(&json!("function")) {
+                return Err(ApiError::unsupported(
+                    &format!("{param}.type"),
+                    "only function tools are served",
+                ));
+            }
+            let Some(Value::Object(f)) = t.get("function") else {
+                return Err(ApiError::invalid(
+                    &format!("{param}.function"),
+                    "a tool needs a 'function' object",
+                ));
+            };
+            if let Some(k) = f
+                .iter()
+                .find(|(k, v)| {
+                    !matches!(k.as_str(), "name" | "description" | "parameters" | "strict")
+                        && !v.is_null()
+                })
+                .map(|(k, _)| k)
+            {
+                return Err(ApiError::unsupported(
+                    &format!("{param}.function.{k}"),
+                    "not a function definition's key",
+                ));
+            }
+            if flag(f, "strict")? {
+                return Err(ApiError::unsupported(
+                    &format!("{param}.function.strict"),
+                    "arguments are not yet constrained to the schema (strict: false is served)",
+                ));
+            }
+            let name = match f.get("name") {
+                Some(Value::String(n)) if crate::chat::valid_function_name(n) => n.clone(),
+                _ => {
+                    return Err(ApiError::invalid(
+                        &format!("{param}.function.name"),
+                        "the name must be 1 to 64 of a-z, A-Z, 0-9, _ and -",
+                    ));
+                }
+            };
+            let description = match f.get("description") {
+                None | Some(Value::Null) => String::new(),
+                Some(Value::String(d)) => d.clone(),
+                Some(_) => {
+                    return Err(ApiError::invalid(
+                        &format!("{param}.function.description"),
+                        "'description' must be a string",
+                    ));
+                }
+            };
+            let parameters = match f.get("parameters") {
+                None | Some(Value::Null) => String::new(),
+                Some(p @ Value::Object(_)) => p.to_string(),
+                Some(_) => {
+                    return Err(ApiError::invalid(
+                        &format!("{param}.function.parameters"),
+                        "'parameters' must be a JSON schema object",
+                    ));
+                }
+            };
+            Ok(pb::Tool {
+                name,
+                description,
+                parameters,
+            })
+        })
+        .collect()
+}
+
+/// `tool_choice`: `"none"`, `"auto"`, `"required"` or `{"type": "function", "function":
+/// {"name"}}`; with the function's name for the last.
+fn tool_choice(body: &Map<String, Value>) -> Result<(pb::ToolChoice, String), ApiError> {
+    let bad = || {
+        ApiError::invalid(
+            "tool_choice",
+            "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \
+             \"function\", \"function\": {\"name\": ...}}",
+        )
+    };
+    Ok(match body.get("tool_choice") {
+        None | Some(Value::Null) => (pb::ToolChoice::Auto, String::new()),
+        Some(Value::String(c)) => match c.as_str() {
+            "auto" => (pb::ToolChoice::Auto, String::new()),
+            "none" => (pb::ToolChoice::None, String::new()),
+            "required" => (pb::ToolChoice::Required, String::new()),
+            _ => return Err(bad()),
+        },
+        Some(c) if c.get("type") == Some(&json!("function")) => {
+            let name = c
+                .pointer("/function/name")
+                .and_then(Value::as_str)
+                .ok_or_else(bad)?;
+            (pb::ToolChoice::Function, name.to_string())
+        }
+        Some(_) => return Err(bad()),
+    })
 }
 
 fn stop(body: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
@@ -366,8 +550,10 @@ pub(crate) fn parse(
         ));
     }
     check_metadata(&body)?;
-    // Without tools there is no call to parallelize: either value asks nothing.
-    flag(&body, "parallel_tool_calls")?;
+    let parallel_tool_calls = match body.get("parallel_tool_calls") {
+        None | Some(Value::Null) => true,
+        _ => flag(&body, "parallel_tool_calls")?,
+    };
     match body.get("service_tier") {
         None | Some(Value::Null) => {}
         Some(Value::String(t)) if t == "auto" || t == "default" => {}
@@ -509,7 +695,13 @@ pub(crate) fn parse(
         ..Default::default()
     };
     match kind {
-        Kind::Chat => request.messages = messages(&body)?,
+        Kind::Chat => {
+            request.messages = messages(&body)?;
+            request.tools = tools(&body)?;
+            let (choice, function) = tool_choice(&body)?;
+            request.tool_choice = choice as i32;
+            request.tool_choice_function = function;
+        }
         Kind::Completion => match body.get("prompt") {
             Some(Value::String(p)) => request.prompt = Some(p.clone()),
             Some(Value::Array(a)) if a.iter().all(Value::is_u64) && !a.is_empty() => {
@@ -547,6 +739,7 @@ pub(crate) fn parse(
         stream,
         include_usage,
         timeout,
+        parallel_tool_calls,
     })
 }
 
@@ -562,6 +755,88 @@ mod tests {
             body.to_string().as_bytes(),
             &SamplingDefaults::default(),
         )
+    }
+
+    #[test]
+    fn tools_calls_and_results_become_the_requests_own() {
+        let body = json!({
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "c1",
+                  "type": "function", "function": {"name": "get_weather",
+                  "arguments": "{\"city\": \"Oslo\"}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "Rain"},
+            ],
+            "tools": [{"type": "function", "function": {"name": "get_weather",
+                       "description": "d", "parameters": {"type": "object"}}}],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "parallel_tool_calls": false,
+        });
+        let parsed = parse_json(Kind::Chat, body).expect("parsed");
+        let r = &parsed.request;
+        assert!(!parsed.parallel_tool_calls);
+        assert_eq!(r.tool_choice, pb::ToolChoice::Function as i32);
+        assert_eq!(r.tool_choice_function, "get_weather");
+        assert_eq!(
+            r.tools,
+            vec![pb::Tool {
+                name: "get_weather".into(),
+                description: "d".into(),
+                parameters: r#"{"type":"object"}"#.into(),
+            }]
+        );
+        assert_eq!(
+            r.messages[1].tool_calls,
+            vec![pb::ToolCall {
+                id: "c1".into(),
+                name: "get_weather".into(),
+                arguments: r#"{"city": "Oslo"}"#.into(),
+            }]
+        );
+        assert_eq!(r.messages[1].content, "");
+        assert_eq!(r.messages[2].tool_call_id, "c1");
+
+        let user = json!({"role": "user", "content": "x"});
+        let tool = json!({"type": "function", "function": {"name": "f"}});
+        for (body, param) in [
+            (
+                json!({"tools": [{"type": "web", "function": {"name": "f"}}]}),
+                "tools[0].type",
+            ),
+            (
+                json!({"tools": [{"type": "function", "function": {"name": "a b"}}]}),
+                "tools[0].function.name",
+            ),
+            (
+                json!({"tools": [{"type": "function", "function": {"name": "f", "strict": true}}]}),
+                "tools[0].function.strict",
+            ),
+            (
+                json!({"tools": [tool], "tool_choice": "always"}),
+                "tool_choice",
+            ),
+            (
+                json!({"messages": [user, {"role": "tool", "content": "x"}]}),
+                "messages[1].tool_call_id",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}),
+                "messages[0].tool_calls",
+            ),
+            (
+                json!({"messages": [user, {"role": "assistant", "tool_calls": [{"function": {}}]}]}),
+                "messages[1].tool_calls[0]",
+            ),
+        ] {
+            let mut body = body;
+            body["model"] = json!("m");
+            if body.get("messages").is_none() {
+                body["messages"] = json!([user]);
+            }
+            let e = parse_json(Kind::Chat, body).expect_err("rejected");
+            assert_eq!(e.param.as_deref(), Some(param), "{}", e.message);
+        }
     }
 
     #[test]
@@ -614,7 +889,7 @@ mod tests {
                 "stream_options",
             ),
             (
-                json!({"messages": [{"role": "tool", "content": "x"}]}),
+                json!({"messages": [{"role": "function", "content": "x"}]}),
                 "messages[0].role",
             ),
             (json!({"store": true}), "store"),

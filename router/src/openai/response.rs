@@ -7,6 +7,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use futures::{Stream, StreamExt};
 use serde_json::{Value, json};
 use tandem_proto::v1 as pb;
+use tandem_tokenizer::{Piece, ToolCallParser};
 
 use super::{ApiError, Kind};
 use crate::service::GenerateStream;
@@ -21,12 +22,112 @@ fn usage(u: Option<&pb::Usage>) -> Value {
     })
 }
 
-fn finish_reason(code: i32) -> Value {
+/// The finish reason; a reply that ended on its own after calling tools ends with
+/// `tool_calls`.
+fn finish_reason(code: i32, called: bool) -> Value {
     match pb::FinishReason::try_from(code) {
+        Ok(pb::FinishReason::Stop) if called => json!("tool_calls"),
         Ok(pb::FinishReason::Stop) => json!("stop"),
         Ok(pb::FinishReason::Length) => json!("length"),
         Ok(pb::FinishReason::Cancelled) => json!("cancelled"),
         _ => Value::Null,
+    }
+}
+
+/// One part of a reply: text, or a tool call with its index among the reply's calls.
+pub(super) enum Part {
+    Text(String),
+    Call {
+        index: usize,
+        id: String,
+        name: String,
+        arguments: String,
+    },
+}
+
+impl Part {
+    fn call_json(&self) -> Option<Value> {
+        match self {
+            Part::Text(_) => None,
+            Part::Call {
+                index,
+                id,
+                name,
+                arguments,
+            } => Some(json!({
+                "index": index,
+                "id": id,
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            })),
+        }
+    }
+}
+
+/// A reply split into [`Part`]s as its text arrives: all text, or, for a chat that offered
+/// tools, text and the calls its template's markup holds.
+pub(super) struct Reply {
+    parser: Option<ToolCallParser>,
+    /// False: calls after the first are dropped (`parallel_tool_calls: false`).
+    parallel: bool,
+    /// Call ids are this and the call's index: stable across a failover's replay.
+    call_id_prefix: String,
+    calls: usize,
+}
+
+impl Reply {
+    pub(super) fn new(parser: Option<ToolCallParser>, parallel: bool, request_id: &str) -> Self {
+        Self {
+            parser,
+            parallel,
+            call_id_prefix: format!("call_{request_id}_"),
+            calls: 0,
+        }
+    }
+
+    /// The parts `text` completes.
+    pub(super) fn push(&mut self, text: &str) -> Vec<Part> {
+        match &mut self.parser {
+            None if text.is_empty() => Vec::new(),
+            None => vec![Part::Text(text.to_string())],
+            Some(p) => {
+                let pieces = p.push(text);
+                self.parts(pieces)
+            }
+        }
+    }
+
+    /// The parts still held when the reply ends.
+    pub(super) fn finish(&mut self) -> Vec<Part> {
+        match self.parser.take() {
+            None => Vec::new(),
+            Some(p) => self.parts(p.finish()),
+        }
+    }
+
+    /// Whether the reply called a tool.
+    fn called(&self) -> bool {
+        self.calls > 0
+    }
+
+    fn parts(&mut self, pieces: Vec<Piece>) -> Vec<Part> {
+        let mut out = Vec::new();
+        for piece in pieces {
+            match piece {
+                Piece::Text(t) => out.push(Part::Text(t)),
+                Piece::Call { .. } if self.calls > 0 && !self.parallel => {}
+                Piece::Call { name, arguments } => {
+                    out.push(Part::Call {
+                        index: self.calls,
+                        id: format!("{}{}", self.call_id_prefix, self.calls),
+                        name,
+                        arguments,
+                    });
+                    self.calls += 1;
+                }
+            }
+        }
+        out
     }
 }
 
@@ -61,28 +162,58 @@ impl Envelope {
         })
     }
 
-    /// The one choice of a chunk (`streaming`) or of a whole answer.
-    fn choice(&self, text: &str, finish: Value, streaming: bool) -> Value {
+    /// A streamed chunk of one choice: `delta` (chat) or `text` (completions), and the finish
+    /// reason on the last one.
+    fn chunk(&self, part: Option<&Part>, finish: Value) -> Value {
         let mut choice = json!({"index": 0, "logprobs": null, "finish_reason": finish});
-        match (self.kind, streaming) {
-            (Kind::Chat, true) if text.is_empty() => choice["delta"] = json!({}),
-            (Kind::Chat, true) => choice["delta"] = json!({"content": text}),
-            (Kind::Chat, false) => {
-                choice["message"] = json!({"role": "assistant", "content": text});
-            }
-            (Kind::Completion, _) => choice["text"] = json!(text),
+        match (self.kind, part) {
+            (Kind::Chat, None) => choice["delta"] = json!({}),
+            (Kind::Chat, Some(Part::Text(t))) => choice["delta"] = json!({"content": t}),
+            (Kind::Chat, Some(call)) => choice["delta"] = json!({"tool_calls": [call.call_json()]}),
+            (Kind::Completion, Some(Part::Text(t))) => choice["text"] = json!(t),
+            (Kind::Completion, _) => choice["text"] = json!(""),
         }
-        choice
+        self.wrap(true, json!([choice]))
     }
 
-    /// A streamed chunk carrying `text`, and the finish reason on the last one.
-    fn chunk(&self, text: &str, finish: Value) -> Value {
-        self.wrap(true, json!([self.choice(text, finish, true)]))
-    }
-
-    /// The whole answer of a request that did not stream.
-    pub(super) fn complete(&self, text: &str, last: &pb::GenerateResponse) -> Value {
-        let choice = self.choice(text, finish_reason(last.finish_reason), false);
+    /// The whole answer of a request that did not stream, from its parts.
+    pub(super) fn complete(
+        &self,
+        parts: &[Part],
+        reply: &Reply,
+        last: &pb::GenerateResponse,
+    ) -> Value {
+        let text: String = parts
+            .iter()
+            .filter_map(|p| match p {
+                Part::Text(t) => Some(t.as_str()),
+                Part::Call { .. } => None,
+            })
+            .collect();
+        let finish = finish_reason(last.finish_reason, reply.called());
+        let mut choice = json!({"index": 0, "logprobs": null, "finish_reason": finish});
+        match self.kind {
+            Kind::Chat => {
+                let calls: Vec<Value> = parts.iter().filter_map(Part::call_json).collect();
+                choice["message"] = if calls.is_empty() {
+                    json!({"role": "assistant", "content": text})
+                } else {
+                    let calls: Vec<Value> = calls
+                        .into_iter()
+                        .map(|mut c| {
+                            c.as_object_mut().map(|o| o.remove("index"));
+                            c
+                        })
+                        .collect();
+                    json!({
+                        "role": "assistant",
+                        "content": (!text.is_empty()).then_some(text),
+                        "tool_calls": calls,
+                    })
+                };
+            }
+            Kind::Completion => choice["text"] = json!(text),
+        }
         let mut body = self.wrap(false, json!([choice]));
         body["usage"] = usage(last.usage.as_ref());
         body
@@ -94,6 +225,7 @@ impl Envelope {
 /// is sent as an `{"error": ...}` event and ends the stream without `[DONE]`.
 pub(super) fn sse(
     envelope: Envelope,
+    mut reply: Reply,
     first: pb::GenerateResponse,
     frames: GenerateStream,
     include_usage: bool,
@@ -118,21 +250,21 @@ pub(super) fn sse(
                 return futures::future::ready(None);
             }
             let events: Vec<Result<Event, Infallible>> = match item {
-                Ok(f) if f.finish_reason == pb::FinishReason::Unspecified as i32 => {
-                    if f.text.is_empty() {
-                        Vec::new()
-                    } else {
-                        vec![event(with_usage(envelope.chunk(&f.text, Value::Null)))]
-                    }
-                }
+                Ok(f) if f.finish_reason == pb::FinishReason::Unspecified as i32 => reply
+                    .push(&f.text)
+                    .iter()
+                    .map(|p| event(with_usage(envelope.chunk(Some(p), Value::Null))))
+                    .collect(),
                 Ok(f) => {
                     *done = true;
-                    let mut out = Vec::new();
-                    if !f.text.is_empty() {
-                        out.push(event(with_usage(envelope.chunk(&f.text, Value::Null))));
-                    }
+                    let mut parts = reply.push(&f.text);
+                    parts.extend(reply.finish());
+                    let mut out: Vec<_> = parts
+                        .iter()
+                        .map(|p| event(with_usage(envelope.chunk(Some(p), Value::Null))))
+                        .collect();
                     out.push(event(with_usage(
-                        envelope.chunk("", finish_reason(f.finish_reason)),
+                        envelope.chunk(None, finish_reason(f.finish_reason, reply.called())),
                     )));
                     if include_usage {
                         let mut v = envelope.wrap(true, json!([]));

@@ -1,0 +1,153 @@
+"""Drives tool calling on Tandem's OpenAI-compatible HTTP API with the official `openai` package,
+against a cluster serving a model whose chat template takes tools (the 0.5B Qwen2.5-Coder).
+
+Usage: tools_check.py BASE_URL (e.g. http://127.0.0.1:8000/v1)
+
+Every check asserts; the script exits non-zero on the first failure and prints one JSON line of
+what it saw on success, which `integration-tests/tests/openai_api.rs` checks.
+"""
+
+import json
+import sys
+
+import openai
+
+base_url = sys.argv[1]
+client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+model = client.models.list().data[0].id
+seen = {}
+
+weather = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "The city's name."}},
+            "required": ["city"],
+        },
+    },
+}
+clock = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Get the current time in a time zone.",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string"}},
+            "required": ["zone"],
+        },
+    },
+}
+question = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+common = dict(model=model, temperature=0, max_tokens=64, user="tools-check")
+
+# A required call: the reply is a call of one of the tools, its arguments a JSON object.
+chat = client.chat.completions.create(
+    messages=question, tools=[weather, clock], tool_choice="required", **common
+)
+choice = chat.choices[0]
+assert choice.finish_reason == "tool_calls", choice
+assert choice.message.content is None, choice.message
+calls = choice.message.tool_calls
+assert calls and len(calls) >= 1, choice.message
+call = calls[0]
+assert call.type == "function" and call.id, call
+assert call.function.name in ("get_weather", "get_time"), call
+arguments = json.loads(call.function.arguments)
+assert isinstance(arguments, dict), call.function.arguments
+seen["required"] = {"name": call.function.name, "arguments": arguments}
+
+# The same request streamed: the call arrives as delta.tool_calls and matches.
+streamed = {}
+finish = None
+for chunk in client.chat.completions.create(
+    messages=question, tools=[weather, clock], tool_choice="required", stream=True, **common
+):
+    c = chunk.choices[0]
+    assert not c.delta.content, c.delta
+    for d in c.delta.tool_calls or []:
+        s = streamed.setdefault(d.index, {"name": "", "arguments": ""})
+        s["name"] += d.function.name or ""
+        s["arguments"] += d.function.arguments or ""
+    finish = c.finish_reason or finish
+assert finish == "tool_calls", finish
+assert streamed[0]["name"] == call.function.name, streamed
+assert json.loads(streamed[0]["arguments"]) == arguments, streamed
+
+# A named function: the call is of that function.
+named = client.chat.completions.create(
+    messages=[{"role": "user", "content": "What time is it in Tokyo?"}],
+    tools=[weather, clock],
+    tool_choice={"type": "function", "function": {"name": "get_time"}},
+    **common,
+)
+named_call = named.choices[0].message.tool_calls[0]
+assert named_call.function.name == "get_time", named_call
+assert isinstance(json.loads(named_call.function.arguments), dict), named_call
+seen["named"] = json.loads(named_call.function.arguments)
+
+# The follow-up turn: the call and its result in the history, answered in text, and the
+# prompt up to the call comes from a cache.
+follow = client.chat.completions.create(
+    messages=question
+    + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": call.function.arguments,
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 degrees Celsius."},
+    ],
+    tools=[weather, clock],
+    **common,
+)
+answer = follow.choices[0]
+assert follow.usage.prompt_tokens_details.cached_tokens > 0, follow.usage
+seen["follow_up"] = {
+    "content": answer.message.content,
+    "finish": answer.finish_reason,
+    "cached": follow.usage.prompt_tokens_details.cached_tokens,
+}
+assert answer.message.content or answer.message.tool_calls, answer
+
+# tool_choice none: the tools are not offered, the answer is text.
+none = client.chat.completions.create(
+    messages=question, tools=[weather], tool_choice="none", **common
+)
+assert none.choices[0].message.tool_calls is None, none.choices[0].message
+assert none.choices[0].message.content, none.choices[0].message
+assert none.choices[0].finish_reason in ("stop", "length"), none.choices[0]
+
+# Refused by name, before any work.
+def refused(param, **kwargs):
+    try:
+        client.chat.completions.create(**{**common, "messages": question, **kwargs})
+    except openai.BadRequestError as e:
+        assert param in str(e), (param, str(e))
+        return
+    raise AssertionError(f"{param} was not refused")
+
+strict = json.loads(json.dumps(weather))
+strict["function"]["strict"] = True
+refused("strict", tools=[strict])
+refused(
+    "tool_choice",
+    tools=[weather],
+    tool_choice={"type": "function", "function": {"name": "nope"}},
+)
+refused("tool_call_id", messages=question + [{"role": "tool", "content": "x"}])
+refused("tool_choice", tool_choice="required")
+
+print(json.dumps(seen))

@@ -1,0 +1,197 @@
+//! A chat request's messages, tools and tool choice, checked and rendered into the prompt text
+//! through the model's chat template.
+
+use serde_json::{Value, json};
+use tandem_proto::v1 as pb;
+use tandem_tokenizer::{ChatMessage, FunctionCall, Tokenizer, ToolCall, ToolFormat};
+
+use crate::error::{Error, Result};
+
+/// The chat roles the APIs take.
+const ROLES: &[&str] = &["system", "user", "assistant", "tool"];
+
+/// Most tools a request may offer.
+pub const MAX_TOOLS: usize = 128;
+
+fn invalid<T>(field: &'static str, reason: String) -> Result<T> {
+    Err(Error::InvalidArgument { field, reason })
+}
+
+/// The bytes of a chat request's text: messages, their calls and the tools offered (bounded
+/// by the router's prompt limit before anything is parsed or rendered).
+pub fn text_bytes(r: &pb::GenerateRequest) -> usize {
+    let calls = |m: &pb::ChatMessage| -> usize {
+        m.tool_calls
+            .iter()
+            .map(|c| c.id.len() + c.name.len() + c.arguments.len())
+            .sum()
+    };
+    let messages: usize = r
+        .messages
+        .iter()
+        .map(|m| m.role.len() + m.content.len() + m.tool_call_id.len() + calls(m))
+        .sum();
+    let tools: usize = r
+        .tools
+        .iter()
+        .map(|t| t.name.len() + t.description.len() + t.parameters.len())
+        .sum();
+    messages + tools
+}
+
+/// A function name as OpenAI allows it: 1 to 64 of a-z, A-Z, 0-9, `_` and `-`.
+pub fn valid_function_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// Renders the request's messages, and the tools its choice offers, with the model's template;
+/// a call that the choice forces begins the reply, at the end of the text.
+pub fn render(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Result<String> {
+    let messages = r
+        .messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| message(i, m))
+        .collect::<Result<Vec<_>>>()?;
+    let choice = pb::ToolChoice::try_from(r.tool_choice).or_else(|_| {
+        invalid(
+            "tool_choice",
+            format!("{} is not a ToolChoice", r.tool_choice),
+        )
+    })?;
+    if r.tools.is_empty() {
+        if !matches!(choice, pb::ToolChoice::Auto | pb::ToolChoice::None) {
+            return invalid(
+                "tool_choice",
+                "a call is forced, but no tools are given".into(),
+            );
+        }
+        return Ok(tokenizer.apply_chat_template(&messages, &[])?);
+    }
+    let Some(format) = tokenizer.tool_format() else {
+        return invalid("tools", "the model's chat template takes no tools".into());
+    };
+    if r.tools.len() > MAX_TOOLS {
+        return invalid("tools", format!("at most {MAX_TOOLS} tools"));
+    }
+    let tools = r.tools.iter().map(tool).collect::<Result<Vec<_>>>()?;
+    if choice == pb::ToolChoice::Function
+        && !r.tools.iter().any(|t| t.name == r.tool_choice_function)
+    {
+        return invalid(
+            "tool_choice_function",
+            format!(
+                "{:?} is not one of the tools given",
+                r.tool_choice_function.chars().take(64).collect::<String>()
+            ),
+        );
+    }
+    match reply_start(format, choice, &r.tool_choice_function) {
+        None => Ok(tokenizer.apply_chat_template(&messages, &[])?),
+        Some(forced) => Ok(tokenizer.apply_chat_template(&messages, &tools)? + &forced),
+    }
+}
+
+/// What a tool choice makes of the tools offered: `None` when they are not offered (`none`),
+/// else the start of the reply that it forces (empty when the model decides).
+pub fn reply_start(format: ToolFormat, choice: pb::ToolChoice, function: &str) -> Option<String> {
+    match choice {
+        pb::ToolChoice::None => None,
+        pb::ToolChoice::Auto => Some(String::new()),
+        pb::ToolChoice::Required => Some(format.forced_prefix(None)),
+        pb::ToolChoice::Function => Some(format.forced_prefix(Some(function))),
+    }
+}
+
+/// A message as the template takes it: a tool call's arguments parsed to a JSON object.
+fn message(i: usize, m: &pb::ChatMessage) -> Result<ChatMessage> {
+    if !ROLES.contains(&m.role.as_str()) {
+        return invalid(
+            "messages",
+            format!(
+                "message {i} has role {:?}; roles are system, user, assistant and tool",
+                m.role.chars().take(32).collect::<String>()
+            ),
+        );
+    }
+    if !m.tool_calls.is_empty() && m.role != "assistant" {
+        return invalid(
+            "messages",
+            format!("message {i}: only an assistant message makes tool calls"),
+        );
+    }
+    if !m.tool_call_id.is_empty() && m.role != "tool" {
+        return invalid(
+            "messages",
+            format!("message {i}: only a tool message answers a tool_call_id"),
+        );
+    }
+    let tool_calls = m
+        .tool_calls
+        .iter()
+        .enumerate()
+        .map(|(j, c)| {
+            if !valid_function_name(&c.name) {
+                return invalid(
+                    "messages",
+                    format!("message {i}, tool call {j}: the name must be 1 to 64 of a-z, A-Z, 0-9, _ and -"),
+                );
+            }
+            let arguments: Value = match serde_json::from_str(&c.arguments) {
+                Ok(v @ Value::Object(_)) => v,
+                _ => {
+                    return invalid(
+                        "messages",
+                        format!("message {i}, tool call {j}: the arguments must be a JSON object"),
+                    );
+                }
+            };
+            Ok(ToolCall {
+                id: (!c.id.is_empty()).then(|| c.id.clone()),
+                kind: "function".into(),
+                function: FunctionCall {
+                    name: c.name.clone(),
+                    arguments,
+                },
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(ChatMessage {
+        role: m.role.clone(),
+        content: m.content.clone(),
+        tool_calls,
+        tool_call_id: (!m.tool_call_id.is_empty()).then(|| m.tool_call_id.clone()),
+    })
+}
+
+/// A tool as OpenAI defines it and chat templates render it.
+fn tool(t: &pb::Tool) -> Result<Value> {
+    if !valid_function_name(&t.name) {
+        return invalid(
+            "tools",
+            format!(
+                "tool name {:?} must be 1 to 64 of a-z, A-Z, 0-9, _ and -",
+                t.name.chars().take(64).collect::<String>()
+            ),
+        );
+    }
+    let mut function = json!({"name": t.name});
+    if !t.description.is_empty() {
+        function["description"] = json!(t.description);
+    }
+    if !t.parameters.is_empty() {
+        match serde_json::from_str(&t.parameters) {
+            Ok(p @ Value::Object(_)) => function["parameters"] = p,
+            _ => {
+                return invalid(
+                    "tools",
+                    format!("tool {}: parameters must be a JSON schema object", t.name),
+                );
+            }
+        }
+    }
+    Ok(json!({"type": "function", "function": function}))
+}
