@@ -87,6 +87,7 @@ impl GenerateArgs {
             stop_token_ids: self.stop_token_ids.clone(),
             ignore_eos: self.ignore_eos,
             min_tokens: self.min_tokens,
+            logprobs: None,
         }
     }
 }

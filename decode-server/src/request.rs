@@ -266,9 +266,14 @@ impl RequestContext {
                     });
                 }
                 let first_token = received.first_token;
+                let first_logprobs = received
+                    .first_logprobs
+                    .as_ref()
+                    .map(tandem_worker::logprobs_from_pb);
                 Input::Kv {
                     kv: tandem_worker::kv_export(self.kv_layout, received),
                     first_token,
+                    first_logprobs,
                 }
             }
         };
@@ -317,9 +322,13 @@ impl RequestContext {
             let index = completion_tokens;
             let last = emissions.last().and_then(|e| e.finished);
             let mut token_ids = Vec::with_capacity(emissions.len());
+            let mut logprobs = Vec::new();
             let mut text = String::new();
             for e in emissions {
                 token_ids.extend(e.token);
+                if e.token.is_some() {
+                    logprobs.extend(e.logprobs.as_ref().map(tandem_worker::logprobs_to_pb));
+                }
                 text.push_str(&e.text);
             }
             completion_tokens += token_ids.len() as u32;
@@ -333,6 +342,7 @@ impl RequestContext {
                 local_prefill_ms: if first { local_prefill_ms } else { 0.0 },
                 draft_tokens: if last.is_some() { drafted as u32 } else { 0 },
                 accepted_draft_tokens: if last.is_some() { accepted as u32 } else { 0 },
+                logprobs,
             };
             first = false;
             let frame = pb::DecodeResponse {

@@ -32,7 +32,9 @@ use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use tandem_engine::{Decoding, Emission, Engine, KvExport, PromptChunk, SeqId, Stream};
+use tandem_engine::{
+    Decoding, Emission, Engine, KvExport, PromptChunk, SeqId, Stream, TokenLogprobs,
+};
 use tandem_worker::{CacheHub, Throughput};
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
@@ -61,7 +63,12 @@ pub enum Event {
 #[derive(Debug)]
 pub enum Input {
     /// Pushed by a prefill node: the KV after the cached prefix, and the first token.
-    Kv { kv: KvExport, first_token: u32 },
+    Kv {
+        kv: KvExport,
+        first_token: u32,
+        /// The first token's log-probabilities, sampled with it on the prefill node.
+        first_logprobs: Option<TokenLogprobs>,
+    },
     /// Computed here.
     Local,
 }
@@ -305,8 +312,16 @@ impl Scheduler {
             return;
         };
         match input {
-            Input::Kv { kv, first_token } => match self.engine.import_kv(seq, &kv) {
-                Ok(()) => self.join(seq, joining, first_token),
+            Input::Kv {
+                kv,
+                first_token,
+                first_logprobs,
+            } => match self.engine.import_kv(seq, &kv) {
+                Ok(()) => {
+                    let mut joining = joining;
+                    joining.stream.carry_logprobs(first_logprobs);
+                    self.join(seq, joining, first_token)
+                }
                 Err(e) => self.fail(seq, &joining.events, e),
             },
             Input::Local => match self.engine.seq_len(seq) {
@@ -393,7 +408,7 @@ impl Scheduler {
     /// The front prompt is computed: the last chunk's logits give the first token, sampled
     /// exactly as a prefill node would, and the sequence joins the batch.
     fn prefilled(&mut self, logits: Vec<f32>) {
-        let Some(p) = self.prefilling.pop_front() else {
+        let Some(mut p) = self.prefilling.pop_front() else {
             return;
         };
         self.shared.throughput.record(p.computed, p.compute_secs);

@@ -11,7 +11,7 @@ use serde::Serialize;
 
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::sampling::{History, SamplingParams, sample};
+use crate::sampling::{History, SamplingParams, TokenLogprobs, logprobs, sample};
 use crate::speculate::Decoding;
 use tandem_tokenizer::{TokenDecoder, Tokenizer};
 
@@ -28,6 +28,9 @@ pub struct GenerateParams {
     /// Neither an end-of-generation id nor a `stop_token_ids` id is sampled before this many
     /// tokens; at most `max_tokens`.
     pub min_tokens: usize,
+    /// Each output token's log-probability, and this many most likely alternatives'; `None`:
+    /// none. The cost is a pass over the logits per token, whatever the count.
+    pub logprobs: Option<usize>,
 }
 
 impl GenerateParams {
@@ -73,6 +76,8 @@ pub struct Emission {
     /// Text that is now safe to show.
     pub text: String,
     pub finished: Option<FinishReason>,
+    /// The token's log-probabilities, when the request asks for them.
+    pub logprobs: Option<TokenLogprobs>,
 }
 
 /// One request's generation state.
@@ -85,6 +90,8 @@ pub struct Stream {
     generated: usize,
     /// The tokens so far, for the penalties.
     history: History,
+    /// The log-probabilities of the token sampled last, for its [`Emission`].
+    sampled: Option<TokenLogprobs>,
 }
 
 impl Stream {
@@ -96,6 +103,7 @@ impl Stream {
             held: String::new(),
             generated: 0,
             history: History::new(prompt, &[]),
+            sampled: None,
         }
     }
 
@@ -125,31 +133,48 @@ impl Stream {
         self.params.max_tokens.saturating_sub(self.generated)
     }
 
-    /// Samples the token at absolute `position` from `logits`.
-    pub fn sample(&self, tokenizer: &Tokenizer, logits: &[f32], position: usize) -> u32 {
+    /// Samples the token at absolute `position` from `logits` (and keeps its log-probabilities
+    /// for [`Stream::accept`] when the request asks for them).
+    pub fn sample(&mut self, tokenizer: &Tokenizer, logits: &[f32], position: usize) -> u32 {
         let early = self.generated < self.params.min_tokens;
         let banned: Vec<u32> = match (self.params.ignore_eos || early, early) {
             (false, _) => Vec::new(),
             (true, false) => tokenizer.eog_ids().to_vec(),
             (true, true) => [tokenizer.eog_ids(), &self.params.stop_token_ids].concat(),
         };
-        sample(
+        let token = sample(
             logits,
             &self.params.sampling,
             position as u64,
             &self.history,
             &banned,
-        )
+        );
+        self.sampled = self.params.logprobs.map(|k| logprobs(logits, token, k));
+        token
+    }
+
+    /// The log-probabilities of the token sampled last, taken (a prefill node sends them with
+    /// the first token).
+    pub fn take_logprobs(&mut self) -> Option<TokenLogprobs> {
+        self.sampled.take()
+    }
+
+    /// The log-probabilities of the next token accepted, which was sampled elsewhere (a prefill
+    /// node's first token).
+    pub fn carry_logprobs(&mut self, logprobs: Option<TokenLogprobs>) {
+        self.sampled = logprobs;
     }
 
     /// Accepts a sampled token.
     pub fn accept(&mut self, tokenizer: &Tokenizer, token: u32) -> Emission {
+        let logprobs = self.sampled.take();
         if tokenizer.eog_ids().contains(&token) || self.params.stop_token_ids.contains(&token) {
             let text = self.flush();
             return Emission {
                 token: None,
                 text,
                 finished: Some(FinishReason::Stop),
+                logprobs: None,
             };
         }
         self.generated += 1;
@@ -165,6 +190,7 @@ impl Stream {
             token: Some(token),
             text: text.0,
             finished,
+            logprobs,
         }
     }
 

@@ -35,7 +35,9 @@ pub use kv::{BLOCK_TOKENS, KvDtype, KvKind, KvLayout};
 pub use loader::ModelFingerprint;
 pub use model::{Arch, Logits, ModelConfig};
 pub use prefix_cache::CacheEvent;
-pub use sampling::{History, REPETITION_WINDOW, SamplingParams, argmax, sample};
+pub use sampling::{
+    History, REPETITION_WINDOW, SamplingParams, TokenLogprobs, argmax, logprobs, sample,
+};
 pub use speculate::{Decoding, Drafter, PromptChunk, SpeculateConfig, Step};
 pub use tandem_tokenizer::{ChatMessage, TokenDecoder, Tokenizer, TokenizerSpec};
 

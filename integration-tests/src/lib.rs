@@ -405,6 +405,8 @@ pub struct Collected {
     pub text: String,
     pub last: pb::GenerateResponse,
     pub frames: usize,
+    /// Every frame's `logprobs`, in order.
+    pub logprobs: Vec<pb::TokenLogprobs>,
 }
 
 /// Sends `request` and reads the whole stream; a non-OK status is returned as the error, and a
@@ -424,6 +426,7 @@ pub async fn collect(
         }
         out.frames += 1;
         out.token_ids.extend(&f.token_ids);
+        out.logprobs.extend(f.logprobs.iter().cloned());
         out.text.push_str(&f.text);
         if f.finish_reason != pb::FinishReason::Unspecified as i32 {
             out.last = f;
@@ -517,7 +520,7 @@ pub async fn stray_push(channel: Channel, transfer_id: &str) -> tandem_transfer:
         total_bytes: 4,
     };
     match tandem_transfer::KvPush::start(channel, &header)
-        .finish(0)
+        .finish(0, None)
         .await
     {
         Ok(_) => panic!("a stray push was accepted"),

@@ -98,7 +98,7 @@ async fn push(
             break;
         }
     }
-    p.finish(first).await.map(|a| a.bytes_received)
+    p.finish(first, None).await.map(|a| a.bytes_received)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -19,7 +19,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tandem_engine::{Engine, GenerateParams, SeqId};
+use tandem_engine::{Engine, GenerateParams, SeqId, TokenLogprobs};
 use tandem_transfer::KvPush;
 use tandem_worker::{CacheHub, Throughput};
 use tokio::sync::{mpsc, oneshot};
@@ -53,8 +53,9 @@ pub(crate) struct Work {
 /// A finished prefill: the push still needs its trailer (sent by the async side).
 #[derive(Debug)]
 pub(crate) struct Done {
-    /// `None` when the receiver ended the push early; `KvPush::finish` says why.
-    pub first_token: Option<u32>,
+    /// `None` when the receiver ended the push early; `KvPush::finish` says why. With the
+    /// token, its log-probabilities when the request asks for them.
+    pub first_token: Option<(u32, Option<TokenLogprobs>)>,
     pub kv: KvPush,
     pub compute_ms: f64,
     pub first_chunk_sent: Option<Instant>,
@@ -123,8 +124,10 @@ fn run(engine: &mut Engine, work: Work) -> Result<Done> {
                 // The stream as the decode node resumes it, so the first token follows the
                 // same rules (penalties, banned ids before min_tokens) as every later one.
                 let (prompt, generated) = tokens.split_at(tokens.len() - resumed);
-                let stream = tandem_engine::Stream::resume(params, tokenizer, prompt, generated)?;
-                Some(stream.sample(tokenizer, &l, tokens.len()))
+                let mut stream =
+                    tandem_engine::Stream::resume(params, tokenizer, prompt, generated)?;
+                let token = stream.sample(tokenizer, &l, tokens.len());
+                Some((token, stream.take_logprobs()))
             }
             None => None,
         };

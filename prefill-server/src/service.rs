@@ -153,10 +153,18 @@ impl PrefillService {
         };
         let done = done.map_err(|_| Error::ShuttingDown)??;
         let first_sent = done.first_chunk_sent.unwrap_or_else(Instant::now);
-        let ack = done.kv.finish(done.first_token.unwrap_or_default()).await?;
-        let first_token = done
-            .first_token
-            .ok_or(tandem_transfer::Error::ReceiverGone)?;
+        let (first_token, first_logprobs) = match &done.first_token {
+            Some((token, logprobs)) => (Some(*token), logprobs.as_ref()),
+            None => (None, None),
+        };
+        let ack = done
+            .kv
+            .finish(
+                first_token.unwrap_or_default(),
+                first_logprobs.map(tandem_worker::logprobs_to_pb),
+            )
+            .await?;
+        let first_token = first_token.ok_or(tandem_transfer::Error::ReceiverGone)?;
         tracing::debug!(
             tokens = n,
             cached = done.cached_tokens,

@@ -27,6 +27,10 @@ pub const MAX_MESSAGE_BYTES: usize = 16 << 20;
 /// messages and downstream calls, so every service bounds them before anything else reads them.
 pub const MAX_ID_BYTES: usize = 256;
 
+/// Most alternatives a request may ask log-probabilities of (`SamplingParams.logprobs`;
+/// OpenAI's bound on `top_logprobs`).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
 /// Checks `(field, id)` pairs against [`MAX_ID_BYTES`]; the first one over it is returned with
 /// the reason, which never echoes the id.
 pub fn check_ids(ids: &[(&'static str, &str)]) -> Result<(), (&'static str, String)> {

@@ -113,6 +113,15 @@ pub fn prepare(
     {
         return invalid("sampling.min_p", "must be in [0, 1]");
     }
+    if sampling
+        .logprobs
+        .is_some_and(|k| k > tandem_proto::MAX_TOP_LOGPROBS)
+    {
+        return Err(Error::InvalidArgument {
+            field: "sampling.logprobs",
+            reason: format!("at most {} alternatives", tandem_proto::MAX_TOP_LOGPROBS),
+        });
+    }
     check_token_ids(&sampling, front.tokenizer.vocab_size())?;
     if sampling.max_tokens == 0 && default_max_tokens.is_none() {
         return invalid("sampling.max_tokens", "must be at least 1");
@@ -850,6 +859,7 @@ impl Dispatcher {
                 token_ids: t.token_ids,
                 text: t.text,
                 finish_reason: t.finish_reason,
+                logprobs: t.logprobs,
                 ..Default::default()
             };
             progress.frames += 1;

@@ -89,12 +89,18 @@ impl KvPush {
             .map_err(|_| Error::ReceiverGone)
     }
 
-    /// Sends the trailer and waits for the receiver's verdict.
-    pub async fn finish(self, first_token: u32) -> Result<pb::PushAck> {
+    /// Sends the trailer, with the first token (and its log-probabilities), and waits for the
+    /// receiver's verdict.
+    pub async fn finish(
+        self,
+        first_token: u32,
+        first_logprobs: Option<pb::TokenLogprobs>,
+    ) -> Result<pb::PushAck> {
         let trailer = pb::PushFrame {
             frame: Some(Frame::Trailer(pb::KvTrailer {
                 digest: self.digest,
                 first_token,
+                first_logprobs,
             })),
         };
         // If this fails the task has ended, and its result says why.

@@ -190,13 +190,15 @@ pub struct Expectation {
 }
 
 /// A verified transfer: the KV of `tokens`, per layer `[K, V]`, each rows laid out
-/// `[kv_head][token]` over the whole range, and the first sampled token.
-#[derive(Debug, PartialEq, Eq)]
+/// `[kv_head][token]` over the whole range, and the first sampled token (with its
+/// log-probabilities when the request asks for them).
+#[derive(Debug, PartialEq)]
 pub struct ReceivedKv {
     pub request_id: String,
     pub tokens: Range<u32>,
     pub layers: Vec<[Vec<u8>; 2]>,
     pub first_token: u32,
+    pub first_logprobs: Option<pb::TokenLogprobs>,
 }
 
 /// Checks a header frame against the expectation, before anything is allocated.
@@ -393,6 +395,7 @@ impl Assembler {
             tokens: self.want.tokens,
             layers: self.layers,
             first_token: t.first_token,
+            first_logprobs: t.first_logprobs.clone(),
         })
     }
 }

@@ -85,6 +85,6 @@ proptest! {
             let crc = if crc % 2 == 0 { crc32c::crc32c(&data) } else { crc };
             feed(&mut asm, Frame::Chunk(pb::KvChunk { layer, kind, token_start, token_end, data: data.into(), crc32c: crc }));
         }
-        feed(&mut asm, Frame::Trailer(pb::KvTrailer { digest, first_token: 0 }));
+        feed(&mut asm, Frame::Trailer(pb::KvTrailer { digest, first_token: 0, first_logprobs: None }));
     }
 }

@@ -110,7 +110,18 @@ async fn push(node: &Node, header: &Header, chunks: &[Chunk]) -> tandem_transfer
             break;
         }
     }
-    push.finish(42).await.map(|ack| ack.bytes_received)
+    push.finish(42, Some(first_logprobs()))
+        .await
+        .map(|ack| ack.bytes_received)
+}
+
+/// What every test push sends with its first token.
+fn first_logprobs() -> pb::TokenLogprobs {
+    pb::TokenLogprobs {
+        logprob: -0.25,
+        top_ids: vec![42, 7],
+        top_logprobs: vec![-0.25, -2.0],
+    }
 }
 
 fn rejects(node: &Node, reason: &'static str) -> u64 {
@@ -141,6 +152,7 @@ async fn clean_push(layout: WireLayout) {
     assert_eq!(bytes, layout.total_bytes(37));
     let kv = delivery.await.expect("delivered").expect("verified");
     assert_eq!(kv.first_token, 42);
+    assert_eq!(kv.first_logprobs, Some(first_logprobs()));
     assert_eq!(kv.tokens, 3..40);
     let row = layout.row_bytes();
     for layer in 0..layout.layers {
@@ -314,7 +326,7 @@ async fn an_expired_lease_frees_the_reservation_and_stops_a_push() {
     .expect("claimed");
     drop(guard);
     drop(delivery);
-    let e = p.finish(0).await.expect_err("receiver gone");
+    let e = p.finish(0, None).await.expect_err("receiver gone");
     assert_eq!(e.code(), Code::Aborted, "{e}");
 
     let (guard, _delivery) = node

@@ -11,7 +11,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
-use tandem_engine::{GenerateParams, KvExport, KvLayout, Model, SamplingParams};
+use tandem_engine::{GenerateParams, KvExport, KvLayout, Model, SamplingParams, TokenLogprobs};
 use tandem_proto::v1 as pb;
 use tandem_transfer::{Chunk, KvKind, ReceivedKv, WireLayout};
 
@@ -70,6 +70,7 @@ pub fn params_to_pb(p: &GenerateParams) -> pb::SamplingParams {
         ignore_eos: p.ignore_eos,
         min_tokens: p.min_tokens as u32,
         stop_token_ids: p.stop_token_ids.clone(),
+        logprobs: p.logprobs.map(|k| k as u32),
     }
 }
 
@@ -84,6 +85,29 @@ pub fn params_from_pb(s: Option<pb::SamplingParams>) -> GenerateParams {
         stop_token_ids: s.stop_token_ids,
         ignore_eos: s.ignore_eos,
         min_tokens: s.min_tokens as usize,
+        logprobs: s.logprobs.map(|k| k as usize),
+    }
+}
+
+/// A token's log-probabilities on the wire.
+pub fn logprobs_to_pb(l: &TokenLogprobs) -> pb::TokenLogprobs {
+    pb::TokenLogprobs {
+        logprob: l.logprob,
+        top_ids: l.top.iter().map(|t| t.0).collect(),
+        top_logprobs: l.top.iter().map(|t| t.1).collect(),
+    }
+}
+
+/// A token's log-probabilities from the wire (alternatives past the shorter list are dropped).
+pub fn logprobs_from_pb(l: &pb::TokenLogprobs) -> TokenLogprobs {
+    TokenLogprobs {
+        logprob: l.logprob,
+        top: l
+            .top_ids
+            .iter()
+            .copied()
+            .zip(l.top_logprobs.iter().copied())
+            .collect(),
     }
 }
 

@@ -110,7 +110,7 @@ async fn transfer_throughput(
         for c in chunks {
             push.send(c).await?;
         }
-        push.finish(0).await?;
+        push.finish(0, None).await?;
         delivery.await.context("delivery")??;
         grpc.push(t.elapsed().as_secs_f64());
 

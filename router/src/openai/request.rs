@@ -493,6 +493,36 @@ fn token_ids(body: &Map<String, Value>, key: &str) -> Result<Vec<u32>, ApiError>
     }
 }
 
+/// How many alternatives' log-probabilities a request asks for, if any: chat's `logprobs`
+/// (a boolean) and `top_logprobs`; completions' `logprobs` (a count).
+fn logprobs(kind: Kind, body: &Map<String, Value>) -> Result<Option<u32>, ApiError> {
+    let most = u64::from(tandem_proto::MAX_TOP_LOGPROBS);
+    let count = |key: &str| match unsigned(body, key)? {
+        Some(n) if n > most => Err(ApiError::invalid(
+            key,
+            format!("'{key}' must be between 0 and {most}"),
+        )),
+        n => Ok(n.map(|n| n as u32)),
+    };
+    match kind {
+        Kind::Chat => {
+            let top = count("top_logprobs")?;
+            match (flag(body, "logprobs")?, top) {
+                (true, top) => Ok(Some(top.unwrap_or(0))),
+                (false, None) => Ok(None),
+                (false, Some(_)) => Err(ApiError::invalid(
+                    "top_logprobs",
+                    "'top_logprobs' needs 'logprobs': true",
+                )),
+            }
+        }
+        Kind::Completion => match body.get("logprobs") {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => Ok(None),
+            _ => count("logprobs"),
+        },
+    }
+}
+
 fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
     headers.get(name).and_then(|v| v.to_str().ok())
 }
@@ -531,18 +561,7 @@ pub(crate) fn parse(
     if unsigned(&body, "best_of")?.is_some_and(|n| n != 1) {
         return Err(ApiError::unsupported("best_of", "only best_of=1 is served"));
     }
-    if matches!(body.get("logprobs"), Some(v) if !v.is_null() && v != &json!(false)) {
-        return Err(ApiError::unsupported(
-            "logprobs",
-            "log probabilities are not returned",
-        ));
-    }
-    if present(&body, "top_logprobs") {
-        return Err(ApiError::unsupported(
-            "top_logprobs",
-            "log probabilities are not returned",
-        ));
-    }
+    let logprobs = logprobs(kind, &body)?;
     if flag(&body, "store")? {
         return Err(ApiError::unsupported(
             "store",
@@ -681,6 +700,7 @@ pub(crate) fn parse(
         min_tokens: unsigned(&body, "min_tokens")?
             .map_or(0, |m| u32::try_from(m).unwrap_or(u32::MAX)),
         stop_token_ids: token_ids(&body, "stop_token_ids")?,
+        logprobs,
     };
     let mut request = pb::GenerateRequest {
         request_id: header_str(headers, "x-request-id")

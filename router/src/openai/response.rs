@@ -1,6 +1,7 @@
 //! Response bodies and the SSE stream: a whole completion, or its chunks, in OpenAI's shapes.
 
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -10,6 +11,7 @@ use tandem_proto::v1 as pb;
 use tandem_tokenizer::{Piece, ToolCallParser};
 
 use super::{ApiError, Kind};
+use crate::replicas::Frontend;
 use crate::service::GenerateStream;
 
 fn usage(u: Option<&pb::Usage>) -> Value {
@@ -131,6 +133,95 @@ impl Reply {
     }
 }
 
+/// OpenAI's stand-in for a log-probability of -inf (JSON has no infinities).
+const NEG_INF_LOGPROB: f32 = -9999.0;
+
+/// The log-probabilities of a reply's tokens in the endpoint's shape: chat's `content` entries
+/// (`token`, `logprob`, `bytes`, `top_logprobs`), completions' `tokens`, `token_logprobs`,
+/// `top_logprobs` and `text_offset` (characters into the reply).
+pub(super) struct Logprobs {
+    front: Arc<Frontend>,
+    kind: Kind,
+    offset: usize,
+}
+
+impl Logprobs {
+    pub(super) fn new(front: Arc<Frontend>, kind: Kind) -> Self {
+        Self {
+            front,
+            kind,
+            offset: 0,
+        }
+    }
+
+    /// One frame's tokens.
+    pub(super) fn frame(&mut self, f: &pb::GenerateResponse) -> Value {
+        let tokenizer = &self.front.tokenizer;
+        let text = |id: u32| String::from_utf8_lossy(tokenizer.token_bytes(id)).into_owned();
+        let value = |lp: f32| if lp.is_finite() { lp } else { NEG_INF_LOGPROB };
+        let pairs = f.token_ids.iter().zip(&f.logprobs);
+        match self.kind {
+            Kind::Chat => {
+                let entry = |id: u32, lp: f32| {
+                    json!({
+                        "token": text(id),
+                        "logprob": value(lp),
+                        "bytes": tokenizer.token_bytes(id),
+                    })
+                };
+                let content: Vec<Value> = pairs
+                    .map(|(&id, l)| {
+                        let mut e = entry(id, l.logprob);
+                        e["top_logprobs"] = l
+                            .top_ids
+                            .iter()
+                            .zip(&l.top_logprobs)
+                            .map(|(&t, &lp)| entry(t, lp))
+                            .collect();
+                        e
+                    })
+                    .collect();
+                json!({"content": content})
+            }
+            Kind::Completion => {
+                let (mut tokens, mut logprobs, mut tops, mut offsets) =
+                    (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+                for (&id, l) in pairs {
+                    let t = text(id);
+                    offsets.push(self.offset);
+                    self.offset += t.chars().count();
+                    tokens.push(t);
+                    logprobs.push(value(l.logprob));
+                    let top: serde_json::Map<String, Value> = l
+                        .top_ids
+                        .iter()
+                        .zip(&l.top_logprobs)
+                        .map(|(&t, &lp)| (text(t), json!(value(lp))))
+                        .collect();
+                    tops.push(top);
+                }
+                json!({
+                    "tokens": tokens,
+                    "token_logprobs": logprobs,
+                    "top_logprobs": tops,
+                    "text_offset": offsets,
+                })
+            }
+        }
+    }
+}
+
+/// Appends `more`'s arrays to `all`'s (frames' log-probabilities into a whole reply's).
+pub(super) fn extend_arrays(all: &mut Value, more: Value) {
+    let Value::Object(more) = more else { return };
+    for (k, v) in more {
+        match (all.get_mut(&k), v) {
+            (Some(Value::Array(a)), Value::Array(b)) => a.extend(b),
+            (_, v) => all[&k] = v,
+        }
+    }
+}
+
 /// What every response and chunk of one request shares.
 #[derive(Debug, Clone)]
 pub(super) struct Envelope {
@@ -162,10 +253,10 @@ impl Envelope {
         })
     }
 
-    /// A streamed chunk of one choice: `delta` (chat) or `text` (completions), and the finish
-    /// reason on the last one.
-    fn chunk(&self, part: Option<&Part>, finish: Value) -> Value {
-        let mut choice = json!({"index": 0, "logprobs": null, "finish_reason": finish});
+    /// A streamed chunk of one choice: `delta` (chat) or `text` (completions), the
+    /// log-probabilities of the frame it starts, and the finish reason on the last one.
+    fn chunk(&self, part: Option<&Part>, logprobs: Option<Value>, finish: Value) -> Value {
+        let mut choice = json!({"index": 0, "logprobs": logprobs, "finish_reason": finish});
         match (self.kind, part) {
             (Kind::Chat, None) => choice["delta"] = json!({}),
             (Kind::Chat, Some(Part::Text(t))) => choice["delta"] = json!({"content": t}),
@@ -176,11 +267,26 @@ impl Envelope {
         self.wrap(true, json!([choice]))
     }
 
+    /// A frame's chunks: one a part, the frame's log-probabilities on the first (on a chunk of
+    /// their own if the frame completed no part).
+    fn frame_chunks(&self, parts: &[Part], logprobs: Option<Value>) -> Vec<Value> {
+        let mut logprobs = logprobs;
+        let mut out: Vec<Value> = parts
+            .iter()
+            .map(|p| self.chunk(Some(p), logprobs.take(), Value::Null))
+            .collect();
+        if let Some(l) = logprobs {
+            out.push(self.chunk(None, Some(l), Value::Null));
+        }
+        out
+    }
+
     /// The whole answer of a request that did not stream, from its parts.
     pub(super) fn complete(
         &self,
         parts: &[Part],
         reply: &Reply,
+        logprobs: Option<Value>,
         last: &pb::GenerateResponse,
     ) -> Value {
         let text: String = parts
@@ -191,7 +297,7 @@ impl Envelope {
             })
             .collect();
         let finish = finish_reason(last.finish_reason, reply.called());
-        let mut choice = json!({"index": 0, "logprobs": null, "finish_reason": finish});
+        let mut choice = json!({"index": 0, "logprobs": logprobs, "finish_reason": finish});
         match self.kind {
             Kind::Chat => {
                 let calls: Vec<Value> = parts.iter().filter_map(Part::call_json).collect();
@@ -226,6 +332,7 @@ impl Envelope {
 pub(super) fn sse(
     envelope: Envelope,
     mut reply: Reply,
+    mut logprobs: Option<Logprobs>,
     first: pb::GenerateResponse,
     frames: GenerateStream,
     include_usage: bool,
@@ -250,22 +357,29 @@ pub(super) fn sse(
                 return futures::future::ready(None);
             }
             let events: Vec<Result<Event, Infallible>> = match item {
-                Ok(f) if f.finish_reason == pb::FinishReason::Unspecified as i32 => reply
-                    .push(&f.text)
-                    .iter()
-                    .map(|p| event(with_usage(envelope.chunk(Some(p), Value::Null))))
-                    .collect(),
+                Ok(f) if f.finish_reason == pb::FinishReason::Unspecified as i32 => {
+                    let lp = logprobs.as_mut().map(|l| l.frame(&f));
+                    envelope
+                        .frame_chunks(&reply.push(&f.text), lp)
+                        .into_iter()
+                        .map(|c| event(with_usage(c)))
+                        .collect()
+                }
                 Ok(f) => {
                     *done = true;
+                    let lp = logprobs.as_mut().map(|l| l.frame(&f));
                     let mut parts = reply.push(&f.text);
                     parts.extend(reply.finish());
-                    let mut out: Vec<_> = parts
-                        .iter()
-                        .map(|p| event(with_usage(envelope.chunk(Some(p), Value::Null))))
+                    let mut out: Vec<_> = envelope
+                        .frame_chunks(&parts, lp)
+                        .into_iter()
+                        .map(|c| event(with_usage(c)))
                         .collect();
-                    out.push(event(with_usage(
-                        envelope.chunk(None, finish_reason(f.finish_reason, reply.called())),
-                    )));
+                    out.push(event(with_usage(envelope.chunk(
+                        None,
+                        None,
+                        finish_reason(f.finish_reason, reply.called()),
+                    ))));
                     if include_usage {
                         let mut v = envelope.wrap(true, json!([]));
                         v["usage"] = usage(f.usage.as_ref());
