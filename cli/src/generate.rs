@@ -88,6 +88,7 @@ impl GenerateArgs {
             ignore_eos: self.ignore_eos,
             min_tokens: self.min_tokens,
             logprobs: None,
+            grammar: None,
         }
     }
 }

@@ -174,7 +174,7 @@ impl RequestContext {
         let generated = &plan.prompt[original..];
         let stream = Stream::resume(
             plan.params.clone(),
-            &self.model.tokenizer,
+            &self.model,
             &plan.prompt[..original],
             generated,
         )?;

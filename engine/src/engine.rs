@@ -34,6 +34,8 @@ pub struct Model {
     /// What the tokenizer was built from; workers hand it to the router, which has no model.
     pub tokenizer_spec: TokenizerSpec,
     pub fingerprint: ModelFingerprint,
+    /// Compiles requests' grammars against the vocabulary.
+    pub grammars: crate::grammar::Grammars,
 }
 
 impl Model {
@@ -45,6 +47,7 @@ impl Model {
             config: loaded.config,
             weights: loaded.weights,
             fingerprint: loaded.fingerprint,
+            grammars: Default::default(),
         })
     }
 }

@@ -9,8 +9,9 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::engine::Engine;
+use crate::engine::{Engine, Model};
 use crate::error::{Error, Result};
+use crate::grammar::{Constraint, Grammar};
 use crate::sampling::{History, SamplingParams, TokenLogprobs, logprobs, sample};
 use crate::speculate::Decoding;
 use tandem_tokenizer::{TokenDecoder, Tokenizer};
@@ -31,6 +32,9 @@ pub struct GenerateParams {
     /// Each output token's log-probability, and this many most likely alternatives'; `None`:
     /// none. The cost is a pass over the logits per token, whatever the count.
     pub logprobs: Option<usize>,
+    /// What the output must match; an end-of-generation id comes where the grammar may end,
+    /// and must come once it has ended.
+    pub grammar: Option<Grammar>,
 }
 
 impl GenerateParams {
@@ -92,33 +96,45 @@ pub struct Stream {
     history: History,
     /// The log-probabilities of the token sampled last, for its [`Emission`].
     sampled: Option<TokenLogprobs>,
+    /// The request's grammar, where it stands.
+    constraint: Option<Constraint>,
 }
 
 impl Stream {
-    /// A generation that continues `prompt`.
-    pub fn new(params: GenerateParams, prompt: &[u32]) -> Self {
-        Self {
+    /// A generation that continues `prompt`; fails if its grammar does not compile.
+    pub fn new(params: GenerateParams, model: &Model, prompt: &[u32]) -> Result<Self> {
+        let constraint = params
+            .grammar
+            .as_ref()
+            .map(|g| {
+                model
+                    .grammars
+                    .compile(g, &model.tokenizer, &model.tokenizer_spec)
+            })
+            .transpose()?;
+        Ok(Self {
             params,
             decoder: TokenDecoder::default(),
             held: String::new(),
             generated: 0,
             history: History::new(prompt, &[]),
             sampled: None,
-        }
+            constraint,
+        })
     }
 
     /// The state after `generated` tokens followed `prompt` and their emissions were already
     /// delivered (a generation resumed on another node): what follows equals an uninterrupted
-    /// run. Fails if those tokens already end the generation.
+    /// run, the grammar's state included. Fails if those tokens already end the generation.
     pub fn resume(
         params: GenerateParams,
-        tokenizer: &Tokenizer,
+        model: &Model,
         prompt: &[u32],
         generated: &[u32],
     ) -> Result<Self> {
-        let mut stream = Self::new(params, prompt);
+        let mut stream = Self::new(params, model, prompt)?;
         for &token in generated {
-            if stream.accept(tokenizer, token).finished.is_some() {
+            if stream.accept(&model.tokenizer, token).finished.is_some() {
                 return Err(Error::InvalidArgument {
                     field: "resumed_tokens",
                     reason: "the resumed tokens already finish the generation".into(),
@@ -137,13 +153,26 @@ impl Stream {
     /// for [`Stream::accept`] when the request asks for them).
     pub fn sample(&mut self, tokenizer: &Tokenizer, logits: &[f32], position: usize) -> u32 {
         let early = self.generated < self.params.min_tokens;
+        // A grammar that has ended leaves only the end: it is not banned then.
+        let ended = self.constraint.as_ref().is_some_and(Constraint::ended);
         let banned: Vec<u32> = match (self.params.ignore_eos || early, early) {
             (false, _) => Vec::new(),
+            _ if ended => Vec::new(),
             (true, false) => tokenizer.eog_ids().to_vec(),
             (true, true) => [tokenizer.eog_ids(), &self.params.stop_token_ids].concat(),
         };
+        let masked;
+        let allowed = match &mut self.constraint {
+            None => logits,
+            Some(c) => {
+                let mut l = logits.to_vec();
+                c.mask(&mut l);
+                masked = l;
+                &masked[..]
+            }
+        };
         let token = sample(
-            logits,
+            allowed,
             &self.params.sampling,
             position as u64,
             &self.history,
@@ -179,6 +208,9 @@ impl Stream {
         }
         self.generated += 1;
         self.history.push(token);
+        if let Some(c) = &mut self.constraint {
+            c.accept(token);
+        }
         self.held.push_str(&self.decoder.push(tokenizer, token));
         let mut text = self.release_text();
         let mut finished = text.1.then_some(FinishReason::Stop);
@@ -333,7 +365,7 @@ impl Engine {
             }
             let seq = self.new_sequence();
             let t0 = Instant::now();
-            let stream = Stream::new(req.params.clone(), &req.prompt);
+            let stream = Stream::new(req.params.clone(), &model, &req.prompt)?;
             active.push(Active {
                 decoding: Decoding::new(seq, stream, req.prompt.clone(), 0),
                 out: GenerateOutput {

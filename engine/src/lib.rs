@@ -9,6 +9,7 @@ pub mod catalog;
 mod engine;
 mod error;
 mod generate;
+mod grammar;
 mod kernels;
 mod kv;
 mod loader;
@@ -31,6 +32,7 @@ pub use error::{Error, Result};
 pub use generate::{
     Emission, FinishReason, GenerateOutput, GenerateParams, GenerateRequest, Stream,
 };
+pub use grammar::Grammar;
 pub use kv::{BLOCK_TOKENS, KvDtype, KvKind, KvLayout};
 pub use loader::ModelFingerprint;
 pub use model::{Arch, Logits, ModelConfig};

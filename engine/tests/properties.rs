@@ -701,7 +701,8 @@ fn a_resumed_stream_emits_the_rest_of_the_text() {
         stop: vec![chars[chars.len() - 3..].iter().collect()],
         ..base.params.clone()
     };
-    let mut whole = tandem_engine::Stream::new(params.clone(), &base.prompt);
+    let mut whole =
+        tandem_engine::Stream::new(params.clone(), &model, &base.prompt).expect("stream");
     let emissions: Vec<_> = full
         .token_ids
         .iter()
@@ -714,7 +715,7 @@ fn a_resumed_stream_emits_the_rest_of_the_text() {
     for k in 1..=ended {
         let mut resumed = tandem_engine::Stream::resume(
             params.clone(),
-            tokenizer,
+            &model,
             &base.prompt,
             &full.token_ids[..k],
         )
@@ -729,7 +730,7 @@ fn a_resumed_stream_emits_the_rest_of_the_text() {
     }
     // Tokens that already finished the generation cannot be resumed.
     assert!(matches!(
-        tandem_engine::Stream::resume(params, tokenizer, &base.prompt, &full.token_ids[..=ended]),
+        tandem_engine::Stream::resume(params, &model, &base.prompt, &full.token_ids[..=ended]),
         Err(Error::InvalidArgument { .. })
     ));
 }

@@ -263,7 +263,7 @@ fn decode_beside_a_prefill(
         .map(|p| {
             let seq = engine.new_sequence();
             let logits = engine.prefill(seq, p).expect("prefill");
-            let mut stream = Stream::new(params.clone(), p);
+            let mut stream = Stream::new(params.clone(), engine.model(), p).expect("stream");
             let next = stream.sample(&engine.model().tokenizer, &logits, p.len());
             Decoding::new(seq, stream, p.clone(), next)
         })

@@ -165,6 +165,21 @@ async fn each_invalid_request_names_its_field() {
             "tool_choice",
         ),
         (
+            "a grammar that does not compile",
+            pb::GenerateRequest {
+                token_ids: vec![5, 6],
+                sampling: Some(pb::SamplingParams {
+                    max_tokens: 4,
+                    grammar: Some(pb::Grammar {
+                        kind: Some(pb::grammar::Kind::Regex("(unclosed".into())),
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            "grammar",
+        ),
+        (
             "empty chat role",
             pb::GenerateRequest {
                 messages: vec![pb::ChatMessage {

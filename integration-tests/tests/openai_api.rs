@@ -175,12 +175,13 @@ async fn the_openai_client_gets_what_grpc_gets() {
     cluster.stop().await.expect("stop");
 }
 
-/// Tool calling with the official client on the 0.5B Qwen, whose template takes tools
-/// (`integration-tests/openai/tools_check.py`: forced and named calls, streamed and not, a
-/// follow-up turn with the call's result, `tool_choice: none` and the refusals); then the
-/// same forced call over gRPC, whose text is the call's markup after the forced opening.
+/// Tool calling and structured outputs with the official client on the 0.5B Qwen, whose
+/// template takes tools (`integration-tests/openai/qwen_check.py`: forced and named calls,
+/// streamed and not, a follow-up turn with the call's result, `tool_choice: none`, a pydantic
+/// model through `parse`, `json_object`, and the refusals); then the same forced call over
+/// gRPC, whose text is the call's markup after the forced opening.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_openai_client_calls_tools() {
+async fn the_openai_client_calls_tools_and_gets_structured_outputs() {
     let python = tokio::task::spawn_blocking(python)
         .await
         .expect("python setup");
@@ -189,7 +190,7 @@ async fn the_openai_client_calls_tools() {
     let cluster = Cluster::start(ClusterConfig::new(model))
         .await
         .expect("cluster");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("openai/tools_check.py");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("openai/qwen_check.py");
     let out = tokio::process::Command::new(&python)
         .arg(&script)
         .arg(format!("http://{}/v1", cluster.http))
@@ -197,10 +198,10 @@ async fn the_openai_client_calls_tools() {
         .await
         .expect("run the openai client");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "tools_check.py failed:\n{stderr}");
+    assert!(out.status.success(), "qwen_check.py failed:\n{stderr}");
     let seen: serde_json::Value =
         serde_json::from_slice(&out.stdout).expect("the script's JSON line");
-    eprintln!("tools_check.py saw {seen}");
+    eprintln!("qwen_check.py saw {seen}");
 
     let weather = pb::Tool {
         name: "get_weather".into(),

@@ -125,7 +125,7 @@ fn run(engine: &mut Engine, work: Work) -> Result<Done> {
                 // same rules (penalties, banned ids before min_tokens) as every later one.
                 let (prompt, generated) = tokens.split_at(tokens.len() - resumed);
                 let mut stream =
-                    tandem_engine::Stream::resume(params, tokenizer, prompt, generated)?;
+                    tandem_engine::Stream::resume(params, engine.model(), prompt, generated)?;
                 let token = stream.sample(tokenizer, &l, tokens.len());
                 Some((token, stream.take_logprobs()))
             }

@@ -11,7 +11,9 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
-use tandem_engine::{GenerateParams, KvExport, KvLayout, Model, SamplingParams, TokenLogprobs};
+use tandem_engine::{
+    GenerateParams, Grammar, KvExport, KvLayout, Model, SamplingParams, TokenLogprobs,
+};
 use tandem_proto::v1 as pb;
 use tandem_transfer::{Chunk, KvKind, ReceivedKv, WireLayout};
 
@@ -71,6 +73,7 @@ pub fn params_to_pb(p: &GenerateParams) -> pb::SamplingParams {
         min_tokens: p.min_tokens as u32,
         stop_token_ids: p.stop_token_ids.clone(),
         logprobs: p.logprobs.map(|k| k as u32),
+        grammar: p.grammar.as_ref().map(grammar_to_pb),
     }
 }
 
@@ -86,6 +89,29 @@ pub fn params_from_pb(s: Option<pb::SamplingParams>) -> GenerateParams {
         ignore_eos: s.ignore_eos,
         min_tokens: s.min_tokens as usize,
         logprobs: s.logprobs.map(|k| k as usize),
+        grammar: s.grammar.and_then(|g| g.kind).map(grammar_from_pb),
+    }
+}
+
+fn grammar_to_pb(g: &Grammar) -> pb::Grammar {
+    use pb::grammar::Kind;
+    pb::Grammar {
+        kind: Some(match g {
+            Grammar::JsonSchema(s) => Kind::JsonSchema(s.clone()),
+            Grammar::JsonObject => Kind::JsonObject(true),
+            Grammar::Regex(r) => Kind::Regex(r.clone()),
+            Grammar::Lark(l) => Kind::Lark(l.clone()),
+        }),
+    }
+}
+
+fn grammar_from_pb(k: pb::grammar::Kind) -> Grammar {
+    use pb::grammar::Kind;
+    match k {
+        Kind::JsonSchema(s) => Grammar::JsonSchema(s),
+        Kind::JsonObject(_) => Grammar::JsonObject,
+        Kind::Regex(r) => Grammar::Regex(r),
+        Kind::Lark(l) => Grammar::Lark(l),
     }
 }
 

@@ -493,6 +493,38 @@ fn token_ids(body: &Map<String, Value>, key: &str) -> Result<Vec<u32>, ApiError>
     }
 }
 
+/// `response_format`: `{"type": "text"}` (free text), `{"type": "json_object"}` or
+/// `{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}`.
+fn response_format(body: &Map<String, Value>) -> Result<Option<pb::Grammar>, ApiError> {
+    use pb::grammar::Kind;
+    let Some(format) = body.get("response_format").filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let kind = match format.get("type").and_then(Value::as_str) {
+        Some("text") => return Ok(None),
+        Some("json_object") => Kind::JsonObject(true),
+        Some("json_schema") => match format.pointer("/json_schema/schema") {
+            Some(schema @ (Value::Object(_) | Value::Bool(_))) => {
+                Kind::JsonSchema(schema.to_string())
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    "response_format.json_schema.schema",
+                    "a json_schema response format needs its 'schema' object",
+                ));
+            }
+        },
+        _ => {
+            return Err(ApiError::invalid(
+                "response_format",
+                "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or \
+                 {\"type\": \"json_schema\", \"json_schema\": {...}}",
+            ));
+        }
+    };
+    Ok(Some(pb::Grammar { kind: Some(kind) }))
+}
+
 /// How many alternatives' log-probabilities a request asks for, if any: chat's `logprobs`
 /// (a boolean) and `top_logprobs`; completions' `logprobs` (a count).
 fn logprobs(kind: Kind, body: &Map<String, Value>) -> Result<Option<u32>, ApiError> {
@@ -592,15 +624,7 @@ pub(crate) fn parse(
             "there is no insertion mode",
         ));
     }
-    if body
-        .get("response_format")
-        .is_some_and(|v| !v.is_null() && v.get("type") != Some(&json!("text")))
-    {
-        return Err(ApiError::unsupported(
-            "response_format",
-            "only {\"type\": \"text\"} is served",
-        ));
-    }
+    let grammar = response_format(&body)?;
     match body.get("model") {
         Some(Value::String(m)) if m == model => {}
         Some(Value::String(m)) => {
@@ -701,6 +725,7 @@ pub(crate) fn parse(
             .map_or(0, |m| u32::try_from(m).unwrap_or(u32::MAX)),
         stop_token_ids: token_ids(&body, "stop_token_ids")?,
         logprobs,
+        grammar,
     };
     let mut request = pb::GenerateRequest {
         request_id: header_str(headers, "x-request-id")

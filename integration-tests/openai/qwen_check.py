@@ -1,7 +1,8 @@
-"""Drives tool calling on Tandem's OpenAI-compatible HTTP API with the official `openai` package,
-against a cluster serving a model whose chat template takes tools (the 0.5B Qwen2.5-Coder).
+"""Drives tool calling and structured outputs on Tandem's OpenAI-compatible HTTP API with the
+official `openai` package, against a cluster serving a model whose chat template takes tools
+(the 0.5B Qwen2.5-Coder).
 
-Usage: tools_check.py BASE_URL (e.g. http://127.0.0.1:8000/v1)
+Usage: qwen_check.py BASE_URL (e.g. http://127.0.0.1:8000/v1)
 
 Every check asserts; the script exits non-zero on the first failure and prints one JSON line of
 what it saw on success, which `integration-tests/tests/openai_api.rs` checks.
@@ -11,6 +12,7 @@ import json
 import sys
 
 import openai
+import pydantic
 
 base_url = sys.argv[1]
 client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
@@ -149,5 +151,62 @@ refused(
 )
 refused("tool_call_id", messages=question + [{"role": "tool", "content": "x"}])
 refused("tool_choice", tool_choice="required")
+
+# Structured outputs: a JSON schema, as `parse` sends it from a pydantic model (strict).
+class Cat(pydantic.BaseModel):
+    name: str
+    age: int
+    indoor: bool
+
+
+cat_question = [
+    {"role": "user", "content": "Describe a cat as JSON: its name, age and whether it lives indoors."}
+]
+parsed = client.chat.completions.parse(
+    model=model, messages=cat_question, response_format=Cat, temperature=0, max_tokens=96
+)
+cat = parsed.choices[0].message.parsed
+assert isinstance(cat, Cat), parsed.choices[0].message
+assert parsed.choices[0].finish_reason == "stop", parsed.choices[0]
+seen["cat"] = cat.model_dump()
+
+# The same schema streamed: the text joins to the same object.
+text = "".join(
+    c.choices[0].delta.content or ""
+    for c in client.chat.completions.create(
+        model=model,
+        messages=cat_question,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "Cat", "schema": Cat.model_json_schema(), "strict": True},
+        },
+        temperature=0,
+        max_tokens=96,
+        stream=True,
+    )
+    if c.choices
+)
+assert Cat.model_validate_json(text) == cat, text
+
+# Any JSON object: the reply parses to one.
+obj = client.chat.completions.create(
+    model=model,
+    messages=[{"role": "user", "content": "Give me a short JSON object with the name and country of Paris."}],
+    response_format={"type": "json_object"},
+    temperature=0,
+    max_tokens=200,
+)
+assert obj.choices[0].finish_reason == "stop", obj.choices[0]
+assert isinstance(json.loads(obj.choices[0].message.content), dict), obj.choices[0]
+seen["json_object"] = obj.choices[0].message.content
+
+# A schema the engine cannot compile: 400 before any work.
+refused(
+    "grammar",
+    response_format={
+        "type": "json_schema",
+        "json_schema": {"name": "bad", "schema": {"type": "frobnicate"}},
+    },
+)
 
 print(json.dumps(seen))

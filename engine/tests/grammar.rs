@@ -1,0 +1,123 @@
+//! Constrained decoding on the 0.5B Qwen (`tandem model fetch qwen2.5-coder-0.5b`): output that
+//! matches a JSON schema and a regex, the same tokens with speculation on and off and after a
+//! resume, and a clear error for a grammar that does not compile.
+
+use std::sync::Arc;
+
+use tandem_engine::{
+    ChatMessage, Engine, EngineConfig, Error, FinishReason, GenerateOutput, GenerateParams,
+    GenerateRequest, Grammar, Model, ModelSource, SpeculateConfig, Stream,
+};
+
+fn qwen() -> Arc<Model> {
+    ModelSource::parse("qwen2.5-coder-0.5b", &tandem_engine::model_dir_from_env())
+        .load()
+        .unwrap_or_else(|e| panic!("the grammar tests need the 0.5B Qwen: {e}"))
+}
+
+fn chat(model: &Model, text: &str) -> Vec<u32> {
+    let rendered = model
+        .tokenizer
+        .apply_chat_template(&[ChatMessage::new("user", text)], &[])
+        .expect("template");
+    model.tokenizer.encode(&rendered).expect("encode")
+}
+
+fn generate(
+    model: &Arc<Model>,
+    speculate: SpeculateConfig,
+    prompt: &[u32],
+    grammar: Grammar,
+) -> GenerateOutput {
+    let mut engine = Engine::new(
+        model.clone(),
+        EngineConfig {
+            threads: 2,
+            speculate,
+            ..EngineConfig::default()
+        },
+    )
+    .expect("engine");
+    let mut out = engine
+        .generate_batch(&[GenerateRequest {
+            prompt: prompt.to_vec(),
+            params: params(grammar),
+        }])
+        .expect("generation");
+    out.remove(0)
+}
+
+fn params(grammar: Grammar) -> GenerateParams {
+    GenerateParams {
+        max_tokens: 96,
+        grammar: Some(grammar),
+        ..GenerateParams::default()
+    }
+}
+
+const CAT: &str = r#"{"type": "object", "properties": {"name": {"type": "string"},
+    "age": {"type": "integer"}, "indoor": {"type": "boolean"}},
+    "required": ["name", "age", "indoor"], "additionalProperties": false}"#;
+
+#[test]
+fn output_matches_the_grammar_the_same_with_speculation_and_after_a_resume() {
+    let model = qwen();
+    let prompt = chat(
+        &model,
+        "Describe a cat as JSON: its name, age and whether it lives indoors.",
+    );
+    let grammar = Grammar::JsonSchema(CAT.into());
+    let out = generate(&model, SpeculateConfig::off(), &prompt, grammar.clone());
+    assert_eq!(out.finish_reason, FinishReason::Stop, "{:?}", out.text);
+    let cat: serde_json::Value = serde_json::from_str(&out.text).expect(&out.text);
+    assert!(cat["name"].is_string(), "{cat}");
+    assert!(cat["age"].is_i64(), "{cat}");
+    assert!(cat["indoor"].is_boolean(), "{cat}");
+    assert_eq!(cat.as_object().map(|o| o.len()), Some(3), "{cat}");
+
+    // Speculation drafts tokens the grammar may forbid; a forbidden draft is a rejection.
+    let spec = generate(&model, SpeculateConfig::on(), &prompt, grammar.clone());
+    assert_eq!(spec.token_ids, out.token_ids);
+
+    // A stream resumed after some of the tokens (a failover) is where the uninterrupted one was:
+    // it accepts the rest and ends where it did.
+    let k = out.token_ids.len() / 2;
+    let mut resumed =
+        Stream::resume(params(grammar), &model, &prompt, &out.token_ids[..k]).expect("resume");
+    let rest: Vec<_> = out.token_ids[k..]
+        .iter()
+        .map(|&t| resumed.accept(&model.tokenizer, t).finished)
+        .collect();
+    assert!(rest[..rest.len() - 1].iter().all(Option::is_none));
+
+    let yes_no = generate(
+        &model,
+        SpeculateConfig::off(),
+        &chat(&model, "Is the sky green? Answer yes or no."),
+        Grammar::Regex("(yes|no)".into()),
+    );
+    assert!(
+        ["yes", "no"].contains(&yes_no.text.as_str()),
+        "{:?}",
+        yes_no.text
+    );
+    assert_eq!(yes_no.finish_reason, FinishReason::Stop);
+}
+
+#[test]
+fn a_grammar_that_does_not_compile_is_refused_by_name() {
+    let model = qwen();
+    for grammar in [
+        Grammar::JsonSchema("{not json".into()),
+        Grammar::JsonSchema(r#"{"type": "frobnicate"}"#.into()),
+        Grammar::Regex("(unclosed".into()),
+        Grammar::Lark("start: ???".into()),
+    ] {
+        match Stream::new(params(grammar.clone()), &model, &[1, 2]) {
+            Err(Error::InvalidArgument { field, reason }) => {
+                assert_eq!(field, "grammar", "{reason}");
+            }
+            other => panic!("{grammar:?} gave {other:?}"),
+        }
+    }
+}
