@@ -121,3 +121,70 @@ fn a_grammar_that_does_not_compile_is_refused_by_name() {
         }
     }
 }
+
+/// A forced tool call under the tools' grammar (what the router sets for `tool_choice`
+/// required or a named function): the forced opening and the reply make one call, of a tool
+/// offered, with arguments that match its schema.
+#[test]
+fn a_forced_call_follows_the_tools_schemas() {
+    use tandem_tokenizer::{Piece, ToolCallParser};
+    let model = qwen();
+    let weather = r#"{"type": "object", "properties": {"city": {"type": "string"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": false}"#;
+    let tools_json: Vec<serde_json::Value> = [("get_weather", weather), ("get_time", "{}")]
+        .iter()
+        .map(|(name, schema)| {
+            serde_json::json!({"type": "function", "function": {"name": name,
+                "parameters": serde_json::from_str::<serde_json::Value>(schema).expect("schema")}})
+        })
+        .collect();
+    let format = model
+        .tokenizer
+        .tool_format()
+        .expect("Qwen's template takes tools");
+    for function in [None, Some("get_weather")] {
+        let forced = format.forced_prefix(function);
+        let text = model
+            .tokenizer
+            .apply_chat_template(
+                &[ChatMessage::new(
+                    "user",
+                    "What is the weather like in Oslo?",
+                )],
+                &tools_json,
+            )
+            .expect("template")
+            + &forced;
+        let prompt = model.tokenizer.encode(&text).expect("encode");
+        let grammar = format.call_grammar(
+            &[("get_weather", Some(weather)), ("get_time", None)],
+            function,
+        );
+        let out = generate(
+            &model,
+            SpeculateConfig::off(),
+            &prompt,
+            Grammar::Lark(grammar),
+        );
+        assert_eq!(out.finish_reason, FinishReason::Stop, "{:?}", out.text);
+        let mut parser = ToolCallParser::new(format, &forced);
+        let mut pieces = parser.push(&out.text);
+        pieces.extend(parser.finish());
+        let [Piece::Call { name, arguments }] = &pieces[..] else {
+            panic!("{function:?}: {pieces:?} from {:?}", out.text);
+        };
+        let args: serde_json::Value = serde_json::from_str(arguments).expect("arguments");
+        if name == "get_weather" {
+            assert!(args["city"].is_string(), "{args}");
+            assert!(
+                ["celsius", "fahrenheit"].contains(&args["unit"].as_str().unwrap_or("")),
+                "{args}"
+            );
+            assert_eq!(args.as_object().map(|o| o.len()), Some(2), "{args}");
+        } else {
+            assert_eq!(function, None, "{name}");
+            assert!(args.is_object(), "{args}");
+        }
+    }
+}

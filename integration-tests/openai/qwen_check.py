@@ -141,8 +141,21 @@ def refused(param, **kwargs):
         return
     raise AssertionError(f"{param} was not refused")
 
+# A strict tool in a forced call: the arguments follow its schema (an enum the question does
+# not name included).
 strict = json.loads(json.dumps(weather))
 strict["function"]["strict"] = True
+strict["function"]["parameters"]["properties"]["unit"] = {"enum": ["celsius", "fahrenheit"]}
+strict["function"]["parameters"]["required"] = ["city", "unit"]
+strict["function"]["parameters"]["additionalProperties"] = False
+forced = client.chat.completions.create(
+    messages=question, tools=[strict], tool_choice="required", **common
+)
+forced_args = json.loads(forced.choices[0].message.tool_calls[0].function.arguments)
+assert set(forced_args) == {"city", "unit"}, forced_args
+assert forced_args["unit"] in ("celsius", "fahrenheit"), forced_args
+seen["strict"] = forced_args
+# Without a forced call, strict arguments are not guaranteed: refused by name.
 refused("strict", tools=[strict])
 refused(
     "tool_choice",

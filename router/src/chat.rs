@@ -95,6 +95,33 @@ pub fn render(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Result<String> 
     }
 }
 
+/// The grammar that holds a forced call (`tool_choice` required or a named function) to the
+/// tools' names and parameter schemas, after the forced opening; `None` when the model decides.
+/// Call after [`render`] has checked the request.
+pub fn forced_call_grammar(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Option<pb::Grammar> {
+    let format = tokenizer.tool_format().filter(|_| !r.tools.is_empty())?;
+    let function = match pb::ToolChoice::try_from(r.tool_choice).ok()? {
+        pb::ToolChoice::Required => None,
+        pb::ToolChoice::Function => Some(r.tool_choice_function.as_str()),
+        pb::ToolChoice::Auto | pb::ToolChoice::None => return None,
+    };
+    let tools: Vec<(&str, Option<&str>)> = r
+        .tools
+        .iter()
+        .map(|t| {
+            (
+                t.name.as_str(),
+                (!t.parameters.is_empty()).then_some(t.parameters.as_str()),
+            )
+        })
+        .collect();
+    Some(pb::Grammar {
+        kind: Some(pb::grammar::Kind::Lark(
+            format.call_grammar(&tools, function),
+        )),
+    })
+}
+
 /// What a tool choice makes of the tools offered: `None` when they are not offered (`none`),
 /// else the start of the reply that it forces (empty when the model decides).
 pub fn reply_start(format: ToolFormat, choice: pb::ToolChoice, function: &str) -> Option<String> {

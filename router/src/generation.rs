@@ -160,6 +160,15 @@ pub fn prepare(
         front.tokenizer.encode(&prompt)?
     } else if !r.messages.is_empty() {
         let text = crate::chat::render(&front.tokenizer, &r)?;
+        if let Some(call) = crate::chat::forced_call_grammar(&front.tokenizer, &r) {
+            if sampling.grammar.is_some() {
+                return invalid(
+                    "sampling.grammar",
+                    "a forced tool call has the tools' grammar: give no other",
+                );
+            }
+            sampling.grammar = Some(call);
+        }
         front.tokenizer.encode(&text)?
     } else {
         let vocab = front.tokenizer.vocab_size();

@@ -307,7 +307,7 @@ fn tool_calls(i: usize, calls: Option<&Value>) -> Result<Vec<pb::ToolCall>, ApiE
 
 /// `tools`: function definitions, `{"type": "function", "function": {"name", "description",
 /// "parameters"}}`.
-fn tools(body: &Map<String, Value>) -> Result<Vec<pb::Tool>, ApiError> {
+fn tools(body: &Map<String, Value>, forced: bool) -> Result<Vec<pb::Tool>, ApiError> {
     let list = match body.get("tools") {
         None | Some(Value::Null) => return Ok(Vec::new()),
         Some(Value::Array(list)) => list,
@@ -342,10 +342,11 @@ fn tools(body: &Map<String, Value>) -> Result<Vec<pb::Tool>, ApiError> {
                     "not a function definition's key",
                 ));
             }
-            if flag(f, "strict")? {
+            if flag(f, "strict")? && !forced {
                 return Err(ApiError::unsupported(
                     &format!("{param}.function.strict"),
-                    "arguments are not yet constrained to the schema (strict: false is served)",
+                    "arguments follow the schema only in a forced call (tool_choice \"required\" \
+                     or a named function)",
                 ));
             }
             let name = match f.get("name") {
@@ -742,8 +743,9 @@ pub(crate) fn parse(
     match kind {
         Kind::Chat => {
             request.messages = messages(&body)?;
-            request.tools = tools(&body)?;
             let (choice, function) = tool_choice(&body)?;
+            let forced = matches!(choice, pb::ToolChoice::Required | pb::ToolChoice::Function);
+            request.tools = tools(&body, forced)?;
             request.tool_choice = choice as i32;
             request.tool_choice_function = function;
         }
@@ -890,7 +892,7 @@ mod tests {
             (json!({"model": "m", "prompt": "x", "tools": []}), "tools"),
             (json!({"model": "m", "prompt": "x", "n": 2}), "n"),
             (
-                json!({"model": "m", "prompt": "x", "logprobs": 3}),
+                json!({"model": "m", "prompt": "x", "logprobs": 21}),
                 "logprobs",
             ),
             (json!({"model": "m", "prompt": "x", "echo": true}), "echo"),
@@ -951,6 +953,19 @@ mod tests {
             (json!({"stop_token_ids": [1, "2"]}), "stop_token_ids"),
             (json!({"service_tier": "flex"}), "service_tier"),
             (json!({"parallel_tool_calls": "yes"}), "parallel_tool_calls"),
+            (json!({"top_logprobs": 3}), "top_logprobs"),
+            (
+                json!({"logprobs": true, "top_logprobs": 21}),
+                "top_logprobs",
+            ),
+            (
+                json!({"response_format": {"type": "yaml"}}),
+                "response_format",
+            ),
+            (
+                json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
+                "response_format.json_schema.schema",
+            ),
             (
                 json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
                 "messages[0].content",
