@@ -8,8 +8,8 @@ use anyhow::{Context, bail};
 use clap::Args;
 use serde::Serialize;
 use tandem_engine::{
-    ChatMessage, Engine, EngineConfig, GenerateParams, GenerateRequest, KvExport, SeqId,
-    SpeculateConfig, argmax,
+    ChatMessage, Engine, EngineConfig, GenerateOutput, GenerateParams, GenerateRequest, KvExport,
+    SeqId, SpeculateConfig, argmax,
 };
 
 use crate::ModelArgs;
@@ -57,10 +57,24 @@ pub(crate) struct EngineBenchArgs {
     /// The batch of the speculation measurement's aggregate run (the prompts repeated).
     #[arg(long, default_value_t = 16)]
     speculate_batch: usize,
+    /// Also measure constrained decoding: `--grammar-batch` chat prompts asking for a long JSON
+    /// list, generated greedily for `--grammar-tokens` tokens each with every sequence held to
+    /// a JSON schema (an object with an array of strings), and without (the end-of-generation
+    /// ids ignored), in alternating runs; reports each one's median inter-token latency.
+    #[arg(long)]
+    grammar: bool,
+    /// The batch of the constrained-decoding measurement.
+    #[arg(long, default_value_t = 16)]
+    grammar_batch: usize,
+    /// Tokens generated per sequence in the constrained-decoding measurement (a constrained one
+    /// ends sooner if its JSON closes).
+    #[arg(long, default_value_t = 64)]
+    grammar_tokens: usize,
     /// Print `{"threads":N,"context_tokens":C,"kv":[{"kv_dtype":"f16","kv_bytes_per_token":B,
     /// "pool_sequences":S,"prefill_tok_s":F,"decode":[{"batch":B,"tok_s":F},...]},...],
     /// "peak_rss_mb":M}` (with `--speculate`, also `"speculation":{"prompts":[...],
-    /// "batch":{...}}`).
+    /// "batch":{...}}`; with `--grammar`, `"grammar":{"batch":B,"free_itl_ms":F,
+    /// "constrained_itl_ms":C,"ratio":R,"full_length":N}`).
     #[arg(long)]
     json: bool,
 }
@@ -89,8 +103,22 @@ struct BenchResult {
     kv: Vec<KvResult>,
     #[serde(skip_serializing_if = "Option::is_none")]
     speculation: Option<SpeculationResult>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    grammar: Option<GrammarResult>,
     /// The process's peak resident memory, MB (weights, KV pool pages touched, buffers).
     peak_rss_mb: f64,
+}
+
+/// Constrained decoding against free decoding at one batch: median inter-token latencies.
+#[derive(Serialize)]
+struct GrammarResult {
+    batch: usize,
+    free_itl_ms: f64,
+    constrained_itl_ms: f64,
+    ratio: f64,
+    /// Constrained sequences that ran every token of the last run (the rest closed their JSON
+    /// early, and the batch shrank as they left).
+    full_length: usize,
 }
 
 /// One workload generated with speculation off and on: medians over the runs.
@@ -219,6 +247,11 @@ pub(crate) fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
     } else {
         None
     };
+    let grammar = if args.grammar {
+        Some(constrained(&mut engines[0], args)?)
+    } else {
+        None
+    };
     let per_sequence = (context.len() + args.gen_tokens).div_ceil(tandem_engine::BLOCK_TOKENS);
     let result = BenchResult {
         threads: engines[0].threads(),
@@ -236,6 +269,7 @@ pub(crate) fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
             })
             .collect(),
         speculation,
+        grammar,
         peak_rss_mb: peak_rss_mb(),
     };
     let rss = result.peak_rss_mb;
@@ -285,6 +319,13 @@ pub(crate) fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
                     r.tokens_per_step
                 );
             }
+        }
+        if let Some(g) = &result.grammar {
+            println!(
+                "constrained decoding, batch {}: inter-token {:.2} ms free, {:.2} ms constrained \
+                 ({:.3}x); {} of {} constrained sequences ran every token",
+                g.batch, g.free_itl_ms, g.constrained_itl_ms, g.ratio, g.full_length, g.batch
+            );
         }
         println!("peak resident memory {rss:.0} MB");
     }
@@ -389,6 +430,83 @@ fn compare(
         speedup: on / off,
         acceptance: accepted as f64 / (drafted.max(1)) as f64,
         tokens_per_step: (tokens as f64 - requests.len() as f64) / passes.max(1) as f64,
+    })
+}
+
+/// The schema every sequence of the constrained-decoding measurement is held to.
+const LIST_SCHEMA: &str = r#"{"type": "object", "properties": {"items": {"type": "array",
+    "items": {"type": "string"}}}, "required": ["items"]}"#;
+
+fn constrained(engine: &mut Engine, args: &EngineBenchArgs) -> anyhow::Result<GrammarResult> {
+    let model = engine.model().clone();
+    let topics = ["cities", "rivers", "fruits", "programming languages"];
+    let requests = |grammar: bool| -> anyhow::Result<Vec<GenerateRequest>> {
+        (0..args.grammar_batch)
+            .map(|i| {
+                let text = format!(
+                    "Answer in JSON: an object whose \"items\" lists 100 {}.",
+                    topics[i % topics.len()]
+                );
+                let rendered = model
+                    .tokenizer
+                    .apply_chat_template(&[ChatMessage::new("user", text)], &[])?;
+                Ok(GenerateRequest {
+                    prompt: model.tokenizer.encode(&rendered)?,
+                    params: GenerateParams {
+                        max_tokens: args.grammar_tokens,
+                        ignore_eos: !grammar,
+                        grammar: grammar
+                            .then(|| tandem_engine::Grammar::JsonSchema(LIST_SCHEMA.into())),
+                        ..GenerateParams::default()
+                    },
+                })
+            })
+            .collect()
+    };
+    let (free_requests, constrained_requests) = (requests(false)?, requests(true)?);
+    // Each sequence's decode time over the tokens after its first.
+    let itl = |outs: &[GenerateOutput]| {
+        median(
+            outs.iter()
+                .filter(|o| o.token_ids.len() > 1)
+                .map(|o| o.decode_ms / (o.token_ids.len() - 1) as f64)
+                .collect(),
+        )
+    };
+    let (mut free, mut held, mut full_length) = (Vec::new(), Vec::new(), 0);
+    for run in 0..args.runs {
+        for grammar in [run % 2 == 1, run % 2 == 0] {
+            let reqs = if grammar {
+                &constrained_requests
+            } else {
+                &free_requests
+            };
+            let outs = engine.generate_batch(reqs)?;
+            let ms = itl(&outs);
+            eprintln!(
+                "constrained decoding run {}/{}, {}: {ms:.2} ms per token",
+                run + 1,
+                args.runs,
+                if grammar { "constrained" } else { "free" }
+            );
+            if grammar {
+                full_length = outs
+                    .iter()
+                    .filter(|o| o.token_ids.len() == args.grammar_tokens)
+                    .count();
+                held.push(ms);
+            } else {
+                free.push(ms);
+            }
+        }
+    }
+    let (free, held) = (median(free), median(held));
+    Ok(GrammarResult {
+        batch: args.grammar_batch,
+        free_itl_ms: free,
+        constrained_itl_ms: held,
+        ratio: held / free,
+        full_length,
     })
 }
 
