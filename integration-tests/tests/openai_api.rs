@@ -52,6 +52,24 @@ fn python() -> PathBuf {
     python
 }
 
+/// Runs `integration-tests/openai/SCRIPT` against `base` and returns the JSON line it prints
+/// of what it saw; a failed check fails the test with the script's output.
+async fn check_script(python: &Path, script: &str, base: &str) -> serde_json::Value {
+    let out = tokio::process::Command::new(python)
+        .arg(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("openai")
+                .join(script),
+        )
+        .arg(base)
+        .output()
+        .await
+        .expect("run the openai client");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{script} failed:\n{stderr}");
+    serde_json::from_slice(&out.stdout).expect("the script's JSON line")
+}
+
 async fn grpc_text(cluster: &Cluster, request: pb::GenerateRequest) -> String {
     collect(&mut cluster.client(), request)
         .await
@@ -68,18 +86,8 @@ async fn the_openai_client_gets_what_grpc_gets() {
     let cluster = Cluster::start(ClusterConfig::new(model))
         .await
         .expect("cluster");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("openai/client_check.py");
     let base = format!("http://{}/v1", cluster.http);
-    let out = tokio::process::Command::new(&python)
-        .arg(&script)
-        .arg(&base)
-        .output()
-        .await
-        .expect("run the openai client");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "client_check.py failed:\n{stderr}");
-    let seen: serde_json::Value =
-        serde_json::from_slice(&out.stdout).expect("the script's JSON line");
+    let seen = check_script(&python, "client_check.py", &base).await;
 
     // The same requests over gRPC give the same text.
     let chat = grpc_text(
@@ -190,17 +198,12 @@ async fn the_openai_client_calls_tools_and_gets_structured_outputs() {
     let cluster = Cluster::start(ClusterConfig::new(model))
         .await
         .expect("cluster");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("openai/qwen_check.py");
-    let out = tokio::process::Command::new(&python)
-        .arg(&script)
-        .arg(format!("http://{}/v1", cluster.http))
-        .output()
-        .await
-        .expect("run the openai client");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "qwen_check.py failed:\n{stderr}");
-    let seen: serde_json::Value =
-        serde_json::from_slice(&out.stdout).expect("the script's JSON line");
+    let seen = check_script(
+        &python,
+        "qwen_check.py",
+        &format!("http://{}/v1", cluster.http),
+    )
+    .await;
     eprintln!("qwen_check.py saw {seen}");
 
     let weather = pb::Tool {

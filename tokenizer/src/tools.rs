@@ -1,5 +1,6 @@
 //! Tool calls in a model's own markup: which markup a chat template writes, the text that forces
-//! a call, and a streaming parser that splits a reply into text and calls.
+//! a call and the grammar that holds the rest of it to the tools' schemas, and a streaming
+//! parser that splits a reply into text and calls.
 //!
 //! Written by hand: the markup is a template's, not a grammar's, and the parser must work on
 //! text that arrives a few bytes at a time (an SSE stream) while holding back nothing but a
@@ -36,9 +37,7 @@ impl ToolFormat {
             }
         }
     }
-}
 
-impl ToolFormat {
     /// A Lark grammar (llguidance's dialect) for the rest of a forced call, after
     /// [`ToolFormat::forced_prefix`]: the name of one of `tools` (or `function`'s, already
     /// written), arguments that match that tool's JSON schema (`None`: any object), and the
