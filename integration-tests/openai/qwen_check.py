@@ -183,6 +183,38 @@ assert isinstance(cat, Cat), parsed.choices[0].message
 assert parsed.choices[0].finish_reason == "stop", parsed.choices[0]
 seen["cat"] = cat.model_dump()
 
+# Twenty seeded samples at temperature 0.8, at once: every one parses.
+from concurrent.futures import ThreadPoolExecutor
+
+
+def sample_cat(seed):
+    r = client.chat.completions.parse(
+        model=model,
+        messages=cat_question,
+        response_format=Cat,
+        temperature=0.8,
+        seed=seed,
+        max_tokens=200,
+    )
+    assert r.choices[0].finish_reason == "stop", r.choices[0]
+    assert isinstance(r.choices[0].message.parsed, Cat), r.choices[0].message
+    return r.choices[0].message.parsed.name
+
+
+with ThreadPoolExecutor(max_workers=10) as pool:
+    seen["sampled_cat_names"] = sorted(set(pool.map(sample_cat, range(20))))
+
+# ignore_eos runs to exactly max_tokens.
+long = client.chat.completions.create(
+    model=model,
+    messages=[{"role": "user", "content": "Say hi."}],
+    max_tokens=40,
+    temperature=0,
+    extra_body={"ignore_eos": True},
+)
+assert long.usage.completion_tokens == 40, long.usage
+assert long.choices[0].finish_reason == "length", long.choices[0]
+
 # The same schema streamed: the text joins to the same object.
 text = "".join(
     c.choices[0].delta.content or ""

@@ -4,7 +4,8 @@
 //! stream with gap-free indices, equal token for token to the fault-free run of the same seed.
 //! On the real models: the tiny one can finish 600 tokens before the test cuts into them. The
 //! sampling uses every knob that reads the position or the tokens so far (min_tokens bans the
-//! end-of-generation ids across the cut; min_p and logit biases shape each draw).
+//! end-of-generation ids across the cut; min_p and logit biases shape each draw), and on Qwen
+//! a run held to a grammar, with log-probabilities, which resume exactly too.
 
 use std::time::{Duration, Instant};
 
@@ -64,7 +65,7 @@ async fn busy_decode(cluster: &Cluster) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_node_lost_mid_stream_is_resumed_exactly_elsewhere() {
     let model = smollm2_model().expect("SmolLM2");
-    lost_mid_stream_resumes_exactly(model, arbitrary_prompt(), 600).await;
+    lost_mid_stream_resumes_exactly(model, seeded(arbitrary_prompt(), 600)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -83,13 +84,25 @@ async fn a_qwen_stream_lost_mid_stream_is_resumed_exactly_elsewhere() {
         )
         .expect("template");
     let prompt = model.tokenizer.encode(&text).expect("encode");
-    lost_mid_stream_resumes_exactly(model, prompt, 120).await;
+    lost_mid_stream_resumes_exactly(model.clone(), seeded(prompt.clone(), 120)).await;
+
+    // Held to a grammar, with log-probabilities: the resumed node replays the delivered tokens
+    // into the grammar, and the frames carry the same log-probabilities.
+    let mut constrained = seeded(prompt, 120);
+    if let Some(s) = &mut constrained.sampling {
+        s.grammar = Some(pb::Grammar {
+            kind: Some(pb::grammar::Kind::Regex("([0-9]+\n)+".into())),
+        });
+        s.logprobs = Some(3);
+    }
+    lost_mid_stream_resumes_exactly(model, constrained).await;
 }
 
-async fn lost_mid_stream_resumes_exactly(model: Arc<Model>, prompt: Vec<u32>, max_tokens: u32) {
+async fn lost_mid_stream_resumes_exactly(model: Arc<Model>, request: pb::GenerateRequest) {
+    let prompt = request.token_ids.clone();
     let cluster = cluster(model, 1, 2).await;
     let mut client = cluster.client();
-    let want = collect(&mut client, seeded(prompt.clone(), max_tokens))
+    let want = collect(&mut client, request.clone())
         .await
         .expect("fault-free run");
     assert_eq!(want.last.route.as_ref().map(|r| r.attempts), Some(1));
@@ -100,17 +113,19 @@ async fn lost_mid_stream_resumes_exactly(model: Arc<Model>, prompt: Vec<u32>, ma
     );
 
     let mut frames = client
-        .generate(seeded(prompt.clone(), max_tokens))
+        .generate(request)
         .await
         .expect("generate")
         .into_inner();
     let (mut tokens, mut text, mut index) = (Vec::<u32>::new(), String::new(), 0u32);
+    let mut logprobs = Vec::new();
     let mut last = None;
     let mut cut = None;
     while let Some(f) = frames.message().await.expect("no error reaches the client") {
         assert_eq!(f.index, index, "indices are gap-free and never repeat");
         index += 1;
         tokens.extend(&f.token_ids);
+        logprobs.extend(f.logprobs.iter().cloned());
         text.push_str(&f.text);
         if index == 8 {
             let i = busy_decode(&cluster).await;
@@ -129,6 +144,7 @@ async fn lost_mid_stream_resumes_exactly(model: Arc<Model>, prompt: Vec<u32>, ma
         "the same tokens as the fault-free run"
     );
     assert_eq!(text, want.text, "the same text");
+    assert_eq!(logprobs, want.logprobs, "the same log-probabilities");
     assert_eq!(last.finish_reason, want.last.finish_reason);
     let usage = last.usage.expect("usage");
     assert_eq!(usage.completion_tokens as usize, want.token_ids.len());
