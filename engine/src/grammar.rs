@@ -136,25 +136,24 @@ impl Constraint {
         } else {
             self.matcher.compute_mask().ok()
         };
-        let Some(mask) = mask else {
-            for (id, l) in logits.iter_mut().enumerate() {
-                if !self.eog.contains(&(id as u32)) {
-                    *l = f32::NEG_INFINITY;
-                }
-            }
-            return;
-        };
-        let may_end = self.eog.iter().any(|&e| mask.is_allowed(e));
+        // The end-of-generation ids' logits, kept where the grammar may end.
+        let ends: Vec<(usize, f32)> = match &mask {
+            Some(m) if self.eog.iter().any(|&e| m.is_allowed(e)) => self.eog.iter(),
+            Some(_) => [].iter(),
+            None => self.eog.iter(),
+        }
+        .filter_map(|&e| logits.get(e as usize).map(|&l| (e as usize, l)))
+        .collect();
         for (id, l) in logits.iter_mut().enumerate() {
-            let id = id as u32;
-            let allowed = if self.eog.contains(&id) {
-                may_end
-            } else {
-                (id as usize) < mask.len() && mask.is_allowed(id)
-            };
-            if !allowed {
+            if !mask
+                .as_ref()
+                .is_some_and(|m| id < m.len() && m.is_allowed(id as u32))
+            {
                 *l = f32::NEG_INFINITY;
             }
+        }
+        for &(id, l) in &ends {
+            logits[id] = l;
         }
     }
 

@@ -7,9 +7,6 @@ use tandem_tokenizer::{ChatMessage, FunctionCall, Tokenizer, ToolCall, ToolForma
 
 use crate::error::{Error, Result};
 
-/// The chat roles the APIs take.
-const ROLES: &[&str] = &["system", "user", "assistant", "tool"];
-
 /// Most tools a request may offer.
 pub const MAX_TOOLS: usize = 128;
 
@@ -47,9 +44,17 @@ pub fn valid_function_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
+/// A chat request rendered: the prompt text, and the grammar of the call its tool choice forces.
+#[derive(Debug)]
+pub struct Rendered {
+    pub text: String,
+    pub forced_call: Option<pb::Grammar>,
+}
+
 /// Renders the request's messages, and the tools its choice offers, with the model's template;
-/// a call that the choice forces begins the reply, at the end of the text.
-pub fn render(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Result<String> {
+/// a call that the choice forces begins the reply, at the end of the text, and is held by a
+/// grammar of the tools' names and parameter schemas.
+pub fn render(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Result<Rendered> {
     let messages = r
         .messages
         .iter()
@@ -62,6 +67,12 @@ pub fn render(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Result<String> 
             format!("{} is not a ToolChoice", r.tool_choice),
         )
     })?;
+    let free = |messages: &[ChatMessage]| -> Result<Rendered> {
+        Ok(Rendered {
+            text: tokenizer.apply_chat_template(messages, &[])?,
+            forced_call: None,
+        })
+    };
     if r.tools.is_empty() {
         if !matches!(choice, pb::ToolChoice::Auto | pb::ToolChoice::None) {
             return invalid(
@@ -69,7 +80,7 @@ pub fn render(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Result<String> 
                 "a call is forced, but no tools are given".into(),
             );
         }
-        return Ok(tokenizer.apply_chat_template(&messages, &[])?);
+        return free(&messages);
     }
     let Some(format) = tokenizer.tool_format() else {
         return invalid("tools", "the model's chat template takes no tools".into());
@@ -78,34 +89,31 @@ pub fn render(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Result<String> 
         return invalid("tools", format!("at most {MAX_TOOLS} tools"));
     }
     let tools = r.tools.iter().map(tool).collect::<Result<Vec<_>>>()?;
-    if choice == pb::ToolChoice::Function
-        && !r.tools.iter().any(|t| t.name == r.tool_choice_function)
-    {
+    let function = &r.tool_choice_function;
+    if choice == pb::ToolChoice::Function && !r.tools.iter().any(|t| &t.name == function) {
         return invalid(
             "tool_choice_function",
             format!(
                 "{:?} is not one of the tools given",
-                r.tool_choice_function.chars().take(64).collect::<String>()
+                function.chars().take(64).collect::<String>()
             ),
         );
     }
-    match reply_start(format, choice, &r.tool_choice_function) {
-        None => Ok(tokenizer.apply_chat_template(&messages, &[])?),
-        Some(forced) => Ok(tokenizer.apply_chat_template(&messages, &tools)? + &forced),
-    }
-}
-
-/// The grammar that holds a forced call (`tool_choice` required or a named function) to the
-/// tools' names and parameter schemas, after the forced opening; `None` when the model decides.
-/// Call after [`render`] has checked the request.
-pub fn forced_call_grammar(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Option<pb::Grammar> {
-    let format = tokenizer.tool_format().filter(|_| !r.tools.is_empty())?;
-    let function = match pb::ToolChoice::try_from(r.tool_choice).ok()? {
-        pb::ToolChoice::Required => None,
-        pb::ToolChoice::Function => Some(r.tool_choice_function.as_str()),
-        pb::ToolChoice::Auto | pb::ToolChoice::None => return None,
+    let Some(forced) = reply_start(format, choice, function) else {
+        return free(&messages);
     };
-    let tools: Vec<(&str, Option<&str>)> = r
+    let text = tokenizer.apply_chat_template(&messages, &tools)? + &forced;
+    let function = match choice {
+        pb::ToolChoice::Required => None,
+        pb::ToolChoice::Function => Some(function.as_str()),
+        pb::ToolChoice::Auto | pb::ToolChoice::None => {
+            return Ok(Rendered {
+                text,
+                forced_call: None,
+            });
+        }
+    };
+    let schemas: Vec<(&str, Option<&str>)> = r
         .tools
         .iter()
         .map(|t| {
@@ -115,15 +123,19 @@ pub fn forced_call_grammar(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Op
             )
         })
         .collect();
-    Some(pb::Grammar {
-        kind: Some(pb::grammar::Kind::Lark(
-            format.call_grammar(&tools, function),
-        )),
+    Ok(Rendered {
+        text,
+        forced_call: Some(pb::Grammar {
+            kind: Some(pb::grammar::Kind::Lark(
+                format.call_grammar(&schemas, function),
+            )),
+        }),
     })
 }
 
 /// What a tool choice makes of the tools offered: `None` when they are not offered (`none`),
-/// else the start of the reply that it forces (empty when the model decides).
+/// else the start of the reply that it forces (empty when the model decides). The prompt ends
+/// with it, and the HTTP API's parser starts from it.
 pub fn reply_start(format: ToolFormat, choice: pb::ToolChoice, function: &str) -> Option<String> {
     match choice {
         pb::ToolChoice::None => None,
@@ -133,17 +145,9 @@ pub fn reply_start(format: ToolFormat, choice: pb::ToolChoice, function: &str) -
     }
 }
 
-/// A message as the template takes it: a tool call's arguments parsed to a JSON object.
+/// A message as the template takes it: a tool call's arguments parsed to a JSON object. The
+/// role is checked where the template is rendered.
 fn message(i: usize, m: &pb::ChatMessage) -> Result<ChatMessage> {
-    if !ROLES.contains(&m.role.as_str()) {
-        return invalid(
-            "messages",
-            format!(
-                "message {i} has role {:?}; roles are system, user, assistant and tool",
-                m.role.chars().take(32).collect::<String>()
-            ),
-        );
-    }
     if !m.tool_calls.is_empty() && m.role != "assistant" {
         return invalid(
             "messages",

@@ -159,8 +159,8 @@ pub fn prepare(
         }
         front.tokenizer.encode(&prompt)?
     } else if !r.messages.is_empty() {
-        let text = crate::chat::render(&front.tokenizer, &r)?;
-        if let Some(call) = crate::chat::forced_call_grammar(&front.tokenizer, &r) {
+        let rendered = crate::chat::render(&front.tokenizer, &r)?;
+        if let Some(call) = rendered.forced_call {
             if sampling.grammar.is_some() {
                 return invalid(
                     "sampling.grammar",
@@ -169,7 +169,7 @@ pub fn prepare(
             }
             sampling.grammar = Some(call);
         }
-        front.tokenizer.encode(&text)?
+        front.tokenizer.encode(&rendered.text)?
     } else {
         let vocab = front.tokenizer.vocab_size();
         if let Some(t) = r.token_ids.iter().find(|&&t| t as usize >= vocab) {
