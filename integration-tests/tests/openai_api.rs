@@ -7,6 +7,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use tandem_integration_tests::{Cluster, ClusterConfig, collect, smollm2_model};
@@ -16,8 +17,14 @@ use tandem_proto::v1 as pb;
 const OPENAI: &str = "openai==3.54.0";
 
 /// A Python with `openai` installed: `TANDEM_OPENAI_PYTHON` if set, else a virtual environment
-/// made (once) under the target directory.
+/// made (once) under the target directory. The tests of this file run in parallel and share the
+/// environment, so the first caller makes it and the others wait for it.
 fn python() -> PathBuf {
+    static PYTHON: OnceLock<PathBuf> = OnceLock::new();
+    PYTHON.get_or_init(make_python).clone()
+}
+
+fn make_python() -> PathBuf {
     if let Some(p) = std::env::var_os("TANDEM_OPENAI_PYTHON") {
         return p.into();
     }
@@ -32,7 +39,8 @@ fn python() -> PathBuf {
     if !has_openai(&python) {
         let base = std::env::var("TANDEM_PYTHON").unwrap_or_else(|_| "python3".into());
         let made = Command::new(&base)
-            .args(["-m", "venv"])
+            // `--clear` remakes an environment an interrupted run left without `openai`.
+            .args(["-m", "venv", "--clear"])
             .arg(&venv)
             .status()
             .expect("run python3 -m venv");
