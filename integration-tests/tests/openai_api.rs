@@ -13,10 +13,10 @@ use std::time::Duration;
 use tandem_integration_tests::{Cluster, ClusterConfig, collect, smollm2_model};
 use tandem_proto::v1 as pb;
 
-/// The `openai` package version the check is written against.
-const OPENAI: &str = "openai==3.54.0";
+/// The packages the checks are written against: the `openai` client, and LangChain's.
+const PACKAGES: [&str; 2] = ["openai==3.54.0", "langchain-openai==1.7.4"];
 
-/// A Python with `openai` installed: `TANDEM_OPENAI_PYTHON` if set, else a virtual environment
+/// A Python with [`PACKAGES`] installed: `TANDEM_OPENAI_PYTHON` if set, else a virtual environment
 /// made (once) under the target directory. The tests of this file run in parallel and share the
 /// environment, so the first caller makes it and the others wait for it.
 fn python() -> PathBuf {
@@ -30,16 +30,17 @@ fn make_python() -> PathBuf {
     }
     let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
     let python = venv.join("bin/python");
-    let has_openai = |p: &Path| {
+    let has_packages = |p: &Path| {
         Command::new(p)
-            .args(["-c", "import openai"])
+            .args(["-c", "import openai, langchain_openai"])
+            .stderr(std::process::Stdio::null())
             .status()
             .is_ok_and(|s| s.success())
     };
-    if !has_openai(&python) {
+    if !has_packages(&python) {
         let base = std::env::var("TANDEM_PYTHON").unwrap_or_else(|_| "python3".into());
         let made = Command::new(&base)
-            // `--clear` remakes an environment an interrupted run left without `openai`.
+            // `--clear` remakes an environment an interrupted run left without the packages.
             .args(["-m", "venv", "--clear"])
             .arg(&venv)
             .status()
@@ -49,12 +50,13 @@ fn make_python() -> PathBuf {
             "could not make a virtual environment with {base}"
         );
         let installed = Command::new(&python)
-            .args(["-m", "pip", "install", "--quiet", OPENAI])
+            .args(["-m", "pip", "install", "--quiet"])
+            .args(PACKAGES)
             .status()
             .expect("run pip");
         assert!(
             installed.success(),
-            "pip could not install {OPENAI} from PyPI"
+            "pip could not install {PACKAGES:?} from PyPI"
         );
     }
     python
@@ -163,7 +165,7 @@ async fn the_openai_client_gets_what_grpc_gets() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        stdout.contains("data: [DONE]") && stdout.contains("n=2 -> HTTP 400"),
+        stdout.contains("data: [DONE]") && stdout.contains("best_of=2 -> HTTP 400"),
         "{stdout}"
     );
 
@@ -194,8 +196,10 @@ async fn the_openai_client_gets_what_grpc_gets() {
 /// Tool calling and structured outputs with the official client on the 0.5B Qwen, whose
 /// template takes tools (`integration-tests/openai/qwen_check.py`: forced and named calls,
 /// streamed and not, a follow-up turn with the call's result, `tool_choice: none`, a pydantic
-/// model through `parse`, `json_object`, and the refusals); then the same forced call over
-/// gRPC, whose text is the call's markup after the forced opening.
+/// model through `parse`, `n: 3`, `json_object`, and the refusals), and through LangChain's
+/// `ChatOpenAI` (`langchain_check.py`: `with_structured_output`, `bind_tools` and a tool call
+/// round trip); then the same forced call over gRPC, whose text is the call's markup after the
+/// forced opening.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_openai_client_calls_tools_and_gets_structured_outputs() {
     let python = tokio::task::spawn_blocking(python)
@@ -213,6 +217,13 @@ async fn the_openai_client_calls_tools_and_gets_structured_outputs() {
     )
     .await;
     eprintln!("qwen_check.py saw {seen}");
+    let langchain = check_script(
+        &python,
+        "langchain_check.py",
+        &format!("http://{}/v1", cluster.http),
+    )
+    .await;
+    eprintln!("langchain_check.py saw {langchain}");
 
     let weather = pb::Tool {
         name: "get_weather".into(),
