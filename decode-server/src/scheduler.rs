@@ -347,9 +347,12 @@ impl Scheduler {
     }
 
     /// Emits the first token, `next`, of a sequence that holds its whole prompt, and adds it to
-    /// the batch, or to the queue for a slot when the batch is full.
+    /// the batch, or to the queue for a slot when the batch is full. The prompt's full blocks go
+    /// into the session cache first, so that requests for the same prompt that arrive while
+    /// this one runs (a request's other choices) share them instead of computing them again.
     fn join(&mut self, seq: SeqId, j: Joining, next: u32) {
         debug_assert_eq!(self.engine.seq_len(seq).ok(), Some(j.prompt.len()));
+        self.keep(seq, &j.cache_salt, &j.prompt);
         let mut a = Active {
             decoding: Decoding::new(seq, j.stream, j.prompt, next),
             cache_salt: j.cache_salt,
@@ -434,7 +437,7 @@ impl Scheduler {
         let tokens = emissions.iter().filter(|e| e.token.is_some()).count();
         self.shared.metrics.tokens.inc_by(tokens as u64);
         if finished {
-            self.keep(a);
+            self.keep(a.decoding.seq, &a.cache_salt, &a.decoding.tokens);
         }
         let drafter = &a.decoding.drafter;
         let event = Event::Tokens {
@@ -447,15 +450,15 @@ impl Scheduler {
         a.events.try_send(event).is_ok() && !finished
     }
 
-    /// Keeps a sequence's full blocks (prompt and reply) in the session cache.
-    fn keep(&mut self, a: &Active) {
+    /// Keeps the full blocks of `tokens`, which `seq` holds (its prompt, or prompt and reply),
+    /// in the session cache, and sends the cache events.
+    fn keep(&mut self, seq: SeqId, cache_salt: &str, tokens: &[u32]) {
         if !self.engine.prefix_cache_enabled() {
             return;
         }
-        let hashes =
-            tandem_worker::block_hashes(self.engine.model(), &a.cache_salt, &a.decoding.tokens);
-        if let Err(e) = self.engine.cache_sequence(a.decoding.seq, &hashes) {
-            tracing::warn!(error = %e, "could not keep a finished sequence's KV");
+        let hashes = tandem_worker::block_hashes(self.engine.model(), cache_salt, tokens);
+        if let Err(e) = self.engine.cache_sequence(seq, &hashes) {
+            tracing::warn!(error = %e, "could not keep a sequence's KV");
         }
         self.shared.hub.publish(self.engine.take_cache_events());
     }

@@ -16,7 +16,7 @@ curl -sfN "$base/v1/chat/completions" -H 'content-type: application/json' -H 'x-
   \"max_tokens\": 8, \"stream\": true, \"stream_options\": {\"include_usage\": true}
 }"
 # A parameter Tandem does not serve is refused by name (HTTP 400), never ignored.
-status=$(curl -s -o /dev/null -w '%{http_code}' "$base/v1/chat/completions" -H 'content-type: application/json' \
-  -d "{\"model\": \"$model\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"n\": 2}")
-echo "n=2 -> HTTP $status"
+status=$(curl -s -o /dev/null -w '%{http_code}' "$base/v1/completions" -H 'content-type: application/json' \
+  -d "{\"model\": \"$model\", \"prompt\": \"hi\", \"best_of\": 2}")
+echo "best_of=2 -> HTTP $status"
 [ "$status" = 400 ]

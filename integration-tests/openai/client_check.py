@@ -167,12 +167,12 @@ assert hot_but_greedy.choices[0].text == text, (hot_but_greedy.choices[0].text, 
 
 # A parameter Tandem does not support is rejected by name.
 try:
-    client.chat.completions.create(model=model, messages=messages, n=2)
-    raise AssertionError("n=2 was accepted")
+    client.completions.create(model=model, prompt=prompt, max_tokens=4, best_of=2)
+    raise AssertionError("best_of=2 was accepted")
 except openai.BadRequestError as e:
     assert e.status_code == 400, e
-    assert "'n'" in e.message, e.message
-    assert e.body["param"] == "n", e.body
+    assert "'best_of'" in e.message, e.message
+    assert e.body["param"] == "best_of", e.body
 # SmolLM2's chat template takes no tools: offering some is refused by name.
 try:
     client.chat.completions.create(

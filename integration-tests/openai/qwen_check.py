@@ -204,6 +204,39 @@ def sample_cat(seed):
 with ThreadPoolExecutor(max_workers=10) as pool:
     seen["sampled_cat_names"] = sorted(set(pool.map(sample_cat, range(20))))
 
+# n = 3: three replies to one prompt, each valid; the first is the one-choice reply with the
+# same seed; usage counts the prompt once and every choice's tokens; streamed, each choice's
+# deltas join to its text.
+cat_schema = {
+    "type": "json_schema",
+    "json_schema": {"name": "Cat", "schema": Cat.model_json_schema(), "strict": True},
+}
+sampled = dict(
+    model=model,
+    messages=cat_question,
+    temperature=0.8,
+    seed=11,
+    max_tokens=200,
+)
+three = client.chat.completions.parse(response_format=Cat, n=3, logprobs=True, **sampled)
+assert [c.index for c in three.choices] == [0, 1, 2], three.choices
+for c in three.choices:
+    assert c.finish_reason == "stop", c
+    assert isinstance(c.message.parsed, Cat), c.message
+one = client.chat.completions.parse(response_format=Cat, **sampled)
+assert three.choices[0].message.content == one.choices[0].message.content, (three, one)
+assert three.usage.prompt_tokens == one.usage.prompt_tokens, (three.usage, one.usage)
+tokens = [len(c.logprobs.content) for c in three.choices]
+assert three.usage.completion_tokens == sum(tokens), (three.usage, tokens)
+streamed = ["", "", ""]
+for chunk in client.chat.completions.create(
+    response_format=cat_schema, n=3, stream=True, **sampled
+):
+    for c in chunk.choices:
+        streamed[c.index] += c.delta.content or ""
+assert streamed == [c.message.content for c in three.choices], streamed
+seen["three_cats"] = [c.message.parsed.name for c in three.choices]
+
 # ignore_eos runs to exactly max_tokens.
 long = client.chat.completions.create(
     model=model,
@@ -221,10 +254,7 @@ text = "".join(
     for c in client.chat.completions.create(
         model=model,
         messages=cat_question,
-        response_format={
-            "type": "json_schema",
-            "json_schema": {"name": "Cat", "schema": Cat.model_json_schema(), "strict": True},
-        },
+        response_format=cat_schema,
         temperature=0,
         max_tokens=96,
         stream=True,

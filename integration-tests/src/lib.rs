@@ -415,26 +415,55 @@ pub async fn collect(
     client: &mut pb::generation_client::GenerationClient<Channel>,
     request: impl tonic::IntoRequest<pb::GenerateRequest>,
 ) -> Result<Collected, tonic::Status> {
+    let mut choices = collect_choices(client, request, 1).await?;
+    Ok(choices.remove(0))
+}
+
+/// Sends a request for `n` choices and reads the whole stream, each choice's frames checked
+/// as [`collect`] checks one stream's: a non-OK status is the error, and so is a stream that
+/// ends before every choice's final frame, a frame of a choice past `n` or after its final
+/// frame, or an index gap within a choice.
+pub async fn collect_choices(
+    client: &mut pb::generation_client::GenerationClient<Channel>,
+    request: impl tonic::IntoRequest<pb::GenerateRequest>,
+    n: usize,
+) -> Result<Vec<Collected>, tonic::Status> {
     let mut frames = client.generate(request).await?.into_inner();
-    let mut out = Collected::default();
+    let mut out = vec![Collected::default(); n];
+    let mut open = n;
     while let Some(f) = frames.message().await? {
-        if f.index as usize != out.frames {
+        let Some(c) = out.get_mut(f.choice as usize) else {
             return Err(tonic::Status::data_loss(format!(
-                "frame {} where {} was due",
-                f.index, out.frames
+                "a frame of choice {} of {n}",
+                f.choice
+            )));
+        };
+        if c.last.finish_reason != pb::FinishReason::Unspecified as i32 {
+            return Err(tonic::Status::data_loss(format!(
+                "a frame of choice {} after its last",
+                f.choice
             )));
         }
-        out.frames += 1;
-        out.token_ids.extend(&f.token_ids);
-        out.logprobs.extend(f.logprobs.iter().cloned());
-        out.text.push_str(&f.text);
+        if f.index as usize != c.frames {
+            return Err(tonic::Status::data_loss(format!(
+                "choice {}: frame {} where {} was due",
+                f.choice, f.index, c.frames
+            )));
+        }
+        c.frames += 1;
+        c.token_ids.extend(&f.token_ids);
+        c.logprobs.extend(f.logprobs.iter().cloned());
+        c.text.push_str(&f.text);
         if f.finish_reason != pb::FinishReason::Unspecified as i32 {
-            out.last = f;
-            return Ok(out);
+            c.last = f;
+            open -= 1;
+            if open == 0 {
+                return Ok(out);
+            }
         }
     }
     Err(tonic::Status::data_loss(
-        "the stream ended without a final frame",
+        "the stream ended before every choice's final frame",
     ))
 }
 

@@ -5,14 +5,17 @@
 //! On the real models: the tiny one can finish 600 tokens before the test cuts into them. The
 //! sampling uses every knob that reads the position or the tokens so far (min_tokens bans the
 //! end-of-generation ids across the cut; min_p and logit biases shape each draw), and on Qwen
-//! a run held to a grammar, with log-probabilities, which resume exactly too.
+//! a run held to a grammar, with log-probabilities, which resume exactly too. A request's
+//! choices (`n`) fail over each on its own, each exactly.
 
 use std::time::{Duration, Instant};
 
 use std::sync::Arc;
 
 use tandem_engine::Model;
-use tandem_integration_tests::{Cluster, ClusterConfig, collect, qwen_model, smollm2_model};
+use tandem_integration_tests::{
+    Cluster, ClusterConfig, Collected, collect, collect_choices, qwen_model, smollm2_model,
+};
 use tandem_proto::v1 as pb;
 
 /// 40 arbitrary tokens: SmolLM2 goes on and on after them.
@@ -166,6 +169,66 @@ async fn lost_mid_stream_resumes_exactly(model: Arc<Model>, request: pb::Generat
         .wait_ready(Duration::from_secs(10))
         .await
         .expect("re-admitted");
+    cluster.stop().await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_choice_of_a_request_is_resumed_exactly_on_its_own() {
+    let cluster = cluster(smollm2_model().expect("SmolLM2"), 1, 2).await;
+    let mut client = cluster.client();
+    let request = pb::GenerateRequest {
+        n: 2,
+        ..seeded(arbitrary_prompt(), 300)
+    };
+    let want = collect_choices(&mut client, request.clone(), 2)
+        .await
+        .expect("fault-free run");
+    assert_ne!(
+        want[0].token_ids, want[1].token_ids,
+        "two seeds, two replies"
+    );
+
+    let mut frames = client
+        .generate(request)
+        .await
+        .expect("generate")
+        .into_inner();
+    let mut got = vec![Collected::default(); 2];
+    let (mut open, mut cut) = (2, None);
+    while let Some(f) = frames.message().await.expect("no error reaches the client") {
+        let c = &mut got[f.choice as usize];
+        assert_eq!(f.index as usize, c.frames, "choice {}: gap-free", f.choice);
+        c.frames += 1;
+        c.token_ids.extend(&f.token_ids);
+        c.text.push_str(&f.text);
+        // Both choices are under way: the second starts once the first's first frame is out.
+        if cut.is_none() && got.iter().all(|c| c.frames >= 8) {
+            let i = busy_decode(&cluster).await;
+            cluster.relays[cluster.prefill.len() + i].cut();
+            cut = Some(i);
+        }
+        if f.finish_reason != pb::FinishReason::Unspecified as i32 {
+            let choice = f.choice as usize;
+            got[choice].last = f;
+            open -= 1;
+            if open == 0 {
+                break;
+            }
+        }
+    }
+    assert_eq!(open, 0, "every choice ends with its final frame");
+    assert!(cut.is_some(), "the stream was cut");
+    let mut failed_over = 0;
+    for (i, (got, want)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(
+            got.token_ids, want.token_ids,
+            "choice {i}: the fault-free tokens"
+        );
+        assert_eq!(got.text, want.text, "choice {i}: the fault-free text");
+        let route = got.last.route.as_ref().expect("route");
+        failed_over += usize::from(route.attempts == 2);
+    }
+    assert!(failed_over >= 1, "a choice on the cut node failed over");
     cluster.stop().await.expect("stop");
 }
 

@@ -202,6 +202,14 @@ async fn each_invalid_request_names_its_field() {
             greedy(vec![5, 1 << 30], 1),
             "token_ids",
         ),
+        (
+            "too many choices",
+            pb::GenerateRequest {
+                n: tandem_proto::MAX_CHOICES + 1,
+                ..greedy(vec![5, 6], 1)
+            },
+            "n",
+        ),
     ];
     for (name, request, field) in cases {
         let status = collect(&mut client, request).await.expect_err(name);

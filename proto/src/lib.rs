@@ -31,6 +31,22 @@ pub const MAX_ID_BYTES: usize = 256;
 /// OpenAI's bound on `top_logprobs`).
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 
+/// Most choices a request may ask for (`GenerateRequest.n`).
+pub const MAX_CHOICES: u32 = 16;
+
+/// The seed choice `choice` of a request seeded with `seed` samples with: the seed itself for
+/// the first, then a splitmix64 step per choice, so that the choices' streams differ and each
+/// one is a one-choice request with its own seed.
+pub fn choice_seed(seed: u64, choice: u32) -> u64 {
+    if choice == 0 {
+        return seed;
+    }
+    let mut z = seed.wrapping_add(u64::from(choice).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
 /// Checks `(field, id)` pairs against [`MAX_ID_BYTES`]; the first one over it is returned with
 /// the reason, which never echoes the id.
 pub fn check_ids(ids: &[(&'static str, &str)]) -> Result<(), (&'static str, String)> {

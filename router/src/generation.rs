@@ -37,6 +37,8 @@ pub struct Prepared {
     pub sampling: pb::SamplingParams,
     /// The cache partition ([`crate::auth::cache_partition`]) that seeds the block hashes.
     pub cache_salt: String,
+    /// How many replies to generate (`n`): 1 to [`tandem_proto::MAX_CHOICES`].
+    pub choices: u32,
 }
 
 /// Checks the request's ids and salt ([`tandem_proto::check_ids`]); the first thing done with a
@@ -123,6 +125,16 @@ pub fn prepare(
         });
     }
     check_token_ids(&sampling, front.tokenizer.vocab_size())?;
+    if r.n > tandem_proto::MAX_CHOICES {
+        return Err(Error::InvalidArgument {
+            field: "n",
+            reason: format!(
+                "{} choices, over the limit of {}",
+                r.n,
+                tandem_proto::MAX_CHOICES
+            ),
+        });
+    }
     if sampling.max_tokens == 0 && default_max_tokens.is_none() {
         return invalid("sampling.max_tokens", "must be at least 1");
     }
@@ -239,7 +251,18 @@ pub fn prepare(
         hashes,
         sampling,
         cache_salt,
+        choices: r.n.max(1),
     })
+}
+
+impl Prepared {
+    /// The sampling of choice `choice`: the request's, with the choice's own seed.
+    fn sampling_of(&self, choice: u32) -> pb::SamplingParams {
+        pb::SamplingParams {
+            seed: tandem_proto::choice_seed(self.sampling.seed, choice),
+            ..self.sampling.clone()
+        }
+    }
 }
 
 /// Most logit biases a request may set (OpenAI allows 300).
@@ -329,9 +352,11 @@ fn transfer_id() -> String {
     format!("{:032x}", rand::random::<u128>())
 }
 
-/// What a request's attempts have delivered so far: a later attempt resumes from here.
+/// What a choice's attempts have delivered so far: a later attempt resumes from here.
 #[derive(Debug, Default)]
 struct Progress {
+    /// Which of the request's choices this is.
+    choice: u32,
     /// Tokens delivered to the client so far.
     generated: Vec<u32>,
     /// Frames delivered to the client so far (a frame may carry several tokens).
@@ -441,10 +466,18 @@ impl Dispatcher {
         deadline: TokioInstant,
         log: &LogWriter,
     ) -> Outcome {
+        // Each choice is a stream that may fail over: each earns its share of the budget.
         let carried = self.replicas.all().iter().map(|r| r.inflight()).max();
-        self.budget.deposit(carried.unwrap_or(0));
-        let mut progress = Progress::default();
-        let dispatched = self.dispatch(p, &mut progress, accepted, deadline, log);
+        for _ in 0..p.choices {
+            self.budget.deposit(carried.unwrap_or(0));
+        }
+        let mut progress: Vec<Progress> = (0..p.choices)
+            .map(|choice| Progress {
+                choice,
+                ..Progress::default()
+            })
+            .collect();
+        let dispatched = self.dispatch_choices(&p, &mut progress, accepted, deadline, log);
         let outcome = tokio::select! {
             r = tokio::time::timeout_at(deadline, dispatched) => {
                 match r {
@@ -460,6 +493,7 @@ impl Dispatcher {
                 message: "the client went away".into(),
             }),
         };
+        let generated = progress.iter().map(|p| p.generated.len()).sum();
         let code = match outcome {
             Ok(()) => tonic::Code::Ok,
             Err(e) => {
@@ -468,8 +502,8 @@ impl Dispatcher {
                     // The cluster failed the request (the client's own errors are its to see).
                     tracing::warn!(
                         error = %e,
-                        attempts = progress.attempts,
-                        delivered = progress.generated.len(),
+                        attempts = progress.iter().map(|p| p.attempts).sum::<u32>(),
+                        delivered = generated,
                         "generation failed"
                     );
                 }
@@ -477,10 +511,36 @@ impl Dispatcher {
                 code
             }
         };
-        Outcome {
-            code,
-            generated: progress.generated.len(),
+        Outcome { code, generated }
+    }
+
+    /// Runs every choice of the request, each with its own attempts. The first runs at once;
+    /// the others start once its first frame is out, when its prompt's KV is on its decode node
+    /// and in that node's cache (see the decode scheduler's `join`), so that they reuse it
+    /// rather than compute the prompt again. A choice that fails for good fails the request.
+    async fn dispatch_choices(
+        &self,
+        p: &Prepared,
+        progress: &mut [Progress],
+        accepted: Instant,
+        deadline: TokioInstant,
+        log: &LogWriter,
+    ) -> Result<()> {
+        let Some((first, others)) = progress.split_first_mut() else {
+            return Ok(());
+        };
+        let first = self.dispatch(p, first, accepted, deadline, log);
+        if others.is_empty() {
+            return first.await;
         }
+        let others = async {
+            log.first_frame().await;
+            let each = others
+                .iter_mut()
+                .map(|progress| self.dispatch(p, progress, accepted, deadline, log));
+            futures::future::try_join_all(each).await
+        };
+        futures::future::try_join(first, others).await.map(drop)
     }
 
     /// Attempts the generation until one attempt finishes it. A replica that fails is avoided
@@ -488,7 +548,7 @@ impl Dispatcher {
     /// most [`MAX_ATTEMPTS`] attempts and within the retry budget.
     async fn dispatch(
         &self,
-        p: Prepared,
+        p: &Prepared,
         progress: &mut Progress,
         accepted: Instant,
         deadline: TokioInstant,
@@ -497,7 +557,7 @@ impl Dispatcher {
         loop {
             progress.attempts += 1;
             self.metrics.attempts.inc();
-            let failure = match self.attempt(&p, progress, accepted, deadline, log).await {
+            let failure = match self.attempt(p, progress, accepted, deadline, log).await {
                 Ok(()) => return Ok(()),
                 Err(f) => f,
             };
@@ -515,6 +575,7 @@ impl Dispatcher {
             self.metrics.failover(hop);
             tracing::warn!(
                 request_id = %p.request_id,
+                choice = progress.choice,
                 error = %failure.error,
                 suspects = ?failure.suspects,
                 delivered = progress.generated.len(),
@@ -660,7 +721,7 @@ impl Dispatcher {
                 request_id: p.request_id.clone(),
                 transfer_id: transfer_id.clone(),
                 prompt_token_ids: tokens.to_vec(),
-                sampling: Some(p.sampling.clone()),
+                sampling: Some(p.sampling_of(progress.choice)),
                 // A prompt queued on the prefill node is not silence: its push sends keepalives.
                 kv_wait_ms: u32::try_from(self.kv_wait.as_millis()).unwrap_or(u32::MAX),
                 local_prefill: local,
@@ -774,7 +835,7 @@ impl Dispatcher {
                 token_ids: tokens.clone(),
                 cached_tokens: decode_cached,
                 decode_addr: d_addr.clone(),
-                sampling: Some(p.sampling.clone()),
+                sampling: Some(p.sampling_of(progress.choice)),
                 resumed_tokens: resumed as u32,
                 cache_salt: p.cache_salt.clone(),
             });
@@ -857,7 +918,10 @@ impl Dispatcher {
                 None => {
                     let ttft_ms = ms(accepted);
                     progress.first_token_ms = Some(ttft_ms);
-                    self.metrics.ttft.observe(ttft_ms / 1e3);
+                    // The request's time to first token is its first choice's.
+                    if progress.choice == 0 {
+                        self.metrics.ttft.observe(ttft_ms / 1e3);
+                    }
                 }
                 Some(at) => self.metrics.inter_token.observe(at.elapsed().as_secs_f64()),
             }
@@ -865,6 +929,7 @@ impl Dispatcher {
             frames_here += 1;
             let mut frame = pb::GenerateResponse {
                 index: progress.frames,
+                choice: progress.choice,
                 token_ids: t.token_ids,
                 text: t.text,
                 finish_reason: t.finish_reason,
@@ -894,8 +959,11 @@ impl Dispatcher {
                 .map_or(0, |r| r.prefix_cached_tokens.saturating_sub(decode_cached));
             frame.prompt_token_ids = p.tokens.clone();
             let cached = (decode_cached + prefill_cached).min(p.tokens.len() as u32);
-            self.metrics.prompt_tokens.inc_by(p.tokens.len() as u64);
-            self.metrics.cached_prompt_tokens.inc_by(u64::from(cached));
+            // The request's prompt counts once, as its first choice saw it.
+            if progress.choice == 0 {
+                self.metrics.prompt_tokens.inc_by(p.tokens.len() as u64);
+                self.metrics.cached_prompt_tokens.inc_by(u64::from(cached));
+            }
             frame.usage = Some(pb::Usage {
                 prompt_tokens: p.tokens.len() as u32,
                 completion_tokens: t.completion_tokens,

@@ -139,7 +139,12 @@ impl GenerationService {
         .instrument(span.clone())
         .await
         .map_err(|_| Error::ShuttingDown)??;
-        let grant = principal.admit(prepared.tokens.len(), prepared.sampling.max_tokens)?;
+        // A key's token limits count every choice's reply.
+        let replies = prepared
+            .sampling
+            .max_tokens
+            .saturating_mul(prepared.choices);
+        let grant = principal.admit(prepared.tokens.len(), replies)?;
         // Looking the id up and registering the new generation are one step under one lock, so
         // two requests with the same id can never both start.
         let log = {
@@ -149,7 +154,7 @@ impl GenerationService {
                 grant.finish(0);
                 return Ok(attached);
             }
-            let log = LogWriter::new();
+            let log = LogWriter::new(prepared.choices);
             if !key.1.is_empty() {
                 running.insert(key.clone(), log.clone());
             }

@@ -37,7 +37,7 @@ use crate::service::{GenerateStream, GenerationService, fresh_request_id};
 
 pub(crate) use error::ApiError;
 pub(crate) use request::parse;
-use response::{Envelope, Logprobs, Reply, extend_arrays, sse};
+use response::{Choice, Envelope, Logprobs, Replies, Reply, sse};
 
 /// Most tokens a request may generate when it sets no `max_tokens` (less if the context ends
 /// sooner). The decode node reserves KV for the worst case, so "the whole context" by default
@@ -176,17 +176,24 @@ async fn run(
         parsed.request.request_id = fresh_request_id();
     }
     let request_id = parsed.request.request_id.clone();
-    let logprobs = parsed
+    let with_logprobs = parsed
         .request
         .sampling
         .as_ref()
-        .and_then(|s| s.logprobs)
-        .map(|_| Logprobs::new(front.clone(), kind));
-    let reply = Reply::new(
-        tool_parser(&front.tokenizer, &parsed.request),
-        parsed.parallel_tool_calls,
-        &request_id,
-    );
+        .is_some_and(|s| s.logprobs.is_some());
+    let choices = (0..parsed.request.n.max(1))
+        .map(|i| {
+            let reply = Reply::new(
+                tool_parser(&front.tokenizer, &parsed.request),
+                parsed.parallel_tool_calls,
+                &request_id,
+                i,
+            );
+            let logprobs = with_logprobs.then(|| Logprobs::new(front.clone(), kind));
+            Choice::new(reply, logprobs)
+        })
+        .collect();
+    let mut replies = Replies::new(choices);
     let envelope = Envelope::new(kind, &request_id, &model);
     let deadline = parsed.timeout.map(|t| tokio::time::Instant::now() + t);
     let mut frames = api
@@ -200,37 +207,13 @@ async fn run(
     // The first frame decides the status: an error before any token is an HTTP error.
     let first = next_frame(&mut frames).await?;
     let mut response = if parsed.stream {
-        sse(
-            envelope,
-            reply,
-            logprobs,
-            first,
-            frames,
-            parsed.include_usage,
-        )
-        .into_response()
+        sse(envelope, replies, first, frames, parsed.include_usage).into_response()
     } else {
-        let mut reply = reply;
-        let mut logprobs = logprobs;
-        let mut all_logprobs: Option<Value> = None;
-        let mut last = first;
-        let mut parts = Vec::new();
-        loop {
-            parts.extend(reply.push(&last.text));
-            if let Some(l) = &mut logprobs {
-                let frame = l.frame(&last);
-                match &mut all_logprobs {
-                    None => all_logprobs = Some(frame),
-                    Some(all) => extend_arrays(all, frame),
-                }
-            }
-            if last.finish_reason != pb::FinishReason::Unspecified as i32 {
-                break;
-            }
-            last = next_frame(&mut frames).await?;
+        replies.gather(&first)?;
+        while !replies.done() {
+            replies.gather(&next_frame(&mut frames).await?)?;
         }
-        parts.extend(reply.finish());
-        Json(envelope.complete(&parts, &reply, all_logprobs, &last)).into_response()
+        Json(envelope.complete(replies)).into_response()
     };
     if let Ok(v) = HeaderValue::from_str(&request_id) {
         response.headers_mut().insert("x-request-id", v);

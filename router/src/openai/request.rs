@@ -587,10 +587,13 @@ pub(crate) fn parse(
     {
         return Err(ApiError::unsupported(key, "Tandem does not implement it"));
     }
+    // The upper bound is the router's (`prepare`), the same on both APIs.
+    let n = match unsigned(&body, "n")? {
+        None => 1,
+        Some(0) => return Err(ApiError::invalid("n", "'n' must be at least 1")),
+        Some(n) => u32::try_from(n).unwrap_or(u32::MAX),
+    };
     // Parameters that are accepted only at the value that means "off".
-    if unsigned(&body, "n")?.is_some_and(|n| n != 1) {
-        return Err(ApiError::unsupported("n", "only n=1 is served"));
-    }
     if unsigned(&body, "best_of")?.is_some_and(|n| n != 1) {
         return Err(ApiError::unsupported("best_of", "only best_of=1 is served"));
     }
@@ -738,6 +741,7 @@ pub(crate) fn parse(
             .unwrap_or_default(),
         sampling: Some(sampling),
         cache_salt,
+        n,
         ..Default::default()
     };
     match kind {
@@ -890,7 +894,11 @@ mod tests {
     fn unknown_and_unsupported_parameters_are_named() {
         for (body, param) in [
             (json!({"model": "m", "prompt": "x", "tools": []}), "tools"),
-            (json!({"model": "m", "prompt": "x", "n": 2}), "n"),
+            (json!({"model": "m", "prompt": "x", "n": 0}), "n"),
+            (
+                json!({"model": "m", "prompt": "x", "best_of": 2}),
+                "best_of",
+            ),
             (
                 json!({"model": "m", "prompt": "x", "logprobs": 21}),
                 "logprobs",
@@ -914,6 +922,9 @@ mod tests {
         let ok = json!({"model": "m", "prompt": "x", "n": 1, "logprobs": false, "echo": false,
                         "tools": null, "logit_bias": {}});
         assert!(parse_json(Kind::Completion, ok).is_ok());
+        let three = json!({"model": "m", "prompt": "x", "n": 3});
+        let parsed = parse_json(Kind::Completion, three).expect("n = 3");
+        assert_eq!(parsed.request.n, 3);
     }
 
     #[test]

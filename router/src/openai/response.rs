@@ -14,8 +14,7 @@ use super::{ApiError, Kind};
 use crate::replicas::Frontend;
 use crate::service::GenerateStream;
 
-fn usage(u: Option<&pb::Usage>) -> Value {
-    let u = u.cloned().unwrap_or_default();
+fn usage(u: &pb::Usage) -> Value {
     json!({
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
@@ -78,11 +77,21 @@ pub(super) struct Reply {
 }
 
 impl Reply {
-    pub(super) fn new(parser: Option<ToolCallParser>, parallel: bool, request_id: &str) -> Self {
+    /// The reply of choice `choice`; its calls' ids are unique among the request's choices.
+    pub(super) fn new(
+        parser: Option<ToolCallParser>,
+        parallel: bool,
+        request_id: &str,
+        choice: u32,
+    ) -> Self {
+        let call_id_prefix = match choice {
+            0 => format!("call_{request_id}_"),
+            c => format!("call_{request_id}_{c}_"),
+        };
         Self {
             parser,
             parallel,
-            call_id_prefix: format!("call_{request_id}_"),
+            call_id_prefix,
             calls: 0,
         }
     }
@@ -212,13 +221,109 @@ impl Logprobs {
 }
 
 /// Appends `more`'s arrays to `all`'s (frames' log-probabilities into a whole reply's).
-pub(super) fn extend_arrays(all: &mut Value, more: Value) {
+fn extend_arrays(all: &mut Value, more: Value) {
     let Value::Object(more) = more else { return };
     for (k, v) in more {
         match (all.get_mut(&k), v) {
             (Some(Value::Array(a)), Value::Array(b)) => a.extend(b),
             (_, v) => all[&k] = v,
         }
+    }
+}
+
+/// One of a request's choices as its frames arrive: its reply's parts and log-probabilities,
+/// and, for a whole completion, all of them so far.
+pub(super) struct Choice {
+    reply: Reply,
+    logprobs: Option<Logprobs>,
+    parts: Vec<Part>,
+    all_logprobs: Option<Value>,
+    finish: Option<i32>,
+}
+
+impl Choice {
+    pub(super) fn new(reply: Reply, logprobs: Option<Logprobs>) -> Self {
+        Self {
+            reply,
+            logprobs,
+            parts: Vec::new(),
+            all_logprobs: None,
+            finish: None,
+        }
+    }
+
+    /// What frame `f` completes: its parts (with those still held, on the last frame) and its
+    /// log-probabilities.
+    fn frame(&mut self, f: &pb::GenerateResponse) -> (Vec<Part>, Option<Value>) {
+        let logprobs = self.logprobs.as_mut().map(|l| l.frame(f));
+        let mut parts = self.reply.push(&f.text);
+        if f.finish_reason != pb::FinishReason::Unspecified as i32 {
+            parts.extend(self.reply.finish());
+            self.finish = Some(f.finish_reason);
+        }
+        (parts, logprobs)
+    }
+
+    /// Keeps frame `f`'s parts and log-probabilities for the whole completion.
+    fn gather(&mut self, f: &pb::GenerateResponse) {
+        let (parts, logprobs) = self.frame(f);
+        self.parts.extend(parts);
+        if let Some(l) = logprobs {
+            match &mut self.all_logprobs {
+                None => self.all_logprobs = Some(l),
+                Some(all) => extend_arrays(all, l),
+            }
+        }
+    }
+}
+
+/// A request's choices, fed its frames in the order they come (the choices' interleave).
+pub(super) struct Replies {
+    choices: Vec<Choice>,
+    /// Choices whose last frame has not come.
+    open: usize,
+    /// The prompt once, as the first choice saw it; every finished choice's completion tokens.
+    usage: pb::Usage,
+}
+
+impl Replies {
+    pub(super) fn new(choices: Vec<Choice>) -> Self {
+        Self {
+            open: choices.len(),
+            choices,
+            usage: pb::Usage::default(),
+        }
+    }
+
+    /// Whether every choice has had its last frame.
+    pub(super) fn done(&self) -> bool {
+        self.open == 0
+    }
+
+    /// The choice frame `f` belongs to, counting its usage on its last frame.
+    fn choice(&mut self, f: &pb::GenerateResponse) -> Result<&mut Choice, ApiError> {
+        let choice = self.choices.get_mut(f.choice as usize).ok_or_else(|| {
+            ApiError::from_code(
+                tonic::Code::Internal,
+                format!("a frame of choice {}, which was not asked for", f.choice),
+                None,
+            )
+        })?;
+        if let Some(u) = f.usage {
+            self.open = self.open.saturating_sub(1);
+            let completion = self.usage.completion_tokens + u.completion_tokens;
+            if f.choice == 0 {
+                self.usage = u;
+            }
+            self.usage.completion_tokens = completion;
+        }
+        Ok(choice)
+    }
+
+    /// Keeps frame `f` for the whole completion.
+    pub(super) fn gather(&mut self, f: &pb::GenerateResponse) -> Result<(), ApiError> {
+        self.choice(f)?.gather(f);
+        Ok(())
     }
 }
 
@@ -253,10 +358,16 @@ impl Envelope {
         })
     }
 
-    /// A streamed chunk of one choice: `delta` (chat) or `text` (completions), the
+    /// A streamed chunk of choice `index`: `delta` (chat) or `text` (completions), the
     /// log-probabilities of the frame it starts, and the finish reason on the last one.
-    fn chunk(&self, part: Option<&Part>, logprobs: Option<Value>, finish: Value) -> Value {
-        let mut choice = json!({"index": 0, "logprobs": logprobs, "finish_reason": finish});
+    fn chunk(
+        &self,
+        index: u32,
+        part: Option<&Part>,
+        logprobs: Option<Value>,
+        finish: Value,
+    ) -> Value {
+        let mut choice = json!({"index": index, "logprobs": logprobs, "finish_reason": finish});
         match (self.kind, part) {
             (Kind::Chat, None) => choice["delta"] = json!({}),
             (Kind::Chat, Some(Part::Text(t))) => choice["delta"] = json!({"content": t}),
@@ -268,27 +379,45 @@ impl Envelope {
     }
 
     /// A frame's chunks: one a part, the frame's log-probabilities on the first (on a chunk of
-    /// their own if the frame completed no part).
-    fn frame_chunks(&self, parts: &[Part], logprobs: Option<Value>) -> Vec<Value> {
-        let mut logprobs = logprobs;
+    /// their own if the frame completed no part), and the finish reason on a chunk of its own
+    /// after the choice's last frame.
+    fn frame_chunks(&self, choice: &mut Choice, f: &pb::GenerateResponse) -> Vec<Value> {
+        let (parts, mut logprobs) = choice.frame(f);
         let mut out: Vec<Value> = parts
             .iter()
-            .map(|p| self.chunk(Some(p), logprobs.take(), Value::Null))
+            .map(|p| self.chunk(f.choice, Some(p), logprobs.take(), Value::Null))
             .collect();
         if let Some(l) = logprobs {
-            out.push(self.chunk(None, Some(l), Value::Null));
+            out.push(self.chunk(f.choice, None, Some(l), Value::Null));
+        }
+        if let Some(finish) = choice.finish {
+            let finish = finish_reason(finish, choice.reply.called());
+            out.push(self.chunk(f.choice, None, None, finish));
         }
         out
     }
 
-    /// The whole answer of a request that did not stream, from its parts.
-    pub(super) fn complete(
-        &self,
-        parts: &[Part],
-        reply: &Reply,
-        logprobs: Option<Value>,
-        last: &pb::GenerateResponse,
-    ) -> Value {
+    /// The whole answer of a request that did not stream, from its choices' gathered frames.
+    pub(super) fn complete(&self, replies: Replies) -> Value {
+        let choices: Vec<Value> = replies
+            .choices
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| self.whole_choice(i, c))
+            .collect();
+        let mut body = self.wrap(false, json!(choices));
+        body["usage"] = usage(&replies.usage);
+        body
+    }
+
+    fn whole_choice(&self, index: usize, c: Choice) -> Value {
+        let Choice {
+            reply,
+            parts,
+            all_logprobs,
+            finish,
+            ..
+        } = c;
         let text: String = parts
             .iter()
             .filter_map(|p| match p {
@@ -296,8 +425,8 @@ impl Envelope {
                 Part::Call { .. } => None,
             })
             .collect();
-        let finish = finish_reason(last.finish_reason, reply.called());
-        let mut choice = json!({"index": 0, "logprobs": logprobs, "finish_reason": finish});
+        let finish = finish_reason(finish.unwrap_or_default(), reply.called());
+        let mut choice = json!({"index": index, "logprobs": all_logprobs, "finish_reason": finish});
         match self.kind {
             Kind::Chat => {
                 let calls: Vec<Value> = parts.iter().filter_map(Part::call_json).collect();
@@ -320,19 +449,17 @@ impl Envelope {
             }
             Kind::Completion => choice["text"] = json!(text),
         }
-        let mut body = self.wrap(false, json!([choice]));
-        body["usage"] = usage(last.usage.as_ref());
-        body
+        choice
     }
 }
 
-/// The SSE stream: a role chunk (chat), a chunk per frame with text, a last chunk with the
-/// finish reason, the usage chunk if asked for, then `[DONE]`. An error after the first frame
-/// is sent as an `{"error": ...}` event and ends the stream without `[DONE]`.
+/// The SSE stream: a role chunk per choice (chat), a chunk per frame with text, a chunk with
+/// each choice's finish reason after its last frame, the usage chunk if asked for, then
+/// `[DONE]`. An error after the first frame is sent as an `{"error": ...}` event and ends the
+/// stream without `[DONE]`.
 pub(super) fn sse(
     envelope: Envelope,
-    mut reply: Reply,
-    mut logprobs: Option<Logprobs>,
+    replies: Replies,
     first: pb::GenerateResponse,
     frames: GenerateStream,
     include_usage: bool,
@@ -344,55 +471,44 @@ pub(super) fn sse(
         }
         v
     };
-    let opening = (envelope.kind == Kind::Chat).then(|| {
-        event(with_usage(envelope.wrap(
-            true,
-            json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]),
-        )))
-    });
+    let opening: Vec<_> = match envelope.kind {
+        Kind::Chat => (0..replies.choices.len())
+            .map(|i| {
+                event(with_usage(envelope.wrap(
+                    true,
+                    json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]),
+                )))
+            })
+            .collect(),
+        Kind::Completion => Vec::new(),
+    };
     let body = futures::stream::once(async move { Ok(first) })
         .chain(frames)
-        .scan(false, move |done, item| {
-            if *done {
+        .scan(Some(replies), move |state, item| {
+            let Some(replies) = state else {
                 return futures::future::ready(None);
-            }
-            let events: Vec<Result<Event, Infallible>> = match item {
-                Ok(f) if f.finish_reason == pb::FinishReason::Unspecified as i32 => {
-                    let lp = logprobs.as_mut().map(|l| l.frame(&f));
-                    envelope
-                        .frame_chunks(&reply.push(&f.text), lp)
-                        .into_iter()
-                        .map(|c| event(with_usage(c)))
-                        .collect()
-                }
-                Ok(f) => {
-                    *done = true;
-                    let lp = logprobs.as_mut().map(|l| l.frame(&f));
-                    let mut parts = reply.push(&f.text);
-                    parts.extend(reply.finish());
-                    let mut out: Vec<_> = envelope
-                        .frame_chunks(&parts, lp)
-                        .into_iter()
-                        .map(|c| event(with_usage(c)))
-                        .collect();
-                    out.push(event(with_usage(envelope.chunk(
-                        None,
-                        None,
-                        finish_reason(f.finish_reason, reply.called()),
-                    ))));
-                    if include_usage {
-                        let mut v = envelope.wrap(true, json!([]));
-                        v["usage"] = usage(f.usage.as_ref());
-                        out.push(event(v));
-                    }
-                    out.push(Ok(Event::default().data("[DONE]")));
-                    out
-                }
-                Err(s) => {
-                    *done = true;
-                    vec![event(ApiError::from_status(&s).body())]
-                }
             };
+            let mut events = Vec::new();
+            let chunks = item
+                .map_err(|s| ApiError::from_status(&s))
+                .and_then(|f| Ok(envelope.frame_chunks(replies.choice(&f)?, &f)));
+            match chunks {
+                Ok(chunks) => events.extend(chunks.into_iter().map(|c| event(with_usage(c)))),
+                Err(e) => {
+                    *state = None;
+                    events.push(event(e.body()));
+                    return futures::future::ready(Some(futures::stream::iter(events)));
+                }
+            }
+            if replies.done() {
+                if include_usage {
+                    let mut v = envelope.wrap(true, json!([]));
+                    v["usage"] = usage(&replies.usage);
+                    events.push(event(v));
+                }
+                events.push(Ok(Event::default().data("[DONE]")));
+                *state = None;
+            }
             futures::future::ready(Some(futures::stream::iter(events)))
         })
         .flatten();
