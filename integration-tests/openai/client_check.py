@@ -69,6 +69,24 @@ assert usage is not None and usage.completion_tokens == u.completion_tokens, usa
 assert usage.prompt_tokens_details is not None, usage
 seen["stream_cached_tokens"] = usage.prompt_tokens_details.cached_tokens
 
+# vLLM's continuous usage (as guidellm asks for it): every chunk has the usage so far, the
+# prompt's tokens from the first, the reply's growing to the total.
+counted = []
+for chunk in client.chat.completions.create(
+    model=model,
+    messages=messages,
+    max_tokens=24,
+    temperature=0,
+    seed=1,
+    stream=True,
+    stream_options={"include_usage": True, "continuous_usage_stats": True},
+):
+    assert chunk.usage is not None, chunk
+    assert chunk.usage.prompt_tokens == u.prompt_tokens, chunk.usage
+    counted.append(chunk.usage.completion_tokens)
+assert counted == sorted(counted) and counted[0] == 0, counted
+assert counted[-1] == u.completion_tokens, counted
+
 # Completions, streamed and not, agree.
 prompt = "The list of the first ten prime numbers: 2, 3, 5,"
 comp = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)

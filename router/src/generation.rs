@@ -930,6 +930,11 @@ impl Dispatcher {
             let mut frame = pb::GenerateResponse {
                 index: progress.frames,
                 choice: progress.choice,
+                prompt_tokens: if progress.frames == 0 {
+                    p.tokens.len() as u32
+                } else {
+                    0
+                },
                 token_ids: t.token_ids,
                 text: t.text,
                 finish_reason: t.finish_reason,

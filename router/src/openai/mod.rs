@@ -207,7 +207,7 @@ async fn run(
     // The first frame decides the status: an error before any token is an HTTP error.
     let first = next_frame(&mut frames).await?;
     let mut response = if parsed.stream {
-        sse(envelope, replies, first, frames, parsed.include_usage).into_response()
+        sse(envelope, replies, first, frames, parsed.stream_usage).into_response()
     } else {
         replies.gather(&first)?;
         while !replies.done() {

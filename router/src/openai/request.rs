@@ -19,10 +19,22 @@ use crate::config::SamplingDefaults;
 pub(crate) struct Parsed {
     pub(crate) request: pb::GenerateRequest,
     pub(super) stream: bool,
-    pub(super) include_usage: bool,
+    /// Where a stream reports usage (`stream_options`).
+    pub(super) stream_usage: StreamUsage,
     pub(super) timeout: Option<Duration>,
     /// `parallel_tool_calls`: false keeps a reply's first tool call only.
     pub(super) parallel_tool_calls: bool,
+}
+
+/// Where a stream reports usage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StreamUsage {
+    /// Nowhere.
+    None,
+    /// In a chunk of its own after the last (`include_usage`); the others have `usage: null`.
+    Last,
+    /// That, and the usage so far on every other chunk as well (`continuous_usage_stats`).
+    Continuous,
 }
 
 /// The keys each endpoint honours. Anything else that is present and not null is rejected.
@@ -645,13 +657,16 @@ pub(crate) fn parse(
         _ => return Err(ApiError::invalid("model", "'model' must be a string")),
     }
     let stream = flag(&body, "stream")?;
-    let include_usage = match body.get("stream_options") {
-        None | Some(Value::Null) => false,
+    let stream_usage = match body.get("stream_options") {
+        None | Some(Value::Null) => StreamUsage::None,
         Some(Value::Object(o)) => {
-            if let Some(k) = o.keys().find(|k| *k != "include_usage") {
+            if let Some(k) = o
+                .keys()
+                .find(|k| *k != "include_usage" && *k != "continuous_usage_stats")
+            {
                 return Err(ApiError::unsupported(
                     &format!("stream_options.{k}"),
-                    "only include_usage is served",
+                    "only include_usage and continuous_usage_stats are served",
                 ));
             }
             if !stream {
@@ -660,7 +675,15 @@ pub(crate) fn parse(
                     "stream_options is only allowed with stream: true",
                 ));
             }
-            flag(o, "include_usage")?
+            // vLLM's extension: the usage so far on every chunk, with include_usage only.
+            match (
+                flag(o, "include_usage")?,
+                flag(o, "continuous_usage_stats")?,
+            ) {
+                (false, _) => StreamUsage::None,
+                (true, false) => StreamUsage::Last,
+                (true, true) => StreamUsage::Continuous,
+            }
         }
         Some(_) => {
             return Err(ApiError::invalid(
@@ -788,7 +811,7 @@ pub(crate) fn parse(
     Ok(Parsed {
         request,
         stream,
-        include_usage,
+        stream_usage,
         timeout,
         parallel_tool_calls,
     })
@@ -1002,7 +1025,11 @@ mod tests {
             (7, u64::MAX, vec!["x".to_string()])
         );
         assert_eq!((s.temperature, s.repetition_penalty), (0.0, Some(1.2)));
-        assert!(p.stream && p.include_usage);
+        assert!(p.stream && p.stream_usage == StreamUsage::Last);
+        let continuous = chat(json!({"stream": true, "stream_options":
+                                     {"include_usage": true, "continuous_usage_stats": true}}))
+        .expect("vLLM's stream options, as guidellm sends them");
+        assert_eq!(continuous.stream_usage, StreamUsage::Continuous);
         assert_eq!(p.request.session_id, "u1");
         let knobs = chat(
             json!({"min_p": 0.05, "top_k": 40, "logit_bias": {"17": -100, "3": 2.5},

@@ -10,6 +10,7 @@ use serde_json::{Value, json};
 use tandem_proto::v1 as pb;
 use tandem_tokenizer::{Piece, ToolCallParser};
 
+use super::request::StreamUsage;
 use super::{ApiError, Kind};
 use crate::replicas::Frontend;
 use crate::service::GenerateStream;
@@ -284,6 +285,8 @@ pub(super) struct Replies {
     open: usize,
     /// The prompt once, as the first choice saw it; every finished choice's completion tokens.
     usage: pb::Usage,
+    /// The prompt's tokens and every choice's tokens so far.
+    so_far: pb::Usage,
 }
 
 impl Replies {
@@ -292,6 +295,7 @@ impl Replies {
             open: choices.len(),
             choices,
             usage: pb::Usage::default(),
+            so_far: pb::Usage::default(),
         }
     }
 
@@ -300,7 +304,7 @@ impl Replies {
         self.open == 0
     }
 
-    /// The choice frame `f` belongs to, counting its usage on its last frame.
+    /// The choice frame `f` belongs to, counting its tokens, and its usage on its last frame.
     fn choice(&mut self, f: &pb::GenerateResponse) -> Result<&mut Choice, ApiError> {
         let choice = self.choices.get_mut(f.choice as usize).ok_or_else(|| {
             ApiError::from_code(
@@ -309,6 +313,10 @@ impl Replies {
                 None,
             )
         })?;
+        if f.prompt_tokens > 0 {
+            self.so_far.prompt_tokens = f.prompt_tokens;
+        }
+        self.so_far.completion_tokens += f.token_ids.len() as u32;
         if let Some(u) = f.usage {
             self.open = self.open.saturating_sub(1);
             let completion = self.usage.completion_tokens + u.completion_tokens;
@@ -459,25 +467,29 @@ impl Envelope {
 /// stream without `[DONE]`.
 pub(super) fn sse(
     envelope: Envelope,
-    replies: Replies,
+    mut replies: Replies,
     first: pb::GenerateResponse,
     frames: GenerateStream,
-    include_usage: bool,
+    stream_usage: StreamUsage,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     let event = |v: Value| Ok::<_, Infallible>(Event::default().data(v.to_string()));
-    let with_usage = move |mut v: Value| {
-        if include_usage {
-            v["usage"] = Value::Null;
+    let stamp = move |mut v: Value, so_far: &pb::Usage| {
+        match stream_usage {
+            StreamUsage::None => {}
+            StreamUsage::Last => v["usage"] = Value::Null,
+            StreamUsage::Continuous => v["usage"] = usage(so_far),
         }
         v
     };
+    replies.so_far.prompt_tokens = first.prompt_tokens;
     let opening: Vec<_> = match envelope.kind {
         Kind::Chat => (0..replies.choices.len())
             .map(|i| {
-                event(with_usage(envelope.wrap(
+                let role = envelope.wrap(
                     true,
                     json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]),
-                )))
+                );
+                event(stamp(role, &replies.so_far))
             })
             .collect(),
         Kind::Completion => Vec::new(),
@@ -493,7 +505,9 @@ pub(super) fn sse(
                 .map_err(|s| ApiError::from_status(&s))
                 .and_then(|f| Ok(envelope.frame_chunks(replies.choice(&f)?, &f)));
             match chunks {
-                Ok(chunks) => events.extend(chunks.into_iter().map(|c| event(with_usage(c)))),
+                Ok(chunks) => {
+                    events.extend(chunks.into_iter().map(|c| event(stamp(c, &replies.so_far))));
+                }
                 Err(e) => {
                     *state = None;
                     events.push(event(e.body()));
@@ -501,7 +515,7 @@ pub(super) fn sse(
                 }
             }
             if replies.done() {
-                if include_usage {
+                if stream_usage != StreamUsage::None {
                     let mut v = envelope.wrap(true, json!([]));
                     v["usage"] = usage(&replies.usage);
                     events.push(event(v));
