@@ -46,19 +46,8 @@ port=50083
 hport=8083
 lport=8094
 
-pids=()
-stop() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done; }
-trap stop EXIT
-"$tandem" up --model "$gguf" --prefill 1 --decode 1 --port "$port" --http-port "$hport" >"$out/up.log" 2>&1 &
-pids+=($!)
-"$llama" -m "$gguf" -t 2 --parallel 8 -c 16384 --port "$lport" >"$out/llama-server.log" 2>&1 &
-pids+=($!)
-for _ in $(seq 600); do
-  grep -q "tandem cluster is up" "$out/up.log" && curl -sf "127.0.0.1:$lport/health" >/dev/null && break
-  sleep 0.1
-done
-grep -q "tandem cluster is up" "$out/up.log" || { cat "$out/up.log"; exit 1; }
-curl -sf "127.0.0.1:$lport/health" >/dev/null || { tail "$out/llama-server.log"; exit 1; }
+. scripts/lib/peers.sh
+start_peers "$gguf" "$port" "$hport" "$lport" 8
 
 # One guidellm scenario per run; `benchmarks` are the concurrency levels.
 scenario() { # TARGET ROUND REPORT

@@ -29,20 +29,8 @@ lport=8092
 load=(--concurrency 1,4,16 --requests 48 --max-tokens 64)
 [ $# -gt 0 ] && load=("$@")
 
-pids=()
-stop() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done; }
-trap stop EXIT
-
-"$tandem" up --model "$gguf" --prefill 1 --decode 1 --port "$port" --http-port "$hport" >"$out/up.log" 2>&1 &
-pids+=($!)
-"$llama" -m "$gguf" -t 2 --parallel 16 -c 16384 --port "$lport" >"$out/llama-server.log" 2>&1 &
-pids+=($!)
-for _ in $(seq 600); do
-  grep -q "tandem cluster is up" "$out/up.log" && curl -sf "127.0.0.1:$lport/health" >/dev/null && break
-  sleep 0.1
-done
-grep -q "tandem cluster is up" "$out/up.log" || { cat "$out/up.log"; exit 1; }
-curl -sf "127.0.0.1:$lport/health" >/dev/null || { tail "$out/llama-server.log"; exit 1; }
+. scripts/lib/peers.sh
+start_peers "$gguf" "$port" "$hport" "$lport" 16
 
 for r in $(seq "$rounds"); do
   echo "== round $r of $rounds" >&2

@@ -50,7 +50,8 @@ impl From<Error> for Status {
                 Status::internal("decode failed")
             }
         };
-        if matches!(e, Error::Engine(_) | Error::Step(_) | Error::Serve(_)) {
+        // The node's own failures; a request's bad input is the caller's to see.
+        if status.code() == tonic::Code::Internal {
             tracing::error!(error = %e, "decode request failed");
         } else {
             tracing::debug!(error = %e, code = ?status.code(), "decode request ended with an error");

@@ -141,12 +141,7 @@ impl RequestContext {
                 reason: "must not be empty".into(),
             });
         }
-        if let Some(t) = plan.prompt.iter().find(|&&t| t as usize >= config.vocab) {
-            return Err(Error::InvalidArgument {
-                field: "prompt_token_ids",
-                reason: format!("token id {t} is outside the vocabulary of {}", config.vocab),
-            });
-        }
+        config.check_token_ids("prompt_token_ids", &plan.prompt)?;
         plan.params.validate()?;
         // Resumed tokens that reach max_tokens are refused by `Stream::resume` below.
         if plan.resumed >= plan.prompt.len() {
@@ -161,16 +156,8 @@ impl RequestContext {
         }
         // max_tokens counts the resumed tokens, which the prompt already holds.
         let original = plan.prompt.len() - plan.resumed;
+        config.check_fits(original, plan.params.max_tokens)?;
         let total = original + plan.params.max_tokens;
-        if total > config.context_len {
-            return Err(Error::InvalidArgument {
-                field: "max_tokens",
-                reason: format!(
-                    "prompt of {original} tokens plus max_tokens {} exceeds the context of {}",
-                    plan.params.max_tokens, config.context_len
-                ),
-            });
-        }
         let generated = &plan.prompt[original..];
         let stream = Stream::resume(
             plan.params.clone(),
@@ -259,13 +246,10 @@ impl RequestContext {
                     () = self.shutdown.cancelled() => return Err(Error::ShuttingDown),
                 };
                 drop(lease);
-                if received.first_token as usize >= self.model.config.vocab {
-                    return Err(Error::InvalidArgument {
-                        field: "first_token",
-                        reason: format!("{} is outside the vocabulary", received.first_token),
-                    });
-                }
                 let first_token = received.first_token;
+                self.model
+                    .config
+                    .check_token_ids("first_token", &[first_token])?;
                 let first_logprobs = received
                     .first_logprobs
                     .as_ref()

@@ -321,17 +321,6 @@ impl Engine {
         Ok(())
     }
 
-    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
-        let vocab = self.model.config.vocab;
-        match tokens.iter().find(|&&t| t as usize >= vocab) {
-            Some(t) => Err(Error::InvalidArgument {
-                field: "token_ids",
-                reason: format!("token id {t} is outside the vocabulary of {vocab}"),
-            }),
-            None => Ok(()),
-        }
-    }
-
     /// Appends `tokens` to `seq` in chunks and returns the logits after the last one.
     pub fn prefill(&mut self, seq: SeqId, tokens: &[u32]) -> Result<Vec<f32>> {
         if tokens.is_empty() {
@@ -340,7 +329,7 @@ impl Engine {
                 reason: "at least one token is required".into(),
             });
         }
-        self.check_tokens(tokens)?;
+        self.model.config.check_token_ids("token_ids", tokens)?;
         let start = self.seq_len(seq)?;
         self.reserve(seq, start + tokens.len())?;
         let mut logits = Vec::new();
@@ -412,7 +401,7 @@ impl Engine {
                     reason: format!("sequence {} has no tokens", seq.0),
                 });
             }
-            self.check_tokens(tokens)?;
+            self.model.config.check_token_ids("token_ids", tokens)?;
             let len = self.seq_len(*seq)?;
             self.reserve(*seq, len + tokens.len())?;
         }

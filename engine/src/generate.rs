@@ -351,18 +351,9 @@ impl Engine {
         let model = self.model().clone();
         for req in requests {
             req.params.validate()?;
-            let total = req.prompt.len() + req.params.max_tokens;
-            if total > model.config.context_len {
-                return Err(Error::InvalidArgument {
-                    field: "max_tokens",
-                    reason: format!(
-                        "prompt of {} tokens plus max_tokens {} exceeds the context of {}",
-                        req.prompt.len(),
-                        req.params.max_tokens,
-                        model.config.context_len
-                    ),
-                });
-            }
+            model
+                .config
+                .check_fits(req.prompt.len(), req.params.max_tokens)?;
             let seq = self.new_sequence();
             let t0 = Instant::now();
             let stream = Stream::new(req.params.clone(), &model, &req.prompt)?;

@@ -110,6 +110,34 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
+    /// Checks that `tokens`, the request's `field`, are within the vocabulary: the one check
+    /// every node that takes token ids off the network makes.
+    pub fn check_token_ids(&self, field: &'static str, tokens: &[u32]) -> crate::Result<()> {
+        match tokens.iter().find(|&&t| t as usize >= self.vocab) {
+            Some(t) => Err(crate::Error::InvalidArgument {
+                field,
+                reason: format!("token id {t} is outside the vocabulary of {}", self.vocab),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Checks that a prompt of `prompt` tokens and a reply of up to `max_tokens` fit the
+    /// context.
+    pub fn check_fits(&self, prompt: usize, max_tokens: usize) -> crate::Result<()> {
+        if prompt + max_tokens > self.context_len {
+            return Err(crate::Error::InvalidArgument {
+                field: "max_tokens",
+                reason: format!(
+                    "prompt of {prompt} tokens plus max_tokens {max_tokens} exceeds the context \
+                     of {}",
+                    self.context_len
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Checks the shape constraints the kernels rely on.
     pub fn validate(&self) -> Result<(), String> {
         let positive = [

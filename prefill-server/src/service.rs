@@ -53,12 +53,7 @@ impl PrefillService {
                 ),
             );
         }
-        if let Some(t) = r.token_ids.iter().find(|&&t| t as usize >= config.vocab) {
-            return invalid(
-                "token_ids",
-                format!("token id {t} is outside the vocabulary"),
-            );
-        }
+        config.check_token_ids("token_ids", &r.token_ids)?;
         let cached = r.cached_tokens as usize;
         if cached > tandem_proto::block_hash::reusable_blocks(r.token_ids.len()) * BLOCK_TOKENS
             || !cached.is_multiple_of(BLOCK_TOKENS)

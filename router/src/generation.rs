@@ -37,6 +37,8 @@ pub struct Prepared {
     pub sampling: pb::SamplingParams,
     /// The cache partition ([`crate::auth::cache_partition`]) that seeds the block hashes.
     pub cache_salt: String,
+    /// The model's fingerprint, which seeds the block hashes too.
+    pub fingerprint: Vec<u8>,
     /// How many replies to generate (`n`): 1 to [`tandem_proto::MAX_CHOICES`].
     pub choices: u32,
 }
@@ -251,11 +253,25 @@ pub fn prepare(
         hashes,
         sampling,
         cache_salt,
+        fingerprint: front.fingerprint.clone(),
         choices: r.n.max(1),
     })
 }
 
 impl Prepared {
+    /// The prompt an attempt sends, with its reusable blocks' hashes: the request's, followed
+    /// by the tokens earlier attempts delivered (a failover resumes after them).
+    fn prompt_after(&self, generated: &[u32]) -> (Vec<u32>, Vec<u64>) {
+        if generated.is_empty() {
+            return (self.tokens.clone(), self.hashes.clone());
+        }
+        let mut tokens = self.tokens.clone();
+        tokens.extend(generated);
+        let hashes =
+            tandem_proto::block_hash::prompt_hashes(&self.fingerprint, &self.cache_salt, &tokens);
+        (tokens, hashes)
+    }
+
     /// The sampling of choice `choice`: the request's, with the choice's own seed.
     fn sampling_of(&self, choice: u32) -> pb::SamplingParams {
         pb::SamplingParams {
@@ -782,21 +798,8 @@ impl Dispatcher {
         deadline: TokioInstant,
         log: &LogWriter,
     ) -> Result<(), Failure> {
-        // A resumed attempt's prompt is the request's plus the tokens already delivered.
         let resumed = progress.generated.len();
-        let (tokens, hashes) = if resumed == 0 {
-            (p.tokens.clone(), p.hashes.clone())
-        } else {
-            let mut tokens = p.tokens.clone();
-            tokens.extend(&progress.generated);
-            let fingerprint = self
-                .replicas
-                .frontend()
-                .map_or(&[][..], |f| &f.fingerprint[..]);
-            let hashes =
-                tandem_proto::block_hash::prompt_hashes(fingerprint, &p.cache_salt, &tokens);
-            (tokens, hashes)
-        };
+        let (tokens, hashes) = p.prompt_after(&progress.generated);
         let Admission {
             choice,
             mut frames,
@@ -998,5 +1001,58 @@ impl Dispatcher {
             log.push(Ok(frame));
             return Ok(());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use tandem_proto::block_hash::prompt_hashes;
+
+    use super::*;
+
+    fn prepared() -> Prepared {
+        let tokens: Vec<u32> = (0..40).collect();
+        let fingerprint = vec![7; 32];
+        Prepared {
+            request_id: "r".into(),
+            session_id: String::new(),
+            hashes: prompt_hashes(&fingerprint, "salt", &tokens),
+            tokens,
+            sampling: pb::SamplingParams {
+                seed: 5,
+                max_tokens: 8,
+                ..Default::default()
+            },
+            cache_salt: "salt".into(),
+            fingerprint,
+            choices: 2,
+        }
+    }
+
+    #[test]
+    fn a_resumed_attempt_sends_the_prompt_and_what_was_delivered() {
+        let p = prepared();
+        assert_eq!(p.prompt_after(&[]), (p.tokens.clone(), p.hashes.clone()));
+        let delivered: Vec<u32> = (100..110).collect();
+        let (tokens, hashes) = p.prompt_after(&delivered);
+        assert_eq!(tokens[..40], p.tokens[..]);
+        assert_eq!(tokens[40..], delivered[..]);
+        // 50 tokens hold 3 reusable blocks (all but the last token's), the first 2 the prompt's.
+        assert_eq!(p.hashes.len(), 2);
+        assert_eq!(hashes.len(), 3);
+        assert_eq!(hashes[..2], p.hashes[..]);
+    }
+
+    #[test]
+    fn each_choice_samples_with_its_own_seed() {
+        let p = prepared();
+        assert_eq!(p.sampling_of(0), p.sampling);
+        let seeds: HashSet<u64> = (0..tandem_proto::MAX_CHOICES)
+            .map(|i| p.sampling_of(i).seed)
+            .collect();
+        assert_eq!(seeds.len(), tandem_proto::MAX_CHOICES as usize);
+        assert_eq!(p.sampling_of(3).max_tokens, 8);
     }
 }
