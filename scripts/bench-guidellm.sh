@@ -59,7 +59,7 @@ scenario() { # TARGET ROUND REPORT
     "profile": {"kind": "concurrent"},
     "data": [{"kind": "synthetic_text", "prompt_tokens": ${PROMPT:-256}, "output_tokens": ${OUTPUT:-64}}],
     "tokenizer": {"kind": "huggingface_auto", "model": "$PWD/$tokenizer"},
-    "constraints": [{"kind": "max_requests", "value": ${MAX_REQUESTS:-16}}],
+    "constraints": [{"kind": "max_requests", "count": ${MAX_REQUESTS:-16}}],
     "seed": {"kind": "static", "value": $2},
     "outputs": [{"kind": "json", "path": "$PWD/$3"}]
   },
