@@ -41,15 +41,8 @@ seen["chat_text"] = choice.message.content
 seen["chat_usage"] = {"prompt": u.prompt_tokens, "completion": u.completion_tokens}
 
 # The same request streamed: the deltas join to the same text, then usage comes last.
-stream = client.chat.completions.create(
-    model=model,
-    messages=messages,
-    max_tokens=24,
-    temperature=0,
-    seed=1,
-    stream=True,
-    stream_options={"include_usage": True},
-)
+streamed_chat = dict(model=model, messages=messages, max_tokens=24, temperature=0, seed=1, stream=True)
+stream = client.chat.completions.create(**streamed_chat, stream_options={"include_usage": True})
 parts, finish, usage = [], None, None
 for chunk in stream:
     assert chunk.object == "chat.completion.chunk", chunk
@@ -73,12 +66,7 @@ seen["stream_cached_tokens"] = usage.prompt_tokens_details.cached_tokens
 # prompt's tokens from the first, the reply's growing to the total.
 counted = []
 for chunk in client.chat.completions.create(
-    model=model,
-    messages=messages,
-    max_tokens=24,
-    temperature=0,
-    seed=1,
-    stream=True,
+    **streamed_chat,
     stream_options={"include_usage": True, "continuous_usage_stats": True},
 ):
     assert chunk.usage is not None, chunk
