@@ -16,7 +16,7 @@ use tonic::Status;
 pub type Item = Result<pb::GenerateResponse, Status>;
 
 /// Whether `f` is its choice's last frame.
-fn is_last(f: &pb::GenerateResponse) -> bool {
+pub(crate) fn is_last(f: &pb::GenerateResponse) -> bool {
     f.finish_reason != pb::FinishReason::Unspecified as i32
 }
 

@@ -12,6 +12,7 @@ use tandem_tokenizer::{Piece, ToolCallParser};
 
 use super::request::StreamUsage;
 use super::{ApiError, Kind};
+use crate::log::is_last;
 use crate::replicas::Frontend;
 use crate::service::GenerateStream;
 
@@ -258,7 +259,7 @@ impl Choice {
     fn frame(&mut self, f: &pb::GenerateResponse) -> (Vec<Part>, Option<Value>) {
         let logprobs = self.logprobs.as_mut().map(|l| l.frame(f));
         let mut parts = self.reply.push(&f.text);
-        if f.finish_reason != pb::FinishReason::Unspecified as i32 {
+        if is_last(f) {
             parts.extend(self.reply.finish());
             self.finish = Some(f.finish_reason);
         }
@@ -317,8 +318,9 @@ impl Replies {
             self.so_far.prompt_tokens = f.prompt_tokens;
         }
         self.so_far.completion_tokens += f.token_ids.len() as u32;
-        if let Some(u) = f.usage {
+        if is_last(f) {
             self.open = self.open.saturating_sub(1);
+            let u = f.usage.unwrap_or_default();
             let completion = self.usage.completion_tokens + u.completion_tokens;
             if f.choice == 0 {
                 self.usage = u;
