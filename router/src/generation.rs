@@ -386,6 +386,146 @@ struct Progress {
     last_frame_at: Option<Instant>,
 }
 
+/// How a relayed frame arrived in its choice's stream, for the latency metrics.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Arrival {
+    /// The choice's first frame, this long (ms) after the request was accepted.
+    First(f64),
+    /// A later frame, this long after the one before.
+    After(Duration),
+}
+
+/// What an attempt learned beside its frames, for its last frame's usage, timings and route.
+#[derive(Debug, Default)]
+struct Ending {
+    /// Prompt tokens the decode node held when it admitted the attempt.
+    decode_cached: u32,
+    /// The prefill node's answer; `None` when the decode node prefilled locally.
+    prefill: Option<pb::PrefillResponse>,
+    /// The local prefill's compute (ms), from the attempt's first frame.
+    local_prefill_ms: f64,
+    queue_ms: f64,
+    total_ms: f64,
+    /// The attempt's replicas and why; [`Progress::finish`] adds the attempts and failovers.
+    route: pb::Route,
+}
+
+impl Progress {
+    /// Takes an attempt's next decode frame into the choice's stream, as the stream's next
+    /// frame. The frame must start where the stream stands: a resumed attempt's decode node
+    /// counts the tokens delivered before as generated, so its first frame's `index` is their
+    /// number. A frame out of place fails the attempt, since relaying it would repeat or skip
+    /// tokens. The last frame carries the node's own counts (completion and draft tokens) for
+    /// [`Progress::finish`] to complete.
+    fn relay(
+        &mut self,
+        t: pb::DecodeTokens,
+        prompt_tokens: usize,
+        accepted: Instant,
+    ) -> Result<(pb::GenerateResponse, Arrival), Status> {
+        if t.index as usize != self.generated.len() {
+            return Err(Status::unavailable(format!(
+                "frame {} where {} was due",
+                t.index,
+                self.generated.len()
+            )));
+        }
+        let now = Instant::now();
+        let arrival = match self.last_frame_at.replace(now) {
+            None => {
+                let ttft_ms = ms(accepted);
+                self.first_token_ms = Some(ttft_ms);
+                Arrival::First(ttft_ms)
+            }
+            Some(at) => Arrival::After(now - at),
+        };
+        let last = t.finish_reason != pb::FinishReason::Unspecified as i32;
+        self.generated.extend(&t.token_ids);
+        let frame = pb::GenerateResponse {
+            index: self.frames,
+            choice: self.choice,
+            prompt_tokens: if self.frames == 0 {
+                prompt_tokens as u32
+            } else {
+                0
+            },
+            token_ids: t.token_ids,
+            text: t.text,
+            finish_reason: t.finish_reason,
+            logprobs: t.logprobs,
+            usage: last.then_some(pb::Usage {
+                completion_tokens: t.completion_tokens,
+                ..Default::default()
+            }),
+            timings: last.then_some(pb::Timings {
+                draft_tokens: t.draft_tokens,
+                accepted_draft_tokens: t.accepted_draft_tokens,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        self.frames += 1;
+        Ok((frame, arrival))
+    }
+
+    /// Completes the choice's last frame, relayed by [`Progress::relay`], with the request's
+    /// prompt, the attempt's `ending` and the choice's attempts and failovers. Returns the
+    /// prompt tokens that came from caches: the decode node's, then the prefill node's prefix
+    /// cache beyond it.
+    fn finish(&mut self, frame: &mut pb::GenerateResponse, prompt: &[u32], ending: Ending) -> u32 {
+        let Ending {
+            decode_cached,
+            prefill,
+            local_prefill_ms,
+            queue_ms,
+            total_ms,
+            route,
+        } = ending;
+        let prefill_cached = prefill
+            .as_ref()
+            .map_or(0, |r| r.prefix_cached_tokens.saturating_sub(decode_cached));
+        let cached = (decode_cached + prefill_cached).min(prompt.len() as u32);
+        frame.prompt_token_ids = prompt.to_vec();
+        let usage = frame.usage.get_or_insert_default();
+        usage.prompt_tokens = prompt.len() as u32;
+        usage.cached_tokens = cached;
+        usage.prefill_cached_tokens = prefill_cached;
+        usage.decode_cached_tokens = decode_cached;
+        let timings = frame.timings.get_or_insert_default();
+        timings.queue_ms = queue_ms;
+        timings.prefill_ms = prefill.as_ref().map_or(local_prefill_ms, |r| r.prefill_ms);
+        timings.transfer_ms = prefill.as_ref().map_or(0.0, |r| r.transfer_ms);
+        timings.first_token_ms = self.first_token_ms.unwrap_or_default();
+        timings.total_ms = total_ms;
+        frame.route = Some(pb::Route {
+            attempts: self.attempts,
+            failovers: std::mem::take(&mut self.failovers),
+            ..route
+        });
+        cached
+    }
+
+    /// Takes a failed attempt and says whether the choice tries again. It does when another
+    /// replica might succeed ([`retryable`]) and the failure names replicas to avoid, within
+    /// [`MAX_ATTEMPTS`] and the retry `budget`; those replicas are then avoided from here on and
+    /// the failure is noted for the route.
+    fn retry(&mut self, failure: &Failure, budget: &RetryBudget) -> bool {
+        let retry = retryable(&failure.error)
+            && !failure.suspects.is_empty()
+            && self.attempts < MAX_ATTEMPTS
+            && budget.try_spend();
+        if retry {
+            self.failovers.push(format!(
+                "{} ({})",
+                failure.error,
+                failure.suspects.join(", ")
+            ));
+            self.exclude.extend(failure.suspects.iter().cloned());
+        }
+        retry
+    }
+}
+
 /// A request a decode node admitted: the replicas chosen, the decode stream (its `admitted`
 /// frame read), and what the admission said.
 #[derive(Debug)]
@@ -577,11 +717,7 @@ impl Dispatcher {
                 Ok(()) => return Ok(()),
                 Err(f) => f,
             };
-            let retry = retryable(&failure.error)
-                && !failure.suspects.is_empty()
-                && progress.attempts < MAX_ATTEMPTS
-                && self.budget.try_spend();
-            if !retry {
+            if !progress.retry(&failure, &self.budget) {
                 return Err(failure.error);
             }
             let hop = match &failure.error {
@@ -597,12 +733,6 @@ impl Dispatcher {
                 delivered = progress.generated.len(),
                 "attempt failed; resuming the generation elsewhere"
             );
-            progress.failovers.push(format!(
-                "{} ({})",
-                failure.error,
-                failure.suspects.join(", ")
-            ));
-            progress.exclude.extend(failure.suspects);
         }
     }
 
@@ -789,7 +919,10 @@ impl Dispatcher {
         }
     }
 
-    /// One attempt: choose replicas, admit on decode, prefill (remote or local), relay frames.
+    /// One attempt: choose replicas and admit on decode ([`Dispatcher::admit`]), prefill
+    /// remotely beside the decode stream or let the decode node prefill locally, and relay the
+    /// decode frames into the choice's stream ([`Progress::relay`]) until its last frame, which
+    /// gets the attempt's usage, timings and route ([`Progress::finish`]).
     async fn attempt(
         &self,
         p: &Prepared,
@@ -798,7 +931,6 @@ impl Dispatcher {
         deadline: TokioInstant,
         log: &LogWriter,
     ) -> Result<(), Failure> {
-        let resumed = progress.generated.len();
         let (tokens, hashes) = p.prompt_after(&progress.generated);
         let Admission {
             choice,
@@ -818,45 +950,39 @@ impl Dispatcher {
             prefill_idle,
         } = choice;
         let local = prefill.is_none();
-        let remaining = deadline.saturating_duration_since(TokioInstant::now());
         let d_addr = decode.replica().addr.clone();
         let on_decode = |s: &Status| Failure {
             error: Error::downstream("decode", s),
             suspects: vec![d_addr.clone()],
         };
-
-        // Remote: the prefill call runs beside the decode stream (it ends once the KV is
-        // pushed). Local: there is none.
         let p_addr = prefill.as_ref().map(|g| g.replica().addr.clone());
-        let prefill_call = prefill.as_ref().map(|guard| {
-            let mut p_client = tandem_proto::limits!(pb::prefill_client::PrefillClient::new(
-                guard.replica().channel.clone()
-            ));
-            let mut p_req = tonic::Request::new(pb::PrefillRequest {
+        let prefill_call = {
+            let request = prefill.as_ref().map(|_| pb::PrefillRequest {
                 request_id: p.request_id.clone(),
                 transfer_id,
                 token_ids: tokens.clone(),
                 cached_tokens: decode_cached,
                 decode_addr: d_addr.clone(),
                 sampling: Some(p.sampling_of(progress.choice)),
-                resumed_tokens: resumed as u32,
+                resumed_tokens: progress.generated.len() as u32,
                 cache_salt: p.cache_salt.clone(),
             });
-            p_req.set_timeout(remaining);
-            async move { p_client.prefill(p_req).await }
-        });
-        let prefill_call = async {
-            match prefill_call {
-                Some(call) => call
+            let prefill = &prefill;
+            async move {
+                let (Some(guard), Some(request)) = (prefill, request) else {
+                    return Ok(None);
+                };
+                prefill_on(guard.replica(), request, deadline)
                     .await
-                    .map(|r| Some(r.into_inner()))
+                    .map(Some)
                     .map_err(|s| Failure {
                         error: Error::downstream("prefill", &s),
-                        suspects: p_addr.iter().cloned().collect(),
-                    }),
-                None => Ok(None),
+                        suspects: vec![guard.replica().addr.clone()],
+                    })
             }
         };
+        // Remote: the prefill call runs beside the decode stream, and ends once the KV is
+        // pushed. Local: it answers `None` at once.
         tokio::pin!(prefill_call);
         let mut prefilled: Option<Option<pb::PrefillResponse>> = None;
         let mut frames_here = 0usize;
@@ -906,47 +1032,22 @@ impl Dispatcher {
                     "the decode stream ended without a final frame",
                 )));
             };
-            if t.index as usize != progress.generated.len() {
-                return Err(on_decode(&Status::unavailable(format!(
-                    "frame {} where {} was due",
-                    t.index,
-                    progress.generated.len()
-                ))));
-            }
-            let last = t.finish_reason != pb::FinishReason::Unspecified as i32;
             if frames_here == 0 {
                 local_prefill_ms = t.local_prefill_ms;
             }
-            match progress.last_frame_at {
-                None => {
-                    let ttft_ms = ms(accepted);
-                    progress.first_token_ms = Some(ttft_ms);
-                    // The request's time to first token is its first choice's.
-                    if progress.choice == 0 {
-                        self.metrics.ttft.observe(ttft_ms / 1e3);
-                    }
-                }
-                Some(at) => self.metrics.inter_token.observe(at.elapsed().as_secs_f64()),
-            }
-            progress.last_frame_at = Some(Instant::now());
             frames_here += 1;
-            let mut frame = pb::GenerateResponse {
-                index: progress.frames,
-                choice: progress.choice,
-                prompt_tokens: if progress.frames == 0 {
-                    p.tokens.len() as u32
-                } else {
-                    0
-                },
-                token_ids: t.token_ids,
-                text: t.text,
-                finish_reason: t.finish_reason,
-                logprobs: t.logprobs,
-                ..Default::default()
-            };
-            progress.frames += 1;
-            if !last {
-                progress.generated.extend(&frame.token_ids);
+            let (mut frame, arrival) = progress
+                .relay(t, p.tokens.len(), accepted)
+                .map_err(|s| on_decode(&s))?;
+            match arrival {
+                // The request's time to first token is its first choice's.
+                Arrival::First(ttft_ms) if progress.choice == 0 => {
+                    self.metrics.ttft.observe(ttft_ms / 1e3);
+                }
+                Arrival::First(_) => {}
+                Arrival::After(gap) => self.metrics.inter_token.observe(gap.as_secs_f64()),
+            }
+            if !crate::log::is_last(&frame) {
                 log.push(Ok(frame));
                 continue;
             }
@@ -954,54 +1055,56 @@ impl Dispatcher {
             if prefilled.is_none() {
                 prefilled = Some((&mut prefill_call).await?);
             }
-            let pr = prefilled.flatten();
-            let compute_ms = pr.as_ref().map_or(local_prefill_ms, |r| r.prefill_ms);
-            let first_token_ms = progress.first_token_ms.unwrap_or_default();
+            let prefill = prefilled.flatten();
+            let compute_ms = prefill.as_ref().map_or(local_prefill_ms, |r| r.prefill_ms);
             if progress.attempts == 1 && (local || prefill_idle) {
+                let first_token_ms = progress.first_token_ms.unwrap_or_default();
                 self.policy
                     .record_handoff(local, first_token_ms - queue_ms - compute_ms);
             }
-            // Reuse beyond what decode held came from the prefill node's prefix cache.
-            let prefill_cached = pr
-                .as_ref()
-                .map_or(0, |r| r.prefix_cached_tokens.saturating_sub(decode_cached));
-            frame.prompt_token_ids = p.tokens.clone();
-            let cached = (decode_cached + prefill_cached).min(p.tokens.len() as u32);
+            let cached = progress.finish(
+                &mut frame,
+                &p.tokens,
+                Ending {
+                    decode_cached,
+                    prefill,
+                    local_prefill_ms,
+                    queue_ms,
+                    total_ms: ms(accepted),
+                    route: pb::Route {
+                        prefill: p_addr.clone().unwrap_or_default(),
+                        decode: d_addr.clone(),
+                        reason,
+                        prefill_overlap_tokens: prefill_overlap as u32,
+                        decode_overlap_tokens: decode_overlap as u32,
+                        disaggregation: if local { "local" } else { "remote" }.into(),
+                        ..Default::default()
+                    },
+                },
+            );
             // The request's prompt counts once, as its first choice saw it.
             if progress.choice == 0 {
                 self.metrics.prompt_tokens.inc_by(p.tokens.len() as u64);
                 self.metrics.cached_prompt_tokens.inc_by(u64::from(cached));
             }
-            frame.usage = Some(pb::Usage {
-                prompt_tokens: p.tokens.len() as u32,
-                completion_tokens: t.completion_tokens,
-                cached_tokens: cached,
-                prefill_cached_tokens: prefill_cached,
-                decode_cached_tokens: decode_cached,
-            });
-            frame.timings = Some(pb::Timings {
-                queue_ms,
-                prefill_ms: compute_ms,
-                transfer_ms: pr.as_ref().map_or(0.0, |r| r.transfer_ms),
-                first_token_ms,
-                total_ms: ms(accepted),
-                draft_tokens: t.draft_tokens,
-                accepted_draft_tokens: t.accepted_draft_tokens,
-            });
-            frame.route = Some(pb::Route {
-                prefill: p_addr.clone().unwrap_or_default(),
-                decode: d_addr.clone(),
-                reason,
-                prefill_overlap_tokens: prefill_overlap as u32,
-                decode_overlap_tokens: decode_overlap as u32,
-                disaggregation: if local { "local" } else { "remote" }.into(),
-                attempts: progress.attempts,
-                failovers: std::mem::take(&mut progress.failovers),
-            });
             log.push(Ok(frame));
             return Ok(());
         }
     }
+}
+
+/// Asks `replica` to prefill `request` and push its KV, within `deadline`.
+async fn prefill_on(
+    replica: &Replica,
+    request: pb::PrefillRequest,
+    deadline: TokioInstant,
+) -> Result<pb::PrefillResponse, Status> {
+    let mut client = tandem_proto::limits!(pb::prefill_client::PrefillClient::new(
+        replica.channel.clone()
+    ));
+    let mut request = tonic::Request::new(request);
+    request.set_timeout(deadline.saturating_duration_since(TokioInstant::now()));
+    Ok(client.prefill(request).await?.into_inner())
 }
 
 #[cfg(test)]
@@ -1043,6 +1146,150 @@ mod tests {
         assert_eq!(p.hashes.len(), 2);
         assert_eq!(hashes.len(), 3);
         assert_eq!(hashes[..2], p.hashes[..]);
+    }
+
+    fn tokens(index: u32, token_ids: &[u32], finish: pb::FinishReason) -> pb::DecodeTokens {
+        pb::DecodeTokens {
+            index,
+            token_ids: token_ids.to_vec(),
+            text: format!("{token_ids:?}"),
+            finish_reason: finish as i32,
+            completion_tokens: if finish == pb::FinishReason::Unspecified {
+                0
+            } else {
+                index + token_ids.len() as u32
+            },
+            ..Default::default()
+        }
+    }
+
+    fn cut(decode: &str) -> Failure {
+        Failure {
+            error: Error::Downstream {
+                hop: "decode",
+                code: tonic::Code::Unavailable,
+                message: "connection reset".into(),
+            },
+            suspects: vec![decode.into()],
+        }
+    }
+
+    /// A choice's stream through a decode node cut after three frames: the second attempt
+    /// avoids that node, sends the prompt with the delivered tokens, and its frames continue
+    /// the stream with no gap or repeat, as one attempt's would.
+    #[test]
+    fn a_failover_resumes_the_stream_where_it_stood() {
+        use pb::FinishReason::{Length, Unspecified};
+        let p = prepared();
+        let budget = RetryBudget::default();
+        let accepted = Instant::now();
+        let mut progress = Progress {
+            choice: 1,
+            attempts: 1,
+            ..Progress::default()
+        };
+        let mut stream = Vec::new();
+        for t in [
+            tokens(0, &[10], Unspecified),
+            tokens(1, &[11, 12], Unspecified),
+            tokens(3, &[13], Unspecified),
+        ] {
+            let (frame, arrival) = progress.relay(t, p.tokens.len(), accepted).unwrap();
+            assert_eq!(
+                matches!(arrival, Arrival::First(_)),
+                stream.is_empty(),
+                "only the first frame is the first token"
+            );
+            stream.push(frame);
+        }
+        assert!(progress.retry(&cut("d1:1"), &budget));
+        assert_eq!(progress.exclude, ["d1:1"]);
+        progress.attempts += 1;
+
+        let (prompt, _) = p.prompt_after(&progress.generated);
+        assert_eq!(prompt[p.tokens.len()..], [10, 11, 12, 13]);
+        // A node that starts over, or skips a token, fails the attempt rather than the stream.
+        for wrong in [0, 3, 5] {
+            let err = progress
+                .relay(tokens(wrong, &[99], Unspecified), 40, accepted)
+                .unwrap_err();
+            assert_eq!(err.code(), tonic::Code::Unavailable);
+        }
+        for t in [tokens(4, &[14], Unspecified), tokens(5, &[15, 16], Length)] {
+            let (frame, arrival) = progress.relay(t, p.tokens.len(), accepted).unwrap();
+            assert!(matches!(arrival, Arrival::After(_)));
+            stream.push(frame);
+        }
+        let mut last = stream.pop().unwrap();
+        let cached = progress.finish(
+            &mut last,
+            &p.tokens,
+            Ending {
+                decode_cached: 32,
+                route: pb::Route {
+                    decode: "d2:1".into(),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        );
+        stream.push(last);
+
+        let indices: Vec<u32> = stream.iter().map(|f| f.index).collect();
+        assert_eq!(indices, [0, 1, 2, 3, 4]);
+        let delivered: Vec<u32> = stream.iter().flat_map(|f| f.token_ids.clone()).collect();
+        assert_eq!(delivered, (10..17).collect::<Vec<_>>());
+        assert!(stream.iter().all(|f| f.choice == 1));
+        assert_eq!(stream[0].prompt_tokens, 40);
+        assert!(stream[1..].iter().all(|f| f.prompt_tokens == 0));
+        assert!(stream[..4].iter().all(|f| !crate::log::is_last(f)));
+
+        let last = &stream[4];
+        assert_eq!(cached, 32);
+        let usage = last.usage.as_ref().unwrap();
+        assert_eq!((usage.prompt_tokens, usage.completion_tokens), (40, 7));
+        assert_eq!(last.prompt_token_ids, p.tokens);
+        let route = last.route.as_ref().unwrap();
+        assert_eq!((route.decode.as_str(), route.attempts), ("d2:1", 2));
+        assert_eq!(route.failovers.len(), 1);
+        assert!(route.failovers[0].contains("d1:1"), "{:?}", route.failovers);
+    }
+
+    #[test]
+    fn only_a_replica_failure_within_the_attempts_and_budget_is_retried() {
+        let budget = RetryBudget::default();
+        let mut progress = Progress {
+            attempts: 1,
+            ..Progress::default()
+        };
+        let invalid = Failure::from(Error::InvalidArgument {
+            field: "prompt",
+            reason: "bad".into(),
+        });
+        assert!(!progress.retry(&invalid, &budget), "bad input fails again");
+        let unsuspected = Failure {
+            suspects: Vec::new(),
+            ..cut("d1:1")
+        };
+        assert!(
+            !progress.retry(&unsuspected, &budget),
+            "no replica to avoid"
+        );
+        progress.attempts = MAX_ATTEMPTS;
+        assert!(!progress.retry(&cut("d1:1"), &budget), "out of attempts");
+        assert!(progress.exclude.is_empty() && progress.failovers.is_empty());
+
+        progress.attempts = 1;
+        let mut retried = 0;
+        while progress.retry(&cut("d1:1"), &budget) {
+            retried += 1;
+        }
+        assert_eq!(
+            retried as f64,
+            RetryBudget::RESERVE,
+            "the budget bounds failovers"
+        );
+        assert_eq!(progress.failovers.len(), retried);
     }
 
     #[test]
