@@ -25,6 +25,7 @@ pub(crate) struct Streamed {
     pub text: String,
     pub finish_reason: String,
     pub timings: pb::Timings,
+    pub logprobs: Vec<pb::TokenLogprobs>,
 }
 
 /// Sends `authorization: Bearer KEY` with every call, when there is a key.
@@ -166,6 +167,7 @@ pub(crate) async fn stream(
         expected += 1;
         out.token_ids.extend(&frame.token_ids);
         out.text.push_str(&frame.text);
+        out.logprobs.extend(frame.logprobs);
         on_text(&frame.text);
         if frame.finish_reason != pb::FinishReason::Unspecified as i32 {
             out.finish_reason = finish_name(frame.finish_reason);
@@ -179,7 +181,7 @@ pub(crate) async fn stream(
 /// `tandem generate --server ADDR ...`.
 pub(crate) fn generate(args: &GenerateArgs, server: &str) -> anyhow::Result<()> {
     let mut request = pb::GenerateRequest {
-        sampling: Some(tandem_worker::params_to_pb(&args.params(None))),
+        sampling: Some(tandem_worker::params_to_pb(&args.params(None)?)),
         ..Default::default()
     };
     match (&args.prompt, &args.messages) {
@@ -230,6 +232,11 @@ pub(crate) fn generate(args: &GenerateArgs, server: &str) -> anyhow::Result<()> 
             decode_ms: (t.total_ms - t.first_token_ms).max(0.0),
             draft_tokens: t.draft_tokens.into(),
             accepted_draft_tokens: t.accepted_draft_tokens.into(),
+            logprobs: out
+                .logprobs
+                .iter()
+                .map(tandem_worker::logprobs_from_pb)
+                .collect(),
         };
         println!("{}", serde_json::to_string(&json)?);
     } else {

@@ -4,7 +4,7 @@
 
 use anyhow::Context;
 use clap::Args;
-use tandem_engine::{ChatMessage, GenerateParams};
+use tandem_engine::{ChatMessage, GenerateParams, Grammar};
 
 use crate::ModelArgs;
 use crate::sampling::{GENERATE_DEFAULTS, SamplingArgs};
@@ -59,6 +59,12 @@ pub(crate) struct GenerateArgs {
     /// Sample no end-of-generation id (nor a `--stop-token-id`) before this many tokens.
     #[arg(long, default_value_t = 0)]
     pub(crate) min_tokens: usize,
+    /// Report each output token's log-probability and this many most likely alternatives' (0
+    /// to 20) in the `--json` output's `logprobs`, from the model's own distribution.
+    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u32).range(0..=tandem_proto::MAX_TOP_LOGPROBS as i64))]
+    pub(crate) logprobs: Option<u32>,
+    #[command(flatten)]
+    pub(crate) grammar: GrammarArgs,
     /// Compute threads (0 = one per core).
     #[arg(long, env = "TANDEM_THREADS", default_value_t = 0)]
     pub(crate) threads: usize,
@@ -75,21 +81,64 @@ pub(crate) struct GenerateArgs {
     pub(crate) json: bool,
 }
 
+/// Constrained decoding: what the output must match, at most one of these. A grammar the
+/// engine cannot compile is an error before any work.
+#[derive(Args, Debug)]
+#[group(multiple = false)]
+pub(crate) struct GrammarArgs {
+    /// The output is JSON that matches this JSON schema: its text, or @FILE.
+    #[arg(long, value_name = "SCHEMA")]
+    json_schema: Option<String>,
+    /// The output is a JSON object.
+    #[arg(long)]
+    json_object: bool,
+    /// The whole output matches this regular expression.
+    #[arg(long, value_name = "REGEX")]
+    regex: Option<String>,
+    /// The output matches this Lark grammar (llguidance's dialect): its text, or @FILE.
+    #[arg(long, value_name = "GRAMMAR")]
+    lark: Option<String>,
+}
+
+impl GrammarArgs {
+    /// The grammar asked for, if any.
+    fn grammar(&self) -> anyhow::Result<Option<Grammar>> {
+        let text = |arg: &str| -> anyhow::Result<String> {
+            match arg.strip_prefix('@') {
+                Some(path) => std::fs::read_to_string(path)
+                    .with_context(|| format!("cannot read the grammar file {path}")),
+                None => Ok(arg.to_string()),
+            }
+        };
+        Ok(if let Some(schema) = &self.json_schema {
+            Some(Grammar::JsonSchema(text(schema)?))
+        } else if self.json_object {
+            Some(Grammar::JsonObject)
+        } else if let Some(regex) = &self.regex {
+            Some(Grammar::Regex(regex.clone()))
+        } else if let Some(lark) = &self.lark {
+            Some(Grammar::Lark(text(lark)?))
+        } else {
+            None
+        })
+    }
+}
+
 impl GenerateArgs {
     /// The generation the flags ask for, with `seed` (a `--batch` line's) over `--seed`.
-    pub(crate) fn params(&self, seed: Option<u64>) -> GenerateParams {
+    pub(crate) fn params(&self, seed: Option<u64>) -> anyhow::Result<GenerateParams> {
         let mut sampling = self.sampling.resolve(&GENERATE_DEFAULTS);
         sampling.seed = seed.unwrap_or(sampling.seed);
-        GenerateParams {
+        Ok(GenerateParams {
             sampling,
             max_tokens: self.max_tokens,
             stop: self.stop.clone(),
             stop_token_ids: self.stop_token_ids.clone(),
             ignore_eos: self.ignore_eos,
             min_tokens: self.min_tokens,
-            logprobs: None,
-            grammar: None,
-        }
+            logprobs: self.logprobs.map(|k| k as usize),
+            grammar: self.grammar.grammar()?,
+        })
     }
 }
 

@@ -76,7 +76,7 @@ pub(crate) fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
     )?;
     let request = GenerateRequest {
         prompt,
-        params: args.params(None),
+        params: args.params(None)?,
     };
     let mut stdout = std::io::stdout().lock();
     let mut print = |text: &str| {
@@ -133,7 +133,7 @@ pub(crate) fn generate_batch(args: &GenerateArgs, file: &std::path::Path) -> any
         }
         requests.push(GenerateRequest {
             prompt,
-            params: args.params(line.seed),
+            params: args.params(line.seed)?,
         });
     }
     anyhow::ensure!(!requests.is_empty(), "{} holds no request", file.display());

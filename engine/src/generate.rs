@@ -275,6 +275,9 @@ pub struct GenerateOutput {
     /// Speculative decoding: tokens drafted, and how many of them were accepted.
     pub draft_tokens: u64,
     pub accepted_draft_tokens: u64,
+    /// With [`GenerateParams::logprobs`]: one per `token_ids` entry.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub logprobs: Vec<TokenLogprobs>,
 }
 
 /// One prompt and its parameters.
@@ -292,6 +295,9 @@ struct Active {
 impl Active {
     /// Records what the generation emitted; `true` once it has finished.
     fn record(&mut self, e: Emission, i: usize, on_text: &mut dyn FnMut(usize, &str)) -> bool {
+        if e.token.is_some() {
+            self.out.logprobs.extend(e.logprobs);
+        }
         self.out.token_ids.extend(e.token);
         self.out.text.push_str(&e.text);
         if !e.text.is_empty() {
@@ -368,6 +374,7 @@ impl Engine {
                     decode_ms: 0.0,
                     draft_tokens: 0,
                     accepted_draft_tokens: 0,
+                    logprobs: Vec::new(),
                 },
             });
             let logits = self.prefill(seq, &req.prompt)?;

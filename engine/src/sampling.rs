@@ -198,7 +198,7 @@ impl History {
 /// A sampled token's log-probability and the `top` most likely tokens' (most likely first,
 /// ties by id), from the model's own distribution: the softmax of the raw logits, before
 /// biases, penalties, bans and the temperature.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct TokenLogprobs {
     pub logprob: f32,
     pub top: Vec<(u32, f32)>,
