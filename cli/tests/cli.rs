@@ -177,6 +177,47 @@ fn generate_json_has_the_documented_fields() {
     assert_eq!(json(&again)["token_ids"], v["token_ids"]);
 }
 
+/// A generation held to a regular expression, with each token's log-probabilities.
+const CONSTRAINED: &[&str] = &[
+    "generate",
+    "--model",
+    "tiny",
+    "--prompt",
+    "hi",
+    "--max-tokens",
+    "6",
+    "--temperature",
+    "0.9",
+    "--seed",
+    "5",
+    "--regex",
+    "[ab]+",
+    "--logprobs",
+    "2",
+    "--json",
+];
+
+#[test]
+fn generate_holds_to_a_grammar_and_reports_logprobs() {
+    let (ok, out, err) = tandem(CONSTRAINED);
+    assert!(ok, "{err}");
+    let v = json(&out);
+    let text = v["text"].as_str().expect("text");
+    assert!(
+        !text.is_empty() && text.chars().all(|c| c == 'a' || c == 'b'),
+        "{v}"
+    );
+    let tokens = v["token_ids"].as_array().expect("token_ids");
+    let logprobs = v["logprobs"].as_array().expect("logprobs");
+    assert_eq!(logprobs.len(), tokens.len(), "{v}");
+    for l in logprobs {
+        assert!(l["logprob"].as_f64().expect("logprob") <= 0.0);
+        assert_eq!(l["top"].as_array().expect("top").len(), 2, "{l}");
+    }
+    let (ok, _, err) = tandem(&[CONSTRAINED, &["--lark", "start: /a/"]].concat());
+    assert!(!ok && err.contains("cannot be used with"), "{err}");
+}
+
 #[test]
 fn bad_input_fails_with_a_clear_message() {
     let cases: &[(&[&str], &str)] = &[
@@ -192,6 +233,25 @@ fn bad_input_fails_with_a_clear_message() {
         (
             &["--model", "tiny", "--prompt", "x", "--max-tokens", "5000"],
             "max_tokens",
+        ),
+        (
+            &["--model", "tiny", "--prompt", "x", "--regex", "(x"],
+            "unclosed group",
+        ),
+        (
+            &[
+                "--model",
+                "tiny",
+                "--prompt",
+                "x",
+                "--json-schema",
+                "@/nonexistent/s.json",
+            ],
+            "/nonexistent/s.json",
+        ),
+        (
+            &["--model", "tiny", "--prompt", "x", "--logprobs", "21"],
+            "--logprobs",
         ),
     ];
     for (args, needle) in cases {
@@ -317,6 +377,16 @@ fn up_serves_generate_server_like_local_and_stops_on_sigterm() {
         assert_eq!(local[field], remote[field], "{field}");
     }
     assert!(remote["prefill_ms"].as_f64().is_some() && remote["decode_ms"].as_f64().is_some());
+    // Held to a grammar, with log-probabilities: the cluster's tokens and figures are the
+    // local ones.
+    let (ok, local, err) = tandem(CONSTRAINED);
+    assert!(ok, "{err}");
+    let (ok, remote, err) = tandem(&[CONSTRAINED, &["--server", &router]].concat());
+    assert!(ok, "{err}");
+    let (local, remote) = (json(&local), json(&remote));
+    for field in ["token_ids", "text", "logprobs"] {
+        assert_eq!(local[field], remote[field], "{field}");
+    }
 
     let (ok, _, err) = tandem(&[
         "generate",
