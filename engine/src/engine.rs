@@ -21,6 +21,7 @@ use crate::loader::{LoadedModel, ModelFingerprint};
 use crate::model::{self, Logits, ModelConfig, Row, Weights};
 use crate::prefix_cache::{CacheEvent, PrefixCache};
 use crate::speculate::{SpeculateConfig, StepCosts};
+use crate::spill::{Spill, SpillConfig, SpillStats};
 use tandem_tokenizer::{Tokenizer, TokenizerSpec};
 
 /// A loaded model, shareable between engines.
@@ -67,6 +68,9 @@ pub struct EngineConfig {
     pub speculate: SpeculateConfig,
     /// How the KV pool stores keys and values.
     pub kv_dtype: KvDtype,
+    /// The prefix cache's disk tier: evicted blocks go there and come back on a later hit.
+    /// `None` (the default) has none.
+    pub spill: Option<SpillConfig>,
 }
 
 impl Default for EngineConfig {
@@ -78,6 +82,7 @@ impl Default for EngineConfig {
             prefix_cache_bytes: 0,
             speculate: SpeculateConfig::default(),
             kv_dtype: KvDtype::default(),
+            spill: None,
         }
     }
 }
@@ -121,6 +126,9 @@ pub struct Engine {
     config: EngineConfig,
     /// Measured step times, for speculation's choices.
     pub(crate) step_costs: StepCosts,
+    /// The prefix cache's disk tier, when configured.
+    spill: Option<Spill>,
+    spill_stats: Arc<SpillStats>,
 }
 
 impl Engine {
@@ -145,6 +153,16 @@ impl Engine {
         );
         let cache_blocks =
             (config.prefix_cache_bytes / pool.layout().block_bytes()).min(pool.total_blocks());
+        let spill_stats = Arc::new(SpillStats::default());
+        let spill = match &config.spill {
+            Some(spill) if cache_blocks > 0 => Some(Spill::open(
+                spill,
+                &model.fingerprint.0,
+                pool.layout(),
+                spill_stats.clone(),
+            )?),
+            _ => None,
+        };
         Ok(Self {
             pool,
             cache: PrefixCache::new(cache_blocks),
@@ -154,6 +172,8 @@ impl Engine {
             threads,
             config,
             step_costs: StepCosts::default(),
+            spill,
+            spill_stats,
         })
     }
 
@@ -215,11 +235,16 @@ impl Engine {
 
     /// Starts a sequence holding the longest cached prefix of `hashes` (the block hashes of the
     /// tokens it will hold, at most the blocks it may reuse); returns it with the number of
-    /// tokens it already holds. Extending it computes only what follows.
+    /// tokens it already holds. Extending it computes only what follows. Where the pool's
+    /// prefix ends, the disk tier's may go on: those blocks are read back into the pool (and
+    /// the cache) as far as they are whole and the pool has room.
     pub fn new_sequence_cached(&mut self, hashes: &[u64]) -> (SeqId, usize) {
-        let blocks = self.cache.lookup(hashes);
+        let mut blocks = self.cache.lookup(hashes);
         for &b in &blocks {
             self.pool.retain(b);
+        }
+        if blocks.len() < hashes.len() {
+            self.restore(hashes, &mut blocks);
         }
         let id = SeqId(self.next_id);
         self.next_id = self.next_id.wrapping_add(1);
@@ -265,12 +290,51 @@ impl Engine {
     fn evict_one(&mut self) -> bool {
         let pool = &self.pool;
         match self.cache.evict_one(|b| pool.holders(b) > 1) {
-            Some(b) => {
+            Some((hash, b)) => {
+                // A block restored from disk is still there.
+                if let Some(spill) = &self.spill
+                    && !spill.contains(hash)
+                {
+                    spill.store(hash, self.pool.block(b));
+                }
                 self.pool.release([b]);
                 true
             }
             None => false,
         }
+    }
+
+    /// Reads the blocks of `hashes` that follow `blocks` (held by the sequence being started)
+    /// back from the disk tier, in order, until one is not there, is damaged, or finds no room;
+    /// they join `blocks` and the prefix cache.
+    fn restore(&mut self, hashes: &[u64], blocks: &mut Vec<u32>) {
+        let Some(spill) = &self.spill else { return };
+        let start = blocks.len();
+        let on_disk = hashes[start..]
+            .iter()
+            .take_while(|&&h| spill.contains(h))
+            .count();
+        for &hash in &hashes[start..start + on_disk] {
+            let Ok(mut b) = self.alloc(1) else { break };
+            let b = b.remove(0);
+            let Some(spill) = &self.spill else { return };
+            if !spill.load(hash, self.pool.block_mut(b)) {
+                self.pool.release([b]);
+                break;
+            }
+            blocks.push(b);
+        }
+        if blocks.len() > start {
+            for b in self.cache.insert(&hashes[..blocks.len()], blocks) {
+                self.pool.retain(b);
+            }
+            while self.cache.len() > self.cache.max_blocks() && self.evict_one() {}
+        }
+    }
+
+    /// What the disk tier has done; all zero without one.
+    pub fn spill_stats(&self) -> Arc<SpillStats> {
+        self.spill_stats.clone()
     }
 
     /// Takes `n` blocks, evicting cached ones that nobody else holds if the pool is short.

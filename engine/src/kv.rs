@@ -240,6 +240,18 @@ impl KvPool {
         bytemuck::cast_slice_mut(&mut self.data)
     }
 
+    /// A whole block's bytes, as the pool stores them.
+    pub fn block(&self, block: u32) -> &[u8] {
+        let bytes = self.layout.block_bytes();
+        &self.bytes()[block as usize * bytes..][..bytes]
+    }
+
+    /// A whole block's bytes, to be written.
+    pub fn block_mut(&mut self, block: u32) -> &mut [u8] {
+        let bytes = self.layout.block_bytes();
+        &mut self.bytes_mut()[block as usize * bytes..][..bytes]
+    }
+
     /// The 16-row slabs of one block for `(layer, kind)` and the KV heads `heads`, which lie
     /// back to back: `[head][token][row]`, to be read with [`KvDtype::decode_rows`].
     pub fn slabs(&self, block: u32, layer: usize, kind: KvKind, heads: Range<usize>) -> &[u8] {

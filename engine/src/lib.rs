@@ -21,6 +21,7 @@ mod prefix_cache;
 mod quant;
 mod sampling;
 mod speculate;
+mod spill;
 mod tiny;
 mod tokenizer_gguf;
 
@@ -41,6 +42,7 @@ pub use sampling::{
     History, REPETITION_WINDOW, SamplingParams, TokenLogprobs, argmax, logprobs, sample,
 };
 pub use speculate::{Decoding, Drafter, PromptChunk, SpeculateConfig, Step};
+pub use spill::{SpillConfig, SpillStats};
 pub use tandem_tokenizer::{ChatMessage, TokenDecoder, Tokenizer, TokenizerSpec};
 
 /// Where a model comes from.

@@ -136,9 +136,9 @@ impl PrefixCache {
         taken
     }
 
-    /// Removes the least recently used leaf for which `pinned` is false; returns its block,
-    /// whose cache reference the caller drops.
-    pub fn evict_one(&mut self, pinned: impl Fn(u32) -> bool) -> Option<u32> {
+    /// Removes the least recently used leaf for which `pinned` is false; returns its hash and
+    /// block, whose cache reference the caller drops.
+    pub fn evict_one(&mut self, pinned: impl Fn(u32) -> bool) -> Option<(u64, u32)> {
         let &(used, hash) = self
             .leaves
             .iter()
@@ -157,7 +157,7 @@ impl PrefixCache {
             Some(CacheEvent::Evicted(hashes)) => hashes.push(hash),
             _ => self.events.push(CacheEvent::Evicted(vec![hash])),
         }
-        Some(node.block)
+        Some((hash, node.block))
     }
 
     /// Forgets every block; returns them so the caller drops the cache's references.
@@ -205,12 +205,12 @@ mod tests {
         c.insert(&[1, 2, 3], &[10, 20, 30]);
         c.insert(&[1, 2, 4], &[10, 20, 40]);
         c.lookup(&[1, 2, 3]); // 3 is now more recent than 4
-        assert_eq!(c.evict_one(|_| false), Some(40));
+        assert_eq!(c.evict_one(|_| false), Some((4, 40)));
         // 30 is pinned: the next candidates are its ancestors, which are not leaves.
         assert_eq!(c.evict_one(|b| b == 30), None);
-        assert_eq!(c.evict_one(|_| false), Some(30));
-        assert_eq!(c.evict_one(|_| false), Some(20));
-        assert_eq!(c.evict_one(|_| false), Some(10));
+        assert_eq!(c.evict_one(|_| false), Some((3, 30)));
+        assert_eq!(c.evict_one(|_| false), Some((2, 20)));
+        assert_eq!(c.evict_one(|_| false), Some((1, 10)));
         assert_eq!(c.evict_one(|_| false), None);
         assert_eq!(c.len(), 0);
         let events = c.take_events();

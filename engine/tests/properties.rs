@@ -643,6 +643,137 @@ fn pool_pressure_evicts_unpinned_cache_blocks_and_never_pinned_ones() {
     assert_eq!(decode(&mut cold, s, l, 5, &p), c_out);
 }
 
+/// A directory for a test's disk tier, removed when dropped.
+struct SpillDir(std::path::PathBuf);
+
+impl SpillDir {
+    fn new() -> Self {
+        Self(std::env::temp_dir().join(format!(
+            "tandem-spill-{}-{:016x}",
+            std::process::id(),
+            rand::random::<u64>()
+        )))
+    }
+
+    /// An engine of `blocks` blocks whose prefix cache spills here.
+    fn engine(&self, model: &Arc<Model>, blocks: usize) -> Engine {
+        let block = model
+            .config
+            .kv_layout(tandem_engine::KvDtype::F16)
+            .block_bytes();
+        Engine::new(
+            model.clone(),
+            EngineConfig {
+                threads: 2,
+                kv_budget_bytes: block * blocks,
+                prefill_chunk_tokens: 32,
+                prefix_cache_bytes: usize::MAX,
+                spill: Some(tandem_engine::SpillConfig {
+                    dir: self.0.clone(),
+                    max_bytes: 1 << 30,
+                }),
+                ..EngineConfig::default()
+            },
+        )
+        .expect("engine")
+    }
+
+    /// The spilled blocks' files.
+    fn files(&self) -> Vec<std::path::PathBuf> {
+        let mut files: Vec<_> = std::fs::read_dir(&self.0)
+            .expect("spill dir")
+            .flatten()
+            .filter(|e| e.path().is_dir())
+            .flat_map(|d| std::fs::read_dir(d.path()).expect("model dir").flatten())
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "kv"))
+            .collect();
+        files.sort();
+        files
+    }
+}
+
+impl Drop for SpillDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Waits for the disk tier's writer to have stored `n` blocks.
+fn spilled(e: &Engine, n: u64) {
+    let stats = e.spill_stats();
+    let start = std::time::Instant::now();
+    while stats.stored.load(std::sync::atomic::Ordering::Relaxed) < n {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(30),
+            "the writer stored {:?} of {n} blocks",
+            stats.stored
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// A prefix pushed out of a small pool comes back from disk: the follow-up computes only what
+/// follows it and equals a cold run; a damaged file is never served, and costs only recompute.
+#[test]
+fn a_prefix_evicted_to_disk_comes_back_exactly_and_a_damaged_one_is_recomputed() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let model = tiny();
+    let dir = SpillDir::new();
+    let mut e = dir.engine(&model, 8);
+    // A's 4 full blocks are cached, then B's 8 blocks push them out of the pool, to disk.
+    let a_prompt = prompt(65, 1);
+    let (a, a_fed, _) = run(&mut e, &a_prompt, 2);
+    e.cache_sequence(a, &chain(&a_fed[..64])).expect("cache");
+    e.free(a).expect("free");
+    let b = e.new_sequence();
+    e.prefill(b, &prompt(16 * 8, 4))
+        .expect("fits by evicting A");
+    e.free(b).expect("free");
+    spilled(&e, 4);
+    assert_eq!(dir.files().len(), 4);
+
+    let mut c_prompt = a_prompt[..64].to_vec();
+    c_prompt.extend(prompt(8, 7));
+    let p = SamplingParams::default();
+    let cold_out = {
+        let mut cold = engine_with(&model, 32);
+        let s = cold.new_sequence();
+        let l = cold.prefill(s, &c_prompt).expect("prefill");
+        decode(&mut cold, s, l, 6, &p)
+    };
+    let (c, cached) = e.new_sequence_cached(&chain(&c_prompt[..c_prompt.len() - 1]));
+    assert_eq!(cached, 64, "A's blocks are read back");
+    assert_eq!(e.spill_stats().restored.load(Relaxed), 4);
+    let l = e.prefill(c, &c_prompt[cached..]).expect("prefill");
+    assert_eq!(decode(&mut e, c, l, 6, &p), cold_out);
+    e.free(c).expect("free");
+    drop(e);
+
+    // A restarted engine keeps the files; one damaged in the middle of A's chain is caught,
+    // so only the blocks before it are served.
+    let files = dir.files();
+    let mut e = dir.engine(&model, 8);
+    let victims: Vec<_> = files
+        .iter()
+        .filter(|f| {
+            let name = f.file_stem().and_then(|n| n.to_str()).unwrap_or_default();
+            name == format!("{:016x}", chain(&c_prompt)[2])
+        })
+        .collect();
+    assert_eq!(victims.len(), 1, "A's third block is on disk");
+    let mut bytes = std::fs::read(victims[0]).expect("read");
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(victims[0], bytes).expect("write");
+    let (c, cached) = e.new_sequence_cached(&chain(&c_prompt[..c_prompt.len() - 1]));
+    assert_eq!(cached, 32, "the blocks before the damaged one");
+    assert_eq!(e.spill_stats().corrupt.load(Relaxed), 1);
+    assert!(!victims[0].exists(), "the damaged file is deleted");
+    let l = e.prefill(c, &c_prompt[cached..]).expect("prefill");
+    assert_eq!(decode(&mut e, c, l, 6, &p), cold_out);
+}
+
 /// Failover's premise: a generation resumed elsewhere, by prefilling its prompt plus the tokens
 /// already delivered, continues exactly as the uninterrupted run (the logits of a prefilled
 /// position equal those of a decode step bit for bit, and sampling depends only on seed,

@@ -1,0 +1,471 @@
+//! The prefix cache's disk tier: a block evicted from the pool is written to a directory, named
+//! by its block hash, and read back when a later sequence's prefix goes on past what the pool
+//! holds, instead of being computed again.
+//!
+//! - One directory per model and KV layout under the configured one (`<fingerprint>-<dtype>`);
+//!   the other models' directories are removed at start, and the files of this one are kept, so
+//!   that a restarted node still has them. A lock on the directory keeps a second node out.
+//! - A file is a header (magic, fingerprint, layout, hash), the block's bytes as the pool holds
+//!   them, and a CRC32C of both. A file whose CRC, size or header does not match is never
+//!   restored: it is deleted, and the prefix is computed from there.
+//! - Writes happen on the tier's own thread, fed by a bounded queue: the step loop only copies the
+//!   block out. A block the queue has no room for is not spilled (counted).
+//! - Bounded by bytes: past the bound, the least recently used files go.
+
+use std::collections::{BTreeSet, HashMap};
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+use crate::error::{Error, Result};
+use crate::kv::KvLayout;
+
+/// Where the disk tier lives and how large it may grow.
+#[derive(Clone, Debug)]
+pub struct SpillConfig {
+    pub dir: PathBuf,
+    pub max_bytes: u64,
+}
+
+const MAGIC: &[u8; 8] = b"TANDMKV1";
+/// Bytes queued for the writer at most; a block beyond them is not spilled.
+const QUEUE_BYTES: usize = 32 << 20;
+
+/// What the tier has done since the engine started.
+#[derive(Debug, Default)]
+pub struct SpillStats {
+    /// Blocks written to disk.
+    pub stored: AtomicU64,
+    /// Blocks read back into the pool.
+    pub restored: AtomicU64,
+    /// Files found damaged on read (deleted; their prefix was computed again).
+    pub corrupt: AtomicU64,
+    /// Blocks not spilled because the writer was behind.
+    pub dropped: AtomicU64,
+    /// Bytes on disk now.
+    pub bytes: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct Index {
+    /// Each stored block's file size and when it was last used.
+    entries: HashMap<u64, (u64, u64)>,
+    /// `(last_used, hash)`, least recent first.
+    lru: BTreeSet<(u64, u64)>,
+    clock: u64,
+    bytes: u64,
+}
+
+impl Index {
+    fn touch(&mut self, hash: u64) -> bool {
+        self.clock += 1;
+        let clock = self.clock;
+        let Some(entry) = self.entries.get_mut(&hash) else {
+            return false;
+        };
+        self.lru.remove(&(entry.1, hash));
+        entry.1 = clock;
+        self.lru.insert((clock, hash));
+        true
+    }
+
+    fn insert(&mut self, hash: u64, size: u64) {
+        self.remove(hash);
+        self.clock += 1;
+        self.entries.insert(hash, (size, self.clock));
+        self.lru.insert((self.clock, hash));
+        self.bytes += size;
+    }
+
+    fn remove(&mut self, hash: u64) -> bool {
+        match self.entries.remove(&hash) {
+            Some((size, used)) => {
+                self.lru.remove(&(used, hash));
+                self.bytes -= size;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The least recently used block, taken out.
+    fn pop_oldest(&mut self) -> Option<u64> {
+        let (_, hash) = self.lru.pop_first()?;
+        let (size, _) = self.entries.remove(&hash)?;
+        self.bytes -= size;
+        Some(hash)
+    }
+}
+
+/// What the tier and its writer thread share.
+#[derive(Debug)]
+struct Shared {
+    dir: PathBuf,
+    max_bytes: u64,
+    index: Mutex<Index>,
+    stats: Arc<SpillStats>,
+}
+
+impl Shared {
+    fn index(&self) -> MutexGuard<'_, Index> {
+        // The index stays consistent under every step of its methods; a panic elsewhere
+        // cannot leave it half-changed.
+        self.index.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn path(&self, hash: u64) -> PathBuf {
+        self.dir.join(format!("{hash:016x}.kv"))
+    }
+
+    fn forget(&self, hash: u64) {
+        let mut index = self.index();
+        if index.remove(hash) {
+            let _ = fs::remove_file(self.path(hash));
+        }
+        self.stats.bytes.store(index.bytes, Ordering::Relaxed);
+    }
+
+    /// Writes one file (to a temporary name, renamed once whole), then keeps the tier within
+    /// its bound.
+    fn write(&self, hash: u64, file: &[u8]) {
+        let path = self.path(hash);
+        let tmp = path.with_extension("tmp");
+        let written = File::create(&tmp)
+            .and_then(|mut f| f.write_all(file))
+            .and_then(|()| fs::rename(&tmp, &path));
+        if let Err(e) = written {
+            tracing::warn!(error = %e, path = %tmp.display(), "cannot spill a KV block");
+            let _ = fs::remove_file(&tmp);
+            return;
+        }
+        let mut index = self.index();
+        index.insert(hash, file.len() as u64);
+        while index.bytes > self.max_bytes {
+            let Some(old) = index.pop_oldest() else { break };
+            let _ = fs::remove_file(self.path(old));
+        }
+        self.stats.bytes.store(index.bytes, Ordering::Relaxed);
+        self.stats.stored.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The disk tier of one engine.
+#[derive(Debug)]
+pub(crate) struct Spill {
+    shared: Arc<Shared>,
+    /// What every file of this tier starts with, up to the hash.
+    header: Vec<u8>,
+    block_bytes: usize,
+    jobs: Option<SyncSender<(u64, Vec<u8>)>>,
+    writer: Option<JoinHandle<()>>,
+    /// Held for the engine's life: the lock that keeps a second node out of the directory.
+    _lock: File,
+}
+
+impl Spill {
+    /// Opens the tier for `fingerprint` and `layout` under `config.dir`, keeping the files a
+    /// previous run of the same model left within the bound, and removing other models'.
+    pub fn open(
+        config: &SpillConfig,
+        fingerprint: &[u8; 32],
+        layout: KvLayout,
+        stats: Arc<SpillStats>,
+    ) -> Result<Self> {
+        let io = |what: &str, path: &Path, e: std::io::Error| Error::InvalidArgument {
+            field: "kv_spill_dir",
+            reason: format!("{what} {}: {e}", path.display()),
+        };
+        fs::create_dir_all(&config.dir).map_err(|e| io("cannot create", &config.dir, e))?;
+        let lock_path = config.dir.join("LOCK");
+        let lock = File::create(&lock_path).map_err(|e| io("cannot create", &lock_path, e))?;
+        lock.try_lock().map_err(|_| Error::InvalidArgument {
+            field: "kv_spill_dir",
+            reason: format!(
+                "{} is in use by another node: give each node a directory of its own",
+                config.dir.display()
+            ),
+        })?;
+        let fp: String = fingerprint[..8]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let name = format!("{fp}-{}", layout.dtype.name());
+        let dir = config.dir.join(&name);
+        let entries = fs::read_dir(&config.dir).map_err(|e| io("cannot read", &config.dir, e))?;
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.is_dir() && entry.file_name() != name.as_str() {
+                tracing::info!(dir = %path.display(), "removing another model's spilled KV");
+                let _ = fs::remove_dir_all(&path);
+            }
+        }
+        fs::create_dir_all(&dir).map_err(|e| io("cannot create", &dir, e))?;
+
+        let mut header = MAGIC.to_vec();
+        header.extend_from_slice(fingerprint);
+        for v in [layout.n_layers, layout.n_kv_heads, layout.head_dim] {
+            header.extend_from_slice(&(v as u32).to_le_bytes());
+        }
+        header.extend_from_slice(layout.dtype.name().as_bytes());
+        let block_bytes = layout.block_bytes();
+        let shared = Arc::new(Shared {
+            index: Mutex::new(scan(&dir, header.len() + 8 + block_bytes + 4)),
+            dir,
+            max_bytes: config.max_bytes,
+            stats,
+        });
+        {
+            let mut index = shared.index();
+            while index.bytes > shared.max_bytes {
+                let Some(old) = index.pop_oldest() else { break };
+                let _ = fs::remove_file(shared.path(old));
+            }
+            shared.stats.bytes.store(index.bytes, Ordering::Relaxed);
+            if !index.entries.is_empty() {
+                tracing::info!(
+                    blocks = index.entries.len(),
+                    bytes = index.bytes,
+                    dir = %shared.dir.display(),
+                    "spilled KV kept from an earlier run"
+                );
+            }
+        }
+        let (jobs, queue) =
+            mpsc::sync_channel::<(u64, Vec<u8>)>((QUEUE_BYTES / block_bytes.max(1)).max(4));
+        let writer = {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name("tandem-kv-spill".into())
+                .spawn(move || {
+                    for (hash, file) in queue {
+                        shared.write(hash, &file);
+                    }
+                })
+                .map_err(|e| io("cannot start the writer for", &config.dir, e))?
+        };
+        Ok(Self {
+            shared,
+            header,
+            block_bytes,
+            jobs: Some(jobs),
+            writer: Some(writer),
+            _lock: lock,
+        })
+    }
+
+    /// Whether a block is on disk, marking it as just used.
+    pub fn contains(&self, hash: u64) -> bool {
+        self.shared.index().touch(hash)
+    }
+
+    /// Queues a block's bytes to be written; never waits.
+    pub fn store(&self, hash: u64, block: &[u8]) {
+        debug_assert_eq!(block.len(), self.block_bytes);
+        let mut file = Vec::with_capacity(self.header.len() + 8 + block.len() + 4);
+        file.extend_from_slice(&self.header);
+        file.extend_from_slice(&hash.to_le_bytes());
+        file.extend_from_slice(block);
+        let crc = crc32c::crc32c(&file);
+        file.extend_from_slice(&crc.to_le_bytes());
+        let Some(jobs) = &self.jobs else { return };
+        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) =
+            jobs.try_send((hash, file))
+        {
+            self.shared.stats.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Reads a block back into `out`; `false` when it is not there or is damaged (a damaged
+    /// file is deleted).
+    pub fn load(&self, hash: u64, out: &mut [u8]) -> bool {
+        let Ok(file) = fs::read(self.shared.path(hash)) else {
+            self.shared.forget(hash);
+            return false;
+        };
+        let body = self.header.len() + 8;
+        let whole = file.len() == body + self.block_bytes + 4
+            && file[..self.header.len()] == self.header[..]
+            && file[self.header.len()..body] == hash.to_le_bytes()
+            && {
+                let (data, crc) = file.split_at(file.len() - 4);
+                crc32c::crc32c(data).to_le_bytes() == crc
+            };
+        if !whole {
+            tracing::warn!(
+                hash = format!("{hash:016x}"),
+                "a spilled KV block is damaged; computing it again"
+            );
+            self.shared.stats.corrupt.fetch_add(1, Ordering::Relaxed);
+            self.shared.forget(hash);
+            return false;
+        }
+        out.copy_from_slice(&file[body..body + self.block_bytes]);
+        self.shared.stats.restored.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+}
+
+impl Drop for Spill {
+    fn drop(&mut self) {
+        // The writer finishes the queue, then ends.
+        self.jobs = None;
+        if let Some(w) = self.writer.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// The index of the files a directory holds: whole-sized `<hash>.kv` files, oldest first by
+/// modification time. Anything else there (a torn temporary) is removed; contents are checked
+/// when read.
+fn scan(dir: &Path, file_bytes: usize) -> Index {
+    let mut found = Vec::new();
+    for entry in fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        let hash = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_suffix(".kv"))
+            .and_then(|h| u64::from_str_radix(h, 16).ok());
+        let meta = entry.metadata().ok();
+        match (hash, meta) {
+            (Some(hash), Some(meta)) if meta.len() == file_bytes as u64 => {
+                found.push((meta.modified().ok(), hash, meta.len()));
+            }
+            _ => {
+                let _ = fs::remove_file(&path);
+            }
+        }
+    }
+    found.sort();
+    let mut index = Index::default();
+    for (_, hash, size) in found {
+        index.insert(hash, size);
+    }
+    index
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::KvDtype;
+
+    /// A fresh directory, removed when dropped.
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new() -> Self {
+            let dir = std::env::temp_dir()
+                .join(format!("tandem-spill-test-{:016x}", rand::random::<u64>()));
+            fs::create_dir_all(&dir).unwrap();
+            Self(dir)
+        }
+
+        fn path(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn layout() -> KvLayout {
+        KvLayout {
+            n_layers: 2,
+            n_kv_heads: 1,
+            head_dim: 4,
+            dtype: KvDtype::F16,
+        }
+    }
+
+    fn open(dir: &Path, max_bytes: u64) -> Spill {
+        let config = SpillConfig {
+            dir: dir.into(),
+            max_bytes,
+        };
+        Spill::open(&config, &[7; 32], layout(), Arc::default()).unwrap()
+    }
+
+    #[test]
+    fn a_block_comes_back_as_it_went_and_a_damaged_one_never() {
+        let dir = TempDir::new();
+        let spill = open(dir.path(), 1 << 20);
+        let bytes = layout().block_bytes();
+        let a: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
+        spill.store(1, &a);
+        spill.store(2, &a);
+        // Dropping the tier waits for its writer.
+        drop(spill);
+        let spill = open(dir.path(), 1 << 20);
+        assert!(
+            spill.contains(1) && spill.contains(2),
+            "kept across a restart"
+        );
+        let mut out = vec![0; bytes];
+        assert!(spill.load(1, &mut out));
+        assert_eq!(out, a);
+
+        let path = spill.shared.path(2);
+        let mut file = fs::read(&path).unwrap();
+        let mid = file.len() / 2;
+        file[mid] ^= 1;
+        fs::write(&path, file).unwrap();
+        assert!(!spill.load(2, &mut out), "a flipped bit is caught");
+        assert!(!spill.contains(2) && !path.exists(), "and the file is gone");
+        assert_eq!(spill.shared.stats.corrupt.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn the_tier_keeps_to_its_bound_least_recent_first_and_to_its_model() {
+        let dir = TempDir::new();
+        let file = (MAGIC.len() + 32 + 12 + 3 + 8 + layout().block_bytes() + 4) as u64;
+        let spill = open(dir.path(), 2 * file);
+        let block = vec![3; layout().block_bytes()];
+        spill.store(1, &block);
+        spill.store(2, &block);
+        drop(spill);
+        let spill = open(dir.path(), 2 * file);
+        assert!(spill.contains(1), "1 is now the most recent");
+        spill.store(3, &block);
+        drop(spill);
+        let spill = open(dir.path(), 2 * file);
+        assert!(spill.contains(1) && spill.contains(3));
+        assert!(!spill.contains(2), "the least recently used went");
+        drop(spill);
+
+        let other = SpillConfig {
+            dir: dir.path().into(),
+            max_bytes: 1 << 20,
+        };
+        let spill = Spill::open(&other, &[8; 32], layout(), Arc::default()).unwrap();
+        assert!(
+            !spill.contains(1),
+            "another model's blocks are not this one's"
+        );
+        let dirs = fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .filter(|e| e.path().is_dir())
+            .count();
+        assert_eq!(dirs, 1, "and its directory is removed");
+    }
+
+    #[test]
+    fn a_directory_serves_one_node() {
+        let dir = TempDir::new();
+        let _first = open(dir.path(), 1 << 20);
+        let config = SpillConfig {
+            dir: dir.path().into(),
+            max_bytes: 1 << 20,
+        };
+        let err = Spill::open(&config, &[7; 32], layout(), Arc::default()).unwrap_err();
+        assert!(err.to_string().contains("another node"), "{err}");
+    }
+}
