@@ -1,5 +1,5 @@
 //! `tandem certs init DIR`: a development CA and a certificate per role for mutual TLS between
-//! nodes (`tandem_proto::tls::write_dev_certs`).
+//! nodes (`tandem_net::tls::write_dev_certs`).
 
 use std::path::PathBuf;
 
@@ -26,7 +26,7 @@ pub(crate) fn init(args: &InitArgs) -> anyhow::Result<()> {
         "{} already holds a CA (use --force to replace it)",
         args.dir.display()
     );
-    let written = tandem_proto::tls::write_dev_certs(&args.dir, &args.names, args.days)?;
+    let written = tandem_net::tls::write_dev_certs(&args.dir, &args.names, args.days)?;
     for path in written {
         println!("{}", path.display());
     }

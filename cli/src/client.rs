@@ -102,7 +102,7 @@ impl ServerTlsArgs {
 
 /// A client of the router at `server`.
 pub(crate) fn client(server: &str, key: &ApiKey, tls: &ServerTlsArgs) -> anyhow::Result<Client> {
-    let channel = tandem_proto::net::channel(server, tls.config(server)?)
+    let channel = tandem_net::channel(server, tls.config(server)?)
         .with_context(|| format!("bad server address {server:?}"))?;
     Ok(tandem_proto::limits!(
         pb::generation_client::GenerationClient::with_interceptor(channel, key.clone())
@@ -120,11 +120,11 @@ pub(crate) async fn explain(
     error: anyhow::Error,
 ) -> anyhow::Error {
     let plaintext = matches!(tls.config(server), Ok(None));
-    if plaintext && tandem_proto::net::requires_tls(server, TLS_PROBE).await {
+    if plaintext && tandem_net::requires_tls(server, TLS_PROBE).await {
         return anyhow::anyhow!(
             "{server} serves TLS: give the address as https://{}, with --ca-cert when its \
              certificate is not from a public CA ({error:#})",
-            tandem_proto::net::authority(server)
+            tandem_net::authority(server)
         );
     }
     error

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::Args;
-use tandem_proto::tls::{Role, Tls};
+use tandem_net::tls::{Role, Tls};
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 
@@ -38,7 +38,7 @@ pub(crate) fn run(args: &HealthcheckArgs) -> anyhow::Result<()> {
                 .map(|dir| Tls::load(dir, Role::Client))
                 .transpose()?;
             let check = async {
-                let channel = tandem_proto::net::channel(
+                let channel = tandem_net::channel(
                     &args.addr.to_string(),
                     tls.as_ref().map(Tls::client_config),
                 )?;
@@ -56,7 +56,7 @@ pub(crate) fn run(args: &HealthcheckArgs) -> anyhow::Result<()> {
             match answer {
                 Err(e)
                     if tls.is_none()
-                        && tandem_proto::net::requires_tls(&args.addr.to_string(), deadline)
+                        && tandem_net::requires_tls(&args.addr.to_string(), deadline)
                             .await =>
                 {
                     Err(anyhow::anyhow!(

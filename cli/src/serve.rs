@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use tandem_engine::EngineConfig;
-use tandem_proto::tls::{Role, Tls};
+use tandem_net::tls::{Role, Tls};
 use tokio::net::TcpListener;
 
 use crate::ModelArgs;
@@ -330,10 +330,10 @@ pub(crate) struct ApiTlsArgs {
 }
 
 impl ApiTlsArgs {
-    fn load(&self) -> anyhow::Result<Option<Arc<tandem_proto::api_tls::ServerCert>>> {
+    fn load(&self) -> anyhow::Result<Option<Arc<tandem_net::api_tls::ServerCert>>> {
         match (&self.api_tls_cert, &self.api_tls_key) {
             (Some(cert), Some(key)) => {
-                Ok(Some(tandem_proto::api_tls::ServerCert::load(cert, key)?))
+                Ok(Some(tandem_net::api_tls::ServerCert::load(cert, key)?))
             }
             _ => Ok(None),
         }

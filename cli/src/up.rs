@@ -12,7 +12,7 @@ use anyhow::{Context, bail};
 use clap::Args;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use tandem_proto::tls::{Role, Tls};
+use tandem_net::tls::{Role, Tls};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
@@ -105,7 +105,7 @@ fn certs(args: &UpArgs) -> anyhow::Result<Option<Certs>> {
         }));
     }
     let dir = std::env::temp_dir().join(format!("tandem-up-{}", std::process::id()));
-    tandem_proto::tls::write_dev_certs(&dir, &[], 30)?;
+    tandem_net::tls::write_dev_certs(&dir, &[], 30)?;
     Ok(Some(Certs { dir, made: true }))
 }
 
@@ -170,8 +170,8 @@ async fn wait_ready(
             } else {
                 ("", tls.map(Tls::client_config))
             };
-            let channel = tandem_proto::net::channel(&n.addr, tls)?;
-            tandem_proto::net::wait_serving(channel, service, timeout).await?;
+            let channel = tandem_net::channel(&n.addr, tls)?;
+            tandem_net::wait_serving(channel, service, timeout).await?;
         }
         Ok::<_, anyhow::Error>(())
     };

@@ -19,7 +19,7 @@ pub struct Config {
     pub max_kv_wait: Duration,
     /// Mutual TLS: this node's certificate, and the only way to reach it and for it to reach
     /// others.
-    pub tls: Option<tandem_proto::tls::Tls>,
+    pub tls: Option<tandem_net::tls::Tls>,
     /// How long in-flight streams may run after shutdown begins.
     pub grace: Duration,
 }

@@ -96,10 +96,10 @@ pub async fn run(
         )
         .add_service(KvTransferService::new(reservations, transfer_metrics).into_server());
     tracing::info!(addr = ?listener.local_addr().ok(), model = %config.model.name, "decode node serving");
-    let served = tandem_proto::net::serve(
+    let served = tandem_net::serve(
         listener,
         routes,
-        tandem_proto::net::ServeOptions {
+        tandem_net::ServeOptions {
             service_names: vec![
                 "tandem.v1.Decode",
                 "tandem.v1.KvTransfer",
@@ -108,7 +108,7 @@ pub async fn run(
             health,
             metrics: Arc::new(registry),
             grace: config.grace,
-            tls: config.tls.clone().map(tandem_proto::net::ServerTls::Mutual),
+            tls: config.tls.clone().map(tandem_net::ServerTls::Mutual),
         },
         async {
             shutdown.await;

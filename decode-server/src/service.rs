@@ -27,7 +27,7 @@ impl pb::decode_server::Decode for DecodeService {
         &self,
         request: Request<pb::DecodeRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        let deadline = tandem_proto::net::deadline(request.metadata());
+        let deadline = tandem_net::deadline(request.metadata());
         let r = request.into_inner();
         tandem_proto::check_ids(&[
             ("request_id", &r.request_id),

@@ -67,7 +67,7 @@ impl Node {
     }
 
     pub fn channel(&self) -> Channel {
-        tandem_proto::net::channel(&self.addr.to_string(), None)
+        tandem_net::channel(&self.addr.to_string(), None)
             .expect("a socket address is a valid URI")
     }
 }
@@ -104,7 +104,7 @@ pub struct ClusterConfig {
     pub prefix_cache: bool,
     pub policy: tandem_router::PolicyKind,
     /// Mutual TLS between the nodes, with the certificates in this directory
-    /// (`tandem_proto::tls::write_dev_certs`).
+    /// (`tandem_net::tls::write_dev_certs`).
     pub tls_dir: Option<std::path::PathBuf>,
     /// Put a [`Relay`] between the router and each worker.
     pub relays: bool,
@@ -142,9 +142,9 @@ impl ClusterConfig {
     }
 
     /// Each node's TLS material for `role`, when the cluster uses TLS.
-    fn tls(&self, role: tandem_proto::tls::Role) -> anyhow::Result<Option<tandem_proto::tls::Tls>> {
+    fn tls(&self, role: tandem_net::tls::Role) -> anyhow::Result<Option<tandem_net::tls::Tls>> {
         Ok(match &self.tls_dir {
-            Some(dir) => Some(tandem_proto::tls::Tls::load(dir, role)?),
+            Some(dir) => Some(tandem_net::tls::Tls::load(dir, role)?),
             None => None,
         })
     }
@@ -177,7 +177,7 @@ async fn start_decode(config: &ClusterConfig, addr: SocketAddr) -> anyhow::Resul
         kv_wait: config.kv_wait,
         max_kv_wait: config.max_kv_wait,
         grace: config.grace,
-        tls: config.tls(tandem_proto::tls::Role::Decode)?,
+        tls: config.tls(tandem_net::tls::Role::Decode)?,
         ..tandem_decode_server::Config::new(config.model.clone())
     };
     Node::spawn_on(addr, |l, rx| async move {
@@ -206,7 +206,7 @@ impl Cluster {
                 },
                 grace: config.grace,
                 keepalive: config.keepalive,
-                tls: config.tls(tandem_proto::tls::Role::Prefill)?,
+                tls: config.tls(tandem_net::tls::Role::Prefill)?,
                 ..tandem_prefill_server::Config::new(config.model.clone())
             };
             prefill.push(
@@ -247,7 +247,7 @@ impl Cluster {
             policy: config.policy,
             auth: config.auth.clone(),
             limits: config.limits.clone(),
-            tls: config.tls(tandem_proto::tls::Role::Router)?,
+            tls: config.tls(tandem_net::tls::Role::Router)?,
             ..tandem_router::Config::default()
         };
         let http = TcpListener::bind("127.0.0.1:0").await?;
@@ -285,7 +285,7 @@ impl Cluster {
     /// replica up (it serves once a decode replica is up; tests want the whole cluster).
     pub async fn wait_ready(&self, timeout: Duration) -> anyhow::Result<()> {
         let started = std::time::Instant::now();
-        tandem_proto::net::wait_serving(self.router.channel(), "tandem.v1.Generation", timeout)
+        tandem_net::wait_serving(self.router.channel(), "tandem.v1.Generation", timeout)
             .await
             .with_context(|| format!("the router did not become SERVING within {timeout:?}"))?;
         let replicas = self.prefill.len() + self.decode.len();

@@ -56,12 +56,12 @@ fn out_dir() -> PathBuf {
     dir
 }
 
-/// The cluster's certificates (`tandem_proto::tls`), made once per run.
+/// The cluster's certificates (`tandem_net::tls`), made once per run.
 fn certs_dir() -> PathBuf {
     static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     DIR.get_or_init(|| {
         let dir = out_dir().join("certs");
-        tandem_proto::tls::write_dev_certs(&dir, &[], 2).expect("certificates");
+        tandem_net::tls::write_dev_certs(&dir, &[], 2).expect("certificates");
         dir
     })
     .clone()
@@ -578,7 +578,7 @@ async fn traffic(
     until: Option<Arc<AtomicBool>>,
     t0: Instant,
 ) -> Result<Vec<(usize, Outcome)>> {
-    let channel = tandem_proto::net::channel(&router_addr().to_string(), None)?;
+    let channel = tandem_net::channel(&router_addr().to_string(), None)?;
     let slots = Arc::new(tokio::sync::Semaphore::new(streams));
     let mut tasks = Vec::new();
     for n in 0.. {
@@ -618,8 +618,8 @@ async fn leaked_blocks() -> Result<u64> {
     for n in 1..=2 {
         let addr = format!("{}:{DECODE_PORT}", ip(&container("decode", n))?);
         // The router's certificate: Worker is the router's to call.
-        let tls = tandem_proto::tls::Tls::load(&certs_dir(), tandem_proto::tls::Role::Router)?;
-        let mut worker = pb::worker_client::WorkerClient::new(tandem_proto::net::channel(
+        let tls = tandem_net::tls::Tls::load(&certs_dir(), tandem_net::tls::Role::Router)?;
+        let mut worker = pb::worker_client::WorkerClient::new(tandem_net::channel(
             &addr,
             Some(tls.client_config()),
         )?);
@@ -697,8 +697,8 @@ impl Row {
         if self.expect_detection {
             // A node that went down must be taken back once healed.
             ensure!(self.recovery_s.is_some(), "{f}: the node never came back");
-            let bound = (tandem_proto::net::KEEPALIVE_INTERVAL
-                + tandem_proto::net::KEEPALIVE_TIMEOUT)
+            let bound = (tandem_net::KEEPALIVE_INTERVAL
+                + tandem_net::KEEPALIVE_TIMEOUT)
                 .as_secs_f64();
             ensure!(
                 self.detection_s.is_some_and(|d| d <= bound),
@@ -1289,7 +1289,7 @@ async fn rolling_restart(case: &Case) -> Result<Row> {
 async fn overload(case: &Case) -> Result<Row> {
     // 3x the decode nodes' batch slots (2 x 16), all at once.
     let n = 3 * 2 * 16;
-    let channel = tandem_proto::net::channel(&router_addr().to_string(), None)?;
+    let channel = tandem_net::channel(&router_addr().to_string(), None)?;
     let t0 = Instant::now();
     let tasks: Vec<_> = (0..n)
         .map(|k| {

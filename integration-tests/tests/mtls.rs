@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use tandem_integration_tests::{
     Cluster, ClusterConfig, collect, greedy, metrics_over, sample, stray_push,
 };
-use tandem_proto::tls::{Role, Tls, write_dev_certs};
+use tandem_net::tls::{Role, Tls, write_dev_certs};
 use tandem_proto::v1 as pb;
 use tonic::Code;
 use tonic::transport::Channel;
@@ -22,7 +22,7 @@ fn certs(name: &str) -> PathBuf {
 
 fn channel(addr: std::net::SocketAddr, dir: &Path, role: Role) -> Channel {
     let tls = Tls::load(dir, role).expect("tls files");
-    tandem_proto::net::channel(&addr.to_string(), Some(tls.client_config())).expect("channel")
+    tandem_net::channel(&addr.to_string(), Some(tls.client_config())).expect("channel")
 }
 
 async fn load(channel: Channel) -> Result<pb::LoadResponse, tonic::Status> {
@@ -61,7 +61,7 @@ async fn nodes_speak_mutual_tls_and_each_role_calls_only_what_it_needs() {
     // Tandem's own clients can tell a port that needs TLS from one that does not.
     let probe = std::time::Duration::from_secs(2);
     let plain_decode = plain.decode[0].addr.to_string();
-    assert!(!tandem_proto::net::requires_tls(&plain_decode, probe).await);
+    assert!(!tandem_net::requires_tls(&plain_decode, probe).await);
     plain.stop().await.expect("stop");
 
     let (prefill, decode) = (cluster.prefill[0].addr, cluster.decode[0].addr);
@@ -130,7 +130,7 @@ async fn nodes_speak_mutual_tls_and_each_role_calls_only_what_it_needs() {
     // (UNAVAILABLE, CANCELLED, UNKNOWN "transport error", or an HTTP/2 protocol error when it
     // reads the TLS alert as a frame); what must hold is that the push fails and the node
     // counted no call.
-    let plaintext = tandem_proto::net::channel(&decode.to_string(), None).expect("channel");
+    let plaintext = tandem_net::channel(&decode.to_string(), None).expect("channel");
     stray_push(plaintext, "plaintext").await;
     let stranger = certs("stranger");
     stray_push(channel(decode, &stranger, Role::Prefill), "stranger").await;
@@ -138,7 +138,7 @@ async fn nodes_speak_mutual_tls_and_each_role_calls_only_what_it_needs() {
         .await
         .expect("metrics over TLS");
     assert_eq!(kv_pushes(&text), before, "{text}");
-    assert!(tandem_proto::net::requires_tls(&decode.to_string(), probe).await);
+    assert!(tandem_net::requires_tls(&decode.to_string(), probe).await);
     cluster.stop().await.expect("stop");
 }
 
@@ -157,7 +157,7 @@ fn every_certificate_names_exactly_its_role() {
     for role in Role::ALL {
         let pem = std::fs::read_to_string(dir.join(format!("{}.pem", role.name()))).expect("pem");
         let der = pem_to_der(&pem);
-        assert_eq!(tandem_proto::tls::peer_role(&der), Some(role));
+        assert_eq!(tandem_net::tls::peer_role(&der), Some(role));
         use std::os::unix::fs::PermissionsExt;
         let key = std::fs::metadata(dir.join(format!("{}.key", role.name()))).expect("key");
         assert_eq!(
@@ -167,7 +167,7 @@ fn every_certificate_names_exactly_its_role() {
         );
     }
     let ca = pem_to_der(&std::fs::read_to_string(dir.join("ca.pem")).expect("ca"));
-    assert_eq!(tandem_proto::tls::peer_role(&ca), None, "the CA is no node");
+    assert_eq!(tandem_net::tls::peer_role(&ca), None, "the CA is no node");
 }
 
 /// The DER inside a one-certificate PEM file.

@@ -17,7 +17,7 @@ pub struct Config {
     pub max_queue: usize,
     /// Mutual TLS: this node's certificate, and the only way to reach it and for it to reach
     /// others.
-    pub tls: Option<tandem_proto::tls::Tls>,
+    pub tls: Option<tandem_net::tls::Tls>,
     /// How long in-flight requests may run after shutdown begins.
     pub grace: Duration,
     /// How often a push whose KV does not flow yet tells the decode node it lives

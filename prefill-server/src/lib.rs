@@ -84,15 +84,15 @@ pub async fn run(
         ))
         .add_service(worker.into_server());
     tracing::info!(addr = ?listener.local_addr().ok(), model = %config.model.name, "prefill node serving");
-    let served = tandem_proto::net::serve(
+    let served = tandem_net::serve(
         listener,
         routes,
-        tandem_proto::net::ServeOptions {
+        tandem_net::ServeOptions {
             service_names: vec!["tandem.v1.Prefill", "tandem.v1.Worker"],
             health,
             metrics: Arc::new(registry),
             grace: config.grace,
-            tls: config.tls.clone().map(tandem_proto::net::ServerTls::Mutual),
+            tls: config.tls.clone().map(tandem_net::ServerTls::Mutual),
         },
         async {
             shutdown.await;

@@ -27,7 +27,7 @@ pub struct PrefillService {
     pub(crate) keepalive: std::time::Duration,
     pub(crate) prefix_cache: bool,
     /// Mutual TLS to the decode nodes, as a prefill node.
-    pub(crate) tls: Option<tandem_proto::tls::Tls>,
+    pub(crate) tls: Option<tandem_net::tls::Tls>,
 }
 
 impl PrefillService {
@@ -101,9 +101,9 @@ impl PrefillService {
             chunk_count: tandem_worker::chunk_count(&layout, push.clone(), self.chunk_tokens),
             total_bytes: layout.total_bytes(push.len()),
         };
-        let channel = tandem_proto::net::channel(
+        let channel = tandem_net::channel(
             &r.decode_addr,
-            self.tls.as_ref().map(tandem_proto::tls::Tls::client_config),
+            self.tls.as_ref().map(tandem_net::tls::Tls::client_config),
         )
         .map_err(|e| Error::InvalidArgument {
             field: "decode_addr",

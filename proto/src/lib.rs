@@ -2,14 +2,11 @@
 //! (client API, worker services, KV wire format v1), generated at build time from
 //! `tandem/v1/*.proto`.
 //!
-//! Only generated code, constants, the block-hash spec ([`block_hash`]) and the shared transport
-//! ([`net`]) live here; conversions to domain types belong to the crate that owns each domain
-//! type.
+//! Only generated code, constants and the block-hash spec ([`block_hash`]) live here: the
+//! transport and TLS every process shares are `tandem-net`'s, and conversions to domain types
+//! belong to the crate that owns each domain type.
 
-pub mod api_tls;
 pub mod block_hash;
-pub mod net;
-pub mod tls;
 
 pub mod v1 {
     #![allow(missing_debug_implementations, clippy::all)]
@@ -22,6 +19,15 @@ pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("tand
 /// The largest gRPC message any Tandem process sends or accepts. Both ends set it explicitly;
 /// KV chunks stay far below it (see `tandem-transfer`).
 pub const MAX_MESSAGE_BYTES: usize = 16 << 20;
+
+/// Applies Tandem's message limits to a generated client or server.
+#[macro_export]
+macro_rules! limits {
+    ($svc:expr) => {
+        $svc.max_decoding_message_size($crate::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size($crate::MAX_MESSAGE_BYTES)
+    };
+}
 
 /// Longest request, session, transfer id or cache salt, in bytes. Ids go into log lines, error
 /// messages and downstream calls, so every service bounds them before anything else reads them.

@@ -65,10 +65,10 @@ pub struct Config {
     pub auth: AuthConfig,
     pub limits: Limits,
     /// Mutual TLS to the workers, with the router's certificate.
-    pub tls: Option<tandem_proto::tls::Tls>,
+    pub tls: Option<tandem_net::tls::Tls>,
     /// TLS for clients on the gRPC and HTTP ports: a server certificate only (API keys
     /// identify clients), reloaded when its files change.
-    pub api_tls: Option<std::sync::Arc<tandem_proto::api_tls::ServerCert>>,
+    pub api_tls: Option<std::sync::Arc<tandem_net::api_tls::ServerCert>>,
     /// Sampling for HTTP requests that leave these unset.
     pub sampling_defaults: SamplingDefaults,
 }

@@ -27,8 +27,8 @@ use std::future::{Future, IntoFuture};
 use std::sync::{Arc, Mutex};
 
 use prometheus_client::registry::Registry;
-use tandem_proto::api_tls::TlsListener;
-use tandem_proto::net::ServerTls;
+use tandem_net::api_tls::TlsListener;
+use tandem_net::ServerTls;
 use tandem_proto::v1 as pb;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
@@ -194,10 +194,10 @@ pub async fn run(
         http_stop.cancel();
     };
     tracing::info!(addr = ?listener.local_addr().ok(), prefill = ?config.prefill, decode = ?config.decode, tls = config.api_tls.is_some(), "router serving");
-    let served = tandem_proto::net::serve(
+    let served = tandem_net::serve(
         listener,
         routes,
-        tandem_proto::net::ServeOptions {
+        tandem_net::ServeOptions {
             service_names: Vec::new(),
             health,
             metrics: Arc::new(registry),

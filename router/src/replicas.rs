@@ -259,7 +259,7 @@ pub struct Replicas {
     monitoring: OnceLock<Monitoring>,
     frontend: OnceLock<Arc<Frontend>>,
     /// Mutual TLS to the workers, as the router.
-    tls: Option<tandem_proto::tls::Tls>,
+    tls: Option<tandem_net::tls::Tls>,
     /// Woken whenever a replica's health, compatibility or room, the set, or the frontend
     /// changes.
     changed: Arc<tokio::sync::Notify>,
@@ -276,7 +276,7 @@ impl Replicas {
     pub fn with_tls(
         index_max_blocks: usize,
         cancel: CancellationToken,
-        tls: Option<tandem_proto::tls::Tls>,
+        tls: Option<tandem_net::tls::Tls>,
     ) -> Self {
         Self {
             all: RwLock::default(),
@@ -315,9 +315,9 @@ impl Replicas {
             addr: addr.to_string(),
             target: target.to_string(),
             role,
-            channel: tandem_proto::net::channel(
+            channel: tandem_net::channel(
                 addr,
-                self.tls.as_ref().map(tandem_proto::tls::Tls::client_config),
+                self.tls.as_ref().map(tandem_net::tls::Tls::client_config),
             )?,
             index: CacheIndex::new(self.index_max_blocks),
             healthy: AtomicBool::new(false),

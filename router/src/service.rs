@@ -203,7 +203,7 @@ impl pb::generation_server::Generation for GenerationService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        let deadline = tandem_proto::net::deadline(request.metadata());
+        let deadline = tandem_net::deadline(request.metadata());
         // The interceptor ([`GenerationService::interceptor`]) put it there before the body was
         // read.
         let principal = request

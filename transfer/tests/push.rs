@@ -34,14 +34,14 @@ async fn node() -> Node {
     let metrics = TransferMetrics::register(&mut Default::default());
     let svc = KvTransferService::new(reservations.clone(), metrics.clone()).into_server();
     tokio::spawn(
-        tandem_proto::net::server()
+        tandem_net::server()
             .add_service(svc)
-            .serve_with_incoming(tandem_proto::net::incoming(listener)),
+            .serve_with_incoming(tandem_net::incoming(listener)),
     );
     Node {
         reservations,
         metrics,
-        channel: tandem_proto::net::channel(&addr.to_string(), None).expect("channel"),
+        channel: tandem_net::channel(&addr.to_string(), None).expect("channel"),
     }
 }
 

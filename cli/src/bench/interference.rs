@@ -149,8 +149,8 @@ pub(crate) fn interference(args: &InterferenceArgs) -> anyhow::Result<()> {
             router_config,
             stop.clone().cancelled_owned(),
         ));
-        tandem_proto::net::wait_serving(
-            tandem_proto::net::channel(&router_addr, None)?,
+        tandem_net::wait_serving(
+            tandem_net::channel(&router_addr, None)?,
             "tandem.v1.Generation",
             Duration::from_secs(60),
         )

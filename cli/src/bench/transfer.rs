@@ -78,11 +78,11 @@ async fn transfer_throughput(
     let metrics = tandem_transfer::TransferMetrics::register(&mut Default::default());
     let svc = tandem_transfer::KvTransferService::new(reservations.clone(), metrics).into_server();
     let server = tokio::spawn(
-        tandem_proto::net::server()
+        tandem_net::server()
             .add_service(svc)
-            .serve_with_incoming(tandem_proto::net::incoming(listener)),
+            .serve_with_incoming(tandem_net::incoming(listener)),
     );
-    let channel = tandem_proto::net::channel(&addr.to_string(), None)?;
+    let channel = tandem_net::channel(&addr.to_string(), None)?;
     let mut grpc = Vec::new();
     let mut tcp = Vec::new();
     for run in 0..runs {

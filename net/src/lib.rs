@@ -5,6 +5,13 @@
 //!
 //! Shutdown order (linkerd's): health turns NOT_SERVING, then the server stops accepting and
 //! drains in-flight calls, then, after `grace`, whatever is still running is dropped.
+//!
+//! The contracts these carry are `tandem-proto`'s; the crate holds the runtime around them:
+//! this transport, the nodes' mutual TLS ([`tls`]) and the client API's server TLS
+//! ([`api_tls`]).
+
+pub mod api_tls;
+pub mod tls;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -87,15 +94,6 @@ pub fn server() -> Server {
         .max_frame_size(MAX_FRAME_BYTES)
 }
 
-/// Applies Tandem's message limits to a generated client or server.
-#[macro_export]
-macro_rules! limits {
-    ($svc:expr) => {
-        $svc.max_decoding_message_size($crate::MAX_MESSAGE_BYTES)
-            .max_encoding_message_size($crate::MAX_MESSAGE_BYTES)
-    };
-}
-
 /// The connections `listener` accepts, with TCP_NODELAY set. Servers fed an incoming stream do
 /// not set it themselves (tonic's `tcp_nodelay` applies only to sockets it binds), and without it
 /// small frames wait for the peer's delayed ACK: token frames arrived in 40-50 ms bursts.
@@ -145,7 +143,7 @@ pub async fn serve(
 ) -> Result<(), tonic::transport::Error> {
     let addr: Option<SocketAddr> = listener.local_addr().ok();
     let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(crate::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tandem_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1();
     let mut routes = match reflection {

@@ -9,8 +9,8 @@ use std::time::Duration;
 use axum::serve::Listener;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
-use tandem_proto::api_tls::{ServerCert, TlsListener};
-use tandem_proto::tls::write_dev_certs;
+use tandem_net::api_tls::{ServerCert, TlsListener};
+use tandem_net::tls::write_dev_certs;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
