@@ -9,6 +9,7 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 use tandem_engine::EngineConfig;
 use tandem_net::tls::{Role, Tls};
+use tandem_worker::NodeConfig;
 use tokio::net::TcpListener;
 
 use crate::ModelArgs;
@@ -86,7 +87,7 @@ pub(crate) struct WorkerArgs {
     #[arg(long, env = "TANDEM_KV_BUDGET_MB", default_value_t = 512)]
     pub kv_budget_mb: usize,
     /// How long in-flight requests may run after shutdown begins, in ms.
-    #[arg(long, env = "TANDEM_GRACE_MS", default_value_t = 10_000)]
+    #[arg(long, env = "TANDEM_GRACE_MS", default_value_t = tandem_worker::DEFAULT_GRACE.as_millis() as u64)]
     pub grace_ms: u64,
     /// The prefix cache (prefill) or session cache (decode): `off` makes every request compute
     /// its whole prompt.
@@ -151,11 +152,11 @@ pub(crate) struct PrefillArgs {
     #[command(flatten)]
     worker: WorkerArgs,
     /// Requests that may wait for the compute thread; more get RESOURCE_EXHAUSTED.
-    #[arg(long, env = "TANDEM_MAX_QUEUE", default_value_t = 64)]
+    #[arg(long, env = "TANDEM_MAX_QUEUE", default_value_t = tandem_prefill_server::DEFAULT_MAX_QUEUE)]
     max_queue: usize,
     /// Size of the prefix cache in MiB (least recently used prompts are evicted beyond it; it
     /// lives inside the KV pool of --kv-budget-mb).
-    #[arg(long, env = "TANDEM_PREFIX_CACHE_MB", default_value_t = 128)]
+    #[arg(long, env = "TANDEM_PREFIX_CACHE_MB", default_value_t = tandem_prefill_server::DEFAULT_PREFIX_CACHE_BYTES >> 20)]
     prefix_cache_mb: usize,
 }
 
@@ -167,15 +168,15 @@ pub(crate) struct DecodeArgs {
     #[command(flatten)]
     worker: WorkerArgs,
     /// Sequences decoded together at most (batch slots).
-    #[arg(long, env = "TANDEM_MAX_SLOTS", default_value_t = 16)]
+    #[arg(long, env = "TANDEM_MAX_SLOTS", default_value_t = tandem_decode_server::DEFAULT_MAX_SLOTS)]
     max_slots: usize,
     /// Longest wait without KV progress for an admitted request, in ms, when the router sets
     /// no bound.
-    #[arg(long, env = "TANDEM_KV_WAIT_MS", default_value_t = 10_000)]
+    #[arg(long, env = "TANDEM_KV_WAIT_MS", default_value_t = tandem_decode_server::DEFAULT_KV_WAIT.as_millis() as u64)]
     kv_wait_ms: u64,
     /// The longest wait without KV progress a caller may ask for, in ms; longer asks are cut to
     /// it, so idle reservations cannot hold KV blocks for long.
-    #[arg(long, env = "TANDEM_MAX_KV_WAIT_MS", default_value_t = 60_000)]
+    #[arg(long, env = "TANDEM_MAX_KV_WAIT_MS", default_value_t = tandem_decode_server::DEFAULT_MAX_KV_WAIT.as_millis() as u64)]
     max_kv_wait_ms: u64,
     /// Prompt-lookup speculative decoding: drafts copied from the sequence itself, verified
     /// several at a time, never changing a token (docs/speculative.md).
@@ -375,11 +376,13 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 pub(crate) fn prefill(args: &PrefillArgs) -> anyhow::Result<()> {
     let model = args.worker.model.source().load()?;
     let config = tandem_prefill_server::Config {
-        engine: args.worker.engine(args.prefix_cache_mb << 20),
+        node: NodeConfig {
+            tls: args.worker.tls.load(Role::Prefill)?,
+            grace: Duration::from_millis(args.worker.grace_ms),
+            ..NodeConfig::new(model, args.worker.engine(args.prefix_cache_mb << 20))
+        },
         max_queue: args.max_queue,
-        grace: Duration::from_millis(args.worker.grace_ms),
-        tls: args.worker.tls.load(Role::Prefill)?,
-        ..tandem_prefill_server::Config::new(model)
+        keepalive: tandem_transfer::client::KEEPALIVE_INTERVAL,
     };
     runtime()?.block_on(async {
         let listener = bind(args.listen, "").await?;
@@ -390,18 +393,20 @@ pub(crate) fn prefill(args: &PrefillArgs) -> anyhow::Result<()> {
 
 pub(crate) fn decode(args: &DecodeArgs) -> anyhow::Result<()> {
     let model = args.worker.model.source().load()?;
+    // The session cache may use the whole pool: running sequences evict it as they need.
+    let engine = EngineConfig {
+        speculate: args.speculate.speculate(),
+        ..args.worker.engine(usize::MAX)
+    };
     let config = tandem_decode_server::Config {
-        // The session cache may use the whole pool: running sequences evict it as they need.
-        engine: EngineConfig {
-            speculate: args.speculate.speculate(),
-            ..args.worker.engine(usize::MAX)
+        node: NodeConfig {
+            tls: args.worker.tls.load(Role::Decode)?,
+            grace: Duration::from_millis(args.worker.grace_ms),
+            ..NodeConfig::new(model, engine)
         },
         max_slots: args.max_slots,
         kv_wait: Duration::from_millis(args.kv_wait_ms),
         max_kv_wait: Duration::from_millis(args.max_kv_wait_ms),
-        grace: Duration::from_millis(args.worker.grace_ms),
-        tls: args.worker.tls.load(Role::Decode)?,
-        ..tandem_decode_server::Config::new(model)
     };
     runtime()?.block_on(async {
         let listener = bind(args.listen, "").await?;

@@ -4,39 +4,63 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tandem_engine::{EngineConfig, Model};
+use tandem_worker::{NodeConfig, NodeError};
+
+/// Batch slots, unless configured.
+pub const DEFAULT_MAX_SLOTS: usize = 16;
+/// The KV wait when the caller sets none, unless configured.
+pub const DEFAULT_KV_WAIT: Duration = Duration::from_secs(10);
+/// The longest KV wait a caller may ask for, unless configured.
+pub const DEFAULT_MAX_KV_WAIT: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Clone)]
 pub struct Config {
-    pub model: Arc<Model>,
-    /// The engine; a non-zero `prefix_cache_bytes` turns the session cache on (it may then use
-    /// the whole pool: cached blocks are evicted whenever a running sequence needs room).
-    pub engine: EngineConfig,
+    /// The model, engine, TLS and grace every node has; a non-zero `prefix_cache_bytes` turns
+    /// the session cache on (it may then use the whole pool: cached blocks are evicted
+    /// whenever a running sequence needs room).
+    pub node: NodeConfig,
     /// Sequences decoded together at most (batch slots).
     pub max_slots: usize,
     /// The longest an admitted request waits without KV progress when the caller sets no bound.
     pub kv_wait: Duration,
     /// The longest KV wait a caller may ask for (`kv_wait_ms`); longer asks are cut to it.
     pub max_kv_wait: Duration,
-    /// Mutual TLS: this node's certificate, and the only way to reach it and for it to reach
-    /// others.
-    pub tls: Option<tandem_net::tls::Tls>,
-    /// How long in-flight streams may run after shutdown begins.
-    pub grace: Duration,
 }
 
 impl Config {
     pub fn new(model: Arc<Model>) -> Self {
         Self {
-            model,
-            engine: EngineConfig {
-                prefix_cache_bytes: usize::MAX,
-                ..EngineConfig::default()
-            },
-            max_slots: 16,
-            kv_wait: Duration::from_secs(10),
-            max_kv_wait: Duration::from_secs(60),
-            grace: Duration::from_secs(10),
-            tls: None,
+            node: NodeConfig::new(
+                model,
+                EngineConfig {
+                    prefix_cache_bytes: usize::MAX,
+                    ..EngineConfig::default()
+                },
+            ),
+            max_slots: DEFAULT_MAX_SLOTS,
+            kv_wait: DEFAULT_KV_WAIT,
+            max_kv_wait: DEFAULT_MAX_KV_WAIT,
         }
+    }
+
+    /// Refuses settings the node cannot run with; [`crate::run`] checks them first.
+    pub fn validate(&self) -> Result<(), NodeError> {
+        if self.max_slots == 0 {
+            return Err(NodeError::config("max_slots", "must be at least 1"));
+        }
+        if self.kv_wait.is_zero() {
+            return Err(NodeError::config("kv_wait", "must be longer than 0"));
+        }
+        if self.kv_wait > self.max_kv_wait {
+            return Err(NodeError::config(
+                "kv_wait",
+                format!(
+                    "{} ms is over max_kv_wait {} ms",
+                    self.kv_wait.as_millis(),
+                    self.max_kv_wait.as_millis()
+                ),
+            ));
+        }
+        Ok(())
     }
 }

@@ -1,4 +1,5 @@
-//! The decode node's errors, and their one mapping to gRPC statuses.
+//! The decode node's request errors, and their one mapping to gRPC statuses (starting and
+//! serving the node fail with [`tandem_worker::NodeError`]).
 
 use tonic::Status;
 
@@ -30,9 +31,6 @@ pub enum Error {
 
     #[error("the decode node is shutting down")]
     ShuttingDown,
-
-    #[error("serving failed: {0}")]
-    Serve(#[from] tonic::transport::Error),
 }
 
 impl From<Error> for Status {
@@ -46,9 +44,7 @@ impl From<Error> for Status {
             Error::Engine(tandem_engine::Error::InvalidArgument { .. }) => {
                 Status::invalid_argument(e.to_string())
             }
-            Error::Engine(_) | Error::Step(_) | Error::Serve(_) => {
-                Status::internal("decode failed")
-            }
+            Error::Engine(_) | Error::Step(_) => Status::internal("decode failed"),
         };
         // The node's own failures; a request's bad input is the caller's to see.
         if status.code() == tonic::Code::Internal {

@@ -14,16 +14,13 @@ mod service;
 use std::future::Future;
 use std::sync::Arc;
 
-use prometheus_client::registry::Registry;
-use tandem_engine::Engine;
 use tandem_proto::v1 as pb;
 use tandem_transfer::{KvTransferService, Reservations, TransferMetrics};
+use tandem_worker::{Node, NodeError};
 use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tonic::service::Routes;
 
-pub use config::Config;
+pub use config::{Config, DEFAULT_KV_WAIT, DEFAULT_MAX_KV_WAIT, DEFAULT_MAX_SLOTS};
 pub use error::{Error, Result};
 
 use crate::admission::Admission;
@@ -37,93 +34,67 @@ pub async fn run(
     listener: TcpListener,
     config: Config,
     shutdown: impl Future<Output = ()>,
-) -> Result<()> {
-    if config.max_slots == 0 {
-        return Err(Error::InvalidArgument {
-            field: "max_slots",
-            reason: "must be at least 1".into(),
-        });
-    }
-    let engine = Engine::new(config.model.clone(), config.engine.clone())?;
+) -> Result<(), NodeError> {
+    config.validate()?;
+    let Config {
+        node,
+        max_slots,
+        kv_wait,
+        max_kv_wait,
+    } = config;
+    let mut node = Node::new("decode", node);
+    let engine = node.engine()?;
     let total_blocks = engine.kv_blocks_total();
     let kv_layout = engine.kv_layout();
     let prefix_cache = engine.prefix_cache_enabled();
-    let mut registry = Registry::default();
     let shared = Arc::new(Shared {
-        metrics: DecodeMetrics::register(&mut registry),
-        hub: Arc::default(),
+        metrics: DecodeMetrics::register(&mut node.registry),
+        hub: node.hub.clone(),
         throughput: Default::default(),
     });
-    let transfer_metrics = TransferMetrics::register(&mut registry);
-    let (scheduler, thread) = SchedulerHandle::spawn(engine, shared.clone(), config.max_slots)
-        .map_err(|e| {
-            Error::Engine(tandem_engine::Error::InvalidArgument {
-                field: "threads",
-                reason: format!("cannot start the scheduler thread: {e}"),
-            })
-        })?;
+    let transfer_metrics = TransferMetrics::register(&mut node.registry);
+    let (scheduler, thread) = SchedulerHandle::spawn(engine, shared.clone(), max_slots)
+        .map_err(NodeError::spawn("scheduler"))?;
     let reservations = Reservations::default();
-    let root = CancellationToken::new();
     let tracker = TaskTracker::new();
     let ctx = RequestContext {
-        model: config.model.clone(),
+        model: node.config.model.clone(),
         kv_layout,
-        admission: Admission::new(config.max_slots, total_blocks),
+        admission: Admission::new(max_slots, total_blocks),
         total_blocks,
         reservations: reservations.clone(),
         scheduler,
-        shared: shared.clone(),
+        shared,
         prefix_cache,
-        kv_wait: config.kv_wait,
-        max_kv_wait: config.max_kv_wait,
-        shutdown: root.child_token(),
+        kv_wait,
+        max_kv_wait,
+        shutdown: node.root.child_token(),
         tracker: tracker.clone(),
         next_ticket: Arc::default(),
     };
-    let (health, health_service) = tonic_health::server::health_reporter();
-    let routes = Routes::new(health_service)
-        .add_service(tandem_proto::limits!(pb::decode_server::DecodeServer::new(
-            DecodeService { ctx: ctx.clone() }
-        )))
-        .add_service(
-            tandem_worker::WorkerService::new(
-                tandem_worker::worker_info(&config.model, kv_layout, "decode"),
-                Arc::new(DecodeLoad { ctx: ctx.clone() }),
-                shared.hub.clone(),
-                root.child_token(),
-            )
-            .into_server(),
+    let served = node
+        .serve(
+            listener,
+            kv_layout,
+            Arc::new(DecodeLoad { ctx: ctx.clone() }),
+            |routes| {
+                routes
+                    .add_service(tandem_proto::limits!(pb::decode_server::DecodeServer::new(
+                        DecodeService { ctx: ctx.clone() }
+                    )))
+                    .add_service(
+                        KvTransferService::new(reservations, transfer_metrics).into_server(),
+                    )
+            },
+            &["tandem.v1.Decode", "tandem.v1.KvTransfer"],
+            shutdown,
         )
-        .add_service(KvTransferService::new(reservations, transfer_metrics).into_server());
-    tracing::info!(addr = ?listener.local_addr().ok(), model = %config.model.name, "decode node serving");
-    let served = tandem_net::serve(
-        listener,
-        routes,
-        tandem_net::ServeOptions {
-            service_names: vec![
-                "tandem.v1.Decode",
-                "tandem.v1.KvTransfer",
-                "tandem.v1.Worker",
-            ],
-            health,
-            metrics: Arc::new(registry),
-            grace: config.grace,
-            tls: config.tls.clone().map(tandem_net::ServerTls::Mutual),
-        },
-        async {
-            shutdown.await;
-            // Begin ending streams (cache events) so that they do not hold up the drain.
-            root.cancel();
-        },
-    )
-    .await;
+        .await;
     // Streams still running after the grace period end with UNAVAILABLE; then the scheduler's
     // last handle goes and its thread exits.
-    root.cancel();
     tracker.close();
     tracker.wait().await;
     drop(ctx);
     let _ = tokio::task::spawn_blocking(move || thread.join()).await;
-    served?;
-    Ok(())
+    served
 }

@@ -149,6 +149,19 @@ impl ClusterConfig {
         })
     }
 
+    /// The settings of a worker in `role` whose cache, when on, may hold `cache_bytes`.
+    fn node(
+        &self,
+        cache_bytes: usize,
+        role: tandem_net::tls::Role,
+    ) -> anyhow::Result<tandem_worker::NodeConfig> {
+        Ok(tandem_worker::NodeConfig {
+            tls: self.tls(role)?,
+            grace: self.grace,
+            ..tandem_worker::NodeConfig::new(self.model.clone(), self.engine(cache_bytes))
+        })
+    }
+
     /// The engine of a worker whose cache, when on, may hold `cache_bytes`.
     fn engine(&self, cache_bytes: usize) -> EngineConfig {
         EngineConfig {
@@ -172,13 +185,10 @@ pub struct Cluster {
 
 async fn start_decode(config: &ClusterConfig, addr: SocketAddr) -> anyhow::Result<Node> {
     let c = tandem_decode_server::Config {
-        engine: config.engine(usize::MAX),
+        node: config.node(usize::MAX, tandem_net::tls::Role::Decode)?,
         max_slots: config.decode_slots,
         kv_wait: config.kv_wait,
         max_kv_wait: config.max_kv_wait,
-        grace: config.grace,
-        tls: config.tls(tandem_net::tls::Role::Decode)?,
-        ..tandem_decode_server::Config::new(config.model.clone())
     };
     Node::spawn_on(addr, |l, rx| async move {
         Ok(tandem_decode_server::run(l, c, stopped(rx)).await?)
@@ -199,14 +209,14 @@ impl Cluster {
     pub async fn launch(config: ClusterConfig) -> anyhow::Result<Self> {
         let mut prefill = Vec::new();
         for _ in 0..config.prefill {
+            let mut node = config.node(
+                config.engine.kv_budget_bytes / 2,
+                tandem_net::tls::Role::Prefill,
+            )?;
+            node.engine.kv_dtype = config.prefill_kv_dtype.unwrap_or(config.engine.kv_dtype);
             let c = tandem_prefill_server::Config {
-                engine: EngineConfig {
-                    kv_dtype: config.prefill_kv_dtype.unwrap_or(config.engine.kv_dtype),
-                    ..config.engine(config.engine.kv_budget_bytes / 2)
-                },
-                grace: config.grace,
+                node,
                 keepalive: config.keepalive,
-                tls: config.tls(tandem_net::tls::Role::Prefill)?,
                 ..tandem_prefill_server::Config::new(config.model.clone())
             };
             prefill.push(

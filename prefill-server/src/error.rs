@@ -1,4 +1,5 @@
-//! The prefill node's errors, and their one mapping to gRPC statuses.
+//! The prefill node's request errors, and their one mapping to gRPC statuses (starting and
+//! serving the node fail with [`tandem_worker::NodeError`]).
 
 use tonic::Status;
 
@@ -23,9 +24,6 @@ pub enum Error {
 
     #[error("the prefill node is shutting down")]
     ShuttingDown,
-
-    #[error("serving failed: {0}")]
-    Serve(#[from] tonic::transport::Error),
 }
 
 impl From<Error> for Status {
@@ -40,7 +38,7 @@ impl From<Error> for Status {
             }
             Error::Cancelled => Status::cancelled(e.to_string()),
             Error::ShuttingDown => Status::unavailable(e.to_string()),
-            Error::Engine(_) | Error::Serve(_) => Status::internal("prefill failed"),
+            Error::Engine(_) => Status::internal("prefill failed"),
         };
         // The node's own failures; a request's bad input is the caller's to see.
         if status.code() == tonic::Code::Internal {

@@ -2,9 +2,11 @@
 //! between the engine's types and the wire's ([`wire_layout`], [`params_from_pb`],
 //! [`params_to_pb`], [`kv_chunks`], [`kv_export`]), a model's block hashes, `Worker.Info`, the
 //! cache-event hub ([`CacheHub`]) and the `Worker` service ([`WorkerService`]), and the measured
-//! prefill throughput ([`Throughput`]).
+//! prefill throughput ([`Throughput`]); and the scaffold both nodes start and serve on
+//! ([`Node`], [`NodeConfig`], [`NodeError`]).
 
 mod cache;
+mod node;
 mod service;
 
 use std::ops::Range;
@@ -18,6 +20,7 @@ use tandem_proto::v1 as pb;
 use tandem_transfer::{Chunk, KvKind, ReceivedKv, WireLayout};
 
 pub use cache::CacheHub;
+pub use node::{DEFAULT_GRACE, Node, NodeConfig, NodeError};
 pub use service::{LoadSource, WorkerService};
 
 /// The wire's description of an engine's KV (`Engine::kv_layout`).

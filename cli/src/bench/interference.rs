@@ -122,11 +122,11 @@ pub(crate) fn interference(args: &InterferenceArgs) -> anyhow::Result<()> {
         let decode = TcpListener::bind("127.0.0.1:0").await?;
         let decode_addr = decode.local_addr()?;
         let mut config = tandem_decode_server::Config::new(model.clone());
-        config.engine = EngineConfig {
+        config.node.engine = EngineConfig {
             threads: args.threads,
             kv_budget_bytes: args.kv_budget_mb << 20,
             speculate: tandem_engine::SpeculateConfig::off(),
-            ..config.engine
+            ..config.node.engine
         };
         config.max_slots = config.max_slots.max(args.streams + 1);
         let decode_task = tokio::spawn(tandem_decode_server::run(

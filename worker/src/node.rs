@@ -1,0 +1,165 @@
+//! The scaffold both worker nodes stand on: the settings they share, each default written once;
+//! the errors of starting and serving a node, apart from a request's; and the serve loop
+//! around a node's own services, which adds the `Worker` service, health, reflection,
+//! `/metrics`, mutual TLS and the drain.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::registry::Registry;
+use tandem_engine::{Engine, EngineConfig, KvLayout, Model};
+use tandem_net::tls::Tls;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tonic::service::Routes;
+
+use crate::{CacheHub, LoadSource, WorkerService};
+
+/// How long in-flight requests may run after shutdown begins, unless configured.
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
+
+/// What every worker node is configured with.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub model: Arc<Model>,
+    /// The engine; what its `prefix_cache_bytes` holds is the node's (a prefill node's prefix
+    /// cache, a decode node's session cache).
+    pub engine: EngineConfig,
+    /// Mutual TLS: this node's certificate, and the only way to reach it and for it to reach
+    /// others.
+    pub tls: Option<Tls>,
+    /// How long in-flight requests may run after shutdown begins.
+    pub grace: Duration,
+}
+
+impl NodeConfig {
+    pub fn new(model: Arc<Model>, engine: EngineConfig) -> Self {
+        Self {
+            model,
+            engine,
+            tls: None,
+            grace: DEFAULT_GRACE,
+        }
+    }
+}
+
+/// Why a node could not start or stopped serving; a request's failures are the node's own
+/// error type.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("invalid setting {field}: {reason}")]
+    Config { field: &'static str, reason: String },
+
+    #[error("cannot start the {thread} thread: {source}")]
+    Spawn {
+        thread: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("cannot start the engine: {0}")]
+    Engine(#[from] tandem_engine::Error),
+
+    #[error("serving failed: {0}")]
+    Serve(#[from] tonic::transport::Error),
+}
+
+impl NodeError {
+    /// A setting no node can start with.
+    pub fn config(field: &'static str, reason: impl Into<String>) -> Self {
+        Self::Config {
+            field,
+            reason: reason.into(),
+        }
+    }
+
+    /// A node thread's spawn failure.
+    pub fn spawn(thread: &'static str) -> impl FnOnce(std::io::Error) -> Self {
+        move |source| Self::Spawn { thread, source }
+    }
+}
+
+/// A node being started: its settings, its metrics, its cache events, and the token that ends
+/// its long streams (cache events, held requests) as the drain begins.
+#[derive(Debug)]
+pub struct Node {
+    pub config: NodeConfig,
+    pub registry: Registry,
+    pub hub: Arc<CacheHub>,
+    pub root: CancellationToken,
+    /// `"prefill"` or `"decode"`: the role `Worker.Info` reports and the logs name.
+    role: &'static str,
+}
+
+impl Node {
+    pub fn new(role: &'static str, config: NodeConfig) -> Self {
+        Self {
+            config,
+            registry: Registry::default(),
+            hub: Arc::default(),
+            root: CancellationToken::new(),
+            role,
+        }
+    }
+
+    /// The node's engine, as configured.
+    pub fn engine(&self) -> Result<Engine, NodeError> {
+        Ok(Engine::new(
+            self.config.model.clone(),
+            self.config.engine.clone(),
+        )?)
+    }
+
+    /// Serves `routes` (the node's own services, named `services`) with the `Worker` service
+    /// (answering `Worker.Load` from `load`), health, reflection and `/metrics`, on `listener`
+    /// until `shutdown` completes. Then the root token is cancelled, so that long streams do not
+    /// hold up the drain, and in-flight calls get the grace period. The node's own threads are
+    /// its to stop once this returns.
+    pub async fn serve(
+        self,
+        listener: TcpListener,
+        kv_layout: KvLayout,
+        load: Arc<dyn LoadSource>,
+        routes: impl FnOnce(Routes) -> Routes,
+        services: &[&'static str],
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), NodeError> {
+        let Self {
+            config,
+            registry,
+            hub,
+            root,
+            role,
+        } = self;
+        let worker = WorkerService::new(
+            crate::worker_info(&config.model, kv_layout, role),
+            load,
+            hub,
+            root.child_token(),
+        );
+        let (health, health_service) = tonic_health::server::health_reporter();
+        let routes = routes(Routes::new(health_service).add_service(worker.into_server()));
+        let mut service_names = services.to_vec();
+        service_names.push("tandem.v1.Worker");
+        tracing::info!(addr = ?listener.local_addr().ok(), model = %config.model.name, "{role} node serving");
+        let served = tandem_net::serve(
+            listener,
+            routes,
+            tandem_net::ServeOptions {
+                service_names,
+                health,
+                metrics: Arc::new(registry),
+                grace: config.grace,
+                tls: config.tls.map(tandem_net::ServerTls::Mutual),
+            },
+            async {
+                shutdown.await;
+                root.cancel();
+            },
+        )
+        .await;
+        root.cancel();
+        Ok(served?)
+    }
+}
