@@ -56,8 +56,7 @@ pub(crate) fn run(args: &HealthcheckArgs) -> anyhow::Result<()> {
             match answer {
                 Err(e)
                     if tls.is_none()
-                        && tandem_net::requires_tls(&args.addr.to_string(), deadline)
-                            .await =>
+                        && tandem_net::requires_tls(&args.addr.to_string(), deadline).await =>
                 {
                     Err(anyhow::anyhow!(
                         "{} requires TLS: pass --tls-dir with the cluster's certificates \

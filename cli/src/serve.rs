@@ -333,9 +333,7 @@ pub(crate) struct ApiTlsArgs {
 impl ApiTlsArgs {
     fn load(&self) -> anyhow::Result<Option<Arc<tandem_net::api_tls::ServerCert>>> {
         match (&self.api_tls_cert, &self.api_tls_key) {
-            (Some(cert), Some(key)) => {
-                Ok(Some(tandem_net::api_tls::ServerCert::load(cert, key)?))
-            }
+            (Some(cert), Some(key)) => Ok(Some(tandem_net::api_tls::ServerCert::load(cert, key)?)),
             _ => Ok(None),
         }
     }

@@ -361,7 +361,7 @@ mod tests {
         fn new() -> Self {
             let dir = std::env::temp_dir()
                 .join(format!("tandem-spill-test-{:016x}", rand::random::<u64>()));
-            fs::create_dir_all(&dir).unwrap();
+            fs::create_dir_all(&dir).expect("temp dir");
             Self(dir)
         }
 
@@ -390,7 +390,7 @@ mod tests {
             dir: dir.into(),
             max_bytes,
         };
-        Spill::open(&config, &[7; 32], layout(), Arc::default()).unwrap()
+        Spill::open(&config, &[7; 32], layout(), Arc::default()).expect("open")
     }
 
     #[test]
@@ -413,10 +413,10 @@ mod tests {
         assert_eq!(out, a);
 
         let path = spill.shared.path(2);
-        let mut file = fs::read(&path).unwrap();
+        let mut file = fs::read(&path).expect("read");
         let mid = file.len() / 2;
         file[mid] ^= 1;
-        fs::write(&path, file).unwrap();
+        fs::write(&path, file).expect("write");
         assert!(!spill.load(2, &mut out), "a flipped bit is caught");
         assert!(!spill.contains(2) && !path.exists(), "and the file is gone");
         assert_eq!(spill.shared.stats.corrupt.load(Ordering::Relaxed), 1);
@@ -444,13 +444,13 @@ mod tests {
             dir: dir.path().into(),
             max_bytes: 1 << 20,
         };
-        let spill = Spill::open(&other, &[8; 32], layout(), Arc::default()).unwrap();
+        let spill = Spill::open(&other, &[8; 32], layout(), Arc::default()).expect("open");
         assert!(
             !spill.contains(1),
             "another model's blocks are not this one's"
         );
         let dirs = fs::read_dir(dir.path())
-            .unwrap()
+            .expect("read dir")
             .flatten()
             .filter(|e| e.path().is_dir())
             .count();
@@ -465,7 +465,7 @@ mod tests {
             dir: dir.path().into(),
             max_bytes: 1 << 20,
         };
-        let err = Spill::open(&config, &[7; 32], layout(), Arc::default()).unwrap_err();
+        let err = Spill::open(&config, &[7; 32], layout(), Arc::default()).expect_err("locked");
         assert!(err.to_string().contains("another node"), "{err}");
     }
 }

@@ -67,8 +67,7 @@ impl Node {
     }
 
     pub fn channel(&self) -> Channel {
-        tandem_net::channel(&self.addr.to_string(), None)
-            .expect("a socket address is a valid URI")
+        tandem_net::channel(&self.addr.to_string(), None).expect("a socket address is a valid URI")
     }
 }
 

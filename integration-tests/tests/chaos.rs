@@ -697,9 +697,8 @@ impl Row {
         if self.expect_detection {
             // A node that went down must be taken back once healed.
             ensure!(self.recovery_s.is_some(), "{f}: the node never came back");
-            let bound = (tandem_net::KEEPALIVE_INTERVAL
-                + tandem_net::KEEPALIVE_TIMEOUT)
-                .as_secs_f64();
+            let bound =
+                (tandem_net::KEEPALIVE_INTERVAL + tandem_net::KEEPALIVE_TIMEOUT).as_secs_f64();
             ensure!(
                 self.detection_s.is_some_and(|d| d <= bound),
                 "{f}: detected after {:?} s (bound {bound} s)",

@@ -32,7 +32,7 @@ use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
 use crate::api_tls::{ServerCert, TlsListener};
-use crate::tls::{self, Role, Tls};
+use crate::tls::{Role, Tls};
 
 /// Calls that reached a mutual-TLS node's authorization, by service, the peer's role and
 /// whether the role may make them. A peer the handshake refused never gets this far, so it is

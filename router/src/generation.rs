@@ -1194,7 +1194,9 @@ mod tests {
             tokens(1, &[11, 12], Unspecified),
             tokens(3, &[13], Unspecified),
         ] {
-            let (frame, arrival) = progress.relay(t, p.tokens.len(), accepted).unwrap();
+            let (frame, arrival) = progress
+                .relay(t, p.tokens.len(), accepted)
+                .expect("in place");
             assert_eq!(
                 matches!(arrival, Arrival::First(_)),
                 stream.is_empty(),
@@ -1212,15 +1214,17 @@ mod tests {
         for wrong in [0, 3, 5] {
             let err = progress
                 .relay(tokens(wrong, &[99], Unspecified), 40, accepted)
-                .unwrap_err();
+                .expect_err("out of place");
             assert_eq!(err.code(), tonic::Code::Unavailable);
         }
         for t in [tokens(4, &[14], Unspecified), tokens(5, &[15, 16], Length)] {
-            let (frame, arrival) = progress.relay(t, p.tokens.len(), accepted).unwrap();
+            let (frame, arrival) = progress
+                .relay(t, p.tokens.len(), accepted)
+                .expect("in place");
             assert!(matches!(arrival, Arrival::After(_)));
             stream.push(frame);
         }
-        let mut last = stream.pop().unwrap();
+        let mut last = stream.pop().expect("frames");
         let cached = progress.finish(
             &mut last,
             &p.tokens,
@@ -1246,10 +1250,10 @@ mod tests {
 
         let last = &stream[4];
         assert_eq!(cached, 32);
-        let usage = last.usage.as_ref().unwrap();
+        let usage = last.usage.as_ref().expect("usage");
         assert_eq!((usage.prompt_tokens, usage.completion_tokens), (40, 7));
         assert_eq!(last.prompt_token_ids, p.tokens);
-        let route = last.route.as_ref().unwrap();
+        let route = last.route.as_ref().expect("route");
         assert_eq!((route.decode.as_str(), route.attempts), ("d2:1", 2));
         assert_eq!(route.failovers.len(), 1);
         assert!(route.failovers[0].contains("d1:1"), "{:?}", route.failovers);

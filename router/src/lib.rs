@@ -27,8 +27,8 @@ use std::future::{Future, IntoFuture};
 use std::sync::{Arc, Mutex};
 
 use prometheus_client::registry::Registry;
-use tandem_net::api_tls::TlsListener;
 use tandem_net::ServerTls;
+use tandem_net::api_tls::TlsListener;
 use tandem_proto::v1 as pb;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
