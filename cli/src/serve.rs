@@ -98,6 +98,19 @@ pub(crate) struct WorkerArgs {
     /// another dtype.
     #[arg(long, env = "TANDEM_KV_DTYPE", value_enum, default_value_t = KvDtype::F16)]
     pub kv_dtype: KvDtype,
+    /// A directory for the cache's disk tier: blocks evicted from the KV pool are written there
+    /// and read back when a later prompt needs them, instead of being computed again. Each
+    /// node needs a directory of its own; a restarted node keeps what it holds. Off without it.
+    #[arg(long, env = "TANDEM_KV_SPILL_DIR")]
+    pub kv_spill_dir: Option<std::path::PathBuf>,
+    /// Most MiB the disk tier holds; the least recently used blocks go beyond it.
+    #[arg(
+        long,
+        env = "TANDEM_KV_SPILL_MB",
+        default_value_t = 4096,
+        requires = "kv_spill_dir"
+    )]
+    pub kv_spill_mb: u64,
     #[command(flatten)]
     pub tls: TlsArgs,
 }
@@ -139,6 +152,13 @@ impl WorkerArgs {
                 Switch::On => cache_bytes,
                 Switch::Off => 0,
             },
+            spill: self
+                .kv_spill_dir
+                .as_ref()
+                .map(|dir| tandem_engine::SpillConfig {
+                    dir: dir.clone(),
+                    max_bytes: self.kv_spill_mb << 20,
+                }),
             ..EngineConfig::default()
         }
     }

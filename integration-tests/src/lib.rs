@@ -154,10 +154,17 @@ impl ClusterConfig {
         cache_bytes: usize,
         role: tandem_net::tls::Role,
     ) -> anyhow::Result<tandem_worker::NodeConfig> {
+        let mut engine = self.engine(cache_bytes);
+        // A disk tier serves one node: each gets a directory of its own under the cluster's.
+        if let Some(spill) = &mut engine.spill {
+            static NODES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            let n = NODES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            spill.dir = spill.dir.join(format!("{}-{n}", role.name()));
+        }
         Ok(tandem_worker::NodeConfig {
             tls: self.tls(role)?,
             grace: self.grace,
-            ..tandem_worker::NodeConfig::new(self.model.clone(), self.engine(cache_bytes))
+            ..tandem_worker::NodeConfig::new(self.model.clone(), engine)
         })
     }
 

@@ -7,8 +7,12 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
-use tandem_engine::{Engine, EngineConfig, KvLayout, Model};
+use tandem_engine::{Engine, EngineConfig, KvLayout, Model, SpillStats};
 use tandem_net::tls::Tls;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -103,12 +107,16 @@ impl Node {
         }
     }
 
-    /// The node's engine, as configured.
-    pub fn engine(&self) -> Result<Engine, NodeError> {
-        Ok(Engine::new(
-            self.config.model.clone(),
-            self.config.engine.clone(),
-        )?)
+    /// The node's engine, as configured; its disk tier's figures join the node's metrics.
+    pub fn engine(&mut self) -> Result<Engine, NodeError> {
+        let engine = Engine::new(self.config.model.clone(), self.config.engine.clone())?;
+        if self.config.engine.spill.is_some() {
+            self.registry.register_collector(Box::new(SpillMetrics {
+                role: self.role,
+                stats: engine.spill_stats(),
+            }));
+        }
+        Ok(engine)
     }
 
     /// Serves `routes` (the node's own services, named `services`) with the `Worker` service
@@ -161,5 +169,59 @@ impl Node {
         .await;
         root.cancel();
         Ok(served?)
+    }
+}
+
+/// The disk tier's figures, read at each scrape: `tandem_<role>_kv_spill_*`.
+#[derive(Debug)]
+struct SpillMetrics {
+    role: &'static str,
+    stats: Arc<SpillStats>,
+}
+
+impl Collector for SpillMetrics {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let s = &self.stats;
+        for (name, help, value) in [
+            (
+                "stored_blocks",
+                "KV blocks written to the disk tier",
+                &s.stored,
+            ),
+            (
+                "restored_blocks",
+                "KV blocks read back from the disk tier instead of computed",
+                &s.restored,
+            ),
+            (
+                "corrupt_blocks",
+                "spilled KV blocks found damaged when read, deleted and computed again",
+                &s.corrupt,
+            ),
+            (
+                "dropped_blocks",
+                "evicted KV blocks not spilled because the writer was behind",
+                &s.dropped,
+            ),
+        ] {
+            let counter = ConstCounter::new(value.load(Relaxed));
+            let name = format!("tandem_{}_kv_spill_{name}", self.role);
+            counter.encode(encoder.encode_descriptor(
+                &name,
+                help,
+                None,
+                counter.metric_type(),
+            )?)?;
+        }
+        let bytes = ConstGauge::new(i64::try_from(s.bytes.load(Relaxed)).unwrap_or(i64::MAX));
+        let name = format!("tandem_{}_kv_spill_bytes", self.role);
+        bytes.encode(encoder.encode_descriptor(
+            &name,
+            "bytes of KV on the disk tier",
+            None,
+            bytes.metric_type(),
+        )?)?;
+        Ok(())
     }
 }

@@ -1,0 +1,128 @@
+//! The cache's disk tier through a cluster: a conversation pushed out of every KV pool by other
+//! traffic comes back from disk on its next turn, which computes only what follows its history
+//! and says exactly what a cluster without caches says.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use tandem_engine::{EngineConfig, KvDtype, SpillConfig};
+use tandem_integration_tests::{Cluster, ClusterConfig, collect, greedy, metrics, sample};
+use tandem_proto::v1 as pb;
+
+/// A directory for the cluster's disk tiers, removed when dropped.
+struct SpillDir(PathBuf);
+
+impl Drop for SpillDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A cluster whose decode pool holds 24 blocks (the prefill node's, 12), with the disk tier
+/// under `spill` when given and caches off when not.
+fn config(spill: Option<&Path>) -> ClusterConfig {
+    let model = tandem_engine::ModelSource::TINY.load().expect("tiny");
+    let block = model.config.kv_layout(KvDtype::F16).block_bytes();
+    let base = ClusterConfig::new(model);
+    ClusterConfig {
+        engine: EngineConfig {
+            kv_budget_bytes: 24 * block,
+            spill: spill.map(|dir| SpillConfig {
+                dir: dir.into(),
+                max_bytes: 1 << 30,
+            }),
+            ..base.engine.clone()
+        },
+        prefix_cache: spill.is_some(),
+        ..base
+    }
+}
+
+fn turn(session: &str, tokens: Vec<u32>) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        session_id: session.into(),
+        ..greedy(tokens, 8)
+    }
+}
+
+fn tokens(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| 3 + (i * 7 + salt * 31) % 200)
+        .collect()
+}
+
+/// The sum of a counter over the cluster's workers.
+async fn counter(cluster: &Cluster, suffix: &str) -> f64 {
+    let mut total = 0.0;
+    for (nodes, role) in [(&cluster.prefill, "prefill"), (&cluster.decode, "decode")] {
+        for n in nodes.iter() {
+            let text = metrics(n.addr).await.expect("metrics");
+            total += sample(&text, &format!("tandem_{role}_kv_spill_{suffix}")).unwrap_or(0.0);
+        }
+    }
+    total
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_pushed_out_of_the_pools_comes_back_from_disk_exactly() {
+    let dir = SpillDir(std::env::temp_dir().join(format!(
+        "tandem-kv-spill-{}-{:016x}",
+        std::process::id(),
+        rand::random::<u64>()
+    )));
+    let cluster = Cluster::start(config(Some(&dir.0))).await.expect("cluster");
+    let mut client = cluster.client();
+
+    // Turn 1 of the conversation: 64 prompt tokens and an 8-token reply.
+    let first = tokens(64, 1);
+    let reply = collect(&mut client, turn("talk", first.clone()))
+        .await
+        .expect("turn 1");
+    // Six other conversations of 96 tokens each need 36 blocks of a 24-block pool: the first
+    // one's blocks are evicted, to disk.
+    for salt in 2..8 {
+        collect(
+            &mut client,
+            turn(&format!("other-{salt}"), tokens(96, salt)),
+        )
+        .await
+        .expect("other conversation");
+    }
+    let start = Instant::now();
+    while counter(&cluster, "stored_blocks_total").await < 4.0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "nothing was spilled"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Turn 2 extends turn 1's history.
+    let mut second = first.clone();
+    second.extend(&reply.token_ids);
+    second.extend(tokens(10, 9));
+    let restored_before = counter(&cluster, "restored_blocks_total").await;
+    let warm = collect(&mut client, turn("talk", second.clone()))
+        .await
+        .expect("turn 2");
+    let restored = counter(&cluster, "restored_blocks_total").await - restored_before;
+    let usage = warm.last.usage.clone().expect("usage");
+    assert!(restored >= 4.0, "{restored} blocks came back from disk");
+    assert!(
+        usage.cached_tokens >= 64,
+        "turn 1's prompt is not computed again: {usage:?}"
+    );
+    assert_eq!(counter(&cluster, "corrupt_blocks_total").await, 0.0);
+    cluster.stop().await.expect("stop");
+
+    let cold = Cluster::start(config(None)).await.expect("cold cluster");
+    let expected = collect(&mut cold.client(), turn("talk", second))
+        .await
+        .expect("cold turn 2");
+    assert_eq!(
+        warm.token_ids, expected.token_ids,
+        "restored KV gives the cold run's tokens"
+    );
+    assert_eq!(expected.last.usage.expect("usage").cached_tokens, 0);
+    cold.stop().await.expect("stop");
+}
