@@ -75,6 +75,11 @@ impl Policy {
     }
 }
 
+/// A worker's KV pool in MiB, unless configured.
+pub(crate) const DEFAULT_KV_BUDGET_MB: usize = 512;
+/// The most MiB a worker's disk tier holds, unless configured.
+pub(crate) const DEFAULT_KV_SPILL_MB: u64 = 4096;
+
 /// Flags every worker shares.
 #[derive(Args, Debug, Clone)]
 pub(crate) struct WorkerArgs {
@@ -84,7 +89,7 @@ pub(crate) struct WorkerArgs {
     #[arg(long, env = "TANDEM_THREADS", default_value_t = 0)]
     pub threads: usize,
     /// KV pool size in MiB.
-    #[arg(long, env = "TANDEM_KV_BUDGET_MB", default_value_t = 512)]
+    #[arg(long, env = "TANDEM_KV_BUDGET_MB", default_value_t = DEFAULT_KV_BUDGET_MB)]
     pub kv_budget_mb: usize,
     /// How long in-flight requests may run after shutdown begins, in ms.
     #[arg(long, env = "TANDEM_GRACE_MS", default_value_t = tandem_worker::DEFAULT_GRACE.as_millis() as u64)]

@@ -56,8 +56,19 @@ pub(crate) struct UpArgs {
     #[arg(long, env = "TANDEM_KV_DTYPE", value_enum, default_value_t = KvDtype::F16)]
     kv_dtype: KvDtype,
     /// Each prefill node's prefix cache in MiB.
-    #[arg(long, env = "TANDEM_PREFIX_CACHE_MB", default_value_t = 128)]
+    #[arg(long, env = "TANDEM_PREFIX_CACHE_MB", default_value_t = tandem_prefill_server::DEFAULT_PREFIX_CACHE_BYTES >> 20)]
     prefix_cache_mb: usize,
+    /// Each worker's KV pool in MiB.
+    #[arg(long, env = "TANDEM_KV_BUDGET_MB", default_value_t = crate::serve::DEFAULT_KV_BUDGET_MB)]
+    kv_budget_mb: usize,
+    /// The caches' disk tier: each worker spills the blocks its pool evicts to a directory of
+    /// its own under this one (`prefill-0`, `decode-0`, ...) and reads them back on a later hit
+    /// (`tandem prefill --kv-spill-dir`). Off without it.
+    #[arg(long, env = "TANDEM_KV_SPILL_DIR")]
+    kv_spill_dir: Option<PathBuf>,
+    /// Most MiB each worker's disk tier holds.
+    #[arg(long, env = "TANDEM_KV_SPILL_MB", default_value_t = crate::serve::DEFAULT_KV_SPILL_MB, requires = "kv_spill_dir")]
+    kv_spill_mb: u64,
     /// How the router chooses replicas.
     #[arg(long, env = "TANDEM_POLICY", value_enum, default_value_t = Policy::Affinity)]
     policy: Policy,
@@ -227,11 +238,17 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
         common.extend(["--threads".into(), threads.to_string()]);
         common.extend(["--prefix-cache".into(), args.prefix_cache.name().into()]);
         common.extend(["--kv-dtype".into(), args.kv_dtype.dtype().name().into()]);
+        common.extend(["--kv-budget-mb".into(), args.kv_budget_mb.to_string()]);
         let mut workers = Vec::new();
         for (role, n) in [("prefill", args.prefill), ("decode", args.decode)] {
             for i in 0..n {
                 let mut a = vec![role.to_string(), "--listen".into(), "127.0.0.1:0".into()];
                 a.extend(common.iter().cloned());
+                if let Some(dir) = &args.kv_spill_dir {
+                    let dir = dir.join(format!("{role}-{i}"));
+                    a.extend(["--kv-spill-dir".into(), dir.display().to_string()]);
+                    a.extend(["--kv-spill-mb".into(), args.kv_spill_mb.to_string()]);
+                }
                 if role == "prefill" {
                     a.extend(["--prefix-cache-mb".into(), args.prefix_cache_mb.to_string()]);
                 } else {

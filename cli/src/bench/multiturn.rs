@@ -89,6 +89,10 @@ pub(crate) struct Summary {
     follow_up_ttft_ms_p90: f64,
     /// Follow-ups whose reused tokens cover at least the previous turn's prompt (full blocks).
     follow_ups_on_their_prefix: f64,
+    /// The share of the follow-ups' prompt tokens that came from a cache (the endpoint's
+    /// `cached_tokens`).
+    #[serde(default)]
+    follow_up_cached_share: f64,
     /// Requests per decode replica, and the most loaded one's share over the mean.
     decode_requests: BTreeMap<String, usize>,
     decode_max_over_mean: f64,
@@ -205,6 +209,12 @@ fn summarize(turns: &[Turn], cold: Option<&Results>) -> Summary {
         follow_up_ttft_ms_median: median(follow_ttft.clone()),
         follow_up_ttft_ms_p90: percentile(&mut follow_ttft.clone(), 0.9),
         follow_ups_on_their_prefix: on_prefix as f64 / follow.len().max(1) as f64,
+        follow_up_cached_share: follow.iter().map(|t| t.cached_tokens as f64).sum::<f64>()
+            / follow
+                .iter()
+                .map(|t| t.prompt_tokens as f64)
+                .sum::<f64>()
+                .max(1.0),
         decode_max_over_mean: max_over_mean(&decode_requests),
         prefill_max_over_mean: max_over_mean(&prefill_requests),
         local_prefills: turns.iter().filter(|t| t.disaggregation == "local").count(),
@@ -311,8 +321,10 @@ fn print_table(r: &Results) {
         s.first_turn_ttft_ms_median, s.follow_up_ttft_ms_median, s.follow_up_ttft_ms_p90
     );
     println!(
-        "  follow-ups reusing at least their previous prompt: {:.1}%",
-        s.follow_ups_on_their_prefix * 100.0
+        "  follow-ups reusing at least their previous prompt: {:.1}%; follow-up prompt tokens \
+         from a cache: {:.1}%",
+        s.follow_ups_on_their_prefix * 100.0,
+        s.follow_up_cached_share * 100.0
     );
     if !s.decode_requests.is_empty() {
         println!(
