@@ -131,6 +131,21 @@ pub struct Engine {
     spill_stats: Arc<SpillStats>,
 }
 
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let started = std::time::Instant::now();
+        let written = self.persist_cache();
+        if written > 0 {
+            // The tier's writer finishes the queue as the tier is dropped, right after this.
+            tracing::info!(
+                blocks = written,
+                queued_ms = started.elapsed().as_millis() as u64,
+                "writing the cache's blocks to the disk tier before stopping"
+            );
+        }
+    }
+}
+
 impl Engine {
     pub fn new(model: Arc<Model>, config: EngineConfig) -> Result<Self> {
         if config.prefill_chunk_tokens == 0 {
@@ -330,6 +345,21 @@ impl Engine {
             }
             while self.cache.len() > self.cache.max_blocks() && self.evict_one() {}
         }
+    }
+
+    /// Writes every cached block the disk tier lacks to it, least recently used first (so that
+    /// the most recent stay if the tier's bound is reached), and returns how many: what an
+    /// engine does as it is dropped, so that a node's cache outlives a restart.
+    fn persist_cache(&mut self) -> usize {
+        let Some(spill) = &self.spill else { return 0 };
+        let mut written = 0;
+        for (hash, b) in self.cache.by_recency() {
+            if !spill.contains(hash) {
+                spill.store_waiting(hash, self.pool.block(b));
+                written += 1;
+            }
+        }
+        written
     }
 
     /// What the disk tier has done; all zero without one.

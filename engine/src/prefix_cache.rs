@@ -168,6 +168,17 @@ impl PrefixCache {
         blocks
     }
 
+    /// Every cached block with its hash, least recently used first.
+    pub fn by_recency(&self) -> Vec<(u64, u32)> {
+        let mut nodes: Vec<(u64, u64, u32)> = self
+            .nodes
+            .iter()
+            .map(|(&h, n)| (n.last_used, h, n.block))
+            .collect();
+        nodes.sort_unstable();
+        nodes.into_iter().map(|(_, h, b)| (h, b)).collect()
+    }
+
     pub fn take_events(&mut self) -> Vec<CacheEvent> {
         std::mem::take(&mut self.events)
     }

@@ -264,6 +264,25 @@ impl Spill {
 
     /// Queues a block's bytes to be written; never waits.
     pub fn store(&self, hash: u64, block: &[u8]) {
+        let Some(jobs) = &self.jobs else { return };
+        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) =
+            jobs.try_send((hash, self.file(hash, block)))
+        {
+            self.shared.stats.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Queues a block's bytes to be written, waiting for room in the queue.
+    pub fn store_waiting(&self, hash: u64, block: &[u8]) {
+        if let Some(jobs) = &self.jobs
+            && jobs.send((hash, self.file(hash, block))).is_err()
+        {
+            self.shared.stats.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A block's file: header, hash, bytes, CRC32C of all three.
+    fn file(&self, hash: u64, block: &[u8]) -> Vec<u8> {
         debug_assert_eq!(block.len(), self.block_bytes);
         let mut file = Vec::with_capacity(self.header.len() + 8 + block.len() + 4);
         file.extend_from_slice(&self.header);
@@ -271,12 +290,7 @@ impl Spill {
         file.extend_from_slice(block);
         let crc = crc32c::crc32c(&file);
         file.extend_from_slice(&crc.to_le_bytes());
-        let Some(jobs) = &self.jobs else { return };
-        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) =
-            jobs.try_send((hash, file))
-        {
-            self.shared.stats.dropped.fetch_add(1, Ordering::Relaxed);
-        }
+        file
     }
 
     /// Reads a block back into `out`; `false` when it is not there or is damaged (a damaged

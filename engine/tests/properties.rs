@@ -774,6 +774,28 @@ fn a_prefix_evicted_to_disk_comes_back_exactly_and_a_damaged_one_is_recomputed()
     assert_eq!(decode(&mut e, c, l, 6, &p), cold_out);
 }
 
+/// An engine that stops writes its cache to the disk tier, and the next one on the directory
+/// starts with it.
+#[test]
+fn an_engine_writes_its_cache_to_disk_as_it_stops() {
+    let model = tiny();
+    let dir = SpillDir::new();
+    let mut e = dir.engine(&model, 64);
+    let a_prompt = prompt(65, 1);
+    let (a, a_fed, _) = run(&mut e, &a_prompt, 2);
+    e.cache_sequence(a, &chain(&a_fed[..64])).expect("cache");
+    e.free(a).expect("free");
+    assert!(
+        dir.files().is_empty(),
+        "nothing was evicted, so nothing was spilled"
+    );
+    drop(e);
+    assert_eq!(dir.files().len(), 4);
+    let mut e = dir.engine(&model, 64);
+    let (_, cached) = e.new_sequence_cached(&chain(&a_prompt[..64]));
+    assert_eq!(cached, 64);
+}
+
 /// Failover's premise: a generation resumed elsewhere, by prefilling its prompt plus the tokens
 /// already delivered, continues exactly as the uninterrupted run (the logits of a prefilled
 /// position equal those of a decode step bit for bit, and sampling depends only on seed,

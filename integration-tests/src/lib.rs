@@ -148,18 +148,18 @@ impl ClusterConfig {
         })
     }
 
-    /// The settings of a worker in `role` whose cache, when on, may hold `cache_bytes`.
+    /// The settings of worker `index` in `role`, whose cache, when on, may hold `cache_bytes`.
     fn node(
         &self,
         cache_bytes: usize,
         role: tandem_net::tls::Role,
+        index: usize,
     ) -> anyhow::Result<tandem_worker::NodeConfig> {
         let mut engine = self.engine(cache_bytes);
-        // A disk tier serves one node: each gets a directory of its own under the cluster's.
+        // A disk tier serves one node: each gets a directory of its own under the cluster's,
+        // which a restarted node finds again.
         if let Some(spill) = &mut engine.spill {
-            static NODES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-            let n = NODES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            spill.dir = spill.dir.join(format!("{}-{n}", role.name()));
+            spill.dir = spill.dir.join(format!("{}-{index}", role.name()));
         }
         Ok(tandem_worker::NodeConfig {
             tls: self.tls(role)?,
@@ -189,9 +189,13 @@ pub struct Cluster {
     config: ClusterConfig,
 }
 
-async fn start_decode(config: &ClusterConfig, addr: SocketAddr) -> anyhow::Result<Node> {
+async fn start_decode(
+    config: &ClusterConfig,
+    addr: SocketAddr,
+    index: usize,
+) -> anyhow::Result<Node> {
     let c = tandem_decode_server::Config {
-        node: config.node(usize::MAX, tandem_net::tls::Role::Decode)?,
+        node: config.node(usize::MAX, tandem_net::tls::Role::Decode, index)?,
         max_slots: config.decode_slots,
         kv_wait: config.kv_wait,
         max_kv_wait: config.max_kv_wait,
@@ -214,10 +218,11 @@ impl Cluster {
     /// refuse.
     pub async fn launch(config: ClusterConfig) -> anyhow::Result<Self> {
         let mut prefill = Vec::new();
-        for _ in 0..config.prefill {
+        for i in 0..config.prefill {
             let mut node = config.node(
                 config.engine.kv_budget_bytes / 2,
                 tandem_net::tls::Role::Prefill,
+                i,
             )?;
             node.engine.kv_dtype = config.prefill_kv_dtype.unwrap_or(config.engine.kv_dtype);
             let c = tandem_prefill_server::Config {
@@ -233,8 +238,8 @@ impl Cluster {
             );
         }
         let mut decode = Vec::new();
-        for _ in 0..config.decode {
-            decode.push(start_decode(&config, "127.0.0.1:0".parse()?).await?);
+        for i in 0..config.decode {
+            decode.push(start_decode(&config, "127.0.0.1:0".parse()?, i).await?);
         }
         let mut relays = Vec::new();
         if config.relays {
@@ -292,7 +297,7 @@ impl Cluster {
         let old = self.decode.remove(i);
         let addr = old.addr;
         old.stop().await?;
-        let new = start_decode(&self.config, addr).await?;
+        let new = start_decode(&self.config, addr, i).await?;
         self.decode.insert(i, new);
         Ok(())
     }

@@ -1,6 +1,6 @@
 //! The cache's disk tier through a cluster: a conversation pushed out of every KV pool by other
-//! traffic comes back from disk on its next turn, which computes only what follows its history
-//! and says exactly what a cluster without caches says.
+//! traffic, or held by a decode node that restarts, comes back from disk on its next turn, which
+//! computes only what follows its history and says exactly what a cluster without caches says.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -63,13 +63,38 @@ async fn counter(cluster: &Cluster, suffix: &str) -> f64 {
     total
 }
 
+impl SpillDir {
+    fn new() -> Self {
+        Self(std::env::temp_dir().join(format!(
+            "tandem-kv-spill-{}-{:016x}",
+            std::process::id(),
+            rand::random::<u64>()
+        )))
+    }
+}
+
+/// The tokens a cluster without caches answers `request` with.
+async fn cold(request: pb::GenerateRequest) -> Vec<u32> {
+    let cold = Cluster::start(config(None)).await.expect("cold cluster");
+    let expected = collect(&mut cold.client(), request)
+        .await
+        .expect("cold turn");
+    assert_eq!(expected.last.usage.expect("usage").cached_tokens, 0);
+    cold.stop().await.expect("stop");
+    expected.token_ids
+}
+
+/// Turn 1's prompt, its reply, and 10 new tokens.
+fn follow_up(first: &[u32], reply: &[u32]) -> Vec<u32> {
+    let mut second = first.to_vec();
+    second.extend(reply);
+    second.extend(tokens(10, 9));
+    second
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_conversation_pushed_out_of_the_pools_comes_back_from_disk_exactly() {
-    let dir = SpillDir(std::env::temp_dir().join(format!(
-        "tandem-kv-spill-{}-{:016x}",
-        std::process::id(),
-        rand::random::<u64>()
-    )));
+    let dir = SpillDir::new();
     let cluster = Cluster::start(config(Some(&dir.0))).await.expect("cluster");
     let mut client = cluster.client();
 
@@ -98,9 +123,7 @@ async fn a_conversation_pushed_out_of_the_pools_comes_back_from_disk_exactly() {
     }
 
     // Turn 2 extends turn 1's history.
-    let mut second = first.clone();
-    second.extend(&reply.token_ids);
-    second.extend(tokens(10, 9));
+    let second = follow_up(&first, &reply.token_ids);
     let restored_before = counter(&cluster, "restored_blocks_total").await;
     let warm = collect(&mut client, turn("talk", second.clone()))
         .await
@@ -114,15 +137,42 @@ async fn a_conversation_pushed_out_of_the_pools_comes_back_from_disk_exactly() {
     );
     assert_eq!(counter(&cluster, "corrupt_blocks_total").await, 0.0);
     cluster.stop().await.expect("stop");
-
-    let cold = Cluster::start(config(None)).await.expect("cold cluster");
-    let expected = collect(&mut cold.client(), turn("talk", second))
-        .await
-        .expect("cold turn 2");
     assert_eq!(
-        warm.token_ids, expected.token_ids,
+        warm.token_ids,
+        cold(turn("talk", second)).await,
         "restored KV gives the cold run's tokens"
     );
-    assert_eq!(expected.last.usage.expect("usage").cached_tokens, 0);
-    cold.stop().await.expect("stop");
+}
+
+/// A rolling restart of the decode node keeps its sessions: its cache goes to disk as it
+/// stops, and the session's next turn on the new process comes back from there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_decode_node_keeps_its_sessions_on_disk() {
+    let dir = SpillDir::new();
+    let mut cluster = Cluster::start(config(Some(&dir.0))).await.expect("cluster");
+    let mut client = cluster.client();
+    let first = tokens(64, 1);
+    let reply = collect(&mut client, turn("talk", first.clone()))
+        .await
+        .expect("turn 1");
+    cluster.restart_decode(0).await.expect("restart");
+    cluster
+        .wait_ready(Duration::from_secs(30))
+        .await
+        .expect("ready again");
+
+    let second = follow_up(&first, &reply.token_ids);
+    let warm = collect(&mut client, turn("talk", second.clone()))
+        .await
+        .expect("turn 2");
+    let decode = metrics(cluster.decode[0].addr).await.expect("metrics");
+    let restored = sample(&decode, "tandem_decode_kv_spill_restored_blocks_total").unwrap_or(0.0);
+    let usage = warm.last.usage.clone().expect("usage");
+    assert!(restored >= 4.0, "{restored} blocks came back from disk");
+    assert!(
+        usage.decode_cached_tokens >= 64,
+        "the new process holds turn 1's history: {usage:?}"
+    );
+    cluster.stop().await.expect("stop");
+    assert_eq!(warm.token_ids, cold(turn("talk", second)).await);
 }
