@@ -129,7 +129,7 @@ async fn a_conversation_pushed_out_of_the_pools_comes_back_from_disk_exactly() {
         .await
         .expect("turn 2");
     let restored = counter(&cluster, "restored_blocks_total").await - restored_before;
-    let usage = warm.last.usage.clone().expect("usage");
+    let usage = warm.last.usage.expect("usage");
     assert!(restored >= 4.0, "{restored} blocks came back from disk");
     assert!(
         usage.cached_tokens >= 64,
@@ -167,7 +167,7 @@ async fn a_restarted_decode_node_keeps_its_sessions_on_disk() {
         .expect("turn 2");
     let decode = metrics(cluster.decode[0].addr).await.expect("metrics");
     let restored = sample(&decode, "tandem_decode_kv_spill_restored_blocks_total").unwrap_or(0.0);
-    let usage = warm.last.usage.clone().expect("usage");
+    let usage = warm.last.usage.expect("usage");
     assert!(restored >= 4.0, "{restored} blocks came back from disk");
     assert!(
         usage.decode_cached_tokens >= 64,
