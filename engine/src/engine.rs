@@ -332,12 +332,14 @@ impl Engine {
         for &hash in &hashes[start..start + on_disk] {
             let Ok(mut b) = self.alloc(1) else { break };
             let b = b.remove(0);
-            let Some(spill) = &self.spill else { return };
-            if !spill.load(hash, self.pool.block_mut(b)) {
+            if let Some(spill) = &self.spill
+                && spill.load(hash, self.pool.block_mut(b))
+            {
+                blocks.push(b);
+            } else {
                 self.pool.release([b]);
                 break;
             }
-            blocks.push(b);
         }
         if blocks.len() > start {
             for b in self.cache.insert(&hashes[..blocks.len()], blocks) {
