@@ -32,23 +32,11 @@ port=50081
 lport=8093
 flags=(--sessions 16 --turns 6 --max-tokens 48 --concurrency 4 "$@")
 
-pid=""
-stop() {
-  if [ -n "$pid" ]; then kill -TERM "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; pid=""; fi
-}
+. scripts/lib/up.sh
 trap 'stop; rm -rf "$spill"' EXIT
-
-up() { # flags for tandem up; waits until it says it is up
-  # --insecure: plaintext between the nodes, so that the script can read their /metrics.
-  "$tandem" up --model smollm2 --prefill 1 --decode 1 --insecure --port "$port" --http-port 0 "$@" >"$out/up.log" 2>&1 &
-  pid=$!
-  for _ in $(seq 600); do
-    grep -q "tandem cluster is up" "$out/up.log" && return 0
-    kill -0 "$pid" 2>/dev/null || { cat "$out/up.log"; return 1; }
-    sleep 0.1
-  done
-  echo "tandem up did not come up" >&2; return 1
-}
+# One prefill and one decode node, plaintext between them (--insecure) so that the script can
+# read their /metrics.
+cluster=(--prefill 1 --decode 1 --insecure)
 
 run() { # label, then bench flags
   local label=$1 r=$2
@@ -58,15 +46,15 @@ run() { # label, then bench flags
 
 for r in $(seq "$rounds"); do
   echo "== round $r of $rounds" >&2
-  up --prefix-cache off
+  up "${cluster[@]}" --prefix-cache off
   run caches-off "$r" --server "127.0.0.1:$port"
   stop
   cold="$out/caches-off.$r.json"
-  up --kv-budget-mb "$pool"
+  up "${cluster[@]}" --kv-budget-mb "$pool"
   run pool-only "$r" --server "127.0.0.1:$port" --cold "$cold"
   stop
   rm -rf "$spill"
-  up --kv-budget-mb "$pool" --kv-spill-dir "$spill"
+  up "${cluster[@]}" --kv-budget-mb "$pool" --kv-spill-dir "$spill"
   run disk-tier "$r" --server "127.0.0.1:$port" --cold "$cold"
   # The tier's own figures, from the up log's node addresses.
   for addr in $(awk '$1 ~ /^(prefill|decode)-[0-9]+$/ {print $2}' "$out/up.log"); do

@@ -26,33 +26,19 @@ port=50071
 lport=8091
 flags=("$@")
 
-pid=""
-stop() {
-  if [ -n "$pid" ]; then kill -TERM "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; pid=""; fi
-}
+. scripts/lib/up.sh
 trap stop EXIT
-
-up() { # flags for tandem up; waits until it says it is up
-  "$tandem" up --model smollm2 --prefill 2 --decode 2 --port "$port" --http-port 0 "$@" >"$out/up.log" 2>&1 &
-  pid=$!
-  for _ in $(seq 600); do
-    grep -q "tandem cluster is up" "$out/up.log" && return 0
-    kill -0 "$pid" 2>/dev/null || { cat "$out/up.log"; return 1; }
-    sleep 0.1
-  done
-  echo "tandem up did not come up" >&2; return 1
-}
 
 for r in $(seq "$rounds"); do
   echo "== round $r of $rounds" >&2
-  up --prefix-cache off
+  up --prefill 2 --decode 2 --prefix-cache off
   "$tandem" bench multiturn --server "127.0.0.1:$port" "${flags[@]}" --label caches-off --json >"$out/caches-off.$r.json"
   stop
   cold="$out/caches-off.$r.json"
-  up
+  up --prefill 2 --decode 2
   "$tandem" bench multiturn --server "127.0.0.1:$port" "${flags[@]}" --label affinity --cold "$cold" --json >"$out/affinity.$r.json"
   stop
-  up --policy round-robin
+  up --prefill 2 --decode 2 --policy round-robin
   "$tandem" bench multiturn --server "127.0.0.1:$port" "${flags[@]}" --label round-robin --cold "$cold" --json >"$out/round-robin.$r.json"
   stop
   if [ -x "$llama" ]; then

@@ -51,16 +51,6 @@ impl Config {
         if self.kv_wait.is_zero() {
             return Err(NodeError::config("kv_wait", "must be longer than 0"));
         }
-        if self.kv_wait > self.max_kv_wait {
-            return Err(NodeError::config(
-                "kv_wait",
-                format!(
-                    "{} ms is over max_kv_wait {} ms",
-                    self.kv_wait.as_millis(),
-                    self.max_kv_wait.as_millis()
-                ),
-            ));
-        }
         Ok(())
     }
 }

@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 use crate::error::{Error, Result};
-use crate::kv::KvLayout;
+use crate::kv::{KvDtype, KvLayout};
 
 /// Where the disk tier lives and how large it may grow.
 #[derive(Clone, Debug)]
@@ -198,7 +198,11 @@ impl Spill {
         let entries = fs::read_dir(&config.dir).map_err(|e| io("cannot read", &config.dir, e))?;
         for entry in entries.flatten() {
             let path = entry.path();
-            if path.is_dir() && entry.file_name() != name.as_str() {
+            let other = entry
+                .file_name()
+                .to_str()
+                .is_some_and(|n| n != name && is_tier_dir(n));
+            if other && path.is_dir() {
                 tracing::info!(dir = %path.display(), "removing another model's spilled KV");
                 let _ = fs::remove_dir_all(&path);
             }
@@ -333,6 +337,19 @@ impl Drop for Spill {
     }
 }
 
+/// Whether `name` is a tier's directory (`<16 hex digits>-<dtype>`): the only directories
+/// removed at start, so that a tier pointed at a directory that holds anything else never
+/// deletes it.
+fn is_tier_dir(name: &str) -> bool {
+    name.split_once('-').is_some_and(|(fp, dtype)| {
+        fp.len() == 16
+            && fp.bytes().all(|b| b.is_ascii_hexdigit())
+            && [KvDtype::F16, KvDtype::Q8]
+                .iter()
+                .any(|d| d.name() == dtype)
+    })
+}
+
 /// The index of the files a directory holds: whole-sized `<hash>.kv` files, oldest first by
 /// modification time. Anything else there (a torn temporary) is removed; contents are checked
 /// when read.
@@ -366,7 +383,6 @@ fn scan(dir: &Path, file_bytes: usize) -> Index {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::KvDtype;
 
     /// A fresh directory, removed when dropped.
     struct TempDir(PathBuf);
@@ -454,6 +470,8 @@ mod tests {
         assert!(!spill.contains(2), "the least recently used went");
         drop(spill);
 
+        let unrelated = dir.path().join("notes");
+        fs::create_dir_all(&unrelated).expect("unrelated dir");
         let other = SpillConfig {
             dir: dir.path().into(),
             max_bytes: 1 << 20,
@@ -468,7 +486,8 @@ mod tests {
             .flatten()
             .filter(|e| e.path().is_dir())
             .count();
-        assert_eq!(dirs, 1, "and its directory is removed");
+        assert_eq!(dirs, 2, "its directory is removed, and only that");
+        assert!(unrelated.exists(), "a directory that is not a tier's stays");
     }
 
     #[test]

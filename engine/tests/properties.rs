@@ -519,22 +519,23 @@ fn chain(tokens: &[u32]) -> Vec<u64> {
         .collect()
 }
 
-fn cached_engine(model: &Arc<Model>, blocks: usize) -> Engine {
+/// A pool of `blocks` blocks, all of which the prefix cache may hold.
+fn cached_config(model: &Arc<Model>, blocks: usize) -> EngineConfig {
     let block = model
         .config
         .kv_layout(tandem_engine::KvDtype::F16)
         .block_bytes();
-    Engine::new(
-        model.clone(),
-        EngineConfig {
-            threads: 2,
-            kv_budget_bytes: block * blocks,
-            prefill_chunk_tokens: 32,
-            prefix_cache_bytes: usize::MAX,
-            ..EngineConfig::default()
-        },
-    )
-    .expect("engine")
+    EngineConfig {
+        threads: 2,
+        kv_budget_bytes: block * blocks,
+        prefill_chunk_tokens: 32,
+        prefix_cache_bytes: usize::MAX,
+        ..EngineConfig::default()
+    }
+}
+
+fn cached_engine(model: &Arc<Model>, blocks: usize) -> Engine {
+    Engine::new(model.clone(), cached_config(model, blocks)).expect("engine")
 }
 
 /// Runs `prompt` then `steps` greedy tokens; returns the sequence (still live), the tokens fed
@@ -657,25 +658,14 @@ impl SpillDir {
 
     /// An engine of `blocks` blocks whose prefix cache spills here.
     fn engine(&self, model: &Arc<Model>, blocks: usize) -> Engine {
-        let block = model
-            .config
-            .kv_layout(tandem_engine::KvDtype::F16)
-            .block_bytes();
-        Engine::new(
-            model.clone(),
-            EngineConfig {
-                threads: 2,
-                kv_budget_bytes: block * blocks,
-                prefill_chunk_tokens: 32,
-                prefix_cache_bytes: usize::MAX,
-                spill: Some(tandem_engine::SpillConfig {
-                    dir: self.0.clone(),
-                    max_bytes: 1 << 30,
-                }),
-                ..EngineConfig::default()
-            },
-        )
-        .expect("engine")
+        let config = EngineConfig {
+            spill: Some(tandem_engine::SpillConfig {
+                dir: self.0.clone(),
+                max_bytes: 1 << 30,
+            }),
+            ..cached_config(model, blocks)
+        };
+        Engine::new(model.clone(), config).expect("engine")
     }
 
     /// The spilled blocks' files.

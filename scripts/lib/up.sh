@@ -1,0 +1,22 @@
+# Sourced by the benchmarks that run one system at a time (bench-multiturn.sh,
+# bench-kv-spill.sh). Expects $tandem, $out and $port to be set.
+
+pid=""
+
+# stop: stops what was started last (SIGTERM, so that a cluster drains) and waits for it.
+stop() {
+  if [ -n "$pid" ]; then kill -TERM "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; pid=""; fi
+}
+
+# up FLAGS...: starts `tandem up --model smollm2` with the router on $port (HTTP on a free
+# port) and FLAGS, its log in $out/up.log, and waits until it says it is up.
+up() {
+  "$tandem" up --model smollm2 --port "$port" --http-port 0 "$@" >"$out/up.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 600); do
+    grep -q "tandem cluster is up" "$out/up.log" && return 0
+    kill -0 "$pid" 2>/dev/null || { cat "$out/up.log"; return 1; }
+    sleep 0.1
+  done
+  echo "tandem up did not come up" >&2; return 1
+}
