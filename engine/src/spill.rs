@@ -17,7 +17,7 @@ use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, SyncSender, TrySendError};
+use std::sync::mpsc::{self, SyncSender};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
@@ -144,12 +144,17 @@ impl Shared {
         }
         let mut index = self.index();
         index.insert(hash, file.len() as u64);
+        self.trim(&mut index);
+        self.stats.stored.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Deletes the least recently used files until the tier is within its bound.
+    fn trim(&self, index: &mut Index) {
         while index.bytes > self.max_bytes {
             let Some(old) = index.pop_oldest() else { break };
             let _ = fs::remove_file(self.path(old));
         }
         self.stats.bytes.store(index.bytes, Ordering::Relaxed);
-        self.stats.stored.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -224,11 +229,7 @@ impl Spill {
         });
         {
             let mut index = shared.index();
-            while index.bytes > shared.max_bytes {
-                let Some(old) = index.pop_oldest() else { break };
-                let _ = fs::remove_file(shared.path(old));
-            }
-            shared.stats.bytes.store(index.bytes, Ordering::Relaxed);
+            shared.trim(&mut index);
             if !index.entries.is_empty() {
                 tracing::info!(
                     blocks = index.entries.len(),
@@ -269,9 +270,7 @@ impl Spill {
     /// Queues a block's bytes to be written; never waits.
     pub fn store(&self, hash: u64, block: &[u8]) {
         let Some(jobs) = &self.jobs else { return };
-        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) =
-            jobs.try_send((hash, self.file(hash, block)))
-        {
+        if jobs.try_send((hash, self.file(hash, block))).is_err() {
             self.shared.stats.dropped.fetch_add(1, Ordering::Relaxed);
         }
     }

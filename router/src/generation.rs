@@ -469,10 +469,9 @@ impl Progress {
     }
 
     /// Completes the choice's last frame, relayed by [`Progress::relay`], with the request's
-    /// prompt, the attempt's `ending` and the choice's attempts and failovers. Returns the
-    /// prompt tokens that came from caches: the decode node's, then the prefill node's prefix
-    /// cache beyond it.
-    fn finish(&mut self, frame: &mut pb::GenerateResponse, prompt: &[u32], ending: Ending) -> u32 {
+    /// prompt, the attempt's `ending` and the choice's attempts and failovers. Its cached
+    /// prompt tokens are the decode node's, then the prefill node's prefix cache beyond them.
+    fn finish(&mut self, frame: &mut pb::GenerateResponse, prompt: &[u32], ending: Ending) {
         let Ending {
             decode_cached,
             prefill,
@@ -502,7 +501,6 @@ impl Progress {
             failovers: std::mem::take(&mut self.failovers),
             ..route
         });
-        cached
     }
 
     /// Takes a failed attempt and says whether the choice tries again. It does when another
@@ -1055,19 +1053,12 @@ impl Dispatcher {
             if prefilled.is_none() {
                 prefilled = Some((&mut prefill_call).await?);
             }
-            let prefill = prefilled.flatten();
-            let compute_ms = prefill.as_ref().map_or(local_prefill_ms, |r| r.prefill_ms);
-            if progress.attempts == 1 && (local || prefill_idle) {
-                let first_token_ms = progress.first_token_ms.unwrap_or_default();
-                self.policy
-                    .record_handoff(local, first_token_ms - queue_ms - compute_ms);
-            }
-            let cached = progress.finish(
+            progress.finish(
                 &mut frame,
                 &p.tokens,
                 Ending {
                     decode_cached,
-                    prefill,
+                    prefill: prefilled.flatten(),
                     local_prefill_ms,
                     queue_ms,
                     total_ms: ms(accepted),
@@ -1082,8 +1073,14 @@ impl Dispatcher {
                     },
                 },
             );
+            let t = frame.timings.unwrap_or_default();
+            if progress.attempts == 1 && (local || prefill_idle) {
+                self.policy
+                    .record_handoff(local, t.first_token_ms - t.queue_ms - t.prefill_ms);
+            }
             // The request's prompt counts once, as its first choice saw it.
             if progress.choice == 0 {
+                let cached = frame.usage.map_or(0, |u| u.cached_tokens);
                 self.metrics.prompt_tokens.inc_by(p.tokens.len() as u64);
                 self.metrics.cached_prompt_tokens.inc_by(u64::from(cached));
             }
@@ -1225,7 +1222,7 @@ mod tests {
             stream.push(frame);
         }
         let mut last = stream.pop().expect("frames");
-        let cached = progress.finish(
+        progress.finish(
             &mut last,
             &p.tokens,
             Ending {
@@ -1249,9 +1246,9 @@ mod tests {
         assert!(stream[..4].iter().all(|f| !crate::log::is_last(f)));
 
         let last = &stream[4];
-        assert_eq!(cached, 32);
         let usage = last.usage.as_ref().expect("usage");
         assert_eq!((usage.prompt_tokens, usage.completion_tokens), (40, 7));
+        assert_eq!(usage.cached_tokens, 32);
         assert_eq!(last.prompt_token_ids, p.tokens);
         let route = last.route.as_ref().expect("route");
         assert_eq!((route.decode.as_str(), route.attempts), ("d2:1", 2));
