@@ -203,6 +203,16 @@ pub(crate) struct DecodeArgs {
     /// it, so idle reservations cannot hold KV blocks for long.
     #[arg(long, env = "TANDEM_MAX_KV_WAIT_MS", default_value_t = tandem_decode_server::DEFAULT_MAX_KV_WAIT.as_millis() as u64)]
     max_kv_wait_ms: u64,
+    /// On SIGTERM, how long the drain waits, in ms, for running streams to move to peers
+    /// with their KV (the router resumes them there, fetching the KV from this node) and for
+    /// the peers to fetch it, before it closes the listener; 0 turns the hand-off off
+    /// (docs/kv-cache.md#drain-hand-off).
+    #[arg(long, env = "TANDEM_DRAIN_HANDOFF_MS", default_value_t = tandem_decode_server::DEFAULT_DRAIN_HANDOFF.as_millis() as u64)]
+    drain_handoff_ms: u64,
+    /// The most KV, in MiB, the drain keeps for running streams' hand-offs; streams past it
+    /// end without theirs, and their peers compute it again.
+    #[arg(long, env = "TANDEM_DRAIN_HANDOFF_MB", default_value_t = tandem_decode_server::DEFAULT_DRAIN_HANDOFF_BYTES >> 20)]
+    drain_handoff_mb: u64,
     /// Prompt-lookup speculative decoding: drafts copied from the sequence itself, verified
     /// several at a time, never changing a token (docs/speculative.md).
     #[arg(long, env = "TANDEM_SPECULATE", value_enum, default_value_t = Switch::On)]
@@ -430,6 +440,8 @@ pub(crate) fn decode(args: &DecodeArgs) -> anyhow::Result<()> {
         max_slots: args.max_slots,
         kv_wait: Duration::from_millis(args.kv_wait_ms),
         max_kv_wait: Duration::from_millis(args.max_kv_wait_ms),
+        drain_handoff: Duration::from_millis(args.drain_handoff_ms),
+        drain_handoff_bytes: args.drain_handoff_mb << 20,
     };
     runtime()?.block_on(async {
         let listener = bind(args.listen, "").await?;

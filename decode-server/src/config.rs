@@ -12,6 +12,10 @@ pub const DEFAULT_MAX_SLOTS: usize = 16;
 pub const DEFAULT_KV_WAIT: Duration = Duration::from_secs(10);
 /// The longest KV wait a caller may ask for, unless configured.
 pub const DEFAULT_MAX_KV_WAIT: Duration = Duration::from_secs(60);
+/// How long a drain waits for its hand-offs, unless configured.
+pub const DEFAULT_DRAIN_HANDOFF: Duration = Duration::from_secs(5);
+/// Bytes of KV a drain keeps for hand-offs at most, unless configured.
+pub const DEFAULT_DRAIN_HANDOFF_BYTES: u64 = 1 << 30;
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -25,6 +29,11 @@ pub struct Config {
     pub kv_wait: Duration,
     /// The longest KV wait a caller may ask for (`kv_wait_ms`); longer asks are cut to it.
     pub max_kv_wait: Duration,
+    /// The drain's hand-off: how long it waits for running streams to move to peers and for
+    /// the peers to fetch their KV, before the listener closes (zero: no hand-off).
+    pub drain_handoff: Duration,
+    /// The most KV (bytes) the drain keeps for hand-offs; streams past it end without.
+    pub drain_handoff_bytes: u64,
 }
 
 impl Config {
@@ -40,6 +49,8 @@ impl Config {
             max_slots: DEFAULT_MAX_SLOTS,
             kv_wait: DEFAULT_KV_WAIT,
             max_kv_wait: DEFAULT_MAX_KV_WAIT,
+            drain_handoff: DEFAULT_DRAIN_HANDOFF,
+            drain_handoff_bytes: DEFAULT_DRAIN_HANDOFF_BYTES,
         }
     }
 

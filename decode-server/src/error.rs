@@ -31,6 +31,11 @@ pub enum Error {
 
     #[error("the decode node is shutting down")]
     ShuttingDown,
+
+    /// Draining: the stream stops here, and the KV of its first `tokens` tokens waits for the
+    /// peer that continues it to fetch it.
+    #[error("the decode node is draining; {tokens} tokens of KV are kept for a peer to fetch")]
+    HandedOff { tokens: usize },
 }
 
 impl From<Error> for Status {
@@ -45,6 +50,12 @@ impl From<Error> for Status {
                 Status::invalid_argument(e.to_string())
             }
             Error::Engine(_) | Error::Step(_) => Status::internal("decode failed"),
+            Error::HandedOff { tokens } => {
+                let mut s = Status::unavailable(e.to_string());
+                s.metadata_mut()
+                    .insert(tandem_proto::HANDOFF_METADATA, (*tokens as u64).into());
+                s
+            }
         };
         // The node's own failures; a request's bad input is the caller's to see.
         if status.code() == tonic::Code::Internal {

@@ -6,6 +6,7 @@
 mod admission;
 mod config;
 mod error;
+mod handoff;
 mod metrics;
 mod request;
 mod scheduler;
@@ -15,15 +16,19 @@ use std::future::Future;
 use std::sync::Arc;
 
 use tandem_proto::v1 as pb;
-use tandem_transfer::{KvTransferService, Reservations, TransferMetrics};
+use tandem_transfer::{FetchSource, KvTransferService, Reservations, TransferMetrics};
 use tandem_worker::{Node, NodeError};
 use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 
-pub use config::{Config, DEFAULT_KV_WAIT, DEFAULT_MAX_KV_WAIT, DEFAULT_MAX_SLOTS};
+pub use config::{
+    Config, DEFAULT_DRAIN_HANDOFF, DEFAULT_DRAIN_HANDOFF_BYTES, DEFAULT_KV_WAIT,
+    DEFAULT_MAX_KV_WAIT, DEFAULT_MAX_SLOTS,
+};
 pub use error::{Error, Result};
 
 use crate::admission::Admission;
+use crate::handoff::SessionCache;
 use crate::metrics::DecodeMetrics;
 use crate::request::RequestContext;
 use crate::scheduler::{SchedulerHandle, Shared};
@@ -41,6 +46,8 @@ pub async fn run(
         max_slots,
         kv_wait,
         max_kv_wait,
+        drain_handoff,
+        drain_handoff_bytes,
     } = config;
     let mut node = Node::new("decode", node);
     let engine = node.engine()?;
@@ -51,10 +58,22 @@ pub async fn run(
         metrics: DecodeMetrics::register(&mut node.registry),
         hub: node.hub.clone(),
         throughput: Default::default(),
+        handoffs: Arc::default(),
     });
     let transfer_metrics = TransferMetrics::register(&mut node.registry);
-    let (scheduler, thread) = SchedulerHandle::spawn(engine, shared.clone(), max_slots)
-        .map_err(NodeError::spawn("scheduler"))?;
+    let (scheduler, thread) =
+        SchedulerHandle::spawn(engine, shared.clone(), max_slots, drain_handoff_bytes)
+            .map_err(NodeError::spawn("scheduler"))?;
+    let fetches = FetchSource {
+        fingerprint: node.config.model.fingerprint.0,
+        layout: tandem_worker::wire_layout(kv_layout),
+        source: Arc::new(SessionCache {
+            model: node.config.model.clone(),
+            scheduler: scheduler.clone(),
+            handoffs: shared.handoffs.clone(),
+        }),
+    };
+    let handoffs = shared.handoffs.clone();
     let reservations = Reservations::default();
     let tracker = TaskTracker::new();
     let ctx = RequestContext {
@@ -69,6 +88,8 @@ pub async fn run(
         kv_wait,
         max_kv_wait,
         shutdown: node.root.child_token(),
+        draining: node.root.child_token(),
+        tls: node.config.tls.clone(),
         tracker: tracker.clone(),
         next_ticket: Arc::default(),
     };
@@ -83,11 +104,14 @@ pub async fn run(
                         DecodeService { ctx: ctx.clone() }
                     )))
                     .add_service(
-                        KvTransferService::new(reservations, transfer_metrics).into_server(),
+                        KvTransferService::new(reservations, transfer_metrics)
+                            .with_source(fetches)
+                            .into_server(),
                     )
             },
             &["tandem.v1.Decode", "tandem.v1.KvTransfer"],
             shutdown,
+            ctx.hand_off(&handoffs, drain_handoff),
         )
         .await;
     // Streams still running after the grace period end with UNAVAILABLE; then the scheduler's

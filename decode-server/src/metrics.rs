@@ -17,6 +17,10 @@ pub const CACHED_TOKENS: &str = "tandem_decode_cached_tokens";
 pub const LOCAL_PREFILL_TOKENS: &str = "tandem_decode_local_prefill_tokens";
 pub const DRAFT_TOKENS: &str = "tandem_decode_draft_tokens";
 pub const ACCEPTED_DRAFT_TOKENS: &str = "tandem_decode_accepted_draft_tokens";
+pub const FETCHED_TOKENS: &str = "tandem_decode_fetched_tokens";
+pub const FETCH_FAILURES: &str = "tandem_decode_fetch_failures";
+pub const HANDED_OFF_STREAMS: &str = "tandem_decode_handed_off_streams";
+pub const HANDED_OFF_TOKENS: &str = "tandem_decode_handed_off_tokens";
 
 #[derive(Clone, Debug)]
 pub struct DecodeMetrics {
@@ -38,6 +42,13 @@ pub struct DecodeMetrics {
     /// Speculative decoding: tokens drafted, and those accepted.
     pub draft_tokens: Counter,
     pub accepted_draft_tokens: Counter,
+    /// Prompt tokens whose KV was fetched from a peer's cache instead of computed.
+    pub fetched_tokens: Counter,
+    /// Peer fetches that failed or stalled (their tokens were computed instead).
+    pub fetch_failures: Counter,
+    /// Running streams handed off at drain, and the tokens of KV kept for their peers to fetch.
+    pub handed_off_streams: Counter,
+    pub handed_off_tokens: Counter,
 }
 
 impl DecodeMetrics {
@@ -55,6 +66,10 @@ impl DecodeMetrics {
             local_prefill_tokens: Counter::default(),
             draft_tokens: Counter::default(),
             accepted_draft_tokens: Counter::default(),
+            fetched_tokens: Counter::default(),
+            fetch_failures: Counter::default(),
+            handed_off_streams: Counter::default(),
+            handed_off_tokens: Counter::default(),
         };
         registry.register(
             ACTIVE_SLOTS,
@@ -111,6 +126,26 @@ impl DecodeMetrics {
             ACCEPTED_DRAFT_TOKENS,
             "Drafted tokens that verification accepted",
             m.accepted_draft_tokens.clone(),
+        );
+        registry.register(
+            FETCHED_TOKENS,
+            "Prompt tokens whose KV was fetched from a peer instead of computed",
+            m.fetched_tokens.clone(),
+        );
+        registry.register(
+            FETCH_FAILURES,
+            "Peer fetches that failed or stalled; their tokens were computed instead",
+            m.fetch_failures.clone(),
+        );
+        registry.register(
+            HANDED_OFF_STREAMS,
+            "Running streams handed off to a peer at drain, with their KV",
+            m.handed_off_streams.clone(),
+        );
+        registry.register(
+            HANDED_OFF_TOKENS,
+            "Tokens of KV kept at drain for the peers that continue the streams",
+            m.handed_off_tokens.clone(),
         );
         m
     }

@@ -48,6 +48,9 @@ pub(crate) struct Plan {
     pub local_prefill: bool,
     /// The prompt's last tokens that an earlier attempt generated and delivered (failover).
     pub resumed: usize,
+    /// Peer fetch: the KV of the prompt's first tokens comes from this holder (its address and
+    /// the tokens asked) before the cache lookup.
+    pub fetch: Option<(String, usize)>,
     pub params: GenerateParams,
     pub kv_wait: Option<Duration>,
     pub deadline: Option<TokioInstant>,
@@ -69,6 +72,10 @@ pub(crate) struct RequestContext {
     pub kv_wait: Duration,
     pub max_kv_wait: Duration,
     pub shutdown: CancellationToken,
+    /// Cancelled as the drain begins: new requests are refused, running streams hand off.
+    pub draining: CancellationToken,
+    /// TLS for the node's own calls (peer fetches).
+    pub tls: Option<tandem_net::tls::Tls>,
     pub tracker: TaskTracker,
     pub next_ticket: Arc<AtomicU64>,
 }
@@ -131,7 +138,7 @@ impl RequestContext {
         &self,
         plan: Plan,
     ) -> Result<ReceiverStream<Result<pb::DecodeResponse, Status>>> {
-        if self.shutdown.is_cancelled() {
+        if self.draining.is_cancelled() {
             return Err(Error::ShuttingDown);
         }
         let config = &self.model.config;
@@ -205,12 +212,29 @@ impl RequestContext {
             ticket,
             finished: false,
         };
+        let fetch_started = Instant::now();
+        let fetched = match &plan.fetch {
+            Some((addr, tokens)) if self.prefix_cache => {
+                let asked = (*tokens).min(plan.hashes.len() * tandem_engine::BLOCK_TOKENS);
+                self.fetch(addr, &plan, asked).await
+            }
+            _ => None,
+        };
+        let fetch_ms = fetch_started.elapsed().as_secs_f64() * 1e3;
+        let fetched_tokens = fetched.as_ref().map_or(0, |kv| kv.tokens.end);
+        let fetched_bytes = fetched.as_ref().map_or(0, |kv| {
+            kv.layers.iter().flatten().map(|b| b.len() as u64).sum()
+        });
         let cached = self
             .scheduler
-            .open(ticket, plan.hashes)
+            .open(ticket, plan.hashes, fetched)
             .await
             .ok_or(Error::ShuttingDown)?;
-        self.shared.metrics.cached_tokens.inc_by(cached as u64);
+        // What the lookup found of the fetched tokens counts as fetched, the rest as cached.
+        let fetched_tokens = fetched_tokens.min(cached);
+        let m = &self.shared.metrics;
+        m.cached_tokens.inc_by((cached - fetched_tokens) as u64);
+        m.fetched_tokens.inc_by(fetched_tokens as u64);
         let n = plan.prompt.len();
         // With a local prefill nothing is pushed; otherwise the push must bring [cached, n).
         let reservation = if plan.local_prefill {
@@ -229,6 +253,9 @@ impl RequestContext {
         let frame = pb::DecodeResponse {
             event: Some(pb::decode_response::Event::Admitted(pb::DecodeAdmitted {
                 cached_tokens: cached as u32,
+                fetched_tokens: fetched_tokens as u32,
+                fetch_ms: if plan.fetch.is_some() { fetch_ms } else { 0.0 },
+                fetched_bytes,
             })),
         };
         if tx.send(Ok(frame)).await.is_err() {
@@ -243,7 +270,8 @@ impl RequestContext {
                     r = wait_kv(&lease, delivery, kv_wait) => r?,
                     () = tx.closed() => return Ok(()),
                     () = &mut until_deadline => return Err(Error::Deadline),
-                    () = self.shutdown.cancelled() => return Err(Error::ShuttingDown),
+                    // Nothing generated yet: another node serves it from the start.
+                    () = self.draining.cancelled() => return Err(Error::ShuttingDown),
                 };
                 drop(lease);
                 let first_token = received.first_token;
@@ -280,12 +308,20 @@ impl RequestContext {
         let mut completion_tokens = plan.resumed as u32;
         let mut local_prefill_ms = 0.0;
         let mut first = true;
+        // Once the drain begins: the scheduler's answer, the tokens of KV kept for a peer.
+        let mut handoff = None;
         loop {
             let event = tokio::select! {
                 e = events.recv() => e,
                 () = tx.closed() => return Ok(()),
                 () = &mut until_deadline => return Err(Error::Deadline),
                 () = self.shutdown.cancelled() => return Err(Error::ShuttingDown),
+                // The scheduler stops the sequence between steps; the frames of the steps
+                // before still come, then the event channel closes.
+                () = self.draining.cancelled(), if handoff.is_none() => {
+                    handoff = Some(self.scheduler.hand_off(ticket));
+                    continue;
+                }
             };
             let (emissions, drafted, accepted) = match event {
                 Some(Event::Prefilled { ms }) => {
@@ -301,7 +337,15 @@ impl RequestContext {
                     guard.finished = true;
                     return Err(Error::Step(e));
                 }
-                None => return Err(Error::ShuttingDown),
+                None => {
+                    // The scheduler answers a hand-off before it closes the channel.
+                    let kept = handoff.and_then(|mut r| r.try_recv().ok()).unwrap_or(0);
+                    return Err(if kept > 0 {
+                        Error::HandedOff { tokens: kept }
+                    } else {
+                        Error::ShuttingDown
+                    });
+                }
             };
             let index = completion_tokens;
             let last = emissions.last().and_then(|e| e.finished);

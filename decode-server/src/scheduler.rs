@@ -96,10 +96,23 @@ enum Command {
     Open {
         ticket: Ticket,
         hashes: Vec<u64>,
+        /// KV fetched from a peer for the first tokens, kept in the cache before the lookup.
+        fetched: Option<KvExport>,
         reply: oneshot::Sender<usize>,
     },
     Start(Box<Start>),
     Cancel(Ticket),
+    /// A peer fetch: the KV of the longest cached prefix of `hashes`, cell by cell.
+    Export {
+        hashes: Vec<u64>,
+        reply: oneshot::Sender<Vec<KvExport>>,
+    },
+    /// Drain: stop a running sequence, keeping its KV in the cache (within the budget); the
+    /// reply is the tokens kept, 0 when none were. Its event channel closes after the reply.
+    HandOff {
+        ticket: Ticket,
+        reply: oneshot::Sender<usize>,
+    },
 }
 
 /// A sequence whose prompt is being computed here, a chunk per step.
@@ -148,34 +161,63 @@ pub struct Shared {
     pub hub: Arc<CacheHub>,
     /// Local prefill speed.
     pub throughput: Throughput,
+    /// Sequences kept at drain for peers to fetch.
+    pub handoffs: Arc<crate::handoff::Handoffs>,
 }
 
 impl SchedulerHandle {
-    /// Starts the thread. It ends when every handle is dropped.
+    /// Starts the thread, with `handoff_bytes` of KV that a drain may keep for hand-offs. It
+    /// ends when every handle is dropped.
     pub fn spawn(
         engine: Engine,
         shared: Arc<Shared>,
         max_slots: usize,
+        handoff_bytes: u64,
     ) -> std::io::Result<(Self, JoinHandle<()>)> {
         let (tx, rx) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("tandem-decode-scheduler".into())
-            .spawn(move || Scheduler::new(engine, shared, max_slots).run(&rx))?;
+            .spawn(move || Scheduler::new(engine, shared, max_slots, handoff_bytes).run(&rx))?;
         Ok((Self { tx }, thread))
     }
 
-    /// Opens `ticket`'s sequence on the longest cached prefix of `hashes`; returns the tokens it
-    /// holds, or `None` if the scheduler is gone.
-    pub async fn open(&self, ticket: Ticket, hashes: Vec<u64>) -> Option<usize> {
+    /// Opens `ticket`'s sequence on the longest cached prefix of `hashes`, after keeping the
+    /// `fetched` KV of its first tokens in the cache; returns the tokens it holds, or `None` if
+    /// the scheduler is gone.
+    pub async fn open(
+        &self,
+        ticket: Ticket,
+        hashes: Vec<u64>,
+        fetched: Option<KvExport>,
+    ) -> Option<usize> {
         let (reply, answer) = oneshot::channel();
         self.tx
             .send(Command::Open {
                 ticket,
                 hashes,
+                fetched,
                 reply,
             })
             .ok()?;
         answer.await.ok()
+    }
+
+    /// The KV of the longest cached prefix of `hashes`, in cells of at most a prefill chunk;
+    /// empty when nothing is cached (or the scheduler is gone).
+    pub async fn export(&self, hashes: Vec<u64>) -> Vec<KvExport> {
+        let (reply, answer) = oneshot::channel();
+        if self.tx.send(Command::Export { hashes, reply }).is_err() {
+            return Vec::new();
+        }
+        answer.await.unwrap_or_default()
+    }
+
+    /// Stops `ticket`'s sequence for a hand-off. The answer, the tokens of KV kept for a peer
+    /// (0: none), comes before the sequence's event channel closes.
+    pub fn hand_off(&self, ticket: Ticket) -> oneshot::Receiver<usize> {
+        let (reply, answer) = oneshot::channel();
+        let _ = self.tx.send(Command::HandOff { ticket, reply });
+        answer
     }
 
     /// Completes an opened sequence and adds it to the batch. `false` if the scheduler is gone.
@@ -203,10 +245,12 @@ struct Scheduler {
     plain_step_secs: f64,
     /// Steps with a chunk since the last one without.
     fused_steps: u32,
+    /// Bytes of KV the drain may still keep for hand-offs.
+    handoff_budget: u64,
 }
 
 impl Scheduler {
-    fn new(engine: Engine, shared: Arc<Shared>, max_slots: usize) -> Self {
+    fn new(engine: Engine, shared: Arc<Shared>, max_slots: usize, handoff_budget: u64) -> Self {
         let mut s = Self {
             engine,
             shared,
@@ -217,6 +261,7 @@ impl Scheduler {
             max_slots,
             plain_step_secs: 0.0,
             fused_steps: 0,
+            handoff_budget,
         };
         s.publish();
         s
@@ -270,8 +315,12 @@ impl Scheduler {
             Command::Open {
                 ticket,
                 hashes,
+                fetched,
                 reply,
             } => {
+                if let Some(kv) = fetched {
+                    self.adopt(&hashes, &kv);
+                }
                 let (seq, cached) = self.engine.new_sequence_cached(&hashes);
                 self.opened.insert(ticket, seq);
                 if reply.send(cached).is_err() {
@@ -280,7 +329,80 @@ impl Scheduler {
             }
             Command::Start(start) => self.start(*start),
             Command::Cancel(ticket) => self.remove(ticket),
+            Command::Export { hashes, reply } => {
+                let _ = reply.send(self.export(&hashes));
+            }
+            Command::HandOff { ticket, reply } => {
+                let kept = self.hand_off(ticket);
+                // The reply goes before the sequence's event channel closes (`remove`), so the
+                // request reads it once its last events are read.
+                let _ = reply.send(kept);
+                self.remove(ticket);
+            }
         }
+    }
+
+    /// Keeps KV fetched from a peer (the first tokens of the sequence `hashes` describes) in
+    /// the cache. A failure only costs the fetch: the lookup then finds less.
+    fn adopt(&mut self, hashes: &[u64], kv: &KvExport) {
+        let blocks = (kv.tokens.end / tandem_engine::BLOCK_TOKENS).min(hashes.len());
+        let seq = self.engine.new_sequence();
+        let kept = self
+            .engine
+            .import_kv(seq, kv)
+            .and_then(|()| self.engine.cache_sequence(seq, &hashes[..blocks]));
+        if let Err(e) = kept {
+            tracing::warn!(error = %e, "could not keep fetched KV");
+        }
+        let _ = self.engine.free(seq);
+        self.shared.hub.publish(self.engine.take_cache_events());
+    }
+
+    /// The KV of the longest cached prefix of `hashes`, in cells of at most a prefill chunk.
+    fn export(&mut self, hashes: &[u64]) -> Vec<KvExport> {
+        let (seq, cached) = self.engine.new_sequence_cached(hashes);
+        let grid = self.engine.prefill_chunk_tokens();
+        let cells = tandem_worker::grid_cells(0..cached, grid)
+            .map(|cell| self.engine.export_kv(seq, cell))
+            .collect::<Result<Vec<_>, _>>();
+        let _ = self.engine.free(seq);
+        // A restore from the disk tier changes the cache.
+        self.shared.hub.publish(self.engine.take_cache_events());
+        cells.unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "could not export cached KV");
+            Vec::new()
+        })
+    }
+
+    /// Keeps a running (or waiting) sequence's KV in the cache for a peer to fetch, within the
+    /// hand-off budget; the tokens kept.
+    fn hand_off(&mut self, ticket: Ticket) -> usize {
+        let a = self
+            .active
+            .get(&ticket)
+            .or_else(|| self.waiting.iter().find(|(t, _)| *t == ticket).map(|(_, a)| a));
+        let Some(a) = a else { return 0 };
+        if !self.engine.prefix_cache_enabled() {
+            return 0;
+        }
+        let (seq, tokens) = (a.decoding.seq, a.decoding.tokens.clone());
+        let salt = a.cache_salt.clone();
+        let held = self.engine.seq_len(seq).unwrap_or(0).min(tokens.len());
+        let kept = held / tandem_engine::BLOCK_TOKENS * tandem_engine::BLOCK_TOKENS;
+        let bytes = (kept * self.engine.kv_layout().token_bytes()) as u64;
+        if kept == 0 || bytes > self.handoff_budget {
+            return 0;
+        }
+        self.handoff_budget -= bytes;
+        self.keep(seq, &salt, &tokens[..kept]);
+        let hashes = tandem_worker::block_hashes(self.engine.model(), &salt, &tokens[..kept]);
+        if let Some(&last) = hashes.last() {
+            self.shared.handoffs.kept(last);
+        }
+        let m = &self.shared.metrics;
+        m.handed_off_streams.inc();
+        m.handed_off_tokens.inc_by(kept as u64);
+        kept
     }
 
     fn remove(&mut self, ticket: Ticket) {

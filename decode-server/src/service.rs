@@ -33,6 +33,7 @@ impl pb::decode_server::Decode for DecodeService {
             ("request_id", &r.request_id),
             ("transfer_id", &r.transfer_id),
             ("cache_salt", &r.cache_salt),
+            ("fetch_addr", &r.fetch_addr),
         ])
         .map_err(|(field, reason)| Error::InvalidArgument { field, reason })?;
         if r.transfer_id.is_empty() && !r.local_prefill {
@@ -56,6 +57,8 @@ impl pb::decode_server::Decode for DecodeService {
             hashes,
             local_prefill: r.local_prefill,
             resumed: r.resumed_tokens as usize,
+            fetch: (!r.fetch_addr.is_empty() && r.fetch_tokens > 0)
+                .then(|| (r.fetch_addr, r.fetch_tokens as usize)),
             params: tandem_worker::params_from_pb(r.sampling),
             // A caller may ask for less patience than the node's ceiling, never more: an idle
             // reservation holds KV blocks that other requests need.

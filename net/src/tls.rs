@@ -70,12 +70,15 @@ impl Role {
     }
 }
 
-/// The services a worker serves over mutual TLS, and the roles that may call each. Health,
-/// reflection and metrics are open to every role.
-const SERVICES: [(&str, &[Role]); 7] = [
+/// The services (or single methods, `Service/Method`, which come before their service) a worker
+/// serves over mutual TLS, and the roles that may call each. Health, reflection and metrics are
+/// open to every role.
+const SERVICES: [(&str, &[Role]); 8] = [
     ("tandem.v1.Prefill", &[Role::Router]),
     ("tandem.v1.Decode", &[Role::Router]),
     ("tandem.v1.Worker", &[Role::Router]),
+    // Peer fetch: a decode node pulls cached KV from another.
+    ("tandem.v1.KvTransfer/Fetch", &[Role::Decode]),
     ("tandem.v1.KvTransfer", &[Role::Prefill]),
     ("grpc.health.v1.Health", &Role::ALL),
     ("grpc.reflection.v1.ServerReflection", &Role::ALL),
@@ -85,8 +88,9 @@ const SERVICES: [(&str, &[Role]); 7] = [
 /// The entry of [`SERVICES`] that `path` (`/package.Service/Method`, or an HTTP path such as
 /// `/metrics`) names.
 fn entry(path: &str) -> Option<&'static (&'static str, &'static [Role])> {
-    let service = path.trim_start_matches('/').split('/').next().unwrap_or("");
-    SERVICES.iter().find(|(s, _)| *s == service)
+    let method = path.trim_start_matches('/');
+    let service = method.split('/').next().unwrap_or("");
+    SERVICES.iter().find(|(s, _)| *s == method || *s == service)
 }
 
 /// The service `path` names, if a worker serves it.

@@ -72,6 +72,7 @@ pub async fn run(
             },
             &["tandem.v1.Prefill"],
             shutdown,
+            std::future::ready(()),
         )
         .await;
     // The routes (and with them the job sender) are gone now, so the compute thread finishes

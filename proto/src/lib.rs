@@ -37,6 +37,10 @@ pub const MAX_ID_BYTES: usize = 256;
 /// OpenAI's bound on `top_logprobs`).
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 
+/// The trailer metadata key with which a draining decode node ends a stream it hands off: the
+/// tokens of KV it keeps for the peer that continues the stream to fetch (`Decode.Generate`).
+pub const HANDOFF_METADATA: &str = "tandem-kv-handoff";
+
 /// Most choices a request may ask for (`GenerateRequest.n`).
 pub const MAX_CHOICES: u32 = 16;
 

@@ -382,6 +382,8 @@ struct Progress {
     exclude: Vec<String>,
     /// What failed, in order, for the route.
     failovers: Vec<String>,
+    /// The last attempt's decode node handed the stream off, keeping this much KV there.
+    holder: Option<(String, usize)>,
     first_token_ms: Option<f64>,
     last_frame_at: Option<Instant>,
 }
@@ -408,6 +410,8 @@ struct Ending {
     total_ms: f64,
     /// The attempt's replicas and why; [`Progress::finish`] adds the attempts and failovers.
     route: pb::Route,
+    /// The decode node's peer fetch, when it made one.
+    fetch_ms: f64,
 }
 
 impl Progress {
@@ -479,6 +483,7 @@ impl Progress {
             queue_ms,
             total_ms,
             route,
+            fetch_ms,
         } = ending;
         let prefill_cached = prefill
             .as_ref()
@@ -496,6 +501,7 @@ impl Progress {
         timings.transfer_ms = prefill.as_ref().map_or(0.0, |r| r.transfer_ms);
         timings.first_token_ms = self.first_token_ms.unwrap_or_default();
         timings.total_ms = total_ms;
+        timings.fetch_ms = fetch_ms;
         frame.route = Some(pb::Route {
             attempts: self.attempts,
             failovers: std::mem::take(&mut self.failovers),
@@ -519,6 +525,7 @@ impl Progress {
                 failure.suspects.join(", ")
             ));
             self.exclude.extend(failure.suspects.iter().cloned());
+            self.holder.clone_from(&failure.handoff);
         }
         retry
     }
@@ -530,7 +537,8 @@ impl Progress {
 struct Admission {
     choice: Choice,
     frames: tonic::Streaming<pb::DecodeResponse>,
-    decode_cached: u32,
+    /// The decode node's admission: what it held, and what it fetched.
+    admitted: pb::DecodeAdmitted,
     transfer_id: String,
     /// From the request's acceptance to its admission, in ms.
     queue_ms: f64,
@@ -586,6 +594,9 @@ struct Failure {
     error: Error,
     /// The replicas to avoid on the next attempt; empty when retrying cannot help.
     suspects: Vec<String>,
+    /// A draining decode node handed the stream off: its address, and the tokens of KV it kept
+    /// for the next attempt to fetch.
+    handoff: Option<(String, usize)>,
 }
 
 impl From<Error> for Failure {
@@ -593,6 +604,23 @@ impl From<Error> for Failure {
         Self {
             error,
             suspects: Vec::new(),
+            handoff: None,
+        }
+    }
+}
+
+impl Failure {
+    /// The decode node at `addr` ended the attempt with `status`; a hand-off says what it kept.
+    fn on_decode(addr: &str, status: &Status) -> Self {
+        let handoff = status
+            .metadata()
+            .get(tandem_proto::HANDOFF_METADATA)
+            .and_then(|v| v.to_str().ok()?.parse().ok())
+            .map(|tokens| (addr.to_string(), tokens));
+        Self {
+            error: Error::downstream("decode", status),
+            suspects: vec![addr.to_string()],
+            handoff,
         }
     }
 }
@@ -829,6 +857,7 @@ impl Dispatcher {
                 hashes,
                 session_id: &p.session_id,
                 exclude: &progress.exclude,
+                holder: progress.holder.as_ref().map(|(a, t)| (a.as_str(), *t)),
             };
             let decodes = crate::policy::candidates(&self.replicas, Role::Decode, &ask);
             // With none up, the policy answers at once.
@@ -854,10 +883,7 @@ impl Dispatcher {
                 reason = %choice.reason,
                 "dispatching"
             );
-            let on_decode = |s: &Status| Failure {
-                error: Error::downstream("decode", s),
-                suspects: vec![decode.addr.clone()],
-            };
+            let on_decode = |s: &Status| Failure::on_decode(&decode.addr, s);
             let transfer_id = if local { String::new() } else { transfer_id() };
             let mut d_client =
                 tandem_proto::limits!(pb::decode_client::DecodeClient::new(decode.channel.clone()));
@@ -871,6 +897,8 @@ impl Dispatcher {
                 local_prefill: local,
                 resumed_tokens: progress.generated.len() as u32,
                 cache_salt: p.cache_salt.clone(),
+                fetch_addr: choice.fetch.as_ref().map_or_else(String::new, |f| f.0.clone()),
+                fetch_tokens: choice.fetch.as_ref().map_or(0, |f| f.1 as u32),
             });
             d_req.set_timeout(deadline.saturating_duration_since(TokioInstant::now()));
             let mut frames = match d_client.generate(d_req).await {
@@ -897,6 +925,10 @@ impl Dispatcher {
             if let Some(queued) = queued {
                 self.pace.record(&queued);
             }
+            if choice.fetch.is_some() {
+                self.policy.record_fetch(a.fetched_bytes, a.fetch_ms);
+                self.metrics.fetched_tokens.inc_by(u64::from(a.fetched_tokens));
+            }
             self.metrics
                 .disagg_decisions
                 .get_or_create(&DecisionLabel {
@@ -910,7 +942,7 @@ impl Dispatcher {
             return Ok(Admission {
                 choice,
                 frames,
-                decode_cached: a.cached_tokens,
+                admitted: a,
                 transfer_id,
                 queue_ms,
             });
@@ -933,7 +965,7 @@ impl Dispatcher {
         let Admission {
             choice,
             mut frames,
-            decode_cached,
+            admitted,
             transfer_id,
             queue_ms,
         } = self
@@ -946,13 +978,12 @@ impl Dispatcher {
             prefill_overlap,
             reason,
             prefill_idle,
+            fetch,
         } = choice;
+        let decode_cached = admitted.cached_tokens;
         let local = prefill.is_none();
         let d_addr = decode.replica().addr.clone();
-        let on_decode = |s: &Status| Failure {
-            error: Error::downstream("decode", s),
-            suspects: vec![d_addr.clone()],
-        };
+        let on_decode = |s: &Status| Failure::on_decode(&d_addr, s);
         let p_addr = prefill.as_ref().map(|g| g.replica().addr.clone());
         let prefill_call = {
             let request = prefill.as_ref().map(|_| pb::PrefillRequest {
@@ -976,6 +1007,7 @@ impl Dispatcher {
                     .map_err(|s| Failure {
                         error: Error::downstream("prefill", &s),
                         suspects: vec![guard.replica().addr.clone()],
+                        handoff: None,
                     })
             }
         };
@@ -1053,6 +1085,12 @@ impl Dispatcher {
             if prefilled.is_none() {
                 prefilled = Some((&mut prefill_call).await?);
             }
+            // What the attempt's prompt cost in compute: neither cached nor fetched.
+            let computed = match prefilled.as_ref().and_then(Option::as_ref) {
+                Some(r) => r.computed_tokens as usize,
+                None => tokens.len().saturating_sub(decode_cached as usize),
+            };
+            self.metrics.computed_tokens.inc_by(computed as u64);
             progress.finish(
                 &mut frame,
                 &p.tokens,
@@ -1069,8 +1107,11 @@ impl Dispatcher {
                         prefill_overlap_tokens: prefill_overlap as u32,
                         decode_overlap_tokens: decode_overlap as u32,
                         disaggregation: if local { "local" } else { "remote" }.into(),
+                        fetched_from: fetch.map(|f| f.0).unwrap_or_default(),
+                        fetched_tokens: admitted.fetched_tokens,
                         ..Default::default()
                     },
+                    fetch_ms: admitted.fetch_ms,
                 },
             );
             let t = frame.timings.unwrap_or_default();
@@ -1084,6 +1125,7 @@ impl Dispatcher {
                 self.metrics.prompt_tokens.inc_by(p.tokens.len() as u64);
                 self.metrics.cached_prompt_tokens.inc_by(u64::from(cached));
             }
+
             log.push(Ok(frame));
             return Ok(());
         }
@@ -1161,14 +1203,28 @@ mod tests {
     }
 
     fn cut(decode: &str) -> Failure {
-        Failure {
-            error: Error::Downstream {
-                hop: "decode",
-                code: tonic::Code::Unavailable,
-                message: "connection reset".into(),
-            },
-            suspects: vec![decode.into()],
-        }
+        Failure::on_decode(decode, &Status::unavailable("connection reset"))
+    }
+
+    /// A draining node's hand-off is a failover whose next attempt knows where the KV is.
+    #[test]
+    fn a_handed_off_stream_resumes_with_its_holder_named() {
+        let budget = RetryBudget::default();
+        let mut progress = Progress {
+            attempts: 1,
+            ..Progress::default()
+        };
+        let mut status = Status::unavailable("draining");
+        status
+            .metadata_mut()
+            .insert(tandem_proto::HANDOFF_METADATA, 48u64.into());
+        assert!(progress.retry(&Failure::on_decode("d1:1", &status), &budget));
+        assert_eq!(progress.holder, Some(("d1:1".to_string(), 48)));
+        assert_eq!(progress.exclude, ["d1:1"]);
+        // A plain failure names no holder, and forgets the last one.
+        progress.attempts = 2;
+        assert!(progress.retry(&cut("d2:1"), &budget));
+        assert_eq!(progress.holder, None);
     }
 
     /// A choice's stream through a decode node cut after three frames: the second attempt

@@ -27,6 +27,8 @@ pub const QUEUED: &str = "tandem_router_queued_requests";
 pub const REFUSED: &str = "tandem_router_refused_requests";
 pub const PROMPT_TOKENS: &str = "tandem_router_prompt_tokens";
 pub const CACHED_PROMPT_TOKENS: &str = "tandem_router_cached_prompt_tokens";
+pub const FETCHED_TOKENS: &str = "tandem_router_fetched_tokens";
+pub const COMPUTED_TOKENS: &str = "tandem_router_computed_prompt_tokens";
 
 /// The codes a request can end with (pre-set to 0 so that rates exist from the start).
 const CODES: [tonic::Code; 7] = [
@@ -104,6 +106,10 @@ pub struct RouterMetrics {
     /// cluster's prefix-cache hit rate is their ratio.
     pub prompt_tokens: Counter,
     pub cached_prompt_tokens: Counter,
+    /// Prompt tokens whose KV a decode node fetched from a peer instead of computing it.
+    pub fetched_tokens: Counter,
+    /// Prompt tokens computed (neither cached nor fetched), over every attempt.
+    pub computed_tokens: Counter,
 }
 
 impl RouterMetrics {
@@ -126,6 +132,8 @@ impl RouterMetrics {
             decode_stalls: Counter::default(),
             prompt_tokens: Counter::default(),
             cached_prompt_tokens: Counter::default(),
+            fetched_tokens: Counter::default(),
+            computed_tokens: Counter::default(),
         };
         // Series a dashboard queries exist before their first event.
         for hop in ["decode", "prefill"] {
@@ -215,6 +223,16 @@ impl RouterMetrics {
             CACHED_PROMPT_TOKENS,
             "Prompt tokens of completed requests that a prefix or session cache supplied",
             m.cached_prompt_tokens.clone(),
+        );
+        registry.register(
+            FETCHED_TOKENS,
+            "Prompt tokens whose KV a decode node fetched from a peer's cache instead of computing it",
+            m.fetched_tokens.clone(),
+        );
+        registry.register(
+            COMPUTED_TOKENS,
+            "Prompt tokens computed (neither cached nor fetched), over every attempt",
+            m.computed_tokens.clone(),
         );
         m
     }

@@ -49,6 +49,8 @@ use crate::replicas::{InflightGuard, Replica, Replicas, Role};
 pub const DEFAULT_RATE: f64 = 500.0;
 /// The load cap's factor: eligible while load < ceil(LOAD_CAP × (total + 1) / replicas).
 pub const LOAD_CAP: f64 = 1.25;
+/// Bytes per second a peer fetch is assumed to move before one has been measured.
+pub const DEFAULT_LINK_BYTES_PER_SECOND: f64 = 200e6;
 
 /// Which policy the router runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -69,6 +71,9 @@ pub struct Ask<'a> {
     pub session_id: &'a str,
     /// Replicas (by address) that already failed this request.
     pub exclude: &'a [String],
+    /// A replica that holds the prompt's first tokens whatever the index says (a draining node
+    /// that handed this request's stream off): its address and the tokens.
+    pub holder: Option<(&'a str, usize)>,
 }
 
 /// The replicas chosen for one request, each counted as in flight while the guard lives.
@@ -84,13 +89,17 @@ pub struct Choice {
     /// Whether the prefill replica's queue was empty when chosen (its handoff then measures
     /// the transfer alone).
     pub prefill_idle: bool,
+    /// Peer fetch: the decode node first fetches the prompt's first tokens' KV from this
+    /// replica (its address and the tokens).
+    pub fetch: Option<(String, usize)>,
 }
 
-/// Moving averages of measured handoffs, in ms.
+/// Moving averages of measured handoffs, in ms, and of fetch throughput, in bytes per ms.
 #[derive(Debug, Default)]
 struct Handoffs {
     remote: f64,
     local: f64,
+    link: f64,
 }
 
 #[derive(Debug, Default)]
@@ -160,6 +169,14 @@ impl Policy {
         }
     }
 
+    /// Folds in a measured peer fetch: `bytes` in `ms`.
+    pub fn record_fetch(&self, bytes: u64, ms: f64) {
+        if bytes > 0 && ms > 0.0 {
+            let mut h = self.handoffs();
+            h.link = ewma(h.link, bytes as f64 / ms);
+        }
+    }
+
     pub fn choose(&self, replicas: &Replicas, ask: &Ask<'_>) -> Result<Choice> {
         match self.kind {
             PolicyKind::Affinity => self.affinity(replicas, ask),
@@ -182,6 +199,7 @@ impl Policy {
             decode_overlap: 0,
             prefill_overlap: 0,
             reason: "round-robin".into(),
+            fetch: None,
         })
     }
 
@@ -212,12 +230,32 @@ impl Policy {
         } else {
             ask.session_id.as_bytes().to_vec()
         };
-        let (h_remote, h_local) = {
+        let (h_remote, h_local, link) = {
             let h = self.handoffs();
-            (h.remote, h.local)
+            let link = if h.link > 0.0 {
+                h.link
+            } else {
+                DEFAULT_LINK_BYTES_PER_SECOND / 1e3
+            };
+            (h.remote, h.local, link)
         };
         let n = ask.tokens as f64;
         let held = |r: &Replica| r.index.overlap_blocks(ask.hashes) * BLOCK_TOKENS;
+        // Who could serve a fetch of the prompt's first tokens, and how many.
+        let all = replicas.all();
+        let reusable = ask.hashes.len() * BLOCK_TOKENS;
+        let holders: Vec<(&Arc<Replica>, usize)> = all
+            .iter()
+            .filter(|r| r.role == Role::Decode && r.can_serve_fetch() && r.kv_bytes_per_token() > 0)
+            .map(|r| {
+                let hinted = ask.holder.filter(|(a, _)| *a == r.addr).map_or(0, |(_, t)| t);
+                (r, held(r).max(hinted).min(reusable))
+            })
+            .filter(|&(_, h)| h > 0)
+            .collect();
+        let fetch_ms = |from: &Replica, tokens: usize| {
+            tokens as f64 * from.kv_bytes_per_token() as f64 / link * f64::from(1 + from.load())
+        };
 
         // Decode candidates, best first for a remote prefill: most KV held, rendezvous, load.
         let mut d_ranked: Vec<(&Arc<Replica>, usize)> =
@@ -228,13 +266,22 @@ impl Policy {
                 .then_with(|| a.load().cmp(&b.load()))
                 .then_with(|| a.addr.cmp(&b.addr))
         });
-        // The best local option.
+        // The best local option: on what D holds, or on what it fetches from a holder first.
+        let local_ms = |d: &Replica, h: usize| {
+            (n - h as f64) / rate(d) * 1e3 * f64::from(1 + d.load()) + h_local
+        };
         let local = d_ranked
             .iter()
-            .filter(|&&(_, h)| h > 0 || prefills.is_empty())
-            .map(|&(d, h)| {
-                let ms = (n - h as f64) / rate(d) * 1e3 * f64::from(1 + d.load()) + h_local;
-                (ms, d, h)
+            .flat_map(|&(d, h)| {
+                let own = (h > 0 || prefills.is_empty()).then(|| (local_ms(d, h), d, h, None));
+                let fetched = holders
+                    .iter()
+                    .filter(move |&&(from, fh)| from.addr != d.addr && fh > h)
+                    .map(move |&(from, fh)| {
+                        let ms = fetch_ms(from, fh) + local_ms(d, fh);
+                        (ms, d, fh, Some((from, fh)))
+                    });
+                own.into_iter().chain(fetched)
             })
             .min_by(|a, b| a.0.total_cmp(&b.0));
         // The best remote option, with the best-ranked decode replica.
@@ -260,10 +307,17 @@ impl Policy {
             (Some(_), None) => true,
             (None, _) => false,
         };
-        if go_local && let Some((l_ms, d, dh)) = local {
+        if go_local && let Some((l_ms, d, dh, fetch)) = local {
+            let fetched = fetch.map_or_else(String::new, |(from, t)| {
+                format!(
+                    " (fetching {t} from {}: est. {:.1} ms)",
+                    from.addr,
+                    fetch_ms(from, t)
+                )
+            });
             let reason = match remote {
                 Some((r_ms, p, ph)) => format!(
-                    "local prefill on {}: holds {dh} of {} tokens, est. {l_ms:.1} ms \
+                    "local prefill on {}: holds {dh} of {} tokens{fetched}, est. {l_ms:.1} ms \
                          ({:.0} tok/s, {} active) < remote {r_ms:.1} ms via {} (holds {ph})",
                     d.addr,
                     ask.tokens,
@@ -272,7 +326,7 @@ impl Policy {
                     p.addr
                 ),
                 None => format!(
-                    "local prefill on {}: holds {dh} of {} tokens; no prefill replica",
+                    "local prefill on {}: holds {dh} of {} tokens{fetched}; no prefill replica",
                     d.addr, ask.tokens
                 ),
             };
@@ -283,6 +337,7 @@ impl Policy {
                 prefill_overlap: 0,
                 reason,
                 prefill_idle: false,
+                fetch: fetch.map(|(from, t)| (from.addr.clone(), t)),
             });
         }
         let Some((r_ms, p, ph)) = remote else {
@@ -307,6 +362,7 @@ impl Policy {
             decode_overlap: dh,
             prefill_overlap: ph,
             reason,
+            fetch: None,
         })
     }
 }

@@ -95,7 +95,11 @@ pub struct Replica {
     pub channel: Channel,
     pub index: CacheIndex,
     healthy: AtomicBool,
+    /// It reported NOT_SERVING and still answers: draining, its cache still fetchable.
+    draining: AtomicBool,
     compatible: AtomicBool,
+    /// Wire bytes of one token's KV, as `Worker.Info` says; 0 until known.
+    kv_bytes_per_token: AtomicU64,
     /// Requests active or queued there, as last reported, less this router's requests that
     /// finished since (the report counted them): a follow-up turn sent right after its previous
     /// turn ended must not find that turn's replica busy for up to a poll interval.
@@ -171,6 +175,18 @@ impl Replica {
             r if r > 0.0 => r,
             _ => fallback,
         }
+    }
+
+    /// Whether peers may fetch KV from its cache: it is up, or draining (its cache is
+    /// still served while it hands off).
+    pub fn can_serve_fetch(&self) -> bool {
+        (self.healthy.load(Ordering::Relaxed) || self.draining.load(Ordering::Relaxed))
+            && self.compatible.load(Ordering::Relaxed)
+    }
+
+    /// Wire bytes of one token's KV; 0 until known.
+    pub fn kv_bytes_per_token(&self) -> u64 {
+        self.kv_bytes_per_token.load(Ordering::Relaxed)
     }
 
     /// Sets the health flag directly, for [`crate::simulation`] (the monitor follows Watch).
@@ -321,7 +337,9 @@ impl Replicas {
             )?,
             index: CacheIndex::new(self.index_max_blocks),
             healthy: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
             compatible: AtomicBool::new(true),
+            kv_bytes_per_token: AtomicU64::new(0),
             reported: AtomicU32::new(0),
             reports: AtomicU64::new(0),
             capacity: AtomicU32::new(0),
@@ -455,6 +473,7 @@ impl Replicas {
                 self.watch(r, load_poll).await;
                 backoff = Duration::from_millis(50);
             }
+            r.draining.store(false, Ordering::Relaxed);
             if r.healthy.swap(false, Ordering::Relaxed) {
                 self.changed.notify_waiters();
             }
@@ -495,6 +514,8 @@ impl Replicas {
             );
         }
         let same = same_model && same_kv;
+        r.kv_bytes_per_token
+            .store(info.kv_bytes_per_token, Ordering::Relaxed);
         if r.compatible.swap(same, Ordering::Relaxed) != same {
             self.changed.notify_waiters();
         }
@@ -522,6 +543,7 @@ impl Replicas {
                 msg = stream.next() => match msg {
                     Some(Ok(m)) => {
                         let up = m.status == ServingStatus::Serving as i32;
+                        r.draining.store(m.status == ServingStatus::NotServing as i32, Ordering::Relaxed);
                         if up != r.healthy.swap(up, Ordering::Relaxed) {
                             tracing::info!(replica = %r.addr, role = r.role.name(), up, "replica health changed");
                             self.changed.notify_waiters();

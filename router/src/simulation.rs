@@ -79,6 +79,7 @@ impl Simulation {
                     hashes: &hashes,
                     session_id: session,
                     exclude: &[],
+                    holder: None,
                 },
             )
             .ok()?;

@@ -23,6 +23,22 @@ pub const PUSH_BUFFER_FRAMES: usize = 8;
 /// receiver's bound on silence must be longer.
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(1);
 
+/// `chunks` as wire frames, in order, and the digest that the trailer after them carries.
+pub(crate) fn chunk_frames(chunks: &[Chunk]) -> (Vec<pb::PushFrame>, u32) {
+    let mut digest = 0;
+    let frames = chunks
+        .iter()
+        .map(|c| {
+            let wire = c.to_pb();
+            digest = digest_append(digest, wire.crc32c);
+            pb::PushFrame {
+                frame: Some(Frame::Chunk(wire)),
+            }
+        })
+        .collect();
+    (frames, digest)
+}
+
 /// One transfer in progress.
 #[derive(Debug)]
 pub struct KvPush {

@@ -50,6 +50,9 @@ pub enum Error {
     #[error("the receiver gave up on the transfer (lease expired or request gone)")]
     ReceiverGone,
 
+    #[error("no frame for {waited_ms} ms")]
+    Stalled { waited_ms: u64 },
+
     /// The transport failed, or the receiver rejected the push; the status is the peer's.
     #[error("transfer failed: {code:?}: {message}")]
     Transport { code: Code, message: String },
@@ -57,7 +60,7 @@ pub enum Error {
 
 impl Error {
     /// Every [`Error::reason`], so that the rejects metric can show each at 0 from the start.
-    pub const REASONS: [&'static str; 14] = [
+    pub const REASONS: [&'static str; 15] = [
         "malformed",
         "version",
         "fingerprint",
@@ -71,6 +74,7 @@ impl Error {
         "digest",
         "aborted",
         "receiver_gone",
+        "stalled",
         "transport",
     ];
 
@@ -90,6 +94,7 @@ impl Error {
             Error::Digest => "digest",
             Error::Aborted { .. } => "aborted",
             Error::ReceiverGone => "receiver_gone",
+            Error::Stalled { .. } => "stalled",
             Error::Transport { .. } => "transport",
         }
     }
@@ -106,6 +111,7 @@ impl Error {
             Error::Reused { .. } => Code::AlreadyExists,
             Error::ChunkCrc { .. } | Error::Digest => Code::DataLoss,
             Error::Aborted { .. } | Error::ReceiverGone => Code::Aborted,
+            Error::Stalled { .. } => Code::DeadlineExceeded,
             Error::Transport { code, .. } => *code,
         }
     }
@@ -165,6 +171,7 @@ mod tests {
             Error::Digest,
             Error::Aborted { reason: s() },
             Error::ReceiverGone,
+            Error::Stalled { waited_ms: 1 },
             Error::Transport {
                 code: Code::Unknown,
                 message: s(),

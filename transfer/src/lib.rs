@@ -4,9 +4,11 @@
 //! - [`format`]: the header, chunk and trailer as domain types, and the receiver's validation.
 //! - [`reservation`]: transfer ids bound to a waiting request, single-use, with a lease.
 //! - [`service`]: the receiving gRPC service; [`client`]: the sending side.
+//! - [`fetch`]: peer fetch, a worker pulling cached KV from the one that holds it.
 
 pub mod client;
 mod error;
+pub mod fetch;
 pub mod format;
 pub mod metrics;
 pub mod reservation;
@@ -14,6 +16,7 @@ pub mod service;
 
 pub use client::{Heartbeat, KvPush};
 pub use error::{Error, Result};
+pub use fetch::{Cached, FetchSource, FetchWant, KvSource};
 pub use format::{Chunk, Expectation, Header, KvDtype, KvKind, ReceivedKv, WireLayout};
 pub use metrics::TransferMetrics;
 pub use reservation::{ReservationGuard, Reservations};

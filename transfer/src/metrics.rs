@@ -10,6 +10,7 @@ pub const BYTES: &str = "tandem_kv_transfer_bytes";
 pub const DURATION: &str = "tandem_kv_transfer_duration_seconds";
 pub const THROUGHPUT: &str = "tandem_kv_transfer_throughput_bytes_per_second";
 pub const REJECTS: &str = "tandem_kv_transfer_rejects";
+pub const FETCH_SERVED_BYTES: &str = "tandem_kv_fetch_served_bytes";
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
@@ -24,6 +25,8 @@ pub struct TransferMetrics {
     pub duration: Histogram,
     pub throughput: Histogram,
     pub rejects: Family<ReasonLabel, Counter>,
+    /// Bytes of KV sent to peers that fetched it.
+    pub fetched_bytes: Counter,
 }
 
 impl TransferMetrics {
@@ -33,6 +36,7 @@ impl TransferMetrics {
             duration: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
             throughput: Histogram::new(exponential_buckets(1e6, 2.0, 16)),
             rejects: Family::default(),
+            fetched_bytes: Counter::default(),
         };
         registry.register(BYTES, "KV bytes received and accepted", m.bytes.clone());
         registry.register(
@@ -46,6 +50,11 @@ impl TransferMetrics {
             m.throughput.clone(),
         );
         registry.register(REJECTS, "Pushes rejected, by reason", m.rejects.clone());
+        registry.register(
+            FETCH_SERVED_BYTES,
+            "KV bytes sent to peers that fetched them from this node's cache",
+            m.fetched_bytes.clone(),
+        );
         for reason in crate::Error::REASONS {
             let _ = m.rejects.get_or_create(&ReasonLabel { reason });
         }

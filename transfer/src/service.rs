@@ -16,6 +16,7 @@ use tandem_proto::v1::push_frame::Frame;
 use tonic::{Code, Request, Response, Status, Streaming};
 
 use crate::error::{Error, Result};
+use crate::fetch::FetchSource;
 use crate::format::Assembler;
 use crate::metrics::{ReasonLabel, TransferMetrics};
 use crate::reservation::{Pending, Reservations};
@@ -24,6 +25,8 @@ use crate::reservation::{Pending, Reservations};
 pub struct KvTransferService {
     reservations: Reservations,
     metrics: TransferMetrics,
+    /// The cache that answers peer fetches; without one, `Fetch` is UNIMPLEMENTED.
+    source: Option<FetchSource>,
 }
 
 impl KvTransferService {
@@ -31,7 +34,14 @@ impl KvTransferService {
         Self {
             reservations,
             metrics,
+            source: None,
         }
+    }
+
+    /// Answers peer fetches from `source`.
+    pub fn with_source(mut self, source: FetchSource) -> Self {
+        self.source = Some(source);
+        self
     }
 
     /// The tonic server for this service, with Tandem's message limits.
@@ -140,6 +150,30 @@ async fn next_frame(frames: &mut Streaming<pb::PushFrame>) -> Result<Frame> {
 
 #[tonic::async_trait]
 impl pb::kv_transfer_server::KvTransfer for KvTransferService {
+    type FetchStream = tokio_stream::Iter<std::vec::IntoIter<Result<pb::PushFrame, Status>>>;
+
+    #[tracing::instrument(skip_all, fields(request_id = %request.get_ref().request_id))]
+    async fn fetch(
+        &self,
+        request: Request<pb::FetchRequest>,
+    ) -> Result<Response<Self::FetchStream>, Status> {
+        let Some(source) = &self.source else {
+            return Err(Status::unimplemented("this node serves no peer fetches"));
+        };
+        let frames = source.answer(request.into_inner()).await?;
+        let bytes: u64 = frames
+            .iter()
+            .map(|f| match &f.frame {
+                Some(Frame::Chunk(c)) => c.data.len() as u64,
+                _ => 0,
+            })
+            .sum();
+        self.metrics.fetched_bytes.inc_by(bytes);
+        Ok(Response::new(tokio_stream::iter(
+            frames.into_iter().map(Ok).collect::<Vec<_>>(),
+        )))
+    }
+
     #[tracing::instrument(
         skip_all,
         fields(request_id = tracing::field::Empty, transfer_id = tracing::field::Empty)

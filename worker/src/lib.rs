@@ -150,6 +150,7 @@ pub fn worker_info(model: &Model, kv: KvLayout, role: &str) -> pb::InfoResponse 
         tokenizer_spec_json: serde_json::to_string(&model.tokenizer_spec).unwrap_or_default(),
         role: role.to_string(),
         kv_dtype: kv.dtype.name().to_string(),
+        kv_bytes_per_token: wire_layout(kv).total_bytes(1),
     }
 }
 

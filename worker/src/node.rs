@@ -121,9 +121,12 @@ impl Node {
 
     /// Serves `routes` (the node's own services, named `services`) with the `Worker` service
     /// (answering `Worker.Load` from `load`), health, reflection and `/metrics`, on `listener`
-    /// until `shutdown` completes. Then the root token is cancelled, so that long streams do not
-    /// hold up the drain, and in-flight calls get the grace period. The node's own threads are
-    /// its to stop once this returns.
+    /// until `shutdown` completes. Then the node reports NOT_SERVING and runs `handoff` (still
+    /// accepting calls, so that peers can fetch what it hands off); then the root token is
+    /// cancelled, so that long streams do not hold up the drain, the listener closes and
+    /// in-flight calls get the grace period. The node's own threads are its to stop once this
+    /// returns.
+    #[allow(clippy::too_many_arguments)]
     pub async fn serve(
         self,
         listener: TcpListener,
@@ -132,6 +135,7 @@ impl Node {
         routes: impl FnOnce(Routes) -> Routes,
         services: &[&'static str],
         shutdown: impl Future<Output = ()>,
+        handoff: impl Future<Output = ()>,
     ) -> Result<(), NodeError> {
         let Self {
             config,
@@ -147,9 +151,11 @@ impl Node {
             root.child_token(),
         );
         let (health, health_service) = tonic_health::server::health_reporter();
+        let reporter = health.clone();
         let routes = routes(Routes::new(health_service).add_service(worker.into_server()));
         let mut service_names = services.to_vec();
         service_names.push("tandem.v1.Worker");
+        let names = service_names.clone();
         tracing::info!(addr = ?listener.local_addr().ok(), model = %config.model.name, "{role} node serving");
         let served = tandem_net::serve(
             listener,
@@ -163,6 +169,12 @@ impl Node {
             },
             async {
                 shutdown.await;
+                for name in std::iter::once("").chain(names) {
+                    reporter
+                        .set_service_status(name, tonic_health::ServingStatus::NotServing)
+                        .await;
+                }
+                handoff.await;
                 root.cancel();
             },
         )
