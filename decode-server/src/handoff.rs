@@ -78,7 +78,10 @@ impl KvSource for SessionCache {
         }
         Ok(Cached {
             tokens: tokens as u32,
-            chunks: cells.into_iter().flat_map(tandem_worker::kv_chunks).collect(),
+            chunks: cells
+                .into_iter()
+                .flat_map(tandem_worker::kv_chunks)
+                .collect(),
         })
     }
 }

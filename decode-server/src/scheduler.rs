@@ -377,10 +377,12 @@ impl Scheduler {
     /// Keeps a running (or waiting) sequence's KV in the cache for a peer to fetch, within the
     /// hand-off budget; the tokens kept.
     fn hand_off(&mut self, ticket: Ticket) -> usize {
-        let a = self
-            .active
-            .get(&ticket)
-            .or_else(|| self.waiting.iter().find(|(t, _)| *t == ticket).map(|(_, a)| a));
+        let a = self.active.get(&ticket).or_else(|| {
+            self.waiting
+                .iter()
+                .find(|(t, _)| *t == ticket)
+                .map(|(_, a)| a)
+        });
         let Some(a) = a else { return 0 };
         if !self.engine.prefix_cache_enabled() {
             return 0;

@@ -271,3 +271,70 @@ async fn with_every_decode_node_gone_the_request_fails_fast_with_unavailable() {
     );
     cluster.stop().await.expect("stop");
 }
+
+/// A rolling restart's drain: the decode node told to stop hands its running stream off. The
+/// router resumes it on the other decode node, which fetches the KV of the prompt and of the
+/// tokens generated so far from the draining node instead of computing it, and the client sees
+/// one stream equal to the fault-free run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_decode_node_hands_its_stream_off_with_its_kv() {
+    let model = smollm2_model().expect("SmolLM2");
+    let mut config = ClusterConfig::new(model);
+    config.decode = 2;
+    let mut cluster = Cluster::start(config).await.expect("cluster");
+    let mut client = cluster.client();
+    let request = seeded(arbitrary_prompt(), 600);
+    let want = collect(&mut client, request.clone())
+        .await
+        .expect("fault-free run");
+
+    let mut frames = client
+        .generate(request)
+        .await
+        .expect("generate")
+        .into_inner();
+    let (mut tokens, mut text, mut index) = (Vec::<u32>::new(), String::new(), 0u32);
+    let (mut last, mut draining) = (None, None);
+    while let Some(f) = frames.message().await.expect("no error reaches the client") {
+        assert_eq!(f.index, index, "indices are gap-free and never repeat");
+        index += 1;
+        tokens.extend(&f.token_ids);
+        text.push_str(&f.text);
+        if index == 8 {
+            let node = cluster.decode.remove(busy_decode(&cluster).await);
+            let addr = node.addr.to_string();
+            draining = Some((addr, tokio::spawn(node.stop())));
+        }
+        if f.finish_reason != pb::FinishReason::Unspecified as i32 {
+            last = Some(f);
+            break;
+        }
+    }
+    let last = last.expect("the stream ends with a final frame");
+    let (drained, stopping) = draining.expect("a node was drained");
+    assert_eq!(
+        tokens, want.token_ids,
+        "the same tokens as the fault-free run"
+    );
+    assert_eq!(text, want.text, "the same text");
+    let route = last.route.expect("route");
+    assert_eq!(route.attempts, 2, "one hand-off: {route:?}");
+    assert_ne!(route.decode, drained, "the rest ran on the other node");
+    assert_eq!(route.fetched_from, drained, "{route:?}");
+    // The prompt's 40 tokens and at least the 8 delivered before the drain, in whole blocks:
+    // what the resumed attempt did not compute.
+    assert!(
+        route.fetched_tokens >= 48 - 48 % 16,
+        "the KV of the prompt and the generated tokens moved: {route:?}"
+    );
+    let text = tandem_integration_tests::metrics(cluster.decode[0].addr)
+        .await
+        .expect("metrics");
+    let fetched = tandem_integration_tests::sample(&text, "tandem_decode_fetched_tokens_total");
+    assert_eq!(fetched, Some(f64::from(route.fetched_tokens)));
+    stopping
+        .await
+        .expect("the drained node's task")
+        .expect("the drained node stops cleanly once its KV was fetched");
+    cluster.stop().await.expect("stop");
+}

@@ -897,7 +897,10 @@ impl Dispatcher {
                 local_prefill: local,
                 resumed_tokens: progress.generated.len() as u32,
                 cache_salt: p.cache_salt.clone(),
-                fetch_addr: choice.fetch.as_ref().map_or_else(String::new, |f| f.0.clone()),
+                fetch_addr: choice
+                    .fetch
+                    .as_ref()
+                    .map_or_else(String::new, |f| f.0.clone()),
                 fetch_tokens: choice.fetch.as_ref().map_or(0, |f| f.1 as u32),
             });
             d_req.set_timeout(deadline.saturating_duration_since(TokioInstant::now()));
@@ -927,7 +930,9 @@ impl Dispatcher {
             }
             if choice.fetch.is_some() {
                 self.policy.record_fetch(a.fetched_bytes, a.fetch_ms);
-                self.metrics.fetched_tokens.inc_by(u64::from(a.fetched_tokens));
+                self.metrics
+                    .fetched_tokens
+                    .inc_by(u64::from(a.fetched_tokens));
             }
             self.metrics
                 .disagg_decisions

@@ -248,7 +248,10 @@ impl Policy {
             .iter()
             .filter(|r| r.role == Role::Decode && r.can_serve_fetch() && r.kv_bytes_per_token() > 0)
             .map(|r| {
-                let hinted = ask.holder.filter(|(a, _)| *a == r.addr).map_or(0, |(_, t)| t);
+                let hinted = ask
+                    .holder
+                    .filter(|(a, _)| *a == r.addr)
+                    .map_or(0, |(_, t)| t);
                 (r, held(r).max(hinted).min(reusable))
             })
             .filter(|&(_, h)| h > 0)

@@ -121,8 +121,7 @@ pub async fn fetch(
     request: pb::FetchRequest,
     want: &FetchWant,
 ) -> Result<Option<ReceivedKv>> {
-    let mut client =
-        tandem_proto::limits!(pb::kv_transfer_client::KvTransferClient::new(channel));
+    let mut client = tandem_proto::limits!(pb::kv_transfer_client::KvTransferClient::new(channel));
     let asked = request.token_ids.clone();
     let mut frames = tokio::time::timeout(want.idle, client.fetch(request))
         .await
