@@ -58,7 +58,7 @@ impl pb::decode_server::Decode for DecodeService {
             local_prefill: r.local_prefill,
             resumed: r.resumed_tokens as usize,
             fetch: (!r.fetch_addr.is_empty() && r.fetch_tokens > 0)
-                .then(|| (r.fetch_addr, r.fetch_tokens as usize)),
+                .then_some((r.fetch_addr, r.fetch_tokens as usize)),
             params: tandem_worker::params_from_pb(r.sampling),
             // A caller may ask for less patience than the node's ceiling, never more: an idle
             // reservation holds KV blocks that other requests need.

@@ -324,7 +324,7 @@ async fn a_draining_decode_node_hands_its_stream_off_with_its_kv() {
     // The prompt's 40 tokens and at least the 8 delivered before the drain, in whole blocks:
     // what the resumed attempt did not compute.
     assert!(
-        route.fetched_tokens >= 48 - 48 % 16,
+        route.fetched_tokens >= 48,
         "the KV of the prompt and the generated tokens moved: {route:?}"
     );
     let text = tandem_integration_tests::metrics(cluster.decode[0].addr)

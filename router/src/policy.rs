@@ -16,6 +16,19 @@
 //!                only where held(D) > 0, or when no prefill replica is up
 //! ```
 //!
+//! A local prefill may also start from KV fetched from a peer H (a decode node up or draining
+//! whose cache holds `held(H) > held(D)` tokens of the prompt, by the index or by the word of a
+//! node that handed this request's stream off):
+//!
+//! ```text
+//! fetch(D, H)  = held(H) × kv_bytes_per_token / link × (1 + load(H))   // H serves between steps
+//!              + local(D) with held(H) for held(D)
+//! ```
+//!
+//! where `link` is the moving average of measured fetches ([`DEFAULT_LINK_BYTES_PER_SECOND`]
+//! before the first). The decode node then fetches before its lookup; a failed fetch only means
+//! those tokens are computed.
+//!
 //! A local prefill pauses D's batch for its duration: the `1 + active(D)` charges it once for
 //! this request and once for each stream D is running. Only a prompt that extends what D
 //! already holds may be prefilled there: a cold prompt always goes to a prefill node (that is

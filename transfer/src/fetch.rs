@@ -134,7 +134,7 @@ pub async fn fetch(
     };
     let end = header.token_end as usize;
     let block = want.layout.block_tokens as usize;
-    if header.token_start != 0 || end > asked.len() || end % block != 0 {
+    if header.token_start != 0 || end > asked.len() || !end.is_multiple_of(block) {
         return Err(Error::Tokens {
             detail: format!(
                 "holds {}..{end} of {} asked tokens (whole blocks from 0 expected)",
