@@ -61,8 +61,14 @@ pub async fn run(
         handoffs: Arc::default(),
     });
     let transfer_metrics = TransferMetrics::register(&mut node.registry);
+    // Without a hand-off window nobody could fetch what a drain keeps: it keeps nothing.
+    let handoff_bytes = if drain_handoff.is_zero() {
+        0
+    } else {
+        drain_handoff_bytes
+    };
     let (scheduler, thread) =
-        SchedulerHandle::spawn(engine, shared.clone(), max_slots, drain_handoff_bytes)
+        SchedulerHandle::spawn(engine, shared.clone(), max_slots, handoff_bytes)
             .map_err(NodeError::spawn("scheduler"))?;
     let fetches = FetchSource {
         fingerprint: node.config.model.fingerprint.0,

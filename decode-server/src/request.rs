@@ -216,7 +216,12 @@ impl RequestContext {
         let fetched = match &plan.fetch {
             Some((addr, tokens)) if self.prefix_cache => {
                 let asked = (*tokens).min(plan.hashes.len() * tandem_engine::BLOCK_TOKENS);
-                self.fetch(addr, &plan, asked).await
+                tokio::select! {
+                    kv = self.fetch(addr, &plan, asked) => kv,
+                    () = tx.closed() => return Ok(()),
+                    () = &mut until_deadline => return Err(Error::Deadline),
+                    () = self.draining.cancelled() => return Err(Error::ShuttingDown),
+                }
             }
             _ => None,
         };

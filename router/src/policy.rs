@@ -16,9 +16,10 @@
 //!                only where held(D) > 0, or when no prefill replica is up
 //! ```
 //!
-//! A local prefill may also start from KV fetched from a peer H (a decode node up or draining
-//! whose cache holds `held(H) > held(D)` tokens of the prompt, by the index or by the word of a
-//! node that handed this request's stream off):
+//! A local prefill may also start from KV fetched from a peer H: a decode node the request
+//! cannot go to (it failed the request, is over the load cap, or drains) but that still serves
+//! fetches, whose cache holds `held(H) > held(D)` tokens of the prompt, by the index or by the
+//! word of a node that handed this request's stream off:
 //!
 //! ```text
 //! fetch(D, H)  = held(H) × kv_bytes_per_token / link × (1 + load(H))   // H serves between steps
@@ -254,12 +255,19 @@ impl Policy {
         };
         let n = ask.tokens as f64;
         let held = |r: &Replica| r.index.overlap_blocks(ask.hashes) * BLOCK_TOKENS;
-        // Who could serve a fetch of the prompt's first tokens, and how many.
+        // Who could serve a fetch of the prompt's first tokens, and how many: only replicas the
+        // request cannot go to (failed it, over the load cap, draining), so that a session
+        // stays where its KV is while it may.
         let all = replicas.all();
         let reusable = ask.hashes.len() * BLOCK_TOKENS;
         let holders: Vec<(&Arc<Replica>, usize)> = all
             .iter()
-            .filter(|r| r.role == Role::Decode && r.can_serve_fetch() && r.kv_bytes_per_token() > 0)
+            .filter(|r| {
+                r.role == Role::Decode
+                    && r.can_serve_fetch()
+                    && r.kv_bytes_per_token() > 0
+                    && !decodes.iter().any(|d| d.addr == r.addr)
+            })
             .map(|r| {
                 let hinted = ask
                     .holder
