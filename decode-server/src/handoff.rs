@@ -127,7 +127,8 @@ impl RequestContext {
 
     /// The drain's hand-off: refuses new requests, hands the running streams off, and waits
     /// until they have ended and their kept KV was fetched, or `bound` passed.
-    pub(crate) async fn hand_off(&self, handoffs: &Handoffs, bound: Duration) {
+    pub(crate) async fn hand_off(&self, bound: Duration) {
+        let handoffs = &self.shared.handoffs;
         self.draining.cancel();
         let started = Instant::now();
         while started.elapsed() < bound && (!self.tracker.is_empty() || handoffs.pending() > 0) {

@@ -79,7 +79,6 @@ pub async fn run(
             handoffs: shared.handoffs.clone(),
         }),
     };
-    let handoffs = shared.handoffs.clone();
     let reservations = Reservations::default();
     let tracker = TaskTracker::new();
     let ctx = RequestContext {
@@ -117,7 +116,7 @@ pub async fn run(
             },
             &["tandem.v1.Decode", "tandem.v1.KvTransfer"],
             shutdown,
-            ctx.hand_off(&handoffs, drain_handoff),
+            ctx.hand_off(drain_handoff),
         )
         .await;
     // Streams still running after the grace period end with UNAVAILABLE; then the scheduler's

@@ -384,23 +384,20 @@ impl Scheduler {
                 .map(|(_, a)| a)
         });
         let Some(a) = a else { return 0 };
-        if !self.engine.prefix_cache_enabled() {
-            return 0;
-        }
         let (seq, tokens) = (a.decoding.seq, a.decoding.tokens.clone());
         let salt = a.cache_salt.clone();
         let held = self.engine.seq_len(seq).unwrap_or(0).min(tokens.len());
         let kept = held / tandem_engine::BLOCK_TOKENS * tandem_engine::BLOCK_TOKENS;
         let bytes = (kept * self.engine.kv_layout().token_bytes()) as u64;
-        if kept == 0 || bytes > self.handoff_budget {
+        if bytes > self.handoff_budget {
             return 0;
         }
+        // Nothing kept (the cache is off, or no whole block) is nothing handed off.
+        let Some(last) = self.keep(seq, &salt, &tokens[..kept]) else {
+            return 0;
+        };
         self.handoff_budget -= bytes;
-        self.keep(seq, &salt, &tokens[..kept]);
-        let hashes = tandem_worker::block_hashes(self.engine.model(), &salt, &tokens[..kept]);
-        if let Some(&last) = hashes.last() {
-            self.shared.handoffs.kept(last);
-        }
+        self.shared.handoffs.kept(last);
         let m = &self.shared.metrics;
         m.handed_off_streams.inc();
         m.handed_off_tokens.inc_by(kept as u64);
@@ -575,16 +572,21 @@ impl Scheduler {
     }
 
     /// Keeps the full blocks of `tokens`, which `seq` holds (its prompt, or prompt and reply),
-    /// in the session cache, and sends the cache events.
-    fn keep(&mut self, seq: SeqId, cache_salt: &str, tokens: &[u32]) {
+    /// in the session cache, and sends the cache events; the hash of the last block kept.
+    fn keep(&mut self, seq: SeqId, cache_salt: &str, tokens: &[u32]) -> Option<u64> {
         if !self.engine.prefix_cache_enabled() {
-            return;
+            return None;
         }
         let hashes = tandem_worker::block_hashes(self.engine.model(), cache_salt, tokens);
-        if let Err(e) = self.engine.cache_sequence(seq, &hashes) {
-            tracing::warn!(error = %e, "could not keep a sequence's KV");
-        }
+        let kept = match self.engine.cache_sequence(seq, &hashes) {
+            Ok(()) => hashes.last().copied(),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not keep a sequence's KV");
+                None
+            }
+        };
         self.shared.hub.publish(self.engine.take_cache_events());
+        kept
     }
 
     /// One batch step, with the next chunk of the oldest prompt being prefilled here in the

@@ -298,13 +298,14 @@ impl Policy {
             .iter()
             .flat_map(|&(d, h)| {
                 let own = (h > 0 || prefills.is_empty()).then(|| (local_ms(d, h), d, h, None));
-                let fetched = holders
-                    .iter()
-                    .filter(move |&&(from, fh)| from.addr != d.addr && fh > h)
-                    .map(move |&(from, fh)| {
-                        let ms = fetch_ms(from, fh) + local_ms(d, fh);
-                        (ms, d, fh, Some((from, fh)))
-                    });
+                let fetched =
+                    holders
+                        .iter()
+                        .filter(move |&&(_, fh)| fh > h)
+                        .map(move |&(from, fh)| {
+                            let ms = fetch_ms(from, fh) + local_ms(d, fh);
+                            (ms, d, fh, Some((from, fh)))
+                        });
                 own.into_iter().chain(fetched)
             })
             .min_by(|a, b| a.0.total_cmp(&b.0));
