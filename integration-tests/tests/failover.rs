@@ -272,7 +272,8 @@ async fn with_every_decode_node_gone_the_request_fails_fast_with_unavailable() {
     cluster.stop().await.expect("stop");
 }
 
-/// A rolling restart's drain: the decode node told to stop hands its running stream off. The
+/// A rolling restart's drain: the decode node told to stop hands its running stream off (after
+/// 40 frames). The
 /// router resumes it on the other decode node, which fetches the KV of the prompt and of the
 /// tokens generated so far from the draining node instead of computing it, and the client sees
 /// one stream equal to the fault-free run.
@@ -300,7 +301,7 @@ async fn a_draining_decode_node_hands_its_stream_off_with_its_kv() {
         index += 1;
         tokens.extend(&f.token_ids);
         text.push_str(&f.text);
-        if index == 8 {
+        if index == 40 {
             let node = cluster.decode.remove(busy_decode(&cluster).await);
             let addr = node.addr.to_string();
             draining = Some((addr, tokio::spawn(node.stop())));
@@ -322,10 +323,12 @@ async fn a_draining_decode_node_hands_its_stream_off_with_its_kv() {
     assert_ne!(route.decode, drained, "the rest ran on the other node");
     assert_eq!(route.fetched_from, drained, "{route:?}");
     // The drained node kept the whole blocks of what it held (the prompt's 40 tokens and at
-    // least 7 of the 8 delivered: the last one's KV was not computed yet), and all of that was
-    // fetched instead of computed.
+    // least 39 of the 40 frames' tokens delivered: the last one's KV was not computed yet), and
+    // all of that was fetched instead of computed. (Cut earlier, the prefill node's cached
+    // prompt would make computing the few tokens past it as cheap as a fetch, and the formula
+    // may rightly choose that.)
     assert!(
-        route.fetched_tokens >= 32 && route.fetched_tokens % 16 == 0,
+        route.fetched_tokens >= 64 && route.fetched_tokens % 16 == 0,
         "{route:?}"
     );
     let kept = format!("{} tokens of KV are kept", route.fetched_tokens);
