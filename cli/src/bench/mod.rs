@@ -1,5 +1,5 @@
 //! `tandem bench`: the engine alone (`engine`), load against any running endpoint (`serve`,
-//! `multiturn`), the KV transfer path (`transfer`), the KV dtype's fidelity (`fidelity`), what a
+//! `multiturn`), the KV transfer path (`transfer`), a peer fetch against a cold prompt (`fetch`), the KV dtype's fidelity (`fidelity`), what a
 //! long local prefill does to a decode node's streams (`interference`), and pictures of the
 //! results (`plot`).
 //!
@@ -8,6 +8,7 @@
 
 pub(crate) mod endpoint;
 pub(crate) mod engine;
+pub(crate) mod fetch;
 pub(crate) mod fidelity;
 pub(crate) mod interference;
 pub(crate) mod multiturn;
@@ -30,6 +31,9 @@ pub(crate) enum BenchCommand {
     Multiturn(multiturn::MultiturnArgs),
     /// KV transfer throughput: a gRPC push of one prompt's KV against a plain TCP copy.
     Transfer(transfer::TransferArgs),
+    /// A session forced off its replica: the next turn's TTFT through a peer fetch of its
+    /// history against a cold prompt of the same length (two decode nodes in this process).
+    Fetch(fetch::FetchArgs),
     /// What a KV dtype costs in fidelity: logits and greedy tokens against llama.cpp's fixtures
     /// and against f16.
     Fidelity(fidelity::FidelityArgs),
@@ -46,6 +50,7 @@ pub(crate) fn run(command: &BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Serve(args) => serve::serve(args),
         BenchCommand::Multiturn(args) => multiturn::multiturn(args),
         BenchCommand::Transfer(args) => transfer::transfer(args),
+        BenchCommand::Fetch(args) => fetch::fetch(args),
         BenchCommand::Fidelity(args) => fidelity::fidelity(args),
         BenchCommand::Interference(args) => interference::interference(args),
         BenchCommand::Plot(args) => plot::plot(args),
