@@ -110,6 +110,37 @@ fn json(stdout: &str) -> Value {
     serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout:?}"))
 }
 
+/// `bench fetch` runs end to end: the next turn fetches the whole history from the holder.
+#[test]
+fn bench_fetch_reports_a_turn_through_a_fetch_against_a_cold_one() {
+    let (ok, out, err) = tandem(&[
+        "bench",
+        "fetch",
+        "--model",
+        "tiny",
+        "--runs",
+        "2",
+        "--history-tokens",
+        "48",
+        "--turn-tokens",
+        "4",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v = json(&out);
+    assert_eq!(v["prompt_tokens"], 52);
+    for run in v["runs"].as_array().expect("runs") {
+        assert_eq!(run["fetched_tokens"], 48, "{run}");
+        assert!(
+            run["fetched_bytes"].as_u64().is_some_and(|b| b > 0),
+            "{run}"
+        );
+    }
+    assert!(v["ratio"].as_f64().is_some_and(|r| r > 0.0), "{v}");
+    let (ok, _, err) = tandem(&["bench", "fetch", "--model", "tiny", "--history-tokens", "8"]);
+    assert!(!ok && err.contains("--history-tokens"), "{err}");
+}
+
 #[test]
 fn tokenize_json_parses_special_tokens() {
     let (ok, out, err) = tandem(&[
