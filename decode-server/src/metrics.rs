@@ -21,6 +21,9 @@ pub const FETCHED_TOKENS: &str = "tandem_decode_fetched_tokens";
 pub const FETCH_FAILURES: &str = "tandem_decode_fetch_failures";
 pub const HANDED_OFF_STREAMS: &str = "tandem_decode_handed_off_streams";
 pub const HANDED_OFF_TOKENS: &str = "tandem_decode_handed_off_tokens";
+pub const OFFERED_SESSIONS: &str = "tandem_decode_offered_sessions";
+pub const ADOPTED_SESSIONS: &str = "tandem_decode_adopted_sessions";
+pub const ADOPTED_TOKENS: &str = "tandem_decode_adopted_tokens";
 
 #[derive(Clone, Debug)]
 pub struct DecodeMetrics {
@@ -49,6 +52,11 @@ pub struct DecodeMetrics {
     /// Running streams handed off at drain, and the tokens of KV kept for their peers to fetch.
     pub handed_off_streams: Counter,
     pub handed_off_tokens: Counter,
+    /// Cached sessions offered to peers at drain.
+    pub offered_sessions: Counter,
+    /// Sessions moved here from a draining peer, and the tokens of KV fetched for them.
+    pub adopted_sessions: Counter,
+    pub adopted_tokens: Counter,
 }
 
 impl DecodeMetrics {
@@ -70,6 +78,9 @@ impl DecodeMetrics {
             fetch_failures: Counter::default(),
             handed_off_streams: Counter::default(),
             handed_off_tokens: Counter::default(),
+            offered_sessions: Counter::default(),
+            adopted_sessions: Counter::default(),
+            adopted_tokens: Counter::default(),
         };
         registry.register(
             ACTIVE_SLOTS,
@@ -146,6 +157,21 @@ impl DecodeMetrics {
             HANDED_OFF_TOKENS,
             "Tokens of KV kept at drain for the peers that continue the streams",
             m.handed_off_tokens.clone(),
+        );
+        registry.register(
+            OFFERED_SESSIONS,
+            "Cached sessions offered at drain for peers to take",
+            m.offered_sessions.clone(),
+        );
+        registry.register(
+            ADOPTED_SESSIONS,
+            "Sessions moved into this node's session cache from a draining peer",
+            m.adopted_sessions.clone(),
+        );
+        registry.register(
+            ADOPTED_TOKENS,
+            "Tokens of KV fetched for sessions moved here from a draining peer",
+            m.adopted_tokens.clone(),
         );
         m
     }

@@ -217,7 +217,7 @@ impl RequestContext {
             Some((addr, tokens)) if self.prefix_cache => {
                 let asked = (*tokens).min(plan.hashes.len() * tandem_engine::BLOCK_TOKENS);
                 tokio::select! {
-                    kv = self.fetch(addr, &plan, asked) => kv,
+                    kv = self.fetch(addr, &plan.request_id, &plan.cache_salt, &plan.prompt[..asked]) => kv,
                     () = tx.closed() => return Ok(()),
                     () = &mut until_deadline => return Err(Error::Deadline),
                     () = self.draining.cancelled() => return Err(Error::ShuttingDown),

@@ -38,6 +38,7 @@ use tandem_engine::{
 use tandem_worker::{CacheHub, Throughput};
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
+use crate::handoff::{Recent, Session};
 use crate::metrics::DecodeMetrics;
 
 /// Identifies one admitted request to the scheduler.
@@ -112,6 +113,24 @@ enum Command {
     HandOff {
         ticket: Ticket,
         reply: oneshot::Sender<usize>,
+    },
+    /// Drain: the most recently used cached sessions to offer peers, within what the budget
+    /// leaves once the running sequences' hand-offs are counted.
+    Offer {
+        reply: oneshot::Sender<Vec<Session>>,
+    },
+    /// The tokens of the longest cached prefix of `hashes` (the disk tier's included).
+    Held {
+        hashes: Vec<u64>,
+        reply: oneshot::Sender<usize>,
+    },
+    /// Keeps a session's KV, fetched from a draining peer, in the cache; the reply is the
+    /// session's tokens now held.
+    Adopt {
+        session: Session,
+        hashes: Vec<u64>,
+        kv: KvExport,
+        reply: oneshot::Sender<Result<usize, tandem_engine::Error>>,
     },
 }
 
@@ -220,6 +239,44 @@ impl SchedulerHandle {
         answer
     }
 
+    /// The cached sessions a drain offers to peers, most recently used first.
+    pub async fn offer(&self) -> Vec<Session> {
+        let (reply, answer) = oneshot::channel();
+        if self.tx.send(Command::Offer { reply }).is_err() {
+            return Vec::new();
+        }
+        answer.await.unwrap_or_default()
+    }
+
+    /// The tokens of the longest cached prefix of `hashes` (0 if the scheduler is gone).
+    pub async fn held(&self, hashes: Vec<u64>) -> usize {
+        let (reply, answer) = oneshot::channel();
+        if self.tx.send(Command::Held { hashes, reply }).is_err() {
+            return 0;
+        }
+        answer.await.unwrap_or(0)
+    }
+
+    /// Keeps `session`'s fetched KV in the cache; the session's tokens held after, or `None`
+    /// if the scheduler is gone.
+    pub async fn adopt(
+        &self,
+        session: Session,
+        hashes: Vec<u64>,
+        kv: KvExport,
+    ) -> Option<Result<usize, tandem_engine::Error>> {
+        let (reply, answer) = oneshot::channel();
+        self.tx
+            .send(Command::Adopt {
+                session,
+                hashes,
+                kv,
+                reply,
+            })
+            .ok()?;
+        answer.await.ok()
+    }
+
     /// Completes an opened sequence and adds it to the batch. `false` if the scheduler is gone.
     pub fn start(&self, start: Start) -> bool {
         self.tx.send(Command::Start(Box::new(start))).is_ok()
@@ -247,6 +304,8 @@ struct Scheduler {
     fused_steps: u32,
     /// Bytes of KV the drain may still keep for hand-offs.
     handoff_budget: u64,
+    /// The sessions kept in the cache, for a drain to offer.
+    recent: Recent,
 }
 
 impl Scheduler {
@@ -262,6 +321,7 @@ impl Scheduler {
             plain_step_secs: 0.0,
             fused_steps: 0,
             handoff_budget,
+            recent: Recent::default(),
         };
         s.publish();
         s
@@ -318,8 +378,10 @@ impl Scheduler {
                 fetched,
                 reply,
             } => {
-                if let Some(kv) = fetched {
-                    self.adopt(&hashes, &kv);
+                if let Some(kv) = fetched
+                    && let Err(e) = self.adopt(&hashes, &kv)
+                {
+                    tracing::warn!(error = %e, "could not keep fetched KV");
                 }
                 let (seq, cached) = self.engine.new_sequence_cached(&hashes);
                 self.opened.insert(ticket, seq);
@@ -339,23 +401,77 @@ impl Scheduler {
                 let _ = reply.send(kept);
                 self.remove(ticket);
             }
+            Command::Offer { reply } => {
+                let _ = reply.send(self.offer());
+            }
+            Command::Held { hashes, reply } => {
+                let _ = reply.send(self.held(&hashes));
+            }
+            Command::Adopt {
+                session,
+                hashes,
+                kv,
+                reply,
+            } => {
+                let adopted = self.adopt(&hashes, &kv).map(|()| {
+                    self.recent
+                        .kept(&session.cache_salt, &session.tokens, &hashes);
+                    self.held(&hashes)
+                });
+                let _ = reply.send(adopted);
+            }
         }
     }
 
     /// Keeps KV fetched from a peer (the first tokens of the sequence `hashes` describes) in
     /// the cache. A failure only costs the fetch: the lookup then finds less.
-    fn adopt(&mut self, hashes: &[u64], kv: &KvExport) {
+    fn adopt(&mut self, hashes: &[u64], kv: &KvExport) -> Result<(), tandem_engine::Error> {
         let blocks = (kv.tokens.end / tandem_engine::BLOCK_TOKENS).min(hashes.len());
         let seq = self.engine.new_sequence();
         let kept = self
             .engine
             .import_kv(seq, kv)
             .and_then(|()| self.engine.cache_sequence(seq, &hashes[..blocks]));
-        if let Err(e) = kept {
-            tracing::warn!(error = %e, "could not keep fetched KV");
-        }
         let _ = self.engine.free(seq);
         self.shared.hub.publish(self.engine.take_cache_events());
+        kept
+    }
+
+    /// The tokens of the longest cached prefix of `hashes`.
+    fn held(&mut self, hashes: &[u64]) -> usize {
+        let (seq, cached) = self.engine.new_sequence_cached(hashes);
+        let _ = self.engine.free(seq);
+        // A restore from the disk tier changes the cache.
+        self.shared.hub.publish(self.engine.take_cache_events());
+        cached
+    }
+
+    /// The sessions a drain offers: the most recently used ones still in the pool, as many as
+    /// fit in the hand-off budget once the running sequences' whole blocks are set aside for
+    /// their own hand-offs. What is offered comes off the budget.
+    fn offer(&mut self) -> Vec<Session> {
+        let token_bytes = self.engine.kv_layout().token_bytes() as u64;
+        let running: u64 = self
+            .active
+            .values()
+            .chain(self.waiting.iter().map(|(_, a)| a))
+            .map(|a| {
+                let held = self.engine.seq_len(a.decoding.seq).unwrap_or(0);
+                (held / tandem_engine::BLOCK_TOKENS * tandem_engine::BLOCK_TOKENS) as u64
+            })
+            .sum::<u64>()
+            * token_bytes;
+        let mut left = self.handoff_budget.saturating_sub(running);
+        let mut offer = Vec::new();
+        for s in self.recent.by_recency() {
+            let bytes = s.tokens.len() as u64 * token_bytes;
+            if bytes <= left && self.engine.caches(s.last) {
+                left -= bytes;
+                self.handoff_budget -= bytes;
+                offer.push(s.clone());
+            }
+        }
+        offer
     }
 
     /// The KV of the longest cached prefix of `hashes`, in cells of at most a prefill chunk.
@@ -579,7 +695,10 @@ impl Scheduler {
         }
         let hashes = tandem_worker::block_hashes(self.engine.model(), cache_salt, tokens);
         let kept = match self.engine.cache_sequence(seq, &hashes) {
-            Ok(()) => hashes.last().copied(),
+            Ok(()) => {
+                self.recent.kept(cache_salt, tokens, &hashes);
+                hashes.last().copied()
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "could not keep a sequence's KV");
                 None

@@ -238,6 +238,12 @@ impl Engine {
         self.cache.len()
     }
 
+    /// Whether the pool's prefix cache holds the block `hash` names, and so its whole prefix
+    /// (the disk tier is not asked, and nothing is marked used).
+    pub fn caches(&self, hash: u64) -> bool {
+        self.cache.contains(hash)
+    }
+
     /// Whether the prefix cache is on.
     pub fn prefix_cache_enabled(&self) -> bool {
         self.cache.enabled()

@@ -83,6 +83,12 @@ impl PrefixCache {
         }
     }
 
+    /// Whether the block `hash` names (and with it its whole prefix) is cached; its recency
+    /// is left alone.
+    pub fn contains(&self, hash: u64) -> bool {
+        self.nodes.contains_key(&hash)
+    }
+
     /// The blocks of the longest cached prefix of `hashes`, marked as just used.
     pub fn lookup(&mut self, hashes: &[u64]) -> Vec<u32> {
         let mut blocks = Vec::new();

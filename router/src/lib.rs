@@ -14,6 +14,7 @@ mod generation;
 mod index;
 mod log;
 mod metrics;
+mod migrate;
 pub mod openai;
 mod policy;
 mod replicas;

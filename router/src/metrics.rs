@@ -29,6 +29,8 @@ pub const PROMPT_TOKENS: &str = "tandem_router_prompt_tokens";
 pub const CACHED_PROMPT_TOKENS: &str = "tandem_router_cached_prompt_tokens";
 pub const FETCHED_TOKENS: &str = "tandem_router_fetched_tokens";
 pub const COMPUTED_TOKENS: &str = "tandem_router_computed_prompt_tokens";
+pub const MOVED_SESSIONS: &str = "tandem_router_moved_sessions";
+pub const MOVED_SESSION_TOKENS: &str = "tandem_router_moved_session_tokens";
 
 /// The codes a request can end with (pre-set to 0 so that rates exist from the start).
 const CODES: [tonic::Code; 7] = [
@@ -110,6 +112,9 @@ pub struct RouterMetrics {
     pub fetched_tokens: Counter,
     /// Prompt tokens computed (neither cached nor fetched), over every attempt.
     pub computed_tokens: Counter,
+    /// Cached sessions of draining decode nodes that a peer took, and the tokens it fetched.
+    pub moved_sessions: Counter,
+    pub moved_session_tokens: Counter,
 }
 
 impl RouterMetrics {
@@ -134,6 +139,8 @@ impl RouterMetrics {
             cached_prompt_tokens: Counter::default(),
             fetched_tokens: Counter::default(),
             computed_tokens: Counter::default(),
+            moved_sessions: Counter::default(),
+            moved_session_tokens: Counter::default(),
         };
         // Series a dashboard queries exist before their first event.
         for hop in ["decode", "prefill"] {
@@ -233,6 +240,16 @@ impl RouterMetrics {
             COMPUTED_TOKENS,
             "Prompt tokens computed (neither cached nor fetched), over every attempt",
             m.computed_tokens.clone(),
+        );
+        registry.register(
+            MOVED_SESSIONS,
+            "Cached sessions of draining decode nodes moved to a peer, with their KV",
+            m.moved_sessions.clone(),
+        );
+        registry.register(
+            MOVED_SESSION_TOKENS,
+            "Tokens of KV fetched by peers for sessions moved off draining decode nodes",
+            m.moved_session_tokens.clone(),
         );
         m
     }

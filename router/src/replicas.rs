@@ -466,7 +466,7 @@ impl Replicas {
         });
     }
 
-    async fn monitor(&self, r: &Replica, load_poll: Duration) {
+    async fn monitor(&self, r: &Arc<Replica>, load_poll: Duration) {
         let mut backoff = Duration::from_millis(50);
         loop {
             if self.check_info(r).await {
@@ -480,6 +480,22 @@ impl Replicas {
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_secs(2));
         }
+    }
+
+    /// A decode replica began to drain: its cached sessions go to the up decode replicas.
+    fn move_sessions(&self, r: &Arc<Replica>) {
+        let Some(m) = self.monitoring.get().filter(|_| r.role == Role::Decode) else {
+            return;
+        };
+        let peers = self.up(Role::Decode);
+        let task = crate::migrate::move_sessions(r.clone(), peers, m.metrics.clone());
+        let stop = r.stop.clone();
+        m.tracker.spawn(async move {
+            tokio::select! {
+                () = task => {}
+                () = stop.cancelled() => {}
+            }
+        });
     }
 
     /// Asks the worker for its model; learns the tokenizer from the first one.
@@ -527,7 +543,7 @@ impl Replicas {
     /// node answers that off its step loop however busy it is, so one that cannot is gone
     /// (paused, cut off) and the watch ends, which marks it down long before keepalive would.
     /// The load itself may come late from a busy node; that ends nothing.
-    async fn watch(&self, r: &Replica, load_poll: Duration) {
+    async fn watch(&self, r: &Arc<Replica>, load_poll: Duration) {
         let mut health = HealthClient::new(r.channel.clone());
         let request = tonic_health::pb::HealthCheckRequest {
             service: String::new(),
@@ -543,7 +559,11 @@ impl Replicas {
                 msg = stream.next() => match msg {
                     Some(Ok(m)) => {
                         let up = m.status == ServingStatus::Serving as i32;
-                        r.draining.store(m.status == ServingStatus::NotServing as i32, Ordering::Relaxed);
+                        let draining = m.status == ServingStatus::NotServing as i32;
+                        if draining && !r.draining.swap(true, Ordering::Relaxed) {
+                            self.move_sessions(r);
+                        }
+                        r.draining.store(draining, Ordering::Relaxed);
                         if up != r.healthy.swap(up, Ordering::Relaxed) {
                             tracing::info!(replica = %r.addr, role = r.role.name(), up, "replica health changed");
                             self.changed.notify_waiters();
