@@ -107,23 +107,30 @@ struct State {
 }
 
 #[derive(Debug)]
-pub(crate) struct Handoffs(Mutex<State>);
+pub(crate) struct Handoffs {
+    state: Mutex<State>,
+    /// Whether the drain has made its offer: the health watch says NOT_SERVING a moment before.
+    offered: tokio::sync::watch::Sender<bool>,
+}
 
 impl Default for Handoffs {
     fn default() -> Self {
-        Self(Mutex::new(State {
-            streams: HashSet::new(),
-            sessions: HashSet::new(),
-            offer: Vec::new(),
-            active: Instant::now(),
-        }))
+        Self {
+            state: Mutex::new(State {
+                streams: HashSet::new(),
+                sessions: HashSet::new(),
+                offer: Vec::new(),
+                active: Instant::now(),
+            }),
+            offered: tokio::sync::watch::Sender::new(false),
+        }
     }
 }
 
 impl Handoffs {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         // Single inserts and removes: a poisoned state is still consistent.
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// A running stream's KV was kept for the peer that continues it.
@@ -132,14 +139,25 @@ impl Handoffs {
     }
 
     fn offer(&self, sessions: Vec<Session>) {
-        let mut s = self.lock();
-        s.sessions = sessions.iter().map(|x| x.last).collect();
-        s.offer = sessions;
-        s.active = Instant::now();
+        {
+            let mut s = self.lock();
+            s.sessions = sessions.iter().map(|x| x.last).collect();
+            s.offer = sessions;
+            s.active = Instant::now();
+        }
+        self.offered.send_replace(true);
     }
 
-    /// The offer, to the first caller only.
-    fn take_offer(&self) -> Vec<Session> {
+    /// The offer, to the first caller only, once the drain has made it (waiting at most
+    /// `wait` for that); empty when there is none.
+    async fn take_offer(&self, wait: Duration) -> Vec<Session> {
+        let mut made = self.offered.subscribe();
+        if tokio::time::timeout(wait, made.wait_for(|made| *made))
+            .await
+            .is_err()
+        {
+            return Vec::new();
+        }
         let mut s = self.lock();
         s.active = Instant::now();
         std::mem::take(&mut s.offer)
@@ -250,14 +268,13 @@ impl RequestContext {
         }
     }
 
-    /// `Decode.Sessions`: the offered sessions while draining, to the first caller.
-    pub(crate) fn sessions(&self) -> Vec<pb::CachedSession> {
-        if !self.draining.is_cancelled() {
-            return Vec::new();
-        }
+    /// `Decode.Sessions`: the drain's offer, to the first caller. A caller that saw NOT_SERVING
+    /// may come before the offer is made: it waits for it, at most [`OFFER_IDLE`].
+    pub(crate) async fn sessions(&self) -> Vec<pb::CachedSession> {
         self.shared
             .handoffs
-            .take_offer()
+            .take_offer(OFFER_IDLE)
+            .await
             .into_iter()
             .map(|s| pb::CachedSession {
                 token_ids: s.tokens,
@@ -346,7 +363,9 @@ impl RequestContext {
         let (unfetched, sessions_left) = handoffs.unfetched();
         tracing::info!(
             ms = started.elapsed().as_millis() as u64,
-            streams = self.tracker.len(),
+            streams_running = self.tracker.len(),
+            streams_handed_off = self.shared.metrics.handed_off_streams.get(),
+            tokens_handed_off = self.shared.metrics.handed_off_tokens.get(),
             unfetched,
             sessions_offered = offered,
             sessions_fetched = offered - sessions_left,

@@ -77,7 +77,7 @@ impl pb::decode_server::Decode for DecodeService {
         _request: Request<pb::SessionsRequest>,
     ) -> Result<Response<pb::SessionsResponse>, Status> {
         Ok(Response::new(pb::SessionsResponse {
-            sessions: self.ctx.sessions(),
+            sessions: self.ctx.sessions().await,
         }))
     }
 

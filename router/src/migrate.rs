@@ -48,6 +48,7 @@ pub(crate) async fn move_sessions(
         }
     };
     if sessions.is_empty() {
+        tracing::debug!(replica = %from.addr, "the draining replica offered no sessions");
         return;
     }
     let offered = sessions.len();

@@ -66,6 +66,9 @@ pub(crate) struct MultiturnArgs {
 pub(crate) struct Turn {
     session: usize,
     pub turn: usize,
+    /// When it was sent, from the run's start (`Results::started_unix_ms`).
+    #[serde(default)]
+    sent_ms: f64,
     pub ttft_ms: f64,
     total_ms: f64,
     prompt_tokens: u32,
@@ -77,6 +80,15 @@ pub(crate) struct Turn {
     disaggregation: String,
     decode_overlap_tokens: u32,
     prefill_overlap_tokens: u32,
+    /// Tandem only: dispatch attempts (more than 1 after a failover or a drain's hand-off),
+    /// and the prompt tokens whose KV the decode node fetched from a peer.
+    #[serde(default)]
+    attempts: u32,
+    #[serde(default)]
+    fetched_tokens: u32,
+    /// The reply, to compare runs of the same workload with.
+    #[serde(default)]
+    text: String,
 }
 
 #[derive(Serialize, Deserialize, Debug, Default)]
@@ -109,16 +121,20 @@ pub(crate) struct Summary {
 pub(crate) struct Results {
     pub label: String,
     endpoint: String,
+    /// The run's start, in milliseconds since the Unix epoch.
+    #[serde(default)]
+    started_unix_ms: u64,
     summary: Summary,
     pub turns: Vec<Turn>,
 }
 
 impl Turn {
-    fn new(session: usize, turn: usize, r: &Reply) -> Self {
+    fn new(session: usize, turn: usize, sent_ms: f64, r: &Reply) -> Self {
         let route = r.route.clone().unwrap_or_default();
         Self {
             session,
             turn,
+            sent_ms,
             ttft_ms: r.ttft_ms().unwrap_or_default(),
             total_ms: r.e2e_ms().unwrap_or_default(),
             prompt_tokens: r.prompt_tokens,
@@ -129,6 +145,9 @@ impl Turn {
             disaggregation: route.disaggregation,
             decode_overlap_tokens: route.decode_overlap_tokens,
             prefill_overlap_tokens: route.prefill_overlap_tokens,
+            attempts: route.attempts,
+            fetched_tokens: route.fetched_tokens,
+            text: r.text.clone(),
         }
     }
 }
@@ -242,11 +261,15 @@ pub(crate) fn multiturn(args: &MultiturnArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
+    let started_unix_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
     let (endpoint, turns) = rt.block_on(run(args))?;
     let summary = summarize(&turns, cold.as_ref());
     let results = Results {
         label: args.label.clone(),
         endpoint,
+        started_unix_ms,
         summary,
         turns,
     };
@@ -269,6 +292,7 @@ async fn run(args: &MultiturnArgs) -> anyhow::Result<(String, Vec<Turn>)> {
     let mut out = Vec::new();
     let total = args.sessions * args.turns;
     let progress = progress_bar(total as u64, "multiturn");
+    let started = std::time::Instant::now();
     for turn in 0..args.turns {
         for (s, h) in histories.iter_mut().enumerate() {
             h.push((
@@ -276,29 +300,30 @@ async fn run(args: &MultiturnArgs) -> anyhow::Result<(String, Vec<Turn>)> {
                 words(args.message_words, args.seed, s, turn + 1),
             ));
         }
-        let results: Vec<anyhow::Result<Reply>> =
+        let results: Vec<anyhow::Result<(f64, Reply)>> =
             futures::stream::iter(histories.iter().enumerate().map(|(s, h)| {
-                let (endpoint, progress) = (&endpoint, &progress);
+                let (endpoint, progress, started) = (&endpoint, &progress, &started);
                 let ask = Ask {
                     input: Input::Messages(h.clone()),
                     max_tokens: args.max_tokens,
                     session: format!("bench-session-{s}"),
                 };
                 async move {
+                    let sent_ms = started.elapsed().as_secs_f64() * 1e3;
                     let r = endpoint
                         .generate(&ask)
                         .await
                         .map_err(|f| anyhow::anyhow!("session {s}, turn {turn}: {f}"));
                     progress.inc(1);
-                    r
+                    r.map(|r| (sent_ms, r))
                 }
             }))
             .buffered(args.concurrency)
             .collect()
             .await;
         for (s, r) in results.into_iter().enumerate() {
-            let reply = r?;
-            out.push(Turn::new(s, turn, &reply));
+            let (sent_ms, reply) = r?;
+            out.push(Turn::new(s, turn, sent_ms, &reply));
             histories[s].push(("assistant".into(), reply.text));
         }
     }
