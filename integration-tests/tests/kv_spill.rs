@@ -92,19 +92,15 @@ fn follow_up(first: &[u32], reply: &[u32]) -> Vec<u32> {
     second
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_conversation_pushed_out_of_the_pools_comes_back_from_disk_exactly() {
-    let dir = SpillDir::new();
-    let cluster = Cluster::start(config(Some(&dir.0))).await.expect("cluster");
+/// Turn 1 of a conversation (64 prompt tokens and an 8-token reply), then six other
+/// conversations of 96 tokens each, which need 36 blocks of a 24-block pool: the first one's
+/// blocks are evicted, to disk. Returns turn 2's prompt once they are there.
+async fn push_out(cluster: &Cluster) -> Vec<u32> {
     let mut client = cluster.client();
-
-    // Turn 1 of the conversation: 64 prompt tokens and an 8-token reply.
     let first = tokens(64, 1);
     let reply = collect(&mut client, turn("talk", first.clone()))
         .await
         .expect("turn 1");
-    // Six other conversations of 96 tokens each need 36 blocks of a 24-block pool: the first
-    // one's blocks are evicted, to disk.
     for salt in 2..8 {
         collect(
             &mut client,
@@ -114,16 +110,24 @@ async fn a_conversation_pushed_out_of_the_pools_comes_back_from_disk_exactly() {
         .expect("other conversation");
     }
     let start = Instant::now();
-    while counter(&cluster, "stored_blocks_total").await < 4.0 {
+    while counter(cluster, "stored_blocks_total").await < 4.0 {
         assert!(
             start.elapsed() < Duration::from_secs(30),
             "nothing was spilled"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    follow_up(&first, &reply.token_ids)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_pushed_out_of_the_pools_comes_back_from_disk_exactly() {
+    let dir = SpillDir::new();
+    let cluster = Cluster::start(config(Some(&dir.0))).await.expect("cluster");
+    let mut client = cluster.client();
+    let second = push_out(&cluster).await;
 
     // Turn 2 extends turn 1's history.
-    let second = follow_up(&first, &reply.token_ids);
     let restored_before = counter(&cluster, "restored_blocks_total").await;
     let warm = collect(&mut client, turn("talk", second.clone()))
         .await
@@ -141,6 +145,68 @@ async fn a_conversation_pushed_out_of_the_pools_comes_back_from_disk_exactly() {
         warm.token_ids,
         cold(turn("talk", second)).await,
         "restored KV gives the cold run's tokens"
+    );
+}
+
+/// Every block file (`<hash>.kv`) the disk tiers under `dir` keep.
+fn spill_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            out.extend(spill_files(&path));
+        } else if path.extension().is_some_and(|e| e == "kv") {
+            out.push(path);
+        }
+    }
+    out
+}
+
+/// Every spilled block damaged on disk (a bit flipped in its KV bytes) while the cluster runs:
+/// the conversation's next turn reads none of them back, computes its history again, and says
+/// what a cluster without caches says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spill_files_damaged_on_disk_are_computed_again_not_served() {
+    let dir = SpillDir::new();
+    let cluster = Cluster::start(config(Some(&dir.0))).await.expect("cluster");
+    let mut client = cluster.client();
+    let second = push_out(&cluster).await;
+    // The tiers write off their step loops: wait until they are done.
+    let mut stored = counter(&cluster, "stored_blocks_total").await;
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let now = counter(&cluster, "stored_blocks_total").await;
+        if now == stored {
+            break;
+        }
+        stored = now;
+    }
+    let files = spill_files(&dir.0);
+    assert!(files.len() >= 4, "{} files on disk", files.len());
+    for f in &files {
+        let mut bytes = std::fs::read(f).expect("read a spill file");
+        let middle = bytes.len() / 2;
+        bytes[middle] ^= 0x10;
+        std::fs::write(f, bytes).expect("damage a spill file");
+    }
+
+    let got = collect(&mut client, turn("talk", second.clone()))
+        .await
+        .expect("turn 2");
+    assert!(
+        counter(&cluster, "corrupt_blocks_total").await >= 1.0,
+        "the damage was caught"
+    );
+    assert_eq!(
+        counter(&cluster, "restored_blocks_total").await,
+        0.0,
+        "no damaged block was served"
+    );
+    cluster.stop().await.expect("stop");
+    assert_eq!(
+        got.token_ids,
+        cold(turn("talk", second)).await,
+        "the cold run's tokens"
     );
 }
 
