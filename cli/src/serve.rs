@@ -204,13 +204,14 @@ pub(crate) struct DecodeArgs {
     #[arg(long, env = "TANDEM_MAX_KV_WAIT_MS", default_value_t = tandem_decode_server::DEFAULT_MAX_KV_WAIT.as_millis() as u64)]
     max_kv_wait_ms: u64,
     /// On SIGTERM, how long the drain waits, in ms, for running streams to move to peers
-    /// with their KV (the router resumes them there, fetching the KV from this node) and for
-    /// the peers to fetch it, before it closes the listener; 0 turns the hand-off off
-    /// (docs/kv-cache.md#drain-hand-off).
+    /// with their KV (the router resumes them there, fetching the KV from this node), and for
+    /// the cached sessions it offers to be fetched by the peers the router moves them to,
+    /// before it closes the listener; 0 turns the hand-off off
+    /// (docs/kv-cache.md#peer-fetch-and-the-drain-hand-off).
     #[arg(long, env = "TANDEM_DRAIN_HANDOFF_MS", default_value_t = tandem_decode_server::DEFAULT_DRAIN_HANDOFF.as_millis() as u64)]
     drain_handoff_ms: u64,
-    /// The most KV, in MiB, the drain keeps for running streams' hand-offs; streams past it
-    /// end without theirs, and their peers compute it again.
+    /// The most KV, in MiB, the drain hands off: running streams' first, then the most
+    /// recently used cached sessions; what is past it is computed again where it goes next.
     #[arg(long, env = "TANDEM_DRAIN_HANDOFF_MB", default_value_t = tandem_decode_server::DEFAULT_DRAIN_HANDOFF_BYTES >> 20)]
     drain_handoff_mb: u64,
     /// Prompt-lookup speculative decoding: drafts copied from the sequence itself, verified

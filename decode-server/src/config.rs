@@ -29,10 +29,11 @@ pub struct Config {
     pub kv_wait: Duration,
     /// The longest KV wait a caller may ask for (`kv_wait_ms`); longer asks are cut to it.
     pub max_kv_wait: Duration,
-    /// The drain's hand-off: how long it waits for running streams to move to peers and for
-    /// the peers to fetch their KV, before the listener closes (zero: no hand-off).
+    /// The drain's hand-off: how long it waits for running streams to move to peers, and for
+    /// the peers to fetch their KV and the offered sessions', before the listener closes
+    /// (zero: no hand-off).
     pub drain_handoff: Duration,
-    /// The most KV (bytes) the drain keeps for hand-offs; streams past it end without.
+    /// The most KV (bytes) the drain hands off: running streams' first, then cached sessions.
     pub drain_handoff_bytes: u64,
 }
 
