@@ -178,9 +178,14 @@ impl Engine {
             )?),
             _ => None,
         };
+        let mut cache = PrefixCache::new(cache_blocks);
+        // What an earlier run left on disk is there to be read back: the routers hear of it.
+        if let Some(on_disk) = spill.as_ref().map(Spill::hashes).filter(|h| !h.is_empty()) {
+            cache.record(CacheEvent::Spilled(on_disk));
+        }
         Ok(Self {
             pool,
-            cache: PrefixCache::new(cache_blocks),
+            cache,
             model,
             seqs: HashMap::new(),
             next_id: 0,
@@ -303,21 +308,32 @@ impl Engine {
         self.pool.release(blocks);
     }
 
-    /// The cache's changes since the last call, in order.
+    /// The cache's changes since the last call, in order: the pool's, then the blocks that
+    /// left the disk tier (those the pool holds again stay announced as stored).
     pub fn take_cache_events(&mut self) -> Vec<CacheEvent> {
+        if let Some(spill) = &self.spill {
+            let gone: Vec<u64> = spill
+                .take_gone()
+                .into_iter()
+                .filter(|&h| !self.cache.contains(h))
+                .collect();
+            if !gone.is_empty() {
+                self.cache.record(CacheEvent::Evicted(gone));
+            }
+        }
         self.cache.take_events()
     }
 
     fn evict_one(&mut self) -> bool {
-        let pool = &self.pool;
-        match self.cache.evict_one(|b| pool.holders(b) > 1) {
-            Some((hash, b)) => {
-                // A block restored from disk is still there.
-                if let Some(spill) = &self.spill
-                    && !spill.contains(hash)
-                {
-                    spill.store(hash, self.pool.block(b));
-                }
+        let (pool, spill) = (&self.pool, &self.spill);
+        // A block restored from disk is still there; another is queued to be written.
+        let to_disk = |hash: u64, b: u32| {
+            spill
+                .as_ref()
+                .is_some_and(|s| s.contains(hash) || s.store(hash, pool.block(b)))
+        };
+        match self.cache.evict_one(|b| pool.holders(b) > 1, to_disk) {
+            Some((_, b)) => {
                 self.pool.release([b]);
                 true
             }

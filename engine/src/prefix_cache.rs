@@ -19,7 +19,11 @@ use std::collections::{BTreeSet, HashMap};
 /// A change to the set of cached block hashes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CacheEvent {
+    /// Into the KV pool (computed, fetched, or read back from the disk tier).
     Stored(Vec<u64>),
+    /// Out of the pool, onto the disk tier, from where a hit reads them back.
+    Spilled(Vec<u64>),
+    /// Gone from both.
     Evicted(Vec<u64>),
     Cleared,
 }
@@ -143,8 +147,13 @@ impl PrefixCache {
     }
 
     /// Removes the least recently used leaf for which `pinned` is false; returns its hash and
-    /// block, whose cache reference the caller drops.
-    pub fn evict_one(&mut self, pinned: impl Fn(u32) -> bool) -> Option<(u64, u32)> {
+    /// block, whose cache reference the caller drops. `spill(hash, block)` says whether the
+    /// block goes on to the disk tier (the event says `Spilled` then, else `Evicted`).
+    pub fn evict_one(
+        &mut self,
+        pinned: impl Fn(u32) -> bool,
+        spill: impl FnOnce(u64, u32) -> bool,
+    ) -> Option<(u64, u32)> {
         let &(used, hash) = self
             .leaves
             .iter()
@@ -159,9 +168,12 @@ impl PrefixCache {
                 self.leaves.insert((pn.last_used, p));
             }
         }
-        match self.events.last_mut() {
-            Some(CacheEvent::Evicted(hashes)) => hashes.push(hash),
-            _ => self.events.push(CacheEvent::Evicted(vec![hash])),
+        match (spill(hash, node.block), self.events.last_mut()) {
+            (true, Some(CacheEvent::Spilled(hashes))) | (false, Some(CacheEvent::Evicted(hashes))) => {
+                hashes.push(hash)
+            }
+            (true, _) => self.events.push(CacheEvent::Spilled(vec![hash])),
+            (false, _) => self.events.push(CacheEvent::Evicted(vec![hash])),
         }
         Some((hash, node.block))
     }
@@ -183,6 +195,11 @@ impl PrefixCache {
             .collect();
         nodes.sort_unstable();
         nodes.into_iter().map(|(_, h, b)| (h, b)).collect()
+    }
+
+    /// Records an event that happened beside the pool (the disk tier's).
+    pub fn record(&mut self, event: CacheEvent) {
+        self.events.push(event);
     }
 
     pub fn take_events(&mut self) -> Vec<CacheEvent> {
@@ -222,16 +239,25 @@ mod tests {
         c.insert(&[1, 2, 3], &[10, 20, 30]);
         c.insert(&[1, 2, 4], &[10, 20, 40]);
         c.lookup(&[1, 2, 3]); // 3 is now more recent than 4
-        assert_eq!(c.evict_one(|_| false), Some((4, 40)));
+        let gone = |_: u64, _: u32| false;
+        assert_eq!(c.evict_one(|_| false, gone), Some((4, 40)));
         // 30 is pinned: the next candidates are its ancestors, which are not leaves.
-        assert_eq!(c.evict_one(|b| b == 30), None);
-        assert_eq!(c.evict_one(|_| false), Some((3, 30)));
-        assert_eq!(c.evict_one(|_| false), Some((2, 20)));
-        assert_eq!(c.evict_one(|_| false), Some((1, 10)));
-        assert_eq!(c.evict_one(|_| false), None);
+        assert_eq!(c.evict_one(|b| b == 30, gone), None);
+        assert_eq!(c.evict_one(|_| false, gone), Some((3, 30)));
+        // 2 goes to the disk tier, 1 is gone.
+        assert_eq!(c.evict_one(|_| false, |h, _| h == 2), Some((2, 20)));
+        assert_eq!(c.evict_one(|_| false, gone), Some((1, 10)));
+        assert_eq!(c.evict_one(|_| false, gone), None);
         assert_eq!(c.len(), 0);
         let events = c.take_events();
-        assert_eq!(events.last(), Some(&CacheEvent::Evicted(vec![4, 3, 2, 1])));
+        assert_eq!(
+            events[events.len() - 3..],
+            [
+                CacheEvent::Evicted(vec![4, 3]),
+                CacheEvent::Spilled(vec![2]),
+                CacheEvent::Evicted(vec![1])
+            ]
+        );
     }
 
     #[test]

@@ -40,8 +40,9 @@ const QUEUE_BYTES: usize = 32 << 20;
 pub struct SpillStats {
     /// Blocks written to disk.
     pub stored: AtomicU64,
-    /// Blocks read back into the pool.
+    /// Blocks read back into the pool, and the time their reads took.
     pub restored: AtomicU64,
+    pub restore_nanos: AtomicU64,
     /// Files found damaged on read (deleted; their prefix was computed again).
     pub corrupt: AtomicU64,
     /// Blocks not spilled because the writer was behind.
@@ -101,6 +102,19 @@ impl Index {
     }
 }
 
+impl SpillStats {
+    /// Tokens read back per second, over every read so far; 0 before the first.
+    pub fn restore_tokens_per_second(&self) -> f64 {
+        let nanos = self.restore_nanos.load(Ordering::Relaxed);
+        let tokens = self.restored.load(Ordering::Relaxed) * crate::BLOCK_TOKENS as u64;
+        if nanos == 0 {
+            0.0
+        } else {
+            tokens as f64 / (nanos as f64 / 1e9)
+        }
+    }
+}
+
 /// What the tier and its writer thread share.
 #[derive(Debug)]
 struct Shared {
@@ -108,6 +122,9 @@ struct Shared {
     max_bytes: u64,
     index: Mutex<Index>,
     stats: Arc<SpillStats>,
+    /// Blocks that left the tier (deleted for room, found damaged, or never written) since the
+    /// engine last asked: its cache events announce them.
+    gone: Mutex<Vec<u64>>,
 }
 
 impl Shared {
@@ -121,12 +138,17 @@ impl Shared {
         self.dir.join(format!("{hash:016x}.kv"))
     }
 
+    fn gone(&self) -> MutexGuard<'_, Vec<u64>> {
+        self.gone.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn forget(&self, hash: u64) {
         let mut index = self.index();
         if index.remove(hash) {
             let _ = fs::remove_file(self.path(hash));
         }
         self.stats.bytes.store(index.bytes, Ordering::Relaxed);
+        self.gone().push(hash);
     }
 
     /// Writes one file (to a temporary name, renamed once whole), then keeps the tier within
@@ -140,6 +162,7 @@ impl Shared {
         if let Err(e) = written {
             tracing::warn!(error = %e, path = %tmp.display(), "cannot spill a KV block");
             let _ = fs::remove_file(&tmp);
+            self.gone().push(hash);
             return;
         }
         let mut index = self.index();
@@ -150,11 +173,14 @@ impl Shared {
 
     /// Deletes the least recently used files until the tier is within its bound.
     fn trim(&self, index: &mut Index) {
+        let mut gone = Vec::new();
         while index.bytes > self.max_bytes {
             let Some(old) = index.pop_oldest() else { break };
             let _ = fs::remove_file(self.path(old));
+            gone.push(old);
         }
         self.stats.bytes.store(index.bytes, Ordering::Relaxed);
+        self.gone().extend(gone);
     }
 }
 
@@ -226,10 +252,13 @@ impl Spill {
             dir,
             max_bytes: config.max_bytes,
             stats,
+            gone: Mutex::default(),
         });
         {
             let mut index = shared.index();
             shared.trim(&mut index);
+            // Nobody has heard of these: there is nothing to take back.
+            shared.gone().clear();
             if !index.entries.is_empty() {
                 tracing::info!(
                     blocks = index.entries.len(),
@@ -267,12 +296,25 @@ impl Spill {
         self.shared.index().touch(hash)
     }
 
-    /// Queues a block's bytes to be written; never waits.
-    pub fn store(&self, hash: u64, block: &[u8]) {
-        let Some(jobs) = &self.jobs else { return };
-        if jobs.try_send((hash, self.file(hash, block))).is_err() {
+    /// Queues a block's bytes to be written, never waiting; `false` when the queue had no room
+    /// (the block is then not spilled).
+    pub fn store(&self, hash: u64, block: &[u8]) -> bool {
+        let Some(jobs) = &self.jobs else { return false };
+        let queued = jobs.try_send((hash, self.file(hash, block))).is_ok();
+        if !queued {
             self.shared.stats.dropped.fetch_add(1, Ordering::Relaxed);
         }
+        queued
+    }
+
+    /// Every block on disk now.
+    pub fn hashes(&self) -> Vec<u64> {
+        self.shared.index().entries.keys().copied().collect()
+    }
+
+    /// The blocks that left the tier since the last call.
+    pub fn take_gone(&self) -> Vec<u64> {
+        std::mem::take(&mut *self.shared.gone())
     }
 
     /// Queues a block's bytes to be written, waiting for room in the queue.
@@ -299,6 +341,7 @@ impl Spill {
     /// Reads a block back into `out`; `false` when it is not there or is damaged (a damaged
     /// file is deleted).
     pub fn load(&self, hash: u64, out: &mut [u8]) -> bool {
+        let started = std::time::Instant::now();
         let Ok(file) = fs::read(self.shared.path(hash)) else {
             self.shared.forget(hash);
             return false;
@@ -321,7 +364,11 @@ impl Spill {
             return false;
         }
         out.copy_from_slice(&file[body..body + self.block_bytes]);
-        self.shared.stats.restored.fetch_add(1, Ordering::Relaxed);
+        let stats = &self.shared.stats;
+        stats.restored.fetch_add(1, Ordering::Relaxed);
+        stats
+            .restore_nanos
+            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         true
     }
 }
@@ -449,6 +496,7 @@ mod tests {
         assert!(!spill.load(2, &mut out), "a flipped bit is caught");
         assert!(!spill.contains(2) && !path.exists(), "and the file is gone");
         assert_eq!(spill.shared.stats.corrupt.load(Ordering::Relaxed), 1);
+        assert_eq!(spill.take_gone(), vec![2], "which the cache events announce");
     }
 
     #[test]
@@ -461,12 +509,17 @@ mod tests {
         spill.store(2, &block);
         drop(spill);
         let spill = open(dir.path(), 2 * file);
+        let mut on_disk = spill.hashes();
+        on_disk.sort_unstable();
+        assert_eq!(on_disk, vec![1, 2], "what a restarted node announces");
         assert!(spill.contains(1), "1 is now the most recent");
         spill.store(3, &block);
+        let shared = spill.shared.clone();
         drop(spill);
+        assert_eq!(*shared.gone(), vec![2], "the least recently used went");
         let spill = open(dir.path(), 2 * file);
         assert!(spill.contains(1) && spill.contains(3));
-        assert!(!spill.contains(2), "the least recently used went");
+        assert!(!spill.contains(2));
         drop(spill);
 
         let unrelated = dir.path().join("notes");

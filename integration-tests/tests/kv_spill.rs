@@ -139,6 +139,9 @@ async fn a_conversation_pushed_out_of_the_pools_comes_back_from_disk_exactly() {
         usage.cached_tokens >= 64,
         "turn 1's prompt is not computed again: {usage:?}"
     );
+    // The cache events said where the blocks went: the router's index knew them on disk.
+    let route = warm.last.route.expect("route");
+    assert!(route.decode_overlap_tokens >= 64, "{route:?}");
     assert_eq!(counter(&cluster, "corrupt_blocks_total").await, 0.0);
     cluster.stop().await.expect("stop");
     assert_eq!(
@@ -239,6 +242,9 @@ async fn a_restarted_decode_node_keeps_its_sessions_on_disk() {
         usage.decode_cached_tokens >= 64,
         "the new process holds turn 1's history: {usage:?}"
     );
+    // The new process announced what it found on disk as it started.
+    let route = warm.last.route.expect("route");
+    assert!(route.decode_overlap_tokens >= 64, "{route:?}");
     cluster.stop().await.expect("stop");
     assert_eq!(warm.token_ids, cold(turn("talk", second)).await);
 }

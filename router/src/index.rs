@@ -1,11 +1,12 @@
-//! The router's index of what each worker's cache holds: one set of block hashes per replica,
-//! kept current by the worker's `CacheEvents` stream, rebuilt from `CacheSnapshot` when the
+//! The router's index of what each worker's cache holds: per replica, the block hashes in its
+//! KV pool and those on its disk tier only, kept current by the worker's `CacheEvents` stream, rebuilt from `CacheSnapshot` when the
 //! stream breaks, skips a sequence number, or comes from a new epoch (a restarted worker).
 //!
 //! ```text
 //! per replica: follow() ──CacheEvents──▶ apply(event) ──▶ hashes (exact)
 //!                 │ gap / new epoch / stream lost ──▶ resyncing ──CacheSnapshot──▶ exact again
-//! router policy ──overlap(prompt hashes)──▶ tokens the replica holds (0 unless exact)
+//! router policy ──overlap(prompt hashes)──▶ blocks the replica holds, in its pool and then on
+//!                                           its disk (0 unless exact)
 //! ```
 //!
 //! Only an exact index is trusted: while resyncing, or in fallback (the worker is unreachable or
@@ -15,8 +16,8 @@
 //!
 //! Memory: a `HashSet<u64>` costs 9 bytes per slot (key and control byte) at a load factor of
 //! 7/8 or less, so 10-21 bytes per cached block depending on where the set is between growths;
-//! each replica's set is capped at [`Config::max_blocks`](crate::Config) entries, beyond which
-//! the replica falls back to holding nothing until its next snapshot fits.
+//! each replica's two sets are capped at [`Config::max_blocks`](crate::Config) entries together,
+//! beyond which the replica falls back to holding nothing until its next snapshot fits.
 
 use std::collections::HashSet;
 use std::sync::{Mutex, MutexGuard};
@@ -51,7 +52,10 @@ impl Mode {
 
 #[derive(Debug)]
 struct State {
+    /// In the KV pool.
     hashes: HashSet<u64>,
+    /// On the disk tier only: a hit reads them back.
+    spilled: HashSet<u64>,
     epoch: u64,
     seq: u64,
     mode: Mode,
@@ -61,11 +65,32 @@ struct State {
     reported_seq: u64,
 }
 
+impl State {
+    fn forget(&mut self) {
+        self.hashes = HashSet::new();
+        self.spilled = HashSet::new();
+    }
+}
+
 /// One replica's cache index.
 #[derive(Debug)]
 pub struct CacheIndex {
     state: Mutex<State>,
     max_blocks: usize,
+}
+
+/// How much of a prompt's leading blocks a replica holds: those in its KV pool, then those
+/// that follow on its disk tier (as the worker's lookup reads them back).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Overlap {
+    pub pool: usize,
+    pub disk: usize,
+}
+
+impl Overlap {
+    pub fn blocks(self) -> usize {
+        self.pool + self.disk
+    }
 }
 
 /// What the freshness gauges show.
@@ -91,6 +116,7 @@ impl CacheIndex {
         Self {
             state: Mutex::new(State {
                 hashes: HashSet::new(),
+                spilled: HashSet::new(),
                 epoch: 0,
                 seq: 0,
                 mode: Mode::Fallback,
@@ -106,13 +132,18 @@ impl CacheIndex {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// How many leading blocks of `hashes` the replica holds (0 unless the index is exact).
-    pub fn overlap_blocks(&self, hashes: &[u64]) -> usize {
+    /// How many leading blocks of `hashes` the replica holds (none unless the index is exact).
+    pub fn overlap(&self, hashes: &[u64]) -> Overlap {
         let s = self.lock();
         if s.mode != Mode::Exact {
-            return 0;
+            return Overlap::default();
         }
-        hashes.iter().take_while(|h| s.hashes.contains(h)).count()
+        let pool = hashes.iter().take_while(|h| s.hashes.contains(h)).count();
+        let disk = hashes[pool..]
+            .iter()
+            .take_while(|h| s.spilled.contains(h))
+            .count();
+        Overlap { pool, disk }
     }
 
     pub fn freshness(&self) -> Freshness {
@@ -121,14 +152,14 @@ impl CacheIndex {
             mode: s.mode,
             events_behind: s.reported_seq.saturating_sub(s.seq),
             seconds_since_sync: s.synced.elapsed().as_secs_f64(),
-            blocks: s.hashes.len(),
+            blocks: s.hashes.len() + s.spilled.len(),
         }
     }
 
     fn set_mode(&self, mode: Mode) {
         let mut s = self.lock();
         if mode != Mode::Exact {
-            s.hashes = HashSet::new();
+            s.forget();
         }
         s.mode = mode;
     }
@@ -140,7 +171,7 @@ impl CacheIndex {
         s.reported_seq = seq;
         if s.mode == Mode::Exact && epoch != s.epoch {
             s.mode = Mode::Resyncing;
-            s.hashes = HashSet::new();
+            s.forget();
         } else if s.mode == Mode::Exact && seq <= s.seq {
             s.synced = Instant::now();
         }
@@ -148,17 +179,19 @@ impl CacheIndex {
 
     pub(crate) fn apply_snapshot(&self, snap: pb::CacheSnapshotResponse) {
         let mut s = self.lock();
-        if snap.hashes.len() > self.max_blocks {
+        let blocks = snap.hashes.len() + snap.spilled_hashes.len();
+        if blocks > self.max_blocks {
             tracing::warn!(
-                blocks = snap.hashes.len(),
+                blocks,
                 max = self.max_blocks,
                 "a worker's cache is over the index bound; treating it as empty"
             );
             s.mode = Mode::Fallback;
-            s.hashes = HashSet::new();
+            s.forget();
             return;
         }
         s.hashes = snap.hashes.into_iter().collect();
+        s.spilled = snap.spilled_hashes.into_iter().collect();
         s.epoch = snap.epoch;
         s.seq = snap.seq;
         s.mode = Mode::Exact;
@@ -178,21 +211,39 @@ impl CacheIndex {
             tracing::info!(have = s.seq, got = e.seq, "cache event gap; resyncing");
             return Err(Break::Resync);
         }
+        let State {
+            hashes, spilled, ..
+        } = &mut *s;
         match e.kind {
-            Some(pb::cache_event::Kind::Stored(b)) => s.hashes.extend(b.hashes),
-            Some(pb::cache_event::Kind::Evicted(b)) => {
+            Some(pb::cache_event::Kind::Stored(b)) => {
                 for h in b.hashes {
-                    s.hashes.remove(&h);
+                    spilled.remove(&h);
+                    hashes.insert(h);
                 }
             }
-            Some(pb::cache_event::Kind::Cleared(_)) => s.hashes.clear(),
+            Some(pb::cache_event::Kind::Spilled(b)) => {
+                for h in b.hashes {
+                    hashes.remove(&h);
+                    spilled.insert(h);
+                }
+            }
+            Some(pb::cache_event::Kind::Evicted(b)) => {
+                for h in b.hashes {
+                    hashes.remove(&h);
+                    spilled.remove(&h);
+                }
+            }
+            Some(pb::cache_event::Kind::Cleared(_)) => {
+                hashes.clear();
+                spilled.clear();
+            }
             None => {}
         }
         s.seq = e.seq;
         s.synced = Instant::now();
-        if s.hashes.len() > self.max_blocks {
+        if s.hashes.len() + s.spilled.len() > self.max_blocks {
             s.mode = Mode::Fallback;
-            s.hashes = HashSet::new();
+            s.forget();
             return Err(Break::Lost);
         }
         Ok(())
@@ -262,27 +313,48 @@ mod tests {
         }
     }
 
+    fn blocks(pool: usize, disk: usize) -> Overlap {
+        Overlap { pool, disk }
+    }
+
     #[test]
     fn events_apply_in_order_and_gaps_or_epochs_break() {
         let idx = CacheIndex::new(100);
-        assert_eq!(idx.overlap_blocks(&[1]), 0, "not exact before a snapshot");
+        assert_eq!(idx.overlap(&[1]), blocks(0, 0), "not exact before a snapshot");
         idx.apply_snapshot(pb::CacheSnapshotResponse {
             epoch: 7,
             seq: 2,
             hashes: vec![1, 2],
+            spilled_hashes: vec![3],
         });
-        assert_eq!(idx.overlap_blocks(&[1, 2, 3]), 2);
+        assert_eq!(idx.overlap(&[1, 2, 3, 4]), blocks(2, 1));
         assert!(
             idx.apply(event(7, 2, &[9])).is_ok(),
             "already in the snapshot"
         );
         assert!(idx.apply(event(7, 3, &[3])).is_ok());
-        assert_eq!(idx.overlap_blocks(&[1, 2, 3]), 3);
-        assert!(matches!(idx.apply(event(7, 5, &[4])), Err(Break::Resync)));
-        assert!(matches!(idx.apply(event(8, 4, &[4])), Err(Break::Resync)));
+        assert_eq!(idx.overlap(&[1, 2, 3]), blocks(3, 0), "read back into the pool");
+        let spilled = pb::CacheEvent {
+            kind: Some(pb::cache_event::Kind::Spilled(pb::BlocksSpilled {
+                hashes: vec![2, 3],
+            })),
+            ..event(7, 4, &[])
+        };
+        assert!(idx.apply(spilled).is_ok());
+        assert_eq!(idx.overlap(&[1, 2, 3]), blocks(1, 2));
+        let evicted = pb::CacheEvent {
+            kind: Some(pb::cache_event::Kind::Evicted(pb::BlocksEvicted {
+                hashes: vec![3],
+            })),
+            ..event(7, 5, &[])
+        };
+        assert!(idx.apply(evicted).is_ok());
+        assert_eq!(idx.overlap(&[1, 2, 3]), blocks(1, 1), "gone from the disk too");
+        assert!(matches!(idx.apply(event(7, 7, &[4])), Err(Break::Resync)));
+        assert!(matches!(idx.apply(event(8, 6, &[4])), Err(Break::Resync)));
         // A load report from a new epoch invalidates the index at once.
         idx.observe_report(8, 1);
-        assert_eq!(idx.overlap_blocks(&[1]), 0);
+        assert_eq!(idx.overlap(&[1]), blocks(0, 0));
         assert_eq!(idx.freshness().mode, Mode::Resyncing);
     }
 
@@ -292,9 +364,10 @@ mod tests {
         idx.apply_snapshot(pb::CacheSnapshotResponse {
             epoch: 1,
             seq: 0,
-            hashes: vec![1, 2, 3],
+            hashes: vec![1, 2],
+            spilled_hashes: vec![3],
         });
         assert_eq!(idx.freshness().mode, Mode::Fallback);
-        assert_eq!(idx.overlap_blocks(&[1]), 0);
+        assert_eq!(idx.overlap(&[1]), blocks(0, 0));
     }
 }

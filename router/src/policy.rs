@@ -3,15 +3,20 @@
 //! itself: conditional disaggregation).
 //!
 //! For a prompt of `n` tokens, with `held(r)` the tokens of its leading full blocks that the
-//! router's index says replica `r` holds (0 unless the index is exact), and `rate(r)` the
-//! replica's measured prompt throughput (before any measurement, the mean of the others'; before
-//! any at all, [`DEFAULT_RATE`]), the estimated time to first token of each option is, in ms:
+//! router's index says replica `r` holds (0 unless the index is exact), in its KV pool and then
+//! on its disk tier, `disk(r)` those of them on disk only, `rate(r)` the replica's measured
+//! prompt throughput (before any measurement, the mean of the others'; before any at all,
+//! [`DEFAULT_RATE`]) and `restore(r)` its disk tier's measured read speed
+//! ([`DEFAULT_RESTORE_RATE`] before it has one), the estimated time to first token of each
+//! option is, in ms:
 //!
 //! ```text
 //! remote(P, D) = queued_tokens(P) / rate(P)          // P's queue
 //!              + (n − held(P)) / rate(P)             // P computes what its prefix cache lacks
+//!              + disk(P) / restore(P)                // and reads back what is on its disk
 //!              + handoff_remote                      // measured: the push's exposed tail, the hops
 //! local(D)     = (n − held(D)) / rate(D) × (1 + active(D))
+//!              + disk(D) / restore(D)
 //!              + handoff_local                       // measured: the hops, waiting for a step
 //!                only where held(D) > 0, or when no prefill replica is up
 //! ```
@@ -22,7 +27,8 @@
 //! word of a node that handed this request's stream off:
 //!
 //! ```text
-//! fetch(D, H)  = held(H) × kv_bytes_per_token / link × (1 + load(H))   // H serves between steps
+//! fetch(D, H)  = (held(H) × kv_bytes_per_token / link + disk(H) / restore(H))
+//!                × (1 + load(H))                     // H serves between steps
 //!              + local(D) with held(H) for held(D)
 //! ```
 //!
@@ -65,6 +71,9 @@ pub const DEFAULT_RATE: f64 = 500.0;
 pub const LOAD_CAP: f64 = 1.25;
 /// Bytes per second a peer fetch is assumed to move before one has been measured.
 pub const DEFAULT_LINK_BYTES_PER_SECOND: f64 = 200e6;
+/// Tokens per second a disk tier is assumed to read back before it has measured its own (a
+/// block of 16 tokens from the page cache or an SSD takes well under a millisecond).
+pub const DEFAULT_RESTORE_RATE: f64 = 50_000.0;
 
 /// Which policy the router runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -254,7 +263,12 @@ impl Policy {
             (h.remote, h.local, link)
         };
         let n = ask.tokens as f64;
-        let held = |r: &Replica| r.index.overlap_blocks(ask.hashes) * BLOCK_TOKENS;
+        let held = |r: &Replica| r.index.overlap(ask.hashes).blocks() * BLOCK_TOKENS;
+        // What reading a replica's held blocks back from its disk tier costs.
+        let restore_ms = |r: &Replica| {
+            let disk = r.index.overlap(ask.hashes).disk * BLOCK_TOKENS;
+            disk as f64 / r.restore_rate_or(DEFAULT_RESTORE_RATE) * 1e3
+        };
         // Who could serve a fetch of the prompt's first tokens, and how many: only replicas the
         // request cannot go to (failed it, over the load cap, draining), so that a session
         // stays where its KV is while it may.
@@ -278,7 +292,8 @@ impl Policy {
             .filter(|&(_, h)| h > 0)
             .collect();
         let fetch_ms = |from: &Replica, tokens: usize| {
-            tokens as f64 * from.kv_bytes_per_token() as f64 / link * f64::from(1 + from.load())
+            (tokens as f64 * from.kv_bytes_per_token() as f64 / link + restore_ms(from))
+                * f64::from(1 + from.load())
         };
 
         // Decode candidates, best first for a remote prefill: most KV held, rendezvous, load.
@@ -297,7 +312,8 @@ impl Policy {
         let local = d_ranked
             .iter()
             .flat_map(|&(d, h)| {
-                let own = (h > 0 || prefills.is_empty()).then(|| (local_ms(d, h), d, h, None));
+                let own = (h > 0 || prefills.is_empty())
+                    .then(|| (local_ms(d, h) + restore_ms(d), d, h, None));
                 let fetched =
                     holders
                         .iter()
@@ -315,7 +331,8 @@ impl Policy {
             .map(|&p| {
                 let h = held(p);
                 let r = rate(p);
-                let ms = (p.queued_tokens() as f64 + n - h as f64) / r * 1e3 + h_remote;
+                let ms =
+                    (p.queued_tokens() as f64 + n - h as f64) / r * 1e3 + restore_ms(p) + h_remote;
                 (ms, p, h)
             })
             .collect();

@@ -111,6 +111,8 @@ pub struct Replica {
     queued_tokens: AtomicU64,
     /// Measured prompt throughput (f64 bits), as last reported; 0 until measured.
     prefill_tokens_per_second: AtomicU64,
+    /// Measured speed of its disk tier's reads (f64 bits, tokens per second); 0 until measured.
+    restore_tokens_per_second: AtomicU64,
     /// Requests and prompt tokens this router has sent there and not yet seen finish.
     inflight: AtomicU32,
     inflight_tokens: AtomicU64,
@@ -167,6 +169,15 @@ impl Replica {
     /// Measured prompt tokens per second; 0 until measured.
     pub fn prefill_rate(&self) -> f64 {
         f64::from_bits(self.prefill_tokens_per_second.load(Ordering::Relaxed))
+    }
+
+    /// Measured tokens per second its disk tier reads back, or `fallback` while nothing has
+    /// been measured.
+    pub fn restore_rate_or(&self, fallback: f64) -> f64 {
+        match f64::from_bits(self.restore_tokens_per_second.load(Ordering::Relaxed)) {
+            r if r > 0.0 => r,
+            _ => fallback,
+        }
     }
 
     /// [`Replica::prefill_rate`], or `fallback` while nothing has been measured.
@@ -345,6 +356,7 @@ impl Replicas {
             capacity: AtomicU32::new(0),
             queued_tokens: AtomicU64::new(0),
             prefill_tokens_per_second: AtomicU64::new(0),
+            restore_tokens_per_second: AtomicU64::new(0),
             inflight: AtomicU32::new(0),
             inflight_tokens: AtomicU64::new(0),
             stop: self.cancel.child_token(),
@@ -590,6 +602,8 @@ impl Replicas {
                             r.queued_tokens.store(load.queued_tokens, Ordering::Relaxed);
                             r.prefill_tokens_per_second
                                 .store(load.prefill_tokens_per_second.to_bits(), Ordering::Relaxed);
+                            r.restore_tokens_per_second
+                                .store(load.restore_tokens_per_second.to_bits(), Ordering::Relaxed);
                             r.index.observe_report(load.cache_epoch, load.cache_seq);
                         }
                         // A busy node answers late: that is no sign it is gone (the health

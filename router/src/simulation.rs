@@ -37,7 +37,7 @@ impl Simulation {
             r.index.apply_snapshot(pb::CacheSnapshotResponse {
                 epoch: 1 + i as u64,
                 seq: 0,
-                hashes: Vec::new(),
+                ..Default::default()
             });
         }
         Ok(Self {
@@ -62,6 +62,7 @@ impl Simulation {
                 epoch: 1 + i as u64,
                 seq: 0,
                 hashes,
+                ..Default::default()
             });
         }
     }

@@ -1,6 +1,6 @@
 //! The cache-event hub: the one place a worker's cache changes are numbered and fanned out to
-//! subscribers (the routers' `CacheEvents` streams), with a mirror of the cached hashes for
-//! `CacheSnapshot`.
+//! subscribers (the routers' `CacheEvents` streams), with a mirror of the cached hashes (by
+//! tier: the KV pool, or the disk tier only) for `CacheSnapshot`.
 //!
 //! ```text
 //! engine owner thread ──publish(events)──▶ CacheHub ──broadcast (bounded)──▶ CacheEvents streams
@@ -11,7 +11,7 @@
 //! then takes a snapshot sees every event after the snapshot's `seq` exactly once. A subscriber
 //! that falls more than [`EVENT_BUFFER`] events behind loses its stream and resyncs.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
 use tandem_engine::CacheEvent;
@@ -24,7 +24,8 @@ pub const EVENT_BUFFER: usize = 4096;
 #[derive(Debug, Default)]
 struct Mirror {
     seq: u64,
-    hashes: HashSet<u64>,
+    /// Each cached hash, and whether it is on the disk tier only.
+    hashes: HashMap<u64, bool>,
 }
 
 #[derive(Debug)]
@@ -75,8 +76,12 @@ impl CacheHub {
             m.seq += 1;
             let kind = match e {
                 CacheEvent::Stored(hashes) => {
-                    m.hashes.extend(&hashes);
+                    m.hashes.extend(hashes.iter().map(|&h| (h, false)));
                     pb::cache_event::Kind::Stored(pb::BlocksStored { hashes })
+                }
+                CacheEvent::Spilled(hashes) => {
+                    m.hashes.extend(hashes.iter().map(|&h| (h, true)));
+                    pb::cache_event::Kind::Spilled(pb::BlocksSpilled { hashes })
                 }
                 CacheEvent::Evicted(hashes) => {
                     for h in &hashes {
@@ -107,14 +112,16 @@ impl CacheHub {
 
     pub fn snapshot(&self) -> pb::CacheSnapshotResponse {
         let m = self.lock();
+        let tier = |disk: bool| m.hashes.iter().filter(move |h| *h.1 == disk).map(|h| *h.0);
         pb::CacheSnapshotResponse {
             epoch: self.epoch,
             seq: m.seq,
-            hashes: m.hashes.iter().copied().collect(),
+            hashes: tier(false).collect(),
+            spilled_hashes: tier(true).collect(),
         }
     }
 
-    /// How many hashes are cached now.
+    /// How many hashes are cached now, in either tier.
     pub fn len(&self) -> usize {
         self.lock().hashes.len()
     }
@@ -136,13 +143,15 @@ mod tests {
         hub.publish(vec![
             CacheEvent::Evicted(vec![3]),
             CacheEvent::Stored(vec![4]),
+            CacheEvent::Spilled(vec![2]),
         ]);
         let snap = hub.snapshot();
-        assert_eq!(snap.seq, 3);
+        assert_eq!(snap.seq, 4);
         let mut hashes = snap.hashes.clone();
         hashes.sort_unstable();
-        assert_eq!(hashes, vec![1, 2, 4]);
-        for want in 1..=3 {
+        assert_eq!(hashes, vec![1, 4]);
+        assert_eq!(snap.spilled_hashes, vec![2]);
+        for want in 1..=4 {
             let e = rx.recv().await.expect("an event");
             assert_eq!((e.epoch, e.seq), (hub.epoch(), want));
         }

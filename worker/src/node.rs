@@ -94,6 +94,8 @@ pub struct Node {
     pub root: CancellationToken,
     /// `"prefill"` or `"decode"`: the role `Worker.Info` reports and the logs name.
     role: &'static str,
+    /// The engine's disk tier's figures, once it has one.
+    spill: Option<Arc<SpillStats>>,
 }
 
 impl Node {
@@ -104,6 +106,7 @@ impl Node {
             hub: Arc::default(),
             root: CancellationToken::new(),
             role,
+            spill: None,
         }
     }
 
@@ -115,6 +118,7 @@ impl Node {
                 role: self.role,
                 stats: engine.spill_stats(),
             }));
+            self.spill = Some(engine.spill_stats());
         }
         Ok(engine)
     }
@@ -143,13 +147,15 @@ impl Node {
             hub,
             root,
             role,
+            spill,
         } = self;
         let worker = WorkerService::new(
             crate::worker_info(&config.model, kv_layout, role),
             load,
             hub,
             root.child_token(),
-        );
+        )
+        .with_spill(spill);
         let (health, health_service) = tonic_health::server::health_reporter();
         let reporter = health.clone();
         let routes = routes(Routes::new(health_service).add_service(worker.into_server()));

@@ -4,6 +4,7 @@
 use std::pin::Pin;
 use std::sync::Arc;
 
+use tandem_engine::SpillStats;
 use tandem_proto::v1 as pb;
 use tokio::sync::broadcast::error::RecvError;
 use tokio_stream::Stream;
@@ -28,6 +29,8 @@ pub struct WorkerService {
     /// Ends the event streams when the node begins to shut down, so they never hold up the
     /// drain.
     shutdown: CancellationToken,
+    /// The disk tier's figures, for its measured restore speed.
+    spill: Option<Arc<SpillStats>>,
 }
 
 impl std::fmt::Debug for WorkerService {
@@ -50,7 +53,14 @@ impl WorkerService {
             load,
             hub,
             shutdown,
+            spill: None,
         }
+    }
+
+    /// Reports the disk tier's restore speed in `Worker.Load`.
+    pub fn with_spill(mut self, spill: Option<Arc<SpillStats>>) -> Self {
+        self.spill = spill;
+        self
     }
 
     /// The tonic server for this service, with Tandem's message limits.
@@ -75,6 +85,10 @@ impl pb::worker_server::Worker for WorkerService {
         Ok(Response::new(pb::LoadResponse {
             cache_epoch: self.hub.epoch(),
             cache_seq: self.hub.seq(),
+            restore_tokens_per_second: self
+                .spill
+                .as_ref()
+                .map_or(0.0, |s| s.restore_tokens_per_second()),
             ..self.load.load()
         }))
     }
