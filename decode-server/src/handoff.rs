@@ -304,6 +304,9 @@ impl RequestContext {
             .check_token_ids("session.token_ids", &session.token_ids)?;
         let hashes =
             tandem_worker::block_hashes(&self.model, &session.cache_salt, &session.token_ids);
+        let Some(&last) = hashes.last() else {
+            return Ok((0, 0));
+        };
         let whole = hashes.len() * BLOCK_TOKENS;
         let held = self.scheduler.held(hashes.clone()).await;
         if held >= whole {
@@ -318,9 +321,6 @@ impl RequestContext {
             return Ok((held, 0));
         };
         let fetched = kv.tokens.end;
-        let Some(&last) = hashes.last() else {
-            return Ok((held, 0));
-        };
         let session = Session {
             cache_salt: session.cache_salt,
             tokens: tokens.to_vec(),

@@ -169,9 +169,8 @@ impl PrefixCache {
             }
         }
         match (spill(hash, node.block), self.events.last_mut()) {
-            (true, Some(CacheEvent::Spilled(hashes))) | (false, Some(CacheEvent::Evicted(hashes))) => {
-                hashes.push(hash)
-            }
+            (true, Some(CacheEvent::Spilled(hashes)))
+            | (false, Some(CacheEvent::Evicted(hashes))) => hashes.push(hash),
             (true, _) => self.events.push(CacheEvent::Spilled(vec![hash])),
             (false, _) => self.events.push(CacheEvent::Evicted(vec![hash])),
         }

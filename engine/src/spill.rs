@@ -496,7 +496,11 @@ mod tests {
         assert!(!spill.load(2, &mut out), "a flipped bit is caught");
         assert!(!spill.contains(2) && !path.exists(), "and the file is gone");
         assert_eq!(spill.shared.stats.corrupt.load(Ordering::Relaxed), 1);
-        assert_eq!(spill.take_gone(), vec![2], "which the cache events announce");
+        assert_eq!(
+            spill.take_gone(),
+            vec![2],
+            "which the cache events announce"
+        );
     }
 
     #[test]

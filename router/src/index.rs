@@ -320,7 +320,11 @@ mod tests {
     #[test]
     fn events_apply_in_order_and_gaps_or_epochs_break() {
         let idx = CacheIndex::new(100);
-        assert_eq!(idx.overlap(&[1]), blocks(0, 0), "not exact before a snapshot");
+        assert_eq!(
+            idx.overlap(&[1]),
+            blocks(0, 0),
+            "not exact before a snapshot"
+        );
         idx.apply_snapshot(pb::CacheSnapshotResponse {
             epoch: 7,
             seq: 2,
@@ -333,7 +337,11 @@ mod tests {
             "already in the snapshot"
         );
         assert!(idx.apply(event(7, 3, &[3])).is_ok());
-        assert_eq!(idx.overlap(&[1, 2, 3]), blocks(3, 0), "read back into the pool");
+        assert_eq!(
+            idx.overlap(&[1, 2, 3]),
+            blocks(3, 0),
+            "read back into the pool"
+        );
         let spilled = pb::CacheEvent {
             kind: Some(pb::cache_event::Kind::Spilled(pb::BlocksSpilled {
                 hashes: vec![2, 3],
@@ -349,7 +357,11 @@ mod tests {
             ..event(7, 5, &[])
         };
         assert!(idx.apply(evicted).is_ok());
-        assert_eq!(idx.overlap(&[1, 2, 3]), blocks(1, 1), "gone from the disk too");
+        assert_eq!(
+            idx.overlap(&[1, 2, 3]),
+            blocks(1, 1),
+            "gone from the disk too"
+        );
         assert!(matches!(idx.apply(event(7, 7, &[4])), Err(Break::Resync)));
         assert!(matches!(idx.apply(event(8, 6, &[4])), Err(Break::Resync)));
         // A load report from a new epoch invalidates the index at once.

@@ -1,12 +1,14 @@
-//! KV moving between decode nodes under faults, through a whole cluster: the holder cut off
-//! while its sessions move (the tiny model), a drain racing the clients' cancels, and a drain
-//! whose only peer is full (SmolLM2, whose streams run long enough to be caught by a drain). In each, every stream that completes says exactly what the
-//! fault-free run said, none hangs, and no node is left holding a request's KV blocks. (A spill
-//! file damaged on disk is in `kv_spill.rs`.)
-
-use std::time::{Duration, Instant};
+//! KV moving between decode nodes at a drain, through a whole cluster. A draining node's cached
+//! sessions move to its peer: the router takes the node's offer (`Decode.Sessions`) and asks the
+//! peer to take each (`Decode.Adopt`), which fetches the KV, so the sessions' next turns are
+//! hits there (the tiny model). And under faults: the holder cut off while its sessions move
+//! (the tiny model), a drain racing the clients' cancels, and a drain whose only peer is full
+//! (SmolLM2, whose streams run long enough to be caught by a drain). In each, every stream that
+//! completes says exactly what the fault-free run said, none hangs, and no node is left holding
+//! a request's KV blocks. (A spill file damaged on disk is in `kv_spill.rs`.)
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use tandem_engine::Model;
 use tandem_integration_tests::{
@@ -47,6 +49,7 @@ fn tokens(n: usize, salt: usize) -> Vec<u32> {
         .collect()
 }
 
+/// The value of a counter on the server at `addr` (0 when absent).
 async fn counter(addr: std::net::SocketAddr, name: &str) -> f64 {
     sample(&metrics(addr).await.expect("metrics"), name).unwrap_or(0.0)
 }
@@ -73,6 +76,53 @@ fn busiest(routes: &[String], seen: impl Fn(usize) -> String, nodes: usize) -> (
         .expect("a decode node")
 }
 
+type Frames = tonic::Streaming<pb::GenerateResponse>;
+
+/// Sends `request` and reads its first `n` frames.
+async fn open(
+    client: &mut pb::generation_client::GenerationClient<tonic::transport::Channel>,
+    request: pb::GenerateRequest,
+    n: usize,
+) -> (Frames, Collected) {
+    let mut frames = client
+        .generate(request)
+        .await
+        .expect("generate")
+        .into_inner();
+    let mut got = Collected::default();
+    while got.frames < n {
+        let f = frames.message().await.expect("frame").expect("a frame");
+        got.frames += 1;
+        got.token_ids.extend(&f.token_ids);
+        got.last = f;
+    }
+    (frames, got)
+}
+
+/// Reads the rest of a stream: no error reaches the client, and the frames are gap-free.
+async fn finish(mut frames: Frames, mut got: Collected) -> Collected {
+    while let Some(f) = frames.message().await.expect("no error reaches the client") {
+        assert_eq!(f.index as usize, got.frames, "gap-free, never repeated");
+        got.frames += 1;
+        got.token_ids.extend(&f.token_ids);
+        let last = f.finish_reason != pb::FinishReason::Unspecified as i32;
+        got.last = f;
+        if last {
+            break;
+        }
+    }
+    got
+}
+
+/// Waits for a drained node's stop: it ends within the hand-off bound, cleanly.
+async fn drain_ends(stopping: tokio::task::JoinHandle<anyhow::Result<()>>) {
+    tokio::time::timeout(Duration::from_secs(30), stopping)
+        .await
+        .expect("the drain ends within its bound")
+        .expect("the drained node's task")
+        .expect("the drained node stops cleanly");
+}
+
 /// Turn 1 of `sessions` conversations (prompts of 120 to 330 tokens, 16-token replies):
 /// returns each one's turn-2 prompt and the decode node turn 1 went to.
 async fn first_turns(cluster: &Cluster, sessions: usize) -> (Vec<Vec<u32>>, Vec<String>) {
@@ -92,7 +142,21 @@ async fn first_turns(cluster: &Cluster, sessions: usize) -> (Vec<Vec<u32>>, Vec<
     (next, homes)
 }
 
-/// What a cluster without caches answers to each turn-2 prompt.
+/// Turn 2 of each session, in order.
+async fn second_turns(cluster: &Cluster, prompts: &[Vec<u32>]) -> Vec<Collected> {
+    let mut client = cluster.client();
+    let mut out = Vec::new();
+    for (s, p) in prompts.iter().enumerate() {
+        out.push(
+            collect(&mut client, turn(s, p.clone(), 16))
+                .await
+                .expect("turn 2 completes"),
+        );
+    }
+    out
+}
+
+/// The tokens a cluster without caches answers to each turn-2 prompt.
 async fn cold_answers(prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
     let cold = Cluster::start(ClusterConfig {
         prefix_cache: false,
@@ -100,18 +164,56 @@ async fn cold_answers(prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
     })
     .await
     .expect("cold cluster");
-    let mut client = cold.client();
-    let mut out = Vec::new();
-    for (s, p) in prompts.iter().enumerate() {
-        out.push(
-            collect(&mut client, turn(s, p.clone(), 16))
-                .await
-                .expect("cold turn")
-                .token_ids,
-        );
-    }
+    let answers = second_turns(&cold, prompts).await;
     cold.stop().await.expect("stop");
-    out
+    answers.into_iter().map(|c| c.token_ids).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_decode_node_moves_its_cached_sessions_to_its_peer() {
+    let mut cluster = Cluster::start(config(tiny())).await.expect("cluster");
+    let (prompts, homes) = first_turns(&cluster, 6).await;
+    let seen = |i: usize| cluster.decode[i].addr.to_string();
+    let (drained, moving) = busiest(&homes, seen, 2);
+    let drained_addr = seen(drained);
+    let node = cluster.decode.remove(drained);
+    node.stop()
+        .await
+        .expect("the drained node stops cleanly once its sessions were fetched");
+    let (router, peer) = (cluster.router.addr, cluster.decode[0].addr);
+    until(Duration::from_secs(20), "every session moved", || async {
+        counter(router, "tandem_router_moved_sessions_total").await >= moving as f64
+    })
+    .await;
+    let adopted = counter(peer, "tandem_decode_adopted_tokens_total").await;
+    assert_eq!(
+        adopted,
+        counter(router, "tandem_router_moved_session_tokens_total").await,
+        "what the router counts moved is what the peer fetched"
+    );
+    assert!(adopted >= (moving * 128) as f64, "{adopted} tokens moved");
+
+    // Turn 2 of each session that lived on the drained node is a hit on the peer.
+    let got = second_turns(&cluster, &prompts).await;
+    for (s, p) in prompts.iter().enumerate() {
+        let usage = got[s].last.usage.expect("usage");
+        // Turn 1's prompt and reply, but for the new message and the reply's last token (whose
+        // KV was never computed), in whole blocks.
+        let held = (p.len() - 7 - 1) / 16 * 16;
+        if homes[s] == drained_addr {
+            assert!(
+                usage.cached_tokens as usize >= held,
+                "session {s} moved with its KV: {usage:?}, {held} tokens held"
+            );
+        }
+    }
+    cluster.stop().await.expect("stop");
+    let answers: Vec<Vec<u32>> = got.into_iter().map(|c| c.token_ids).collect();
+    assert_eq!(
+        answers,
+        cold_answers(&prompts).await,
+        "the cold run's tokens"
+    );
 }
 
 /// The holder of the sessions being moved is cut off (every connection to it closed) once the
@@ -140,20 +242,13 @@ async fn the_holder_cut_off_while_its_sessions_move_loses_nothing() {
     })
     .await;
     cluster.relays[relay].cut();
-    tokio::time::timeout(Duration::from_secs(30), stopping)
-        .await
-        .expect("the drain ends within its bound")
-        .expect("the drained node's task")
-        .expect("the drained node stops cleanly");
+    drain_ends(stopping).await;
 
-    let mut client = cluster.client();
-    let mut answers = Vec::new();
-    for (s, p) in prompts.iter().enumerate() {
-        let got = collect(&mut client, turn(s, p.clone(), 16))
-            .await
-            .expect("turn 2 completes");
-        answers.push(got.token_ids);
-    }
+    let answers: Vec<Vec<u32>> = second_turns(&cluster, &prompts)
+        .await
+        .into_iter()
+        .map(|c| c.token_ids)
+        .collect();
     let adopted = counter(peer, "tandem_decode_adopted_sessions_total").await;
     assert!(
         (1.0..=moving as f64).contains(&adopted),
@@ -190,19 +285,7 @@ async fn a_drain_racing_client_cancels_leaks_nothing() {
     // All four at once, each read to its 5th frame.
     let mut streams = Vec::new();
     for r in &requests {
-        let mut frames = client
-            .generate(r.clone())
-            .await
-            .expect("generate")
-            .into_inner();
-        let mut got = Collected::default();
-        while got.frames < 5 {
-            let f = frames.message().await.expect("frame").expect("a frame");
-            got.frames += 1;
-            got.token_ids.extend(&f.token_ids);
-            got.last = f;
-        }
-        streams.push((frames, got));
+        streams.push(open(&mut client, r.clone(), 5).await);
     }
     // Frames carry no route before the last: the busier node is the one with more running.
     let loads = [
@@ -218,25 +301,14 @@ async fn a_drain_racing_client_cancels_leaks_nothing() {
         .enumerate()
         .filter(|(i, _)| i % 2 == 1)
         .collect();
-    for (i, (mut frames, mut got)) in kept {
-        while let Some(f) = frames.message().await.expect("no error reaches the client") {
-            assert_eq!(f.index as usize, got.frames, "gap-free, never repeated");
-            got.frames += 1;
-            got.token_ids.extend(&f.token_ids);
-            if f.finish_reason != pb::FinishReason::Unspecified as i32 {
-                break;
-            }
-        }
+    for (i, (frames, got)) in kept {
+        let got = finish(frames, got).await;
         assert_eq!(
             got.token_ids, want[i].token_ids,
             "stream {i}: the fault-free tokens"
         );
     }
-    tokio::time::timeout(Duration::from_secs(30), stopping)
-        .await
-        .expect("the drain ends within its bound")
-        .expect("the drained node's task")
-        .expect("the drained node stops cleanly");
+    drain_ends(stopping).await;
     cluster.until_decode_idle(0).await.expect("no KV left held");
     cluster.stop().await.expect("stop");
 }
@@ -260,17 +332,7 @@ async fn a_drain_whose_peer_is_full_loses_nothing() {
     let want = collect(&mut client, victim.clone())
         .await
         .expect("fault-free run");
-    let mut frames = client
-        .generate(victim)
-        .await
-        .expect("generate")
-        .into_inner();
-    let mut got = Collected::default();
-    while got.frames < 3 {
-        let f = frames.message().await.expect("frame").expect("a frame");
-        got.frames += 1;
-        got.token_ids.extend(&f.token_ids);
-    }
+    let (frames, got) = open(&mut client, victim, 3).await;
     let loads = [
         cluster.decode_load(0).await.expect("load").active,
         cluster.decode_load(1).await.expect("load").active,
@@ -311,25 +373,14 @@ async fn a_drain_whose_peer_is_full_loses_nothing() {
     .await;
     let node = cluster.decode.remove(drained);
     let stopping = tokio::spawn(node.stop());
-    while let Some(f) = frames.message().await.expect("no error reaches the client") {
-        assert_eq!(f.index as usize, got.frames, "gap-free, never repeated");
-        got.frames += 1;
-        got.token_ids.extend(&f.token_ids);
-        if f.finish_reason != pb::FinishReason::Unspecified as i32 {
-            let route = f.route.expect("route");
-            assert_eq!(route.attempts, 2, "one hand-off: {route:?}");
-            break;
-        }
-    }
+    let got = finish(frames, got).await;
+    let route = got.last.route.expect("route");
+    assert_eq!(route.attempts, 2, "one hand-off: {route:?}");
     assert_eq!(got.token_ids, want.token_ids, "the fault-free tokens");
     for f in fillers {
         assert_eq!(f.await.expect("filler task").expect("filler stream"), 150);
     }
-    tokio::time::timeout(Duration::from_secs(30), stopping)
-        .await
-        .expect("the drain ends within its bound")
-        .expect("the drained node's task")
-        .expect("the drained node stops cleanly");
+    drain_ends(stopping).await;
     cluster.until_decode_idle(0).await.expect("no KV left held");
     cluster.stop().await.expect("stop");
 }
