@@ -264,7 +264,7 @@ impl CacheIndex {
                         self.set_mode(Mode::Resyncing);
                     }
                     tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                    backoff = (backoff * 2).min(crate::replicas::RECONNECT_MAX);
                 }
             }
         }

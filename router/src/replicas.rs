@@ -28,6 +28,11 @@ use tonic_health::pb::health_client::HealthClient;
 use crate::index::CacheIndex;
 use crate::metrics::RouterMetrics;
 
+/// The longest a gone replica waits to be asked again (health and cache index alike): a node
+/// restarted in a rolling restart is back in the set within this of serving, before the next
+/// node goes down.
+pub(crate) const RECONNECT_MAX: Duration = Duration::from_millis(500);
+
 /// What the router knows of the model, from the first worker that answered.
 #[derive(Debug)]
 pub struct Frontend {
@@ -478,6 +483,8 @@ impl Replicas {
         });
     }
 
+    /// Follows the replica for as long as it lives in the set, asking a gone one again at
+    /// growing intervals up to [`RECONNECT_MAX`].
     async fn monitor(&self, r: &Arc<Replica>, load_poll: Duration) {
         let mut backoff = Duration::from_millis(50);
         loop {
@@ -490,7 +497,7 @@ impl Replicas {
                 self.changed.notify_waiters();
             }
             tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(Duration::from_secs(2));
+            backoff = (backoff * 2).min(RECONNECT_MAX);
         }
     }
 
