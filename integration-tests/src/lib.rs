@@ -429,10 +429,73 @@ impl Drop for Relay {
 pub struct Collected {
     pub token_ids: Vec<u32>,
     pub text: String,
+    /// The last frame read: the final one (finish reason, usage, route) once complete.
     pub last: pb::GenerateResponse,
     pub frames: usize,
     /// Every frame's `logprobs`, in order.
     pub logprobs: Vec<pb::TokenLogprobs>,
+}
+
+impl Collected {
+    /// Takes the choice's next frame: `true` once it is the last. A frame after the last, or
+    /// out of order, is an error.
+    fn take(&mut self, f: pb::GenerateResponse) -> Result<bool, tonic::Status> {
+        if self.last.finish_reason != pb::FinishReason::Unspecified as i32 {
+            return Err(tonic::Status::data_loss(format!(
+                "a frame of choice {} after its last",
+                f.choice
+            )));
+        }
+        if f.index as usize != self.frames {
+            return Err(tonic::Status::data_loss(format!(
+                "choice {}: frame {} where {} was due",
+                f.choice, f.index, self.frames
+            )));
+        }
+        self.frames += 1;
+        self.token_ids.extend(&f.token_ids);
+        self.logprobs.extend(f.logprobs.iter().cloned());
+        self.text.push_str(&f.text);
+        self.last = f;
+        Ok(self.last.finish_reason != pb::FinishReason::Unspecified as i32)
+    }
+}
+
+/// A one-choice stream begun with [`open`], to be read to its end with [`finish`].
+pub type Frames = tonic::Streaming<pb::GenerateResponse>;
+
+/// Sends `request` and reads its first `n` frames (fewer if it ends sooner), checked as
+/// [`collect`] checks them: for a test that acts mid-stream, then reads the rest.
+pub async fn open(
+    client: &mut pb::generation_client::GenerationClient<Channel>,
+    request: pb::GenerateRequest,
+    n: usize,
+) -> Result<(Frames, Collected), tonic::Status> {
+    let mut frames = client.generate(request).await?.into_inner();
+    let mut got = Collected::default();
+    while got.frames < n {
+        let Some(f) = frames.message().await? else {
+            break;
+        };
+        if got.take(f)? {
+            break;
+        }
+    }
+    Ok((frames, got))
+}
+
+/// Reads the rest of a stream begun with [`open`]; errors as [`collect`]'s.
+pub async fn finish(mut frames: Frames, mut got: Collected) -> Result<Collected, tonic::Status> {
+    let ended = |got: &Collected| got.last.finish_reason != pb::FinishReason::Unspecified as i32;
+    while !ended(&got) {
+        let Some(f) = frames.message().await? else {
+            return Err(tonic::Status::data_loss(
+                "the stream ended before its final frame",
+            ));
+        };
+        got.take(f)?;
+    }
+    Ok(got)
 }
 
 /// Sends `request` and reads the whole stream; a non-OK status is returned as the error, and a
@@ -464,24 +527,7 @@ pub async fn collect_choices(
                 f.choice
             )));
         };
-        if c.last.finish_reason != pb::FinishReason::Unspecified as i32 {
-            return Err(tonic::Status::data_loss(format!(
-                "a frame of choice {} after its last",
-                f.choice
-            )));
-        }
-        if f.index as usize != c.frames {
-            return Err(tonic::Status::data_loss(format!(
-                "choice {}: frame {} where {} was due",
-                f.choice, f.index, c.frames
-            )));
-        }
-        c.frames += 1;
-        c.token_ids.extend(&f.token_ids);
-        c.logprobs.extend(f.logprobs.iter().cloned());
-        c.text.push_str(&f.text);
-        if f.finish_reason != pb::FinishReason::Unspecified as i32 {
-            c.last = f;
+        if c.take(f)? {
             open -= 1;
             if open == 0 {
                 return Ok(out);

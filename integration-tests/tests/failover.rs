@@ -14,7 +14,8 @@ use std::sync::Arc;
 
 use tandem_engine::Model;
 use tandem_integration_tests::{
-    Cluster, ClusterConfig, Collected, collect, collect_choices, qwen_model, smollm2_model,
+    Cluster, ClusterConfig, Collected, collect, collect_choices, finish, open, qwen_model,
+    smollm2_model,
 };
 use tandem_proto::v1 as pb;
 
@@ -63,6 +64,18 @@ async fn busy_decode(cluster: &Cluster) -> usize {
         );
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
+}
+
+/// A resumed stream says what the fault-free run said: the same tokens, text,
+/// log-probabilities and finish reason.
+fn assert_same_run(got: &Collected, want: &Collected) {
+    assert_eq!(
+        got.token_ids, want.token_ids,
+        "the same tokens as the fault-free run"
+    );
+    assert_eq!(got.text, want.text, "the same text");
+    assert_eq!(got.logprobs, want.logprobs, "the same log-probabilities");
+    assert_eq!(got.last.finish_reason, want.last.finish_reason);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -115,40 +128,14 @@ async fn lost_mid_stream_resumes_exactly(model: Arc<Model>, request: pb::Generat
         want.token_ids.len()
     );
 
-    let mut frames = client
-        .generate(request)
+    let (frames, got) = open(&mut client, request, 8).await.expect("8 frames");
+    let cut = busy_decode(&cluster).await;
+    cluster.relays[cluster.prefill.len() + cut].cut();
+    let got = finish(frames, got)
         .await
-        .expect("generate")
-        .into_inner();
-    let (mut tokens, mut text, mut index) = (Vec::<u32>::new(), String::new(), 0u32);
-    let mut logprobs = Vec::new();
-    let mut last = None;
-    let mut cut = None;
-    while let Some(f) = frames.message().await.expect("no error reaches the client") {
-        assert_eq!(f.index, index, "indices are gap-free and never repeat");
-        index += 1;
-        tokens.extend(&f.token_ids);
-        logprobs.extend(f.logprobs.iter().cloned());
-        text.push_str(&f.text);
-        if index == 8 {
-            let i = busy_decode(&cluster).await;
-            cluster.relays[cluster.prefill.len() + i].cut();
-            cut = Some(i);
-        }
-        if f.finish_reason != pb::FinishReason::Unspecified as i32 {
-            last = Some(f);
-            break;
-        }
-    }
-    let last = last.expect("the stream ends with a final frame");
-    let cut = cut.expect("the stream was cut");
-    assert_eq!(
-        tokens, want.token_ids,
-        "the same tokens as the fault-free run"
-    );
-    assert_eq!(text, want.text, "the same text");
-    assert_eq!(logprobs, want.logprobs, "the same log-probabilities");
-    assert_eq!(last.finish_reason, want.last.finish_reason);
+        .expect("no error reaches the client, and no gap");
+    assert_same_run(&got, &want);
+    let last = got.last;
     let usage = last.usage.expect("usage");
     assert_eq!(usage.completion_tokens as usize, want.token_ids.len());
     assert_eq!(usage.prompt_tokens as usize, prompt.len());
@@ -289,35 +276,15 @@ async fn a_draining_decode_node_hands_its_stream_off_with_its_kv() {
         .await
         .expect("fault-free run");
 
-    let mut frames = client
-        .generate(request)
+    let (frames, got) = open(&mut client, request, 40).await.expect("40 frames");
+    let node = cluster.decode.remove(busy_decode(&cluster).await);
+    let drained = node.addr.to_string();
+    let stopping = tokio::spawn(node.stop());
+    let got = finish(frames, got)
         .await
-        .expect("generate")
-        .into_inner();
-    let (mut tokens, mut text, mut index) = (Vec::<u32>::new(), String::new(), 0u32);
-    let (mut last, mut draining) = (None, None);
-    while let Some(f) = frames.message().await.expect("no error reaches the client") {
-        assert_eq!(f.index, index, "indices are gap-free and never repeat");
-        index += 1;
-        tokens.extend(&f.token_ids);
-        text.push_str(&f.text);
-        if index == 40 {
-            let node = cluster.decode.remove(busy_decode(&cluster).await);
-            let addr = node.addr.to_string();
-            draining = Some((addr, tokio::spawn(node.stop())));
-        }
-        if f.finish_reason != pb::FinishReason::Unspecified as i32 {
-            last = Some(f);
-            break;
-        }
-    }
-    let last = last.expect("the stream ends with a final frame");
-    let (drained, stopping) = draining.expect("a node was drained");
-    assert_eq!(
-        tokens, want.token_ids,
-        "the same tokens as the fault-free run"
-    );
-    assert_eq!(text, want.text, "the same text");
+        .expect("no error reaches the client, and no gap");
+    assert_same_run(&got, &want);
+    let last = got.last;
     let route = last.route.expect("route");
     assert_eq!(route.attempts, 2, "one hand-off: {route:?}");
     assert_ne!(route.decode, drained, "the rest ran on the other node");

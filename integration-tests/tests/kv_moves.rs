@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 
 use tandem_engine::Model;
 use tandem_integration_tests::{
-    Cluster, ClusterConfig, Collected, Node, collect, greedy, metrics, sample, smollm2_model,
+    Cluster, ClusterConfig, Collected, Node, collect, finish, greedy, metrics, open, sample,
+    smollm2_model,
 };
 use tandem_proto::v1 as pb;
 
@@ -74,44 +75,6 @@ fn busiest(routes: &[String], seen: impl Fn(usize) -> String, nodes: usize) -> (
         .map(|i| (i, routes.iter().filter(|r| **r == seen(i)).count()))
         .max_by_key(|&(_, n)| n)
         .expect("a decode node")
-}
-
-type Frames = tonic::Streaming<pb::GenerateResponse>;
-
-/// Sends `request` and reads its first `n` frames.
-async fn open(
-    client: &mut pb::generation_client::GenerationClient<tonic::transport::Channel>,
-    request: pb::GenerateRequest,
-    n: usize,
-) -> (Frames, Collected) {
-    let mut frames = client
-        .generate(request)
-        .await
-        .expect("generate")
-        .into_inner();
-    let mut got = Collected::default();
-    while got.frames < n {
-        let f = frames.message().await.expect("frame").expect("a frame");
-        got.frames += 1;
-        got.token_ids.extend(&f.token_ids);
-        got.last = f;
-    }
-    (frames, got)
-}
-
-/// Reads the rest of a stream: no error reaches the client, and the frames are gap-free.
-async fn finish(mut frames: Frames, mut got: Collected) -> Collected {
-    while let Some(f) = frames.message().await.expect("no error reaches the client") {
-        assert_eq!(f.index as usize, got.frames, "gap-free, never repeated");
-        got.frames += 1;
-        got.token_ids.extend(&f.token_ids);
-        let last = f.finish_reason != pb::FinishReason::Unspecified as i32;
-        got.last = f;
-        if last {
-            break;
-        }
-    }
-    got
 }
 
 /// Waits for a drained node's stop: it ends within the hand-off bound, cleanly.
@@ -285,7 +248,7 @@ async fn a_drain_racing_client_cancels_leaks_nothing() {
     // All four at once, each read to its 5th frame.
     let mut streams = Vec::new();
     for r in &requests {
-        streams.push(open(&mut client, r.clone(), 5).await);
+        streams.push(open(&mut client, r.clone(), 5).await.expect("frames"));
     }
     // Frames carry no route before the last: the busier node is the one with more running.
     let loads = [
@@ -302,7 +265,9 @@ async fn a_drain_racing_client_cancels_leaks_nothing() {
         .filter(|(i, _)| i % 2 == 1)
         .collect();
     for (i, (frames, got)) in kept {
-        let got = finish(frames, got).await;
+        let got = finish(frames, got)
+            .await
+            .expect("no error reaches the client");
         assert_eq!(
             got.token_ids, want[i].token_ids,
             "stream {i}: the fault-free tokens"
@@ -332,7 +297,7 @@ async fn a_drain_whose_peer_is_full_loses_nothing() {
     let want = collect(&mut client, victim.clone())
         .await
         .expect("fault-free run");
-    let (frames, got) = open(&mut client, victim, 3).await;
+    let (frames, got) = open(&mut client, victim, 3).await.expect("frames");
     let loads = [
         cluster.decode_load(0).await.expect("load").active,
         cluster.decode_load(1).await.expect("load").active,
@@ -373,7 +338,9 @@ async fn a_drain_whose_peer_is_full_loses_nothing() {
     .await;
     let node = cluster.decode.remove(drained);
     let stopping = tokio::spawn(node.stop());
-    let got = finish(frames, got).await;
+    let got = finish(frames, got)
+        .await
+        .expect("no error reaches the client");
     let route = got.last.route.expect("route");
     assert_eq!(route.attempts, 2, "one hand-off: {route:?}");
     assert_eq!(got.token_ids, want.token_ids, "the fault-free tokens");

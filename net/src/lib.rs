@@ -133,13 +133,16 @@ pub enum ServerTls {
     Server(Arc<ServerCert>),
 }
 
-/// Serves `routes` (plus reflection and `/metrics`) on `listener` until `shutdown` completes,
-/// then drains for at most `options.grace`.
+/// Serves `routes` (plus reflection and `/metrics`) on `listener` until `shutdown` completes.
+/// Then it reports NOT_SERVING and runs `handoff` while still serving calls (a decode node's
+/// peers fetch what it hands off); then the listener closes and in-flight calls get at most
+/// `options.grace`.
 pub async fn serve(
     listener: TcpListener,
     routes: Routes,
     options: ServeOptions,
     shutdown: impl Future<Output = ()>,
+    handoff: impl Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error> {
     let addr: Option<SocketAddr> = listener.local_addr().ok();
     let reflection = tonic_reflection::server::Builder::configure()
@@ -232,6 +235,10 @@ pub async fn serve(
             .health
             .set_service_status(name, ServingStatus::NotServing)
             .await;
+    }
+    tokio::select! {
+        result = &mut server => return result,
+        () = handoff => {}
     }
     stop_accepting.cancel();
     match tokio::time::timeout(options.grace, server).await {

@@ -1130,7 +1130,6 @@ impl Dispatcher {
                 self.metrics.prompt_tokens.inc_by(p.tokens.len() as u64);
                 self.metrics.cached_prompt_tokens.inc_by(u64::from(cached));
             }
-
             log.push(Ok(frame));
             return Ok(());
         }

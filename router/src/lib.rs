@@ -206,6 +206,7 @@ pub async fn run(
             tls: config.api_tls.clone().map(ServerTls::Server),
         },
         shutdown,
+        std::future::ready(()),
     )
     .await;
     root.cancel();

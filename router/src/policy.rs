@@ -263,18 +263,20 @@ impl Policy {
             (h.remote, h.local, link)
         };
         let n = ask.tokens as f64;
-        let held = |r: &Replica| r.index.overlap(ask.hashes).blocks() * BLOCK_TOKENS;
-        // What reading a replica's held blocks back from its disk tier costs.
-        let restore_ms = |r: &Replica| {
-            let disk = r.index.overlap(ask.hashes).disk * BLOCK_TOKENS;
-            disk as f64 / r.restore_rate_or(DEFAULT_RESTORE_RATE) * 1e3
+        // The tokens a replica holds by the index, and what reading those on its disk tier
+        // back costs (ms): one index lookup per replica.
+        let held = |r: &Replica| {
+            let o = r.index.overlap(ask.hashes);
+            let disk = (o.disk * BLOCK_TOKENS) as f64;
+            let read_ms = disk / r.restore_rate_or(DEFAULT_RESTORE_RATE) * 1e3;
+            (o.blocks() * BLOCK_TOKENS, read_ms)
         };
         // Who could serve a fetch of the prompt's first tokens, and how many: only replicas the
         // request cannot go to (failed it, over the load cap, draining), so that a session
         // stays where its KV is while it may.
         let all = replicas.all();
         let reusable = ask.hashes.len() * BLOCK_TOKENS;
-        let holders: Vec<(&Arc<Replica>, usize)> = all
+        let holders: Vec<(&Arc<Replica>, usize, f64)> = all
             .iter()
             .filter(|r| {
                 r.role == Role::Decode
@@ -287,19 +289,25 @@ impl Policy {
                     .holder
                     .filter(|(a, _)| *a == r.addr)
                     .map_or(0, |(_, t)| t);
-                (r, held(r).max(hinted).min(reusable))
+                let (h, read_ms) = held(r);
+                (r, h.max(hinted).min(reusable), read_ms)
             })
-            .filter(|&(_, h)| h > 0)
+            .filter(|&(_, h, _)| h > 0)
             .collect();
-        let fetch_ms = |from: &Replica, tokens: usize| {
-            (tokens as f64 * from.kv_bytes_per_token() as f64 / link + restore_ms(from))
+        let fetch_ms = |from: &Replica, tokens: usize, read_ms: f64| {
+            (tokens as f64 * from.kv_bytes_per_token() as f64 / link + read_ms)
                 * f64::from(1 + from.load())
         };
 
         // Decode candidates, best first for a remote prefill: most KV held, rendezvous, load.
-        let mut d_ranked: Vec<(&Arc<Replica>, usize)> =
-            decodes.iter().map(|&d| (d, held(d))).collect();
-        d_ranked.sort_by(|(a, ha), (b, hb)| {
+        let mut d_ranked: Vec<(&Arc<Replica>, usize, f64)> = decodes
+            .iter()
+            .map(|&d| {
+                let (h, read_ms) = held(d);
+                (d, h, read_ms)
+            })
+            .collect();
+        d_ranked.sort_by(|(a, ha, _), (b, hb, _)| {
             hb.cmp(ha)
                 .then_with(|| rendezvous(&key, b).cmp(&rendezvous(&key, a)))
                 .then_with(|| a.load().cmp(&b.load()))
@@ -311,17 +319,15 @@ impl Policy {
         };
         let local = d_ranked
             .iter()
-            .flat_map(|&(d, h)| {
-                let own = (h > 0 || prefills.is_empty())
-                    .then(|| (local_ms(d, h) + restore_ms(d), d, h, None));
-                let fetched =
-                    holders
-                        .iter()
-                        .filter(move |&&(_, fh)| fh > h)
-                        .map(move |&(from, fh)| {
-                            let ms = fetch_ms(from, fh) + local_ms(d, fh);
-                            (ms, d, fh, Some((from, fh)))
-                        });
+            .flat_map(|&(d, h, read_ms)| {
+                let own =
+                    (h > 0 || prefills.is_empty()).then(|| (local_ms(d, h) + read_ms, d, h, None));
+                let fetched = holders.iter().filter(move |&&(_, fh, _)| fh > h).map(
+                    move |&(from, fh, from_read_ms)| {
+                        let f_ms = fetch_ms(from, fh, from_read_ms);
+                        (f_ms + local_ms(d, fh), d, fh, Some((from, fh, f_ms)))
+                    },
+                );
                 own.into_iter().chain(fetched)
             })
             .min_by(|a, b| a.0.total_cmp(&b.0));
@@ -329,10 +335,9 @@ impl Policy {
         let mut p_ranked: Vec<(f64, &Arc<Replica>, usize)> = prefills
             .iter()
             .map(|&p| {
-                let h = held(p);
+                let (h, read_ms) = held(p);
                 let r = rate(p);
-                let ms =
-                    (p.queued_tokens() as f64 + n - h as f64) / r * 1e3 + restore_ms(p) + h_remote;
+                let ms = (p.queued_tokens() as f64 + n - h as f64) / r * 1e3 + read_ms + h_remote;
                 (ms, p, h)
             })
             .collect();
@@ -350,12 +355,8 @@ impl Policy {
             (None, _) => false,
         };
         if go_local && let Some((l_ms, d, dh, fetch)) = local {
-            let fetched = fetch.map_or_else(String::new, |(from, t)| {
-                format!(
-                    " (fetching {t} from {}: est. {:.1} ms)",
-                    from.addr,
-                    fetch_ms(from, t)
-                )
+            let fetched = fetch.map_or_else(String::new, |(from, t, f_ms)| {
+                format!(" (fetching {t} from {}: est. {f_ms:.1} ms)", from.addr)
             });
             let reason = match remote {
                 Some((r_ms, p, ph)) => format!(
@@ -379,13 +380,13 @@ impl Policy {
                 prefill_overlap: 0,
                 reason,
                 prefill_idle: false,
-                fetch: fetch.map(|(from, t)| (from.addr.clone(), t)),
+                fetch: fetch.map(|(from, t, _)| (from.addr.clone(), t)),
             });
         }
         let Some((r_ms, p, ph)) = remote else {
             return Err(Error::NoReplica { role: "prefill" });
         };
-        let (d, dh) = d_ranked[0];
+        let (d, dh, _) = d_ranked[0];
         let l_ms = local.map_or(f64::INFINITY, |l| l.0);
         let reason = format!(
             "remote prefill on {} (holds {ph} of {} tokens, {:.0} tok/s, {} queued), \

@@ -33,6 +33,14 @@ use crate::metrics::RouterMetrics;
 /// node goes down.
 pub(crate) const RECONNECT_MAX: Duration = Duration::from_millis(500);
 
+/// A reported speed (f64 bits), or `fallback` while it is 0 (not measured yet).
+fn measured_or(bits: &AtomicU64, fallback: f64) -> f64 {
+    match f64::from_bits(bits.load(Ordering::Relaxed)) {
+        r if r > 0.0 => r,
+        _ => fallback,
+    }
+}
+
 /// What the router knows of the model, from the first worker that answered.
 #[derive(Debug)]
 pub struct Frontend {
@@ -179,18 +187,12 @@ impl Replica {
     /// Measured tokens per second its disk tier reads back, or `fallback` while nothing has
     /// been measured.
     pub fn restore_rate_or(&self, fallback: f64) -> f64 {
-        match f64::from_bits(self.restore_tokens_per_second.load(Ordering::Relaxed)) {
-            r if r > 0.0 => r,
-            _ => fallback,
-        }
+        measured_or(&self.restore_tokens_per_second, fallback)
     }
 
     /// [`Replica::prefill_rate`], or `fallback` while nothing has been measured.
     pub fn prefill_rate_or(&self, fallback: f64) -> f64 {
-        match self.prefill_rate() {
-            r if r > 0.0 => r,
-            _ => fallback,
-        }
+        measured_or(&self.prefill_tokens_per_second, fallback)
     }
 
     /// Whether peers may fetch KV from its cache: it is up, or draining (its cache is
@@ -579,10 +581,10 @@ impl Replicas {
                     Some(Ok(m)) => {
                         let up = m.status == ServingStatus::Serving as i32;
                         let draining = m.status == ServingStatus::NotServing as i32;
-                        if draining && !r.draining.swap(true, Ordering::Relaxed) {
+                        let was = r.draining.swap(draining, Ordering::Relaxed);
+                        if draining && !was {
                             self.move_sessions(r);
                         }
-                        r.draining.store(draining, Ordering::Relaxed);
                         if up != r.healthy.swap(up, Ordering::Relaxed) {
                             tracing::info!(replica = %r.addr, role = r.role.name(), up, "replica health changed");
                             self.changed.notify_waiters();

@@ -22,6 +22,7 @@ use tonic::{Status, Streaming};
 use crate::client::chunk_frames;
 use crate::error::{Error, Result};
 use crate::format::{Assembler, Chunk, Expectation, Header, ReceivedKv, WireLayout};
+use crate::service::next_frame;
 
 /// What a holder's cache has of a fetch's tokens.
 #[derive(Debug, Default)]
@@ -175,16 +176,9 @@ fn stalled(idle: Duration) -> Error {
     }
 }
 
+/// The holder's next frame, read as a push receiver reads one, within `idle`.
 async fn next(frames: &mut Streaming<pb::PushFrame>, idle: Duration) -> Result<Frame> {
-    match tokio::time::timeout(idle, frames.message()).await {
-        Err(_) => Err(stalled(idle)),
-        Ok(Ok(Some(pb::PushFrame { frame: Some(f) }))) => Ok(f),
-        Ok(Ok(Some(pb::PushFrame { frame: None }))) => Err(Error::Malformed {
-            detail: "an empty frame".into(),
-        }),
-        Ok(Ok(None)) => Err(Error::Malformed {
-            detail: "the stream ended before the trailer".into(),
-        }),
-        Ok(Err(status)) => Err(status.into()),
-    }
+    tokio::time::timeout(idle, next_frame(frames))
+        .await
+        .map_err(|_| stalled(idle))?
 }

@@ -118,7 +118,9 @@ impl KvTransferService {
     }
 }
 
-async fn next_frame(frames: &mut Streaming<pb::PushFrame>) -> Result<Frame> {
+/// A sender's next frame (a push's, or a fetch holder's): an abort's reason cut to a bounded
+/// prefix, and the codec's verdicts on the sender's bytes as the sender's fault.
+pub(crate) async fn next_frame(frames: &mut Streaming<pb::PushFrame>) -> Result<Frame> {
     match frames.message().await {
         Ok(Some(pb::PushFrame {
             frame: Some(Frame::Abort(mut a)),

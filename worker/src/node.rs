@@ -153,15 +153,13 @@ impl Node {
             crate::worker_info(&config.model, kv_layout, role),
             load,
             hub,
+            spill,
             root.child_token(),
-        )
-        .with_spill(spill);
+        );
         let (health, health_service) = tonic_health::server::health_reporter();
-        let reporter = health.clone();
         let routes = routes(Routes::new(health_service).add_service(worker.into_server()));
         let mut service_names = services.to_vec();
         service_names.push("tandem.v1.Worker");
-        let names = service_names.clone();
         tracing::info!(addr = ?listener.local_addr().ok(), model = %config.model.name, "{role} node serving");
         let served = tandem_net::serve(
             listener,
@@ -173,13 +171,8 @@ impl Node {
                 grace: config.grace,
                 tls: config.tls.map(tandem_net::ServerTls::Mutual),
             },
+            shutdown,
             async {
-                shutdown.await;
-                for name in std::iter::once("").chain(names) {
-                    reporter
-                        .set_service_status(name, tonic_health::ServingStatus::NotServing)
-                        .await;
-                }
                 handoff.await;
                 root.cancel();
             },

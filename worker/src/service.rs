@@ -42,10 +42,12 @@ impl std::fmt::Debug for WorkerService {
 }
 
 impl WorkerService {
+    /// The service of a worker whose disk tier, if it has one, reports `spill`.
     pub fn new(
         info: pb::InfoResponse,
         load: Arc<dyn LoadSource>,
         hub: Arc<CacheHub>,
+        spill: Option<Arc<SpillStats>>,
         shutdown: CancellationToken,
     ) -> Self {
         Self {
@@ -53,14 +55,8 @@ impl WorkerService {
             load,
             hub,
             shutdown,
-            spill: None,
+            spill,
         }
-    }
-
-    /// Reports the disk tier's restore speed in `Worker.Load`.
-    pub fn with_spill(mut self, spill: Option<Arc<SpillStats>>) -> Self {
-        self.spill = spill;
-        self
     }
 
     /// The tonic server for this service, with Tandem's message limits.
