@@ -200,6 +200,14 @@ impl SchedulerHandle {
         Ok((Self { tx }, thread))
     }
 
+    /// Sends the command `command` makes of a reply channel and waits for the answer; `None`
+    /// if the scheduler is gone.
+    async fn ask<T>(&self, command: impl FnOnce(oneshot::Sender<T>) -> Command) -> Option<T> {
+        let (reply, answer) = oneshot::channel();
+        self.tx.send(command(reply)).ok()?;
+        answer.await.ok()
+    }
+
     /// Opens `ticket`'s sequence on the longest cached prefix of `hashes`, after keeping the
     /// `fetched` KV of its first tokens in the cache; returns the tokens it holds, or `None` if
     /// the scheduler is gone.
@@ -209,26 +217,21 @@ impl SchedulerHandle {
         hashes: Vec<u64>,
         fetched: Option<KvExport>,
     ) -> Option<usize> {
-        let (reply, answer) = oneshot::channel();
-        self.tx
-            .send(Command::Open {
-                ticket,
-                hashes,
-                fetched,
-                reply,
-            })
-            .ok()?;
-        answer.await.ok()
+        self.ask(|reply| Command::Open {
+            ticket,
+            hashes,
+            fetched,
+            reply,
+        })
+        .await
     }
 
     /// The KV of the longest cached prefix of `hashes`, in cells of at most a prefill chunk;
     /// empty when nothing is cached (or the scheduler is gone).
     pub async fn export(&self, hashes: Vec<u64>) -> Vec<KvExport> {
-        let (reply, answer) = oneshot::channel();
-        if self.tx.send(Command::Export { hashes, reply }).is_err() {
-            return Vec::new();
-        }
-        answer.await.unwrap_or_default()
+        self.ask(|reply| Command::Export { hashes, reply })
+            .await
+            .unwrap_or_default()
     }
 
     /// Stops `ticket`'s sequence for a hand-off. The answer, the tokens of KV kept for a peer
@@ -241,20 +244,16 @@ impl SchedulerHandle {
 
     /// The cached sessions a drain offers to peers, most recently used first.
     pub async fn offer(&self) -> Vec<Session> {
-        let (reply, answer) = oneshot::channel();
-        if self.tx.send(Command::Offer { reply }).is_err() {
-            return Vec::new();
-        }
-        answer.await.unwrap_or_default()
+        self.ask(|reply| Command::Offer { reply })
+            .await
+            .unwrap_or_default()
     }
 
     /// The tokens of the longest cached prefix of `hashes` (0 if the scheduler is gone).
     pub async fn held(&self, hashes: Vec<u64>) -> usize {
-        let (reply, answer) = oneshot::channel();
-        if self.tx.send(Command::Held { hashes, reply }).is_err() {
-            return 0;
-        }
-        answer.await.unwrap_or(0)
+        self.ask(|reply| Command::Held { hashes, reply })
+            .await
+            .unwrap_or(0)
     }
 
     /// Keeps `session`'s fetched KV in the cache; the session's tokens held after, or `None`
@@ -265,16 +264,13 @@ impl SchedulerHandle {
         hashes: Vec<u64>,
         kv: KvExport,
     ) -> Option<Result<usize, tandem_engine::Error>> {
-        let (reply, answer) = oneshot::channel();
-        self.tx
-            .send(Command::Adopt {
-                session,
-                hashes,
-                kv,
-                reply,
-            })
-            .ok()?;
-        answer.await.ok()
+        self.ask(|reply| Command::Adopt {
+            session,
+            hashes,
+            kv,
+            reply,
+        })
+        .await
     }
 
     /// Completes an opened sequence and adds it to the batch. `false` if the scheduler is gone.

@@ -90,8 +90,6 @@ pub struct ClusterConfig {
     pub token_gap: Duration,
     /// The decode nodes' ceiling on a caller's `kv_wait_ms`.
     pub max_kv_wait: Duration,
-    /// How long a stopped decode node hands its streams and their KV off to peers.
-    pub drain_handoff: Duration,
     /// How often the prefill nodes' pushes send keepalives while their KV does not flow.
     pub keepalive: Duration,
     pub grace: Duration,
@@ -130,7 +128,6 @@ impl ClusterConfig {
             kv_wait: Duration::from_secs(10),
             token_gap: tandem_router::Config::default().token_gap,
             max_kv_wait: Duration::from_secs(60),
-            drain_handoff: tandem_decode_server::DEFAULT_DRAIN_HANDOFF,
             keepalive: tandem_transfer::client::KEEPALIVE_INTERVAL,
             grace: Duration::from_secs(2),
             auth: tandem_router::AuthConfig::default(),
@@ -202,7 +199,6 @@ async fn start_decode(
         max_slots: config.decode_slots,
         kv_wait: config.kv_wait,
         max_kv_wait: config.max_kv_wait,
-        drain_handoff: config.drain_handoff,
         ..tandem_decode_server::Config::new(config.model.clone())
     };
     Node::spawn_on(addr, |l, rx| async move {

@@ -1,7 +1,7 @@
 //! `tandem bench`: the engine alone (`engine`), load against any running endpoint (`serve`,
-//! `multiturn`), the KV transfer path (`transfer`), a peer fetch against a cold prompt (`fetch`), the KV dtype's fidelity (`fidelity`), what a
-//! long local prefill does to a decode node's streams (`interference`), and pictures of the
-//! results (`plot`).
+//! `multiturn`), the KV transfer path (`transfer`), a peer fetch against a cold prompt
+//! (`fetch`), the KV dtype's fidelity (`fidelity`), what a long local prefill does to a decode
+//! node's streams (`interference`), and pictures of the results (`plot`).
 //!
 //! `serve` and `multiturn` drive a Tandem router over gRPC or any OpenAI-compatible server
 //! ([`endpoint`]); they never start what they measure.
