@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
-use tandem_engine::EngineConfig;
+use tandem_engine::{EngineConfig, Model};
 use tandem_net::tls::{Role, Tls};
 use tandem_worker::NodeConfig;
 use tokio::net::TcpListener;
@@ -116,6 +116,19 @@ pub(crate) struct WorkerArgs {
         requires = "kv_spill_dir"
     )]
     pub kv_spill_mb: u64,
+    /// On SIGTERM, how long the drain waits, in ms, for what it hands off to be fetched
+    /// before it closes the listener: a decode node's running streams, which move to peers
+    /// with their KV (the router resumes them there), and the most recently used cached
+    /// sequences (a decode node's sessions, a prefill node's prompts), which the router moves
+    /// to peers of the node's role; 0 turns the hand-off off
+    /// (docs/kv-cache.md#peer-fetch-and-the-drain-hand-off).
+    #[arg(long, env = "TANDEM_DRAIN_HANDOFF_MS", default_value_t = tandem_worker::DEFAULT_DRAIN_HANDOFF.as_millis() as u64)]
+    pub drain_handoff_ms: u64,
+    /// The most KV, in MiB, the drain hands off: a decode node's running streams' first, then
+    /// the most recently used cached sequences; what is past it is computed again where it
+    /// goes next.
+    #[arg(long, env = "TANDEM_DRAIN_HANDOFF_MB", default_value_t = tandem_worker::DEFAULT_DRAIN_HANDOFF_BYTES >> 20)]
+    pub drain_handoff_mb: u64,
     #[command(flatten)]
     pub tls: TlsArgs,
 }
@@ -147,6 +160,22 @@ impl TlsArgs {
 }
 
 impl WorkerArgs {
+    /// The node's settings, as `role`, serving `model` on `engine`.
+    fn node(
+        &self,
+        model: Arc<Model>,
+        engine: EngineConfig,
+        role: Role,
+    ) -> anyhow::Result<NodeConfig> {
+        Ok(NodeConfig {
+            tls: self.tls.load(role)?,
+            grace: Duration::from_millis(self.grace_ms),
+            drain_handoff: Duration::from_millis(self.drain_handoff_ms),
+            drain_handoff_bytes: self.drain_handoff_mb << 20,
+            ..NodeConfig::new(model, engine)
+        })
+    }
+
     /// The engine, with a prefix cache of `cache_bytes` when the cache is on.
     fn engine(&self, cache_bytes: usize) -> EngineConfig {
         EngineConfig {
@@ -203,17 +232,6 @@ pub(crate) struct DecodeArgs {
     /// it, so idle reservations cannot hold KV blocks for long.
     #[arg(long, env = "TANDEM_MAX_KV_WAIT_MS", default_value_t = tandem_decode_server::DEFAULT_MAX_KV_WAIT.as_millis() as u64)]
     max_kv_wait_ms: u64,
-    /// On SIGTERM, how long the drain waits, in ms, for running streams to move to peers
-    /// with their KV (the router resumes them there, fetching the KV from this node), and for
-    /// the cached sessions it offers to be fetched by the peers the router moves them to,
-    /// before it closes the listener; 0 turns the hand-off off
-    /// (docs/kv-cache.md#peer-fetch-and-the-drain-hand-off).
-    #[arg(long, env = "TANDEM_DRAIN_HANDOFF_MS", default_value_t = tandem_decode_server::DEFAULT_DRAIN_HANDOFF.as_millis() as u64)]
-    drain_handoff_ms: u64,
-    /// The most KV, in MiB, the drain hands off: running streams' first, then the most
-    /// recently used cached sessions; what is past it is computed again where it goes next.
-    #[arg(long, env = "TANDEM_DRAIN_HANDOFF_MB", default_value_t = tandem_decode_server::DEFAULT_DRAIN_HANDOFF_BYTES >> 20)]
-    drain_handoff_mb: u64,
     /// Prompt-lookup speculative decoding: drafts copied from the sequence itself, verified
     /// several at a time, never changing a token (docs/speculative.md).
     #[arg(long, env = "TANDEM_SPECULATE", value_enum, default_value_t = Switch::On)]
@@ -410,11 +428,11 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 pub(crate) fn prefill(args: &PrefillArgs) -> anyhow::Result<()> {
     let model = args.worker.model.source().load()?;
     let config = tandem_prefill_server::Config {
-        node: NodeConfig {
-            tls: args.worker.tls.load(Role::Prefill)?,
-            grace: Duration::from_millis(args.worker.grace_ms),
-            ..NodeConfig::new(model, args.worker.engine(args.prefix_cache_mb << 20))
-        },
+        node: args.worker.node(
+            model,
+            args.worker.engine(args.prefix_cache_mb << 20),
+            Role::Prefill,
+        )?,
         max_queue: args.max_queue,
         keepalive: tandem_transfer::client::KEEPALIVE_INTERVAL,
     };
@@ -433,16 +451,10 @@ pub(crate) fn decode(args: &DecodeArgs) -> anyhow::Result<()> {
         ..args.worker.engine(usize::MAX)
     };
     let config = tandem_decode_server::Config {
-        node: NodeConfig {
-            tls: args.worker.tls.load(Role::Decode)?,
-            grace: Duration::from_millis(args.worker.grace_ms),
-            ..NodeConfig::new(model, engine)
-        },
+        node: args.worker.node(model, engine, Role::Decode)?,
         max_slots: args.max_slots,
         kv_wait: Duration::from_millis(args.kv_wait_ms),
         max_kv_wait: Duration::from_millis(args.max_kv_wait_ms),
-        drain_handoff: Duration::from_millis(args.drain_handoff_ms),
-        drain_handoff_bytes: args.drain_handoff_mb << 20,
     };
     runtime()?.block_on(async {
         let listener = bind(args.listen, "").await?;

@@ -12,14 +12,10 @@ pub const DEFAULT_MAX_SLOTS: usize = 16;
 pub const DEFAULT_KV_WAIT: Duration = Duration::from_secs(10);
 /// The longest KV wait a caller may ask for, unless configured.
 pub const DEFAULT_MAX_KV_WAIT: Duration = Duration::from_secs(60);
-/// How long a drain waits for its hand-offs, unless configured.
-pub const DEFAULT_DRAIN_HANDOFF: Duration = Duration::from_secs(5);
-/// Bytes of KV a drain keeps for hand-offs at most, unless configured.
-pub const DEFAULT_DRAIN_HANDOFF_BYTES: u64 = 1 << 30;
 
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// The model, engine, TLS and grace every node has; a non-zero `prefix_cache_bytes` turns
+    /// The model, engine, TLS, grace and drain hand-off every node has; a non-zero `prefix_cache_bytes` turns
     /// the session cache on (it may then use the whole pool: cached blocks are evicted
     /// whenever a running sequence needs room).
     pub node: NodeConfig,
@@ -29,12 +25,6 @@ pub struct Config {
     pub kv_wait: Duration,
     /// The longest KV wait a caller may ask for (`kv_wait_ms`); longer asks are cut to it.
     pub max_kv_wait: Duration,
-    /// The drain's hand-off: how long it waits for running streams to move to peers, and for
-    /// the peers to fetch their KV and the offered sessions', before the listener closes
-    /// (zero: no hand-off).
-    pub drain_handoff: Duration,
-    /// The most KV (bytes) the drain hands off: running streams' first, then cached sessions.
-    pub drain_handoff_bytes: u64,
 }
 
 impl Config {
@@ -50,8 +40,6 @@ impl Config {
             max_slots: DEFAULT_MAX_SLOTS,
             kv_wait: DEFAULT_KV_WAIT,
             max_kv_wait: DEFAULT_MAX_KV_WAIT,
-            drain_handoff: DEFAULT_DRAIN_HANDOFF,
-            drain_handoff_bytes: DEFAULT_DRAIN_HANDOFF_BYTES,
         }
     }
 

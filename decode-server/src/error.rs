@@ -26,9 +26,6 @@ pub enum Error {
     #[error("engine: {0}")]
     Step(std::sync::Arc<tandem_engine::Error>),
 
-    #[error("{0}")]
-    FailedPrecondition(&'static str),
-
     #[error("deadline exceeded")]
     Deadline,
 
@@ -48,7 +45,6 @@ impl From<Error> for Status {
             Error::Capacity { .. } => Status::resource_exhausted(e.to_string()),
             Error::KvTimeout { .. } | Error::ShuttingDown => Status::unavailable(e.to_string()),
             Error::Transfer(t) => Status::new(t.request_code(), e.to_string()),
-            Error::FailedPrecondition(_) => Status::failed_precondition(e.to_string()),
             Error::Deadline => Status::deadline_exceeded(e.to_string()),
             Error::Engine(tandem_engine::Error::InvalidArgument { .. }) => {
                 Status::invalid_argument(e.to_string())

@@ -16,19 +16,16 @@ use std::future::Future;
 use std::sync::Arc;
 
 use tandem_proto::v1 as pb;
-use tandem_transfer::{FetchSource, KvTransferService, Reservations, TransferMetrics};
-use tandem_worker::{Node, NodeError};
+use tandem_transfer::{KvTransferService, Reservations, TransferMetrics};
+use tandem_worker::moves::Handoffs;
+use tandem_worker::{KvMoves, MoveMetrics, Node, NodeError};
 use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 
-pub use config::{
-    Config, DEFAULT_DRAIN_HANDOFF, DEFAULT_DRAIN_HANDOFF_BYTES, DEFAULT_KV_WAIT,
-    DEFAULT_MAX_KV_WAIT, DEFAULT_MAX_SLOTS,
-};
+pub use config::{Config, DEFAULT_KV_WAIT, DEFAULT_MAX_KV_WAIT, DEFAULT_MAX_SLOTS};
 pub use error::{Error, Result};
 
 use crate::admission::Admission;
-use crate::handoff::SessionCache;
 use crate::metrics::DecodeMetrics;
 use crate::request::RequestContext;
 use crate::scheduler::{SchedulerHandle, Shared};
@@ -46,39 +43,37 @@ pub async fn run(
         max_slots,
         kv_wait,
         max_kv_wait,
-        drain_handoff,
-        drain_handoff_bytes,
     } = config;
+    let drain_handoff = node.drain_handoff;
     let mut node = Node::new("decode", node);
     let engine = node.engine()?;
     let total_blocks = engine.kv_blocks_total();
     let kv_layout = engine.kv_layout();
     let prefix_cache = engine.prefix_cache_enabled();
+    let handoffs = Arc::new(Handoffs::default());
     let shared = Arc::new(Shared {
         metrics: DecodeMetrics::register(&mut node.registry),
         hub: node.hub.clone(),
         throughput: Default::default(),
-        handoffs: Arc::default(),
+        handoffs: handoffs.clone(),
     });
     let transfer_metrics = TransferMetrics::register(&mut node.registry);
-    // Without a hand-off window nobody could fetch what a drain keeps: it keeps nothing.
-    let handoff_bytes = if drain_handoff.is_zero() {
-        0
-    } else {
-        drain_handoff_bytes
-    };
-    let (scheduler, thread) =
-        SchedulerHandle::spawn(engine, shared.clone(), max_slots, handoff_bytes)
-            .map_err(NodeError::spawn("scheduler"))?;
-    let fetches = FetchSource {
-        fingerprint: node.config.model.fingerprint.0,
-        layout: tandem_worker::wire_layout(kv_layout),
-        source: Arc::new(SessionCache {
-            model: node.config.model.clone(),
-            scheduler: scheduler.clone(),
-            handoffs: shared.handoffs.clone(),
-        }),
-    };
+    let (scheduler, thread) = SchedulerHandle::spawn(
+        engine,
+        shared.clone(),
+        max_slots,
+        node.config.handoff_budget(),
+    )
+    .map_err(NodeError::spawn("scheduler"))?;
+    let moves = KvMoves::new(
+        node.config.model.clone(),
+        kv_layout,
+        node.config.tls.clone(),
+        Arc::new(scheduler.clone()),
+        prefix_cache,
+        handoffs,
+        MoveMetrics::register(&mut node.registry, "decode"),
+    );
     let reservations = Reservations::default();
     let tracker = TaskTracker::new();
     let ctx = RequestContext {
@@ -93,8 +88,8 @@ pub async fn run(
         kv_wait,
         max_kv_wait,
         shutdown: node.root.child_token(),
-        draining: node.root.child_token(),
-        tls: node.config.tls.clone(),
+        draining: moves.draining.clone(),
+        moves: moves.clone(),
         tracker: tracker.clone(),
         next_ticket: Arc::default(),
     };
@@ -103,6 +98,7 @@ pub async fn run(
             listener,
             kv_layout,
             Arc::new(DecodeLoad { ctx: ctx.clone() }),
+            moves.clone(),
             |routes| {
                 routes
                     .add_service(tandem_proto::limits!(pb::decode_server::DecodeServer::new(
@@ -110,7 +106,7 @@ pub async fn run(
                     )))
                     .add_service(
                         KvTransferService::new(reservations, transfer_metrics)
-                            .with_source(fetches)
+                            .with_source(moves.fetch_source())
                             .into_server(),
                     )
             },

@@ -18,12 +18,8 @@ pub const LOCAL_PREFILL_TOKENS: &str = "tandem_decode_local_prefill_tokens";
 pub const DRAFT_TOKENS: &str = "tandem_decode_draft_tokens";
 pub const ACCEPTED_DRAFT_TOKENS: &str = "tandem_decode_accepted_draft_tokens";
 pub const FETCHED_TOKENS: &str = "tandem_decode_fetched_tokens";
-pub const FETCH_FAILURES: &str = "tandem_decode_fetch_failures";
 pub const HANDED_OFF_STREAMS: &str = "tandem_decode_handed_off_streams";
 pub const HANDED_OFF_TOKENS: &str = "tandem_decode_handed_off_tokens";
-pub const OFFERED_SESSIONS: &str = "tandem_decode_offered_sessions";
-pub const ADOPTED_SESSIONS: &str = "tandem_decode_adopted_sessions";
-pub const ADOPTED_TOKENS: &str = "tandem_decode_adopted_tokens";
 
 #[derive(Clone, Debug)]
 pub struct DecodeMetrics {
@@ -47,16 +43,9 @@ pub struct DecodeMetrics {
     pub accepted_draft_tokens: Counter,
     /// Prompt tokens whose KV was fetched from a peer's cache instead of computed.
     pub fetched_tokens: Counter,
-    /// Peer fetches that failed or stalled (their tokens were computed instead).
-    pub fetch_failures: Counter,
     /// Running streams handed off at drain, and the tokens of KV kept for their peers to fetch.
     pub handed_off_streams: Counter,
     pub handed_off_tokens: Counter,
-    /// Cached sessions offered to peers at drain.
-    pub offered_sessions: Counter,
-    /// Sessions moved here from a draining peer, and the tokens of KV fetched for them.
-    pub adopted_sessions: Counter,
-    pub adopted_tokens: Counter,
 }
 
 impl DecodeMetrics {
@@ -75,12 +64,8 @@ impl DecodeMetrics {
             draft_tokens: Counter::default(),
             accepted_draft_tokens: Counter::default(),
             fetched_tokens: Counter::default(),
-            fetch_failures: Counter::default(),
             handed_off_streams: Counter::default(),
             handed_off_tokens: Counter::default(),
-            offered_sessions: Counter::default(),
-            adopted_sessions: Counter::default(),
-            adopted_tokens: Counter::default(),
         };
         registry.register(
             ACTIVE_SLOTS,
@@ -144,11 +129,6 @@ impl DecodeMetrics {
             m.fetched_tokens.clone(),
         );
         registry.register(
-            FETCH_FAILURES,
-            "Peer fetches that failed or stalled; their tokens were computed instead",
-            m.fetch_failures.clone(),
-        );
-        registry.register(
             HANDED_OFF_STREAMS,
             "Running streams handed off to a peer at drain, with their KV",
             m.handed_off_streams.clone(),
@@ -157,21 +137,6 @@ impl DecodeMetrics {
             HANDED_OFF_TOKENS,
             "Tokens of KV kept at drain for the peers that continue the streams",
             m.handed_off_tokens.clone(),
-        );
-        registry.register(
-            OFFERED_SESSIONS,
-            "Cached sessions offered at drain for peers to take",
-            m.offered_sessions.clone(),
-        );
-        registry.register(
-            ADOPTED_SESSIONS,
-            "Sessions moved into this node's session cache from a draining peer",
-            m.adopted_sessions.clone(),
-        );
-        registry.register(
-            ADOPTED_TOKENS,
-            "Tokens of KV fetched for sessions moved here from a draining peer",
-            m.adopted_tokens.clone(),
         );
         m
     }

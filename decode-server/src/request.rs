@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use tandem_engine::{FinishReason, GenerateParams, Model, Stream};
 use tandem_proto::v1 as pb;
 use tandem_transfer::{Expectation, Reservations};
+use tandem_worker::KvMoves;
 use tokio::sync::mpsc;
 use tokio::time::Instant as TokioInstant;
 use tokio_stream::wrappers::ReceiverStream;
@@ -72,10 +73,11 @@ pub(crate) struct RequestContext {
     pub kv_wait: Duration,
     pub max_kv_wait: Duration,
     pub shutdown: CancellationToken,
-    /// Cancelled as the drain begins: new requests are refused, running streams hand off.
+    /// Cancelled as the drain begins (the moves' `draining`): new requests are refused,
+    /// running streams hand off.
     pub draining: CancellationToken,
-    /// TLS for the node's own calls (peer fetches).
-    pub tls: Option<tandem_net::tls::Tls>,
+    /// Peer fetches, and the drain's offer.
+    pub moves: KvMoves,
     pub tracker: TaskTracker,
     pub next_ticket: Arc<AtomicU64>,
 }
@@ -217,7 +219,7 @@ impl RequestContext {
             Some((addr, tokens)) if self.prefix_cache => {
                 let asked = (*tokens).min(plan.hashes.len() * tandem_engine::BLOCK_TOKENS);
                 tokio::select! {
-                    kv = self.fetch(addr, &plan.request_id, &plan.cache_salt, &plan.prompt[..asked]) => kv,
+                    kv = self.moves.fetch(addr, &plan.request_id, &plan.cache_salt, &plan.prompt[..asked]) => kv,
                     () = tx.closed() => return Ok(()),
                     () = &mut until_deadline => return Err(Error::Deadline),
                     () = self.draining.cancelled() => return Err(Error::ShuttingDown),

@@ -35,10 +35,10 @@ use std::time::Instant;
 use tandem_engine::{
     Decoding, Emission, Engine, KvExport, PromptChunk, SeqId, Stream, TokenLogprobs,
 };
+use tandem_worker::moves::{self, EngineCache, Handoffs, Recent, Session};
 use tandem_worker::{CacheHub, Throughput};
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
-use crate::handoff::{Recent, Session};
 use crate::metrics::DecodeMetrics;
 
 /// Identifies one admitted request to the scheduler.
@@ -181,7 +181,7 @@ pub struct Shared {
     /// Local prefill speed.
     pub throughput: Throughput,
     /// Sequences kept at drain for peers to fetch.
-    pub handoffs: Arc<crate::handoff::Handoffs>,
+    pub handoffs: Arc<Handoffs>,
 }
 
 impl SchedulerHandle {
@@ -226,14 +226,6 @@ impl SchedulerHandle {
         .await
     }
 
-    /// The KV of the longest cached prefix of `hashes`, in cells of at most a prefill chunk;
-    /// empty when nothing is cached (or the scheduler is gone).
-    pub async fn export(&self, hashes: Vec<u64>) -> Vec<KvExport> {
-        self.ask(|reply| Command::Export { hashes, reply })
-            .await
-            .unwrap_or_default()
-    }
-
     /// Stops `ticket`'s sequence for a hand-off. The answer, the tokens of KV kept for a peer
     /// (0: none), comes before the sequence's event channel closes.
     pub fn hand_off(&self, ticket: Ticket) -> oneshot::Receiver<usize> {
@@ -242,23 +234,38 @@ impl SchedulerHandle {
         answer
     }
 
-    /// The cached sessions a drain offers to peers, most recently used first.
-    pub async fn offer(&self) -> Vec<Session> {
+    /// Completes an opened sequence and adds it to the batch. `false` if the scheduler is gone.
+    pub fn start(&self, start: Start) -> bool {
+        self.tx.send(Command::Start(Box::new(start))).is_ok()
+    }
+
+    /// Removes a sequence, opened or running (a no-op if it already finished).
+    pub fn cancel(&self, ticket: Ticket) {
+        let _ = self.tx.send(Command::Cancel(ticket));
+    }
+}
+
+#[tonic::async_trait]
+impl EngineCache for SchedulerHandle {
+    async fn export(&self, hashes: Vec<u64>) -> Vec<KvExport> {
+        self.ask(|reply| Command::Export { hashes, reply })
+            .await
+            .unwrap_or_default()
+    }
+
+    async fn offer(&self) -> Vec<Session> {
         self.ask(|reply| Command::Offer { reply })
             .await
             .unwrap_or_default()
     }
 
-    /// The tokens of the longest cached prefix of `hashes` (0 if the scheduler is gone).
-    pub async fn held(&self, hashes: Vec<u64>) -> usize {
+    async fn held(&self, hashes: Vec<u64>) -> usize {
         self.ask(|reply| Command::Held { hashes, reply })
             .await
             .unwrap_or(0)
     }
 
-    /// Keeps `session`'s fetched KV in the cache; the session's tokens held after, or `None`
-    /// if the scheduler is gone.
-    pub async fn adopt(
+    async fn adopt(
         &self,
         session: Session,
         hashes: Vec<u64>,
@@ -271,16 +278,6 @@ impl SchedulerHandle {
             reply,
         })
         .await
-    }
-
-    /// Completes an opened sequence and adds it to the batch. `false` if the scheduler is gone.
-    pub fn start(&self, start: Start) -> bool {
-        self.tx.send(Command::Start(Box::new(start))).is_ok()
-    }
-
-    /// Removes a sequence, opened or running (a no-op if it already finished).
-    pub fn cancel(&self, ticket: Ticket) {
-        let _ = self.tx.send(Command::Cancel(ticket));
     }
 }
 
@@ -375,7 +372,8 @@ impl Scheduler {
                 reply,
             } => {
                 if let Some(kv) = fetched
-                    && let Err(e) = self.adopt(&hashes, &kv)
+                    && let Err(e) =
+                        moves::keep_fetched(&mut self.engine, &self.shared.hub, &hashes, &kv)
                 {
                     tracing::warn!(error = %e, "could not keep fetched KV");
                 }
@@ -388,7 +386,8 @@ impl Scheduler {
             Command::Start(start) => self.start(*start),
             Command::Cancel(ticket) => self.remove(ticket),
             Command::Export { hashes, reply } => {
-                let _ = reply.send(self.export(&hashes));
+                let exported = moves::export_cached(&mut self.engine, &self.shared.hub, &hashes);
+                let _ = reply.send(exported);
             }
             Command::HandOff { ticket, reply } => {
                 let kept = self.hand_off(ticket);
@@ -401,7 +400,7 @@ impl Scheduler {
                 let _ = reply.send(self.offer());
             }
             Command::Held { hashes, reply } => {
-                let _ = reply.send(self.held(&hashes));
+                let _ = reply.send(moves::held(&mut self.engine, &self.shared.hub, &hashes));
             }
             Command::Adopt {
                 session,
@@ -409,37 +408,15 @@ impl Scheduler {
                 kv,
                 reply,
             } => {
-                let adopted = self.adopt(&hashes, &kv).map(|()| {
+                let hub = &self.shared.hub;
+                let adopted = moves::keep_fetched(&mut self.engine, hub, &hashes, &kv).map(|()| {
                     self.recent
                         .kept(&session.cache_salt, &session.tokens, &hashes);
-                    self.held(&hashes)
+                    moves::held(&mut self.engine, hub, &hashes)
                 });
                 let _ = reply.send(adopted);
             }
         }
-    }
-
-    /// Keeps KV fetched from a peer (the first tokens of the sequence `hashes` describes) in
-    /// the cache. A failure only costs the fetch: the lookup then finds less.
-    fn adopt(&mut self, hashes: &[u64], kv: &KvExport) -> Result<(), tandem_engine::Error> {
-        let blocks = (kv.tokens.end / tandem_engine::BLOCK_TOKENS).min(hashes.len());
-        let seq = self.engine.new_sequence();
-        let kept = self
-            .engine
-            .import_kv(seq, kv)
-            .and_then(|()| self.engine.cache_sequence(seq, &hashes[..blocks]));
-        let _ = self.engine.free(seq);
-        self.shared.hub.publish(self.engine.take_cache_events());
-        kept
-    }
-
-    /// The tokens of the longest cached prefix of `hashes`.
-    fn held(&mut self, hashes: &[u64]) -> usize {
-        let (seq, cached) = self.engine.new_sequence_cached(hashes);
-        let _ = self.engine.free(seq);
-        // A restore from the disk tier changes the cache.
-        self.shared.hub.publish(self.engine.take_cache_events());
-        cached
     }
 
     /// The sessions a drain offers: the most recently used ones still in the pool, as many as
@@ -458,32 +435,12 @@ impl Scheduler {
             .sum::<u64>()
             * token_bytes;
         let mut left = self.handoff_budget.saturating_sub(running);
-        let mut offer = Vec::new();
-        for s in self.recent.by_recency() {
-            let bytes = s.tokens.len() as u64 * token_bytes;
-            if bytes <= left && self.engine.caches(s.last) {
-                left -= bytes;
-                self.handoff_budget -= bytes;
-                offer.push(s.clone());
-            }
-        }
+        let offer = moves::offer_within(&self.engine, &self.recent, &mut left);
+        self.handoff_budget -= offer
+            .iter()
+            .map(|s| s.tokens.len() as u64 * token_bytes)
+            .sum::<u64>();
         offer
-    }
-
-    /// The KV of the longest cached prefix of `hashes`, in cells of at most a prefill chunk.
-    fn export(&mut self, hashes: &[u64]) -> Vec<KvExport> {
-        let (seq, cached) = self.engine.new_sequence_cached(hashes);
-        let grid = self.engine.prefill_chunk_tokens();
-        let cells = tandem_worker::grid_cells(0..cached, grid)
-            .map(|cell| self.engine.export_kv(seq, cell))
-            .collect::<Result<Vec<_>, _>>();
-        let _ = self.engine.free(seq);
-        // A restore from the disk tier changes the cache.
-        self.shared.hub.publish(self.engine.take_cache_events());
-        cells.unwrap_or_else(|e| {
-            tracing::warn!(error = %e, "could not export cached KV");
-            Vec::new()
-        })
     }
 
     /// Keeps a running (or waiting) sequence's KV in the cache for a peer to fetch, within the

@@ -1,6 +1,5 @@
-//! The decode node's gRPC face: `Decode.Generate`, `Decode.Sessions` and `Decode.Adopt`, and its
-//! answer to `Worker.Load`. Converts between protobuf and domain types; the work happens in
-//! [`crate::request`], [`crate::handoff`] and the scheduler.
+//! The decode node's gRPC face: `Decode.Generate`, and its answer to `Worker.Load`. Converts
+//! between protobuf and domain types; the work happens in [`crate::request`] and the scheduler.
 
 use std::pin::Pin;
 
@@ -70,37 +69,6 @@ impl pb::decode_server::Decode for DecodeService {
         };
         let stream = self.ctx.start(plan)?;
         Ok(Response::new(Box::pin(stream)))
-    }
-
-    async fn sessions(
-        &self,
-        _request: Request<pb::SessionsRequest>,
-    ) -> Result<Response<pb::SessionsResponse>, Status> {
-        Ok(Response::new(pb::SessionsResponse {
-            sessions: self.ctx.sessions().await,
-        }))
-    }
-
-    #[tracing::instrument(skip_all, fields(request_id = %tandem_proto::loggable_id(&request.get_ref().request_id)))]
-    async fn adopt(
-        &self,
-        request: Request<pb::AdoptRequest>,
-    ) -> Result<Response<pb::AdoptResponse>, Status> {
-        let r = request.into_inner();
-        tandem_proto::check_ids(&[("request_id", &r.request_id)])
-            .map_err(|(field, reason)| Error::InvalidArgument { field, reason })?;
-        let session = r.session.ok_or(Error::InvalidArgument {
-            field: "session",
-            reason: "missing".into(),
-        })?;
-        let (held, fetched) = self
-            .ctx
-            .adopt(&r.request_id, &r.holder_addr, session)
-            .await?;
-        Ok(Response::new(pb::AdoptResponse {
-            cached_tokens: held as u32,
-            fetched_tokens: fetched as u32,
-        }))
     }
 }
 

@@ -1,7 +1,8 @@
-//! KV moving between decode nodes at a drain, through a whole cluster. A draining node's cached
-//! sessions move to its peer: the router takes the node's offer (`Decode.Sessions`) and asks the
-//! peer to take each (`Decode.Adopt`), which fetches the KV, so the sessions' next turns are
-//! hits there (the tiny model). And under faults: the holder cut off while its sessions move
+//! KV moving between workers of one role at a drain, through a whole cluster. A draining decode
+//! node's cached sessions move to its peer: the router takes the node's offer
+//! (`Worker.Sessions`) and asks the peer to take each (`Worker.Adopt`), which fetches the KV, so
+//! the sessions' next turns are hits there (the tiny model). A draining prefill node's hottest
+//! prompts move to its peer the same way. And under faults: the holder cut off while its sessions move
 //! (the tiny model), a drain racing the clients' cancels, and a drain whose only peer is full
 //! (SmolLM2, whose streams run long enough to be caught by a drain). In each, every stream that
 //! completes says exactly what the fault-free run said, none hangs, and no node is left holding
@@ -16,6 +17,11 @@ use tandem_integration_tests::{
     smollm2_model,
 };
 use tandem_proto::v1 as pb;
+
+const MOVED_DECODE: &str = "tandem_router_moved_sessions_total{role=\"decode\"}";
+const MOVED_DECODE_TOKENS: &str = "tandem_router_moved_session_tokens_total{role=\"decode\"}";
+const MOVED_PREFILL: &str = "tandem_router_moved_sessions_total{role=\"prefill\"}";
+const MOVED_PREFILL_TOKENS: &str = "tandem_router_moved_session_tokens_total{role=\"prefill\"}";
 
 fn tiny() -> Arc<Model> {
     tandem_engine::ModelSource::TINY.load().expect("tiny")
@@ -145,13 +151,13 @@ async fn a_draining_decode_node_moves_its_cached_sessions_to_its_peer() {
         .expect("the drained node stops cleanly once its sessions were fetched");
     let (router, peer) = (cluster.router.addr, cluster.decode[0].addr);
     until(Duration::from_secs(20), "every session moved", || async {
-        counter(router, "tandem_router_moved_sessions_total").await >= moving as f64
+        counter(router, MOVED_DECODE).await >= moving as f64
     })
     .await;
     let adopted = counter(peer, "tandem_decode_adopted_tokens_total").await;
     assert_eq!(
         adopted,
-        counter(router, "tandem_router_moved_session_tokens_total").await,
+        counter(router, MOVED_DECODE_TOKENS).await,
         "what the router counts moved is what the peer fetched"
     );
     assert!(adopted >= (moving * 128) as f64, "{adopted} tokens moved");
@@ -177,6 +183,95 @@ async fn a_draining_decode_node_moves_its_cached_sessions_to_its_peer() {
         cold_answers(&prompts).await,
         "the cold run's tokens"
     );
+}
+
+/// A draining prefill node's prompts move to its peer's prefix cache (the router's counter, the
+/// peer's, the peer's cache snapshot), and a prompt computed there from the moved KV says
+/// exactly what it said the first time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_prefill_node_moves_its_hottest_prompts_to_its_peer() {
+    let model = tiny();
+    let mut cluster = Cluster::start(ClusterConfig {
+        prefill: 2,
+        ..ClusterConfig::new(model.clone())
+    })
+    .await
+    .expect("cluster");
+    let mut client = cluster.client();
+    let (mut prompts, mut firsts, mut homes) = (Vec::new(), Vec::new(), Vec::new());
+    for s in 0..6 {
+        let prompt = tokens(120 + 30 * s, s);
+        let reply = collect(&mut client, turn(s, prompt.clone(), 16))
+            .await
+            .expect("a cold prompt");
+        let route = reply.last.route.expect("route");
+        assert_eq!(route.disaggregation, "remote", "{route:?}");
+        homes.push(route.prefill);
+        prompts.push(prompt);
+        firsts.push(reply.token_ids);
+    }
+    let seen = |i: usize| cluster.prefill[i].addr.to_string();
+    let (drained, moving) = busiest(&homes, seen, 2);
+    let drained_addr = seen(drained);
+    cluster
+        .prefill
+        .remove(drained)
+        .stop()
+        .await
+        .expect("the drained node stops cleanly once its prompts were fetched");
+    let (router, peer) = (cluster.router.addr, &cluster.prefill[0]);
+    until(Duration::from_secs(20), "every prompt moved", || async {
+        counter(router, MOVED_PREFILL).await >= moving as f64
+    })
+    .await;
+    let adopted = counter(peer.addr, "tandem_prefill_adopted_tokens_total").await;
+    assert_eq!(
+        adopted,
+        counter(router, MOVED_PREFILL_TOKENS).await,
+        "what the router counts moved is what the peer fetched"
+    );
+    assert!(adopted >= (moving * 112) as f64, "{adopted} tokens moved");
+    let mut worker = pb::worker_client::WorkerClient::new(peer.channel());
+    let snapshot = worker
+        .cache_snapshot(pb::CacheSnapshotRequest {})
+        .await
+        .expect("snapshot")
+        .into_inner();
+    let fingerprint = &model.fingerprint.0;
+    for (s, p) in prompts.iter().enumerate() {
+        if homes[s] == drained_addr {
+            let hashes = tandem_proto::block_hash::prompt_hashes(fingerprint, "", p);
+            assert!(
+                hashes.iter().all(|h| snapshot.hashes.contains(h)),
+                "prompt {s} moved into the peer's prefix cache"
+            );
+        }
+    }
+
+    // With the decode node's session cache gone, each moved prompt is computed on the peer
+    // from the KV it adopted, and says what it said before.
+    cluster.restart_decode(0).await.expect("restart");
+    cluster
+        .wait_ready(Duration::from_secs(20))
+        .await
+        .expect("ready");
+    let mut client = cluster.client();
+    for (s, p) in prompts.iter().enumerate() {
+        if homes[s] != drained_addr {
+            continue;
+        }
+        let again = collect(&mut client, turn(s, p.clone(), 16))
+            .await
+            .expect("the prompt again");
+        let usage = again.last.usage.expect("usage");
+        let whole = tandem_proto::block_hash::reusable_blocks(p.len()) * 16;
+        assert_eq!(
+            usage.prefill_cached_tokens as usize, whole,
+            "prompt {s} found in the peer's cache: {usage:?}"
+        );
+        assert_eq!(again.token_ids, firsts[s], "prompt {s}: the first run's tokens");
+    }
+    cluster.stop().await.expect("stop");
 }
 
 /// The holder of the sessions being moved is cut off (every connection to it closed) once the

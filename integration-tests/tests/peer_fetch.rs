@@ -1,9 +1,9 @@
-//! Peer fetch between decode nodes, called directly: a node fetches the KV of a prompt's first
-//! tokens from the peer whose session cache holds them, computes only what follows, and says
-//! exactly what the holder said; a holder that cannot be reached costs the fetch and nothing
-//! else (the tokens are computed).
+//! Peer fetch, called directly: a decode node fetches the KV of a prompt's first tokens from the
+//! peer whose session cache holds them, or from the prefill node whose prefix cache does,
+//! computes only what follows, and says exactly what the holder said; a holder that cannot be
+//! reached costs the fetch and nothing else (the tokens are computed).
 
-use tandem_integration_tests::{Cluster, ClusterConfig, metrics, sample};
+use tandem_integration_tests::{Cluster, ClusterConfig, collect, greedy, metrics, sample};
 use tandem_proto::v1 as pb;
 
 fn request(prompt: &[u32], fetch_addr: String, fetch_tokens: u32) -> pb::DecodeRequest {
@@ -90,6 +90,43 @@ async fn a_decode_node_fetches_a_prompt_from_the_peer_that_holds_it() {
     assert_eq!(
         sample(&text, "tandem_decode_fetch_failures_total"),
         Some(1.0)
+    );
+    cluster.stop().await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_node_fetches_a_prompt_from_a_prefill_nodes_prefix_cache() {
+    let model = tandem_engine::ModelSource::TINY.load().expect("tiny");
+    let mut config = ClusterConfig::new(model);
+    config.decode = 2;
+    let cluster = Cluster::start(config).await.expect("cluster");
+    let prompt: Vec<u32> = (0..70).map(|i| 5 + (i * 11) % 200).collect();
+    // Through the router, a cold prompt is computed on the prefill node, which keeps its 4
+    // whole blocks in its prefix cache.
+    let mut through = greedy(prompt.clone(), 12);
+    if let Some(s) = through.sampling.as_mut() {
+        s.ignore_eos = true;
+    }
+    let want = collect(&mut cluster.client(), through)
+        .await
+        .expect("generate");
+    let route = want.last.route.expect("route");
+    assert_eq!(route.disaggregation, "remote", "{route:?}");
+    let prefill = &cluster.prefill[0];
+    let fetcher = cluster
+        .decode
+        .iter()
+        .find(|d| d.addr.to_string() != route.decode)
+        .expect("the decode node the prompt did not go to");
+
+    let (admitted, got) = decode(fetcher, request(&prompt, prefill.addr.to_string(), 64)).await;
+    assert_eq!(admitted.fetched_tokens, 64, "{admitted:?}");
+    assert_eq!(admitted.cached_tokens, 64);
+    assert_eq!(got, want.token_ids, "the same tokens as the first run's");
+    let text = metrics(prefill.addr).await.expect("metrics");
+    assert_eq!(
+        sample(&text, "tandem_kv_fetch_served_bytes_total"),
+        Some(admitted.fetched_bytes as f64)
     );
     cluster.stop().await.expect("stop");
 }

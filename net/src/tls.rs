@@ -32,9 +32,9 @@ pub const ROLE_URI_PREFIX: &str = "spiffe://tandem/";
 pub enum Role {
     /// Calls the workers: Prefill, Decode, Worker (info, load, cache events).
     Router,
-    /// Pushes KV to decode nodes.
+    /// Pushes KV to decode nodes; fetches cached KV from its peers (a drain's moves).
     Prefill,
-    /// Serves Decode and KvTransfer; calls nothing.
+    /// Serves Decode and KvTransfer; fetches cached KV from decode and prefill nodes.
     Decode,
     /// Operators' tools: health checks and metrics scrapes.
     Client,
@@ -77,8 +77,9 @@ const SERVICES: [(&str, &[Role]); 8] = [
     ("tandem.v1.Prefill", &[Role::Router]),
     ("tandem.v1.Decode", &[Role::Router]),
     ("tandem.v1.Worker", &[Role::Router]),
-    // Peer fetch: a decode node pulls cached KV from another.
-    ("tandem.v1.KvTransfer/Fetch", &[Role::Decode]),
+    // Peer fetch: a decode node pulls cached KV from a decode or prefill node, a prefill node
+    // from a draining prefill peer.
+    ("tandem.v1.KvTransfer/Fetch", &[Role::Decode, Role::Prefill]),
     ("tandem.v1.KvTransfer", &[Role::Prefill]),
     ("grpc.health.v1.Health", &Role::ALL),
     ("grpc.reflection.v1.ServerReflection", &Role::ALL),
@@ -274,6 +275,11 @@ mod tests {
         assert!(!may("/tandem.v1.KvTransfer/Push", Role::Client));
         assert!(!may("/tandem.v1.KvTransfer/Push", Role::Router));
         assert!(may("/tandem.v1.Worker/Load", Role::Router));
+        assert!(may("/tandem.v1.Worker/Adopt", Role::Router));
+        assert!(!may("/tandem.v1.Worker/Adopt", Role::Decode));
+        assert!(may("/tandem.v1.KvTransfer/Fetch", Role::Prefill));
+        assert!(may("/tandem.v1.KvTransfer/Fetch", Role::Decode));
+        assert!(!may("/tandem.v1.KvTransfer/Fetch", Role::Client));
         assert!(!may("/tandem.v1.Decode/Generate", Role::Prefill));
         assert!(may("/grpc.health.v1.Health/Check", Role::Client));
         assert!(may("/metrics", Role::Client));

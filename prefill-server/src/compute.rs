@@ -14,13 +14,19 @@
 //! Push cells and compute chunks are both cut at multiples of the chunk size, so every compute
 //! chunk completes exactly one push cell, and the header's chunk count is known before the cache
 //! is consulted.
+//!
+//! The thread also answers the KV moves' [`Command`]s ([`tandem_worker::moves`]: peer fetches
+//! from the prefix cache, the drain's offer of its hottest prompts, prompts adopted from a
+//! draining peer): before the next job, and between the chunks of a running one, so a fetch
+//! waits for one chunk at most, never for the queue.
 
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tandem_engine::{Engine, GenerateParams, SeqId, TokenLogprobs};
+use tandem_engine::{Engine, GenerateParams, KvExport, SeqId, TokenLogprobs};
 use tandem_transfer::KvPush;
+use tandem_worker::moves::{self, EngineCache, Recent, Session};
 use tandem_worker::{CacheHub, Throughput};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -38,6 +44,8 @@ pub(crate) struct Job {
 #[derive(Debug)]
 pub(crate) struct Work {
     pub tokens: Vec<u32>,
+    /// The cache partition the hashes are seeded with.
+    pub cache_salt: String,
     /// Block hashes of the prompt's full blocks (empty with the cache off).
     pub hashes: Vec<u64>,
     /// The prompt tokens whose KV goes to the decode node (it holds the rest).
@@ -71,122 +79,282 @@ pub(crate) struct Shared {
     pub throughput: Throughput,
 }
 
+/// What the KV moves ask of the thread's cache.
+#[derive(Debug)]
+enum Command {
+    Export {
+        hashes: Vec<u64>,
+        reply: oneshot::Sender<Vec<KvExport>>,
+    },
+    Held {
+        hashes: Vec<u64>,
+        reply: oneshot::Sender<usize>,
+    },
+    Adopt {
+        session: Session,
+        hashes: Vec<u64>,
+        kv: KvExport,
+        reply: oneshot::Sender<Result<usize, tandem_engine::Error>>,
+    },
+    Offer {
+        reply: oneshot::Sender<Vec<Session>>,
+    },
+}
+
+/// The thread's prefix cache, as the KV moves reach it.
+#[derive(Clone, Debug)]
+pub(crate) struct ComputeCache {
+    tx: mpsc::UnboundedSender<Command>,
+}
+
+impl ComputeCache {
+    async fn ask<T>(&self, command: impl FnOnce(oneshot::Sender<T>) -> Command) -> Option<T> {
+        let (reply, answer) = oneshot::channel();
+        self.tx.send(command(reply)).ok()?;
+        answer.await.ok()
+    }
+}
+
+#[tonic::async_trait]
+impl EngineCache for ComputeCache {
+    async fn export(&self, hashes: Vec<u64>) -> Vec<KvExport> {
+        self.ask(|reply| Command::Export { hashes, reply })
+            .await
+            .unwrap_or_default()
+    }
+
+    async fn held(&self, hashes: Vec<u64>) -> usize {
+        self.ask(|reply| Command::Held { hashes, reply })
+            .await
+            .unwrap_or(0)
+    }
+
+    async fn adopt(
+        &self,
+        session: Session,
+        hashes: Vec<u64>,
+        kv: KvExport,
+    ) -> Option<Result<usize, tandem_engine::Error>> {
+        self.ask(|reply| Command::Adopt {
+            session,
+            hashes,
+            kv,
+            reply,
+        })
+        .await
+    }
+
+    async fn offer(&self) -> Vec<Session> {
+        self.ask(|reply| Command::Offer { reply })
+            .await
+            .unwrap_or_default()
+    }
+}
+
+/// Starts the thread, with `handoff_bytes` of KV that a drain may offer peers. It ends when the
+/// job queue closes.
 pub(crate) fn spawn(
-    mut engine: Engine,
+    engine: Engine,
     mut jobs: mpsc::Receiver<Job>,
     shared: Arc<Shared>,
-) -> std::io::Result<std::thread::JoinHandle<()>> {
-    std::thread::Builder::new()
+    handoff_bytes: u64,
+) -> std::io::Result<(ComputeCache, std::thread::JoinHandle<()>)> {
+    let (tx, commands) = mpsc::unbounded_channel();
+    // The thread waits for a job or a command at once: on the node's runtime, off its workers.
+    let runtime = tokio::runtime::Handle::current();
+    let thread = std::thread::Builder::new()
         .name("tandem-prefill-compute".into())
         .spawn(move || {
-            while let Some(Job { work, reply }) = jobs.blocking_recv() {
-                let n = work.tokens.len();
-                let started = Instant::now();
-                let result = run(&mut engine, work);
-                shared.hub.publish(engine.take_cache_events());
-                let m = &shared.metrics;
-                m.queue_depth.dec();
-                m.queued_tokens.dec_by(n as i64);
-                m.cache_blocks.set(engine.kv_blocks_cached() as i64);
-                if let Ok(done) = &result {
-                    let secs = started.elapsed().as_secs_f64();
-                    let computed = n - done.cached_tokens;
-                    m.tokens.inc_by(computed as u64);
-                    m.cached_tokens.inc_by(done.cached_tokens as u64);
-                    m.seconds.observe(secs);
-                    m.tokens_per_second
-                        .observe(computed as f64 / secs.max(1e-9));
-                    shared.throughput.record(computed, secs);
-                }
-                let _ = reply.send(result);
+            let mut c = Compute {
+                engine,
+                shared,
+                commands,
+                recent: Recent::default(),
+                handoff_budget: handoff_bytes,
+            };
+            while let Some(job) = runtime.block_on(c.next_job(&mut jobs)) {
+                c.job(job);
             }
-        })
+        })?;
+    Ok((ComputeCache { tx }, thread))
 }
 
-fn run(engine: &mut Engine, work: Work) -> Result<Done> {
-    let Work {
-        tokens,
-        hashes,
-        push,
-        resumed,
-        params,
-        mut kv,
-        cancel,
-    } = work;
-    let started = Instant::now();
-    let reusable = tandem_proto::block_hash::reusable_blocks(tokens.len()).min(hashes.len());
-    let (seq, cached) = engine.new_sequence_cached(&hashes[..reusable]);
-    let outcome = compute_and_push(engine, seq, cached, &tokens, push, &mut kv, &cancel);
-    let outcome = outcome.and_then(|(logits, first_chunk_sent)| {
-        let tokenizer = &engine.model().tokenizer;
-        let first = match logits {
-            Some(l) => {
-                // The stream as the decode node resumes it, so the first token follows the
-                // same rules (penalties, banned ids before min_tokens) as every later one.
-                let (prompt, generated) = tokens.split_at(tokens.len() - resumed);
-                let mut stream =
-                    tandem_engine::Stream::resume(params, engine.model(), prompt, generated)?;
-                let token = stream.sample(tokenizer, &l, tokens.len());
-                Some((token, stream.take_logprobs()))
-            }
-            None => None,
-        };
-        // A push the receiver ended early leaves the prompt partly computed: cache what is.
-        let full_blocks = engine.seq_len(seq)? / tandem_engine::BLOCK_TOKENS;
-        engine.cache_sequence(seq, &hashes[..hashes.len().min(full_blocks)])?;
-        Ok((first, first_chunk_sent))
-    });
-    let _ = engine.free(seq);
-    let (first_token, first_chunk_sent) = match outcome {
-        Ok(o) => o,
-        Err(e) => {
-            // The decode node is waiting on this transfer: tell it why it will not complete.
-            kv.blocking_abort(e.to_string());
-            return Err(e);
-        }
-    };
-    Ok(Done {
-        first_token,
-        kv,
-        compute_ms: started.elapsed().as_secs_f64() * 1e3,
-        first_chunk_sent,
-        cached_tokens: cached,
-    })
+/// The compute thread's state.
+struct Compute {
+    engine: Engine,
+    shared: Arc<Shared>,
+    commands: mpsc::UnboundedReceiver<Command>,
+    /// The prompts kept in the prefix cache, for a drain to offer its hottest.
+    recent: Recent,
+    /// Bytes of KV the drain may still offer.
+    handoff_budget: u64,
 }
 
-/// Computes `tokens[cached..]` onto `seq` and pushes the KV of `push`, cell by cell. Returns the
-/// last position's logits, or `None` when the receiver ended the push early.
-fn compute_and_push(
-    engine: &mut Engine,
-    seq: SeqId,
-    cached: usize,
-    tokens: &[u32],
-    push: Range<usize>,
-    kv: &mut KvPush,
-    cancel: &CancellationToken,
-) -> Result<(Option<Vec<f32>>, Option<Instant>)> {
-    let grid = engine.prefill_chunk_tokens();
-    let mut cells = tandem_worker::grid_cells(cached..tokens.len(), grid);
-    let mut computed = cached;
-    let mut logits = Vec::new();
-    let mut first_chunk_sent = None;
-    for cell in tandem_worker::grid_cells(push, grid) {
-        while computed < cell.end {
-            if cancel.is_cancelled() {
-                return Err(Error::Cancelled);
-            }
-            let Some(c) = cells.next() else { break };
-            logits = engine.prefill(seq, &tokens[c.clone()])?;
-            computed = c.end;
-        }
-        for chunk in tandem_worker::kv_chunks(engine.export_kv(seq, cell)?) {
-            first_chunk_sent.get_or_insert_with(Instant::now);
-            // An error means the receiver ended the push; its verdict comes from `finish`,
-            // so stop computing and hand the push back.
-            if kv.blocking_send(&chunk).is_err() {
-                return Ok((None, first_chunk_sent));
+impl Compute {
+    /// The next job, answering commands until it comes; `None` once the queue is closed.
+    async fn next_job(&mut self, jobs: &mut mpsc::Receiver<Job>) -> Option<Job> {
+        loop {
+            tokio::select! {
+                biased;
+                Some(command) = self.commands.recv() => self.handle(command),
+                job = jobs.recv() => return job,
             }
         }
     }
-    Ok((Some(logits), first_chunk_sent))
+
+    /// Answers the commands that came while a job runs.
+    fn between_chunks(&mut self) {
+        while let Ok(command) = self.commands.try_recv() {
+            self.handle(command);
+        }
+    }
+
+    fn handle(&mut self, command: Command) {
+        let hub = &self.shared.hub;
+        match command {
+            Command::Export { hashes, reply } => {
+                let _ = reply.send(moves::export_cached(&mut self.engine, hub, &hashes));
+            }
+            Command::Held { hashes, reply } => {
+                let _ = reply.send(moves::held(&mut self.engine, hub, &hashes));
+            }
+            Command::Adopt {
+                session,
+                hashes,
+                kv,
+                reply,
+            } => {
+                let adopted = moves::keep_fetched(&mut self.engine, hub, &hashes, &kv).map(|()| {
+                    self.recent
+                        .kept(&session.cache_salt, &session.tokens, &hashes);
+                    moves::held(&mut self.engine, hub, &hashes)
+                });
+                let _ = reply.send(adopted);
+            }
+            Command::Offer { reply } => {
+                let offer =
+                    moves::offer_within(&self.engine, &self.recent, &mut self.handoff_budget);
+                let _ = reply.send(offer);
+            }
+        }
+        self.shared
+            .metrics
+            .cache_blocks
+            .set(self.engine.kv_blocks_cached() as i64);
+    }
+
+    fn job(&mut self, Job { work, reply }: Job) {
+        let n = work.tokens.len();
+        let started = Instant::now();
+        let result = self.run(work);
+        self.shared.hub.publish(self.engine.take_cache_events());
+        let m = &self.shared.metrics;
+        m.queue_depth.dec();
+        m.queued_tokens.dec_by(n as i64);
+        m.cache_blocks.set(self.engine.kv_blocks_cached() as i64);
+        if let Ok(done) = &result {
+            let secs = started.elapsed().as_secs_f64();
+            let computed = n - done.cached_tokens;
+            m.tokens.inc_by(computed as u64);
+            m.cached_tokens.inc_by(done.cached_tokens as u64);
+            m.seconds.observe(secs);
+            m.tokens_per_second
+                .observe(computed as f64 / secs.max(1e-9));
+            self.shared.throughput.record(computed, secs);
+        }
+        let _ = reply.send(result);
+    }
+
+    fn run(&mut self, work: Work) -> Result<Done> {
+        let Work {
+            tokens,
+            cache_salt,
+            hashes,
+            push,
+            resumed,
+            params,
+            mut kv,
+            cancel,
+        } = work;
+        let started = Instant::now();
+        let reusable = tandem_proto::block_hash::reusable_blocks(tokens.len()).min(hashes.len());
+        let (seq, cached) = self.engine.new_sequence_cached(&hashes[..reusable]);
+        let outcome = self.compute_and_push(seq, cached, &tokens, push, &mut kv, &cancel);
+        let engine = &mut self.engine;
+        let outcome = outcome.and_then(|(logits, first_chunk_sent)| {
+            let tokenizer = &engine.model().tokenizer;
+            let first = match logits {
+                Some(l) => {
+                    // The stream as the decode node resumes it, so the first token follows the
+                    // same rules (penalties, banned ids before min_tokens) as every later one.
+                    let (prompt, generated) = tokens.split_at(tokens.len() - resumed);
+                    let mut stream =
+                        tandem_engine::Stream::resume(params, engine.model(), prompt, generated)?;
+                    let token = stream.sample(tokenizer, &l, tokens.len());
+                    Some((token, stream.take_logprobs()))
+                }
+                None => None,
+            };
+            // A push the receiver ended early leaves the prompt partly computed: cache what is.
+            let full_blocks = engine.seq_len(seq)? / tandem_engine::BLOCK_TOKENS;
+            let kept = &hashes[..hashes.len().min(full_blocks)];
+            engine.cache_sequence(seq, kept)?;
+            self.recent.kept(&cache_salt, &tokens, kept);
+            Ok((first, first_chunk_sent))
+        });
+        let _ = self.engine.free(seq);
+        let (first_token, first_chunk_sent) = match outcome {
+            Ok(o) => o,
+            Err(e) => {
+                // The decode node is waiting on this transfer: tell it why it will not complete.
+                kv.blocking_abort(e.to_string());
+                return Err(e);
+            }
+        };
+        Ok(Done {
+            first_token,
+            kv,
+            compute_ms: started.elapsed().as_secs_f64() * 1e3,
+            first_chunk_sent,
+            cached_tokens: cached,
+        })
+    }
+
+    /// Computes `tokens[cached..]` onto `seq` and pushes the KV of `push`, cell by cell. Returns the
+    /// last position's logits, or `None` when the receiver ended the push early.
+    fn compute_and_push(
+        &mut self,
+        seq: SeqId,
+        cached: usize,
+        tokens: &[u32],
+        push: Range<usize>,
+        kv: &mut KvPush,
+        cancel: &CancellationToken,
+    ) -> Result<(Option<Vec<f32>>, Option<Instant>)> {
+        let grid = self.engine.prefill_chunk_tokens();
+        let mut cells = tandem_worker::grid_cells(cached..tokens.len(), grid);
+        let mut computed = cached;
+        let mut logits = Vec::new();
+        let mut first_chunk_sent = None;
+        for cell in tandem_worker::grid_cells(push, grid) {
+            while computed < cell.end {
+                if cancel.is_cancelled() {
+                    return Err(Error::Cancelled);
+                }
+                self.between_chunks();
+                let Some(c) = cells.next() else { break };
+                logits = self.engine.prefill(seq, &tokens[c.clone()])?;
+                computed = c.end;
+            }
+            for chunk in tandem_worker::kv_chunks(self.engine.export_kv(seq, cell)?) {
+                first_chunk_sent.get_or_insert_with(Instant::now);
+                // An error means the receiver ended the push; its verdict comes from `finish`,
+                // so stop computing and hand the push back.
+                if kv.blocking_send(&chunk).is_err() {
+                    return Ok((None, first_chunk_sent));
+                }
+            }
+        }
+        Ok((Some(logits), first_chunk_sent))
+    }
 }

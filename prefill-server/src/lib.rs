@@ -1,7 +1,9 @@
 //! The prefill node: hosts `Prefill` (compute a prompt's KV, push it to the decode node chosen
-//! by the router while computing, sample the first token) and `Worker` (info, load, cache
-//! events), with health, reflection and `/metrics` on the same port. Compute runs on its own
-//! thread, one request at a time, with a prefix cache of the prompts it has seen.
+//! by the router while computing, sample the first token), `KvTransfer` (fetches only: peers
+//! pull cached prompts' KV from its prefix cache) and `Worker` (info, load, cache events, the
+//! drain's moves), with health, reflection and `/metrics` on the same port. Compute runs on its
+//! own thread, one request at a time, with a prefix cache of the prompts it has seen. A drain
+//! offers its hottest prompts to its peers (`tandem_worker::moves`).
 
 mod compute;
 mod config;
@@ -13,7 +15,8 @@ use std::future::Future;
 use std::sync::Arc;
 
 use tandem_proto::v1 as pb;
-use tandem_worker::{Node, NodeError};
+use tandem_transfer::{KvTransferService, Reservations, TransferMetrics};
+use tandem_worker::{KvMoves, MoveMetrics, Node, NodeError};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
@@ -36,6 +39,7 @@ pub async fn run(
         max_queue,
         keepalive,
     } = config;
+    let drain_handoff = node.drain_handoff;
     let mut node = Node::new("prefill", node);
     let engine = node.engine()?;
     let chunk_tokens = engine.prefill_chunk_tokens();
@@ -47,8 +51,24 @@ pub async fn run(
         throughput: Default::default(),
     });
     let (jobs, queue) = mpsc::channel(max_queue);
-    let thread =
-        compute::spawn(engine, queue, shared.clone()).map_err(NodeError::spawn("compute"))?;
+    let (cache, thread) =
+        compute::spawn(engine, queue, shared.clone(), node.config.handoff_budget())
+            .map_err(NodeError::spawn("compute"))?;
+    let moves = KvMoves::new(
+        node.config.model.clone(),
+        kv_layout,
+        node.config.tls.clone(),
+        Arc::new(cache),
+        prefix_cache,
+        Default::default(),
+        MoveMetrics::register(&mut node.registry, "prefill"),
+    );
+    // A push to a prefill node finds no reservation: its KvTransfer serves fetches only.
+    let fetches = KvTransferService::new(
+        Reservations::default(),
+        TransferMetrics::register(&mut node.registry),
+    )
+    .with_source(moves.fetch_source());
     let prefill = PrefillService {
         model: node.config.model.clone(),
         kv_layout: tandem_worker::wire_layout(kv_layout),
@@ -65,18 +85,34 @@ pub async fn run(
             listener,
             kv_layout,
             Arc::new(PrefillLoad { shared, max_queue }),
+            moves.clone(),
             |routes| {
-                routes.add_service(tandem_proto::limits!(
-                    pb::prefill_server::PrefillServer::new(prefill)
-                ))
+                routes
+                    .add_service(tandem_proto::limits!(
+                        pb::prefill_server::PrefillServer::new(prefill)
+                    ))
+                    .add_service(fetches.into_server())
             },
-            &["tandem.v1.Prefill"],
+            &["tandem.v1.Prefill", "tandem.v1.KvTransfer"],
             shutdown,
-            std::future::ready(()),
+            hand_off(&moves, drain_handoff),
         )
         .await;
     // The routes (and with them the job sender) are gone now, so the compute thread finishes
     // its queue and exits.
     let _ = tokio::task::spawn_blocking(move || thread.join()).await;
     served
+}
+
+/// The drain's hand-off: offers the hottest prompts of the prefix cache to the peers and waits
+/// until they were fetched, or nobody fetched any for a moment, or `bound` passed. The prompts
+/// being computed finish as they would (the grace period covers them).
+async fn hand_off(moves: &KvMoves, bound: std::time::Duration) {
+    let done = moves.hand_off(bound, || false).await;
+    tracing::info!(
+        ms = done.ms,
+        prompts_offered = done.sessions_offered,
+        prompts_fetched = done.sessions_fetched,
+        "hand-off over"
+    );
 }

@@ -124,6 +124,7 @@ impl PrefillService {
         let job = Job {
             work: Work {
                 tokens: r.token_ids,
+                cache_salt: r.cache_salt,
                 hashes,
                 push,
                 resumed: r.resumed_tokens as usize,

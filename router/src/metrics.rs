@@ -81,6 +81,11 @@ pub struct ReplicaModeLabel {
     pub mode: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RoleLabel {
+    pub role: &'static str,
+}
+
 #[derive(Clone, Debug)]
 pub struct RouterMetrics {
     pub ttft: Histogram,
@@ -112,9 +117,10 @@ pub struct RouterMetrics {
     pub fetched_tokens: Counter,
     /// Prompt tokens computed (neither cached nor fetched), over every attempt.
     pub computed_tokens: Counter,
-    /// Cached sessions of draining decode nodes that a peer took, and the tokens it fetched.
-    pub moved_sessions: Counter,
-    pub moved_session_tokens: Counter,
+    /// Cached sequences of draining workers that a peer took, and the tokens it fetched, by
+    /// role.
+    pub moved_sessions: Family<RoleLabel, Counter>,
+    pub moved_session_tokens: Family<RoleLabel, Counter>,
 }
 
 impl RouterMetrics {
@@ -139,8 +145,8 @@ impl RouterMetrics {
             cached_prompt_tokens: Counter::default(),
             fetched_tokens: Counter::default(),
             computed_tokens: Counter::default(),
-            moved_sessions: Counter::default(),
-            moved_session_tokens: Counter::default(),
+            moved_sessions: Family::default(),
+            moved_session_tokens: Family::default(),
         };
         // Series a dashboard queries exist before their first event.
         for hop in ["decode", "prefill"] {
@@ -243,12 +249,12 @@ impl RouterMetrics {
         );
         registry.register(
             MOVED_SESSIONS,
-            "Cached sessions of draining decode nodes moved to a peer, with their KV",
+            "Cached sequences of draining workers (decode: sessions; prefill: prompts) moved to a peer of their role, with their KV",
             m.moved_sessions.clone(),
         );
         registry.register(
             MOVED_SESSION_TOKENS,
-            "Tokens of KV fetched by peers for sessions moved off draining decode nodes",
+            "Tokens of KV fetched by peers for sequences moved off draining workers",
             m.moved_session_tokens.clone(),
         );
         m

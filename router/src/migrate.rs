@@ -1,16 +1,17 @@
-//! Moving a draining decode node's cached sessions to its peers, so that their next turns are
-//! cache hits there instead of cold prompts.
+//! Moving a draining worker's cached sequences to its peers of the same role (a decode node's
+//! sessions, a prefill node's hottest prompts), so that their next uses are cache hits there
+//! instead of cold prompts.
 //!
 //! ```text
-//! Health.Watch says NOT_SERVING ─▶ Decode.Sessions: the node's offer, most recently used first
-//!   ─▶ per session, Decode.Adopt on an up peer (spread by load; a full one is skipped), which
+//! Health.Watch says NOT_SERVING ─▶ Worker.Sessions: the node's offer, most recently used first
+//!   ─▶ per sequence, Worker.Adopt on an up peer (spread by load; a full one is skipped), which
 //!      fetches the KV from the draining node (KvTransfer.Fetch, checked as a push)
-//!   ─▶ the peer's cache events tell every router's index where the session now is
+//!   ─▶ the peer's cache events tell every router's index where the sequence now is
 //! ```
 //!
-//! A session no peer takes (no room, a failure) is left: its next turn computes its history, as
-//! it would have without the move. Nothing here touches a running request; those move through
-//! the hand-off in [`crate::generation`].
+//! A sequence no peer takes (no room, a failure) is left: its next use computes it, as it would
+//! have without the move. Nothing here touches a running request; those move through the
+//! hand-off in [`crate::generation`].
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,12 +23,12 @@ use tandem_proto::v1 as pb;
 use crate::metrics::RouterMetrics;
 use crate::replicas::Replica;
 
-/// Sessions being moved at once from one draining node.
+/// Sequences being moved at once from one draining node.
 const ADOPTS_IN_FLIGHT: usize = 2;
-/// The longest one `Decode.Adopt` may take (a fetch that stalls is dropped sooner, by the peer).
+/// The longest one `Worker.Adopt` may take (a fetch that stalls is dropped sooner, by the peer).
 const ADOPT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Moves what `from`, now draining, offers to `peers` (the up decode replicas beside it).
+/// Moves what `from`, now draining, offers to `peers` (the up replicas of its role beside it).
 pub(crate) async fn move_sessions(
     from: Arc<Replica>,
     peers: Vec<Arc<Replica>>,
@@ -37,7 +38,7 @@ pub(crate) async fn move_sessions(
         return;
     }
     let mut client =
-        tandem_proto::limits!(pb::decode_client::DecodeClient::new(from.channel.clone()));
+        tandem_proto::limits!(pb::worker_client::WorkerClient::new(from.channel.clone()));
     let mut ask = tonic::Request::new(pb::SessionsRequest {});
     ask.set_timeout(ADOPT_TIMEOUT);
     let sessions = match client.sessions(ask).await {
@@ -48,7 +49,7 @@ pub(crate) async fn move_sessions(
         }
     };
     if sessions.is_empty() {
-        tracing::debug!(replica = %from.addr, "the draining replica offered no sessions");
+        tracing::debug!(replica = %from.addr, "the draining replica offered nothing");
         return;
     }
     let offered = sessions.len();
@@ -72,7 +73,7 @@ pub(crate) async fn move_sessions(
                         full.store(true, Ordering::Relaxed);
                     }
                     Err(e) => {
-                        tracing::debug!(peer = %peer.addr, error = %e, "a peer did not take a session");
+                        tracing::debug!(peer = %peer.addr, error = %e, "a peer did not take a sequence");
                     }
                 }
             }
@@ -83,14 +84,24 @@ pub(crate) async fn move_sessions(
         .await;
     let tokens: u64 = moved.iter().map(|&t| u64::from(t)).sum();
     let taken = moved.iter().filter(|&&t| t > 0).count();
-    metrics.moved_sessions.inc_by(taken as u64);
-    metrics.moved_session_tokens.inc_by(tokens);
+    let role = crate::metrics::RoleLabel {
+        role: from.role.name(),
+    };
+    metrics
+        .moved_sessions
+        .get_or_create(&role)
+        .inc_by(taken as u64);
+    metrics
+        .moved_session_tokens
+        .get_or_create(&role)
+        .inc_by(tokens);
     tracing::info!(
         replica = %from.addr,
+        role = from.role.name(),
         offered,
         moved = taken,
         tokens,
-        "moved a draining replica's cached sessions to its peers"
+        "moved a draining replica's cached sequences to its peers"
     );
 }
 
@@ -101,7 +112,7 @@ async fn adopt(
     session: pb::CachedSession,
 ) -> Result<u32, tonic::Status> {
     let mut client =
-        tandem_proto::limits!(pb::decode_client::DecodeClient::new(peer.channel.clone()));
+        tandem_proto::limits!(pb::worker_client::WorkerClient::new(peer.channel.clone()));
     let mut request = tonic::Request::new(pb::AdoptRequest {
         request_id: crate::service::fresh_request_id(),
         holder_addr: holder.to_string(),

@@ -21,10 +21,11 @@
 //!                only where held(D) > 0, or when no prefill replica is up
 //! ```
 //!
-//! A local prefill may also start from KV fetched from a peer H: a decode node the request
-//! cannot go to (it failed the request, is over the load cap, or drains) but that still serves
-//! fetches, whose cache holds `held(H) > held(D)` tokens of the prompt, by the index or by the
-//! word of a node that handed this request's stream off:
+//! A local prefill may also start from KV fetched from a worker H that the request cannot go to
+//! in its role (it failed the request, is over the load cap, or drains) but that still serves
+//! fetches: a decode node's session cache or a prefill node's prefix cache that holds
+//! `held(H) > held(D)` tokens of the prompt, by the index or by the word of a decode node that
+//! handed this request's stream off:
 //!
 //! ```text
 //! fetch(D, H)  = (held(H) × kv_bytes_per_token / link + disk(H) / restore(H))
@@ -272,17 +273,21 @@ impl Policy {
             (o.blocks() * BLOCK_TOKENS, read_ms)
         };
         // Who could serve a fetch of the prompt's first tokens, and how many: only replicas the
-        // request cannot go to (failed it, over the load cap, draining), so that a session
-        // stays where its KV is while it may.
+        // request cannot go to in their role (failed it, over the load cap, draining), so that
+        // a session stays where its KV is while it may, and a prompt is computed where its
+        // prefix is while it may.
         let all = replicas.all();
         let reusable = ask.hashes.len() * BLOCK_TOKENS;
         let holders: Vec<(&Arc<Replica>, usize, f64)> = all
             .iter()
             .filter(|r| {
-                r.role == Role::Decode
-                    && r.can_serve_fetch()
+                let chosen = match r.role {
+                    Role::Decode => &decodes,
+                    Role::Prefill => &prefills,
+                };
+                r.can_serve_fetch()
                     && r.kv_bytes_per_token() > 0
-                    && !decodes.iter().any(|d| d.addr == r.addr)
+                    && !chosen.iter().any(|c| c.addr == r.addr)
             })
             .map(|r| {
                 let hinted = ask

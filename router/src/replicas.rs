@@ -503,12 +503,12 @@ impl Replicas {
         }
     }
 
-    /// A decode replica began to drain: its cached sessions go to the up decode replicas.
+    /// A replica began to drain: its cached sequences go to the up replicas of its role.
     fn move_sessions(&self, r: &Arc<Replica>) {
-        let Some(m) = self.monitoring.get().filter(|_| r.role == Role::Decode) else {
+        let Some(m) = self.monitoring.get() else {
             return;
         };
-        let peers = self.up(Role::Decode);
+        let peers = self.up(r.role);
         let task = crate::migrate::move_sessions(r.clone(), peers, m.metrics.clone());
         let stop = r.stop.clone();
         m.tracker.spawn(async move {

@@ -1,11 +1,13 @@
 //! What prefill and decode nodes (and the CLI's client) share, in one place: conversions
 //! between the engine's types and the wire's ([`wire_layout`], [`params_from_pb`],
 //! [`params_to_pb`], [`kv_chunks`], [`kv_export`]), a model's block hashes, `Worker.Info`, the
-//! cache-event hub ([`CacheHub`]) and the `Worker` service ([`WorkerService`]), and the measured
-//! prefill throughput ([`Throughput`]); and the scaffold both nodes start and serve on
+//! cache-event hub ([`CacheHub`]) and the `Worker` service ([`WorkerService`]), the KV that moves
+//! between workers of a role ([`moves`]: peer fetch, the drain's offer, adoption), and the
+//! measured prefill throughput ([`Throughput`]); and the scaffold both nodes start and serve on
 //! ([`Node`], [`NodeConfig`], [`NodeError`]).
 
 mod cache;
+pub mod moves;
 mod node;
 mod service;
 
@@ -20,7 +22,10 @@ use tandem_proto::v1 as pb;
 use tandem_transfer::{Chunk, KvKind, ReceivedKv, WireLayout};
 
 pub use cache::CacheHub;
-pub use node::{DEFAULT_GRACE, Node, NodeConfig, NodeError};
+pub use moves::{KvMoves, MoveMetrics};
+pub use node::{
+    DEFAULT_DRAIN_HANDOFF, DEFAULT_DRAIN_HANDOFF_BYTES, DEFAULT_GRACE, Node, NodeConfig, NodeError,
+};
 pub use service::{LoadSource, WorkerService};
 
 /// The wire's description of an engine's KV (`Engine::kv_layout`).

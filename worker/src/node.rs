@@ -18,10 +18,14 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
 
-use crate::{CacheHub, LoadSource, WorkerService};
+use crate::{CacheHub, KvMoves, LoadSource, WorkerService};
 
 /// How long in-flight requests may run after shutdown begins, unless configured.
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
+/// How long a drain waits for its hand-offs, unless configured.
+pub const DEFAULT_DRAIN_HANDOFF: Duration = Duration::from_secs(5);
+/// Bytes of KV a drain keeps for hand-offs at most, unless configured.
+pub const DEFAULT_DRAIN_HANDOFF_BYTES: u64 = 1 << 30;
 
 /// What every worker node is configured with.
 #[derive(Debug, Clone)]
@@ -35,6 +39,13 @@ pub struct NodeConfig {
     pub tls: Option<Tls>,
     /// How long in-flight requests may run after shutdown begins.
     pub grace: Duration,
+    /// The drain's hand-off ([`crate::moves`]): how long it waits for peers to fetch what it
+    /// hands off (a decode node's running streams, the cached sequences it offers) before the
+    /// listener closes (zero: no hand-off).
+    pub drain_handoff: Duration,
+    /// The most KV (bytes) the drain hands off: a decode node's running streams' first, then
+    /// the most recently used cached sequences.
+    pub drain_handoff_bytes: u64,
 }
 
 impl NodeConfig {
@@ -44,6 +55,18 @@ impl NodeConfig {
             engine,
             tls: None,
             grace: DEFAULT_GRACE,
+            drain_handoff: DEFAULT_DRAIN_HANDOFF,
+            drain_handoff_bytes: DEFAULT_DRAIN_HANDOFF_BYTES,
+        }
+    }
+
+    /// The KV a drain may keep for peers to fetch: none without a hand-off window, since
+    /// nobody could fetch it.
+    pub fn handoff_budget(&self) -> u64 {
+        if self.drain_handoff.is_zero() {
+            0
+        } else {
+            self.drain_handoff_bytes
         }
     }
 }
@@ -124,7 +147,7 @@ impl Node {
     }
 
     /// Serves `routes` (the node's own services, named `services`) with the `Worker` service
-    /// (answering `Worker.Load` from `load`), health, reflection and `/metrics`, on `listener`
+    /// (answering `Worker.Load` from `load`, and the drain's moves through `moves`), health, reflection and `/metrics`, on `listener`
     /// until `shutdown` completes. Then the node reports NOT_SERVING and runs `handoff` (still
     /// accepting calls, so that peers can fetch what it hands off); then the root token is
     /// cancelled, so that long streams do not hold up the drain, the listener closes and
@@ -136,6 +159,7 @@ impl Node {
         listener: TcpListener,
         kv_layout: KvLayout,
         load: Arc<dyn LoadSource>,
+        moves: KvMoves,
         routes: impl FnOnce(Routes) -> Routes,
         services: &[&'static str],
         shutdown: impl Future<Output = ()>,
@@ -154,6 +178,7 @@ impl Node {
             load,
             hub,
             spill,
+            moves,
             root.child_token(),
         );
         let (health, health_service) = tonic_health::server::health_reporter();

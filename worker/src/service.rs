@@ -1,5 +1,6 @@
 //! The `Worker` service every prefill and decode node serves: `Info`, `Load` (from the role's
-//! [`LoadSource`]), and the cache events and snapshot from its [`CacheHub`].
+//! [`LoadSource`]), the cache events and snapshot from its [`CacheHub`], and the drain's moves
+//! (`Sessions`, `Adopt`) through its [`KvMoves`].
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -12,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use crate::cache::CacheHub;
+use crate::moves::KvMoves;
 
 /// A role's answer to `Worker.Load`, without the cache's epoch and sequence (the service adds
 /// them).
@@ -31,6 +33,7 @@ pub struct WorkerService {
     shutdown: CancellationToken,
     /// The disk tier's figures, for its measured restore speed.
     spill: Option<Arc<SpillStats>>,
+    moves: KvMoves,
 }
 
 impl std::fmt::Debug for WorkerService {
@@ -48,6 +51,7 @@ impl WorkerService {
         load: Arc<dyn LoadSource>,
         hub: Arc<CacheHub>,
         spill: Option<Arc<SpillStats>>,
+        moves: KvMoves,
         shutdown: CancellationToken,
     ) -> Self {
         Self {
@@ -56,6 +60,7 @@ impl WorkerService {
             hub,
             shutdown,
             spill,
+            moves,
         }
     }
 
@@ -125,5 +130,22 @@ impl pb::worker_server::Worker for WorkerService {
         _request: Request<pb::CacheSnapshotRequest>,
     ) -> Result<Response<pb::CacheSnapshotResponse>, Status> {
         Ok(Response::new(self.hub.snapshot()))
+    }
+
+    async fn sessions(
+        &self,
+        _request: Request<pb::SessionsRequest>,
+    ) -> Result<Response<pb::SessionsResponse>, Status> {
+        Ok(Response::new(pb::SessionsResponse {
+            sessions: self.moves.sessions().await,
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(request_id = %tandem_proto::loggable_id(&request.get_ref().request_id)))]
+    async fn adopt(
+        &self,
+        request: Request<pb::AdoptRequest>,
+    ) -> Result<Response<pb::AdoptResponse>, Status> {
+        Ok(Response::new(self.moves.adopt(request.into_inner()).await?))
     }
 }

@@ -1,0 +1,550 @@
+//! KV that moves between workers of one role, the same on prefill and decode nodes: peer fetches
+//! from a worker's cache (`KvTransfer.Fetch`), and the drain's offer of its most recently used
+//! cached sequences, which the router moves to the node's peers (`Worker.Sessions`,
+//! `Worker.Adopt`).
+//!
+//! ```text
+//! SIGTERM ─▶ NOT_SERVING, `draining`: Adopt refused; the engine thread picks its offer: the
+//!            most recently used cached sequences still in the pool, within the hand-off budget
+//!         ─▶ the router takes the offer (Worker.Sessions) and asks peers to take each
+//!            (Worker.Adopt); each fetches the KV here (KvTransfer.Fetch, checked as a push)
+//!            and keeps it in its own cache, whose events tell every router's index
+//!         ─▶ once the offered sequences were fetched, or nobody fetched any for OFFER_IDLE, or
+//!            the hand-off bound passed (and the role's own work is done): the listener closes
+//! ```
+//!
+//! A decode node also keeps its running streams' KV for the peers that continue them
+//! ([`Handoffs::kept`]). Whatever fails costs only time: the tokens are computed where they are
+//! needed next.
+//!
+//! The engine belongs to one thread per node (the decode scheduler, the prefill compute thread):
+//! the [`EngineCache`] it offers runs each operation there, with the functions below
+//! ([`export_cached`], [`held`], [`keep_fetched`], [`offer_within`]).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::registry::Registry;
+use tandem_engine::{BLOCK_TOKENS, Engine, KvExport, KvLayout, Model};
+use tandem_proto::v1 as pb;
+use tandem_transfer::{Cached, FetchSource, FetchWant, KvSource};
+use tokio_util::sync::CancellationToken;
+use tonic::Status;
+
+use crate::cache::CacheHub;
+
+/// The longest a fetch may go without a frame before it is dropped (and its tokens computed).
+pub const FETCH_IDLE: Duration = Duration::from_secs(2);
+
+/// How long a drain waits for its offered sequences while nobody takes the offer or fetches
+/// any of them (no router asked, or no peer had room): the router asks within milliseconds
+/// of the health watch's NOT_SERVING.
+pub const OFFER_IDLE: Duration = Duration::from_millis(500);
+
+/// The sequences recorded for a drain's offer at most; the least recently used go first.
+const RECENT_SESSIONS: usize = 1024;
+
+/// A sequence a cache keeps: the whole blocks of a prompt (and, on a decode node, its reply).
+#[derive(Clone, Debug)]
+pub struct Session {
+    pub cache_salt: String,
+    pub tokens: Vec<u32>,
+    /// The hash of its last block, which names the whole sequence.
+    pub last: u64,
+}
+
+/// The sequences kept in a cache, with when each was last kept, for a drain to offer the most
+/// recently used. One entry per conversation: a sequence replaces the entries of its own
+/// prefixes (the earlier turns).
+#[derive(Debug, Default)]
+pub struct Recent {
+    by_last: HashMap<u64, (u64, Session)>,
+    clock: u64,
+}
+
+impl Recent {
+    /// Records that the first `hashes.len()` blocks of `tokens` were kept.
+    pub fn kept(&mut self, cache_salt: &str, tokens: &[u32], hashes: &[u64]) {
+        let Some((&last, prefixes)) = hashes.split_last() else {
+            return;
+        };
+        for h in prefixes {
+            self.by_last.remove(h);
+        }
+        self.clock += 1;
+        let session = Session {
+            cache_salt: cache_salt.to_string(),
+            tokens: tokens[..hashes.len() * BLOCK_TOKENS].to_vec(),
+            last,
+        };
+        self.by_last.insert(last, (self.clock, session));
+        if self.by_last.len() > RECENT_SESSIONS
+            && let Some(oldest) = self
+                .by_last
+                .iter()
+                .min_by_key(|(_, (used, _))| *used)
+                .map(|(h, _)| *h)
+        {
+            self.by_last.remove(&oldest);
+        }
+    }
+
+    /// Most recently kept first.
+    pub fn by_recency(&self) -> Vec<&Session> {
+        let mut all: Vec<_> = self.by_last.values().collect();
+        all.sort_by_key(|(used, _)| std::cmp::Reverse(*used));
+        all.into_iter().map(|(_, s)| s).collect()
+    }
+}
+
+/// The KV of the longest cached prefix of `hashes`, in cells of at most a prefill chunk (the
+/// engine thread's side of a peer fetch).
+pub fn export_cached(engine: &mut Engine, hub: &CacheHub, hashes: &[u64]) -> Vec<KvExport> {
+    let (seq, cached) = engine.new_sequence_cached(hashes);
+    let grid = engine.prefill_chunk_tokens();
+    let cells = crate::grid_cells(0..cached, grid)
+        .map(|cell| engine.export_kv(seq, cell))
+        .collect::<Result<Vec<_>, _>>();
+    let _ = engine.free(seq);
+    // A restore from the disk tier changes the cache.
+    hub.publish(engine.take_cache_events());
+    cells.unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "could not export cached KV");
+        Vec::new()
+    })
+}
+
+/// The tokens of the longest cached prefix of `hashes` (the disk tier's included).
+pub fn held(engine: &mut Engine, hub: &CacheHub, hashes: &[u64]) -> usize {
+    let (seq, cached) = engine.new_sequence_cached(hashes);
+    let _ = engine.free(seq);
+    // A restore from the disk tier changes the cache.
+    hub.publish(engine.take_cache_events());
+    cached
+}
+
+/// Keeps KV fetched from a peer (the first tokens of the sequence `hashes` describes) in the
+/// cache. A failure only costs the fetch: a lookup then finds less.
+pub fn keep_fetched(
+    engine: &mut Engine,
+    hub: &CacheHub,
+    hashes: &[u64],
+    kv: &KvExport,
+) -> Result<(), tandem_engine::Error> {
+    let blocks = (kv.tokens.end / BLOCK_TOKENS).min(hashes.len());
+    let seq = engine.new_sequence();
+    let kept = engine
+        .import_kv(seq, kv)
+        .and_then(|()| engine.cache_sequence(seq, &hashes[..blocks]));
+    let _ = engine.free(seq);
+    hub.publish(engine.take_cache_events());
+    kept
+}
+
+/// A drain's offer: the most recently used of `recent` still in the pool, as many as fit in
+/// `budget` bytes, which loses what is offered.
+pub fn offer_within(engine: &Engine, recent: &Recent, budget: &mut u64) -> Vec<Session> {
+    let token_bytes = engine.kv_layout().token_bytes() as u64;
+    let mut offer = Vec::new();
+    for s in recent.by_recency() {
+        let bytes = s.tokens.len() as u64 * token_bytes;
+        if bytes <= *budget && engine.caches(s.last) {
+            *budget -= bytes;
+            offer.push(s.clone());
+        }
+    }
+    offer
+}
+
+/// The engine thread's cache, as moves reach it: each call runs on that thread.
+#[tonic::async_trait]
+pub trait EngineCache: Send + Sync + std::fmt::Debug + 'static {
+    /// [`export_cached`]; empty when the thread is gone.
+    async fn export(&self, hashes: Vec<u64>) -> Vec<KvExport>;
+    /// [`held`]; 0 when the thread is gone.
+    async fn held(&self, hashes: Vec<u64>) -> usize;
+    /// [`keep_fetched`], recording `session` as kept: the session's tokens held after, or
+    /// `None` when the thread is gone.
+    async fn adopt(
+        &self,
+        session: Session,
+        hashes: Vec<u64>,
+        kv: KvExport,
+    ) -> Option<Result<usize, tandem_engine::Error>>;
+    /// The drain's offer, most recently used first ([`offer_within`] the hand-off budget, less
+    /// what the node's running work keeps).
+    async fn offer(&self) -> Vec<Session>;
+}
+
+/// What a drain keeps for peers to fetch, by the hash of each sequence's last kept block: a
+/// decode node's running streams' KV, and the cached sequences it offers.
+#[derive(Debug)]
+struct State {
+    streams: HashSet<u64>,
+    sessions: HashSet<u64>,
+    /// The offer, until a caller takes it.
+    offer: Vec<Session>,
+    /// When the offer was made or taken, or an offered sequence last fetched.
+    active: Instant,
+}
+
+#[derive(Debug)]
+pub struct Handoffs {
+    state: Mutex<State>,
+    /// Whether the drain has made its offer: the health watch says NOT_SERVING a moment before.
+    offered: tokio::sync::watch::Sender<bool>,
+}
+
+impl Default for Handoffs {
+    fn default() -> Self {
+        Self {
+            state: Mutex::new(State {
+                streams: HashSet::new(),
+                sessions: HashSet::new(),
+                offer: Vec::new(),
+                active: Instant::now(),
+            }),
+            offered: tokio::sync::watch::Sender::new(false),
+        }
+    }
+}
+
+impl Handoffs {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        // Single inserts and removes: a poisoned state is still consistent.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A running stream's KV was kept for the peer that continues it.
+    pub fn kept(&self, last_block: u64) {
+        self.lock().streams.insert(last_block);
+    }
+
+    fn offer(&self, sessions: Vec<Session>) {
+        {
+            let mut s = self.lock();
+            s.sessions = sessions.iter().map(|x| x.last).collect();
+            s.offer = sessions;
+            s.active = Instant::now();
+        }
+        self.offered.send_replace(true);
+    }
+
+    /// The offer, to the first caller only, once the drain has made it (waiting at most
+    /// `wait` for that); empty when there is none.
+    async fn take_offer(&self, wait: Duration) -> Vec<Session> {
+        let mut made = self.offered.subscribe();
+        if tokio::time::timeout(wait, made.wait_for(|made| *made))
+            .await
+            .is_err()
+        {
+            return Vec::new();
+        }
+        let mut s = self.lock();
+        s.active = Instant::now();
+        std::mem::take(&mut s.offer)
+    }
+
+    /// A peer fetched the prefix whose last block is `last_block`.
+    fn fetched(&self, last_block: u64) {
+        let mut s = self.lock();
+        if s.sessions.remove(&last_block) {
+            s.active = Instant::now();
+        }
+        s.streams.remove(&last_block);
+    }
+
+    /// Kept streams and offered sequences not fetched yet.
+    fn unfetched(&self) -> (usize, usize) {
+        let s = self.lock();
+        (s.streams.len(), s.sessions.len())
+    }
+
+    /// Whether the drain should wait on: a kept stream is not fetched, or an offered sequence
+    /// is not and the offer saw activity within `idle`.
+    fn waiting(&self, idle: Duration) -> bool {
+        let s = self.lock();
+        !s.streams.is_empty() || (!s.sessions.is_empty() && s.active.elapsed() < idle)
+    }
+}
+
+/// The moves' counters: `tandem_<role>_…`.
+#[derive(Clone, Debug, Default)]
+pub struct MoveMetrics {
+    /// Peer fetches that failed or stalled (their tokens were computed instead).
+    pub fetch_failures: Counter,
+    /// Cached sequences offered to peers at drain.
+    pub offered_sessions: Counter,
+    /// Sequences moved here from a draining peer, and the tokens of KV fetched for them.
+    pub adopted_sessions: Counter,
+    pub adopted_tokens: Counter,
+}
+
+impl MoveMetrics {
+    pub fn register(registry: &mut Registry, role: &str) -> Self {
+        let m = Self::default();
+        for (name, help, counter) in [
+            (
+                "fetch_failures",
+                "Peer fetches that failed or stalled; their tokens were computed instead",
+                &m.fetch_failures,
+            ),
+            (
+                "offered_sessions",
+                "Cached sequences offered at drain for peers to take",
+                &m.offered_sessions,
+            ),
+            (
+                "adopted_sessions",
+                "Cached sequences moved into this node's cache from a draining peer",
+                &m.adopted_sessions,
+            ),
+            (
+                "adopted_tokens",
+                "Tokens of KV fetched for sequences moved here from a draining peer",
+                &m.adopted_tokens,
+            ),
+        ] {
+            registry.register(format!("tandem_{role}_{name}"), help, counter.clone());
+        }
+        m
+    }
+}
+
+/// How a drain's hand-off went.
+#[derive(Debug)]
+pub struct HandOff {
+    pub ms: u64,
+    /// Running streams' KV kept and not fetched.
+    pub unfetched: usize,
+    pub sessions_offered: usize,
+    pub sessions_fetched: usize,
+}
+
+/// A node's KV moves: the fetches it makes and serves, its drain's offer, and the sequences it
+/// takes from draining peers.
+#[derive(Clone, Debug)]
+pub struct KvMoves {
+    model: Arc<Model>,
+    kv_layout: KvLayout,
+    /// Mutual TLS to the peers it fetches from.
+    tls: Option<tandem_net::tls::Tls>,
+    cache: Arc<dyn EngineCache>,
+    /// Whether the cache keeps sequences at all (the prefix or session cache is on).
+    enabled: bool,
+    pub handoffs: Arc<Handoffs>,
+    /// Cancelled as the drain begins: no more adoptions (nor, on a decode node, requests).
+    pub draining: CancellationToken,
+    pub metrics: MoveMetrics,
+}
+
+impl KvMoves {
+    /// The moves of a node whose engine thread offers `cache`; `enabled` when its cache keeps
+    /// sequences at all.
+    pub fn new(
+        model: Arc<Model>,
+        kv_layout: KvLayout,
+        tls: Option<tandem_net::tls::Tls>,
+        cache: Arc<dyn EngineCache>,
+        enabled: bool,
+        handoffs: Arc<Handoffs>,
+        metrics: MoveMetrics,
+    ) -> Self {
+        Self {
+            model,
+            kv_layout,
+            tls,
+            cache,
+            enabled,
+            handoffs,
+            draining: CancellationToken::new(),
+            metrics,
+        }
+    }
+
+    /// The node's cache as its `KvTransfer` service answers peer fetches from it.
+    pub fn fetch_source(&self) -> FetchSource {
+        FetchSource {
+            fingerprint: self.model.fingerprint.0,
+            layout: crate::wire_layout(self.kv_layout),
+            source: Arc::new(self.clone()),
+        }
+    }
+
+    /// Fetches the KV of `tokens` (from token 0) from the peer at `addr`; `None` (counted as a
+    /// failure when something went wrong) when there is none to use.
+    pub async fn fetch(
+        &self,
+        addr: &str,
+        request_id: &str,
+        cache_salt: &str,
+        tokens: &[u32],
+    ) -> Option<KvExport> {
+        if tokens.is_empty() {
+            return None;
+        }
+        let channel = tandem_net::channel(
+            addr,
+            self.tls.as_ref().map(tandem_net::tls::Tls::client_config),
+        );
+        let want = FetchWant {
+            fingerprint: self.model.fingerprint.0,
+            layout: crate::wire_layout(self.kv_layout),
+            idle: FETCH_IDLE,
+        };
+        let request = pb::FetchRequest {
+            request_id: request_id.to_string(),
+            model_fingerprint: self.model.fingerprint.0.to_vec().into(),
+            token_ids: tokens.to_vec(),
+            cache_salt: cache_salt.to_string(),
+        };
+        let fetched = match channel {
+            Ok(channel) => tandem_transfer::fetch::fetch(channel, request, &want).await,
+            Err(e) => Err(tandem_transfer::Error::Transport {
+                code: tonic::Code::InvalidArgument,
+                message: e.to_string(),
+            }),
+        };
+        match fetched {
+            Ok(kv) => kv.map(|kv| crate::kv_export(self.kv_layout, kv)),
+            Err(e) => {
+                self.metrics.fetch_failures.inc();
+                tracing::warn!(holder = addr, error = %e, "peer fetch failed; computing instead");
+                None
+            }
+        }
+    }
+
+    /// `Worker.Sessions`: the drain's offer, to the first caller. A caller that saw NOT_SERVING
+    /// may come before the offer is made: it waits for it, at most [`OFFER_IDLE`].
+    pub async fn sessions(&self) -> Vec<pb::CachedSession> {
+        self.handoffs
+            .take_offer(OFFER_IDLE)
+            .await
+            .into_iter()
+            .map(|s| pb::CachedSession {
+                token_ids: s.tokens,
+                cache_salt: s.cache_salt,
+            })
+            .collect()
+    }
+
+    /// `Worker.Adopt`: fetches what this node lacks of the session from the draining peer at
+    /// `holder_addr` and keeps it in the cache.
+    pub async fn adopt(&self, r: pb::AdoptRequest) -> Result<pb::AdoptResponse, Status> {
+        let invalid = |field: &str, reason: &str| {
+            Status::invalid_argument(format!("invalid {field}: {reason}"))
+        };
+        let session = r.session.ok_or_else(|| invalid("session", "missing"))?;
+        tandem_proto::check_ids(&[
+            ("request_id", &r.request_id),
+            ("cache_salt", &session.cache_salt),
+            ("holder_addr", &r.holder_addr),
+        ])
+        .map_err(|(field, reason)| invalid(field, &reason))?;
+        if self.draining.is_cancelled() {
+            return Err(Status::unavailable("the node is draining"));
+        }
+        if !self.enabled {
+            return Err(Status::failed_precondition("the cache is off"));
+        }
+        self.model
+            .config
+            .check_token_ids("session.token_ids", &session.token_ids)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let hashes = crate::block_hashes(&self.model, &session.cache_salt, &session.token_ids);
+        let answer = |held: usize, fetched: usize| pb::AdoptResponse {
+            cached_tokens: held as u32,
+            fetched_tokens: fetched as u32,
+        };
+        let Some(&last) = hashes.last() else {
+            return Ok(answer(0, 0));
+        };
+        let whole = hashes.len() * BLOCK_TOKENS;
+        let held = self.cache.held(hashes.clone()).await;
+        if held >= whole {
+            return Ok(answer(held, 0));
+        }
+        let tokens = &session.token_ids[..whole];
+        let kv = tokio::select! {
+            kv = self.fetch(&r.holder_addr, &r.request_id, &session.cache_salt, tokens) => kv,
+            () = self.draining.cancelled() => return Err(Status::unavailable("the node is draining")),
+        };
+        let Some(kv) = kv else {
+            return Ok(answer(held, 0));
+        };
+        let fetched = kv.tokens.end;
+        let session = Session {
+            cache_salt: session.cache_salt,
+            tokens: tokens.to_vec(),
+            last,
+        };
+        let now = self
+            .cache
+            .adopt(session, hashes, kv)
+            .await
+            .ok_or_else(|| Status::unavailable("the node is shutting down"))?
+            .map_err(|e| match e {
+                tandem_engine::Error::KvExhausted { .. } => {
+                    Status::resource_exhausted(format!("no room for a session of {whole} tokens"))
+                }
+                e => {
+                    tracing::error!(error = %e, "could not keep an adopted session");
+                    Status::internal("adopt failed")
+                }
+            })?;
+        self.metrics.adopted_sessions.inc();
+        self.metrics.adopted_tokens.inc_by(fetched.min(now) as u64);
+        Ok(answer(now, fetched.min(now)))
+    }
+
+    /// The drain's hand-off: stops adoptions, makes the offer, and waits until the offered
+    /// sequences were fetched (or nobody fetched any for [`OFFER_IDLE`]), the kept streams'
+    /// KV was fetched and `busy` (the role's own running work) says no more, or `bound` passed.
+    pub async fn hand_off(&self, bound: Duration, busy: impl Fn() -> bool) -> HandOff {
+        self.draining.cancel();
+        let started = Instant::now();
+        let offer = self.cache.offer().await;
+        let offered = offer.len();
+        self.metrics.offered_sessions.inc_by(offered as u64);
+        self.handoffs.offer(offer);
+        while started.elapsed() < bound && (busy() || self.handoffs.waiting(OFFER_IDLE)) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let (unfetched, sessions_left) = self.handoffs.unfetched();
+        HandOff {
+            ms: started.elapsed().as_millis() as u64,
+            unfetched,
+            sessions_offered: offered,
+            sessions_fetched: offered - sessions_left,
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl KvSource for KvMoves {
+    async fn cached(&self, token_ids: &[u32], cache_salt: &str) -> Result<Cached, Status> {
+        tandem_proto::check_ids(&[("cache_salt", cache_salt)])
+            .map_err(|(field, reason)| Status::invalid_argument(format!("{field}: {reason}")))?;
+        self.model
+            .config
+            .check_token_ids("token_ids", token_ids)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let hashes = crate::block_hashes(&self.model, cache_salt, token_ids);
+        let cells = self.cache.export(hashes.clone()).await;
+        let tokens = cells.last().map_or(0, |kv| kv.tokens.end);
+        // The sequence asked for, and what of it was sent, are settled either way.
+        if let Some(last) = (tokens / BLOCK_TOKENS).checked_sub(1) {
+            self.handoffs.fetched(hashes[last]);
+        }
+        if let Some(&asked) = hashes.last() {
+            self.handoffs.fetched(asked);
+        }
+        Ok(Cached {
+            tokens: tokens as u32,
+            chunks: cells.into_iter().flat_map(crate::kv_chunks).collect(),
+        })
+    }
+}
