@@ -10,9 +10,10 @@
 #   full      every scenario: node kills, pauses and disconnects, KV-path resets, loss, a
 #             bandwidth cap and corruption, 100 ± 30 ms latency and a blackhole through
 #             `tandem fault-proxy`, client cancels and deadlines, the session holder killed
-#             between turns, the router killed, a rolling restart, 3x overload, and a random-fault
-#             soak (TANDEM_CHAOS_SOAK_S, default 600 s); about 30 minutes
-#   one NAME  one scenario, e.g. `kv(loss)`, `overload`, `node(killprefill)`
+#             between turns, the router killed, a rolling restart, a decode node's drain (killed
+#             mid-way, racing client cancels, its peer full), 3x overload, and a random-fault
+#             soak (TANDEM_CHAOS_SOAK_S, default 600 s); about 35 minutes
+#   one NAME  one scenario, e.g. `kv(loss)`, `overload`, `node(killprefill)`, `drain(killed)`
 # Results: target/chaos/results.md, results.json and events-*.jsonl.
 # Env: TANDEM_CHAOS_KEEP=1 leaves the cluster running afterwards (project "tandemchaos").
 set -euo pipefail

@@ -119,7 +119,7 @@ pub async fn run(
     // last handle goes and its thread exits.
     tracker.close();
     tracker.wait().await;
-    drop(ctx);
+    drop((ctx, moves));
     let _ = tokio::task::spawn_blocking(move || thread.join()).await;
     served
 }

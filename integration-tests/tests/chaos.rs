@@ -1285,6 +1285,94 @@ async fn rolling_restart(case: &Case) -> Result<Row> {
     finish(row, &got).await
 }
 
+/// A fault on a decode node's drain (SIGTERM while streams run), which hands its running
+/// streams off to the other decode node with their KV and offers it its cached sessions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DrainFault {
+    /// The draining node killed (SIGKILL) 300 ms into its drain: the peer's fetches of what it
+    /// kept fail mid-way, and the streams and sessions are computed again instead.
+    Killed,
+    /// Every other client drops its stream after 3 to 11 frames, racing the drain.
+    Cancels,
+    /// 40 clients at once: the peer's batch slots are full when the drained node's streams
+    /// move to it, so they wait in the router's queue with their KV kept.
+    PeerFull,
+}
+
+impl DrainFault {
+    fn name(self) -> &'static str {
+        match self {
+            DrainFault::Killed => "decode killed 300 ms into its drain",
+            DrainFault::Cancels => "decode drained while clients cancel",
+            DrainFault::PeerFull => "decode drained while its peer is full",
+        }
+    }
+}
+
+async fn drain_fault(fault: DrainFault, case: &Case) -> Result<Row> {
+    let victim = container("decode", 1);
+    let router = router_addr().to_string();
+    let moved = async || {
+        (
+            metric_sum(&router, "tandem_router_fetched_tokens_total").await,
+            metric_sum(&router, "tandem_router_moved_sessions_total").await,
+        )
+    };
+    let before = moved().await;
+    let streams = match fault {
+        DrainFault::PeerFull => 40,
+        _ => STREAMS,
+    };
+    let opts = move |n: usize| match fault {
+        DrainFault::Cancels if n % 2 == 1 => Opts {
+            cancel_after: Some(3 + n % 9),
+            ..Opts::default()
+        },
+        _ => Opts::default(),
+    };
+    let drain = async {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        if fault == DrainFault::Killed {
+            docker(&["kill", "-s", "TERM", &victim])?;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            // It may have finished its drain and exited already.
+            let _ = docker(&["kill", &victim]);
+            docker(&["start", &victim])?;
+        } else {
+            // SIGTERM: the node drains, then exits; then it starts again.
+            docker(&["restart", "-t", "15", &victim])?;
+        }
+        let started = Instant::now();
+        all_up(RECOVERY)
+            .await
+            .map(|_| started.elapsed().as_secs_f64())
+    };
+    let (got, recovery) = tokio::join!(traffic(case, streams, opts, None, Instant::now()), drain);
+    let got = got?;
+    const CANCELS: &[&str] = &["Cancelled", "Unavailable", "DataLoss"];
+    let allowed = match fault {
+        DrainFault::Cancels => CANCELS,
+        _ => NODE_LOSS,
+    };
+    let mut row = score(fault.name(), case, &got, allowed);
+    row.recovery_s = Some(recovery?);
+    if fault == DrainFault::Cancels {
+        for (n, (_, o)) in got.iter().enumerate() {
+            if n % 2 == 1 && o.status != "Cancelled" {
+                row.failures
+                    .push(format!("request {n} was to be cancelled: {}", o.status));
+            }
+        }
+    }
+    let after = moved().await;
+    row.notes.push(format!(
+        "the router: {:.0} prompt tokens fetched, {:.0} cached sessions moved",
+        after.0 - before.0,
+        after.1 - before.1
+    ));
+    finish(row, &got).await
+}
+
 async fn overload(case: &Case) -> Result<Row> {
     // 3x the decode nodes' batch slots (2 x 16), all at once.
     let n = 3 * 2 * 16;
@@ -1429,13 +1517,14 @@ enum Scenario {
     RouterRestart,
     SessionHolder,
     RollingRestart,
+    Drain(DrainFault),
     Overload,
     Soak,
 }
 
 /// Every scenario, in the order the full suite runs them: the blackhole one runs behind the
 /// fault-proxies that the latency one puts in.
-const ALL: [Scenario; 16] = [
+const ALL: [Scenario; 19] = [
     Scenario::Node(NodeFault::KillDecode),
     Scenario::Node(NodeFault::PauseDecode),
     Scenario::Node(NodeFault::KillPrefill),
@@ -1450,6 +1539,9 @@ const ALL: [Scenario; 16] = [
     Scenario::SessionHolder,
     Scenario::RouterRestart,
     Scenario::RollingRestart,
+    Scenario::Drain(DrainFault::Killed),
+    Scenario::Drain(DrainFault::Cancels),
+    Scenario::Drain(DrainFault::PeerFull),
     Scenario::Overload,
     Scenario::Soak,
 ];
@@ -1492,6 +1584,7 @@ async fn suite(scenarios: &[Scenario]) -> Result<()> {
                     session_holder_killed(&case, &second).await?
                 }
                 Scenario::RollingRestart => rolling_restart(&case).await?,
+                Scenario::Drain(f) => drain_fault(f, &case).await?,
                 Scenario::Overload => overload(&case).await?,
                 Scenario::Soak => {
                     let secs = std::env::var("TANDEM_CHAOS_SOAK_S")
