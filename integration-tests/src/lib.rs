@@ -199,7 +199,6 @@ async fn start_decode(
         max_slots: config.decode_slots,
         kv_wait: config.kv_wait,
         max_kv_wait: config.max_kv_wait,
-        ..tandem_decode_server::Config::new(config.model.clone())
     };
     Node::spawn_on(addr, |l, rx| async move {
         Ok(tandem_decode_server::run(l, c, stopped(rx)).await?)

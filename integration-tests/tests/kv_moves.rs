@@ -269,7 +269,10 @@ async fn a_draining_prefill_node_moves_its_hottest_prompts_to_its_peer() {
             usage.prefill_cached_tokens as usize, whole,
             "prompt {s} found in the peer's cache: {usage:?}"
         );
-        assert_eq!(again.token_ids, firsts[s], "prompt {s}: the first run's tokens");
+        assert_eq!(
+            again.token_ids, firsts[s],
+            "prompt {s}: the first run's tokens"
+        );
     }
     cluster.stop().await.expect("stop");
 }

@@ -414,3 +414,65 @@ impl Policy {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use tandem_proto::v1 as pb;
+    use tokio_util::sync::CancellationToken;
+
+    use super::*;
+
+    /// A prompt whose prefix a draining prefill node's prefix cache holds is fetched from
+    /// there and its rest computed on the decode node, rather than computed whole on the
+    /// other (cold) prefill node; with nobody holding it, it goes to the prefill node.
+    #[tokio::test]
+    async fn a_draining_prefill_nodes_prefix_cache_is_a_fetch_holder() {
+        let replicas = Arc::new(Replicas::new(usize::MAX, CancellationToken::new()));
+        for (role, addr) in [
+            (Role::Prefill, "127.0.0.1:1"),
+            (Role::Prefill, "127.0.0.1:2"),
+            (Role::Decode, "127.0.0.1:3"),
+        ] {
+            replicas.add(role, addr, addr).expect("add");
+        }
+        let all = replicas.all();
+        let (draining, cold, decode) = (&all[0], &all[1], &all[2]);
+        cold.set_healthy(true);
+        decode.set_healthy(true);
+        let prompt: Vec<u32> = (0..1000).collect();
+        let hashes = tandem_proto::block_hash::prompt_hashes(&[7; 32], "", &prompt);
+        for (i, r) in all.iter().enumerate() {
+            r.index.apply_snapshot(pb::CacheSnapshotResponse {
+                epoch: 1 + i as u64,
+                ..Default::default()
+            });
+        }
+        let ask = Ask {
+            tokens: prompt.len(),
+            hashes: &hashes,
+            session_id: "s",
+            exclude: &[],
+            holder: None,
+        };
+        let policy = Policy::new(PolicyKind::Affinity);
+        let choice = policy.choose(&replicas, &ask).expect("a choice");
+        assert_eq!(choice.fetch, None);
+        assert_eq!(choice.prefill.expect("remote").replica().addr, cold.addr);
+
+        draining.set_draining(1000);
+        draining.index.apply_snapshot(pb::CacheSnapshotResponse {
+            epoch: 1,
+            hashes: hashes.clone(),
+            ..Default::default()
+        });
+        let choice = policy.choose(&replicas, &ask).expect("a choice");
+        let held = hashes.len() * BLOCK_TOKENS;
+        assert_eq!(
+            choice.fetch,
+            Some((draining.addr.clone(), held)),
+            "{}",
+            choice.reason
+        );
+        assert!(choice.prefill.is_none(), "{}", choice.reason);
+    }
+}

@@ -212,6 +212,16 @@ impl Replica {
         self.healthy.store(up, Ordering::Relaxed);
     }
 
+    /// Marks the replica draining (NOT_SERVING, still answering) with KV of
+    /// `kv_bytes_per_token`, as its monitor would.
+    #[cfg(test)]
+    pub(crate) fn set_draining(&self, kv_bytes_per_token: u64) {
+        self.healthy.store(false, Ordering::Relaxed);
+        self.draining.store(true, Ordering::Relaxed);
+        self.kv_bytes_per_token
+            .store(kv_bytes_per_token, Ordering::Relaxed);
+    }
+
     /// Counts a request of `tokens` prompt tokens against this replica while the guard lives.
     pub fn claim(self: &Arc<Self>, tokens: u64) -> InflightGuard {
         self.inflight.fetch_add(1, Ordering::Relaxed);
