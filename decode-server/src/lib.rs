@@ -69,7 +69,7 @@ pub async fn run(
         node.config.model.clone(),
         kv_layout,
         node.config.tls.clone(),
-        Arc::new(scheduler.clone()),
+        scheduler.cache(),
         prefix_cache,
         handoffs,
         MoveMetrics::register(&mut node.registry, "decode"),

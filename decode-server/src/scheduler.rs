@@ -35,7 +35,7 @@ use std::time::Instant;
 use tandem_engine::{
     Decoding, Emission, Engine, KvExport, PromptChunk, SeqId, Stream, TokenLogprobs,
 };
-use tandem_worker::moves::{self, EngineCache, Handoffs, Recent, Session};
+use tandem_worker::moves::{self, CacheCommand, EngineCache, Handoffs, Recent};
 use tandem_worker::{CacheHub, Throughput};
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
@@ -103,35 +103,16 @@ enum Command {
     },
     Start(Box<Start>),
     Cancel(Ticket),
-    /// A peer fetch: the KV of the longest cached prefix of `hashes`, cell by cell.
-    Export {
-        hashes: Vec<u64>,
-        reply: oneshot::Sender<Vec<KvExport>>,
-    },
     /// Drain: stop a running sequence, keeping its KV in the cache (within the budget); the
     /// reply is the tokens kept, 0 when none were. Its event channel closes after the reply.
     HandOff {
         ticket: Ticket,
         reply: oneshot::Sender<usize>,
     },
-    /// Drain: the most recently used cached sessions to offer peers, within what the budget
-    /// leaves once the running sequences' hand-offs are counted.
-    Offer {
-        reply: oneshot::Sender<Vec<Session>>,
-    },
-    /// The tokens of the longest cached prefix of `hashes` (the disk tier's included).
-    Held {
-        hashes: Vec<u64>,
-        reply: oneshot::Sender<usize>,
-    },
-    /// Keeps a session's KV, fetched from a draining peer, in the cache; the reply is the
-    /// session's tokens now held.
-    Adopt {
-        session: Session,
-        hashes: Vec<u64>,
-        kv: KvExport,
-        reply: oneshot::Sender<Result<usize, tandem_engine::Error>>,
-    },
+    /// The KV moves' ([`tandem_worker::moves`]): peer fetches, adoptions, the drain's offer
+    /// (within what the hand-off budget leaves once the running sequences' hand-offs are
+    /// counted).
+    Cache(CacheCommand),
 }
 
 /// A sequence whose prompt is being computed here, a chunk per step.
@@ -234,6 +215,12 @@ impl SchedulerHandle {
         answer
     }
 
+    /// The scheduler's cache, as the KV moves reach it.
+    pub fn cache(&self) -> EngineCache {
+        let tx = self.tx.clone();
+        EngineCache::new(move |c| tx.send(Command::Cache(c)).is_ok())
+    }
+
     /// Completes an opened sequence and adds it to the batch. `false` if the scheduler is gone.
     pub fn start(&self, start: Start) -> bool {
         self.tx.send(Command::Start(Box::new(start))).is_ok()
@@ -242,42 +229,6 @@ impl SchedulerHandle {
     /// Removes a sequence, opened or running (a no-op if it already finished).
     pub fn cancel(&self, ticket: Ticket) {
         let _ = self.tx.send(Command::Cancel(ticket));
-    }
-}
-
-#[tonic::async_trait]
-impl EngineCache for SchedulerHandle {
-    async fn export(&self, hashes: Vec<u64>) -> Vec<KvExport> {
-        self.ask(|reply| Command::Export { hashes, reply })
-            .await
-            .unwrap_or_default()
-    }
-
-    async fn offer(&self) -> Vec<Session> {
-        self.ask(|reply| Command::Offer { reply })
-            .await
-            .unwrap_or_default()
-    }
-
-    async fn held(&self, hashes: Vec<u64>) -> usize {
-        self.ask(|reply| Command::Held { hashes, reply })
-            .await
-            .unwrap_or(0)
-    }
-
-    async fn adopt(
-        &self,
-        session: Session,
-        hashes: Vec<u64>,
-        kv: KvExport,
-    ) -> Option<Result<usize, tandem_engine::Error>> {
-        self.ask(|reply| Command::Adopt {
-            session,
-            hashes,
-            kv,
-            reply,
-        })
-        .await
     }
 }
 
@@ -385,10 +336,6 @@ impl Scheduler {
             }
             Command::Start(start) => self.start(*start),
             Command::Cancel(ticket) => self.remove(ticket),
-            Command::Export { hashes, reply } => {
-                let exported = moves::export_cached(&mut self.engine, &self.shared.hub, &hashes);
-                let _ = reply.send(exported);
-            }
             Command::HandOff { ticket, reply } => {
                 let kept = self.hand_off(ticket);
                 // The reply goes before the sequence's event channel closes (`remove`), so the
@@ -396,36 +343,25 @@ impl Scheduler {
                 let _ = reply.send(kept);
                 self.remove(ticket);
             }
-            Command::Offer { reply } => {
-                let _ = reply.send(self.offer());
-            }
-            Command::Held { hashes, reply } => {
-                let _ = reply.send(moves::held(&mut self.engine, &self.shared.hub, &hashes));
-            }
-            Command::Adopt {
-                session,
-                hashes,
-                kv,
-                reply,
-            } => {
-                let hub = &self.shared.hub;
-                let adopted = moves::keep_fetched(&mut self.engine, hub, &hashes, &kv).map(|()| {
-                    self.recent
-                        .kept(&session.cache_salt, &session.tokens, &hashes);
-                    moves::held(&mut self.engine, hub, &hashes)
-                });
-                let _ = reply.send(adopted);
+            Command::Cache(command) => {
+                let mut left = self.handoff_budget.saturating_sub(self.running_bytes());
+                let before = left;
+                command.answer(
+                    &mut self.engine,
+                    &self.shared.hub,
+                    &mut self.recent,
+                    &mut left,
+                );
+                self.handoff_budget -= before - left;
             }
         }
     }
 
-    /// The sessions a drain offers: the most recently used ones still in the pool, as many as
-    /// fit in the hand-off budget once the running sequences' whole blocks are set aside for
-    /// their own hand-offs. What is offered comes off the budget.
-    fn offer(&mut self) -> Vec<Session> {
+    /// The KV of the running and waiting sequences' whole blocks, in bytes: what their own
+    /// hand-offs would keep.
+    fn running_bytes(&self) -> u64 {
         let token_bytes = self.engine.kv_layout().token_bytes() as u64;
-        let running: u64 = self
-            .active
+        self.active
             .values()
             .chain(self.waiting.iter().map(|(_, a)| a))
             .map(|a| {
@@ -433,14 +369,7 @@ impl Scheduler {
                 (held / tandem_engine::BLOCK_TOKENS * tandem_engine::BLOCK_TOKENS) as u64
             })
             .sum::<u64>()
-            * token_bytes;
-        let mut left = self.handoff_budget.saturating_sub(running);
-        let offer = moves::offer_within(&self.engine, &self.recent, &mut left);
-        self.handoff_budget -= offer
-            .iter()
-            .map(|s| s.tokens.len() as u64 * token_bytes)
-            .sum::<u64>();
-        offer
+            * token_bytes
     }
 
     /// Keeps a running (or waiting) sequence's KV in the cache for a peer to fetch, within the

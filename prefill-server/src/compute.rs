@@ -15,7 +15,7 @@
 //! chunk completes exactly one push cell, and the header's chunk count is known before the cache
 //! is consulted.
 //!
-//! The thread also answers the KV moves' [`Command`]s ([`tandem_worker::moves`]: peer fetches
+//! The thread also answers the KV moves' commands ([`tandem_worker::moves`]: peer fetches
 //! from the prefix cache, the drain's offer of its hottest prompts, prompts adopted from a
 //! draining peer): before the next job, and between the chunks of a running one, so a fetch
 //! waits for one chunk at most, never for the queue.
@@ -24,9 +24,9 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tandem_engine::{Engine, GenerateParams, KvExport, SeqId, TokenLogprobs};
+use tandem_engine::{Engine, GenerateParams, SeqId, TokenLogprobs};
 use tandem_transfer::KvPush;
-use tandem_worker::moves::{self, EngineCache, Recent, Session};
+use tandem_worker::moves::{CacheCommand, EngineCache, Recent};
 use tandem_worker::{CacheHub, Throughput};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -79,78 +79,6 @@ pub(crate) struct Shared {
     pub throughput: Throughput,
 }
 
-/// What the KV moves ask of the thread's cache.
-#[derive(Debug)]
-enum Command {
-    Export {
-        hashes: Vec<u64>,
-        reply: oneshot::Sender<Vec<KvExport>>,
-    },
-    Held {
-        hashes: Vec<u64>,
-        reply: oneshot::Sender<usize>,
-    },
-    Adopt {
-        session: Session,
-        hashes: Vec<u64>,
-        kv: KvExport,
-        reply: oneshot::Sender<Result<usize, tandem_engine::Error>>,
-    },
-    Offer {
-        reply: oneshot::Sender<Vec<Session>>,
-    },
-}
-
-/// The thread's prefix cache, as the KV moves reach it.
-#[derive(Clone, Debug)]
-pub(crate) struct ComputeCache {
-    tx: mpsc::UnboundedSender<Command>,
-}
-
-impl ComputeCache {
-    async fn ask<T>(&self, command: impl FnOnce(oneshot::Sender<T>) -> Command) -> Option<T> {
-        let (reply, answer) = oneshot::channel();
-        self.tx.send(command(reply)).ok()?;
-        answer.await.ok()
-    }
-}
-
-#[tonic::async_trait]
-impl EngineCache for ComputeCache {
-    async fn export(&self, hashes: Vec<u64>) -> Vec<KvExport> {
-        self.ask(|reply| Command::Export { hashes, reply })
-            .await
-            .unwrap_or_default()
-    }
-
-    async fn held(&self, hashes: Vec<u64>) -> usize {
-        self.ask(|reply| Command::Held { hashes, reply })
-            .await
-            .unwrap_or(0)
-    }
-
-    async fn adopt(
-        &self,
-        session: Session,
-        hashes: Vec<u64>,
-        kv: KvExport,
-    ) -> Option<Result<usize, tandem_engine::Error>> {
-        self.ask(|reply| Command::Adopt {
-            session,
-            hashes,
-            kv,
-            reply,
-        })
-        .await
-    }
-
-    async fn offer(&self) -> Vec<Session> {
-        self.ask(|reply| Command::Offer { reply })
-            .await
-            .unwrap_or_default()
-    }
-}
-
 /// Starts the thread, with `handoff_bytes` of KV that a drain may offer peers. It ends when the
 /// job queue closes.
 pub(crate) fn spawn(
@@ -158,7 +86,7 @@ pub(crate) fn spawn(
     mut jobs: mpsc::Receiver<Job>,
     shared: Arc<Shared>,
     handoff_bytes: u64,
-) -> std::io::Result<(ComputeCache, std::thread::JoinHandle<()>)> {
+) -> std::io::Result<(EngineCache, std::thread::JoinHandle<()>)> {
     let (tx, commands) = mpsc::unbounded_channel();
     // The thread waits for a job or a command at once: on the node's runtime, off its workers.
     let runtime = tokio::runtime::Handle::current();
@@ -176,14 +104,14 @@ pub(crate) fn spawn(
                 c.job(job);
             }
         })?;
-    Ok((ComputeCache { tx }, thread))
+    Ok((EngineCache::new(move |c| tx.send(c).is_ok()), thread))
 }
 
 /// The compute thread's state.
 struct Compute {
     engine: Engine,
     shared: Arc<Shared>,
-    commands: mpsc::UnboundedReceiver<Command>,
+    commands: mpsc::UnboundedReceiver<CacheCommand>,
     /// The prompts kept in the prefix cache, for a drain to offer its hottest.
     recent: Recent,
     /// Bytes of KV the drain may still offer.
@@ -209,34 +137,13 @@ impl Compute {
         }
     }
 
-    fn handle(&mut self, command: Command) {
-        let hub = &self.shared.hub;
-        match command {
-            Command::Export { hashes, reply } => {
-                let _ = reply.send(moves::export_cached(&mut self.engine, hub, &hashes));
-            }
-            Command::Held { hashes, reply } => {
-                let _ = reply.send(moves::held(&mut self.engine, hub, &hashes));
-            }
-            Command::Adopt {
-                session,
-                hashes,
-                kv,
-                reply,
-            } => {
-                let adopted = moves::keep_fetched(&mut self.engine, hub, &hashes, &kv).map(|()| {
-                    self.recent
-                        .kept(&session.cache_salt, &session.tokens, &hashes);
-                    moves::held(&mut self.engine, hub, &hashes)
-                });
-                let _ = reply.send(adopted);
-            }
-            Command::Offer { reply } => {
-                let offer =
-                    moves::offer_within(&self.engine, &self.recent, &mut self.handoff_budget);
-                let _ = reply.send(offer);
-            }
-        }
+    fn handle(&mut self, command: CacheCommand) {
+        command.answer(
+            &mut self.engine,
+            &self.shared.hub,
+            &mut self.recent,
+            &mut self.handoff_budget,
+        );
         self.shared
             .metrics
             .cache_blocks

@@ -58,7 +58,7 @@ pub async fn run(
         node.config.model.clone(),
         kv_layout,
         node.config.tls.clone(),
-        Arc::new(cache),
+        cache,
         prefix_cache,
         Default::default(),
         MoveMetrics::register(&mut node.registry, "prefill"),

@@ -18,8 +18,8 @@
 //! needed next.
 //!
 //! The engine belongs to one thread per node (the decode scheduler, the prefill compute thread):
-//! the [`EngineCache`] it offers runs each operation there, with the functions below
-//! ([`export_cached`], [`held`], [`keep_fetched`], [`offer_within`]).
+//! the moves reach its cache through an [`EngineCache`], whose [`CacheCommand`]s that thread
+//! answers between its own work ([`CacheCommand::answer`]).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -30,6 +30,7 @@ use prometheus_client::registry::Registry;
 use tandem_engine::{BLOCK_TOKENS, Engine, KvExport, KvLayout, Model};
 use tandem_proto::v1 as pb;
 use tandem_transfer::{Cached, FetchSource, FetchWant, KvSource};
+use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
@@ -101,7 +102,7 @@ impl Recent {
 
 /// The KV of the longest cached prefix of `hashes`, in cells of at most a prefill chunk (the
 /// engine thread's side of a peer fetch).
-pub fn export_cached(engine: &mut Engine, hub: &CacheHub, hashes: &[u64]) -> Vec<KvExport> {
+fn export_cached(engine: &mut Engine, hub: &CacheHub, hashes: &[u64]) -> Vec<KvExport> {
     let (seq, cached) = engine.new_sequence_cached(hashes);
     let grid = engine.prefill_chunk_tokens();
     let cells = crate::grid_cells(0..cached, grid)
@@ -117,7 +118,7 @@ pub fn export_cached(engine: &mut Engine, hub: &CacheHub, hashes: &[u64]) -> Vec
 }
 
 /// The tokens of the longest cached prefix of `hashes` (the disk tier's included).
-pub fn held(engine: &mut Engine, hub: &CacheHub, hashes: &[u64]) -> usize {
+fn held(engine: &mut Engine, hub: &CacheHub, hashes: &[u64]) -> usize {
     let (seq, cached) = engine.new_sequence_cached(hashes);
     let _ = engine.free(seq);
     // A restore from the disk tier changes the cache.
@@ -145,7 +146,7 @@ pub fn keep_fetched(
 
 /// A drain's offer: the most recently used of `recent` still in the pool, as many as fit in
 /// `budget` bytes, which loses what is offered.
-pub fn offer_within(engine: &Engine, recent: &Recent, budget: &mut u64) -> Vec<Session> {
+fn offer_within(engine: &Engine, recent: &Recent, budget: &mut u64) -> Vec<Session> {
     let token_bytes = engine.kv_layout().token_bytes() as u64;
     let mut offer = Vec::new();
     for s in recent.by_recency() {
@@ -158,24 +159,136 @@ pub fn offer_within(engine: &Engine, recent: &Recent, budget: &mut u64) -> Vec<S
     offer
 }
 
-/// The engine thread's cache, as moves reach it: each call runs on that thread.
-#[tonic::async_trait]
-pub trait EngineCache: Send + Sync + std::fmt::Debug + 'static {
-    /// [`export_cached`]; empty when the thread is gone.
-    async fn export(&self, hashes: Vec<u64>) -> Vec<KvExport>;
-    /// [`held`]; 0 when the thread is gone.
-    async fn held(&self, hashes: Vec<u64>) -> usize;
-    /// [`keep_fetched`], recording `session` as kept: the session's tokens held after, or
-    /// `None` when the thread is gone.
-    async fn adopt(
+/// What the moves ask of the engine thread's cache.
+#[derive(Debug)]
+pub enum CacheCommand {
+    /// [`export_cached`].
+    Export {
+        hashes: Vec<u64>,
+        reply: oneshot::Sender<Vec<KvExport>>,
+    },
+    /// [`held`].
+    Held {
+        hashes: Vec<u64>,
+        reply: oneshot::Sender<usize>,
+    },
+    /// [`keep_fetched`], recording `session` as kept; the session's tokens held after.
+    Adopt {
+        session: Session,
+        hashes: Vec<u64>,
+        kv: KvExport,
+        reply: oneshot::Sender<Result<usize, tandem_engine::Error>>,
+    },
+    /// The drain's offer ([`offer_within`] the budget).
+    Offer {
+        reply: oneshot::Sender<Vec<Session>>,
+    },
+}
+
+impl CacheCommand {
+    /// Answers the command on the engine's thread, with the sequences its cache keeps
+    /// (`recent`) and `offer_budget`, the bytes of KV a drain may still offer (less what is).
+    pub fn answer(
+        self,
+        engine: &mut Engine,
+        hub: &CacheHub,
+        recent: &mut Recent,
+        offer_budget: &mut u64,
+    ) {
+        match self {
+            CacheCommand::Export { hashes, reply } => {
+                let _ = reply.send(export_cached(engine, hub, &hashes));
+            }
+            CacheCommand::Held { hashes, reply } => {
+                let _ = reply.send(held(engine, hub, &hashes));
+            }
+            CacheCommand::Adopt {
+                session,
+                hashes,
+                kv,
+                reply,
+            } => {
+                let adopted = keep_fetched(engine, hub, &hashes, &kv).map(|()| {
+                    recent.kept(&session.cache_salt, &session.tokens, &hashes);
+                    held(engine, hub, &hashes)
+                });
+                let _ = reply.send(adopted);
+            }
+            CacheCommand::Offer { reply } => {
+                let _ = reply.send(offer_within(engine, recent, offer_budget));
+            }
+        }
+    }
+}
+
+/// The engine thread's cache, as the moves reach it: each call is a [`CacheCommand`] sent to
+/// that thread, answered there.
+#[derive(Clone)]
+pub struct EngineCache {
+    send: Arc<dyn Fn(CacheCommand) -> bool + Send + Sync>,
+}
+
+impl std::fmt::Debug for EngineCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineCache").finish_non_exhaustive()
+    }
+}
+
+impl EngineCache {
+    /// A cache whose commands go to the engine thread through `send` (`false`: the thread is
+    /// gone).
+    pub fn new(send: impl Fn(CacheCommand) -> bool + Send + Sync + 'static) -> Self {
+        Self {
+            send: Arc::new(send),
+        }
+    }
+
+    async fn ask<T>(&self, command: impl FnOnce(oneshot::Sender<T>) -> CacheCommand) -> Option<T> {
+        let (reply, answer) = oneshot::channel();
+        if !(self.send)(command(reply)) {
+            return None;
+        }
+        answer.await.ok()
+    }
+
+    /// The KV of the longest cached prefix of `hashes`, cell by cell; empty when the thread
+    /// is gone.
+    pub async fn export(&self, hashes: Vec<u64>) -> Vec<KvExport> {
+        self.ask(|reply| CacheCommand::Export { hashes, reply })
+            .await
+            .unwrap_or_default()
+    }
+
+    /// The tokens of the longest cached prefix of `hashes`; 0 when the thread is gone.
+    pub async fn held(&self, hashes: Vec<u64>) -> usize {
+        self.ask(|reply| CacheCommand::Held { hashes, reply })
+            .await
+            .unwrap_or(0)
+    }
+
+    /// Keeps `session`'s fetched KV: the session's tokens held after, or `None` when the
+    /// thread is gone.
+    pub async fn adopt(
         &self,
         session: Session,
         hashes: Vec<u64>,
         kv: KvExport,
-    ) -> Option<Result<usize, tandem_engine::Error>>;
-    /// The drain's offer, most recently used first ([`offer_within`] the hand-off budget, less
-    /// what the node's running work keeps).
-    async fn offer(&self) -> Vec<Session>;
+    ) -> Option<Result<usize, tandem_engine::Error>> {
+        self.ask(|reply| CacheCommand::Adopt {
+            session,
+            hashes,
+            kv,
+            reply,
+        })
+        .await
+    }
+
+    /// The drain's offer, most recently used first.
+    pub async fn offer(&self) -> Vec<Session> {
+        self.ask(|reply| CacheCommand::Offer { reply })
+            .await
+            .unwrap_or_default()
+    }
 }
 
 /// What a drain keeps for peers to fetch, by the hash of each sequence's last kept block: a
@@ -331,7 +444,7 @@ pub struct KvMoves {
     kv_layout: KvLayout,
     /// Mutual TLS to the peers it fetches from.
     tls: Option<tandem_net::tls::Tls>,
-    cache: Arc<dyn EngineCache>,
+    cache: EngineCache,
     /// Whether the cache keeps sequences at all (the prefix or session cache is on).
     enabled: bool,
     pub handoffs: Arc<Handoffs>,
@@ -347,7 +460,7 @@ impl KvMoves {
         model: Arc<Model>,
         kv_layout: KvLayout,
         tls: Option<tandem_net::tls::Tls>,
-        cache: Arc<dyn EngineCache>,
+        cache: EngineCache,
         enabled: bool,
         handoffs: Arc<Handoffs>,
         metrics: MoveMetrics,
