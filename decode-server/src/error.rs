@@ -32,8 +32,8 @@ pub enum Error {
     #[error("the decode node is shutting down")]
     ShuttingDown,
 
-    /// Draining: the stream stops here, and the KV of its first `tokens` tokens waits for the
-    /// peer that continues it to fetch it.
+    /// Draining: the stream stops here (or, not started, is refused), and the KV of its first
+    /// `tokens` tokens (0: none) waits for the peer that continues it to fetch it.
     #[error("the decode node is draining; {tokens} tokens of KV are kept for a peer to fetch")]
     HandedOff { tokens: usize },
 }

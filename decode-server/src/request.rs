@@ -141,7 +141,7 @@ impl RequestContext {
         plan: Plan,
     ) -> Result<ReceiverStream<Result<pb::DecodeResponse, Status>>> {
         if self.draining.is_cancelled() {
-            return Err(Error::ShuttingDown);
+            return Err(Error::HandedOff { tokens: 0 });
         }
         let config = &self.model.config;
         if plan.prompt.is_empty() {
@@ -222,7 +222,7 @@ impl RequestContext {
                     kv = self.moves.fetch(addr, &plan.request_id, &plan.cache_salt, &plan.prompt[..asked]) => kv,
                     () = tx.closed() => return Ok(()),
                     () = &mut until_deadline => return Err(Error::Deadline),
-                    () = self.draining.cancelled() => return Err(Error::ShuttingDown),
+                    () = self.draining.cancelled() => return Err(Error::HandedOff { tokens: 0 }),
                 }
             }
             _ => None,
@@ -278,7 +278,7 @@ impl RequestContext {
                     () = tx.closed() => return Ok(()),
                     () = &mut until_deadline => return Err(Error::Deadline),
                     // Nothing generated yet: another node serves it from the start.
-                    () = self.draining.cancelled() => return Err(Error::ShuttingDown),
+                    () = self.draining.cancelled() => return Err(Error::HandedOff { tokens: 0 }),
                 };
                 drop(lease);
                 let first_token = received.first_token;

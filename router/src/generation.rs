@@ -512,12 +512,14 @@ impl Progress {
     /// Takes a failed attempt and says whether the choice tries again. It does when another
     /// replica might succeed ([`retryable`]) and the failure names replicas to avoid, within
     /// [`MAX_ATTEMPTS`] and the retry `budget`; those replicas are then avoided from here on and
-    /// the failure is noted for the route.
+    /// the failure is noted for the route. A draining node's hand-off spends no budget: the
+    /// budget bounds what faults add to the replicas left, and a hand-off is a planned move
+    /// (the next attempt fetches the KV kept for it, or starts what had not started).
     fn retry(&mut self, failure: &Failure, budget: &RetryBudget) -> bool {
         let retry = retryable(&failure.error)
             && !failure.suspects.is_empty()
             && self.attempts < MAX_ATTEMPTS
-            && budget.try_spend();
+            && (failure.handoff.is_some() || budget.try_spend());
         if retry {
             self.failovers.push(format!(
                 "{} ({})",
@@ -750,7 +752,11 @@ impl Dispatcher {
                 Error::Downstream { hop, .. } => *hop,
                 _ => "router",
             };
-            self.metrics.failover(hop);
+            if failure.handoff.is_some() {
+                self.metrics.handoffs.inc();
+            } else {
+                self.metrics.failover(hop);
+            }
             tracing::warn!(
                 request_id = %p.request_id,
                 choice = progress.choice,
@@ -1210,10 +1216,13 @@ mod tests {
         Failure::on_decode(decode, &Status::unavailable("connection reset"))
     }
 
-    /// A draining node's hand-off is a failover whose next attempt knows where the KV is.
+    /// A draining node's hand-off is a failover whose next attempt knows where the KV is, and
+    /// it spends no failover budget: with the budget spent, a hand-off still moves and a
+    /// failure does not.
     #[test]
     fn a_handed_off_stream_resumes_with_its_holder_named() {
         let budget = RetryBudget::default();
+        while budget.try_spend() {}
         let mut progress = Progress {
             attempts: 1,
             ..Progress::default()
@@ -1225,8 +1234,15 @@ mod tests {
         assert!(progress.retry(&Failure::on_decode("d1:1", &status), &budget));
         assert_eq!(progress.holder, Some(("d1:1".to_string(), 48)));
         assert_eq!(progress.exclude, ["d1:1"]);
-        // A plain failure names no holder, and forgets the last one.
         progress.attempts = 2;
+        assert!(
+            !progress.retry(&cut("d2:1"), &budget),
+            "the budget is spent"
+        );
+        // A plain failure names no holder, and forgets the last one.
+        for _ in 0..6 {
+            budget.deposit(0);
+        }
         assert!(progress.retry(&cut("d2:1"), &budget));
         assert_eq!(progress.holder, None);
     }

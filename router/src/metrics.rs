@@ -22,6 +22,7 @@ pub const INDEX_MODE: &str = "tandem_router_index_mode";
 pub const INDEX_BLOCKS: &str = "tandem_router_index_blocks";
 pub const ATTEMPTS: &str = "tandem_router_dispatch_attempts";
 pub const FAILOVERS: &str = "tandem_router_failovers";
+pub const HANDOFFS: &str = "tandem_router_handoffs";
 pub const DECODE_STALLS: &str = "tandem_router_decode_stalls";
 pub const QUEUED: &str = "tandem_router_queued_requests";
 pub const REFUSED: &str = "tandem_router_refused_requests";
@@ -107,6 +108,9 @@ pub struct RouterMetrics {
     /// Dispatch attempts, first ones and failovers alike.
     pub attempts: Counter,
     pub failovers: Family<HopLabel, Counter>,
+    /// Attempts that continued a stream a draining decode node handed off (or refused as it
+    /// began to drain); failovers do not count them.
+    pub handoffs: Counter,
     /// Decode streams silent past the token gap on a node that still served (busy, not dead).
     pub decode_stalls: Counter,
     /// Prompt tokens of completed requests, and those of them a cache supplied: the
@@ -140,6 +144,7 @@ impl RouterMetrics {
             index_blocks: Family::default(),
             attempts: Counter::default(),
             failovers: Family::default(),
+            handoffs: Counter::default(),
             decode_stalls: Counter::default(),
             prompt_tokens: Counter::default(),
             cached_prompt_tokens: Counter::default(),
@@ -221,6 +226,11 @@ impl RouterMetrics {
             FAILOVERS,
             "Generations resumed on other replicas after a replica failed, by failed hop",
             m.failovers.clone(),
+        );
+        registry.register(
+            HANDOFFS,
+            "Generations continued on another decode replica because theirs drained (it handed the stream off, or refused it as it began to drain)",
+            m.handoffs.clone(),
         );
         registry.register(
             DECODE_STALLS,
