@@ -29,7 +29,7 @@
 //!
 //! ```text
 //! fetch(D, H)  = (held(H) × kv_bytes_per_token / link + disk(H) / restore(H))
-//!                × (1 + load(H))                     // H serves between steps
+//!                × (1 + load(H))                     // H serves between steps; 0 while it drains
 //!              + local(D) with held(H) for held(D)
 //! ```
 //!
@@ -299,9 +299,11 @@ impl Policy {
             })
             .filter(|&(_, h, _)| h > 0)
             .collect();
+        // A draining holder's streams are leaving it: nothing holds up its fetches.
         let fetch_ms = |from: &Replica, tokens: usize, read_ms: f64| {
+            let busy = if from.is_draining() { 0 } else { from.load() };
             (tokens as f64 * from.kv_bytes_per_token() as f64 / link + read_ms)
-                * f64::from(1 + from.load())
+                * f64::from(1 + busy)
         };
 
         // Decode candidates, best first for a remote prefill: most KV held, rendezvous, load.
@@ -459,7 +461,9 @@ mod tests {
         assert_eq!(choice.fetch, None);
         assert_eq!(choice.prefill.expect("remote").replica().addr, cold.addr);
 
-        draining.set_draining(1000);
+        // Its streams, about to leave it, do not count against the fetch.
+        draining.set_draining(40_000);
+        draining.record_load(16, 64);
         draining.index.apply_snapshot(pb::CacheSnapshotResponse {
             epoch: 1,
             hashes: hashes.clone(),

@@ -202,6 +202,11 @@ impl Replica {
             && self.compatible.load(Ordering::Relaxed)
     }
 
+    /// Whether it reported NOT_SERVING and still answers.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
     /// Wire bytes of one token's KV; 0 until known.
     pub fn kv_bytes_per_token(&self) -> u64 {
         self.kv_bytes_per_token.load(Ordering::Relaxed)
