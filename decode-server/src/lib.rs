@@ -88,7 +88,6 @@ pub async fn run(
         kv_wait,
         max_kv_wait,
         shutdown: node.root.child_token(),
-        draining: moves.draining.clone(),
         moves: moves.clone(),
         tracker: tracker.clone(),
         next_ticket: Arc::default(),
@@ -116,7 +115,7 @@ pub async fn run(
         )
         .await;
     // Streams still running after the grace period end with UNAVAILABLE; then the scheduler's
-    // last handle goes and its thread exits.
+    // last handles (the requests' and the moves') go and its thread exits.
     tracker.close();
     tracker.wait().await;
     drop((ctx, moves));

@@ -73,10 +73,8 @@ pub(crate) struct RequestContext {
     pub kv_wait: Duration,
     pub max_kv_wait: Duration,
     pub shutdown: CancellationToken,
-    /// Cancelled as the drain begins (the moves' `draining`): new requests are refused,
-    /// running streams hand off.
-    pub draining: CancellationToken,
-    /// Peer fetches, and the drain's offer.
+    /// Peer fetches, and the drain: its `draining` is cancelled as the drain begins, when new
+    /// requests are refused and running streams hand off.
     pub moves: KvMoves,
     pub tracker: TaskTracker,
     pub next_ticket: Arc<AtomicU64>,
@@ -140,7 +138,7 @@ impl RequestContext {
         &self,
         plan: Plan,
     ) -> Result<ReceiverStream<Result<pb::DecodeResponse, Status>>> {
-        if self.draining.is_cancelled() {
+        if self.moves.draining.is_cancelled() {
             return Err(Error::HandedOff { tokens: 0 });
         }
         let config = &self.model.config;
@@ -222,7 +220,7 @@ impl RequestContext {
                     kv = self.moves.fetch(addr, &plan.request_id, &plan.cache_salt, &plan.prompt[..asked]) => kv,
                     () = tx.closed() => return Ok(()),
                     () = &mut until_deadline => return Err(Error::Deadline),
-                    () = self.draining.cancelled() => return Err(Error::HandedOff { tokens: 0 }),
+                    () = self.moves.draining.cancelled() => return Err(Error::HandedOff { tokens: 0 }),
                 }
             }
             _ => None,
@@ -278,7 +276,7 @@ impl RequestContext {
                     () = tx.closed() => return Ok(()),
                     () = &mut until_deadline => return Err(Error::Deadline),
                     // Nothing generated yet: another node serves it from the start.
-                    () = self.draining.cancelled() => return Err(Error::HandedOff { tokens: 0 }),
+                    () = self.moves.draining.cancelled() => return Err(Error::HandedOff { tokens: 0 }),
                 };
                 drop(lease);
                 let first_token = received.first_token;
@@ -325,7 +323,7 @@ impl RequestContext {
                 () = self.shutdown.cancelled() => return Err(Error::ShuttingDown),
                 // The scheduler stops the sequence between steps; the frames of the steps
                 // before still come, then the event channel closes.
-                () = self.draining.cancelled(), if handoff.is_none() => {
+                () = self.moves.draining.cancelled(), if handoff.is_none() => {
                     handoff = Some(self.scheduler.hand_off(ticket));
                     continue;
                 }
