@@ -18,7 +18,7 @@ use std::sync::Arc;
 use tandem_proto::v1 as pb;
 use tandem_transfer::{KvTransferService, Reservations, TransferMetrics};
 use tandem_worker::moves::Handoffs;
-use tandem_worker::{KvMoves, MoveMetrics, Node, NodeError};
+use tandem_worker::{Node, NodeError};
 use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 
@@ -65,15 +65,7 @@ pub async fn run(
         node.config.handoff_budget(),
     )
     .map_err(NodeError::spawn("scheduler"))?;
-    let moves = KvMoves::new(
-        node.config.model.clone(),
-        kv_layout,
-        node.config.tls.clone(),
-        scheduler.cache(),
-        prefix_cache,
-        handoffs,
-        MoveMetrics::register(&mut node.registry, "decode"),
-    );
+    let moves = node.moves(kv_layout, prefix_cache, scheduler.cache(), handoffs);
     let reservations = Reservations::default();
     let tracker = TaskTracker::new();
     let ctx = RequestContext {

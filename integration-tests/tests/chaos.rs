@@ -1297,8 +1297,8 @@ enum DrainFault {
     Killed,
     /// Every other client drops its stream after 3 to 11 frames, racing the drain.
     Cancels,
-    /// 40 clients at once: the peer's batch slots are full when the drained node's streams
-    /// move to it, so they wait in the router's queue with their KV kept.
+    /// Every request at once (32): the peer's batch slots are full when the drained node's
+    /// streams move to it, so they wait in the router's queue with their KV kept.
     PeerFull,
 }
 
@@ -1324,7 +1324,7 @@ async fn drain_fault(fault: DrainFault, case: &Case) -> Result<Row> {
     };
     let before = moved().await;
     let streams = match fault {
-        DrainFault::PeerFull => 40,
+        DrainFault::PeerFull => REQUESTS,
         _ => STREAMS,
     };
     let opts = move |n: usize| match fault {

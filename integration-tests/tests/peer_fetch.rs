@@ -41,12 +41,20 @@ async fn decode(
     (admitted.expect("admitted"), tokens)
 }
 
+/// A cluster of the tiny model: a prefill node and two decode nodes.
+async fn two_decode_nodes() -> Cluster {
+    let model = tandem_engine::ModelSource::TINY.load().expect("tiny");
+    Cluster::start(ClusterConfig {
+        decode: 2,
+        ..ClusterConfig::new(model)
+    })
+    .await
+    .expect("cluster")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_node_fetches_a_prompt_from_the_peer_that_holds_it() {
-    let model = tandem_engine::ModelSource::TINY.load().expect("tiny");
-    let mut config = ClusterConfig::new(model);
-    config.decode = 2;
-    let cluster = Cluster::start(config).await.expect("cluster");
+    let cluster = two_decode_nodes().await;
     let prompt: Vec<u32> = (0..70).map(|i| 3 + (i * 13) % 200).collect();
     let (holder, fetcher) = (&cluster.decode[0], &cluster.decode[1]);
 
@@ -96,10 +104,7 @@ async fn a_decode_node_fetches_a_prompt_from_the_peer_that_holds_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_node_fetches_a_prompt_from_a_prefill_nodes_prefix_cache() {
-    let model = tandem_engine::ModelSource::TINY.load().expect("tiny");
-    let mut config = ClusterConfig::new(model);
-    config.decode = 2;
-    let cluster = Cluster::start(config).await.expect("cluster");
+    let cluster = two_decode_nodes().await;
     let prompt: Vec<u32> = (0..70).map(|i| 5 + (i * 11) % 200).collect();
     // Through the router, a cold prompt is computed on the prefill node, which keeps its 4
     // whole blocks in its prefix cache.

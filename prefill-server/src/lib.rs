@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use tandem_proto::v1 as pb;
 use tandem_transfer::{KvTransferService, Reservations, TransferMetrics};
-use tandem_worker::{KvMoves, MoveMetrics, Node, NodeError};
+use tandem_worker::{KvMoves, Node, NodeError};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
@@ -54,15 +54,7 @@ pub async fn run(
     let (cache, thread) =
         compute::spawn(engine, queue, shared.clone(), node.config.handoff_budget())
             .map_err(NodeError::spawn("compute"))?;
-    let moves = KvMoves::new(
-        node.config.model.clone(),
-        kv_layout,
-        node.config.tls.clone(),
-        cache,
-        prefix_cache,
-        Default::default(),
-        MoveMetrics::register(&mut node.registry, "prefill"),
-    );
+    let moves = node.moves(kv_layout, prefix_cache, cache, Arc::default());
     // A push to a prefill node finds no reservation: its KvTransfer serves fetches only.
     let fetches = KvTransferService::new(
         Reservations::default(),

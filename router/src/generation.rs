@@ -748,14 +748,13 @@ impl Dispatcher {
             if !progress.retry(&failure, &self.budget) {
                 return Err(failure.error);
             }
-            let hop = match &failure.error {
-                Error::Downstream { hop, .. } => *hop,
-                _ => "router",
-            };
             if failure.handoff.is_some() {
                 self.metrics.handoffs.inc();
             } else {
-                self.metrics.failover(hop);
+                self.metrics.failover(match &failure.error {
+                    Error::Downstream { hop, .. } => hop,
+                    _ => "router",
+                });
             }
             tracing::warn!(
                 request_id = %p.request_id,

@@ -447,16 +447,16 @@ pub struct KvMoves {
     cache: EngineCache,
     /// Whether the cache keeps sequences at all (the prefix or session cache is on).
     enabled: bool,
-    pub handoffs: Arc<Handoffs>,
+    handoffs: Arc<Handoffs>,
     /// Cancelled as the drain begins: no more adoptions (nor, on a decode node, requests).
     pub draining: CancellationToken,
-    pub metrics: MoveMetrics,
+    metrics: MoveMetrics,
 }
 
 impl KvMoves {
     /// The moves of a node whose engine thread offers `cache`; `enabled` when its cache keeps
-    /// sequences at all.
-    pub fn new(
+    /// sequences at all ([`crate::Node::moves`]).
+    pub(crate) fn new(
         model: Arc<Model>,
         kv_layout: KvLayout,
         tls: Option<tandem_net::tls::Tls>,

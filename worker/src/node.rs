@@ -18,6 +18,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
 
+use crate::moves::{EngineCache, Handoffs, MoveMetrics};
 use crate::{CacheHub, KvMoves, LoadSource, WorkerService};
 
 /// How long in-flight requests may run after shutdown begins, unless configured.
@@ -146,9 +147,30 @@ impl Node {
         Ok(engine)
     }
 
+    /// The node's KV moves ([`crate::moves`]), through the `cache` its engine thread answers:
+    /// a KV of `kv_layout`, a cache that keeps sequences when `enabled`, and the drain's kept
+    /// sequences in `handoffs`. Their counters join the node's metrics.
+    pub fn moves(
+        &mut self,
+        kv_layout: KvLayout,
+        enabled: bool,
+        cache: EngineCache,
+        handoffs: Arc<Handoffs>,
+    ) -> KvMoves {
+        KvMoves::new(
+            self.config.model.clone(),
+            kv_layout,
+            self.config.tls.clone(),
+            cache,
+            enabled,
+            handoffs,
+            MoveMetrics::register(&mut self.registry, self.role),
+        )
+    }
+
     /// Serves `routes` (the node's own services, named `services`) with the `Worker` service
-    /// (answering `Worker.Load` from `load`, and the drain's moves through `moves`), health, reflection and `/metrics`, on `listener`
-    /// until `shutdown` completes. Then the node reports NOT_SERVING and runs `handoff` (still
+    /// (answering `Worker.Load` from `load`, and the drain's moves through `moves`), health,
+    /// reflection and `/metrics`, on `listener` until `shutdown` completes. Then the node reports NOT_SERVING and runs `handoff` (still
     /// accepting calls, so that peers can fetch what it hands off); then the root token is
     /// cancelled, so that long streams do not hold up the drain, the listener closes and
     /// in-flight calls get the grace period. The node's own threads are its to stop once this
