@@ -254,10 +254,9 @@ impl QMatrix {
         let chunk = units.len().div_ceil(threads * 4).max(2);
         let out_ptr = SendPtr(out.as_mut_ptr());
         let rows = self.rows;
-        let any = |f: fn(&Packed) -> bool| self.parts.iter().any(|p| f(&p.data));
-        let shifted = (unsigned_q8_0_acts() && any(|p| matches!(p, Packed::Q8_0(_))))
-            .then(|| shift_to_unsigned(acts));
-        let halves = any(|p| matches!(p, Packed::Q6K(_))).then(|| with_half_sums(acts));
+        let halves = (self.parts.iter())
+            .any(|p| matches!(p.data, Packed::Q6K(_) | Packed::Q8_0(_)))
+            .then(|| with_half_sums(acts));
         units.par_chunks(chunk).for_each(|units| {
             for &(part, g) in units {
                 for j0 in (0..n).step_by(TILE) {
@@ -270,8 +269,8 @@ impl QMatrix {
                         Packed::Q4_1(w) => tile_q4_1(&w[blocks], a, t, &mut res),
                         Packed::Q5_0(w) => tile_q5_0(&w[blocks], a, t, &mut res),
                         Packed::Q8_0(w) => {
-                            let a = shifted.as_deref().map_or(a, |s| &s[j0 * nb..(j0 + t) * nb]);
-                            tile_q8_0(&w[blocks], a, t, &mut res)
+                            let h = halves.as_deref().expect("computed for Q8_0 parts");
+                            tile_q8_0(&w[blocks], &h[j0 * nb..(j0 + t) * nb], t, &mut res)
                         }
                         Packed::Q4K(w) => tile_q4_k(&w[blocks], a, t, &mut res),
                         Packed::Q6K(w) => {
@@ -292,39 +291,6 @@ impl QMatrix {
             }
         });
     }
-}
-
-/// Whether the `Q8_0` kernel takes its activations shifted to unsigned bytes (see
-/// [`shift_to_unsigned`]).
-fn unsigned_q8_0_acts() -> bool {
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma",
-        target_feature = "f16c"
-    ))]
-    return x86::has_vnni();
-    #[cfg(not(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma",
-        target_feature = "f16c"
-    )))]
-    return false;
-}
-
-/// The activations with each quant's bytes read as `q + 128` in an unsigned byte (the sign bit
-/// flipped), so `vpdpbusd` can take them as its unsigned operand and the signed `Q8_0` weights
-/// as the other; the kernel starts each block's sums at `-128·Σw` to take the shift back off.
-/// Moving `w`'s sign onto the activations instead (as the AVX2 kernel must) costs a sign
-/// operation per multiply-add.
-fn shift_to_unsigned(acts: &[BlockQ8_1]) -> Vec<BlockQ8_1> {
-    acts.iter()
-        .map(|a| BlockQ8_1 {
-            qs: a.qs.map(|q| (q as u8 ^ 0x80) as i8),
-            ..*a
-        })
-        .collect()
 }
 
 /// A raw pointer that tasks writing disjoint cells may share.
@@ -392,7 +358,12 @@ mod dispatch {
         dispatch_tile!(tile_q4_1, tile_q4_1_vnni, w, acts, t, out)
     }
 
-    pub(super) fn tile_q8_0(w: &[BlockQ8_0x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+    pub(super) fn tile_q8_0(
+        w: &[BlockQ8_0x16],
+        acts: &[BlockQ8_1Halves],
+        t: usize,
+        out: &mut TileOut,
+    ) {
         dispatch_tile!(tile_q8_0, tile_q8_0_vnni, w, acts, t, out)
     }
 
@@ -505,8 +476,14 @@ mod scalar {
         });
     }
 
-    pub(super) fn tile_q8_0(w: &[BlockQ8_0x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
-        scalar_tile(w, acts, t, out, |blk, ri, a| {
+    pub(super) fn tile_q8_0(
+        w: &[BlockQ8_0x16],
+        acts: &[BlockQ8_1Halves],
+        t: usize,
+        out: &mut TileOut,
+    ) {
+        let acts: Vec<BlockQ8_1> = acts.iter().map(|a| a.q).collect();
+        scalar_tile(w, &acts, t, out, |blk, ri, a| {
             let isum = int_dot(crate::packed::q8_0_quants(blk, ri).map(i32::from), a);
             blk.d[ri].to_f32() * a.d * isum as f32
         });
@@ -650,18 +627,19 @@ mod x86 {
     }
 
     /// One 16-row `Q8_0` group against `T` activation rows, in AVX2 halves as in `tile_q4_1`.
-    /// The unsigned operand is |w|, with w's sign moved onto the activations. Each 4-byte step
-    /// is widened to i32 at once, since two `maddubs` results (up to 2 · 127 · 128 each) would
-    /// overflow an i16 lane.
+    /// The weights' offset is flipped back off, and the unsigned operand is |w|, with w's sign
+    /// moved onto the activations. Each 4-byte step is widened to i32 at once, since two
+    /// `maddubs` results (up to 2 · 127 · 128 each) would overflow an i16 lane.
     pub(super) unsafe fn tile_q8_0<const T: usize>(
         w: &[BlockQ8_0x16],
-        acts: &[BlockQ8_1],
+        acts: &[BlockQ8_1Halves],
         out: &mut TileOut,
     ) {
         let nb = w.len();
         // SAFETY (whole body): as in `tile_q4_1`.
         unsafe {
             let ones = _mm256_set1_epi16(1);
+            let flip = _mm256_set1_epi8(-128);
             for half in 0..2 {
                 let mut acc = [_mm256_setzero_ps(); T];
                 for (b, blk) in w.iter().enumerate() {
@@ -673,10 +651,11 @@ mod x86 {
                     let mut isum = [[_mm256_setzero_si256(); T]; 2];
                     for j in 0..8 {
                         let at = CHUNK * j + 4 * HALF * half;
-                        let wq = _mm256_loadu_si256(blk.qs.as_ptr().add(at).cast());
+                        let wq = _mm256_load_si256(blk.qs.as_ptr().add(at).cast());
+                        let wq = _mm256_xor_si256(wq, flip);
                         let u = _mm256_sign_epi8(wq, wq);
                         for k in 0..T {
-                            let a = _mm256_set1_epi32(quad(&acts[k * nb + b], 4 * j));
+                            let a = _mm256_set1_epi32(quad(&acts[k * nb + b].q, 4 * j));
                             let s = _mm256_sign_epi8(a, wq);
                             let p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones);
                             isum[j % 2][k] = _mm256_add_epi32(isum[j % 2][k], p);
@@ -685,7 +664,7 @@ mod x86 {
                     let dw =
                         _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().add(HALF * half).cast()));
                     for k in 0..T {
-                        let a = &acts[k * nb + b];
+                        let a = &acts[k * nb + b].q;
                         let f = _mm256_cvtepi32_ps(_mm256_add_epi32(isum[0][k], isum[1][k]));
                         acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d)), acc[k]);
                     }
@@ -1179,15 +1158,15 @@ mod x86 {
         }
     }
 
-    /// One 16-row `Q8_0` group against `T` activation rows shifted to unsigned bytes (see
-    /// `shift_to_unsigned`): `vpdpbusd` takes them as they are, and each block's accumulators
-    /// start at `-128·Σw` to take the shift back off. The integer sums equal `tile_q8_0`'s
+    /// One 16-row `Q8_0` group against `T` activation rows: the weights, offset to unsigned
+    /// bytes, are `vpdpbusd`'s unsigned operand as they are, and each block's accumulators
+    /// start at `-128·Σa` to take the offset back off. The integer sums equal `tile_q8_0`'s
     /// exactly, and the float steps are the same, so the results are bit-identical. One chain
     /// per activation row, as in `tile_q4_1_vnni`.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn tile_q8_0_vnni<const T: usize>(
         w: &[BlockQ8_0x16],
-        acts_u8: &[BlockQ8_1],
+        acts: &[BlockQ8_1Halves],
         out: &mut TileOut,
     ) {
         let nb = w.len();
@@ -1196,21 +1175,22 @@ mod x86 {
             let mut acc = [_mm512_setzero_ps(); T];
             for (b, blk) in w.iter().enumerate() {
                 prefetch_ahead(blk);
-                let wsum = _mm512_loadu_si512(blk.sum.as_ptr().cast());
-                let start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32::<7>(wsum));
-                let mut isum = [start; T];
+                let mut isum: [__m512i; T] = std::array::from_fn(|k| {
+                    let sums = acts[k * nb + b].sums;
+                    _mm512_set1_epi32(-128 * (sums[0] + sums[1]))
+                });
                 for j in 0..8 {
                     let wq = _mm512_loadu_si512(blk.qs.as_ptr().add(CHUNK * j).cast());
                     for k in 0..T {
-                        let u = _mm512_set1_epi32(quad(&acts_u8[k * nb + b], 4 * j));
-                        isum[k] = _mm512_dpbusd_epi32(isum[k], u, wq);
+                        let a = _mm512_set1_epi32(quad(&acts[k * nb + b].q, 4 * j));
+                        isum[k] = _mm512_dpbusd_epi32(isum[k], wq, a);
                     }
                 }
                 let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk.d.as_ptr().cast()));
                 for k in 0..T {
-                    let a = &acts_u8[k * nb + b];
                     let f = _mm512_cvtepi32_ps(isum[k]);
-                    acc[k] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(a.d)), acc[k]);
+                    let ad = _mm512_set1_ps(acts[k * nb + b].q.d);
+                    acc[k] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, ad), acc[k]);
                 }
             }
             for k in 0..T {

@@ -73,14 +73,16 @@ pub struct BlockQ6Kx16 {
     pub d: [f16; GROUP],
 }
 
-#[repr(C)]
+/// `Q8_0`, 16 rows of one block: the quants offset to unsigned bytes (`w + 128`, the sign bit
+/// flipped), so `vpdpbusd` takes them as its unsigned operand and the signed activations as the
+/// other; the kernels take the offset back off with the activations' block sums
+/// (`Σ (w + 128)·a = Σ w·a + 128·Σ a`). 544 bytes, 34 per row (as in the file), a whole number
+/// of 32-byte halves.
+#[repr(C, align(32))]
 #[derive(Clone, Copy, Debug, Pod, Zeroable)]
 pub struct BlockQ8_0x16 {
+    pub qs: [u8; GROUP * QK],
     pub d: [f16; GROUP],
-    /// Each row's sum of quants, for kernels that shift the activations to unsigned bytes
-    /// (`Σ (a + 128)·w = Σ a·w + 128·Σ w`).
-    pub sum: [i32; GROUP],
-    pub qs: [i8; GROUP * QK],
 }
 
 #[cfg(test)]
@@ -193,10 +195,8 @@ pub fn pack_q6_k(rows: usize, nbk: usize, src: &[BlockQ6K], out: &mut [BlockQ6Kx
 pub fn pack_q8_0(rows: usize, nb: usize, src: &[BlockQ8_0], out: &mut [BlockQ8_0x16]) {
     each_row_block(rows, nb, src, out, |dst, ri, s| {
         dst.d[ri] = s.d;
-        dst.sum[ri] = s.qs.iter().map(|&q| i32::from(q)).sum();
-        for j in 0..8 {
-            let at = CHUNK * j + ri * 4;
-            dst.qs[at..at + 4].copy_from_slice(&s.qs[4 * j..4 * j + 4]);
+        for (e, &q) in s.qs.iter().enumerate() {
+            dst.qs[CHUNK * (e / 4) + ri * 4 + e % 4] = q as u8 ^ 0x80;
         }
     });
 }
@@ -252,12 +252,7 @@ pub fn q6_k_quants(block: &BlockQ6Kx16, ri: usize, j: usize) -> [u8; QK] {
 
 /// Row `ri` of a group's block, as 32 signed quants (`Q8_0`).
 pub fn q8_0_quants(block: &BlockQ8_0x16, ri: usize) -> [i8; QK] {
-    let mut q = [0i8; QK];
-    for j in 0..8 {
-        let at = CHUNK * j + ri * 4;
-        q[4 * j..4 * j + 4].copy_from_slice(&block.qs[at..at + 4]);
-    }
-    q
+    std::array::from_fn(|e| (block.qs[CHUNK * (e / 4) + ri * 4 + e % 4] ^ 0x80) as i8)
 }
 
 #[cfg(test)]
@@ -350,8 +345,6 @@ pub(crate) mod tests {
                 assert_eq!(p5[g * nb + b].d[ri], s5.d);
                 assert_eq!(p4[g * nb + b].d[ri], s4.d);
                 assert_eq!(p8[g * nb + b].d[ri], s8.d);
-                let sum: i32 = s8.qs.iter().map(|&q| i32::from(q)).sum();
-                assert_eq!(p8[g * nb + b].sum[ri], sum);
             }
         }
     }

@@ -308,8 +308,8 @@ fn avx2_and_vnni_kernels_are_bit_identical() {
     }
     assert_eq!(a, b);
     unsafe {
-        x86::tile_q8_0::<TILE>(&p8, &acts, &mut a);
-        x86::tile_q8_0_vnni::<TILE>(&p8, &shift_to_unsigned(&acts), &mut b);
+        x86::tile_q8_0::<TILE>(&p8, &halves, &mut a);
+        x86::tile_q8_0_vnni::<TILE>(&p8, &halves, &mut b);
     }
     assert_eq!(a, b);
 }
