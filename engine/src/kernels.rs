@@ -2,7 +2,7 @@
 //!
 //! Written by hand because candle 0.11 has no SIMD kernels for these weight types on the CPU,
 //! and because batched decode and prefill need a kernel that loads each weight block once for
-//! several activation rows. Weights (`Q4_1`, `Q5_0`, `Q8_0`, `Q4_K`, `Q6_K`) are repacked at
+//! several activation rows. Weights (`Q4_1`, `Q5_0`, `Q8_0`, `Q4_K`, `Q5_K`, `Q6_K`) are repacked at
 //! load into groups of 16 interleaved rows (see `packed.rs`); the inner tile multiplies one
 //! group's block with up to [`TILE`] activation rows, summing integer products exactly and
 //! applying the scales once per block (or K-quant sub-block) for 16 rows. Every
@@ -21,11 +21,11 @@
 use rayon::prelude::*;
 
 use crate::packed::{
-    BlockQ4_1x16, BlockQ4Kx16, BlockQ5_0x16, BlockQ6Kx16, BlockQ8_0x16, GROUP, SUBS, pack_q4_1,
-    pack_q4_k, pack_q5_0, pack_q6_k, pack_q8_0,
+    BlockQ4_1x16, BlockQ4Kx16, BlockQ5_0x16, BlockQ5Kx16, BlockQ6Kx16, BlockQ8_0x16, GROUP,
+    NibblesK, SUBS, pack_q4_1, pack_q4_k, pack_q5_0, pack_q5_k, pack_q6_k, pack_q8_0,
 };
 use crate::quant::{
-    BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, BlockQ8_1, QK, with_half_sums,
+    BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ5K, BlockQ6K, BlockQ8_0, BlockQ8_1, QK, with_half_sums,
 };
 
 /// Activation rows multiplied per decoded weight block: enough independent accumulator chains
@@ -50,6 +50,7 @@ pub enum RawWeights {
     Q5_0(Vec<BlockQ5_0>),
     Q8_0(Vec<BlockQ8_0>),
     Q4K(Vec<BlockQ4K>),
+    Q5K(Vec<BlockQ5K>),
     Q6K(Vec<BlockQ6K>),
 }
 
@@ -84,6 +85,7 @@ enum Packed {
     Q5_0(Vec<BlockQ5_0x16>),
     Q8_0(Vec<BlockQ8_0x16>),
     Q4K(Vec<BlockQ4Kx16>),
+    Q5K(Vec<BlockQ5Kx16>),
     Q6K(Vec<BlockQ6Kx16>),
 }
 
@@ -118,6 +120,7 @@ impl Packed {
             RawWeights::Q5_0(_) => Packed::Q5_0(zeroed_vec(nb_g)),
             RawWeights::Q8_0(_) => Packed::Q8_0(zeroed_vec(nb_g)),
             RawWeights::Q4K(_) => Packed::Q4K(zeroed_vec(nbk_g)),
+            RawWeights::Q5K(_) => Packed::Q5K(zeroed_vec(nbk_g)),
             RawWeights::Q6K(_) => Packed::Q6K(zeroed_vec(nbk_g)),
         });
         match (p, raw) {
@@ -125,6 +128,7 @@ impl Packed {
             (Packed::Q5_0(o), RawWeights::Q5_0(b)) => put(o, done, nb, b, pack_q5_0),
             (Packed::Q8_0(o), RawWeights::Q8_0(b)) => put(o, done, nb, b, pack_q8_0),
             (Packed::Q4K(o), RawWeights::Q4K(b)) => put(o, done, nbk, b, pack_q4_k),
+            (Packed::Q5K(o), RawWeights::Q5K(b)) => put(o, done, nbk, b, pack_q5_k),
             (Packed::Q6K(o), RawWeights::Q6K(b)) => put(o, done, nbk, b, pack_q6_k),
             _ => unreachable!("a part's chunks are all read as its tensor's one type"),
         }
@@ -133,7 +137,7 @@ impl Packed {
     /// Activation blocks per packed block: 1, or [`SUBS`] for a K-quant super-block.
     fn span(&self) -> usize {
         match self {
-            Packed::Q4K(_) | Packed::Q6K(_) => SUBS,
+            Packed::Q4K(_) | Packed::Q5K(_) | Packed::Q6K(_) => SUBS,
             _ => 1,
         }
     }
@@ -213,13 +217,8 @@ impl QMatrix {
                     let q = crate::packed::q8_0_quants(&w[i], ri).map(f32::from);
                     (w[i].d[ri].to_f32(), 0.0, q)
                 }
-                Packed::Q4K(w) => {
-                    let j = b % SUBS;
-                    let q = crate::packed::q4_k_quants(&w[i], ri, j).map(f32::from);
-                    let sc = f32::from(w[i].scales[GROUP * j + ri]);
-                    let m = f32::from(w[i].mins[GROUP * j + ri]);
-                    (w[i].d[ri].to_f32() * sc, -(w[i].dmin[ri].to_f32() * m), q)
-                }
+                Packed::Q4K(w) => k4_row(&w[i], ri, b % SUBS),
+                Packed::Q5K(w) => k4_row(&w[i], ri, b % SUBS),
                 Packed::Q6K(w) => {
                     let j = b % SUBS;
                     let q = crate::packed::q6_k_quants(&w[i], ri, j);
@@ -273,6 +272,7 @@ impl QMatrix {
                             tile_q8_0(&w[blocks], &h[j0 * nb..(j0 + t) * nb], t, &mut res)
                         }
                         Packed::Q4K(w) => tile_q4_k(&w[blocks], a, t, &mut res),
+                        Packed::Q5K(w) => tile_q4_k(&w[blocks], a, t, &mut res),
                         Packed::Q6K(w) => {
                             let h = halves.as_deref().expect("computed for Q6_K parts");
                             tile_q6_k(&w[blocks], &h[j0 * nb..(j0 + t) * nb], t, &mut res)
@@ -291,6 +291,15 @@ impl QMatrix {
             }
         });
     }
+}
+
+/// Sub-block `j` of row `ri` of a `Q4_K` or `Q5_K` super-block as `(d·sc, −dmin·m, quants)`.
+fn k4_row(blk: &impl NibblesK, ri: usize, j: usize) -> (f32, f32, [f32; QK]) {
+    let low = blk.low();
+    let sc = f32::from(low.scales[GROUP * j + ri]);
+    let m = f32::from(low.mins[GROUP * j + ri]);
+    let q = blk.quants(ri, j).map(f32::from);
+    (low.d[ri].to_f32() * sc, -(low.dmin[ri].to_f32() * m), q)
 }
 
 /// A raw pointer that tasks writing disjoint cells may share.
@@ -317,7 +326,7 @@ type TileOut = [[f32; GROUP]];
 ))]
 mod dispatch {
     use super::{AVX2_TILE, TILE, TileOut, x86};
-    use crate::packed::{BlockQ4_1x16, BlockQ4Kx16, BlockQ5_0x16, BlockQ6Kx16, BlockQ8_0x16};
+    use crate::packed::{BlockQ4_1x16, BlockQ5_0x16, BlockQ6Kx16, BlockQ8_0x16, NibblesK};
     use crate::quant::{BlockQ8_1, BlockQ8_1Halves};
 
     macro_rules! dispatch_tile {
@@ -371,7 +380,7 @@ mod dispatch {
         dispatch_tile!(tile_q5_0, tile_q5_0_vnni, w, acts, t, out)
     }
 
-    pub(super) fn tile_q4_k(w: &[BlockQ4Kx16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+    pub(super) fn tile_q4_k(w: &[impl NibblesK], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
         dispatch_tile!(tile_q4_k, tile_q4_k_vnni, w, acts, t, out)
     }
 
@@ -410,11 +419,11 @@ use scalar::{tile_q4_1, tile_q4_k, tile_q5_0, tile_q6_k, tile_q8_0};
 )))]
 mod scalar {
     use super::TileOut;
-    use crate::packed::{BlockQ4_1x16, BlockQ4Kx16, BlockQ5_0x16, BlockQ6Kx16, BlockQ8_0x16};
-    use crate::packed::{GROUP, SUBS, q4_k_quants, q6_k_quants};
+    use crate::packed::{BlockQ4_1x16, BlockQ5_0x16, BlockQ6Kx16, BlockQ8_0x16};
+    use crate::packed::{GROUP, NibblesK, SUBS, q6_k_quants};
     use crate::quant::{BlockQ8_1, BlockQ8_1Halves, QK};
 
-    pub(super) fn tile_q4_k(w: &[BlockQ4Kx16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+    pub(super) fn tile_q4_k(w: &[impl NibblesK], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
         let nb = w.len() * SUBS;
         for (k, o) in out[..t].iter_mut().enumerate() {
             for (ri, o) in o.iter_mut().enumerate() {
@@ -422,9 +431,10 @@ mod scalar {
                 for (b, blk) in w.iter().enumerate() {
                     for j in 0..SUBS {
                         let a = &acts[k * nb + b * SUBS + j];
-                        let isum = int_dot(q4_k_quants(blk, ri, j).map(i32::from), a);
-                        let d = blk.d[ri].to_f32() * f32::from(blk.scales[GROUP * j + ri]);
-                        let m = blk.dmin[ri].to_f32() * f32::from(blk.mins[GROUP * j + ri]);
+                        let isum = int_dot(blk.quants(ri, j).map(i32::from), a);
+                        let low = blk.low();
+                        let d = low.d[ri].to_f32() * f32::from(low.scales[GROUP * j + ri]);
+                        let m = low.dmin[ri].to_f32() * f32::from(low.mins[GROUP * j + ri]);
                         *o += d * a.d * isum as f32 - m * a.s;
                     }
                 }
@@ -527,7 +537,7 @@ mod x86 {
 
     use super::TileOut;
     use crate::packed::{
-        BlockQ4_1x16, BlockQ4Kx16, BlockQ5_0x16, BlockQ6Kx16, BlockQ8_0x16, CHUNK, GROUP, SUBS,
+        BlockQ4_1x16, BlockQ5_0x16, BlockQ6Kx16, BlockQ8_0x16, CHUNK, GROUP, NibblesK, SUBS,
     };
     use crate::quant::{BlockQ8_1, BlockQ8_1Halves, QK};
 
@@ -559,6 +569,12 @@ mod x86 {
                 && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vnni")
         })
+    }
+
+    /// Whether the quants of `w` have a fifth bit (`Q5_K`), known at compile time.
+    #[inline(always)]
+    fn has_fifth<B: NibblesK>(_: &[B]) -> bool {
+        B::FIFTH
     }
 
     /// Four activation quants starting at `at`, as one 32-bit value for a broadcast.
@@ -824,11 +840,14 @@ mod x86 {
         unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(bytes.as_ptr().cast()))) }
     }
 
-    /// One 16-row `Q4_K` group against `T` activation rows, in AVX2 halves. Each 32-value
-    /// sub-block is `tile_q4_1`'s block, with the row's scale `d·sc` and minimum `dmin·m` (both
-    /// exact in f32: an f16 times a 6-bit integer) in place of `Q4_1`'s.
+    /// One 16-row `Q4_K` (or `Q5_K`) group against `T` activation rows, in AVX2 halves. Each
+    /// 32-value sub-block is `tile_q4_1`'s block (`tile_q5_0`'s for `Q5_K`, the fifth bits or-ed
+    /// in from their masks), with the row's scale `d·sc` and minimum `dmin·m` (both exact in f32:
+    /// an f16 times a 6-bit integer) in place of `Q4_1`'s. The low and high nibbles' i16 sums
+    /// are joined before widening for `Q4_K` (≤ 2 · 4 · 2 · 15 · 127 = 30480) and after it for
+    /// `Q5_K`, whose quants reach 31.
     pub(super) unsafe fn tile_q4_k<const T: usize>(
-        w: &[BlockQ4Kx16],
+        w: &[impl NibblesK],
         acts: &[BlockQ8_1],
         out: &mut TileOut,
     ) {
@@ -840,9 +859,10 @@ mod x86 {
             for half in 0..2 {
                 let row0 = HALF * half;
                 let mut acc = [_mm256_setzero_ps(); T];
-                for (b, blk) in w.iter().enumerate() {
+                for (b, blk5) in w.iter().enumerate() {
+                    let blk = blk5.low();
                     if half == 0 {
-                        prefetch_ahead(blk);
+                        prefetch_ahead(blk5);
                     }
                     let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().add(row0).cast()));
                     let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.dmin.as_ptr().add(row0).cast()));
@@ -854,8 +874,14 @@ mod x86 {
                         let mut isum_hi = [_mm256_setzero_si256(); T];
                         for c in 0..4 {
                             let raw = _mm256_load_si256(qs.add(CHUNK * c + 4 * row0).cast());
-                            let lo = _mm256_and_si256(raw, mask);
-                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
+                            let mut lo = _mm256_and_si256(raw, mask);
+                            let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
+                            if has_fifth(w) {
+                                let bits =
+                                    |h| fifth_bits((blk5.fifth(j, c, h) >> (32 * half)) as u32);
+                                lo = _mm256_or_si256(lo, bits(0));
+                                hi = _mm256_or_si256(hi, bits(1));
+                            }
                             for k in 0..T {
                                 let a = &acts[k * nb + b * SUBS + j];
                                 let (al, ah) = (quad(a, 4 * c), quad(a, 16 + 4 * c));
@@ -867,8 +893,15 @@ mod x86 {
                         }
                         for k in 0..T {
                             let a = &acts[k * nb + b * SUBS + j];
-                            let sum = _mm256_add_epi16(isum_lo[k], isum_hi[k]);
-                            let f = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, ones));
+                            let (lo, hi) = (isum_lo[k], isum_hi[k]);
+                            let sum = match has_fifth(w) {
+                                true => _mm256_add_epi32(
+                                    _mm256_madd_epi16(lo, ones),
+                                    _mm256_madd_epi16(hi, ones),
+                                ),
+                                false => _mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones),
+                            };
+                            let f = _mm256_cvtepi32_ps(sum);
                             acc[k] =
                                 _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d)), acc[k]);
                             acc[k] = _mm256_fnmadd_ps(mw, _mm256_set1_ps(a.s), acc[k]);
@@ -1002,11 +1035,12 @@ mod x86 {
         unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes.as_ptr().cast()))) }
     }
 
-    /// `tile_q4_k` with 512-bit `vpdpbusd`, all 16 rows at once; the float steps are the same,
-    /// so the results are bit-identical.
+    /// `tile_q4_k` with 512-bit `vpdpbusd`, all 16 rows at once (a `Q5_K` chunk's fifth bits
+    /// added by one masked move each, as in `tile_q5_0_vnni`); the float steps are the same, so
+    /// the results are bit-identical.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn tile_q4_k_vnni<const T: usize>(
-        w: &[BlockQ4Kx16],
+        w: &[impl NibblesK],
         acts: &[BlockQ8_1],
         out: &mut TileOut,
     ) {
@@ -1014,9 +1048,11 @@ mod x86 {
         // SAFETY (whole body): the caller checked `has_vnni`; every load reads inside a block.
         unsafe {
             let mask = _mm512_set1_epi8(0x0F);
+            let fifth = _mm512_set1_epi8(0x10);
             let mut acc = [_mm512_setzero_ps(); T];
-            for (b, blk) in w.iter().enumerate() {
-                prefetch_ahead(blk);
+            for (b, blk5) in w.iter().enumerate() {
+                let blk = blk5.low();
+                prefetch_ahead(blk5);
                 let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk.d.as_ptr().cast()));
                 let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(blk.dmin.as_ptr().cast()));
                 for j in 0..SUBS {
@@ -1026,8 +1062,13 @@ mod x86 {
                     let mut isum = [_mm512_setzero_si512(); T];
                     for c in 0..4 {
                         let raw = _mm512_load_si512(qs.add(CHUNK * c).cast());
-                        let lo = _mm512_and_si512(raw, mask);
-                        let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), mask);
+                        let mut lo = _mm512_and_si512(raw, mask);
+                        let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), mask);
+                        if has_fifth(w) {
+                            let bits = |h| _mm512_maskz_mov_epi8(blk5.fifth(j, c, h), fifth);
+                            lo = _mm512_or_si512(lo, bits(0));
+                            hi = _mm512_or_si512(hi, bits(1));
+                        }
                         for k in 0..T {
                             let a = &acts[k * nb + b * SUBS + j];
                             let (al, ah) = (quad(a, 4 * c), quad(a, 16 + 4 * c));

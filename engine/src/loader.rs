@@ -1,7 +1,7 @@
 //! Reads a GGUF file of a supported architecture ([`Arch`]) through candle's GGUF reader into
 //! [`Weights`], [`ModelConfig`] and a [`TokenizerSpec`], validating everything before it is used.
 //!
-//! `Q4_1`, `Q5_0`, `Q8_0`, `Q4_K` and `Q6_K` tensors keep their bytes, and `Q4_0` becomes `Q4_1`
+//! `Q4_1`, `Q5_0`, `Q8_0`, `Q4_K`, `Q5_K` and `Q6_K` tensors keep their bytes, and `Q4_0` becomes `Q4_1`
 //! exactly (a minimum of `-8 * d`); any other type is dequantized by candle and requantized to
 //! `Q8_0`, which has a fast kernel, with a log line saying what that costs.
 //! The fingerprint is the SHA-256 of the file.
@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::kernels::{QMatrix, RawWeights};
 use crate::model::{Arch, GemmaNorms, LayerWeights, ModelConfig, SlidingWindow, Weights};
 use crate::quant::{
-    BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, QK, quantize_row_q8_0,
+    BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ5K, BlockQ6K, BlockQ8_0, QK, quantize_row_q8_0,
 };
 use tandem_tokenizer::TokenizerSpec;
 
@@ -434,6 +434,7 @@ impl TensorReader<'_> {
             GgmlDType::Q5_0 => RawWeights::Q5_0(self.read_blocks::<BlockQ5_0>(start, len)?),
             GgmlDType::Q8_0 => RawWeights::Q8_0(self.read_blocks::<BlockQ8_0>(start, len)?),
             GgmlDType::Q4K => RawWeights::Q4K(self.read_blocks::<BlockQ4K>(start, len)?),
+            GgmlDType::Q5K => RawWeights::Q5K(self.read_blocks::<BlockQ5K>(start, len)?),
             GgmlDType::Q6K => RawWeights::Q6K(self.read_blocks::<BlockQ6K>(start, len)?),
             _ => self.requantized(name, info, rows, cols, start, len)?,
         })

@@ -15,7 +15,9 @@
 use bytemuck::{Pod, Zeroable};
 use half::f16;
 
-use crate::quant::{BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, QK, QK_K};
+use crate::quant::{
+    BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ5K, BlockQ6K, BlockQ8_0, QK, QK_K, ScaledK,
+};
 
 /// Rows per packed group.
 pub const GROUP: usize = 16;
@@ -56,6 +58,56 @@ pub struct BlockQ4Kx16 {
     pub mins: [u8; SUBS * GROUP],
     pub d: [f16; GROUP],
     pub dmin: [f16; GROUP],
+}
+
+/// `Q5_K`, 16 rows of one super-block: [`BlockQ4Kx16`] for the scales, minimums and low four
+/// bits, and each quant's fifth bit in `Q5_0x16`'s masks: `qh[8·j + 2·c]` for the low nibbles of
+/// sub-block `j`'s chunk `c`, `qh[8·j + 2·c + 1]` for its high ones. 2,880 bytes, 180 per row
+/// (the file's block is 176).
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockQ5Kx16 {
+    pub low: BlockQ4Kx16,
+    pub qh: [u64; 8 * SUBS],
+}
+
+/// The packed super-blocks the `Q4_K` kernels take: `Q4_K`, and `Q5_K` with its fifth bits.
+pub trait NibblesK: Sync {
+    /// Whether the quants have a fifth bit (up to 31, not 15).
+    const FIFTH: bool;
+    fn low(&self) -> &BlockQ4Kx16;
+    /// The fifth bits of sub-block `j`'s chunk `c`, of its low (`h` = 0) or high nibbles.
+    fn fifth(&self, j: usize, c: usize, h: usize) -> u64;
+
+    /// Sub-block `j` of row `ri`, as 32 unsigned quants.
+    fn quants(&self, ri: usize, j: usize) -> [u8; QK] {
+        let low = q4_k_quants(self.low(), ri, j);
+        std::array::from_fn(|e| {
+            let (c, t) = ((e % 16) / 4, e % 4);
+            let bit = (self.fifth(j, c, e / 16) >> (4 * ri + t)) & 1;
+            low[e] | ((bit as u8) << 4)
+        })
+    }
+}
+
+impl NibblesK for BlockQ4Kx16 {
+    const FIFTH: bool = false;
+    fn low(&self) -> &BlockQ4Kx16 {
+        self
+    }
+    fn fifth(&self, _: usize, _: usize, _: usize) -> u64 {
+        0
+    }
+}
+
+impl NibblesK for BlockQ5Kx16 {
+    const FIFTH: bool = true;
+    fn low(&self) -> &BlockQ4Kx16 {
+        &self.low
+    }
+    fn fifth(&self, j: usize, c: usize, h: usize) -> u64 {
+        self.qh[8 * j + 2 * c + h]
+    }
 }
 
 /// `Q6_K`, 16 rows of one super-block: each 32-value sub-block's low four bits in `Q4_1x16`'s
@@ -153,17 +205,33 @@ fn nibble_at(c: usize, ri: usize, t: usize) -> usize {
 }
 
 pub fn pack_q4_k(rows: usize, nbk: usize, src: &[BlockQ4K], out: &mut [BlockQ4Kx16]) {
+    each_row_block(rows, nbk, src, out, pack_q4_k_row);
+}
+
+/// Row `ri` of `dst`: `s`'s scales, minimums and (the low four bits of) its quants.
+fn pack_q4_k_row(dst: &mut BlockQ4Kx16, ri: usize, s: &impl ScaledK) {
+    let s = s.low();
+    dst.d[ri] = s.d;
+    dst.dmin[ri] = s.dmin;
+    for j in 0..SUBS {
+        (dst.scales[GROUP * j + ri], dst.mins[GROUP * j + ri]) = s.scale_min(j);
+        let q = s.quants(j);
+        let qs = &mut dst.qs[j * GROUP * QK / 2..];
+        for c in 0..4 {
+            for t in 0..4 {
+                qs[nibble_at(c, ri, t)] = q[4 * c + t] | (q[16 + 4 * c + t] << 4);
+            }
+        }
+    }
+}
+
+pub fn pack_q5_k(rows: usize, nbk: usize, src: &[BlockQ5K], out: &mut [BlockQ5Kx16]) {
     each_row_block(rows, nbk, src, out, |dst, ri, s| {
-        dst.d[ri] = s.d;
-        dst.dmin[ri] = s.dmin;
+        pack_q4_k_row(&mut dst.low, ri, s);
         for j in 0..SUBS {
-            (dst.scales[GROUP * j + ri], dst.mins[GROUP * j + ri]) = s.scale_min(j);
-            let q = s.quants(j);
-            let qs = &mut dst.qs[j * GROUP * QK / 2..];
-            for c in 0..4 {
-                for t in 0..4 {
-                    qs[nibble_at(c, ri, t)] = q[4 * c + t] | (q[16 + 4 * c + t] << 4);
-                }
+            for (e, &bit) in s.fifth(j).iter().enumerate() {
+                let (c, t) = ((e % 16) / 4, e % 4);
+                dst.qh[8 * j + 2 * c + e / 16] |= u64::from(bit) << (4 * ri + t);
             }
         }
     });
@@ -279,6 +347,7 @@ pub(crate) mod tests {
         let (rows, nbk) = (21, 2);
         let mut q4: Vec<BlockQ4K> = random_blocks(rows * nbk, 1);
         let mut q6: Vec<BlockQ6K> = random_blocks(rows * nbk, 2);
+        let q5: Vec<BlockQ5K> = random_blocks(rows * nbk, 3);
         // Finite scales: random bytes may spell an f16 NaN, which packing must keep as it is
         // but `assert_eq` cannot compare.
         for b in &mut q4 {
@@ -287,8 +356,9 @@ pub(crate) mod tests {
         for b in &mut q6 {
             b.d = f16::from_f32(0.5);
         }
-        let (p4, p6) = (
+        let (p4, p5, p6) = (
             pack_all(rows, nbk, &q4, pack_q4_k),
+            pack_all(rows, nbk, &q5, pack_q5_k),
             pack_all(rows, nbk, &q6, pack_q6_k),
         );
         for r in 0..rows {
@@ -297,8 +367,15 @@ pub(crate) mod tests {
                 let (s4, s6) = (&q4[r * nbk + b], &q6[r * nbk + b]);
                 let (k4, k6) = (&p4[g * nbk + b], &p6[g * nbk + b]);
                 let all6 = s6.quants();
+                let (s5, k5) = (&q5[r * nbk + b], &p5[g * nbk + b]);
                 for j in 0..SUBS {
                     assert_eq!(q4_k_quants(k4, ri, j), s4.quants(j));
+                    assert_eq!(k5.quants(ri, j), ScaledK::quants(s5, j));
+                    assert!(k5.quants(ri, j).iter().any(|&q| q > 15), "fifth bits set");
+                    assert_eq!(
+                        (k5.low.scales[GROUP * j + ri], k5.low.mins[GROUP * j + ri]),
+                        s5.low().scale_min(j)
+                    );
                     assert_eq!(
                         (k4.scales[GROUP * j + ri], k4.mins[GROUP * j + ri]),
                         s4.scale_min(j)

@@ -108,6 +108,59 @@ impl BlockQ4K {
     }
 }
 
+/// GGML `Q5_K`: `Q4_K` with a fifth bit per quant (`q` in `0..32`): bit `j` of `qh[l]` is the
+/// fifth bit of value `l` of sub-block `j`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockQ5K {
+    pub d: f16,
+    pub dmin: f16,
+    pub scales: [u8; 12],
+    pub qh: [u8; QK_K / 8],
+    pub qs: [u8; QK_K / 2],
+}
+
+/// The super-blocks with `Q4_K`'s scales, minimums and nibbles: `Q4_K`, and `Q5_K`, which adds
+/// a fifth bit to each quant.
+pub trait ScaledK: Copy {
+    /// The block without any fifth bits: its scales, minimums and low four bits.
+    fn low(&self) -> BlockQ4K;
+    /// Sub-block `j`'s 32 fifth bits, each as 0 or 1.
+    fn fifth(&self, j: usize) -> [u8; QK];
+
+    /// Sub-block `j`'s 32 quants.
+    #[cfg(test)]
+    fn quants(&self, j: usize) -> [u8; QK] {
+        let (low, fifth) = (self.low().quants(j), self.fifth(j));
+        std::array::from_fn(|l| low[l] | (fifth[l] << 4))
+    }
+}
+
+impl ScaledK for BlockQ4K {
+    fn low(&self) -> BlockQ4K {
+        *self
+    }
+
+    fn fifth(&self, _: usize) -> [u8; QK] {
+        [0; QK]
+    }
+}
+
+impl ScaledK for BlockQ5K {
+    fn low(&self) -> BlockQ4K {
+        BlockQ4K {
+            d: self.d,
+            dmin: self.dmin,
+            scales: self.scales,
+            qs: self.qs,
+        }
+    }
+
+    fn fifth(&self, j: usize) -> [u8; QK] {
+        self.qh.map(|h| (h >> j) & 1)
+    }
+}
+
 /// GGML `Q6_K`: sixteen 16-value groups, `x = d·sc·(q − 32)` with `q` in `0..64` and an 8-bit
 /// signed scale per group. Each 128-value half keeps its low four bits in 64 bytes of `ql` and its
 /// high two in 32 bytes of `qh` (ggml's `dequantize_row_q6_K` says which where).
@@ -372,13 +425,14 @@ pub fn dot_q5_0_ref(w: &[BlockQ5_0], a: &[BlockQ8_1]) -> f32 {
         .sum()
 }
 
-/// One `Q4_K` row as f32 values (ggml's `dequantize_row_q4_K`).
+/// One `Q4_K` or `Q5_K` row as f32 values (ggml's `dequantize_row_q4_K`, `_q5_K`).
 #[cfg(test)]
-pub fn dequantize_row_q4_k(blocks: &[BlockQ4K], out: &mut [f32]) {
+pub fn dequantize_row_k<B: ScaledK>(blocks: &[B], out: &mut [f32]) {
     for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
-        let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
+        let low = b.low();
+        let (d, dmin) = (low.d.to_f32(), low.dmin.to_f32());
         for (j, y) in y.chunks_exact_mut(QK).enumerate() {
-            let (sc, m) = b.scale_min(j);
+            let (sc, m) = low.scale_min(j);
             let (d1, m1) = (d * f32::from(sc), dmin * f32::from(m));
             for (y, q) in y.iter_mut().zip(b.quants(j)) {
                 *y = d1 * f32::from(q) - m1;

@@ -4,7 +4,7 @@ use bytemuck::Zeroable;
 
 use super::*;
 use crate::quant::{
-    QK_K, dequantize_row_q4_k, dequantize_row_q6_k, dot_f32_ref, dot_q4_1_ref, dot_q5_0_ref,
+    QK_K, dequantize_row_k, dequantize_row_q6_k, dot_f32_ref, dot_q4_1_ref, dot_q5_0_ref,
     dot_q8_0_ref, quantize_row_q4_1, quantize_row_q5_0, quantize_row_q8_0, quantize_row_q8_1,
 };
 
@@ -30,6 +30,7 @@ fn copy(raw: &RawMatrix) -> RawMatrix {
             RawWeights::Q5_0(b) => RawWeights::Q5_0(b.clone()),
             RawWeights::Q8_0(b) => RawWeights::Q8_0(b.clone()),
             RawWeights::Q4K(b) => RawWeights::Q4K(b.clone()),
+            RawWeights::Q5K(b) => RawWeights::Q5K(b.clone()),
             RawWeights::Q6K(b) => RawWeights::Q6K(b.clone()),
         },
     }
@@ -46,7 +47,13 @@ fn reference(raw: &RawMatrix, r: usize, a: &[BlockQ8_1]) -> f32 {
         RawWeights::Q4K(w) => {
             let nbk = raw.cols / QK_K;
             let mut x = vec![0f32; raw.cols];
-            dequantize_row_q4_k(&w[r * nbk..(r + 1) * nbk], &mut x);
+            dequantize_row_k(&w[r * nbk..(r + 1) * nbk], &mut x);
+            dot_f32_ref(&x, a)
+        }
+        RawWeights::Q5K(w) => {
+            let nbk = raw.cols / QK_K;
+            let mut x = vec![0f32; raw.cols];
+            dequantize_row_k(&w[r * nbk..(r + 1) * nbk], &mut x);
             dot_f32_ref(&x, a)
         }
         RawWeights::Q6K(w) => {
@@ -59,29 +66,48 @@ fn reference(raw: &RawMatrix, r: usize, a: &[BlockQ8_1]) -> f32 {
 }
 
 /// K-quant weights of pseudo-random bytes, with scales that keep the values moderate.
-fn k_quant(rows: usize, cols: usize, six: bool, seed: u32) -> RawMatrix {
+/// Random K-quant super-blocks of one type (`Q4_K`, `Q5_K` or `Q6_K`) with sane scales.
+#[derive(Clone, Copy)]
+enum KType {
+    Q4K,
+    Q5K,
+    Q6K,
+}
+
+fn k_quant(rows: usize, cols: usize, ty: KType, seed: u32) -> RawMatrix {
+    use crate::packed::tests::random_blocks;
     let n = rows * cols / QK_K;
-    let data = if six {
-        let mut b: Vec<BlockQ6K> = crate::packed::tests::random_blocks(n, seed);
-        for (i, b) in b.iter_mut().enumerate() {
-            b.d = half::f16::from_f32(0.001 * (1 + i % 7) as f32);
+    let d = |i: usize, step: f32, m: usize| half::f16::from_f32(step * (1 + i % m) as f32);
+    let data = match ty {
+        KType::Q6K => {
+            let mut b: Vec<BlockQ6K> = random_blocks(n, seed);
+            b.iter_mut()
+                .enumerate()
+                .for_each(|(i, b)| b.d = d(i, 0.001, 7));
+            RawWeights::Q6K(b)
         }
-        RawWeights::Q6K(b)
-    } else {
-        let mut b: Vec<BlockQ4K> = crate::packed::tests::random_blocks(n, seed);
-        for (i, b) in b.iter_mut().enumerate() {
-            b.d = half::f16::from_f32(0.002 * (1 + i % 5) as f32);
-            b.dmin = half::f16::from_f32(0.003 * (1 + i % 3) as f32);
+        KType::Q4K => {
+            let mut b: Vec<BlockQ4K> = random_blocks(n, seed);
+            for (i, b) in b.iter_mut().enumerate() {
+                (b.d, b.dmin) = (d(i, 0.002, 5), d(i, 0.003, 3));
+            }
+            RawWeights::Q4K(b)
         }
-        RawWeights::Q4K(b)
+        KType::Q5K => {
+            let mut b: Vec<BlockQ5K> = random_blocks(n, seed);
+            for (i, b) in b.iter_mut().enumerate() {
+                (b.d, b.dmin) = (d(i, 0.001, 5), d(i, 0.003, 3));
+            }
+            RawWeights::Q5K(b)
+        }
     };
     RawMatrix { rows, cols, data }
 }
 
 #[test]
 fn k_quants_match_reference_and_are_batch_invariant() {
-    for six in [false, true] {
-        let m = k_quant(37, 512, six, 3);
+    for ty in [KType::Q4K, KType::Q5K, KType::Q6K] {
+        let m = k_quant(37, 512, ty, 3);
         for n in [1, 2, 5, 8, 11] {
             check(&m, n);
         }
@@ -90,7 +116,8 @@ fn k_quants_match_reference_and_are_batch_invariant() {
         q.dequantize_row(19, &mut row);
         let mut want = vec![0f32; 512];
         match &m.data {
-            RawWeights::Q4K(w) => dequantize_row_q4_k(&w[19 * 2..20 * 2], &mut want),
+            RawWeights::Q4K(w) => dequantize_row_k(&w[19 * 2..20 * 2], &mut want),
+            RawWeights::Q5K(w) => dequantize_row_k(&w[19 * 2..20 * 2], &mut want),
             RawWeights::Q6K(w) => dequantize_row_q6_k(&w[19 * 2..20 * 2], &mut want),
             _ => unreachable!(),
         }
@@ -286,20 +313,29 @@ fn avx2_and_vnni_kernels_are_bit_identical() {
         x86::tile_q5_0_vnni::<TILE>(&p5, &acts, &mut b);
     }
     assert_eq!(a, b);
-    let RawWeights::Q4K(k4) = k_quant(GROUP, cols, false, 5).data else {
+    let RawWeights::Q4K(k4) = k_quant(GROUP, cols, KType::Q4K, 5).data else {
         unreachable!()
     };
-    let RawWeights::Q6K(k6) = k_quant(GROUP, cols, true, 6).data else {
+    let RawWeights::Q5K(k5) = k_quant(GROUP, cols, KType::Q5K, 7).data else {
         unreachable!()
     };
-    let (p4k, p6k) = (
+    let RawWeights::Q6K(k6) = k_quant(GROUP, cols, KType::Q6K, 6).data else {
+        unreachable!()
+    };
+    let (p4k, p5k, p6k) = (
         crate::packed::pack_all(GROUP, cols / QK_K, &k4, crate::packed::pack_q4_k),
+        crate::packed::pack_all(GROUP, cols / QK_K, &k5, crate::packed::pack_q5_k),
         crate::packed::pack_all(GROUP, cols / QK_K, &k6, crate::packed::pack_q6_k),
     );
     let halves = crate::quant::with_half_sums(&acts);
     unsafe {
         x86::tile_q4_k::<TILE>(&p4k, &acts, &mut a);
         x86::tile_q4_k_vnni::<TILE>(&p4k, &acts, &mut b);
+    }
+    assert_eq!(a, b);
+    unsafe {
+        x86::tile_q4_k::<TILE>(&p5k, &acts, &mut a);
+        x86::tile_q4_k_vnni::<TILE>(&p5k, &acts, &mut b);
     }
     assert_eq!(a, b);
     unsafe {
@@ -323,7 +359,7 @@ fn a_matrix_built_chunk_by_chunk_equals_it_built_whole() {
     let x = self::rows(rows, cols, 4.0);
     let mut q5 = vec![BlockQ5_0::zeroed(); rows * nb];
     quantize_row_q5_0(&x, &mut q5);
-    let RawWeights::Q6K(k6) = k_quant(rows, cols, true, 9).data else {
+    let RawWeights::Q6K(k6) = k_quant(rows, cols, KType::Q6K, 9).data else {
         unreachable!()
     };
     let whole = QMatrix::stack(vec![
