@@ -22,6 +22,8 @@ mod quant;
 mod sampling;
 mod speculate;
 mod spill;
+mod step;
+mod stream;
 mod tiny;
 mod tokenizer_gguf;
 
@@ -30,9 +32,7 @@ use std::sync::Arc;
 
 pub use engine::{Engine, EngineConfig, KvExport, Model, SeqId};
 pub use error::{Error, Result};
-pub use generate::{
-    Emission, FinishReason, GenerateOutput, GenerateParams, GenerateRequest, Stream,
-};
+pub use generate::{GenerateOutput, GenerateRequest};
 pub use grammar::Grammar;
 pub use kv::{BLOCK_TOKENS, KvDtype, KvKind, KvLayout};
 pub use loader::ModelFingerprint;
@@ -41,8 +41,10 @@ pub use prefix_cache::CacheEvent;
 pub use sampling::{
     History, REPETITION_WINDOW, SamplingParams, TokenLogprobs, argmax, logprobs, sample,
 };
-pub use speculate::{Decoding, Drafter, PromptChunk, SpeculateConfig, Step};
+pub use speculate::{Drafter, SpeculateConfig};
 pub use spill::{SpillConfig, SpillStats};
+pub use step::{Decoding, PromptChunk, Step};
+pub use stream::{Emission, FinishReason, GenerateParams, Stream};
 pub use tandem_tokenizer::{ChatMessage, TokenDecoder, Tokenizer, TokenizerSpec};
 
 /// Where a model comes from.
