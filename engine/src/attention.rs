@@ -1,12 +1,12 @@
-//! Causal grouped-query attention for one query row against a sequence's paged KV.
+//! Causal grouped-query attention for query rows against a sequence's paged KV.
 //!
 //! Keys and values are always read back from the pool, even for the positions the current
 //! forward pass just wrote, so the result for a position does not depend on how the prompt was
 //! chunked or on which other sequences share the batch.
 //!
 //! The pool's rows (f16, or int8 with a scale) are converted to f32 one block at a time, into a
-//! per-thread buffer of 16 rows per KV head that stays in L1; nothing else of the cache is
-//! copied.
+//! per-thread buffer of 16 rows per KV head that stays in L1, once for all the rows of a prompt
+//! taken together; nothing else of the cache is copied.
 
 use std::ops::Range;
 
@@ -32,6 +32,8 @@ pub struct Query<'a> {
 #[derive(Default)]
 struct Scratch {
     scores: Vec<f32>,
+    /// Where each query's scores start in `scores`.
+    offsets: Vec<usize>,
     buf: Vec<f32>,
 }
 
@@ -42,33 +44,60 @@ thread_local! {
 /// Slabs (all of a block's `kv_heads`, keys or values) requested this many reads ahead.
 const PREFETCH_AHEAD: usize = 4;
 
-/// Writes `heads × head_dim` attention outputs into `out`.
-pub fn attend(pool: &KvPool, g: &Query<'_>, out: &mut [f32]) {
-    SCRATCH.with_borrow_mut(|s| attend_in(pool, g, out, s));
+/// Queries per call at most ([`tile_rows`]).
+const MAX_TILE: usize = 16;
+/// The scores a call may hold: 1 MB of f32 per thread.
+const SCORES_BUDGET: usize = 1 << 18;
+
+/// How many consecutive positions of one sequence [`attend`] should take at once, for queries
+/// of `heads` heads that see up to `n_keys` keys: up to [`MAX_TILE`], within [`SCORES_BUDGET`].
+pub fn tile_rows(heads: usize, n_keys: usize) -> usize {
+    (SCORES_BUDGET / (heads * n_keys).max(1)).clamp(1, MAX_TILE)
+}
+
+/// Writes each query's `heads × head_dim` attention outputs into `out`, one query after
+/// another. The queries share a layer, KV heads and block table (positions of one sequence),
+/// so each block's keys and values are converted to f32 once for all of them; each query's
+/// arithmetic is what it would be alone.
+pub fn attend(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32]) {
+    SCRATCH.with_borrow_mut(|s| attend_in(pool, qs, out, s));
 }
 
 /// Two passes over the blocks, keys then values. Each block's slabs for `kv_heads` are one
 /// contiguous run of memory, read in one go and asked for [`PREFETCH_AHEAD`] reads early: the
 /// KV of a decode batch does not stay in cache between steps, so this loop waits on memory
 /// unless the next reads are already under way. Each head's arithmetic is the same whatever
-/// `kv_heads` holds (its scores, softmax and weighted sum of values in position order).
-fn attend_in(pool: &KvPool, g: &Query<'_>, out: &mut [f32], s: &mut Scratch) {
+/// `kv_heads` and the other queries hold (its scores, softmax and weighted sum of values in
+/// position order, a block's keys taken in the same runs).
+fn attend_in(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32], s: &mut Scratch) {
+    let Some(g) = qs.first() else { return };
     let layout = pool.layout();
     let (hd, row_bytes) = (layout.head_dim, layout.row_bytes());
     let heads = g.q.len() / hd;
     let per_kv = heads / g.kv_heads.len();
     let slab = BLOCK_TOKENS * hd;
     let scale = 1.0 / (hd as f32).sqrt();
-    // Whole blocks from the one holding the first visible key: `span` scores per head, the
-    // keys before `first_key` in that block masked out.
-    let first_block = g.first_key / BLOCK_TOKENS;
-    let base = first_block * BLOCK_TOKENS;
-    let span = g.n_keys - base;
+    // Each query sees whole blocks from the one holding its first visible key: `span` scores
+    // per head, the keys before `first_key` in that block masked out.
+    let first_block = |q: &Query<'_>| q.first_key / BLOCK_TOKENS;
+    let span = |q: &Query<'_>| q.n_keys - first_block(q) * BLOCK_TOKENS;
+    // Its keys in (absolute) block `b`, if it sees any there.
+    let visible = |q: &Query<'_>, b: usize| {
+        (first_block(q) <= b && b * BLOCK_TOKENS < q.n_keys)
+            .then(|| (q.n_keys - b * BLOCK_TOKENS).min(BLOCK_TOKENS))
+    };
+    let lo = qs.iter().map(first_block).min().unwrap_or(0);
+    let n_keys = qs.iter().map(|q| q.n_keys).max().unwrap_or(0);
+    let n_blocks = n_keys.div_ceil(BLOCK_TOKENS) - lo;
+    s.offsets.clear();
+    let mut total = 0;
+    for q in qs {
+        s.offsets.push(total);
+        total += heads * span(q);
+    }
     s.scores.clear();
-    s.scores.resize(heads * span, 0.0);
+    s.scores.resize(total, 0.0);
     s.buf.resize(g.kv_heads.len() * slab, 0.0);
-    let n_blocks = span.div_ceil(BLOCK_TOKENS);
-    let block_len = |bi: usize| (span - bi * BLOCK_TOKENS).min(BLOCK_TOKENS);
     // Read `i` of the 2·n_blocks: keys of every block, then values of every block.
     let read = |i: usize| {
         let kind = if i < n_blocks {
@@ -76,14 +105,16 @@ fn attend_in(pool: &KvPool, g: &Query<'_>, out: &mut [f32], s: &mut Scratch) {
         } else {
             KvKind::Value
         };
-        let block = g.blocks[first_block + i % n_blocks];
+        let block = g.blocks[lo + i % n_blocks];
         pool.slabs(block, g.layer, kind, g.kv_heads.clone())
     };
-    // The first `n` rows of each KV head's slab, converted to f32 in `buf`: `[head][token][hd]`.
-    let load = |i: usize, n: usize, buf: &mut [f32]| {
+    // The rows of each KV head's slab that some query sees, converted to f32 in `buf`:
+    // `[head][token][hd]`.
+    let load = |i: usize, buf: &mut [f32]| {
         if i + PREFETCH_AHEAD < 2 * n_blocks {
             prefetch(read(i + PREFETCH_AHEAD));
         }
+        let n = (n_keys - (lo + i % n_blocks) * BLOCK_TOKENS).min(BLOCK_TOKENS);
         let slab_bytes = BLOCK_TOKENS * row_bytes;
         for (src, dst) in read(i)
             .chunks_exact(slab_bytes)
@@ -98,26 +129,41 @@ fn attend_in(pool: &KvPool, g: &Query<'_>, out: &mut [f32], s: &mut Scratch) {
         prefetch(read(i));
     }
     for bi in 0..n_blocks {
-        let n = block_len(bi);
-        load(bi, n, &mut s.buf);
-        for (h, q) in g.q.chunks_exact(hd).enumerate() {
-            let keys = &s.buf[h / per_kv * slab..][..n * hd];
-            let at = h * span + bi * BLOCK_TOKENS;
-            simd::scores(q, keys, scale, &mut s.scores[at..at + n]);
+        load(bi, &mut s.buf);
+        let b = lo + bi;
+        for (q, &off) in qs.iter().zip(&s.offsets) {
+            let Some(n) = visible(q, b) else { continue };
+            let at = off + (b - first_block(q)) * BLOCK_TOKENS;
+            for (h, qh) in q.q.chunks_exact(hd).enumerate() {
+                let keys = &s.buf[h / per_kv * slab..][..n * hd];
+                let at = at + h * span(q);
+                simd::scores(qh, keys, scale, &mut s.scores[at..at + n]);
+            }
         }
     }
-    for row in s.scores.chunks_exact_mut(span) {
-        row[..g.first_key - base].fill(f32::NEG_INFINITY);
-        softmax(row);
+    for (q, &off) in qs.iter().zip(&s.offsets) {
+        let masked = q.first_key - first_block(q) * BLOCK_TOKENS;
+        for row in s.scores[off..off + heads * span(q)].chunks_exact_mut(span(q)) {
+            row[..masked].fill(f32::NEG_INFINITY);
+            softmax(row);
+        }
     }
     out.fill(0.0);
     for bi in 0..n_blocks {
-        let n = block_len(bi);
-        load(n_blocks + bi, n, &mut s.buf);
-        for (h, o) in out.chunks_exact_mut(hd).enumerate() {
-            let values = &s.buf[h / per_kv * slab..][..n * hd];
-            let at = h * span + bi * BLOCK_TOKENS;
-            simd::accumulate(&s.scores[at..at + n], values, o);
+        load(n_blocks + bi, &mut s.buf);
+        let b = lo + bi;
+        for ((q, &off), o) in qs
+            .iter()
+            .zip(&s.offsets)
+            .zip(out.chunks_exact_mut(heads * hd))
+        {
+            let Some(n) = visible(q, b) else { continue };
+            let at = off + (b - first_block(q)) * BLOCK_TOKENS;
+            for (h, oh) in o.chunks_exact_mut(hd).enumerate() {
+                let values = &s.buf[h / per_kv * slab..][..n * hd];
+                let at = at + h * span(q);
+                simd::accumulate(&s.scores[at..at + n], values, oh);
+            }
         }
     }
 }
@@ -316,6 +362,54 @@ mod tests {
         }
     }
 
+    /// Consecutive positions taken together give each position exactly what it gets alone, with
+    /// and without a window (whose first key moves with the position), on both dtypes.
+    #[test]
+    fn a_tile_of_queries_equals_each_alone() {
+        let (hd, n) = (64, 45);
+        for dtype in [KvDtype::F16, KvDtype::Q8] {
+            for window in [None, Some(20)] {
+                let (pool, blocks) = filled_pool(dtype, hd, n);
+                let q: Vec<f32> = (0..n * 2 * hd).map(|i| (i as f32 * 0.37).sin()).collect();
+                let query = |p: usize| Query {
+                    layer: 0,
+                    first_key: window.map_or(0, |w: usize| (p + 1).saturating_sub(w)),
+                    kv_heads: 0..1,
+                    blocks: &blocks,
+                    n_keys: p + 1,
+                    q: &q[p * 2 * hd..(p + 1) * 2 * hd],
+                };
+                let tile: Vec<Query<'_>> = (3..n).map(query).collect();
+                let mut together = vec![0f32; tile.len() * 2 * hd];
+                attend(&pool, &tile, &mut together);
+                for (p, got) in (3..n).zip(together.chunks_exact(2 * hd)) {
+                    let mut alone = vec![0f32; 2 * hd];
+                    attend(&pool, &[query(p)], &mut alone);
+                    assert_eq!(got, &alone[..], "{dtype:?} window {window:?} position {p}");
+                }
+            }
+        }
+    }
+
+    /// A pool of one layer and KV head holding `n` positions of keys and values.
+    fn filled_pool(dtype: KvDtype, hd: usize, n: usize) -> (KvPool, Vec<u32>) {
+        let layout = KvLayout {
+            n_layers: 1,
+            n_kv_heads: 1,
+            head_dim: hd,
+            dtype,
+        };
+        let mut pool = KvPool::new(layout, layout.block_bytes() * n.div_ceil(BLOCK_TOKENS));
+        let blocks = pool.alloc(n.div_ceil(BLOCK_TOKENS)).expect("blocks");
+        for p in 0..n {
+            let row =
+                |s: f32| -> Vec<f32> { (0..hd).map(|d| ((p * hd + d) as f32 * s).sin()).collect() };
+            pool.write(&blocks, p, 0, KvKind::Key, 0, &row(0.3));
+            pool.write(&blocks, p, 0, KvKind::Value, 0, &row(0.7));
+        }
+        (pool, blocks)
+    }
+
     fn check_against_naive(dtype: KvDtype, hd: usize, n: usize, first: usize) {
         let layout = KvLayout {
             n_layers: 1,
@@ -349,14 +443,14 @@ mod tests {
         let mut out = vec![0f32; 2 * hd];
         attend(
             &pool,
-            &Query {
+            &[Query {
                 layer: 0,
                 first_key: first,
                 kv_heads: 0..1,
                 blocks: &blocks,
                 n_keys: n,
                 q: &q,
-            },
+            }],
             &mut out,
         );
         for h in 0..2 {

@@ -10,9 +10,11 @@
 //! last rows ─ rmsnorm ─ lm head ─► logits
 //! ```
 
+use std::ops::Range;
+
 use rayon::prelude::*;
 
-use crate::attention::{Query, attend};
+use crate::attention::{Query, attend, tile_rows};
 use crate::kernels::QMatrix;
 use crate::kv::{KvDtype, KvKind, KvLayout, KvPool};
 use crate::quant::{BlockQ8_1, QK, quantize_row_q8_1};
@@ -332,13 +334,18 @@ pub fn forward(cfg: &ModelConfig, w: &Weights, pool: &mut KvPool, rows: &[Row<'_
     let mut gate_up = vec![0f32; n * 2 * cfg.ffn];
     let mut ffn_act = vec![0f32; n * cfg.ffn];
 
-    // Attention runs one task per row, or per KV head when the rows are too few to share out.
+    // Attention runs one task per tile of a prompt's consecutive rows, or per row and KV head
+    // when the rows are too few to share out.
     let parts = if n >= rayon::current_num_threads() {
         1
     } else {
         cfg.n_kv_heads
     };
     let (kv_per_part, q_per_part) = (cfg.n_kv_heads / parts, qd / parts);
+    let tiles = match parts {
+        1 => attention_tiles(rows, cfg.n_heads),
+        _ => (0..n).map(|r| r..r + 1).collect(),
+    };
 
     if let Some(first) = w.layers.first() {
         add_norm_quantize(
@@ -386,21 +393,33 @@ pub fn forward(cfg: &ModelConfig, w: &Weights, pool: &mut KvPool, rows: &[Row<'_
             }
         }
         let pool_ref = &*pool;
-        attn.par_chunks_mut(q_per_part)
-            .enumerate()
-            .for_each(|(i, out)| {
-                let (ri, p) = (i / parts, i % parts);
-                let base = ri * qkv_w + p * q_per_part;
-                let query = Query {
-                    layer: li,
-                    first_key: cfg.first_key(li, rows[ri].pos),
-                    kv_heads: p * kv_per_part..(p + 1) * kv_per_part,
-                    blocks: rows[ri].blocks,
-                    n_keys: rows[ri].pos + 1,
-                    q: &qkv[base..base + q_per_part],
-                };
-                attend(pool_ref, &query, out);
-            });
+        let query = |ri: usize, p: usize| {
+            let base = ri * qkv_w + p * q_per_part;
+            Query {
+                layer: li,
+                first_key: cfg.first_key(li, rows[ri].pos),
+                kv_heads: p * kv_per_part..(p + 1) * kv_per_part,
+                blocks: rows[ri].blocks,
+                n_keys: rows[ri].pos + 1,
+                q: &qkv[base..base + q_per_part],
+            }
+        };
+        // Each (tile, part)'s outputs: a tile's rows are back to back in `attn`, and a part is
+        // the same share of every row.
+        let mut outs: Vec<&mut [f32]> = Vec::with_capacity(tiles.len() * parts);
+        let mut rest = attn.as_mut_slice();
+        for t in &tiles {
+            for _ in 0..parts {
+                let (out, tail) = rest.split_at_mut(t.len() * q_per_part);
+                outs.push(out);
+                rest = tail;
+            }
+        }
+        outs.into_par_iter().enumerate().for_each(|(i, out)| {
+            let (t, p) = (&tiles[i / parts], i % parts);
+            let qs: Vec<Query<'_>> = t.clone().map(|ri| query(ri, p)).collect();
+            attend(pool_ref, &qs, out);
+        });
         attn.par_chunks(qd)
             .zip(acts_q.par_chunks_mut(qd / QK))
             .with_min_len(ROWS_PER_TASK)
@@ -506,6 +525,26 @@ fn add_norm_quantize(
 }
 
 /// `1 / sqrt(mean(x²) + eps)`: what RMS norm multiplies a row by, before its weights.
+/// The rows in runs that [`attend`] takes at once: consecutive positions of one sequence (a
+/// prompt's rows share its block table), as many as [`tile_rows`] allows.
+fn attention_tiles(rows: &[Row<'_>], heads: usize) -> Vec<Range<usize>> {
+    let mut tiles = Vec::new();
+    let mut start = 0;
+    for i in 1..=rows.len() {
+        let joins = rows.get(i).is_some_and(|r| {
+            let prev = &rows[i - 1];
+            std::ptr::eq(r.blocks, prev.blocks)
+                && r.pos == prev.pos + 1
+                && i - start < tile_rows(heads, r.pos + 1)
+        });
+        if !joins {
+            tiles.push(start..i);
+            start = i;
+        }
+    }
+    tiles
+}
+
 fn rms_scale(x: &[f32], eps: f32) -> f32 {
     let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
     1.0 / (ms + eps).sqrt()
