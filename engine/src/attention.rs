@@ -245,22 +245,12 @@ mod simd {
                 _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(c)), k, acc)
             };
             let mut t = 0;
-            while t + 4 <= n {
-                let mut acc = [_mm256_setzero_ps(); 4];
-                for c in (0..hd).step_by(8) {
-                    for (i, a) in acc.iter_mut().enumerate() {
-                        *a = dot_step(*a, t + i, c);
-                    }
-                }
-                // [a0 a1 a2 a3] reduced to one lane each: pairwise adds, then the two halves.
-                let h01 = _mm256_hadd_ps(acc[0], acc[1]);
-                let h23 = _mm256_hadd_ps(acc[2], acc[3]);
-                let h = _mm256_hadd_ps(h01, h23);
-                let sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
-                _mm_storeu_ps(
-                    out.as_mut_ptr().add(t),
-                    _mm_mul_ps(sums, _mm_set1_ps(scale)),
-                );
+            while t + 8 <= n {
+                dots::<8>(q, &keys[t * hd..], scale, &mut out[t..t + 8]);
+                t += 8;
+            }
+            if t + 4 <= n {
+                dots::<4>(q, &keys[t * hd..], scale, &mut out[t..t + 4]);
                 t += 4;
             }
             for (t, o) in out.iter_mut().enumerate().skip(t) {
@@ -276,17 +266,100 @@ mod simd {
         }
     }
 
+    /// `out[i] = q · keys[i] · scale` for `K` (4 or 8) keys: each summed in its own chain over
+    /// the head's chunks, then reduced four at a time, [a0 a1 a2 a3] to one lane each by pairwise
+    /// adds and then the two halves. Eight chains keep two FMAs a cycle in flight (latency 4);
+    /// a key's sum is the same whichever group it falls in.
+    #[inline(always)]
+    unsafe fn dots<const K: usize>(q: &[f32], keys: &[f32], scale: f32, out: &mut [f32]) {
+        let hd = q.len();
+        debug_assert!(keys.len() >= K * hd && out.len() == K && K.is_multiple_of(4));
+        // SAFETY: the caller compiles in AVX2 and FMA and passes `K` keys of `hd` values.
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); K];
+            for c in (0..hd).step_by(8) {
+                let qc = _mm256_loadu_ps(q.as_ptr().add(c));
+                for (i, a) in acc.iter_mut().enumerate() {
+                    let k = _mm256_loadu_ps(keys.as_ptr().add(i * hd + c));
+                    *a = _mm256_fmadd_ps(qc, k, *a);
+                }
+            }
+            for (acc, out) in acc.chunks_exact(4).zip(out.chunks_exact_mut(4)) {
+                let h01 = _mm256_hadd_ps(acc[0], acc[1]);
+                let h23 = _mm256_hadd_ps(acc[2], acc[3]);
+                let h = _mm256_hadd_ps(h01, h23);
+                let sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
+                _mm_storeu_ps(out.as_mut_ptr(), _mm_mul_ps(sums, _mm_set1_ps(scale)));
+            }
+        }
+    }
+
     pub(super) fn accumulate(p: &[f32], values: &[f32], out: &mut [f32]) {
         let hd = out.len();
         if !hd.is_multiple_of(8) {
             return portable::accumulate(p, values, out);
         }
+        if hd.is_multiple_of(16) && is_x86_feature_detected!("avx512f") {
+            // SAFETY: AVX-512F was detected.
+            return unsafe { accumulate_512(p, values, out) };
+        }
+        accumulate_256(p, values, out);
+    }
+
+    /// [`accumulate`] in 256-bit registers, for head sizes that are a multiple of 8.
+    fn accumulate_256(p: &[f32], values: &[f32], out: &mut [f32]) {
+        let hd = out.len();
         let wide = hd - hd % PASS;
         for c0 in (0..wide).step_by(PASS) {
             accumulate_pass::<{ PASS / 8 }>(p, values, hd, c0, out);
         }
         for c0 in (wide..hd).step_by(8) {
             accumulate_pass::<1>(p, values, hd, c0, out);
+        }
+    }
+
+    /// [`accumulate`] in 512-bit registers, for head sizes that are a multiple of 16: each lane
+    /// takes the same multiply-adds in the same order, so the results are bit-identical.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn accumulate_512(p: &[f32], values: &[f32], out: &mut [f32]) {
+        let hd = out.len();
+        let wide = hd - hd % (2 * PASS);
+        for c0 in (0..wide).step_by(2 * PASS) {
+            accumulate_pass_512::<{ PASS / 8 }>(p, values, hd, c0, out);
+        }
+        for c0 in (wide..hd).step_by(16) {
+            accumulate_pass_512::<1>(p, values, hd, c0, out);
+        }
+    }
+
+    /// [`accumulate_pass`] for `16·R` dimensions.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn accumulate_pass_512<const R: usize>(
+        p: &[f32],
+        values: &[f32],
+        hd: usize,
+        c0: usize,
+        out: &mut [f32],
+    ) {
+        assert!(c0 + 16 * R <= hd && values.len() >= p.len() * hd);
+        // SAFETY: AVX-512F is enabled; loads and stores stay within the bounds checked above,
+        // as in `accumulate_pass`.
+        unsafe {
+            let mut acc = [_mm512_setzero_ps(); R];
+            for (i, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_loadu_ps(out.as_ptr().add(c0 + 16 * i));
+            }
+            for (t, &pt) in p.iter().enumerate() {
+                let pv = _mm512_set1_ps(pt);
+                let v = values.as_ptr().add(t * hd + c0);
+                for (i, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(pv, _mm512_loadu_ps(v.add(16 * i)), *a);
+                }
+            }
+            for (i, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(out.as_mut_ptr().add(c0 + 16 * i), *a);
+            }
         }
     }
 
@@ -317,6 +390,44 @@ mod simd {
             }
             for (i, a) in acc.iter().enumerate() {
                 _mm256_storeu_ps(out.as_mut_ptr().add(c0 + 8 * i), *a);
+            }
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        /// A key's score is the same whether it is summed in a group of eight or of four.
+        #[test]
+        fn a_keys_score_does_not_depend_on_its_group() {
+            let (hd, n) = (64, 19);
+            let q: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.3).sin()).collect();
+            let keys: Vec<f32> = (0..n * hd).map(|i| (i as f32 * 0.011).cos()).collect();
+            let mut all = vec![0f32; n];
+            super::scores(&q, &keys, 0.125, &mut all);
+            for (t0, chunk) in all.chunks(4).enumerate() {
+                let mut four = vec![0f32; chunk.len()];
+                super::scores(&q, &keys[4 * t0 * hd..], 0.125, &mut four);
+                assert_eq!(chunk, &four[..], "keys from {}", 4 * t0);
+            }
+        }
+
+        /// The 512-bit accumulation gives the 256-bit one's bits, on head sizes of one and of
+        /// several passes.
+        #[test]
+        fn wide_registers_accumulate_the_same_bits() {
+            if !is_x86_feature_detected!("avx512f") {
+                return;
+            }
+            for hd in [16, 64, 128, 256, 272] {
+                let n = 13;
+                let p: Vec<f32> = (0..n).map(|t| (t as f32 * 0.7).sin().abs()).collect();
+                let values: Vec<f32> = (0..n * hd).map(|i| (i as f32 * 0.013).cos()).collect();
+                let start: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.5).sin()).collect();
+                let (mut a, mut b) = (start.clone(), start);
+                super::accumulate_256(&p, &values, &mut a);
+                // SAFETY: AVX-512F was detected above.
+                unsafe { super::accumulate_512(&p, &values, &mut b) };
+                assert_eq!(a, b, "head size {hd}");
             }
         }
     }
