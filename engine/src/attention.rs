@@ -299,67 +299,12 @@ mod simd {
         if !hd.is_multiple_of(8) {
             return portable::accumulate(p, values, out);
         }
-        if hd.is_multiple_of(16) && is_x86_feature_detected!("avx512f") {
-            // SAFETY: AVX-512F was detected.
-            return unsafe { accumulate_512(p, values, out) };
-        }
-        accumulate_256(p, values, out);
-    }
-
-    /// [`accumulate`] in 256-bit registers, for head sizes that are a multiple of 8.
-    fn accumulate_256(p: &[f32], values: &[f32], out: &mut [f32]) {
-        let hd = out.len();
         let wide = hd - hd % PASS;
         for c0 in (0..wide).step_by(PASS) {
             accumulate_pass::<{ PASS / 8 }>(p, values, hd, c0, out);
         }
         for c0 in (wide..hd).step_by(8) {
             accumulate_pass::<1>(p, values, hd, c0, out);
-        }
-    }
-
-    /// [`accumulate`] in 512-bit registers, for head sizes that are a multiple of 16: each lane
-    /// takes the same multiply-adds in the same order, so the results are bit-identical.
-    #[target_feature(enable = "avx512f")]
-    unsafe fn accumulate_512(p: &[f32], values: &[f32], out: &mut [f32]) {
-        let hd = out.len();
-        let wide = hd - hd % (2 * PASS);
-        for c0 in (0..wide).step_by(2 * PASS) {
-            accumulate_pass_512::<{ PASS / 8 }>(p, values, hd, c0, out);
-        }
-        for c0 in (wide..hd).step_by(16) {
-            accumulate_pass_512::<1>(p, values, hd, c0, out);
-        }
-    }
-
-    /// [`accumulate_pass`] for `16·R` dimensions.
-    #[target_feature(enable = "avx512f")]
-    #[inline]
-    fn accumulate_pass_512<const R: usize>(
-        p: &[f32],
-        values: &[f32],
-        hd: usize,
-        c0: usize,
-        out: &mut [f32],
-    ) {
-        assert!(c0 + 16 * R <= hd && values.len() >= p.len() * hd);
-        // SAFETY: AVX-512F is enabled; loads and stores stay within the bounds checked above,
-        // as in `accumulate_pass`.
-        unsafe {
-            let mut acc = [_mm512_setzero_ps(); R];
-            for (i, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_loadu_ps(out.as_ptr().add(c0 + 16 * i));
-            }
-            for (t, &pt) in p.iter().enumerate() {
-                let pv = _mm512_set1_ps(pt);
-                let v = values.as_ptr().add(t * hd + c0);
-                for (i, a) in acc.iter_mut().enumerate() {
-                    *a = _mm512_fmadd_ps(pv, _mm512_loadu_ps(v.add(16 * i)), *a);
-                }
-            }
-            for (i, a) in acc.iter().enumerate() {
-                _mm512_storeu_ps(out.as_mut_ptr().add(c0 + 16 * i), *a);
-            }
         }
     }
 
@@ -393,44 +338,6 @@ mod simd {
             }
         }
     }
-
-    #[cfg(test)]
-    mod tests {
-        /// A key's score is the same whether it is summed in a group of eight or of four.
-        #[test]
-        fn a_keys_score_does_not_depend_on_its_group() {
-            let (hd, n) = (64, 19);
-            let q: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.3).sin()).collect();
-            let keys: Vec<f32> = (0..n * hd).map(|i| (i as f32 * 0.011).cos()).collect();
-            let mut all = vec![0f32; n];
-            super::scores(&q, &keys, 0.125, &mut all);
-            for (t0, chunk) in all.chunks(4).enumerate() {
-                let mut four = vec![0f32; chunk.len()];
-                super::scores(&q, &keys[4 * t0 * hd..], 0.125, &mut four);
-                assert_eq!(chunk, &four[..], "keys from {}", 4 * t0);
-            }
-        }
-
-        /// The 512-bit accumulation gives the 256-bit one's bits, on head sizes of one and of
-        /// several passes.
-        #[test]
-        fn wide_registers_accumulate_the_same_bits() {
-            if !is_x86_feature_detected!("avx512f") {
-                return;
-            }
-            for hd in [16, 64, 128, 256, 272] {
-                let n = 13;
-                let p: Vec<f32> = (0..n).map(|t| (t as f32 * 0.7).sin().abs()).collect();
-                let values: Vec<f32> = (0..n * hd).map(|i| (i as f32 * 0.013).cos()).collect();
-                let start: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.5).sin()).collect();
-                let (mut a, mut b) = (start.clone(), start);
-                super::accumulate_256(&p, &values, &mut a);
-                // SAFETY: AVX-512F was detected above.
-                unsafe { super::accumulate_512(&p, &values, &mut b) };
-                assert_eq!(a, b, "head size {hd}");
-            }
-        }
-    }
 }
 
 pub fn softmax(x: &mut [f32]) {
@@ -450,6 +357,21 @@ pub fn softmax(x: &mut [f32]) {
 mod tests {
     use super::*;
     use crate::kv::{KvDtype, KvLayout};
+
+    /// A key's score is the same whether it is summed in a group of eight or of four.
+    #[test]
+    fn a_keys_score_does_not_depend_on_its_group() {
+        let (hd, n) = (64, 19);
+        let q: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.3).sin()).collect();
+        let keys: Vec<f32> = (0..n * hd).map(|i| (i as f32 * 0.011).cos()).collect();
+        let mut all = vec![0f32; n];
+        simd::scores(&q, &keys, 0.125, &mut all);
+        for (t0, chunk) in all.chunks(4).enumerate() {
+            let mut four = vec![0f32; chunk.len()];
+            simd::scores(&q, &keys[4 * t0 * hd..], 0.125, &mut four);
+            assert_eq!(chunk, &four[..], "keys from {}", 4 * t0);
+        }
+    }
 
     /// Two heads against one KV head, checked against a direct computation over the keys and
     /// values as the pool stores them (rounded to f16, or quantized to int8): head sizes that
