@@ -2,10 +2,10 @@
 //!
 //! Written by hand because candle 0.11 has no SIMD kernels for these weight types on the CPU,
 //! and because batched decode and prefill need a kernel that loads each weight block once for
-//! several activation rows. Weights (`Q4_1`, `Q5_0`, `Q8_0`, `Q4_K`, `Q5_K`, `Q6_K`) are repacked at
-//! load into groups of 16 interleaved rows (see `packed.rs`); the inner tile multiplies one
-//! group's block with up to [`TILE`] activation rows, summing integer products exactly and
-//! applying the scales once per block (or K-quant sub-block) for 16 rows. Every
+//! several activation rows. Weights (`Q4_1`, `Q5_0`, `Q8_0`, `Q4_K`, `Q5_K`, `Q6_K`) are
+//! repacked at load into groups of 16 interleaved rows (see `packed.rs`); the inner tile
+//! multiplies one group's block with up to [`TILE`] activation rows, summing integer products
+//! exactly and applying the scales once per block (or K-quant sub-block) for 16 rows. Every
 //! (weight row, activation row) pair is accumulated by the same instruction sequence whatever the
 //! tile or batch, so a sequence's logits are bit-identical alone or in a batch, and in a prefill
 //! chunk of any size.
