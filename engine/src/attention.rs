@@ -424,6 +424,11 @@ mod tests {
         }
     }
 
+    /// Position `p`'s key (`s` = 0.3) or value (`s` = 0.7) in the test pools.
+    fn kv_row(hd: usize, p: usize, s: f32) -> Vec<f32> {
+        (0..hd).map(|d| ((p * hd + d) as f32 * s).sin()).collect()
+    }
+
     /// A pool of one layer and KV head holding `n` positions of keys and values.
     fn filled_pool(dtype: KvDtype, hd: usize, n: usize) -> (KvPool, Vec<u32>) {
         let layout = KvLayout {
@@ -435,24 +440,14 @@ mod tests {
         let mut pool = KvPool::new(layout, layout.block_bytes() * n.div_ceil(BLOCK_TOKENS));
         let blocks = pool.alloc(n.div_ceil(BLOCK_TOKENS)).expect("blocks");
         for p in 0..n {
-            let row =
-                |s: f32| -> Vec<f32> { (0..hd).map(|d| ((p * hd + d) as f32 * s).sin()).collect() };
-            pool.write(&blocks, p, 0, KvKind::Key, 0, &row(0.3));
-            pool.write(&blocks, p, 0, KvKind::Value, 0, &row(0.7));
+            pool.write(&blocks, p, 0, KvKind::Key, 0, &kv_row(hd, p, 0.3));
+            pool.write(&blocks, p, 0, KvKind::Value, 0, &kv_row(hd, p, 0.7));
         }
         (pool, blocks)
     }
 
     fn check_against_naive(dtype: KvDtype, hd: usize, n: usize, first: usize) {
-        let layout = KvLayout {
-            n_layers: 1,
-            n_kv_heads: 1,
-            head_dim: hd,
-            dtype,
-        };
-        let mut pool = KvPool::new(layout, layout.block_bytes() * 3);
-        let blocks = pool.alloc(3).expect("blocks");
-        let val = |p: usize, d: usize, s: f32| (((p * hd + d) as f32) * s).sin();
+        let (pool, blocks) = filled_pool(dtype, hd, n);
         // Each row as the pool stores it, read back through the dtype's own round trip.
         let stored = |values: &[f32]| {
             let mut row = vec![0u16; dtype.row_bytes(hd) / 2];
@@ -462,16 +457,8 @@ mod tests {
             dtype.decode_rows(hd, row, &mut back);
             back
         };
-        let mut keys = Vec::new();
-        let mut values = Vec::new();
-        for p in 0..n {
-            let k: Vec<f32> = (0..hd).map(|d| val(p, d, 0.3)).collect();
-            let v: Vec<f32> = (0..hd).map(|d| val(p, d, 0.7)).collect();
-            pool.write(&blocks, p, 0, KvKind::Key, 0, &k);
-            pool.write(&blocks, p, 0, KvKind::Value, 0, &v);
-            keys.push(stored(&k));
-            values.push(stored(&v));
-        }
+        let keys: Vec<Vec<f32>> = (0..n).map(|p| stored(&kv_row(hd, p, 0.3))).collect();
+        let values: Vec<Vec<f32>> = (0..n).map(|p| stored(&kv_row(hd, p, 0.7))).collect();
         let q: Vec<f32> = (0..2 * hd).map(|i| (i as f32 * 0.11).cos()).collect();
         let mut out = vec![0f32; 2 * hd];
         attend(

@@ -492,20 +492,19 @@ mod scalar {
         t: usize,
         out: &mut TileOut,
     ) {
-        let acts: Vec<BlockQ8_1> = acts.iter().map(|a| a.q).collect();
-        scalar_tile(w, &acts, t, out, |blk, ri, a| {
-            let isum = int_dot(crate::packed::q8_0_quants(blk, ri).map(i32::from), a);
-            blk.d[ri].to_f32() * a.d * isum as f32
+        scalar_tile(w, acts, t, out, |blk, ri, a| {
+            let isum = int_dot(crate::packed::q8_0_quants(blk, ri).map(i32::from), &a.q);
+            blk.d[ri].to_f32() * a.q.d * isum as f32
         });
     }
 
     /// Each output is the sum over blocks of `block_dot(block, row, act)`.
-    fn scalar_tile<B>(
+    fn scalar_tile<B, A>(
         w: &[B],
-        acts: &[BlockQ8_1],
+        acts: &[A],
         t: usize,
         out: &mut TileOut,
-        block_dot: impl Fn(&B, usize, &BlockQ8_1) -> f32,
+        block_dot: impl Fn(&B, usize, &A) -> f32,
     ) {
         let nb = w.len();
         for (k, o) in out[..t].iter_mut().enumerate() {

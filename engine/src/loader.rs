@@ -2,8 +2,8 @@
 //! [`Weights`], [`ModelConfig`] and a [`TokenizerSpec`], validating everything before it is used.
 //!
 //! `Q4_1`, `Q5_0`, `Q8_0`, `Q4_K`, `Q5_K` and `Q6_K` tensors keep their bytes, and `Q4_0`
-//! becomes `Q4_1` exactly (a minimum of `-8 * d`); any other type is dequantized by candle and requantized to
-//! `Q8_0`, which has a fast kernel, with a log line saying what that costs.
+//! becomes `Q4_1` exactly (a minimum of `-8 * d`); any other type is dequantized by candle and
+//! requantized to `Q8_0`, which has a fast kernel, with a log line saying what that costs.
 //! The fingerprint is the SHA-256 of the file.
 
 use std::io::Cursor;

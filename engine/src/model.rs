@@ -524,7 +524,6 @@ fn add_norm_quantize(
         });
 }
 
-/// `1 / sqrt(mean(x²) + eps)`: what RMS norm multiplies a row by, before its weights.
 /// The rows in runs that [`attend`] takes at once: consecutive positions of one sequence (a
 /// prompt's rows share its block table), as many as [`tile_rows`] allows.
 fn attention_tiles(rows: &[Row<'_>], heads: usize) -> Vec<Range<usize>> {
@@ -545,6 +544,7 @@ fn attention_tiles(rows: &[Row<'_>], heads: usize) -> Vec<Range<usize>> {
     tiles
 }
 
+/// `1 / sqrt(mean(x²) + eps)`: what RMS norm multiplies a row by, before its weights.
 fn rms_scale(x: &[f32], eps: f32) -> f32 {
     let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
     1.0 / (ms + eps).sqrt()
