@@ -73,7 +73,16 @@ pub struct BlockQ5Kx16 {
 
 /// The packed super-blocks the `Q4_K` kernels take: `Q4_K`, and `Q5_K` with its fifth bits.
 pub trait NibblesK: Sync {
-    /// Whether the quants have a fifth bit (up to 31, not 15).
+    /// Whether the quants have a fifth bit (up to 31, not 15); the x86 kernels branch on it.
+    #[cfg_attr(
+        not(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma",
+            target_feature = "f16c"
+        )),
+        allow(dead_code)
+    )]
     const FIFTH: bool;
     fn low(&self) -> &BlockQ4Kx16;
     /// The fifth bits of sub-block `j`'s chunk `c`, of its low (`h` = 0) or high nibbles.
