@@ -22,7 +22,7 @@ use crate::model::{self, Logits, ModelConfig, Row, Weights};
 use crate::prefix_cache::{CacheEvent, PrefixCache};
 use crate::speculate::{SpeculateConfig, StepCosts};
 use crate::spill::{Spill, SpillConfig, SpillStats};
-use tandem_tokenizer::{Tokenizer, TokenizerSpec};
+use tandem_tokenizer::Tokenizer;
 
 /// A loaded model, shareable between engines.
 #[derive(Debug)]
@@ -32,24 +32,21 @@ pub struct Model {
     pub config: ModelConfig,
     pub weights: Weights,
     pub tokenizer: Tokenizer,
-    /// What the tokenizer was built from; workers hand it to the router, which has no model.
-    pub tokenizer_spec: TokenizerSpec,
     pub fingerprint: ModelFingerprint,
     /// Compiles requests' grammars against the vocabulary.
     pub grammars: crate::grammar::Grammars,
 }
 
 impl Model {
-    pub fn from_loaded(name: String, loaded: LoadedModel) -> Result<Self> {
-        Ok(Self {
+    pub fn from_loaded(name: String, loaded: LoadedModel) -> Self {
+        Self {
             name,
-            tokenizer: Tokenizer::new(&loaded.tokenizer)?,
-            tokenizer_spec: loaded.tokenizer,
+            tokenizer: loaded.tokenizer,
             config: loaded.config,
             weights: loaded.weights,
             fingerprint: loaded.fingerprint,
             grammars: Default::default(),
-        })
+        }
     }
 }
 

@@ -14,7 +14,7 @@ use llguidance::{Matcher, ParserFactory};
 use toktrie::{ApproximateTokEnv, TokRxInfo, TokTrie};
 
 use crate::error::{Error, Result};
-use tandem_tokenizer::{Tokenizer, TokenizerSpec};
+use tandem_tokenizer::Tokenizer;
 
 /// What a request's output must match.
 #[derive(Clone, Debug, PartialEq)]
@@ -49,7 +49,6 @@ impl Grammars {
         &self,
         grammar: &Grammar,
         tokenizer: &Tokenizer,
-        spec: &TokenizerSpec,
     ) -> Result<Constraint> {
         let invalid = |reason: String| Error::InvalidArgument {
             field: "grammar",
@@ -57,7 +56,7 @@ impl Grammars {
         };
         let factory = self
             .factory
-            .get_or_init(|| factory(tokenizer, spec))
+            .get_or_init(|| factory(tokenizer))
             .as_ref()
             .map_err(|e| invalid(format!("the vocabulary's grammar engine failed: {e}")))?;
         let top = match grammar {
@@ -88,19 +87,12 @@ impl Grammars {
 
 /// The trie of the vocabulary: each token's bytes, and a control token's text after
 /// llguidance's special-token marker (so a grammar never produces it as text).
-fn factory(
-    tokenizer: &Tokenizer,
-    spec: &TokenizerSpec,
-) -> std::result::Result<ParserFactory, String> {
+fn factory(tokenizer: &Tokenizer) -> std::result::Result<ParserFactory, String> {
     let words: Vec<Vec<u8>> = (0..tokenizer.vocab_size() as u32)
         .map(|id| match tokenizer.token_bytes(id) {
             [] => {
                 let mut w = vec![TokTrie::SPECIAL_TOKEN_MARKER];
-                w.extend(
-                    spec.tokens
-                        .get(id as usize)
-                        .map_or(&[][..], |t| t.as_bytes()),
-                );
+                w.extend(tokenizer.token_text(id).as_bytes());
                 w
             }
             bytes => bytes.to_vec(),

@@ -102,7 +102,7 @@ impl ModelSource {
                 (name, loaded)
             }
         };
-        Ok(Arc::new(Model::from_loaded(name, loaded)?))
+        Ok(Arc::new(Model::from_loaded(name, loaded)))
     }
 }
 

@@ -20,7 +20,7 @@ use crate::model::{Arch, GemmaNorms, LayerWeights, ModelConfig, SlidingWindow, W
 use crate::quant::{
     BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ5K, BlockQ6K, BlockQ8_0, QK, quantize_row_q8_0,
 };
-use tandem_tokenizer::TokenizerSpec;
+use tandem_tokenizer::Tokenizer;
 
 /// The SHA-256 of a model's weights file: the KV wire format carries it, so KV computed by
 /// one model is never used by another.
@@ -38,7 +38,7 @@ impl std::fmt::Display for ModelFingerprint {
 pub struct LoadedModel {
     pub config: ModelConfig,
     pub weights: Weights,
-    pub tokenizer: TokenizerSpec,
+    pub tokenizer: Tokenizer,
     pub fingerprint: ModelFingerprint,
 }
 
@@ -127,10 +127,12 @@ fn load(bytes: Bytes<'_>, fingerprint: ModelFingerprint, path: &Path) -> Result<
         });
     };
     let config = read_config(arch, &content, path)?;
-    let tokenizer = crate::tokenizer_gguf::spec_from_gguf(md).map_err(|e| bad(e.to_string()))?;
+    let spec = crate::tokenizer_gguf::spec_from_gguf(md).map_err(|e| bad(e.to_string()))?;
     // The metadata holds the vocabulary and merges again (tens of MB for a 152k-262k
-    // vocabulary); nothing reads it past here, so it is not kept beside the weights.
+    // vocabulary), and so does the spec; the tokenizer is built and both are dropped before any
+    // weight is read, so the peak of memory holds neither beside the weights.
     content.metadata = Default::default();
+    let tokenizer = Tokenizer::new(spec).map_err(|e| bad(e.to_string()))?;
     let reader = TensorReader {
         content: &content,
         bytes,
@@ -192,10 +194,10 @@ fn load(bytes: Bytes<'_>, fingerprint: ModelFingerprint, path: &Path) -> Result<
         true => Some(reader.matrix("output.weight", config.vocab, h)?),
         false => None,
     };
-    if tokenizer.tokens.len() != config.vocab {
+    if tokenizer.vocab_size() != config.vocab {
         return Err(bad(format!(
             "the tokenizer has {} tokens but the embedding has {} rows",
-            tokenizer.tokens.len(),
+            tokenizer.vocab_size(),
             config.vocab
         )));
     }

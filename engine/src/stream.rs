@@ -105,7 +105,7 @@ impl Stream {
             .map(|g| {
                 model
                     .grammars
-                    .compile(g, &model.tokenizer, &model.tokenizer_spec)
+                    .compile(g, &model.tokenizer)
             })
             .transpose()?;
         Ok(Self {

@@ -25,7 +25,7 @@ fn model() -> &'static Arc<Model> {
 pub fn sentence_piece_tokenizer() -> &'static Tokenizer {
     static TOKENIZER: OnceLock<Tokenizer> = OnceLock::new();
     TOKENIZER.get_or_init(|| {
-        Tokenizer::new(&load("gemma-3-270m").tokenizer_spec).expect("Gemma's tokenizer")
+        Tokenizer::new(load("gemma-3-270m").tokenizer.spec()).expect("Gemma's tokenizer")
     })
 }
 
@@ -33,7 +33,7 @@ pub fn sentence_piece_tokenizer() -> &'static Tokenizer {
 pub fn tokenizer() -> &'static Tokenizer {
     static TOKENIZER: OnceLock<Tokenizer> = OnceLock::new();
     TOKENIZER.get_or_init(|| {
-        Tokenizer::new(&model().tokenizer_spec).expect("the model's tokenizer")
+        Tokenizer::new(model().tokenizer.spec()).expect("the model's tokenizer")
     })
 }
 

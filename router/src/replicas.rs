@@ -58,7 +58,7 @@ impl Frontend {
         let spec: TokenizerSpec = serde_json::from_str(&info.tokenizer_spec_json)
             .map_err(|e| tracing::error!(error = %e, "worker sent an unreadable tokenizer spec"))
             .ok()?;
-        let tokenizer = Tokenizer::new(&spec)
+        let tokenizer = Tokenizer::new(spec)
             .map_err(|e| tracing::error!(error = %e, "worker sent an unusable tokenizer spec"))
             .ok()?;
         Some(Self {

@@ -22,8 +22,11 @@ use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
 mod chat;
 mod error;
+mod pieces;
 mod spm;
 mod tools;
+
+use pieces::Pieces;
 
 pub use chat::{ChatMessage, FunctionCall, ToolCall};
 pub use error::{Error, Result};
@@ -94,8 +97,17 @@ pub enum TokenizerKind {
 
 #[derive(Debug)]
 enum Encoder {
-    Bpe(Box<tokenizers::Tokenizer>),
+    Bpe(Box<BpeEncoder>),
     Spm(Box<SpmEncoder>),
+}
+
+#[derive(Debug)]
+struct BpeEncoder {
+    tokenizer: tokenizers::Tokenizer,
+    /// Each token's text.
+    texts: Pieces<String>,
+    /// Each merge as its two tokens' ids, in order.
+    merges: Vec<(u32, u32)>,
 }
 
 #[derive(Debug)]
@@ -111,21 +123,24 @@ struct SpmEncoder {
 pub struct Tokenizer {
     inner: Encoder,
     /// The bytes each id decodes to; empty for control tokens, which are not rendered.
-    token_bytes: Vec<Vec<u8>>,
+    token_bytes: Pieces<Vec<u8>>,
     eog_ids: Vec<u32>,
-    bos_id: Option<u32>,
-    add_bos: bool,
-    chat_template: Option<String>,
-    bos_text: String,
-    eos_text: String,
+    /// The spec's fields but its tables (tokens, scores and merges), which the encoder holds in
+    /// a compact form; [`Tokenizer::spec`] puts them back.
+    header: TokenizerSpec,
 }
 
 impl Tokenizer {
-    pub fn new(spec: &TokenizerSpec) -> Result<Self> {
-        let inner = match spec.kind {
-            TokenizerKind::BytePairs => Encoder::Bpe(Box::new(byte_pairs(spec)?)),
-            TokenizerKind::SentencePiece => sentence_piece(spec)?,
-        };
+    pub fn new(mut spec: TokenizerSpec) -> Result<Self> {
+        if spec.token_types.len() != spec.tokens.len() {
+            return Err(Error::Build {
+                reason: format!(
+                    "{} token types for {} tokens",
+                    spec.token_types.len(),
+                    spec.tokens.len()
+                ),
+            });
+        }
         let unicode_to_byte = byte_level_decode_table();
         let token_bytes = spec
             .tokens
@@ -159,21 +174,48 @@ impl Tokenizer {
             .collect();
         eog_ids.sort_unstable();
         eog_ids.dedup();
-        let text_of = |id: Option<u32>| {
-            id.and_then(|i| spec.tokens.get(i as usize))
-                .cloned()
-                .unwrap_or_default()
+        let inner = match spec.kind {
+            TokenizerKind::BytePairs => byte_pairs(&mut spec)?,
+            TokenizerKind::SentencePiece => sentence_piece(&mut spec)?,
         };
         Ok(Self {
             inner,
             token_bytes,
             eog_ids,
-            bos_id: spec.bos_id,
-            add_bos: spec.add_bos,
-            bos_text: text_of(spec.bos_id),
-            eos_text: text_of(spec.eos_id),
-            chat_template: spec.chat_template.clone(),
+            header: spec,
         })
+    }
+
+    /// The spec this tokenizer was built from (workers hand it to the router).
+    pub fn spec(&self) -> TokenizerSpec {
+        let texts = || self.texts().iter().map(String::from).collect::<Vec<_>>();
+        let (scores, merges) = match &self.inner {
+            Encoder::Bpe(b) => {
+                let text = |id: u32| b.texts.get(id as usize).unwrap_or_default().to_string();
+                let merges = b.merges.iter().map(|&(l, r)| (text(l), text(r))).collect();
+                (Vec::new(), merges)
+            }
+            Encoder::Spm(e) => (e.spm.scores.clone(), Vec::new()),
+        };
+        TokenizerSpec {
+            tokens: texts(),
+            scores,
+            merges,
+            ..self.header.clone()
+        }
+    }
+
+    fn texts(&self) -> &Pieces<String> {
+        match &self.inner {
+            Encoder::Bpe(b) => &b.texts,
+            Encoder::Spm(e) => &e.spm.texts,
+        }
+    }
+
+    /// A token's text as the vocabulary spells it (for control tokens, which decode to no
+    /// bytes, their name); empty for an unknown id.
+    pub fn token_text(&self, id: u32) -> &str {
+        self.texts().get(id as usize).unwrap_or_default()
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -188,14 +230,14 @@ impl Tokenizer {
     /// Tokenizes `text`, parsing special tokens; adds BOS only if the model asks for it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let mut ids = Vec::with_capacity(text.len() / 3 + 2);
-        if self.add_bos
-            && let Some(bos) = self.bos_id
+        if self.header.add_bos
+            && let Some(bos) = self.header.bos_id
         {
             ids.push(bos);
         }
         match &self.inner {
-            Encoder::Bpe(t) => {
-                let enc = t.encode(text, false).map_err(|e| Error::Encode {
+            Encoder::Bpe(b) => {
+                let enc = b.tokenizer.encode(text, false).map_err(|e| Error::Encode {
                     reason: e.to_string(),
                 })?;
                 ids.extend_from_slice(enc.get_ids());
@@ -215,9 +257,7 @@ impl Tokenizer {
 
     /// The bytes of one token (empty for control tokens and unknown ids).
     pub fn token_bytes(&self, id: u32) -> &[u8] {
-        self.token_bytes
-            .get(id as usize)
-            .map_or(&[][..], Vec::as_slice)
+        self.token_bytes.get(id as usize).unwrap_or_default()
     }
 
     /// Decodes a whole sequence (invalid UTF-8 is replaced).
@@ -232,7 +272,8 @@ impl Tokenizer {
     /// How the chat template writes tool calls; `None` if it takes no tools (or there is no
     /// template).
     pub fn tool_format(&self) -> Option<ToolFormat> {
-        self.chat_template
+        self.header
+            .chat_template
             .as_deref()
             .and_then(ToolFormat::of_template)
     }
@@ -245,26 +286,45 @@ impl Tokenizer {
         tools: &[serde_json::Value],
     ) -> Result<String> {
         let template = self
+            .header
             .chat_template
             .as_deref()
             .ok_or_else(|| Error::Template {
                 reason: "the model has no tokenizer.chat_template".into(),
             })?;
-        chat::render(template, messages, tools, &self.bos_text, &self.eos_text)
+        let text = |id: Option<u32>| id.map_or("", |id| self.token_text(id));
+        chat::render(
+            template,
+            messages,
+            tools,
+            text(self.header.bos_id),
+            text(self.header.eos_id),
+        )
     }
 }
 
-/// The `tokenizers` BPE of a byte-level model, its pre-tokenizer chosen by `spec.pre`.
-fn byte_pairs(spec: &TokenizerSpec) -> Result<tokenizers::Tokenizer> {
+/// The `tokenizers` BPE of a byte-level model, its pre-tokenizer chosen by `spec.pre`. Takes the
+/// vocabulary and the merges out of `spec`.
+fn byte_pairs(spec: &mut TokenizerSpec) -> Result<Encoder> {
     let err = |reason: String| Error::Build { reason };
-    let vocab: tokenizers::models::bpe::Vocab = spec
-        .tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.clone(), i as u32))
+    let special: Vec<AddedToken> = specials(spec)
+        .map(|(_, s)| AddedToken::from(s.to_string(), true))
         .collect();
+    let texts: Pieces<String> = spec.tokens.iter().collect();
+    let vocab: tokenizers::models::bpe::Vocab = std::mem::take(&mut spec.tokens)
+        .into_iter()
+        .zip(0..)
+        .collect();
+    let merges = std::mem::take(&mut spec.merges);
+    let merge_ids = merges
+        .iter()
+        .map(|(l, r)| match (vocab.get(l), vocab.get(r)) {
+            (Some(&l), Some(&r)) => Ok((l, r)),
+            _ => Err(err(format!("the merge {l:?} {r:?} is of tokens not in the vocabulary"))),
+        })
+        .collect::<Result<Vec<_>>>()?;
     let bpe = BPE::builder()
-        .vocab_and_merges(vocab, spec.merges.clone())
+        .vocab_and_merges(vocab, merges)
         .build()
         .map_err(|e| err(format!("building BPE: {e}")))?;
     let mut inner = tokenizers::Tokenizer::new(bpe);
@@ -292,17 +352,19 @@ fn byte_pairs(spec: &TokenizerSpec) -> Result<tokenizers::Tokenizer> {
         }
     };
     inner.with_pre_tokenizer(Some(pre));
-    let special: Vec<AddedToken> = specials(spec)
-        .map(|(_, s)| AddedToken::from(s.to_string(), true))
-        .collect();
     inner
         .add_special_tokens(special)
         .map_err(|e| err(format!("adding special tokens: {e}")))?;
-    Ok(inner)
+    Ok(Encoder::Bpe(Box::new(BpeEncoder {
+        tokenizer: inner,
+        texts,
+        merges: merge_ids,
+    })))
 }
 
-/// The SentencePiece encoder, with the special tokens to split off before it.
-fn sentence_piece(spec: &TokenizerSpec) -> Result<Encoder> {
+/// The SentencePiece encoder, with the special tokens to split off before it. Takes the
+/// vocabulary and the scores out of `spec`.
+fn sentence_piece(spec: &mut TokenizerSpec) -> Result<Encoder> {
     let err = |reason: String| Error::Build { reason };
     if spec.scores.len() != spec.tokens.len() {
         return Err(err(format!(
@@ -316,8 +378,10 @@ fn sentence_piece(spec: &TokenizerSpec) -> Result<Encoder> {
         .match_kind(aho_corasick::MatchKind::LeftmostLongest)
         .build(&texts)
         .map_err(|e| err(format!("special tokens: {e}")))?;
+    let texts = std::mem::take(&mut spec.tokens).iter().collect();
+    let spm = spm::Spm::new(texts, std::mem::take(&mut spec.scores), spec.add_space_prefix);
     Ok(Encoder::Spm(Box::new(SpmEncoder {
-        spm: spm::Spm::new(&spec.tokens, spec.scores.clone(), spec.add_space_prefix),
+        spm,
         specials,
         special_ids,
     })))
@@ -391,5 +455,57 @@ impl TokenDecoder {
         let text = String::from_utf8_lossy(&self.pending).into_owned();
         self.pending.clear();
         text
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(kind: TokenizerKind) -> TokenizerSpec {
+        let tokens = ["a", "b", "ab", "<|im_end|>", "<0x41>"].map(String::from).to_vec();
+        TokenizerSpec {
+            kind,
+            pre: "default".into(),
+            scores: match kind {
+                TokenizerKind::SentencePiece => vec![-1.0, -2.0, -0.5, 0.0, 0.0],
+                TokenizerKind::BytePairs => Vec::new(),
+            },
+            add_space_prefix: false,
+            token_types: vec![1, 1, 1, TOKEN_TYPE_CONTROL, TOKEN_TYPE_BYTE],
+            merges: match kind {
+                TokenizerKind::BytePairs => vec![("a".into(), "b".into())],
+                TokenizerKind::SentencePiece => Vec::new(),
+            },
+            tokens,
+            bos_id: None,
+            eos_id: Some(3),
+            eot_id: None,
+            add_bos: false,
+            chat_template: Some("{{ messages[0].content }}".into()),
+        }
+    }
+
+    #[test]
+    fn the_spec_comes_back_whole() {
+        for kind in [TokenizerKind::BytePairs, TokenizerKind::SentencePiece] {
+            let tokenizer = Tokenizer::new(spec(kind)).expect("builds");
+            assert_eq!(tokenizer.spec(), spec(kind), "{kind:?}");
+            assert_eq!(tokenizer.encode("ab<|im_end|>").expect("encodes"), [2, 3]);
+            assert_eq!(tokenizer.token_text(3), "<|im_end|>");
+            assert_eq!(tokenizer.token_bytes(3), b"");
+            assert_eq!(tokenizer.token_text(9), "");
+        }
+    }
+
+    #[test]
+    fn a_merge_of_unknown_tokens_is_refused() {
+        let mut bad = spec(TokenizerKind::BytePairs);
+        bad.merges.push(("a".into(), "c".into()));
+        let err = Tokenizer::new(bad).expect_err("refused");
+        assert!(err.to_string().contains("\"c\""), "{err}");
+        let mut bad = spec(TokenizerKind::SentencePiece);
+        bad.token_types.pop();
+        assert!(Tokenizer::new(bad).is_err());
     }
 }

@@ -8,15 +8,25 @@
 //! 262k vocabulary, held by the router too), where the algorithm itself is this one loop.
 
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
+use std::hash::{BuildHasher, RandomState};
+
+use hashbrown::HashTable;
+use hashbrown::hash_table::Entry;
+
+use crate::pieces::Pieces;
 
 /// The SentencePiece word boundary, which stands for a space.
 pub(crate) const SPACE: char = '\u{2581}';
 
 #[derive(Debug)]
 pub(crate) struct Spm {
-    ids: HashMap<String, u32>,
-    scores: Vec<f32>,
+    /// Each token's text.
+    pub(crate) texts: Pieces<String>,
+    /// Token ids, found by their text (the last id of a text given twice).
+    ids: HashTable<u32>,
+    hasher: RandomState,
+    pub(crate) scores: Vec<f32>,
     /// The `<0xXX>` token of each byte, where the vocabulary has it.
     byte_ids: [Option<u32>; 256],
     add_space_prefix: bool,
@@ -60,19 +70,35 @@ struct Symbol {
 const NONE: usize = usize::MAX;
 
 impl Spm {
-    pub(crate) fn new(tokens: &[String], scores: Vec<f32>, add_space_prefix: bool) -> Self {
-        let ids = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.clone(), i as u32))
-            .collect::<HashMap<_, _>>();
-        let byte_ids = std::array::from_fn(|b| ids.get(&format!("<0x{b:02X}>")).copied());
-        Self {
-            ids,
-            scores,
-            byte_ids,
-            add_space_prefix,
+    pub(crate) fn new(texts: Pieces<String>, scores: Vec<f32>, add_space_prefix: bool) -> Self {
+        let hasher = RandomState::new();
+        let mut ids = HashTable::with_capacity(texts.len());
+        for (id, text) in texts.iter().enumerate() {
+            let found = |&i: &u32| texts.get(i as usize) == Some(text);
+            let rehash = |&i: &u32| hasher.hash_one(texts.get(i as usize));
+            match ids.entry(hasher.hash_one(Some(text)), found, rehash) {
+                Entry::Occupied(mut e) => *e.get_mut() = id as u32,
+                Entry::Vacant(e) => {
+                    e.insert(id as u32);
+                }
+            }
         }
+        let mut spm = Self {
+            texts,
+            ids,
+            hasher,
+            scores,
+            byte_ids: [None; 256],
+            add_space_prefix,
+        };
+        spm.byte_ids = std::array::from_fn(|b| spm.id(&format!("<0x{b:02X}>")));
+        spm
+    }
+
+    /// The id of the token spelled `text`.
+    fn id(&self, text: &str) -> Option<u32> {
+        let found = |&i: &u32| self.texts.get(i as usize) == Some(text);
+        self.ids.find(self.hasher.hash_one(Some(text)), found).copied()
     }
 
     /// Appends the ids of `text` (plain text: special tokens were split off before).
@@ -107,7 +133,7 @@ impl Spm {
             }
             let (l, r) = (symbols[left], symbols[symbols[left].next]);
             let merged = &text[l.start..r.start + r.len];
-            if let Some(&id) = self.ids.get(merged) {
+            if let Some(id) = self.id(merged) {
                 queue.push(Bigram {
                     score: self.scores.get(id as usize).copied().unwrap_or(0.0),
                     left,
@@ -139,8 +165,8 @@ impl Spm {
         while i != NONE {
             let s = symbols[i];
             let piece = &text[s.start..s.start + s.len];
-            match self.ids.get(piece) {
-                Some(&id) => out.push(id),
+            match self.id(piece) {
+                Some(id) => out.push(id),
                 None => out.extend(piece.bytes().filter_map(|b| self.byte_ids[b as usize])),
             }
             i = s.next;
@@ -153,8 +179,8 @@ mod tests {
     use super::*;
 
     fn spm(vocab: &[(&str, f32)]) -> Spm {
-        let tokens: Vec<String> = vocab.iter().map(|(t, _)| t.to_string()).collect();
-        Spm::new(&tokens, vocab.iter().map(|(_, s)| *s).collect(), false)
+        let texts = vocab.iter().map(|(t, _)| t).collect();
+        Spm::new(texts, vocab.iter().map(|(_, s)| *s).collect(), false)
     }
 
     #[test]
@@ -184,8 +210,8 @@ mod tests {
         for b in 0..=255u8 {
             vocab.push((format!("<0x{b:02X}>"), 0.0));
         }
-        let tokens: Vec<String> = vocab.iter().map(|(t, _)| t.clone()).collect();
-        let s = Spm::new(&tokens, vocab.iter().map(|(_, s)| *s).collect(), false);
+        let texts = vocab.iter().map(|(t, _)| t).collect();
+        let s = Spm::new(texts, vocab.iter().map(|(_, s)| *s).collect(), false);
         let mut out = Vec::new();
         s.encode("x x\u{e9}", true, &mut out);
         // x, ▁x, then é as its two UTF-8 bytes.

@@ -152,7 +152,7 @@ pub fn worker_info(model: &Model, kv: KvLayout, role: &str) -> pb::InfoResponse 
         model_fingerprint: model.fingerprint.0.to_vec().into(),
         context_tokens: model.config.context_len as u32,
         block_tokens: tandem_engine::BLOCK_TOKENS as u32,
-        tokenizer_spec_json: serde_json::to_string(&model.tokenizer_spec).unwrap_or_default(),
+        tokenizer_spec_json: serde_json::to_string(&model.tokenizer.spec()).unwrap_or_default(),
         role: role.to_string(),
         kv_dtype: kv.dtype.name().to_string(),
         kv_bytes_per_token: wire_layout(kv).total_bytes(1),
