@@ -45,11 +45,7 @@ impl std::fmt::Debug for Grammars {
 
 impl Grammars {
     /// Compiles `grammar` for a sequence of this model.
-    pub(crate) fn compile(
-        &self,
-        grammar: &Grammar,
-        tokenizer: &Tokenizer,
-    ) -> Result<Constraint> {
+    pub(crate) fn compile(&self, grammar: &Grammar, tokenizer: &Tokenizer) -> Result<Constraint> {
         let invalid = |reason: String| Error::InvalidArgument {
             field: "grammar",
             reason,

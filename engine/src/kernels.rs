@@ -543,8 +543,9 @@ mod x86 {
     /// Rows per AVX2 pass: a 256-bit register holds 4 bytes of each.
     const HALF: usize = GROUP / 2;
 
-    /// How far ahead of the block being multiplied the kernels ask for weights: about 2 KB,
-    /// since the hardware prefetcher alone leaves the batched matmuls waiting on memory.
+    /// How far ahead of the block being multiplied the kernels ask for weights, in blocks:
+    /// 2-3 KB of the 32-value types, since the hardware prefetcher alone leaves the batched
+    /// matmuls waiting on memory. The 512-bit K-quant kernels use [`prefetch_sub`] instead.
     const PREFETCH_BLOCKS: usize = 6;
 
     /// Asks the cache for the weight block [`PREFETCH_BLOCKS`] after `blk`. Past the end of a

@@ -102,11 +102,7 @@ impl Stream {
         let constraint = params
             .grammar
             .as_ref()
-            .map(|g| {
-                model
-                    .grammars
-                    .compile(g, &model.tokenizer)
-            })
+            .map(|g| model.grammars.compile(g, &model.tokenizer))
             .transpose()?;
         Ok(Self {
             params,

@@ -320,7 +320,9 @@ fn byte_pairs(spec: &mut TokenizerSpec) -> Result<Encoder> {
         .iter()
         .map(|(l, r)| match (vocab.get(l), vocab.get(r)) {
             (Some(&l), Some(&r)) => Ok((l, r)),
-            _ => Err(err(format!("the merge {l:?} {r:?} is of tokens not in the vocabulary"))),
+            _ => Err(err(format!(
+                "the merge {l:?} {r:?} is of tokens not in the vocabulary"
+            ))),
         })
         .collect::<Result<Vec<_>>>()?;
     let bpe = BPE::builder()
@@ -379,7 +381,11 @@ fn sentence_piece(spec: &mut TokenizerSpec) -> Result<Encoder> {
         .build(&texts)
         .map_err(|e| err(format!("special tokens: {e}")))?;
     let texts = std::mem::take(&mut spec.tokens).iter().collect();
-    let spm = spm::Spm::new(texts, std::mem::take(&mut spec.scores), spec.add_space_prefix);
+    let spm = spm::Spm::new(
+        texts,
+        std::mem::take(&mut spec.scores),
+        spec.add_space_prefix,
+    );
     Ok(Encoder::Spm(Box::new(SpmEncoder {
         spm,
         specials,
@@ -463,7 +469,9 @@ mod tests {
     use super::*;
 
     fn spec(kind: TokenizerKind) -> TokenizerSpec {
-        let tokens = ["a", "b", "ab", "<|im_end|>", "<0x41>"].map(String::from).to_vec();
+        let tokens = ["a", "b", "ab", "<|im_end|>", "<0x41>"]
+            .map(String::from)
+            .to_vec();
         TokenizerSpec {
             kind,
             pre: "default".into(),

@@ -98,7 +98,9 @@ impl Spm {
     /// The id of the token spelled `text`.
     fn id(&self, text: &str) -> Option<u32> {
         let found = |&i: &u32| self.texts.get(i as usize) == Some(text);
-        self.ids.find(self.hasher.hash_one(Some(text)), found).copied()
+        self.ids
+            .find(self.hasher.hash_one(Some(text)), found)
+            .copied()
     }
 
     /// Appends the ids of `text` (plain text: special tokens were split off before).
