@@ -545,7 +545,7 @@ mod x86 {
 
     /// How far ahead of the block being multiplied the kernels ask for weights, in blocks:
     /// 2-3 KB of the 32-value types, since the hardware prefetcher alone leaves the batched
-    /// matmuls waiting on memory. The 512-bit K-quant kernels use [`prefetch_sub`] instead.
+    /// matmuls waiting on memory. The K-quant kernels use [`prefetch_sub`] instead.
     const PREFETCH_BLOCKS: usize = 6;
 
     /// Asks the cache for the weight block [`PREFETCH_BLOCKS`] after `blk`. Past the end of a
@@ -561,8 +561,8 @@ mod x86 {
         }
     }
 
-    /// Blocks ahead that the 512-bit K-quant kernels ask for, an eighth of a block per
-    /// sub-block (their 16-row blocks are 2-3 KB).
+    /// Blocks ahead that the K-quant kernels ask for, an eighth of a block per sub-block (their
+    /// 16-row blocks are 2-3 KB).
     const PREFETCH_K_BLOCKS: usize = 2;
 
     /// Asks the cache for the `j`-th eighth of the block [`PREFETCH_K_BLOCKS`] after `blk`, so
@@ -880,12 +880,13 @@ mod x86 {
                 let mut acc = [_mm256_setzero_ps(); T];
                 for (b, blk5) in w.iter().enumerate() {
                     let blk = blk5.low();
-                    if half == 0 {
-                        prefetch_ahead(blk5);
-                    }
                     let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().add(row0).cast()));
                     let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.dmin.as_ptr().add(row0).cast()));
                     for j in 0..SUBS {
+                        // The second half finds the first half's prefetches in cache.
+                        if half == 0 {
+                            prefetch_sub(blk5, j);
+                        }
                         let dw = _mm256_mul_ps(d, scales_u8_x8(&blk.scales[GROUP * j + row0..]));
                         let mw = _mm256_mul_ps(dmin, scales_u8_x8(&blk.mins[GROUP * j + row0..]));
                         let qs = blk.qs.as_ptr().add(j * GROUP * QK / 2);
@@ -953,11 +954,12 @@ mod x86 {
                 let row0 = HALF * half;
                 let mut acc = [_mm256_setzero_ps(); T];
                 for (b, blk) in w.iter().enumerate() {
-                    if half == 0 {
-                        prefetch_ahead(blk);
-                    }
                     let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().add(row0).cast()));
                     for j in 0..SUBS {
+                        // The second half finds the first half's prefetches in cache.
+                        if half == 0 {
+                            prefetch_sub(blk, j);
+                        }
                         let dl =
                             _mm256_mul_ps(d, scales_i8_x8(&blk.scales[GROUP * 2 * j + row0..]));
                         let dh = _mm256_mul_ps(
