@@ -552,13 +552,8 @@ mod x86 {
     /// group that is the next group's (groups lie back to back), or past the matrix, nothing.
     #[inline(always)]
     fn prefetch_ahead<B>(blk: &B) {
-        let ahead = std::ptr::from_ref(blk)
-            .wrapping_add(PREFETCH_BLOCKS)
-            .cast::<i8>();
-        for line in (0..size_of::<B>()).step_by(64) {
-            // SAFETY: a prefetch never faults and has no effect on memory, whatever the address.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line)) };
-        }
+        let ahead = std::ptr::from_ref(blk).wrapping_add(PREFETCH_BLOCKS);
+        prefetch_lines(ahead.cast(), size_of::<B>());
     }
 
     /// Blocks ahead that the K-quant kernels ask for, an eighth of a block per sub-block (their
@@ -570,13 +565,16 @@ mod x86 {
     #[inline(always)]
     fn prefetch_sub<B>(blk: &B, j: usize) {
         let part = size_of::<B>() / SUBS;
-        let ahead = std::ptr::from_ref(blk)
-            .wrapping_add(PREFETCH_K_BLOCKS)
-            .cast::<i8>()
-            .wrapping_add(part * j);
-        for line in (0..part).step_by(64) {
+        let ahead = std::ptr::from_ref(blk).wrapping_add(PREFETCH_K_BLOCKS);
+        prefetch_lines(ahead.cast::<i8>().wrapping_add(part * j), part);
+    }
+
+    /// One prefetch per 64-byte line of the `bytes` from `start`.
+    #[inline(always)]
+    fn prefetch_lines(start: *const i8, bytes: usize) {
+        for line in (0..bytes).step_by(64) {
             // SAFETY: a prefetch never faults and has no effect on memory, whatever the address.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line)) };
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(line)) };
         }
     }
 

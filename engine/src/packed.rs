@@ -73,16 +73,7 @@ pub struct BlockQ5Kx16 {
 
 /// The packed super-blocks the `Q4_K` kernels take: `Q4_K`, and `Q5_K` with its fifth bits.
 pub trait NibblesK: Sync {
-    /// Whether the quants have a fifth bit (up to 31, not 15); the x86 kernels branch on it.
-    #[cfg_attr(
-        not(all(
-            target_arch = "x86_64",
-            target_feature = "avx2",
-            target_feature = "fma",
-            target_feature = "f16c"
-        )),
-        allow(dead_code)
-    )]
+    /// Whether the quants have a fifth bit (up to 31, not 15); the kernels branch on it.
     const FIFTH: bool;
     fn low(&self) -> &BlockQ4Kx16;
     /// The fifth bits of sub-block `j`'s chunk `c`, of its low (`h` = 0) or high nibbles.
@@ -91,6 +82,9 @@ pub trait NibblesK: Sync {
     /// Sub-block `j` of row `ri`, as 32 unsigned quants.
     fn quants(&self, ri: usize, j: usize) -> [u8; QK] {
         let low = q4_k_quants(self.low(), ri, j);
+        if !Self::FIFTH {
+            return low;
+        }
         std::array::from_fn(|e| {
             let (c, t) = ((e % 16) / 4, e % 4);
             let bit = (self.fifth(j, c, e / 16) >> (4 * ri + t)) & 1;

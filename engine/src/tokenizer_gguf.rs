@@ -54,13 +54,6 @@ pub(crate) fn spec_from_gguf(md: &HashMap<String, Value>) -> Result<TokenizerSpe
             .map_err(|e| err(format!("tokenizer.ggml.token_type: {e}")))?,
         None => vec![1; tokens.len()],
     };
-    if token_types.len() != tokens.len() {
-        return Err(err(format!(
-            "{} token types for {} tokens",
-            token_types.len(),
-            tokens.len()
-        )));
-    }
     let scores = match kind {
         TokenizerKind::SentencePiece => md
             .get("tokenizer.ggml.scores")

@@ -188,7 +188,6 @@ impl Tokenizer {
 
     /// The spec this tokenizer was built from (workers hand it to the router).
     pub fn spec(&self) -> TokenizerSpec {
-        let texts = || self.texts().iter().map(String::from).collect::<Vec<_>>();
         let (scores, merges) = match &self.inner {
             Encoder::Bpe(b) => {
                 let text = |id: u32| b.texts.get(id as usize).unwrap_or_default().to_string();
@@ -198,7 +197,7 @@ impl Tokenizer {
             Encoder::Spm(e) => (e.spm.scores.clone(), Vec::new()),
         };
         TokenizerSpec {
-            tokens: texts(),
+            tokens: self.texts().iter().map(String::from).collect(),
             scores,
             merges,
             ..self.header.clone()
