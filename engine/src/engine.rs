@@ -126,6 +126,9 @@ pub struct Engine {
     /// The prefix cache's disk tier, when configured.
     spill: Option<Spill>,
     spill_stats: Arc<SpillStats>,
+    /// A step's logits buffer given back by [`Engine::recycle`], for the next step to write
+    /// over (16 MB at batch 16 over a 262k vocabulary).
+    spare_logits: Vec<f32>,
 }
 
 impl Drop for Engine {
@@ -191,6 +194,7 @@ impl Engine {
             step_costs: StepCosts::default(),
             spill,
             spill_stats,
+            spare_logits: Vec::new(),
         })
     }
 
@@ -469,7 +473,7 @@ impl Engine {
             let (model, pool) = (&self.model, &mut self.pool);
             let out = self
                 .threads
-                .install(|| model::forward(&model.config, &model.weights, pool, &rows));
+                .install(|| model::forward(&model.config, &model.weights, pool, &rows, Vec::new()));
             if let Some(seq) = self.seqs.get_mut(&seq) {
                 seq.len = pos0 + chunk.len();
             }
@@ -538,15 +542,22 @@ impl Engine {
             })
             .collect();
         let (model, pool) = (&self.model, &mut self.pool);
+        let buffer = std::mem::take(&mut self.spare_logits);
         let out = self
             .threads
-            .install(|| model::forward(&model.config, &model.weights, pool, &rows));
+            .install(|| model::forward(&model.config, &model.weights, pool, &rows, buffer));
         for (seq, tokens, _) in batch {
             if let Some(s) = self.seqs.get_mut(seq) {
                 s.len += tokens.len();
             }
         }
         Ok(out)
+    }
+
+    /// Gives back a step's logits once read, so the next step writes over their buffer instead
+    /// of a freshly mapped one.
+    pub fn recycle(&mut self, logits: Logits) {
+        self.spare_logits = logits.into_buffer();
     }
 
     /// Cuts `seq` back to its first `len` tokens, freeing the blocks past them (the KV of

@@ -288,6 +288,11 @@ impl Logits {
         self.data.chunks_exact(self.vocab.max(1))
     }
 
+    /// The buffer the rows are in, to be written over by a later pass.
+    pub(crate) fn into_buffer(self) -> Vec<f32> {
+        self.data
+    }
+
     /// The last row, without a copy when it is the only one.
     pub fn into_last(mut self) -> Vec<f32> {
         let start = self.data.len().saturating_sub(self.vocab);
@@ -306,9 +311,16 @@ impl<'a> IntoIterator for &'a Logits {
 }
 
 /// Runs the rows through the model, writing their KV into `pool` (their blocks must already
-/// cover `pos`), and returns the logits of the rows that asked for them, in order. Must be
+/// cover `pos`), and returns the logits of the rows that asked for them, in order, written over
+/// `buffer` (a recycled one saves mapping and faulting in fresh pages every step). Must be
 /// called on the engine's rayon pool.
-pub fn forward(cfg: &ModelConfig, w: &Weights, pool: &mut KvPool, rows: &[Row<'_>]) -> Logits {
+pub fn forward(
+    cfg: &ModelConfig,
+    w: &Weights,
+    pool: &mut KvPool,
+    rows: &[Row<'_>],
+    mut buffer: Vec<f32>,
+) -> Logits {
     let n = rows.len();
     let (h, qd, kvd, hd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
     let mut x = vec![0f32; n * h];
@@ -488,11 +500,11 @@ pub fn forward(cfg: &ModelConfig, w: &Weights, pool: &mut KvPool, rows: &[Row<'_
     let mut acts = vec![bytemuck::Zeroable::zeroed(); normed.len() / QK];
     quantize_row_q8_1(&normed, &mut acts);
     let head = w.output.as_ref().unwrap_or(&w.embed);
-    let mut logits = vec![0f32; wanted.len() * cfg.vocab];
-    head.matmul(&acts, wanted.len(), &mut logits);
+    buffer.resize(wanted.len() * cfg.vocab, 0.0);
+    head.matmul(&acts, wanted.len(), &mut buffer);
     Logits {
         vocab: cfg.vocab,
-        data: logits,
+        data: buffer,
     }
 }
 

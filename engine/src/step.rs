@@ -137,6 +137,7 @@ impl Engine {
             self.truncate(d.seq, d.tokens.len())?;
             step.emissions.push(emissions);
         }
+        self.recycle(logits);
         Ok((step, chunk_logits))
     }
 

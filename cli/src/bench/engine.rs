@@ -354,6 +354,7 @@ fn decode_run(
         for (s, l) in seqs.iter_mut().zip(&logits) {
             s.1 = argmax(l);
         }
+        engine.recycle(logits);
     }
     let secs = t0.elapsed().as_secs_f64();
     for (seq, _) in seqs {
