@@ -282,10 +282,16 @@ impl QMatrix {
                     for (k, r) in res[..t].iter().enumerate() {
                         let at = (j0 + k) * rows + part.first + g * GROUP;
                         // SAFETY: each (j, row) cell is written by exactly one task, since tasks
-                        // own disjoint groups of rows; `at + live <= out.len()`.
+                        // own disjoint groups of rows; `at + live <= out.len()`. A whole group
+                        // is copied at a constant size: a vector store, not a `memmove` call.
                         unsafe {
-                            std::ptr::copy_nonoverlapping(r.as_ptr(), out_ptr.get().add(at), live)
-                        };
+                            let dst = out_ptr.get().add(at);
+                            if live == GROUP {
+                                dst.cast::<[f32; GROUP]>().write_unaligned(*r);
+                            } else {
+                                std::ptr::copy_nonoverlapping(r.as_ptr(), dst, live);
+                            }
+                        }
                     }
                 }
             }
