@@ -64,6 +64,17 @@ const C2: f64 = f64::from_bits(0x3fe62e42ff0c52d6) / 32.0;
 /// Inputs at or beyond these take glibc's special cases (infinity, zero) rather than the table.
 const OVERFLOW: f32 = 88.72283;
 const UNDERFLOW: f32 = -103.97208;
+/// Below this magnitude a vector of lanes takes the table path together (glibc's own fast-path
+/// bound); one beyond it sends its vector through [`exp`] lane by lane.
+#[cfg_attr(
+    not(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    )),
+    allow(dead_code)
+)]
+const FAST: f32 = 88.0;
 
 /// `e^x`, rounded exactly as glibc's `expf` rounds it.
 pub fn exp(x: f32) -> f32 {
@@ -122,8 +133,6 @@ fn exp_in_place_4(x: &mut [f32]) {
 ))]
 fn exp4(x: [f32; 4]) -> [f32; 4] {
     use std::arch::x86_64::*;
-    /// Below this magnitude every lane takes the table path (glibc's own fast-path bound).
-    const FAST: f32 = 88.0;
     if !x.iter().all(|v| v.abs() < FAST) {
         return x.map(exp);
     }
@@ -159,7 +168,6 @@ fn exp4(x: [f32; 4]) -> [f32; 4] {
 #[target_feature(enable = "avx512f")]
 unsafe fn exp_in_place_512(x: &mut [f32]) {
     use std::arch::x86_64::*;
-    const FAST: f32 = 88.0;
     let mut chunks = x.chunks_exact_mut(8);
     // SAFETY (whole body): AVX-512F is enabled; loads and stores stay inside each 8-lane chunk.
     unsafe {
