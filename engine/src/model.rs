@@ -489,7 +489,12 @@ pub fn forward(
 
     let wanted: Vec<usize> = (0..n).filter(|&i| rows[i].want_logits).collect();
     if wanted.is_empty() {
-        return Logits::default();
+        // The buffer goes back empty rather than dropped, so a caller can still recycle it.
+        buffer.clear();
+        return Logits {
+            vocab: cfg.vocab,
+            data: buffer,
+        };
     }
     let mut last = vec![0f32; wanted.len() * h];
     for (dst, &i) in last.chunks_exact_mut(h).zip(&wanted) {
@@ -500,6 +505,7 @@ pub fn forward(
     let mut acts = vec![bytemuck::Zeroable::zeroed(); normed.len() / QK];
     quantize_row_q8_1(&normed, &mut acts);
     let head = w.output.as_ref().unwrap_or(&w.embed);
+    // Shrinking or keeping the length writes nothing; the matmul writes every element.
     buffer.resize(wanted.len() * cfg.vocab, 0.0);
     head.matmul(&acts, wanted.len(), &mut buffer);
     Logits {
