@@ -254,7 +254,7 @@ impl QMatrix {
         let out_ptr = SendPtr(out.as_mut_ptr());
         let rows = self.rows;
         let halves = (self.parts.iter())
-            .any(|p| matches!(p.data, Packed::Q6K(_) | Packed::Q8_0(_)))
+            .any(|p| matches!(p.data, Packed::Q5_0(_) | Packed::Q6K(_) | Packed::Q8_0(_)))
             .then(|| with_half_sums(acts));
         units.par_chunks(chunk).for_each(|units| {
             for &(part, g) in units {
@@ -266,7 +266,10 @@ impl QMatrix {
                     let blocks = g * per_row..(g + 1) * per_row;
                     match &part.data {
                         Packed::Q4_1(w) => tile_q4_1(&w[blocks], a, t, &mut res),
-                        Packed::Q5_0(w) => tile_q5_0(&w[blocks], a, t, &mut res),
+                        Packed::Q5_0(w) => {
+                            let h = halves.as_deref().expect("computed for Q5_0 parts");
+                            tile_q5_0(&w[blocks], &h[j0 * nb..(j0 + t) * nb], t, &mut res)
+                        }
                         Packed::Q8_0(w) => {
                             let h = halves.as_deref().expect("computed for Q8_0 parts");
                             tile_q8_0(&w[blocks], &h[j0 * nb..(j0 + t) * nb], t, &mut res)
@@ -382,7 +385,12 @@ mod dispatch {
         dispatch_tile!(tile_q8_0, tile_q8_0_vnni, w, acts, t, out)
     }
 
-    pub(super) fn tile_q5_0(w: &[BlockQ5_0x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+    pub(super) fn tile_q5_0(
+        w: &[BlockQ5_0x16],
+        acts: &[BlockQ8_1Halves],
+        t: usize,
+        out: &mut TileOut,
+    ) {
         dispatch_tile!(tile_q5_0, tile_q5_0_vnni, w, acts, t, out)
     }
 
@@ -484,11 +492,16 @@ mod scalar {
         });
     }
 
-    pub(super) fn tile_q5_0(w: &[BlockQ5_0x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+    pub(super) fn tile_q5_0(
+        w: &[BlockQ5_0x16],
+        acts: &[BlockQ8_1Halves],
+        t: usize,
+        out: &mut TileOut,
+    ) {
         scalar_tile(w, acts, t, out, |blk, ri, a| {
-            let isum = int_dot(crate::packed::q5_0_quants(blk, ri).map(i32::from), a);
-            let d = blk.d[ri].to_f32();
-            d * a.d * isum as f32 + -16.0 * d * a.s
+            let isum = int_dot(crate::packed::q5_0_quants(blk, ri).map(i32::from), &a.q);
+            let isum = isum - 16 * (a.sums[0] + a.sums[1]);
+            blk.d[ri].to_f32() * a.q.d * isum as f32
         });
     }
 
@@ -740,10 +753,11 @@ mod x86 {
     /// One 16-row `Q5_0` group against `T` activation rows, in AVX2 halves as in `tile_q4_1`,
     /// with each quant's fifth bit or-ed in from the chunk's mask. The kernel sums `q · a` for the
     /// unsigned `q` (≤ 4 · 2 · 31 · 127 = 31496 per i16 lane for one nibble's four chunks), and
-    /// takes the offset 16 back off with the activation block's sum: `d·(Σ q·a)·d_a − 16·d·s_a`.
+    /// takes the offset 16 back off in integers with the activation block's sum, so each block
+    /// is scaled once: `d·d_a·(Σ q·a − 16·Σa)`.
     pub(super) unsafe fn tile_q5_0<const T: usize>(
         w: &[BlockQ5_0x16],
-        acts: &[BlockQ8_1],
+        acts: &[BlockQ8_1Halves],
         out: &mut TileOut,
     ) {
         let nb = w.len();
@@ -751,7 +765,6 @@ mod x86 {
         unsafe {
             let mask = _mm256_set1_epi8(0x0F);
             let ones = _mm256_set1_epi16(1);
-            let minus16 = _mm256_set1_ps(-16.0);
             for half in 0..2 {
                 let mut acc = [_mm256_setzero_ps(); T];
                 for (b, blk) in w.iter().enumerate() {
@@ -770,7 +783,7 @@ mod x86 {
                             bits(blk.qh[2 * j + 1]),
                         );
                         for k in 0..T {
-                            let a = &acts[k * nb + b];
+                            let a = &acts[k * nb + b].q;
                             let (al, ah) = (quad(a, 4 * j), quad(a, 16 + 4 * j));
                             let pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(al));
                             let ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(ah));
@@ -780,16 +793,16 @@ mod x86 {
                     }
                     let dw =
                         _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().add(HALF * half).cast()));
-                    let mw = _mm256_mul_ps(dw, minus16);
                     for k in 0..T {
                         let a = &acts[k * nb + b];
                         let sum = _mm256_add_epi32(
                             _mm256_madd_epi16(isum_lo[k], ones),
                             _mm256_madd_epi16(isum_hi[k], ones),
                         );
-                        let f = _mm256_cvtepi32_ps(sum);
-                        acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d)), acc[k]);
-                        acc[k] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s), acc[k]);
+                        let offset = _mm256_set1_epi32(-16 * (a.sums[0] + a.sums[1]));
+                        let f = _mm256_cvtepi32_ps(_mm256_add_epi32(sum, offset));
+                        acc[k] =
+                            _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.q.d)), acc[k]);
                     }
                 }
                 for k in 0..T {
@@ -800,12 +813,12 @@ mod x86 {
     }
 
     /// One 16-row `Q5_0` group against `T` activation rows with 512-bit `vpdpbusd`, as
-    /// `tile_q4_1_vnni` with each chunk's fifth bits added by one masked move; the float steps
-    /// are `tile_q5_0`'s, so the results are bit-identical.
+    /// `tile_q4_1_vnni` with each chunk's fifth bits added by one masked move, the accumulators
+    /// starting at `-16·Σa`; the float steps are `tile_q5_0`'s, so the results are bit-identical.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn tile_q5_0_vnni<const T: usize>(
         w: &[BlockQ5_0x16],
-        acts: &[BlockQ8_1],
+        acts: &[BlockQ8_1Halves],
         out: &mut TileOut,
     ) {
         let nb = w.len();
@@ -813,11 +826,13 @@ mod x86 {
         unsafe {
             let mask = _mm512_set1_epi8(0x0F);
             let fifth = _mm512_set1_epi8(0x10);
-            let minus16 = _mm512_set1_ps(-16.0);
             let mut acc = [_mm512_setzero_ps(); T];
             for (b, blk) in w.iter().enumerate() {
                 prefetch_ahead(blk);
-                let mut isum = [_mm512_setzero_si512(); T];
+                let mut isum: [__m512i; T] = std::array::from_fn(|k| {
+                    let sums = acts[k * nb + b].sums;
+                    _mm512_set1_epi32(-16 * (sums[0] + sums[1]))
+                });
                 for j in 0..4 {
                     let raw = _mm512_loadu_si512(blk.qs.as_ptr().add(CHUNK * j).cast());
                     let lo = _mm512_or_si512(
@@ -829,19 +844,17 @@ mod x86 {
                         _mm512_maskz_mov_epi8(blk.qh[2 * j + 1], fifth),
                     );
                     for k in 0..T {
-                        let a = &acts[k * nb + b];
+                        let a = &acts[k * nb + b].q;
                         let (al, ah) = (quad(a, 4 * j), quad(a, 16 + 4 * j));
                         isum[k] = _mm512_dpbusd_epi32(isum[k], lo, _mm512_set1_epi32(al));
                         isum[k] = _mm512_dpbusd_epi32(isum[k], hi, _mm512_set1_epi32(ah));
                     }
                 }
                 let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk.d.as_ptr().cast()));
-                let mw = _mm512_mul_ps(dw, minus16);
                 for k in 0..T {
-                    let a = &acts[k * nb + b];
                     let f = _mm512_cvtepi32_ps(isum[k]);
-                    acc[k] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(a.d)), acc[k]);
-                    acc[k] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s), acc[k]);
+                    let ad = _mm512_set1_ps(acts[k * nb + b].q.d);
+                    acc[k] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, ad), acc[k]);
                 }
             }
             for k in 0..T {

@@ -308,9 +308,10 @@ fn avx2_and_vnni_kernels_are_bit_identical() {
         x86::tile_q4_1_vnni::<TILE>(&p4, &acts, &mut b);
     }
     assert_eq!(a, b);
+    let halves = crate::quant::with_half_sums(&acts);
     unsafe {
-        x86::tile_q5_0::<TILE>(&p5, &acts, &mut a);
-        x86::tile_q5_0_vnni::<TILE>(&p5, &acts, &mut b);
+        x86::tile_q5_0::<TILE>(&p5, &halves, &mut a);
+        x86::tile_q5_0_vnni::<TILE>(&p5, &halves, &mut b);
     }
     assert_eq!(a, b);
     let RawWeights::Q4K(k4) = k_quant(GROUP, cols, KType::Q4K, 5).data else {
@@ -327,7 +328,6 @@ fn avx2_and_vnni_kernels_are_bit_identical() {
         crate::packed::pack_all(GROUP, cols / QK_K, &k5, crate::packed::pack_q5_k),
         crate::packed::pack_all(GROUP, cols / QK_K, &k6, crate::packed::pack_q6_k),
     );
-    let halves = crate::quant::with_half_sums(&acts);
     unsafe {
         x86::tile_q4_k::<TILE>(&p4k, &acts, &mut a);
         x86::tile_q4_k_vnni::<TILE>(&p4k, &acts, &mut b);
