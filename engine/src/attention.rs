@@ -206,22 +206,14 @@ mod portable {
     }
 }
 
-#[cfg(not(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma"
-)))]
+#[cfg(not(x86_v3))]
 use portable as simd;
 
 /// The inner loops in AVX2, for head sizes that are a multiple of 8 (others take the portable
 /// loops). Written by hand because the compiler does not find either shape: four keys' dot
 /// products reduced together (one horizontal reduction per four keys, not per key), and the
 /// output held in registers across a block's values.
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma"
-))]
+#[cfg(x86_v3)]
 mod simd {
     use std::arch::x86_64::*;
 

@@ -32,15 +32,7 @@ use crate::quant::{
 /// to keep two `vpdpbusd` a cycle in flight (latency 4), within the 32 vector registers of
 /// AVX-512. The AVX2 path, with 16 registers, takes a tile in passes of [`AVX2_TILE`].
 const TILE: usize = 8;
-#[cfg_attr(
-    not(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma",
-        target_feature = "f16c"
-    )),
-    allow(dead_code)
-)]
+#[cfg_attr(not(x86_v3), allow(dead_code))]
 const AVX2_TILE: usize = 4;
 
 /// Weights as read from a file, one row after another.
@@ -327,12 +319,7 @@ impl SendPtr {
 type TileOut = [[f32; GROUP]];
 
 /// Each weight type's tile, run in the VNNI or the AVX2 instruction set for a runtime tile size.
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_v3)]
 mod dispatch {
     use super::{AVX2_TILE, TILE, TileOut, x86};
     use crate::packed::{BlockQ4_1x16, BlockQ5_0x16, BlockQ6Kx16, BlockQ8_0x16, NibblesK};
@@ -408,29 +395,14 @@ mod dispatch {
     }
 }
 
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_v3)]
 use dispatch::{tile_q4_1, tile_q4_k, tile_q5_0, tile_q6_k, tile_q8_0};
 
-#[cfg(not(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-)))]
+#[cfg(not(x86_v3))]
 use scalar::{tile_q4_1, tile_q4_k, tile_q5_0, tile_q6_k, tile_q8_0};
 
 /// The portable fallback, for builds without x86-64-v3.
-#[cfg(not(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-)))]
+#[cfg(not(x86_v3))]
 mod scalar {
     use super::TileOut;
     use crate::packed::{BlockQ4_1x16, BlockQ5_0x16, BlockQ6Kx16, BlockQ8_0x16};
@@ -544,12 +516,7 @@ mod scalar {
 
 /// The x86 kernels, in two instruction sets that give bit-identical results: the per-block
 /// integer sums are exact either way, and the float steps after them are the same, lane by lane.
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_v3)]
 mod x86 {
     use std::arch::x86_64::*;
 

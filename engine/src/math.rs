@@ -66,14 +66,7 @@ const OVERFLOW: f32 = 88.72283;
 const UNDERFLOW: f32 = -103.97208;
 /// Below this magnitude a vector of lanes takes the table path together (glibc's own fast-path
 /// bound); one beyond it sends its vector through [`exp`] lane by lane.
-#[cfg_attr(
-    not(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    )),
-    allow(dead_code)
-)]
+#[cfg_attr(not(x86_v3), allow(dead_code))]
 const FAST: f32 = 88.0;
 
 /// `e^x`, rounded exactly as glibc's `expf` rounds it.
@@ -101,11 +94,7 @@ pub fn exp(x: f32) -> f32 {
 
 /// `x = e^x` for every element.
 pub fn exp_in_place(x: &mut [f32]) {
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    ))]
+    #[cfg(x86_v3)]
     if std::arch::is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512F was detected; AVX2 and FMA are compiled in.
         return unsafe { exp_in_place_512(x) };
@@ -126,11 +115,7 @@ fn exp_in_place_4(x: &mut [f32]) {
 }
 
 /// Four lanes of [`exp`].
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma"
-))]
+#[cfg(x86_v3)]
 fn exp4(x: [f32; 4]) -> [f32; 4] {
     use std::arch::x86_64::*;
     if !x.iter().all(|v| v.abs() < FAST) {
@@ -160,11 +145,7 @@ fn exp4(x: [f32; 4]) -> [f32; 4] {
 /// [`exp_in_place`] eight lanes at a time in 512-bit registers, with the table in four of them
 /// (two two-source permutes and a blend pick an entry) instead of `exp4`'s gather, which is slow
 /// on AMD's cores. The steps are `exp4`'s, so the results are the same bits.
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma"
-))]
+#[cfg(x86_v3)]
 #[target_feature(enable = "avx512f")]
 unsafe fn exp_in_place_512(x: &mut [f32]) {
     use std::arch::x86_64::*;
@@ -206,11 +187,7 @@ unsafe fn exp_in_place_512(x: &mut [f32]) {
     }
 }
 
-#[cfg(not(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma"
-)))]
+#[cfg(not(x86_v3))]
 fn exp4(x: [f32; 4]) -> [f32; 4] {
     x.map(exp)
 }

@@ -224,7 +224,7 @@ pub fn quantize_row_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
 }
 
 /// The largest |x| of one block of [`QK`] values.
-#[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+#[cfg(x86_v3)]
 fn block_amax(x: &[f32]) -> f32 {
     use std::arch::x86_64::*;
     assert_eq!(x.len(), QK, "block length");
@@ -240,13 +240,13 @@ fn block_amax(x: &[f32]) -> f32 {
     }
 }
 
-#[cfg(not(all(target_arch = "x86_64", target_feature = "avx2")))]
+#[cfg(not(x86_v3))]
 fn block_amax(x: &[f32]) -> f32 {
     x.iter().fold(0f32, |m, v| m.max(v.abs()))
 }
 
 /// `q = round_half_away(x · id)` for one block (|x · id| ≤ 127), returning `Σq`.
-#[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+#[cfg(x86_v3)]
 fn quantize_block(x: &[f32], id: f32, q: &mut [i8; QK]) -> i32 {
     use std::arch::x86_64::*;
     // SAFETY: AVX2 is compiled in; `x` holds QK = 32 floats and `q` 32 bytes.
@@ -278,7 +278,7 @@ fn quantize_block(x: &[f32], id: f32, q: &mut [i8; QK]) -> i32 {
     }
 }
 
-#[cfg(not(all(target_arch = "x86_64", target_feature = "avx2")))]
+#[cfg(not(x86_v3))]
 fn quantize_block(x: &[f32], id: f32, q: &mut [i8; QK]) -> i32 {
     let mut sum = 0;
     for (q, v) in q.iter_mut().zip(x) {

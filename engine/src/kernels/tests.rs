@@ -270,12 +270,7 @@ fn a_stack_of_types_computes_each_part_with_its_own_kernel() {
 
 /// The AVX2 and VNNI paths must agree bit for bit, so a node's results do not depend on which
 /// one its CPU runs.
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_v3)]
 #[test]
 fn avx2_and_vnni_kernels_are_bit_identical() {
     if !x86::has_vnni() {
