@@ -324,8 +324,8 @@ pub fn quantize_row_q4_1(x: &[f32], out: &mut [BlockQ4_1]) {
 }
 
 /// Each activation block with the sums of its first and last 16 quants: for weight types with a
-/// scale per 16 values (`Q6_K`), and for `Q8_0`, whose packed weights carry an offset that the
-/// block's whole sum takes back off.
+/// scale per 16 values (`Q6_K`), and for `Q8_0` and `Q5_0`, whose packed weights carry an offset
+/// that the block's whole sum takes back off.
 pub fn with_half_sums(acts: &[BlockQ8_1]) -> Vec<BlockQ8_1Halves> {
     acts.iter()
         .map(|a| {
