@@ -472,7 +472,7 @@ mod scalar {
     ) {
         scalar_tile(w, acts, t, out, |blk, ri, a| {
             let isum = int_dot(crate::packed::q5_0_quants(blk, ri).map(i32::from), &a.q);
-            let isum = isum - 16 * (a.sums[0] + a.sums[1]);
+            let isum = isum - 16 * a.sum();
             blk.d[ri].to_f32() * a.q.d * isum as f32
         });
     }
@@ -766,7 +766,7 @@ mod x86 {
                             _mm256_madd_epi16(isum_lo[k], ones),
                             _mm256_madd_epi16(isum_hi[k], ones),
                         );
-                        let offset = _mm256_set1_epi32(-16 * (a.sums[0] + a.sums[1]));
+                        let offset = _mm256_set1_epi32(-16 * a.sum());
                         let f = _mm256_cvtepi32_ps(_mm256_add_epi32(sum, offset));
                         acc[k] =
                             _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.q.d)), acc[k]);
@@ -796,10 +796,8 @@ mod x86 {
             let mut acc = [_mm512_setzero_ps(); T];
             for (b, blk) in w.iter().enumerate() {
                 prefetch_ahead(blk);
-                let mut isum: [__m512i; T] = std::array::from_fn(|k| {
-                    let sums = acts[k * nb + b].sums;
-                    _mm512_set1_epi32(-16 * (sums[0] + sums[1]))
-                });
+                let mut isum: [__m512i; T] =
+                    std::array::from_fn(|k| _mm512_set1_epi32(-16 * acts[k * nb + b].sum()));
                 for j in 0..4 {
                     let raw = _mm512_loadu_si512(blk.qs.as_ptr().add(CHUNK * j).cast());
                     let lo = _mm512_or_si512(
@@ -1221,10 +1219,8 @@ mod x86 {
             let mut acc = [_mm512_setzero_ps(); T];
             for (b, blk) in w.iter().enumerate() {
                 prefetch_ahead(blk);
-                let mut isum: [__m512i; T] = std::array::from_fn(|k| {
-                    let sums = acts[k * nb + b].sums;
-                    _mm512_set1_epi32(-128 * (sums[0] + sums[1]))
-                });
+                let mut isum: [__m512i; T] =
+                    std::array::from_fn(|k| _mm512_set1_epi32(-128 * acts[k * nb + b].sum()));
                 for j in 0..8 {
                     let wq = _mm512_loadu_si512(blk.qs.as_ptr().add(CHUNK * j).cast());
                     for k in 0..T {

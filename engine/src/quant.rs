@@ -346,6 +346,13 @@ pub struct BlockQ8_1Halves {
     pub sums: [i32; 2],
 }
 
+impl BlockQ8_1Halves {
+    /// The integer sum of all 32 quants, which takes a weight type's offset back off.
+    pub fn sum(&self) -> i32 {
+        self.sums[0] + self.sums[1]
+    }
+}
+
 /// Quantizes one row into GGML `Q5_0` blocks (kernel tests build weights with it).
 #[cfg(test)]
 pub fn quantize_row_q5_0(x: &[f32], out: &mut [BlockQ5_0]) {
