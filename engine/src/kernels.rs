@@ -20,6 +20,7 @@
 
 use rayon::prelude::*;
 
+use crate::memory::HugeBuf;
 use crate::packed::{
     BlockQ4_1x16, BlockQ4Kx16, BlockQ5_0x16, BlockQ5Kx16, BlockQ6Kx16, BlockQ8_0x16, GROUP,
     NibblesK, SUBS, pack_q4_1, pack_q4_k, pack_q5_0, pack_q5_k, pack_q6_k, pack_q8_0,
@@ -73,12 +74,12 @@ struct Part {
 
 #[derive(Debug)]
 enum Packed {
-    Q4_1(Vec<BlockQ4_1x16>),
-    Q5_0(Vec<BlockQ5_0x16>),
-    Q8_0(Vec<BlockQ8_0x16>),
-    Q4K(Vec<BlockQ4Kx16>),
-    Q5K(Vec<BlockQ5Kx16>),
-    Q6K(Vec<BlockQ6Kx16>),
+    Q4_1(HugeBuf<BlockQ4_1x16>),
+    Q5_0(HugeBuf<BlockQ5_0x16>),
+    Q8_0(HugeBuf<BlockQ8_0x16>),
+    Q4K(HugeBuf<BlockQ4Kx16>),
+    Q5K(HugeBuf<BlockQ5Kx16>),
+    Q6K(HugeBuf<BlockQ6Kx16>),
 }
 
 impl Packed {
@@ -106,14 +107,13 @@ impl Packed {
         let nbk = nb / SUBS;
         let groups = rows.div_ceil(GROUP);
         let (nb_g, nbk_g) = (groups * nb, groups * nbk);
-        use crate::memory::zeroed_vec;
         let p = packed.get_or_insert_with(|| match raw {
-            RawWeights::Q4_1(_) => Packed::Q4_1(zeroed_vec(nb_g)),
-            RawWeights::Q5_0(_) => Packed::Q5_0(zeroed_vec(nb_g)),
-            RawWeights::Q8_0(_) => Packed::Q8_0(zeroed_vec(nb_g)),
-            RawWeights::Q4K(_) => Packed::Q4K(zeroed_vec(nbk_g)),
-            RawWeights::Q5K(_) => Packed::Q5K(zeroed_vec(nbk_g)),
-            RawWeights::Q6K(_) => Packed::Q6K(zeroed_vec(nbk_g)),
+            RawWeights::Q4_1(_) => Packed::Q4_1(HugeBuf::zeroed(nb_g)),
+            RawWeights::Q5_0(_) => Packed::Q5_0(HugeBuf::zeroed(nb_g)),
+            RawWeights::Q8_0(_) => Packed::Q8_0(HugeBuf::zeroed(nb_g)),
+            RawWeights::Q4K(_) => Packed::Q4K(HugeBuf::zeroed(nbk_g)),
+            RawWeights::Q5K(_) => Packed::Q5K(HugeBuf::zeroed(nbk_g)),
+            RawWeights::Q6K(_) => Packed::Q6K(HugeBuf::zeroed(nbk_g)),
         });
         match (p, raw) {
             (Packed::Q4_1(o), RawWeights::Q4_1(b)) => put(o, done, nb, b, pack_q4_1),
@@ -168,7 +168,7 @@ impl QMatrix {
             for chunk in chunks {
                 done += Packed::pack_chunk(&mut data, rows, done, nb, &chunk?);
             }
-            let data = data.unwrap_or(Packed::Q8_0(Vec::new()));
+            let data = data.unwrap_or(Packed::Q8_0(HugeBuf::zeroed(0)));
             built.push(Part { first, rows, data });
             first += rows;
         }

@@ -19,6 +19,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 
 use crate::error::{Error, Result};
+use crate::memory::HugeBuf;
 
 // Rows are kept in the machine's byte order and leave the pool as they are; the wire format's
 // rows are little-endian.
@@ -157,9 +158,9 @@ impl KvLayout {
 #[derive(Debug)]
 pub struct KvPool {
     layout: KvLayout,
-    /// The blocks' bytes, in a zeroed allocation (pages committed on first write), held as
+    /// The blocks' bytes, zeroed in a mapping of their own (pages committed on first write), as
     /// `u16` so that every row, whose size is even, starts 2-byte aligned for f16 access.
-    data: Vec<u16>,
+    data: HugeBuf<u16>,
     free: Vec<u32>,
     /// Holders of each block; 0 for a free block.
     refs: Vec<u32>,
@@ -172,7 +173,7 @@ impl KvPool {
         debug_assert!(layout.row_bytes().is_multiple_of(2), "rows of even size");
         let total = (budget_bytes / layout.block_bytes()).max(1);
         // Each layer's slab of each block is read every step, blocks hundreds of KB apart.
-        let data = crate::memory::zeroed_vec(total * layout.block_bytes() / 2);
+        let data = HugeBuf::zeroed(total * layout.block_bytes() / 2);
         Self {
             layout,
             data,
@@ -233,11 +234,11 @@ impl KvPool {
     }
 
     fn bytes(&self) -> &[u8] {
-        bytemuck::cast_slice(&self.data)
+        bytemuck::cast_slice(&self.data[..])
     }
 
     fn bytes_mut(&mut self) -> &mut [u8] {
-        bytemuck::cast_slice_mut(&mut self.data)
+        bytemuck::cast_slice_mut(&mut self.data[..])
     }
 
     /// A whole block's bytes, as the pool stores them.

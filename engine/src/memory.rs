@@ -1,44 +1,127 @@
 //! Memory helpers for the hot loops: large buffers backed by transparent huge pages, and
 //! software prefetch.
 //!
-//! The packed weights (about 100 MB) are streamed once per forward pass and the KV pool's
+//! The packed weights (hundreds of MB) are streamed once per forward pass and the KV pool's
 //! slabs are read from blocks hundreds of KB apart: with 4 KiB pages, nearly every slab and
 //! every few weight rows cost a TLB miss. Linux backs memory with 2 MiB pages when asked
-//! (`MADV_HUGEPAGE`, for systems where transparent huge pages are set to `madvise`); the advice
-//! applies to pages not yet touched, so it is given before the first write. Where the kernel
-//! declines, nothing changes but speed.
+//! (`MADV_HUGEPAGE`, for systems where transparent huge pages are set to `madvise`), but only
+//! for whole 2 MiB-aligned ranges whose pages nothing has touched yet. The allocator cannot
+//! promise either: an over-aligned zeroed allocation (the packed blocks are 32- or 64-byte
+//! aligned) comes from `posix_memalign` and a `memset`, which backs every page before any
+//! advice. So [`HugeBuf`] maps its own memory. Where the kernel declines, nothing changes but
+//! speed.
+
+use std::ffi::c_void;
+use std::num::NonZeroUsize;
+use std::ops::{Deref, DerefMut};
+use std::ptr::NonNull;
 
 use bytemuck::Zeroable;
+use nix::sys::mman::{MapFlags, ProtFlags, mmap_anonymous, munmap};
 
-/// `n` zeroed values in a fresh allocation advised for huge pages. Pages are committed on
-/// first write, as with any zeroed allocation.
-pub fn zeroed_vec<T: Zeroable>(n: usize) -> Vec<T> {
-    let v: Vec<T> = bytemuck::zeroed_vec(n);
-    advise(&v);
-    v
+/// The size and alignment of a transparent huge page on x86-64.
+const HUGE_PAGE: usize = 2 << 20;
+
+/// A fixed number of values, zeroed, in an anonymous mapping of its own that is advised for
+/// huge pages before anything touches it and starts on a 2 MiB boundary when it is at least
+/// that large. Pages are committed on first write, so a pool that is mostly never written
+/// (the KV cache) costs only what is used.
+pub struct HugeBuf<T> {
+    data: NonNull<T>,
+    len: usize,
+    /// The whole mapping (up to a huge page more than the data, for the alignment), if any.
+    map: Option<(NonNull<c_void>, usize)>,
 }
 
-fn advise<T>(data: &[T]) {
-    #[cfg(target_os = "linux")]
-    {
-        use nix::sys::mman::{MmapAdvise, madvise};
-        const PAGE: usize = 4096;
-        let start = data.as_ptr() as usize;
-        let end = start + std::mem::size_of_val(data);
-        let aligned = start.next_multiple_of(PAGE);
-        if let Some(ptr) = std::ptr::NonNull::new(aligned as *mut std::ffi::c_void)
-            && end > aligned + PAGE
-        {
-            // SAFETY: the range lies inside `data`'s allocation; MADV_HUGEPAGE changes how
-            // pages are backed, never their contents.
-            let advised = unsafe { madvise(ptr, end - aligned, MmapAdvise::MADV_HUGEPAGE) };
-            if let Err(e) = advised {
-                tracing::debug!("madvise(MADV_HUGEPAGE): {e}");
+// SAFETY: a `HugeBuf` owns its values as a `Vec` does.
+unsafe impl<T: Send> Send for HugeBuf<T> {}
+unsafe impl<T: Sync> Sync for HugeBuf<T> {}
+
+impl<T: Zeroable> HugeBuf<T> {
+    /// `len` zeroed values. Panics if the memory cannot be mapped, as an allocation would.
+    pub fn zeroed(len: usize) -> Self {
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .expect("buffer size overflows");
+        let Some(size) = NonZeroUsize::new(bytes) else {
+            return Self {
+                data: NonNull::dangling(),
+                len,
+                map: None,
+            };
+        };
+        // Room to move the start to a huge-page boundary; the slack is never touched, so it
+        // costs address space only.
+        let align = if bytes >= HUGE_PAGE { HUGE_PAGE } else { 1 };
+        let map_len = size.saturating_add(align - 1);
+        // SAFETY: a fresh private anonymous mapping aliases nothing.
+        let map = unsafe {
+            mmap_anonymous(
+                None,
+                map_len,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_PRIVATE,
+            )
+        }
+        .unwrap_or_else(|e| panic!("mapping {bytes} bytes: {e}"));
+        let at = map.as_ptr() as usize;
+        // SAFETY: the offset is below `align`, so the data stays inside the mapping.
+        let data = unsafe { map.byte_add(at.next_multiple_of(align) - at) };
+        advise(data, bytes);
+        Self {
+            // Page-aligned, so aligned for any `T` with alignment up to 4 KiB.
+            data: data.cast(),
+            len,
+            map: Some((map, map_len.get())),
+        }
+    }
+}
+
+impl<T> Drop for HugeBuf<T> {
+    fn drop(&mut self) {
+        if let Some((map, len)) = self.map {
+            // SAFETY: the mapping is this buffer's own and nothing borrows it any more.
+            if let Err(e) = unsafe { munmap(map, len) } {
+                tracing::warn!("munmap of {len} bytes: {e}");
             }
         }
     }
+}
+
+impl<T> Deref for HugeBuf<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: `data` holds `len` initialised (zeroed, then written) values, aligned.
+        unsafe { std::slice::from_raw_parts(self.data.as_ptr(), self.len) }
+    }
+}
+
+impl<T> DerefMut for HugeBuf<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        // SAFETY: as in `deref`, and `&mut self` makes the borrow unique.
+        unsafe { std::slice::from_raw_parts_mut(self.data.as_ptr(), self.len) }
+    }
+}
+
+impl<T> std::fmt::Debug for HugeBuf<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HugeBuf({} x {} bytes)", self.len, std::mem::size_of::<T>())
+    }
+}
+
+/// Asks for huge pages for `len` bytes from `start`.
+fn advise(start: NonNull<c_void>, len: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        use nix::sys::mman::{MmapAdvise, madvise};
+        // SAFETY: the range lies inside a mapping the caller owns; MADV_HUGEPAGE changes how
+        // pages are backed, never their contents.
+        if let Err(e) = unsafe { madvise(start, len, MmapAdvise::MADV_HUGEPAGE) } {
+            tracing::debug!("madvise(MADV_HUGEPAGE): {e}");
+        }
+    }
     #[cfg(not(target_os = "linux"))]
-    let _ = data;
+    let _ = (start, len);
 }
 
 /// Asks the CPU to start loading `data` into its cache, one request per 64-byte line: for data
@@ -57,4 +140,22 @@ pub fn prefetch<T>(data: &[T]) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = data;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_buffer_is_zeroed_writable_and_aligned() {
+        for len in [0, 1, 1000, HUGE_PAGE / 4 + 3] {
+            let mut b = HugeBuf::<u32>::zeroed(len);
+            assert_eq!(b.len(), len);
+            assert!(b.iter().all(|&v| v == 0));
+            b.iter_mut().enumerate().for_each(|(i, v)| *v = i as u32);
+            assert!(b.iter().enumerate().all(|(i, &v)| v == i as u32));
+            let align = if len * 4 >= HUGE_PAGE { HUGE_PAGE } else { 4096 };
+            assert!(len == 0 || (b.as_ptr() as usize).is_multiple_of(align), "len {len}");
+        }
+    }
 }

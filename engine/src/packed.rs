@@ -148,8 +148,8 @@ pub fn pack_all<S, D: Zeroable>(
     nb: usize,
     src: &[S],
     pack: fn(usize, usize, &[S], &mut [D]),
-) -> Vec<D> {
-    let mut out = crate::memory::zeroed_vec(rows.div_ceil(GROUP) * nb);
+) -> crate::memory::HugeBuf<D> {
+    let mut out = crate::memory::HugeBuf::zeroed(rows.div_ceil(GROUP) * nb);
     pack(rows, nb, src, &mut out);
     out
 }
