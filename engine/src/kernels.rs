@@ -25,9 +25,7 @@ use crate::packed::{
     BlockQ4_1x16, BlockQ4Kx16, BlockQ5_0x16, BlockQ5Kx16, BlockQ6Kx16, BlockQ8_0x16, GROUP,
     NibblesK, SUBS, pack_q4_1, pack_q4_k, pack_q5_0, pack_q5_k, pack_q6_k, pack_q8_0,
 };
-use crate::quant::{
-    BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ5K, BlockQ6K, BlockQ8_0, BlockQ8_1, QK, with_half_sums,
-};
+use crate::quant::{BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ5K, BlockQ6K, BlockQ8_0, BlockQ8_1, QK};
 
 /// Activation rows multiplied per decoded weight block: enough independent accumulator chains
 /// to keep two `vpdpbusd` a cycle in flight (latency 4), within the 32 vector registers of
@@ -245,9 +243,6 @@ impl QMatrix {
         let chunk = units.len().div_ceil(threads * 4).max(2);
         let out_ptr = SendPtr(out.as_mut_ptr());
         let rows = self.rows;
-        let halves = (self.parts.iter())
-            .any(|p| matches!(p.data, Packed::Q5_0(_) | Packed::Q6K(_) | Packed::Q8_0(_)))
-            .then(|| with_half_sums(acts));
         units.par_chunks(chunk).for_each(|units| {
             for &(part, g) in units {
                 for j0 in (0..n).step_by(TILE) {
@@ -258,20 +253,11 @@ impl QMatrix {
                     let blocks = g * per_row..(g + 1) * per_row;
                     match &part.data {
                         Packed::Q4_1(w) => tile_q4_1(&w[blocks], a, t, &mut res),
-                        Packed::Q5_0(w) => {
-                            let h = halves.as_deref().expect("computed for Q5_0 parts");
-                            tile_q5_0(&w[blocks], &h[j0 * nb..(j0 + t) * nb], t, &mut res)
-                        }
-                        Packed::Q8_0(w) => {
-                            let h = halves.as_deref().expect("computed for Q8_0 parts");
-                            tile_q8_0(&w[blocks], &h[j0 * nb..(j0 + t) * nb], t, &mut res)
-                        }
+                        Packed::Q5_0(w) => tile_q5_0(&w[blocks], a, t, &mut res),
+                        Packed::Q8_0(w) => tile_q8_0(&w[blocks], a, t, &mut res),
                         Packed::Q4K(w) => tile_q4_k(&w[blocks], a, t, &mut res),
                         Packed::Q5K(w) => tile_q4_k(&w[blocks], a, t, &mut res),
-                        Packed::Q6K(w) => {
-                            let h = halves.as_deref().expect("computed for Q6_K parts");
-                            tile_q6_k(&w[blocks], &h[j0 * nb..(j0 + t) * nb], t, &mut res)
-                        }
+                        Packed::Q6K(w) => tile_q6_k(&w[blocks], a, t, &mut res),
                     }
                     let live = GROUP.min(part.rows - g * GROUP);
                     for (k, r) in res[..t].iter().enumerate() {
@@ -323,7 +309,7 @@ type TileOut = [[f32; GROUP]];
 mod dispatch {
     use super::{AVX2_TILE, TILE, TileOut, x86};
     use crate::packed::{BlockQ4_1x16, BlockQ5_0x16, BlockQ6Kx16, BlockQ8_0x16, NibblesK};
-    use crate::quant::{BlockQ8_1, BlockQ8_1Halves};
+    use crate::quant::BlockQ8_1;
 
     macro_rules! dispatch_tile {
         ($avx2:ident, $vnni:ident, $w:expr, $acts:expr, $t:expr, $out:expr) => {
@@ -363,21 +349,11 @@ mod dispatch {
         dispatch_tile!(tile_q4_1, tile_q4_1_vnni, w, acts, t, out)
     }
 
-    pub(super) fn tile_q8_0(
-        w: &[BlockQ8_0x16],
-        acts: &[BlockQ8_1Halves],
-        t: usize,
-        out: &mut TileOut,
-    ) {
+    pub(super) fn tile_q8_0(w: &[BlockQ8_0x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
         dispatch_tile!(tile_q8_0, tile_q8_0_vnni, w, acts, t, out)
     }
 
-    pub(super) fn tile_q5_0(
-        w: &[BlockQ5_0x16],
-        acts: &[BlockQ8_1Halves],
-        t: usize,
-        out: &mut TileOut,
-    ) {
+    pub(super) fn tile_q5_0(w: &[BlockQ5_0x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
         dispatch_tile!(tile_q5_0, tile_q5_0_vnni, w, acts, t, out)
     }
 
@@ -385,12 +361,7 @@ mod dispatch {
         dispatch_tile!(tile_q4_k, tile_q4_k_vnni, w, acts, t, out)
     }
 
-    pub(super) fn tile_q6_k(
-        w: &[BlockQ6Kx16],
-        acts: &[BlockQ8_1Halves],
-        t: usize,
-        out: &mut TileOut,
-    ) {
+    pub(super) fn tile_q6_k(w: &[BlockQ6Kx16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
         dispatch_tile!(tile_q6_k, tile_q6_k_vnni, w, acts, t, out)
     }
 }
@@ -407,7 +378,7 @@ mod scalar {
     use super::TileOut;
     use crate::packed::{BlockQ4_1x16, BlockQ5_0x16, BlockQ6Kx16, BlockQ8_0x16};
     use crate::packed::{GROUP, NibblesK, SUBS, q6_k_quants};
-    use crate::quant::{BlockQ8_1, BlockQ8_1Halves, QK};
+    use crate::quant::{BlockQ8_1, QK};
 
     pub(super) fn tile_q4_k(w: &[impl NibblesK], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
         let nb = w.len() * SUBS;
@@ -428,12 +399,7 @@ mod scalar {
         }
     }
 
-    pub(super) fn tile_q6_k(
-        w: &[BlockQ6Kx16],
-        acts: &[BlockQ8_1Halves],
-        t: usize,
-        out: &mut TileOut,
-    ) {
+    pub(super) fn tile_q6_k(w: &[BlockQ6Kx16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
         let nb = w.len() * SUBS;
         for (k, o) in out[..t].iter_mut().enumerate() {
             for (ri, o) in o.iter_mut().enumerate() {
@@ -445,11 +411,11 @@ mod scalar {
                         for half in 0..2 {
                             let isum: i32 = q[16 * half..16 * half + 16]
                                 .iter()
-                                .zip(&a.q.qs[16 * half..])
+                                .zip(&a.qs[16 * half..])
                                 .map(|(&x, &y)| (i32::from(x) - 32) * i32::from(y))
                                 .sum();
                             let sc = f32::from(blk.scales[GROUP * (2 * j + half) + ri]);
-                            *o += blk.d[ri].to_f32() * sc * a.q.d * isum as f32;
+                            *o += blk.d[ri].to_f32() * sc * a.d * isum as f32;
                         }
                     }
                 }
@@ -464,28 +430,18 @@ mod scalar {
         });
     }
 
-    pub(super) fn tile_q5_0(
-        w: &[BlockQ5_0x16],
-        acts: &[BlockQ8_1Halves],
-        t: usize,
-        out: &mut TileOut,
-    ) {
+    pub(super) fn tile_q5_0(w: &[BlockQ5_0x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
         scalar_tile(w, acts, t, out, |blk, ri, a| {
-            let isum = int_dot(crate::packed::q5_0_quants(blk, ri).map(i32::from), &a.q);
+            let isum = int_dot(crate::packed::q5_0_quants(blk, ri).map(i32::from), a);
             let isum = isum - 16 * a.sum();
-            blk.d[ri].to_f32() * a.q.d * isum as f32
+            blk.d[ri].to_f32() * a.d * isum as f32
         });
     }
 
-    pub(super) fn tile_q8_0(
-        w: &[BlockQ8_0x16],
-        acts: &[BlockQ8_1Halves],
-        t: usize,
-        out: &mut TileOut,
-    ) {
+    pub(super) fn tile_q8_0(w: &[BlockQ8_0x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
         scalar_tile(w, acts, t, out, |blk, ri, a| {
-            let isum = int_dot(crate::packed::q8_0_quants(blk, ri).map(i32::from), &a.q);
-            blk.d[ri].to_f32() * a.q.d * isum as f32
+            let isum = int_dot(crate::packed::q8_0_quants(blk, ri).map(i32::from), a);
+            blk.d[ri].to_f32() * a.d * isum as f32
         });
     }
 
@@ -524,7 +480,7 @@ mod x86 {
     use crate::packed::{
         BlockQ4_1x16, BlockQ5_0x16, BlockQ6Kx16, BlockQ8_0x16, CHUNK, GROUP, NibblesK, SUBS,
     };
-    use crate::quant::{BlockQ8_1, BlockQ8_1Halves, QK};
+    use crate::quant::{BlockQ8_1, QK};
 
     /// Rows per AVX2 pass: a 256-bit register holds 4 bytes of each.
     const HALF: usize = GROUP / 2;
@@ -651,7 +607,7 @@ mod x86 {
     /// `maddubs` results (up to 2 · 127 · 128 each) would overflow an i16 lane.
     pub(super) unsafe fn tile_q8_0<const T: usize>(
         w: &[BlockQ8_0x16],
-        acts: &[BlockQ8_1Halves],
+        acts: &[BlockQ8_1],
         out: &mut TileOut,
     ) {
         let nb = w.len();
@@ -674,7 +630,7 @@ mod x86 {
                         let wq = _mm256_xor_si256(wq, flip);
                         let u = _mm256_sign_epi8(wq, wq);
                         for k in 0..T {
-                            let a = _mm256_set1_epi32(quad(&acts[k * nb + b].q, 4 * j));
+                            let a = _mm256_set1_epi32(quad(&acts[k * nb + b], 4 * j));
                             let s = _mm256_sign_epi8(a, wq);
                             let p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones);
                             isum[j % 2][k] = _mm256_add_epi32(isum[j % 2][k], p);
@@ -683,7 +639,7 @@ mod x86 {
                     let dw =
                         _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().add(HALF * half).cast()));
                     for k in 0..T {
-                        let a = &acts[k * nb + b].q;
+                        let a = &acts[k * nb + b];
                         let f = _mm256_cvtepi32_ps(_mm256_add_epi32(isum[0][k], isum[1][k]));
                         acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d)), acc[k]);
                     }
@@ -724,7 +680,7 @@ mod x86 {
     /// is scaled once: `d·d_a·(Σ q·a − 16·Σa)`.
     pub(super) unsafe fn tile_q5_0<const T: usize>(
         w: &[BlockQ5_0x16],
-        acts: &[BlockQ8_1Halves],
+        acts: &[BlockQ8_1],
         out: &mut TileOut,
     ) {
         let nb = w.len();
@@ -750,7 +706,7 @@ mod x86 {
                             bits(blk.qh[2 * j + 1]),
                         );
                         for k in 0..T {
-                            let a = &acts[k * nb + b].q;
+                            let a = &acts[k * nb + b];
                             let (al, ah) = (quad(a, 4 * j), quad(a, 16 + 4 * j));
                             let pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(al));
                             let ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(ah));
@@ -768,8 +724,7 @@ mod x86 {
                         );
                         let offset = _mm256_set1_epi32(-16 * a.sum());
                         let f = _mm256_cvtepi32_ps(_mm256_add_epi32(sum, offset));
-                        acc[k] =
-                            _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.q.d)), acc[k]);
+                        acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d)), acc[k]);
                     }
                 }
                 for k in 0..T {
@@ -785,7 +740,7 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn tile_q5_0_vnni<const T: usize>(
         w: &[BlockQ5_0x16],
-        acts: &[BlockQ8_1Halves],
+        acts: &[BlockQ8_1],
         out: &mut TileOut,
     ) {
         let nb = w.len();
@@ -809,7 +764,7 @@ mod x86 {
                         _mm512_maskz_mov_epi8(blk.qh[2 * j + 1], fifth),
                     );
                     for k in 0..T {
-                        let a = &acts[k * nb + b].q;
+                        let a = &acts[k * nb + b];
                         let (al, ah) = (quad(a, 4 * j), quad(a, 16 + 4 * j));
                         isum[k] = _mm512_dpbusd_epi32(isum[k], lo, _mm512_set1_epi32(al));
                         isum[k] = _mm512_dpbusd_epi32(isum[k], hi, _mm512_set1_epi32(ah));
@@ -818,7 +773,7 @@ mod x86 {
                 let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk.d.as_ptr().cast()));
                 for k in 0..T {
                     let f = _mm512_cvtepi32_ps(isum[k]);
-                    let ad = _mm512_set1_ps(acts[k * nb + b].q.d);
+                    let ad = _mm512_set1_ps(acts[k * nb + b].d);
                     acc[k] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, ad), acc[k]);
                 }
             }
@@ -923,7 +878,7 @@ mod x86 {
     /// 32 off exactly; each is then scaled by its own group's `d·sc` (exact in f32).
     pub(super) unsafe fn tile_q6_k<const T: usize>(
         w: &[BlockQ6Kx16],
-        acts: &[BlockQ8_1Halves],
+        acts: &[BlockQ8_1],
         out: &mut TileOut,
     ) {
         let nb = w.len() * SUBS;
@@ -971,7 +926,7 @@ mod x86 {
                                 _mm256_and_si256(two_bits_256(hh, c), high),
                             );
                             for k in 0..T {
-                                let a = &acts[k * nb + b * SUBS + j].q;
+                                let a = &acts[k * nb + b * SUBS + j];
                                 let (al, ah) = (quad(a, 4 * c), quad(a, 16 + 4 * c));
                                 let pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(al));
                                 let ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(ah));
@@ -982,7 +937,7 @@ mod x86 {
                             }
                         }
                         for k in 0..T {
-                            let ad = _mm256_set1_ps(acts[k * nb + b * SUBS + j].q.d);
+                            let ad = _mm256_set1_ps(acts[k * nb + b * SUBS + j].d);
                             let fl = _mm256_cvtepi32_ps(isum_lo[k]);
                             let fh = _mm256_cvtepi32_ps(isum_hi[k]);
                             acc[k] = _mm256_fmadd_ps(fl, _mm256_mul_ps(dl, ad), acc[k]);
@@ -1097,7 +1052,7 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn tile_q6_k_vnni<const T: usize>(
         w: &[BlockQ6Kx16],
-        acts: &[BlockQ8_1Halves],
+        acts: &[BlockQ8_1],
         out: &mut TileOut,
     ) {
         let nb = w.len() * SUBS;
@@ -1135,14 +1090,14 @@ mod x86 {
                             _mm512_and_si512(two_bits_512(hh, c), high),
                         );
                         for k in 0..T {
-                            let a = &acts[k * nb + b * SUBS + j].q;
+                            let a = &acts[k * nb + b * SUBS + j];
                             let (al, ah) = (quad(a, 4 * c), quad(a, 16 + 4 * c));
                             isum_lo[k] = _mm512_dpbusd_epi32(isum_lo[k], lo, _mm512_set1_epi32(al));
                             isum_hi[k] = _mm512_dpbusd_epi32(isum_hi[k], hi, _mm512_set1_epi32(ah));
                         }
                     }
                     for k in 0..T {
-                        let ad = _mm512_set1_ps(acts[k * nb + b * SUBS + j].q.d);
+                        let ad = _mm512_set1_ps(acts[k * nb + b * SUBS + j].d);
                         let fl = _mm512_cvtepi32_ps(isum_lo[k]);
                         let fh = _mm512_cvtepi32_ps(isum_hi[k]);
                         acc[k] = _mm512_fmadd_ps(fl, _mm512_mul_ps(dl, ad), acc[k]);
@@ -1210,7 +1165,7 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn tile_q8_0_vnni<const T: usize>(
         w: &[BlockQ8_0x16],
-        acts: &[BlockQ8_1Halves],
+        acts: &[BlockQ8_1],
         out: &mut TileOut,
     ) {
         let nb = w.len();
@@ -1224,14 +1179,14 @@ mod x86 {
                 for j in 0..8 {
                     let wq = _mm512_loadu_si512(blk.qs.as_ptr().add(CHUNK * j).cast());
                     for k in 0..T {
-                        let a = _mm512_set1_epi32(quad(&acts[k * nb + b].q, 4 * j));
+                        let a = _mm512_set1_epi32(quad(&acts[k * nb + b], 4 * j));
                         isum[k] = _mm512_dpbusd_epi32(isum[k], wq, a);
                     }
                 }
                 let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk.d.as_ptr().cast()));
                 for k in 0..T {
                     let f = _mm512_cvtepi32_ps(isum[k]);
-                    let ad = _mm512_set1_ps(acts[k * nb + b].q.d);
+                    let ad = _mm512_set1_ps(acts[k * nb + b].d);
                     acc[k] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, ad), acc[k]);
                 }
             }

@@ -105,7 +105,12 @@ impl<T> DerefMut for HugeBuf<T> {
 
 impl<T> std::fmt::Debug for HugeBuf<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "HugeBuf({} x {} bytes)", self.len, std::mem::size_of::<T>())
+        write!(
+            f,
+            "HugeBuf({} x {} bytes)",
+            self.len,
+            std::mem::size_of::<T>()
+        )
     }
 }
 
@@ -154,8 +159,15 @@ mod tests {
             assert!(b.iter().all(|&v| v == 0));
             b.iter_mut().enumerate().for_each(|(i, v)| *v = i as u32);
             assert!(b.iter().enumerate().all(|(i, &v)| v == i as u32));
-            let align = if len * 4 >= HUGE_PAGE { HUGE_PAGE } else { 4096 };
-            assert!(len == 0 || (b.as_ptr() as usize).is_multiple_of(align), "len {len}");
+            let align = if len * 4 >= HUGE_PAGE {
+                HUGE_PAGE
+            } else {
+                4096
+            };
+            assert!(
+                len == 0 || (b.as_ptr() as usize).is_multiple_of(align),
+                "len {len}"
+            );
         }
     }
 }

@@ -199,13 +199,23 @@ pub struct BlockQ8_0 {
     pub qs: [i8; QK],
 }
 
-/// A quantized activation block: `x ≈ d * q`, and `s = d * Σq`.
+/// A quantized activation block: `x ≈ d * q`, `s = d * Σq`, and the integer sums of its first
+/// and last 16 quants: for weight types with a scale per 16 values (`Q6_K`), and for `Q8_0` and
+/// `Q5_0`, whose packed weights carry an offset that the block's whole sum takes back off.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Pod, Zeroable)]
 pub struct BlockQ8_1 {
     pub d: f32,
     pub s: f32,
     pub qs: [i8; QK],
+    pub sums: [i32; 2],
+}
+
+impl BlockQ8_1 {
+    /// The integer sum of all 32 quants.
+    pub fn sum(&self) -> i32 {
+        self.sums[0] + self.sums[1]
+    }
 }
 
 /// Quantizes one row (length a multiple of [`QK`]) into `out`: `q = round(x / d)` with
@@ -217,9 +227,9 @@ pub fn quantize_row_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
         let amax = block_amax(chunk);
         let d = amax / 127.0;
         let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-        let sum = quantize_block(chunk, id, &mut block.qs);
+        block.sums = quantize_block(chunk, id, &mut block.qs);
         block.d = d;
-        block.s = d * sum as f32;
+        block.s = d * block.sum() as f32;
     }
 }
 
@@ -245,9 +255,10 @@ fn block_amax(x: &[f32]) -> f32 {
     x.iter().fold(0f32, |m, v| m.max(v.abs()))
 }
 
-/// `q = round_half_away(x · id)` for one block (|x · id| ≤ 127), returning `Σq`.
+/// `q = round_half_away(x · id)` for one block (|x · id| ≤ 127), returning the sums of `q`'s
+/// two halves.
 #[cfg(x86_v3)]
-fn quantize_block(x: &[f32], id: f32, q: &mut [i8; QK]) -> i32 {
+fn quantize_block(x: &[f32], id: f32, q: &mut [i8; QK]) -> [i32; 2] {
     use std::arch::x86_64::*;
     // SAFETY: AVX2 is compiled in; `x` holds QK = 32 floats and `q` 32 bytes.
     unsafe {
@@ -261,12 +272,15 @@ fn quantize_block(x: &[f32], id: f32, q: &mut [i8; QK]) -> i32 {
             let mag = _mm256_floor_ps(_mm256_add_ps(_mm256_andnot_ps(sign, r), half));
             *v = _mm256_cvtps_epi32(_mm256_or_ps(mag, _mm256_and_ps(sign, r)));
         }
-        let total = _mm256_add_epi32(
+        let mut halves = [[0i32; 8]; 2];
+        _mm256_storeu_si256(
+            halves[0].as_mut_ptr().cast(),
             _mm256_add_epi32(ints[0], ints[1]),
+        );
+        _mm256_storeu_si256(
+            halves[1].as_mut_ptr().cast(),
             _mm256_add_epi32(ints[2], ints[3]),
         );
-        let mut lanes = [0i32; 8];
-        _mm256_storeu_si256(lanes.as_mut_ptr().cast(), total);
         // Pack 32 i32 → 32 i8 (saturating, values are within ±127), then undo the lane
         // interleaving of the 256-bit packs.
         let p16a = _mm256_packs_epi32(ints[0], ints[1]);
@@ -274,19 +288,19 @@ fn quantize_block(x: &[f32], id: f32, q: &mut [i8; QK]) -> i32 {
         let p8 = _mm256_packs_epi16(p16a, p16b);
         let fixed = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256(q.as_mut_ptr().cast(), fixed);
-        lanes.iter().sum()
+        halves.map(|h| h.iter().sum())
     }
 }
 
 #[cfg(not(x86_v3))]
-fn quantize_block(x: &[f32], id: f32, q: &mut [i8; QK]) -> i32 {
-    let mut sum = 0;
-    for (q, v) in q.iter_mut().zip(x) {
+fn quantize_block(x: &[f32], id: f32, q: &mut [i8; QK]) -> [i32; 2] {
+    let mut sums = [0; 2];
+    for (i, (q, v)) in q.iter_mut().zip(x).enumerate() {
         let r = (v * id).round() as i32;
         *q = r as i8;
-        sum += r;
+        sums[i / 16] += r;
     }
-    sum
+    sums
 }
 
 /// Quantizes one row into GGML `Q8_0` blocks (used to bring other weight types to a format
@@ -320,36 +334,6 @@ pub fn quantize_row_q4_1(x: &[f32], out: &mut [BlockQ4_1]) {
             let hi = ((chunk[j + QK / 2] - min) * id + 0.5).min(15.0) as u8;
             block.qs[j] = lo | (hi << 4);
         }
-    }
-}
-
-/// Each activation block with the sums of its first and last 16 quants: for weight types with a
-/// scale per 16 values (`Q6_K`), and for `Q8_0` and `Q5_0`, whose packed weights carry an offset
-/// that the block's whole sum takes back off.
-pub fn with_half_sums(acts: &[BlockQ8_1]) -> Vec<BlockQ8_1Halves> {
-    acts.iter()
-        .map(|a| {
-            let sum = |q: &[i8]| q.iter().map(|&v| i32::from(v)).sum();
-            BlockQ8_1Halves {
-                q: *a,
-                sums: [sum(&a.qs[..16]), sum(&a.qs[16..])],
-            }
-        })
-        .collect()
-}
-
-/// A [`BlockQ8_1`] with the integer sums of its first and last 16 quants.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Pod, Zeroable)]
-pub struct BlockQ8_1Halves {
-    pub q: BlockQ8_1,
-    pub sums: [i32; 2],
-}
-
-impl BlockQ8_1Halves {
-    /// The integer sum of all 32 quants, which takes a weight type's offset back off.
-    pub fn sum(&self) -> i32 {
-        self.sums[0] + self.sums[1]
     }
 }
 
