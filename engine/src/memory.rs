@@ -19,8 +19,9 @@ use std::ptr::NonNull;
 use bytemuck::Zeroable;
 use nix::sys::mman::{MapFlags, ProtFlags, mmap_anonymous, munmap};
 
-/// The size and alignment of a transparent huge page on x86-64.
+/// The size and alignment of a transparent huge page on x86-64, and of a base page.
 const HUGE_PAGE: usize = 2 << 20;
+const PAGE: usize = 4096;
 
 /// A fixed number of values, zeroed, in an anonymous mapping of its own that is advised for
 /// huge pages before anything touches it and starts on a 2 MiB boundary when it is at least
@@ -29,8 +30,8 @@ const HUGE_PAGE: usize = 2 << 20;
 pub struct HugeBuf<T> {
     data: NonNull<T>,
     len: usize,
-    /// The whole mapping (up to a huge page more than the data, for the alignment), if any.
-    map: Option<(NonNull<c_void>, usize)>,
+    /// Bytes mapped from `data` (`len` values rounded up to whole pages); 0 if none.
+    mapped: usize,
 }
 
 // SAFETY: a `HugeBuf` owns its values as a `Vec` does.
@@ -47,13 +48,13 @@ impl<T: Zeroable> HugeBuf<T> {
             return Self {
                 data: NonNull::dangling(),
                 len,
-                map: None,
+                mapped: 0,
             };
         };
-        // Room to move the start to a huge-page boundary; the slack is never touched, so it
-        // costs address space only.
-        let align = if bytes >= HUGE_PAGE { HUGE_PAGE } else { 1 };
-        let map_len = size.saturating_add(align - 1);
+        // Mapped with room to move the start to a huge-page boundary; the room before and
+        // after the data is unmapped again, so that no huge page reaches past the data.
+        let align = if bytes >= HUGE_PAGE { HUGE_PAGE } else { PAGE };
+        let map_len = size.saturating_add(align - PAGE);
         // SAFETY: a fresh private anonymous mapping aliases nothing.
         let map = unsafe {
             mmap_anonymous(
@@ -65,24 +66,38 @@ impl<T: Zeroable> HugeBuf<T> {
         }
         .unwrap_or_else(|e| panic!("mapping {bytes} bytes: {e}"));
         let at = map.as_ptr() as usize;
-        // SAFETY: the offset is below `align`, so the data stays inside the mapping.
-        let data = unsafe { map.byte_add(at.next_multiple_of(align) - at) };
-        advise(data, bytes);
+        let (head, mapped) = (
+            at.next_multiple_of(align) - at,
+            bytes.next_multiple_of(PAGE),
+        );
+        let tail = map_len.get().next_multiple_of(PAGE) - head - mapped;
+        // SAFETY: `head + mapped + tail` is the whole mapping, in whole pages; the head and
+        // tail are this function's own and nothing refers to them.
+        let data = unsafe {
+            let data = map.byte_add(head);
+            for (start, len) in [(map, head), (data.byte_add(mapped), tail)] {
+                if len > 0 {
+                    munmap(start, len).unwrap_or_else(|e| panic!("unmapping {len} bytes: {e}"));
+                }
+            }
+            data
+        };
+        advise(data, mapped);
         Self {
             // Page-aligned, so aligned for any `T` with alignment up to 4 KiB.
             data: data.cast(),
             len,
-            map: Some((map, map_len.get())),
+            mapped,
         }
     }
 }
 
 impl<T> Drop for HugeBuf<T> {
     fn drop(&mut self) {
-        if let Some((map, len)) = self.map {
+        if self.mapped > 0 {
             // SAFETY: the mapping is this buffer's own and nothing borrows it any more.
-            if let Err(e) = unsafe { munmap(map, len) } {
-                tracing::warn!("munmap of {len} bytes: {e}");
+            if let Err(e) = unsafe { munmap(self.data.cast(), self.mapped) } {
+                tracing::warn!("munmap of {} bytes: {e}", self.mapped);
             }
         }
     }
