@@ -158,9 +158,9 @@ impl KvLayout {
 #[derive(Debug)]
 pub struct KvPool {
     layout: KvLayout,
-    /// The blocks' bytes, zeroed in a mapping of their own (pages committed on first write), as
-    /// `u16` so that every row, whose size is even, starts 2-byte aligned for f16 access.
-    data: HugeBuf<u16>,
+    /// The blocks' bytes, zeroed in a page-aligned mapping of their own (pages committed on
+    /// first write): every row, whose size is even, starts 2-byte aligned for f16 access.
+    data: HugeBuf<u8>,
     free: Vec<u32>,
     /// Holders of each block; 0 for a free block.
     refs: Vec<u32>,
@@ -173,7 +173,7 @@ impl KvPool {
         debug_assert!(layout.row_bytes().is_multiple_of(2), "rows of even size");
         let total = (budget_bytes / layout.block_bytes()).max(1);
         // Each layer's slab of each block is read every step, blocks hundreds of KB apart.
-        let data = HugeBuf::zeroed(total * layout.block_bytes() / 2);
+        let data = HugeBuf::zeroed(total * layout.block_bytes());
         Self {
             layout,
             data,
@@ -234,11 +234,11 @@ impl KvPool {
     }
 
     fn bytes(&self) -> &[u8] {
-        bytemuck::cast_slice(&self.data[..])
+        &self.data
     }
 
     fn bytes_mut(&mut self) -> &mut [u8] {
-        bytemuck::cast_slice_mut(&mut self.data[..])
+        &mut self.data
     }
 
     /// A whole block's bytes, as the pool stores them.

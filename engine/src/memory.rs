@@ -177,7 +177,7 @@ mod tests {
             let align = if len * 4 >= HUGE_PAGE {
                 HUGE_PAGE
             } else {
-                4096
+                PAGE
             };
             assert!(
                 len == 0 || (b.as_ptr() as usize).is_multiple_of(align),
