@@ -1,6 +1,8 @@
 //! `tandem bench engine`: prefill throughput for one prompt, and aggregate decode throughput
 //! for several batch sizes, each the median of `--runs` runs, for each KV dtype asked for (runs
-//! alternate between them, in one pool size). Progress goes to stderr.
+//! alternate between them, in one pool size). Each engine first runs one untimed prefill of the
+//! prompt, as `llama-bench` warms up before it measures, so the first timed run does not pay
+//! for starting the thread pool and first touching the KV pool's pages. Progress goes to stderr.
 
 use std::time::Instant;
 
@@ -187,6 +189,11 @@ pub(crate) fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
     let prompt = prompt_of(args.prompt_tokens);
     let name = |e: &Engine| e.kv_layout().dtype.name();
 
+    for engine in &mut engines {
+        let seq = engine.new_sequence();
+        engine.prefill(seq, &prompt).context("warm-up prefill")?;
+        engine.free(seq)?;
+    }
     let mut prefill = vec![Vec::new(); engines.len()];
     for run in 0..args.runs {
         for (engine, rates) in engines.iter_mut().zip(&mut prefill) {
