@@ -233,24 +233,16 @@ impl KvPool {
         }
     }
 
-    fn bytes(&self) -> &[u8] {
-        &self.data
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut self.data
-    }
-
     /// A whole block's bytes, as the pool stores them.
     pub fn block(&self, block: u32) -> &[u8] {
         let bytes = self.layout.block_bytes();
-        &self.bytes()[block as usize * bytes..][..bytes]
+        &self.data[block as usize * bytes..][..bytes]
     }
 
     /// A whole block's bytes, to be written.
     pub fn block_mut(&mut self, block: u32) -> &mut [u8] {
         let bytes = self.layout.block_bytes();
-        &mut self.bytes_mut()[block as usize * bytes..][..bytes]
+        &mut self.data[block as usize * bytes..][..bytes]
     }
 
     /// The 16-row slabs of one block for `(layer, kind)` and the KV heads `heads`, which lie
@@ -258,7 +250,7 @@ impl KvPool {
     pub fn slabs(&self, block: u32, layer: usize, kind: KvKind, heads: Range<usize>) -> &[u8] {
         let start =
             block as usize * self.layout.block_bytes() + self.layout.slab(layer, kind, heads.start);
-        &self.bytes()[start..start + heads.len() * self.layout.slab_bytes()]
+        &self.data[start..start + heads.len() * self.layout.slab_bytes()]
     }
 
     /// Where position `pos`'s row for `(layer, kind, head)` starts, in bytes.
@@ -280,7 +272,7 @@ impl KvPool {
     ) {
         let start = self.offset(blocks, pos, layer, kind, head);
         let (dtype, len) = (self.layout.dtype, self.layout.row_bytes());
-        dtype.encode_row(values, &mut self.bytes_mut()[start..start + len]);
+        dtype.encode_row(values, &mut self.data[start..start + len]);
     }
 
     /// Copies the rows of positions `range` of `(layer, kind)` out, laid out `[kv_head][token]`.
@@ -296,7 +288,7 @@ impl KvPool {
         for head in 0..self.layout.n_kv_heads {
             for pos in range.clone() {
                 let start = self.offset(blocks, pos, layer, kind, head);
-                out.extend_from_slice(&self.bytes()[start..start + row]);
+                out.extend_from_slice(&self.data[start..start + row]);
             }
         }
         out
@@ -325,7 +317,7 @@ impl KvPool {
             (0..self.layout.n_kv_heads).flat_map(|head| range.clone().map(move |pos| (head, pos)));
         for ((head, pos), src) in positions.zip(bytes.chunks_exact(row)) {
             let start = self.offset(blocks, pos, layer, kind, head);
-            self.bytes_mut()[start..start + row].copy_from_slice(src);
+            self.data[start..start + row].copy_from_slice(src);
         }
         Ok(())
     }
