@@ -511,12 +511,15 @@ mod x86 {
         prefetch_lines(ahead.cast::<i8>().wrapping_add(part * j), part);
     }
 
-    /// One prefetch per 64-byte line of the `bytes` from `start`.
+    /// One prefetch per 64-byte line of the `bytes` from `start`, into the L2 cache
+    /// (`_MM_HINT_T1`) rather than the L1: a prefetch into the L1 holds one of its few miss
+    /// buffers for a whole trip to memory, and with them taken by prefetches the kernel's own
+    /// loads wait. From the L2 the kernel's loads reach the lines in about 14 cycles.
     #[inline(always)]
     fn prefetch_lines(start: *const i8, bytes: usize) {
         for line in (0..bytes).step_by(64) {
             // SAFETY: a prefetch never faults and has no effect on memory, whatever the address.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(line)) };
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(start.wrapping_add(line)) };
         }
     }
 
