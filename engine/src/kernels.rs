@@ -512,9 +512,9 @@ mod x86 {
     }
 
     /// One prefetch per 64-byte line of the `bytes` from `start`, into the L2 cache
-    /// (`_MM_HINT_T1`) rather than the L1: a prefetch into the L1 holds one of its few miss
-    /// buffers for a whole trip to memory, and with them taken by prefetches the kernel's own
-    /// loads wait. From the L2 the kernel's loads reach the lines in about 14 cycles.
+    /// (`_MM_HINT_T1`) rather than the L1. The L1 has few miss buffers, and a prefetch holds one
+    /// for a whole trip to memory, so prefetches into it likely keep the kernel's own loads
+    /// waiting; the L2 hint decodes faster (docs/models.md, "Speed against llama.cpp").
     #[inline(always)]
     fn prefetch_lines(start: *const i8, bytes: usize) {
         for line in (0..bytes).step_by(64) {
