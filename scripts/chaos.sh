@@ -6,14 +6,18 @@
 # and tc in the containers' network namespaces) and Docker.
 #
 # Usage: scripts/chaos.sh [smoke|full|one NAME]
-#   smoke     a decode node killed mid-stream, and one paused 8 s (CI runs this; a few minutes)
+#   smoke     a decode node killed mid-stream, one paused 8 s, and through OpenAI HTTP streams:
+#             the router given SIGTERM, and every decode node given SIGTERM at once (CI runs
+#             this; a few minutes)
 #   full      every scenario: node kills, pauses and disconnects, KV-path resets, loss, a
 #             bandwidth cap and corruption, 100 ± 30 ms latency and a blackhole through
 #             `tandem fault-proxy`, client cancels and deadlines, the session holder killed
 #             between turns, the router killed, a rolling restart, a decode node's drain (killed
-#             mid-way, racing client cancels, its peer full), 3x overload, and a random-fault
+#             mid-way, racing client cancels, its peer full), the router's and every decode
+#             node's SIGTERM with OpenAI HTTP streams, 3x overload, and a random-fault
 #             soak (TANDEM_CHAOS_SOAK_S, default 600 s); about 35 minutes
-#   one NAME  one scenario, e.g. `kv(loss)`, `overload`, `node(killprefill)`, `drain(killed)`
+#   one NAME  one scenario, e.g. `kv(loss)`, `overload`, `node(killprefill)`, `drain(killed)`,
+#             `httprouterstop`, `httpdecodestop`
 # Results: target/chaos/results.md, results.json and events-*.jsonl.
 # Env: TANDEM_CHAOS_KEEP=1 leaves the cluster running afterwards (project "tandemchaos").
 set -euo pipefail

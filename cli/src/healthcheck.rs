@@ -24,6 +24,11 @@ pub(crate) struct HealthcheckArgs {
     /// directory (for nodes started with `--tls-dir`).
     #[arg(long, env = "TANDEM_TLS_DIR")]
     tls_dir: Option<std::path::PathBuf>,
+    /// Ask in plaintext even where `--tls-dir` (or `TANDEM_TLS_DIR`) is set: for a router's
+    /// client port, which the nodes' mutual TLS does not cover (the router's container has
+    /// the directory for its own calls to the workers).
+    #[arg(long)]
+    plaintext: bool,
 }
 
 pub(crate) fn run(args: &HealthcheckArgs) -> anyhow::Result<()> {
@@ -32,9 +37,8 @@ pub(crate) fn run(args: &HealthcheckArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?
         .block_on(async {
-            let tls = args
-                .tls_dir
-                .as_deref()
+            let tls = (args.tls_dir.as_deref())
+                .filter(|_| !args.plaintext)
                 .map(|dir| Tls::load(dir, Role::Client))
                 .transpose()?;
             let check = async {

@@ -275,7 +275,10 @@ pub(crate) struct RouterArgs {
     /// How often replicas are asked for their load, in ms.
     #[arg(long, env = "TANDEM_LOAD_POLL_MS", default_value_t = 250)]
     load_poll_ms: u64,
-    /// How long in-flight streams may run after shutdown begins, in ms.
+    /// How long in-flight streams (gRPC and HTTP) may run after shutdown (SIGTERM) begins, in
+    /// ms. Meanwhile the router goes on accepting and refuses new requests at once
+    /// (UNAVAILABLE; HTTP 503 with `Retry-After: 1`); streams still running at the end fail
+    /// with UNAVAILABLE.
     #[arg(long, env = "TANDEM_GRACE_MS", default_value_t = 10_000)]
     grace_ms: u64,
     /// How replicas are chosen.

@@ -320,6 +320,10 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
         println!("router (OpenAI HTTP): {scheme}://{http_addr}/v1");
         println!("try: tandem chat --server {grpc}{ca_flag}");
         println!("metrics: {scheme}://{router_addr}/metrics; Ctrl-C stops the cluster");
+        println!(
+            "stopping drains the router first: streams in flight finish (up to 10 s), and \
+             requests sent meanwhile are refused at once (UNAVAILABLE; HTTP 503 with Retry-After)"
+        );
 
         let result = {
             let names: Vec<String> = nodes.iter().map(|n| n.name.clone()).collect();
@@ -334,7 +338,10 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
                 )),
             }
         };
-        eprintln!("stopping the cluster");
+        eprintln!(
+            "stopping the cluster: the router drains (new requests refused, streams finishing), \
+             then the workers"
+        );
         stop(&mut nodes).await;
         result
     })

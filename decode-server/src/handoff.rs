@@ -5,27 +5,39 @@
 //! ```text
 //! SIGTERM ─▶ NOT_SERVING, `draining`: new requests refused; each running stream stops between
 //!            steps, its KV kept in the session cache, and ends UNAVAILABLE + tandem-kv-handoff
-//!         ─▶ the router resumes it on a peer, which fetches that KV (`KvTransfer.Fetch`) here
+//!         ─▶ the router resumes it on a peer, which fetches that KV (`KvTransfer.Fetch`) here;
+//!            when every decode node drains, it sends the stream back here instead
+//!            (`last_resort`), and this node finishes it within its grace
 //!         ─▶ the most recently used cached sessions are offered (`Worker.Sessions`); the router
 //!            asks peers to take each (`Worker.Adopt`), and they fetch it here likewise
-//!         ─▶ once every stream has ended and every kept sequence was fetched, and the offered
-//!            sessions were fetched or nobody fetched any for OFFER_IDLE (or the hand-off bound
-//!            passed): the listener closes and the grace period begins
+//!         ─▶ once every stream has ended (and, if any ran, RETURN_WINDOW has passed for those
+//!            that may come back) and every kept sequence was fetched or taken back, and the
+//!            offered sessions were fetched or nobody fetched any for OFFER_IDLE (or the
+//!            hand-off bound passed): the listener closes and the grace period begins
 //! ```
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::request::RequestContext;
 
+/// How long a drain that handed streams off stays open for them to come back: the router
+/// sends a stream back as a last resort when no decode node outside a drain can take it, a
+/// few milliseconds after the hand-off.
+const RETURN_WINDOW: Duration = Duration::from_secs(1);
+
 impl RequestContext {
     /// The drain's hand-off: refuses new requests, hands the running streams off, offers the
-    /// most recently used cached sessions, and waits until the streams have ended, their kept
-    /// KV was fetched, and the offered sessions were fetched (or nobody fetched any for
-    /// [`tandem_worker::moves::OFFER_IDLE`]), or `bound` passed.
+    /// most recently used cached sessions, and waits until the streams have ended (those that
+    /// came back as a last resort too, within [`RETURN_WINDOW`] of the drain's start), their
+    /// kept KV was fetched or taken back, and the offered sessions were fetched (or nobody
+    /// fetched any for [`tandem_worker::moves::OFFER_IDLE`]), or `bound` passed.
     pub(crate) async fn hand_off(&self, bound: Duration) {
+        let (began, had_streams) = (Instant::now(), !self.tracker.is_empty());
         let done = self
             .moves
-            .hand_off(bound, || !self.tracker.is_empty())
+            .hand_off(bound, || {
+                !self.tracker.is_empty() || (had_streams && began.elapsed() < RETURN_WINDOW)
+            })
             .await;
         let m = &self.shared.metrics;
         tracing::info!(

@@ -47,6 +47,9 @@ pub(crate) struct Plan {
     pub hashes: Vec<u64>,
     /// Compute the uncached suffix here instead of waiting for a push.
     pub local_prefill: bool,
+    /// A handed-off stream that no node outside a drain could take: accepted while this node
+    /// drains, and finished here rather than handed off again.
+    pub last_resort: bool,
     /// The prompt's last tokens that an earlier attempt generated and delivered (failover).
     pub resumed: usize,
     /// Peer fetch: the KV of the prompt's first tokens comes from this holder (its address and
@@ -138,7 +141,7 @@ impl RequestContext {
         &self,
         plan: Plan,
     ) -> Result<ReceiverStream<Result<pb::DecodeResponse, Status>>> {
-        if self.moves.draining.is_cancelled() {
+        if self.moves.draining.is_cancelled() && !plan.last_resort {
             return Err(Error::HandedOff { tokens: 0 });
         }
         let config = &self.model.config;
@@ -206,6 +209,16 @@ impl RequestContext {
             }
         };
         tokio::pin!(until_deadline);
+        // A last-resort stream is finished here whatever the drain; any other hands off.
+        let (last_resort, token) = (plan.last_resort, self.moves.draining.clone());
+        let draining = async move {
+            if last_resort {
+                std::future::pending().await
+            } else {
+                token.cancelled().await
+            }
+        };
+        tokio::pin!(draining);
         let ticket = Ticket(self.next_ticket.fetch_add(1, Ordering::Relaxed));
         let mut guard = SequenceGuard {
             scheduler: self.scheduler.clone(),
@@ -220,7 +233,7 @@ impl RequestContext {
                     kv = self.moves.fetch(addr, &plan.request_id, &plan.cache_salt, &plan.prompt[..asked]) => kv,
                     () = tx.closed() => return Ok(()),
                     () = &mut until_deadline => return Err(Error::Deadline),
-                    () = self.moves.draining.cancelled() => return Err(Error::HandedOff { tokens: 0 }),
+                    () = &mut draining => return Err(Error::HandedOff { tokens: 0 }),
                 }
             }
             _ => None,
@@ -230,6 +243,11 @@ impl RequestContext {
         let fetched_bytes = fetched.as_ref().map_or(0, |kv| {
             kv.layers.iter().flatten().map(|b| b.len() as u64).sum()
         });
+        if plan.last_resort {
+            // What this node kept of the stream when it handed it off is used here again: the
+            // drain no longer waits for a peer to fetch it.
+            self.moves.taken_back(&plan.hashes);
+        }
         let cached = self
             .scheduler
             .open(ticket, plan.hashes, fetched)
@@ -276,7 +294,7 @@ impl RequestContext {
                     () = tx.closed() => return Ok(()),
                     () = &mut until_deadline => return Err(Error::Deadline),
                     // Nothing generated yet: another node serves it from the start.
-                    () = self.moves.draining.cancelled() => return Err(Error::HandedOff { tokens: 0 }),
+                    () = &mut draining => return Err(Error::HandedOff { tokens: 0 }),
                 };
                 drop(lease);
                 let first_token = received.first_token;
@@ -323,7 +341,7 @@ impl RequestContext {
                 () = self.shutdown.cancelled() => return Err(Error::ShuttingDown),
                 // The scheduler stops the sequence between steps; the frames of the steps
                 // before still come, then the event channel closes.
-                () = self.moves.draining.cancelled(), if handoff.is_none() => {
+                () = &mut draining, if handoff.is_none() => {
                     handoff = Some(self.scheduler.hand_off(ticket));
                     continue;
                 }

@@ -36,6 +36,13 @@ impl pb::decode_server::Decode for DecodeService {
             ("fetch_addr", &r.fetch_addr),
         ])
         .map_err(|(field, reason)| Error::InvalidArgument { field, reason })?;
+        if r.last_resort && !r.local_prefill {
+            return Err(Error::InvalidArgument {
+                field: "last_resort",
+                reason: "a last-resort stream is prefilled locally".into(),
+            }
+            .into());
+        }
         if r.transfer_id.is_empty() && !r.local_prefill {
             return Err(Error::InvalidArgument {
                 field: "transfer_id",
@@ -56,6 +63,7 @@ impl pb::decode_server::Decode for DecodeService {
             cache_salt: r.cache_salt,
             hashes,
             local_prefill: r.local_prefill,
+            last_resort: r.last_resort,
             resumed: r.resumed_tokens as usize,
             fetch: (!r.fetch_addr.is_empty() && r.fetch_tokens > 0)
                 .then_some((r.fetch_addr, r.fetch_tokens as usize)),

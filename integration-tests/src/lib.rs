@@ -54,11 +54,17 @@ impl Node {
         })
     }
 
-    /// Begins a graceful shutdown, waits for the server to exit, and re-raises its panic.
-    pub async fn stop(mut self) -> anyhow::Result<()> {
+    /// Begins a graceful shutdown (as SIGTERM does the binary's) without waiting for it;
+    /// [`Node::stop`] then waits for the server to exit.
+    pub fn signal_stop(&mut self) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
+    }
+
+    /// Begins a graceful shutdown, waits for the server to exit, and re-raises its panic.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        self.signal_stop();
         match self.task.await {
             Ok(result) => result,
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
@@ -621,5 +627,102 @@ pub async fn stray_push(channel: Channel, transfer_id: &str) -> tandem_transfer:
     {
         Ok(_) => panic!("a stray push was accepted"),
         Err(e) => e,
+    }
+}
+
+/// One streamed OpenAI completion or chat completion (`"stream": true`) read over HTTP as a
+/// client reads it: server-sent events, each `data:` a chunk, an error object, or `[DONE]`.
+#[derive(Debug)]
+pub struct SseStream {
+    response: reqwest::Response,
+    buffer: String,
+    /// The text so far: each chunk's `choices[0].text` (completions) or
+    /// `choices[0].delta.content` (chat).
+    pub text: String,
+    /// Chunks with a choice read so far.
+    pub chunks: usize,
+    /// The error object the stream ended with, if it did.
+    pub error: Option<serde_json::Value>,
+    /// Whether `[DONE]` came.
+    pub done: bool,
+}
+
+impl SseStream {
+    /// Posts `body` to `url` and checks that the stream begins (200, `text/event-stream`).
+    pub async fn start(
+        client: &reqwest::Client,
+        url: &str,
+        body: &serde_json::Value,
+    ) -> anyhow::Result<Self> {
+        let response = client.post(url).json(body).send().await?;
+        let status = response.status();
+        anyhow::ensure!(
+            status == reqwest::StatusCode::OK,
+            "{url}: HTTP {status}: {}",
+            response.text().await.unwrap_or_default()
+        );
+        Ok(Self {
+            response,
+            buffer: String::new(),
+            text: String::new(),
+            chunks: 0,
+            error: None,
+            done: false,
+        })
+    }
+
+    /// Reads until `chunks` chunks in all have come, or the stream ended (`[DONE]`, an error
+    /// event, or the connection closing, which is an error: a stream must end with `[DONE]`
+    /// or an error event).
+    pub async fn read_until(&mut self, chunks: usize) -> anyhow::Result<()> {
+        while self.chunks < chunks && !self.ended() {
+            let Some(bytes) = self.response.chunk().await? else {
+                anyhow::bail!(
+                    "the stream closed after {} chunks with neither [DONE] nor an error",
+                    self.chunks
+                );
+            };
+            self.buffer.push_str(&String::from_utf8_lossy(&bytes));
+            while let Some(end) = self.buffer.find("\n\n") {
+                let event: String = self.buffer.drain(..end + 2).collect();
+                self.take(&event)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the stream to its end.
+    pub async fn finish(&mut self) -> anyhow::Result<()> {
+        self.read_until(usize::MAX).await
+    }
+
+    /// Whether `[DONE]` or an error event came.
+    pub fn ended(&self) -> bool {
+        self.done || self.error.is_some()
+    }
+
+    fn take(&mut self, event: &str) -> anyhow::Result<()> {
+        for data in event.lines().filter_map(|l| l.strip_prefix("data: ")) {
+            anyhow::ensure!(!self.ended(), "an event after the stream's end: {data}");
+            if data == "[DONE]" {
+                self.done = true;
+                continue;
+            }
+            let v: serde_json::Value = serde_json::from_str(data)?;
+            if v.get("error").is_some() {
+                self.error = Some(v["error"].clone());
+                continue;
+            }
+            let Some(choice) = v["choices"].get(0) else {
+                continue; // the usage chunk
+            };
+            let text = choice["text"]
+                .as_str()
+                .or_else(|| choice["delta"]["content"].as_str())
+                .unwrap_or_default();
+            self.text.push_str(text);
+            self.chunks += 1;
+        }
+        Ok(())
     }
 }

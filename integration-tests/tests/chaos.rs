@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use rand::{Rng, SeedableRng};
-use tandem_integration_tests::metrics;
+use tandem_integration_tests::{SseStream, metrics};
 use tandem_proto::v1 as pb;
 use tonic::transport::Channel;
 
@@ -32,6 +32,8 @@ const IMAGE: &str = "tandem:chaos";
 /// The model the compose cluster serves here: the smallest real one (`TANDEM_MODEL`).
 const MODEL: &str = "smollm2";
 const PORT: u16 = 50151;
+/// The router's OpenAI HTTP API (`TANDEM_HTTP_PORT`).
+const HTTP_PORT: u16 = 8151;
 const DECODE_PORT: u16 = 50053;
 /// Requests per scenario, and how many stream at once: the fault hits the first wave, and the
 /// later ones show that the cluster serves on (and bound the attempts per request, C7).
@@ -73,6 +75,7 @@ fn run_env(program: &str, args: &[&str], env: &[(&str, &str)]) -> Result<String>
         .args(args)
         .current_dir(repo())
         .env("TANDEM_PORT", PORT.to_string())
+        .env("TANDEM_HTTP_PORT", HTTP_PORT.to_string())
         .env("TANDEM_IMAGE", IMAGE)
         .env("TANDEM_CERTS", certs_dir())
         .envs(env.iter().copied())
@@ -139,6 +142,11 @@ fn router_addr() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], PORT))
 }
 
+/// The router's OpenAI HTTP API.
+fn http_base() -> String {
+    format!("http://127.0.0.1:{HTTP_PORT}/v1")
+}
+
 /// Replicas the router reports up.
 async fn replicas_up() -> usize {
     metrics(router_addr()).await.map_or(0, |text| {
@@ -188,6 +196,23 @@ async fn cluster_up() -> Result<()> {
     cluster_down();
     compose_env(&["up", "-d"], &[])?;
     all_up(Duration::from_secs(120)).await?;
+    // Every container's own healthcheck passes, the router's (plaintext on its client port)
+    // as much as the workers' (mutual TLS).
+    for c in [
+        container("router", 1),
+        container("prefill", 1),
+        container("decode", 1),
+    ] {
+        until(
+            &format!("{c} healthy by its compose healthcheck"),
+            Duration::from_secs(60),
+            async || {
+                docker(&["inspect", "-f", "{{.State.Health.Status}}", &c])
+                    .is_ok_and(|s| s.trim() == "healthy")
+            },
+        )
+        .await?;
+    }
     Ok(())
 }
 
@@ -222,10 +247,12 @@ async fn decode_metric(name: &str) -> Result<f64> {
 // ---------------------------------------------------------------------------------------------
 // Workloads and their fault-free answers
 
-/// One scenario's requests and the answer each must get.
+/// One scenario's requests and the answer each must get, as token ids (gRPC) and as text
+/// (the OpenAI HTTP API).
 struct Case {
     requests: Vec<pb::GenerateRequest>,
     want: Vec<Vec<u32>>,
+    want_text: Vec<String>,
 }
 
 const WORDS: [&str; 48] = [
@@ -259,6 +286,7 @@ struct Reference {
 struct Generated {
     prompt_token_ids: Vec<u32>,
     token_ids: Vec<u32>,
+    text: String,
 }
 
 impl Reference {
@@ -335,6 +363,7 @@ impl Reference {
             .collect();
         Ok(Case {
             requests,
+            want_text: answers.iter().map(|a| a.text.clone()).collect(),
             want: answers.into_iter().map(|a| a.token_ids).collect(),
         })
     }
@@ -373,12 +402,12 @@ impl Reference {
             .iter()
             .map(|r| serde_json::json!({"token_ids": r.token_ids, "seed": r.sampling.as_ref().map_or(0, |s| s.seed)}))
             .collect();
-        let want = self
-            .generate(&lines)?
-            .into_iter()
-            .map(|a| a.token_ids)
-            .collect();
-        Ok(Case { requests, want })
+        let answers = self.generate(&lines)?;
+        Ok(Case {
+            requests,
+            want_text: answers.iter().map(|a| a.text.clone()).collect(),
+            want: answers.into_iter().map(|a| a.token_ids).collect(),
+        })
     }
 }
 
@@ -441,6 +470,8 @@ struct Outcome {
     status_after: Duration,
     /// The decode replica of the final answer.
     decode: String,
+    /// The text, for a client of the OpenAI HTTP API (which sees no token ids).
+    text: Option<String>,
     events: Vec<serde_json::Value>,
 }
 
@@ -743,7 +774,11 @@ fn score(fault: &str, case: &Case, got: &[(usize, Outcome)], allowed: &'static [
         row.lost_or_duplicated += usize::from(g.broken);
         row.client_retries += g.client_retries as usize;
         if g.status == "Ok" {
-            if g.tokens == case.want[*i] {
+            let exact = match &g.text {
+                Some(text) => *text == case.want_text[*i],
+                None => g.tokens == case.want[*i],
+            };
+            if exact {
                 row.completed_exactly += 1;
             } else {
                 row.different += 1;
@@ -1288,6 +1323,200 @@ async fn rolling_restart(case: &Case) -> Result<Row> {
     finish(row, &got).await
 }
 
+// ---------------------------------------------------------------------------------------------
+// Clients of the OpenAI HTTP API, through stops
+
+/// The model id the router's HTTP API serves.
+async fn model_id(http: &reqwest::Client) -> Result<String> {
+    let models: serde_json::Value = http
+        .get(format!("{}/models", http_base()))
+        .send()
+        .await?
+        .json()
+        .await?;
+    Ok(models["data"][0]["id"]
+        .as_str()
+        .context("a model id")?
+        .to_string())
+}
+
+/// A request of a case as a streamed OpenAI completion: its prompt's token ids, its sampling.
+fn completion(model: &str, r: &pb::GenerateRequest) -> serde_json::Value {
+    let s = r.sampling.clone().unwrap_or_default();
+    serde_json::json!({
+        "model": model,
+        "prompt": r.token_ids,
+        "max_tokens": s.max_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "seed": s.seed,
+        "stream": true,
+    })
+}
+
+/// The first wave of `case` ([`STREAMS`] requests) as OpenAI HTTP streams, each read to its
+/// third chunk: all running at once, for the fault to hit.
+async fn http_wave(http: &reqwest::Client, model: &str, case: &Case) -> Result<Vec<SseStream>> {
+    let url = format!("{}/completions", http_base());
+    let mut streams = Vec::new();
+    for r in &case.requests[..STREAMS] {
+        SENT.fetch_add(1, Ordering::Relaxed);
+        streams.push(SseStream::start(http, &url, &completion(model, r)).await?);
+    }
+    for s in &mut streams {
+        s.read_until(3).await?;
+    }
+    Ok(streams)
+}
+
+/// Reads each stream to its end (C1: by its deadline plus 1 s), as an outcome: OK is `[DONE]`
+/// with no error event; an error event's code is the status; a stream that closes with
+/// neither is broken (C2).
+async fn http_outcomes(streams: Vec<SseStream>, t0: Instant) -> Vec<(usize, Outcome)> {
+    let tasks: Vec<_> = streams
+        .into_iter()
+        .map(|mut s| {
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let mut out = Outcome::default();
+                match tokio::time::timeout(DEADLINE + Duration::from_secs(1), s.finish()).await {
+                    Err(_) => {
+                        out.hung = true;
+                        out.status = "hung".into();
+                    }
+                    Ok(Err(e)) => {
+                        out.broken = true;
+                        out.status = "closed".into();
+                        out.message = format!("{e:#}");
+                    }
+                    Ok(Ok(())) => match &s.error {
+                        None => out.status = "Ok".into(),
+                        Some(error) => {
+                            out.status = error["code"].as_str().unwrap_or("error").to_string();
+                            out.message = error["message"].as_str().unwrap_or_default().into();
+                        }
+                    },
+                }
+                out.status_after = started.elapsed();
+                out.frames = s.chunks;
+                out.attempts = 1;
+                out.text = Some(s.text.clone());
+                out.events.push(serde_json::json!({
+                    "t_ms": t0.elapsed().as_secs_f64() * 1e3,
+                    "chunks": s.chunks,
+                    "status": out.status,
+                    "message": out.message,
+                }));
+                out
+            })
+        })
+        .collect();
+    let mut got = Vec::new();
+    for (i, t) in tasks.into_iter().enumerate() {
+        got.push((
+            i,
+            t.await.unwrap_or_else(|e| Outcome {
+                status: format!("client task failed: {e}"),
+                ..Outcome::default()
+            }),
+        ));
+    }
+    got
+}
+
+/// SIGTERM to the router with OpenAI HTTP streams in flight: it drains them (each completes
+/// exactly), refuses what arrives meanwhile at once (503 with Retry-After), exits, and starts
+/// again.
+async fn http_router_stop(case: &Case) -> Result<Row> {
+    let http = reqwest::Client::new();
+    let model = model_id(&http).await?;
+    let t0 = Instant::now();
+    let streams = http_wave(&http, &model, case).await?;
+    let router = container("router", 1);
+    docker(&["kill", "-s", "TERM", &router])?;
+    let health = format!("http://127.0.0.1:{HTTP_PORT}/health");
+    until("the router says it drains", Duration::from_secs(5), async || {
+        http.get(&health)
+            .send()
+            .await
+            .is_ok_and(|r| r.status() == 503)
+    })
+    .await?;
+    let mut failures = Vec::new();
+    let probe = http
+        .post(format!("{}/completions", http_base()))
+        .json(&completion(&model, &case.requests[STREAMS]))
+        .send()
+        .await;
+    match probe {
+        Ok(r) if r.status() == 503 && r.headers().contains_key("retry-after") => {}
+        Ok(r) => failures.push(format!(
+            "a request during the drain got HTTP {} (retry-after: {:?})",
+            r.status(),
+            r.headers().get("retry-after")
+        )),
+        Err(e) => failures.push(format!("a request during the drain: {e}")),
+    }
+    let got = http_outcomes(streams, t0).await;
+    // Once drained, it exits; then it starts again.
+    docker(&["wait", &router])?;
+    docker(&["start", &router])?;
+    let started = Instant::now();
+    let recovery = all_up(RECOVERY).await?;
+    let mut row = score("router SIGTERM, OpenAI HTTP streams", case, &got, &[]);
+    row.recovery_s = Some(recovery.as_secs_f64());
+    row.notes.push(format!(
+        "back {:.1} s after its restart",
+        started.elapsed().as_secs_f64()
+    ));
+    row.failures.extend(failures);
+    finish(row, &got).await
+}
+
+/// SIGTERM to every decode node at once with OpenAI HTTP streams in flight: each node hands
+/// its streams off, none is left outside a drain to take them, so the router sends each back
+/// to the node holding its KV, which finishes it within its grace; then both start again.
+async fn http_decode_stop(case: &Case) -> Result<Row> {
+    let http = reqwest::Client::new();
+    let model = model_id(&http).await?;
+    let router = router_addr().to_string();
+    let returned_before = metric_sum(&router, "tandem_router_last_resort_total").await;
+    let t0 = Instant::now();
+    let streams = http_wave(&http, &model, case).await?;
+    let (d1, d2) = (container("decode", 1), container("decode", 2));
+    docker(&["kill", "-s", "TERM", &d1, &d2])?;
+    let stopped = Instant::now();
+    let got = http_outcomes(streams, t0).await;
+    let took = stopped.elapsed();
+    let returned = metric_sum(&router, "tandem_router_last_resort_total").await - returned_before;
+    docker(&["wait", &d1, &d2])?;
+    docker(&["start", &d1, &d2])?;
+    let started = Instant::now();
+    all_up(RECOVERY).await?;
+    let mut row = score(
+        "every decode node SIGTERM at once, OpenAI HTTP streams",
+        case,
+        &got,
+        &[],
+    );
+    row.recovery_s = Some(started.elapsed().as_secs_f64());
+    row.notes.push(format!(
+        "streams done {:.1} s after the SIGTERM; {returned:.0} sent back to a draining node",
+        took.as_secs_f64()
+    ));
+    // The compose file's TANDEM_GRACE_MS.
+    let grace = Duration::from_secs(10);
+    if took > grace {
+        row.failures
+            .push(format!("the streams took {took:?}, past the {grace:?} grace"));
+    }
+    if returned == 0.0 {
+        row.failures
+            .push("no stream went back to a draining node: the fault touched nothing".into());
+    }
+    finish(row, &got).await
+}
+
 /// A fault on a decode node's drain (SIGTERM while streams run), which hands its running
 /// streams off to the other decode node with their KV and offers it its cached sessions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1524,13 +1753,17 @@ enum Scenario {
     SessionHolder,
     RollingRestart,
     Drain(DrainFault),
+    /// SIGTERM to the router, with OpenAI HTTP streams.
+    HttpRouterStop,
+    /// SIGTERM to every decode node at once, with OpenAI HTTP streams.
+    HttpDecodeStop,
     Overload,
     Soak,
 }
 
 /// Every scenario, in the order the full suite runs them: the blackhole one runs behind the
 /// fault-proxies that the latency one puts in.
-const ALL: [Scenario; 19] = [
+const ALL: [Scenario; 21] = [
     Scenario::Node(NodeFault::KillDecode),
     Scenario::Node(NodeFault::PauseDecode),
     Scenario::Node(NodeFault::KillPrefill),
@@ -1548,6 +1781,8 @@ const ALL: [Scenario; 19] = [
     Scenario::Drain(DrainFault::Killed),
     Scenario::Drain(DrainFault::Cancels),
     Scenario::Drain(DrainFault::PeerFull),
+    Scenario::HttpRouterStop,
+    Scenario::HttpDecodeStop,
     Scenario::Overload,
     Scenario::Soak,
 ];
@@ -1591,6 +1826,8 @@ async fn suite(scenarios: &[Scenario]) -> Result<()> {
                 }
                 Scenario::RollingRestart => rolling_restart(&case).await?,
                 Scenario::Drain(f) => drain_fault(f, &case).await?,
+                Scenario::HttpRouterStop => http_router_stop(&case).await?,
+                Scenario::HttpDecodeStop => http_decode_stop(&case).await?,
                 Scenario::Overload => overload(&case).await?,
                 Scenario::Soak => {
                     let secs = std::env::var("TANDEM_CHAOS_SOAK_S")
@@ -1632,6 +1869,8 @@ async fn chaos_smoke() -> Result<()> {
     suite(&[
         Scenario::Node(NodeFault::KillDecode),
         Scenario::Node(NodeFault::PauseDecode),
+        Scenario::HttpRouterStop,
+        Scenario::HttpDecodeStop,
     ])
     .await
 }

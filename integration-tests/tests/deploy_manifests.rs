@@ -46,6 +46,9 @@ fn the_compose_file_runs_healthy_workers_before_the_router() {
             "{name}"
         );
         assert_eq!(s(svc, &["healthcheck", "interval"]).as_str(), Some("1s"));
+        // The router's container has TANDEM_TLS_DIR for its calls to the workers, but its
+        // client port is plaintext: its check must not speak the nodes' mutual TLS.
+        assert_eq!(check.contains(&"--plaintext"), name == "router", "{name}");
     }
     for worker in ["prefill", "decode"] {
         let svc = &services[worker];

@@ -45,6 +45,9 @@ pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
 pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(3);
 /// Bound on establishing a connection.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Bound on a node-to-node TLS handshake, after the connection is up (tonic's connect timeout
+/// covers only TCP): a peer that accepts and then says nothing fails the call within it.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
 /// HTTP/2 flow-control windows. The 64 KiB default makes a KV push wait for a window update
 /// every 64 KiB, which on loopback capped transfers at a tenth of a plain TCP copy; these bound
 /// what one stream and one connection may have in flight (and so buffer) instead.

@@ -168,12 +168,13 @@ impl Tls {
     }
 
     /// A client that presents this node's certificate and trusts only the CA, for
-    /// [`SERVER_NAME`].
+    /// [`SERVER_NAME`], and gives up a handshake after [`crate::HANDSHAKE_TIMEOUT`].
     pub fn client_config(&self) -> ClientTlsConfig {
         ClientTlsConfig::new()
             .ca_certificate(Certificate::from_pem(&self.ca))
             .identity(self.identity())
             .domain_name(SERVER_NAME)
+            .timeout(crate::HANDSHAKE_TIMEOUT)
     }
 }
 

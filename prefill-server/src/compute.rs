@@ -6,7 +6,7 @@
 //! ```text
 //! Prefill handler ──Job (bounded queue)──▶ compute thread: seq = cached prefix
 //!        ▲                                     for each push cell of [decode_cached, len):
-//!        │                                       compute up to its end, export ─▶ KvPush::blocking_send
+//!        │                                       compute up to its end, export ─▶ KvPush::send_within
 //!        │                                     cache the prompt's blocks ─▶ CacheHub (events)
 //!        └────────── reply (first token, KvPush) ◀─┘
 //! ```
@@ -15,6 +15,12 @@
 //! chunk completes exactly one push cell, and the header's chunk count is known before the cache
 //! is consulted.
 //!
+//! A push whose receiver takes nothing for [`PUSH_STALL`] fails its job (UNAVAILABLE, so the
+//! router tries another path) and the thread goes on with the next: one stalled connection
+//! never holds the node. The thread's [`Pulse`] says when it last moved, and the heartbeats of
+//! the pushes queued behind it fall silent once it has not for [`STALLED_AFTER`], so that a
+//! decode node hears "your KV is coming" only while it is.
+//!
 //! The thread also answers the KV moves' commands ([`tandem_worker::moves`]: peer fetches
 //! from the prefix cache, the drain's offer of its hottest prompts, prompts adopted from a
 //! draining peer): before the next job, and between the chunks of a running one, so a fetch
@@ -22,10 +28,12 @@
 
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::Instant;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use tandem_engine::{Engine, GenerateParams, SeqId, TokenLogprobs};
 use tandem_transfer::KvPush;
+use tandem_transfer::client::PUSH_STALL;
 use tandem_worker::moves::{CacheCommand, EngineCache, Recent};
 use tandem_worker::{CacheHub, Throughput};
 use tokio::sync::{mpsc, oneshot};
@@ -71,12 +79,56 @@ pub(crate) struct Done {
     pub cached_tokens: usize,
 }
 
+/// How long the compute thread may go without moving (a job taken, a chunk computed, a chunk
+/// taken by its push) before the queued pushes' heartbeats stop: longer than a prompt chunk
+/// takes on any CPU we run on, and than [`PUSH_STALL`], after which a stuck push is given up.
+pub(crate) const STALLED_AFTER: Duration = Duration::from_secs(10);
+
+/// When the compute thread last moved, or that it waits for work (nothing is stuck then).
+#[derive(Debug)]
+pub(crate) struct Pulse {
+    epoch: Instant,
+    /// Milliseconds from `epoch` to the last move; [`Pulse::IDLE`] while waiting for a job.
+    at_ms: AtomicU64,
+}
+
+impl Pulse {
+    const IDLE: u64 = u64::MAX;
+
+    fn beat(&self) {
+        let now = self.epoch.elapsed().as_millis() as u64;
+        self.at_ms.store(now, Ordering::Relaxed);
+    }
+
+    fn idle(&self) {
+        self.at_ms.store(Self::IDLE, Ordering::Relaxed);
+    }
+
+    /// Whether the thread waits for work or moved within `bound`.
+    pub(crate) fn within(&self, bound: Duration) -> bool {
+        match self.at_ms.load(Ordering::Relaxed) {
+            Self::IDLE => true,
+            at => self.epoch.elapsed().as_millis() as u64 <= at + bound.as_millis() as u64,
+        }
+    }
+}
+
+impl Default for Pulse {
+    fn default() -> Self {
+        Self {
+            epoch: Instant::now(),
+            at_ms: AtomicU64::new(Self::IDLE),
+        }
+    }
+}
+
 /// What the compute thread shares with the service.
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub metrics: PrefillMetrics,
     pub hub: Arc<CacheHub>,
     pub throughput: Throughput,
+    pub pulse: Pulse,
 }
 
 /// Starts the thread, with `handoff_bytes` of KV that a drain may offer peers. It ends when the
@@ -99,6 +151,7 @@ pub(crate) fn spawn(
                 commands,
                 recent: Recent::default(),
                 handoff_budget: handoff_bytes,
+                runtime: runtime.clone(),
             };
             while let Some(job) = runtime.block_on(c.next_job(&mut jobs)) {
                 c.job(job);
@@ -116,16 +169,22 @@ struct Compute {
     recent: Recent,
     /// Bytes of KV the drain may still offer.
     handoff_budget: u64,
+    /// The node's runtime, which the thread blocks on to wait for jobs and for its pushes.
+    runtime: tokio::runtime::Handle,
 }
 
 impl Compute {
     /// The next job, answering commands until it comes; `None` once the queue is closed.
     async fn next_job(&mut self, jobs: &mut mpsc::Receiver<Job>) -> Option<Job> {
+        self.shared.pulse.idle();
         loop {
             tokio::select! {
                 biased;
                 Some(command) = self.commands.recv() => self.handle(command),
-                job = jobs.recv() => return job,
+                job = jobs.recv() => {
+                    self.shared.pulse.beat();
+                    return job;
+                }
             }
         }
     }
@@ -214,7 +273,7 @@ impl Compute {
             Ok(o) => o,
             Err(e) => {
                 // The decode node is waiting on this transfer: tell it why it will not complete.
-                kv.blocking_abort(e.to_string());
+                kv.abort(e.to_string());
                 return Err(e);
             }
         };
@@ -251,17 +310,46 @@ impl Compute {
                 self.between_chunks();
                 let Some(c) = cells.next() else { break };
                 logits = self.engine.prefill(seq, &tokens[c.clone()])?;
+                self.shared.pulse.beat();
                 computed = c.end;
             }
             for chunk in tandem_worker::kv_chunks(self.engine.export_kv(seq, cell)?) {
                 first_chunk_sent.get_or_insert_with(Instant::now);
-                // An error means the receiver ended the push; its verdict comes from `finish`,
-                // so stop computing and hand the push back.
-                if kv.blocking_send(&chunk).is_err() {
-                    return Ok((None, first_chunk_sent));
+                let sent = self.runtime.block_on(async {
+                    tokio::select! {
+                        sent = kv.send_within(&chunk, PUSH_STALL) => Some(sent),
+                        () = cancel.cancelled() => None,
+                    }
+                });
+                match sent {
+                    Some(Ok(())) => self.shared.pulse.beat(),
+                    // The receiver ended the push; its verdict comes from `finish`, so stop
+                    // computing and hand the push back.
+                    Some(Err(tandem_transfer::Error::ReceiverGone)) => {
+                        return Ok((None, first_chunk_sent));
+                    }
+                    Some(Err(e)) => return Err(e.into()),
+                    None => return Err(Error::Cancelled),
                 }
             }
         }
         Ok((Some(logits), first_chunk_sent))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pulse_says_idle_or_recent_and_falls_silent_once_stuck() {
+        let pulse = Pulse::default();
+        assert!(pulse.within(Duration::ZERO), "waiting for work is not stuck");
+        pulse.beat();
+        assert!(pulse.within(Duration::from_secs(60)));
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(!pulse.within(Duration::from_millis(1)), "no move for 20 ms");
+        pulse.idle();
+        assert!(pulse.within(Duration::ZERO));
     }
 }

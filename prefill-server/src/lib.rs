@@ -49,6 +49,7 @@ pub async fn run(
         metrics: PrefillMetrics::register(&mut node.registry),
         hub: node.hub.clone(),
         throughput: Default::default(),
+        pulse: Default::default(),
     });
     let (jobs, queue) = mpsc::channel(max_queue);
     let (cache, thread) =

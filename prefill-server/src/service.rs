@@ -143,9 +143,10 @@ impl PrefillService {
         })?;
         metrics.queue_depth.inc();
         metrics.queued_tokens.inc_by(n as i64);
+        let pulse = || self.shared.pulse.within(crate::compute::STALLED_AFTER);
         let done = tokio::select! {
             done = done => done,
-            never = heartbeat.run(self.keepalive) => match never {},
+            never = heartbeat.run(self.keepalive, pulse) => match never {},
         };
         let done = done.map_err(|_| Error::ShuttingDown)??;
         let first_sent = done.first_chunk_sent.unwrap_or_else(Instant::now);

@@ -55,7 +55,8 @@ pub struct Config {
     pub token_gap: Duration,
     /// How often replicas are asked for their load.
     pub load_poll: Duration,
-    /// How long in-flight streams may run after shutdown begins.
+    /// How long in-flight streams (gRPC and HTTP) may run after shutdown begins, while new
+    /// requests are refused.
     pub grace: Duration,
     /// How replicas are chosen (see [`crate::policy`]).
     pub policy: PolicyKind,

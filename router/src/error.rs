@@ -46,6 +46,13 @@ pub enum Error {
     #[error("the router is shutting down")]
     ShuttingDown,
 
+    /// The router drains: it finishes the streams it runs and takes no new request.
+    #[error(
+        "the router is draining and takes no new requests: send them to another router of the \
+         cluster, or again once this one is back"
+    )]
+    Draining,
+
     /// A downstream call failed; `code` is already one a client may see.
     #[error("{hop}: {message}")]
     Downstream {
@@ -87,7 +94,11 @@ impl Error {
                 Code::ResourceExhausted
             }
             Error::Unauthenticated => Code::Unauthenticated,
-            Error::NoReplica { .. } | Error::NotReady | Error::ShuttingDown | Error::Serve(_) => {
+            Error::NoReplica { .. }
+            | Error::NotReady
+            | Error::ShuttingDown
+            | Error::Draining
+            | Error::Serve(_) => {
                 Code::Unavailable
             }
             Error::Deadline => Code::DeadlineExceeded,
@@ -96,9 +107,10 @@ impl Error {
     }
 
     /// How long a client should wait before retrying (gRPC A6's retry pushback, HTTP's
-    /// Retry-After); only RESOURCE_EXHAUSTED has one.
+    /// Retry-After): RESOURCE_EXHAUSTED has one, and so has a draining router's refusal.
     pub fn retry_after(&self) -> Option<std::time::Duration> {
         match self {
+            Error::Draining => Some(std::time::Duration::from_secs(1)),
             Error::RateLimited { retry_after, .. } => Some(*retry_after),
             // When the queue ahead should have drained.
             Error::QueueTooLong { wait, .. } => Some(*wait),

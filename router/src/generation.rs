@@ -342,8 +342,11 @@ pub struct Outcome {
     pub generated: usize,
 }
 
-/// Most dispatch attempts per request: the first and two failovers.
+/// Most dispatch attempts per request that end in a fault: the first and two failovers.
 pub const MAX_ATTEMPTS: u32 = 3;
+/// Most hand-offs one choice follows (moves off draining decode nodes, which a rolling
+/// restart makes one after another); they are counted apart from [`MAX_ATTEMPTS`].
+pub const MAX_HANDOFFS: u32 = 4;
 
 /// Everything one dispatch needs.
 #[derive(Debug, Clone)]
@@ -378,11 +381,14 @@ struct Progress {
     /// Frames delivered to the client so far (a frame may carry several tokens).
     frames: u32,
     attempts: u32,
+    /// Of the attempts, those that a draining decode node handed off.
+    handoffs: u32,
     /// Replicas that failed this request, which its later attempts avoid.
     exclude: Vec<String>,
     /// What failed, in order, for the route.
     failovers: Vec<String>,
-    /// The last attempt's decode node handed the stream off, keeping this much KV there.
+    /// A decode node that handed the stream off (the last attempt's, or an earlier one's when
+    /// the last kept nothing), with the KV it kept there.
     holder: Option<(String, usize)>,
     first_token_ms: Option<f64>,
     last_frame_at: Option<Instant>,
@@ -512,14 +518,20 @@ impl Progress {
     /// Takes a failed attempt and says whether the choice tries again. It does when another
     /// replica might succeed ([`retryable`]) and the failure names replicas to avoid, within
     /// [`MAX_ATTEMPTS`] and the retry `budget`; those replicas are then avoided from here on and
-    /// the failure is noted for the route. A draining node's hand-off spends no budget: the
-    /// budget bounds what faults add to the replicas left, and a hand-off is a planned move
-    /// (the next attempt fetches the KV kept for it, or starts what had not started).
+    /// the failure is noted for the route. A draining node's hand-off spends neither budget
+    /// nor attempts (its own bound is [`MAX_HANDOFFS`]): the budget bounds what faults add to
+    /// the replicas left, and a hand-off is a planned move (the next attempt fetches the KV kept
+    /// for it, or starts what had not started). A hand-off that kept nothing leaves an earlier
+    /// holder named: its KV is still a prefix of what the stream resumes from.
     fn retry(&mut self, failure: &Failure, budget: &RetryBudget) -> bool {
+        let handoff = failure.handoff.is_some();
         let retry = retryable(&failure.error)
             && !failure.suspects.is_empty()
-            && self.attempts < MAX_ATTEMPTS
-            && (failure.handoff.is_some() || budget.try_spend());
+            && if handoff {
+                self.handoffs < MAX_HANDOFFS
+            } else {
+                self.attempts - self.handoffs < MAX_ATTEMPTS && budget.try_spend()
+            };
         if retry {
             self.failovers.push(format!(
                 "{} ({})",
@@ -527,7 +539,11 @@ impl Progress {
                 failure.suspects.join(", ")
             ));
             self.exclude.extend(failure.suspects.iter().cloned());
-            self.holder.clone_from(&failure.handoff);
+            let kept = failure.handoff.as_ref().is_some_and(|(_, t)| *t > 0);
+            if !handoff || kept || self.holder.is_none() {
+                self.holder.clone_from(&failure.handoff);
+            }
+            self.handoffs += u32::from(handoff);
         }
         retry
     }
@@ -834,6 +850,49 @@ impl Dispatcher {
         }
     }
 
+    /// Where a handed-off stream goes when no decode replica outside a drain may take it
+    /// (`decodes` is empty): back to the draining node that holds its KV, or else to any
+    /// draining decode node, which finishes it within its grace ([`pb::DecodeRequest`]'s
+    /// `last_resort`) instead of failing it. `None` for a stream that was not handed off, or
+    /// while a decode replica is up.
+    fn last_resort(
+        &self,
+        decodes: &[Arc<Replica>],
+        progress: &Progress,
+        tokens: usize,
+    ) -> Option<Choice> {
+        if !decodes.is_empty() {
+            return None;
+        }
+        let (holder, kept) = progress.holder.as_ref()?;
+        let all = self.replicas.all();
+        let decode = |r: &&Arc<Replica>| r.role == Role::Decode;
+        let (replica, held) = match all
+            .iter()
+            .filter(decode)
+            .find(|r| &r.addr == holder && r.can_serve_fetch())
+        {
+            Some(r) => (r, *kept),
+            None => (all.iter().filter(decode).find(|r| r.is_draining())?, 0),
+        };
+        tracing::info!(
+            choice = progress.choice,
+            decode = %replica.addr,
+            held,
+            "no decode node outside a drain: the stream goes back to a draining one"
+        );
+        self.metrics.last_resort.inc();
+        Some(Choice {
+            decode: replica.claim(tokens as u64),
+            prefill: None,
+            decode_overlap: held,
+            prefill_overlap: 0,
+            reason: "last resort: every decode node drains".into(),
+            prefill_idle: false,
+            fetch: None,
+        })
+    }
+
     /// Waits in the router's queue until a decode replica this request may use has room
     /// ([`crate::replicas::Replica::has_room`]), and the chosen prefill replica too when the
     /// prompt goes to one, then chooses replicas and has the decode node
@@ -871,7 +930,12 @@ impl Dispatcher {
                 change.await;
                 continue;
             }
-            let choice = self.policy.choose(&self.replicas, &ask)?;
+            let last_resort = self.last_resort(&decodes, progress, tokens.len());
+            let is_last_resort = last_resort.is_some();
+            let choice = match last_resort {
+                Some(choice) => choice,
+                None => self.policy.choose(&self.replicas, &ask)?,
+            };
             if choice.prefill.as_ref().is_some_and(|p| !p.fits()) {
                 // The prefill node's queue is full: wait here rather than be refused there.
                 drop(choice);
@@ -907,6 +971,7 @@ impl Dispatcher {
                     .as_ref()
                     .map_or_else(String::new, |f| f.0.clone()),
                 fetch_tokens: choice.fetch.as_ref().map_or(0, |f| f.1 as u32),
+                last_resort: is_last_resort,
             });
             d_req.set_timeout(deadline.saturating_duration_since(TokioInstant::now()));
             let mut frames = match d_client.generate(d_req).await {
@@ -1244,6 +1309,41 @@ mod tests {
         }
         assert!(progress.retry(&cut("d2:1"), &budget));
         assert_eq!(progress.holder, None);
+    }
+
+    /// When both decode nodes drain, the second refuses the stream the first handed off (it
+    /// kept nothing for it): the first stays the holder, whose KV the stream goes back to.
+    /// Hand-offs spend no attempts; their own bound ends a stream moved about forever.
+    #[test]
+    fn a_refusal_by_a_draining_node_keeps_the_holder_and_spends_no_attempts() {
+        let budget = RetryBudget::default();
+        let handoff = |addr: &str, tokens: u64| {
+            let mut status = Status::unavailable("draining");
+            status
+                .metadata_mut()
+                .insert(tandem_proto::HANDOFF_METADATA, tokens.into());
+            Failure::on_decode(addr, &status)
+        };
+        let mut progress = Progress {
+            attempts: 1,
+            ..Progress::default()
+        };
+        assert!(progress.retry(&handoff("d1:1", 64), &budget));
+        progress.attempts += 1;
+        assert!(progress.retry(&handoff("d2:1", 0), &budget));
+        assert_eq!(progress.holder, Some(("d1:1".to_string(), 64)));
+        assert_eq!(progress.exclude, ["d1:1", "d2:1"]);
+        // Two failovers still fit after the two moves.
+        progress.attempts += 1;
+        assert!(progress.retry(&cut("d3:1"), &budget));
+        progress.attempts += 1;
+        assert!(progress.retry(&cut("d4:1"), &budget));
+        progress.attempts += 1;
+        assert!(!progress.retry(&cut("d5:1"), &budget), "out of attempts");
+        while progress.handoffs < MAX_HANDOFFS {
+            assert!(progress.retry(&handoff("d1:1", 16), &budget));
+        }
+        assert!(!progress.retry(&handoff("d1:1", 16), &budget), "out of moves");
     }
 
     /// A choice's stream through a decode node cut after three frames: the second attempt

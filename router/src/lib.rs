@@ -59,7 +59,8 @@ pub struct Listeners {
     pub http: Option<TcpListener>,
 }
 
-/// Serves the router until `shutdown` completes, then drains.
+/// Serves the router until `shutdown` completes, then drains: new requests are refused at once
+/// while the running streams finish, within the configured grace.
 pub async fn run(
     listeners: Listeners,
     config: Config,
@@ -119,6 +120,8 @@ pub async fn run(
     replicas.start_monitoring(&tracker, config.load_poll, &metrics);
 
     let (health, health_service) = tonic_health::server::health_reporter();
+    let draining = CancellationToken::new();
+    let generations = TaskTracker::new();
     let generation = GenerationService {
         dispatcher: Dispatcher {
             replicas: replicas.clone(),
@@ -136,18 +139,20 @@ pub async fn run(
         keys: keys.clone(),
         default_timeout: config.default_timeout,
         running: Arc::new(Mutex::new(HashMap::new())),
+        draining: draining.clone(),
         shutdown: root.child_token(),
-        tracker: tracker.clone(),
+        generations: generations.clone(),
     };
-    // The router's own Generation service is SERVING only while it can route: it knows the
-    // model and a decode replica is healthy.
+    // The router's own Generation service is SERVING only while it can route (it knows the
+    // model and a decode replica is healthy) and does not drain.
     {
         let (health, replicas, cancel) = (health.clone(), replicas.clone(), root.child_token());
+        let draining = draining.clone();
         tracker.spawn(async move {
             let mut last = None;
             loop {
                 let changed = replicas.changed();
-                let ready = replicas.ready();
+                let ready = replicas.ready() && !draining.is_cancelled();
                 if last != Some(ready) {
                     let status = if ready {
                         ServingStatus::Serving
@@ -159,13 +164,15 @@ pub async fn run(
                 }
                 tokio::select! {
                     () = changed => {}
+                    () = draining.cancelled(), if !draining.is_cancelled() => {}
                     () = cancel.cancelled() => return,
                 }
             }
         });
     }
-    // HTTP stops accepting when shutdown begins; its open streams end as their generations do
-    // (the grace period below bounds them).
+    // Both APIs go on accepting through the drain, so that a request arriving meanwhile is
+    // refused at once (UNAVAILABLE; HTTP 503 with Retry-After) instead of finding the port
+    // closed. HTTP stops once the drain is over, gRPC as `serve` ends it.
     let http_stop = CancellationToken::new();
     let http_task = match http {
         Some(l) => {
@@ -184,6 +191,7 @@ pub async fn run(
         tracker.spawn(cert.clone().watch(root.child_token()));
     }
     let interceptor = generation.interceptor();
+    let cut = generation.shutdown.clone();
     let server = pb::generation_server::GenerationServer::new(generation)
         .max_decoding_message_size(config.limits.grpc_message_bytes)
         .max_encoding_message_size(tandem_proto::MAX_MESSAGE_BYTES);
@@ -192,8 +200,9 @@ pub async fn run(
     );
     let shutdown = async {
         shutdown.await;
-        http_stop.cancel();
+        draining.cancel();
     };
+    let drain = drain(&generations, &cut, config.grace);
     tracing::info!(addr = ?listener.local_addr().ok(), prefill = ?config.prefill, decode = ?config.decode, tls = config.api_tls.is_some(), "router serving");
     let served = tandem_net::serve(
         listener,
@@ -206,7 +215,7 @@ pub async fn run(
             tls: config.api_tls.clone().map(ServerTls::Server),
         },
         shutdown,
-        std::future::ready(()),
+        drain,
     )
     .await;
     root.cancel();
@@ -224,6 +233,34 @@ pub async fn run(
     }
     served?;
     Ok(())
+}
+
+/// The router's drain, once new requests are refused: waits for the running generations (gRPC
+/// and HTTP alike) to finish, for at most `grace`; those still running then are `cut`, and end
+/// with UNAVAILABLE.
+async fn drain(generations: &TaskTracker, cut: &CancellationToken, grace: std::time::Duration) {
+    generations.close();
+    let running = generations.len();
+    tracing::info!(
+        streams = running,
+        grace_ms = grace.as_millis() as u64,
+        "draining: new requests refused, running streams finishing"
+    );
+    let started = std::time::Instant::now();
+    if tokio::time::timeout(grace, generations.wait()).await.is_err() {
+        tracing::warn!(
+            streams = generations.len(),
+            grace_ms = grace.as_millis() as u64,
+            "the drain's grace period is over: ending the streams still running with UNAVAILABLE"
+        );
+        cut.cancel();
+        generations.wait().await;
+    }
+    tracing::info!(
+        streams = running,
+        ms = started.elapsed().as_millis() as u64,
+        "drained"
+    );
 }
 
 /// Serves the HTTP API on `listener` (plain TCP, or [`TlsListener`]) until `stop`.

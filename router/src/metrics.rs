@@ -23,6 +23,7 @@ pub const INDEX_BLOCKS: &str = "tandem_router_index_blocks";
 pub const ATTEMPTS: &str = "tandem_router_dispatch_attempts";
 pub const FAILOVERS: &str = "tandem_router_failovers";
 pub const HANDOFFS: &str = "tandem_router_handoffs";
+pub const LAST_RESORT: &str = "tandem_router_last_resort";
 pub const DECODE_STALLS: &str = "tandem_router_decode_stalls";
 pub const QUEUED: &str = "tandem_router_queued_requests";
 pub const REFUSED: &str = "tandem_router_refused_requests";
@@ -111,6 +112,9 @@ pub struct RouterMetrics {
     /// Attempts that continued a stream a draining decode node handed off (or refused as it
     /// began to drain); failovers do not count them.
     pub handoffs: Counter,
+    /// Handed-off streams sent back to a draining decode node, as no decode node outside a
+    /// drain could take them.
+    pub last_resort: Counter,
     /// Decode streams silent past the token gap on a node that still served (busy, not dead).
     pub decode_stalls: Counter,
     /// Prompt tokens of completed requests, and those of them a cache supplied: the
@@ -145,6 +149,7 @@ impl RouterMetrics {
             attempts: Counter::default(),
             failovers: Family::default(),
             handoffs: Counter::default(),
+            last_resort: Counter::default(),
             decode_stalls: Counter::default(),
             prompt_tokens: Counter::default(),
             cached_prompt_tokens: Counter::default(),
@@ -231,6 +236,11 @@ impl RouterMetrics {
             HANDOFFS,
             "Generations continued on another decode replica because theirs drained (it handed the stream off, or refused it as it began to drain)",
             m.handoffs.clone(),
+        );
+        registry.register(
+            LAST_RESORT,
+            "Handed-off streams sent back to a draining decode node to finish, as no decode node outside a drain could take them",
+            m.last_resort.clone(),
         );
         registry.register(
             DECODE_STALLS,

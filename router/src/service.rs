@@ -42,8 +42,14 @@ pub struct GenerationService {
     /// Generations running under a client-given request id, per tenant: a retry attaches only
     /// to its own tenant's generation.
     pub(crate) running: Arc<Mutex<Running>>,
+    /// Cancelled as the router's drain begins: new requests are refused (retry attachments
+    /// still attach), while the running generations go on.
+    pub(crate) draining: CancellationToken,
+    /// Cancelled when the drain's grace is over: the generations still running end with
+    /// UNAVAILABLE.
     pub(crate) shutdown: CancellationToken,
-    pub(crate) tracker: TaskTracker,
+    /// The generation tasks, which the drain waits for.
+    pub(crate) generations: TaskTracker,
 }
 
 /// Running generations by (tenant, client-given request id).
@@ -113,11 +119,11 @@ impl GenerationService {
             r.request_id = fresh_request_id();
         }
         let span = tracing::info_span!("request", request_id = %r.request_id);
-        if self.shutdown.is_cancelled() {
-            return Err(Error::ShuttingDown);
-        }
         if let Some(attached) = attach(&self.running(), &key) {
             return Ok(attached);
+        }
+        if self.draining.is_cancelled() {
+            return Err(Error::Draining);
         }
         let front = self
             .dispatcher
@@ -162,7 +168,7 @@ impl GenerationService {
         };
         let reader = log.subscribe();
         let (svc, shutdown) = (self.clone(), self.shutdown.clone());
-        self.tracker.spawn(
+        self.generations.spawn(
             async move {
                 let _permit = permit;
                 let outcome = tokio::select! {

@@ -1,8 +1,10 @@
 //! The sending side: [`KvPush`] streams one transfer to a decode node's `KvTransfer` service.
 //!
 //! Frames go through a bounded channel of [`PUSH_BUFFER_FRAMES`] into the gRPC stream, so a slow
-//! receiver (HTTP/2 flow control) blocks the producer instead of growing its memory. The producer
-//! may be async ([`KvPush::send`]) or a compute thread ([`KvPush::blocking_send`]).
+//! receiver (HTTP/2 flow control) blocks the producer instead of growing its memory, for at most
+//! [`PUSH_STALL`] at a time ([`KvPush::send_within`]): a receiver that takes nothing (a
+//! handshake or connection that stalls without failing) fails the push instead of holding the
+//! producer, a prefill node's one compute thread.
 
 use std::time::Duration;
 
@@ -22,6 +24,12 @@ pub const PUSH_BUFFER_FRAMES: usize = 8;
 /// How often a [`Heartbeat`] tells the receiver the push is still coming, by default. A
 /// receiver's bound on silence must be longer.
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The longest a push may take no frame before its sender gives it up ([`Error::Stalled`]).
+/// A healthy receiver takes a frame within milliseconds; a dead one is found sooner by the
+/// connection's keepalive; this bounds the rest (a stalled TLS handshake, a receiver that
+/// answers pings but reads nothing).
+pub const PUSH_STALL: Duration = Duration::from_secs(5);
 
 /// `chunks` as wire frames, in order, and the digest that the trailer after them carries.
 pub(crate) fn chunk_frames(chunks: &[Chunk]) -> (Vec<pb::PushFrame>, u32) {
@@ -97,12 +105,16 @@ impl KvPush {
         self.tx.send(frame).await.map_err(|_| Error::ReceiverGone)
     }
 
-    /// [`KvPush::send`] for a thread outside the async runtime.
-    pub fn blocking_send(&mut self, chunk: &Chunk) -> Result<()> {
+    /// [`KvPush::send`], giving up with [`Error::Stalled`] when the push takes no frame for
+    /// `stall`.
+    pub async fn send_within(&mut self, chunk: &Chunk, stall: Duration) -> Result<()> {
         let frame = self.frame(chunk);
-        self.tx
-            .blocking_send(frame)
-            .map_err(|_| Error::ReceiverGone)
+        match tokio::time::timeout(stall, self.tx.send(frame)).await {
+            Ok(sent) => sent.map_err(|_| Error::ReceiverGone),
+            Err(_) => Err(Error::Stalled {
+                waited_ms: stall.as_millis() as u64,
+            }),
+        }
     }
 
     /// Sends the trailer, with the first token (and its log-probabilities), and waits for the
@@ -136,33 +148,45 @@ impl KvPush {
         }
     }
 
-    /// Tells the receiver why the transfer stops, and ends it, from a thread outside the async
-    /// runtime. The push task finishes on its own once the receiver has answered.
-    pub fn blocking_abort(self, reason: String) {
+    /// Tells the receiver why the transfer stops, and ends it, without waiting: the push task
+    /// finishes on its own once the receiver has answered. A push whose buffer is full (its
+    /// receiver takes nothing) is dropped instead, which resets its stream.
+    pub fn abort(self, reason: String) {
         let frame = pb::PushFrame {
             frame: Some(Frame::Abort(pb::KvAbort { reason })),
         };
-        let _ = self.tx.blocking_send(frame);
+        if self.tx.try_send(frame).is_err() {
+            self.task.abort();
+        }
     }
 }
 
 /// Sends a keepalive frame at a steady interval ([`KEEPALIVE_INTERVAL`] by default), so that
 /// the receiver, which bounds the silence of a push to find a dead sender, waits on a live one
-/// whose prompt is queued. It holds the push open: drop it before [`KvPush::finish`].
+/// whose prompt is queued, as long as the sender says it makes progress. It holds the push
+/// open: drop it before [`KvPush::finish`].
 #[derive(Debug)]
 pub struct Heartbeat {
     tx: mpsc::Sender<pb::PushFrame>,
 }
 
 impl Heartbeat {
-    /// Beats until dropped; never returns. A push that ended makes it beat no more (the push's
-    /// own result says why).
-    pub async fn run(self, every: Duration) -> std::convert::Infallible {
+    /// Beats every `every` while `progressing` says the sender's work moves, until dropped;
+    /// never returns. A stuck sender falls silent, and the receiver's bound on silence then
+    /// gives up on it. A push that ended makes it beat no more (the push's own result says why).
+    pub async fn run(
+        self,
+        every: Duration,
+        progressing: impl Fn() -> bool,
+    ) -> std::convert::Infallible {
         let mut ticks = tokio::time::interval(every);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         ticks.tick().await;
         loop {
             ticks.tick().await;
+            if !progressing() {
+                continue;
+            }
             let frame = pb::PushFrame {
                 frame: Some(Frame::Keepalive(pb::KvKeepalive {})),
             };

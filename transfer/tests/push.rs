@@ -355,9 +355,7 @@ async fn a_sender_abort_reaches_the_waiter_with_its_reason() {
         &header("aborted", &want, chunks.len() as u32),
     );
     p.send(&chunks[0]).await.expect("first chunk");
-    tokio::task::spawn_blocking(move || p.blocking_abort("prefill cancelled".into()))
-        .await
-        .expect("abort");
+    p.abort("prefill cancelled".into());
     match delivery.await.expect("told") {
         Err(Error::Aborted { reason }) => assert_eq!(reason, "prefill cancelled"),
         other => panic!("expected an abort, got {other:?}"),
@@ -370,4 +368,45 @@ async fn a_sender_abort_reaches_the_waiter_with_its_reason() {
     })
     .await
     .expect("counted");
+}
+
+/// A receiver that accepts the connection and then says nothing (as a stalled TLS handshake
+/// or a dropped path does) holds the sender for [`tandem_transfer::client::PUSH_STALL`]-like
+/// bounds only: once the buffer is full, the next chunk fails with `Stalled` within the bound
+/// given, and the abort that follows returns at once.
+#[tokio::test]
+async fn a_receiver_that_says_nothing_stalls_the_push_within_its_bound() {
+    let silent = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = silent.local_addr().expect("addr");
+    let held = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = silent.accept().await {
+            held.push(conn);
+        }
+    });
+    let want = expectation(0..64);
+    let chunks = chunks(&want, 16);
+    let channel = tandem_net::channel(&addr.to_string(), None).expect("channel");
+    let mut p = KvPush::start(channel, &header("silent", &want, chunks.len() as u32));
+    let stall = Duration::from_millis(300);
+    let started = std::time::Instant::now();
+    let mut sent = 0;
+    let err = loop {
+        match p.send_within(&chunks[sent % chunks.len()], stall).await {
+            Ok(()) => sent += 1,
+            Err(e) => break e,
+        }
+        assert!(sent < 1000, "a silent receiver took {sent} chunks");
+    };
+    assert!(matches!(err, Error::Stalled { waited_ms: 300 }), "{err}");
+    assert_eq!(err.request_code(), Code::Unavailable);
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "stalled only after {:?}",
+        started.elapsed()
+    );
+    let aborting = std::time::Instant::now();
+    p.abort("stalled".into());
+    assert!(aborting.elapsed() < Duration::from_millis(100));
+    held.abort();
 }

@@ -369,6 +369,14 @@ impl Handoffs {
         s.streams.remove(&last_block);
     }
 
+    /// A stream kept for a peer came back to this node: its blocks, by hash, are in use here.
+    fn taken_back(&self, hashes: &[u64]) {
+        let mut s = self.lock();
+        for h in hashes {
+            s.streams.remove(h);
+        }
+    }
+
     /// Kept streams and offered sequences not fetched yet.
     fn unfetched(&self) -> (usize, usize) {
         let s = self.lock();
@@ -528,6 +536,12 @@ impl KvMoves {
                 None
             }
         }
+    }
+
+    /// A stream this node kept at drain came back to it (no peer outside a drain could take
+    /// it): `hashes` are its prompt's blocks, and the drain stops waiting for their fetch.
+    pub fn taken_back(&self, hashes: &[u64]) {
+        self.handoffs.taken_back(hashes);
     }
 
     /// `Worker.Sessions`: the drain's offer, to the first caller. A caller that saw NOT_SERVING

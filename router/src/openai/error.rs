@@ -74,10 +74,16 @@ impl ApiError {
             ),
             _ => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
         };
+        // A refusal for capacity always says when to come back; an unavailable router says
+        // so when it knows (it drains).
+        let retry_after_ms = match status {
+            StatusCode::TOO_MANY_REQUESTS => Some(retry_after_ms.unwrap_or(1000)),
+            StatusCode::SERVICE_UNAVAILABLE => retry_after_ms,
+            _ => None,
+        };
         Self {
             code,
-            retry_after_s: (status == StatusCode::TOO_MANY_REQUESTS)
-                .then(|| retry_after_ms.unwrap_or(1000).div_ceil(1000).max(1)),
+            retry_after_s: retry_after_ms.map(|ms| ms.div_ceil(1000).max(1)),
             ..Self::new(status, message, kind)
         }
     }
@@ -144,6 +150,11 @@ mod tests {
         s.metadata_mut()
             .insert("grpc-retry-pushback-ms", "2500".parse().expect("ascii"));
         assert_eq!(ApiError::from_status(&s).retry_after_s, Some(3));
+        let draining = ApiError::from(Error::Draining);
+        assert_eq!(draining.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(draining.retry_after_s, Some(1));
+        let gone = ApiError::from(Error::NoReplica { role: "decode" });
+        assert_eq!(gone.retry_after_s, None);
         for (code, status) in [
             (Code::InvalidArgument, 400),
             (Code::Unauthenticated, 401),

@@ -263,9 +263,9 @@ async fn models(State(api): State<GenerationService>) -> Json<Value> {
 }
 
 /// For load balancers: 200 while the router can route (it knows the model and a decode
-/// replica is up) and is not shutting down, else 503.
+/// replica is up) and is not draining, else 503.
 async fn health(State(api): State<GenerationService>) -> Response {
-    if api.dispatcher.replicas.ready() && !api.shutdown.is_cancelled() {
+    if api.dispatcher.replicas.ready() && !api.draining.is_cancelled() {
         (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()
     } else {
         (
