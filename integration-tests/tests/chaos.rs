@@ -1356,14 +1356,22 @@ fn completion(model: &str, r: &pb::GenerateRequest) -> serde_json::Value {
 
 /// The first wave of `case` ([`STREAMS`] requests) as OpenAI HTTP streams, each read to its
 /// third chunk: all running at once, for the fault to hit.
-async fn http_wave(http: &reqwest::Client, model: &str, case: &Case) -> Result<Vec<SseStream>> {
+async fn http_wave(
+    http: &reqwest::Client,
+    model: &str,
+    case: &Case,
+) -> Result<Vec<(SseStream, Instant)>> {
     let url = format!("{}/completions", http_base());
     let mut streams = Vec::new();
     for r in &case.requests[..STREAMS] {
         SENT.fetch_add(1, Ordering::Relaxed);
-        streams.push(SseStream::start(http, &url, &completion(model, r)).await?);
+        let started = Instant::now();
+        streams.push((
+            SseStream::start(http, &url, &completion(model, r)).await?,
+            started,
+        ));
     }
-    for s in &mut streams {
+    for (s, _) in &mut streams {
         s.read_until(3).await?;
     }
     Ok(streams)
@@ -1372,14 +1380,14 @@ async fn http_wave(http: &reqwest::Client, model: &str, case: &Case) -> Result<V
 /// Reads each stream to its end (C1: by its deadline plus 1 s), as an outcome: OK is `[DONE]`
 /// with no error event; an error event's code is the status; a stream that closes with
 /// neither is broken (C2).
-async fn http_outcomes(streams: Vec<SseStream>, t0: Instant) -> Vec<(usize, Outcome)> {
+async fn http_outcomes(streams: Vec<(SseStream, Instant)>, t0: Instant) -> Vec<(usize, Outcome)> {
     let tasks: Vec<_> = streams
         .into_iter()
-        .map(|mut s| {
+        .map(|(mut s, started)| {
             tokio::spawn(async move {
-                let started = Instant::now();
                 let mut out = Outcome::default();
-                match tokio::time::timeout(DEADLINE + Duration::from_secs(1), s.finish()).await {
+                let left = (DEADLINE + Duration::from_secs(1)).saturating_sub(started.elapsed());
+                match tokio::time::timeout(left, s.finish()).await {
                     Err(_) => {
                         out.hung = true;
                         out.status = "hung".into();
@@ -1435,12 +1443,16 @@ async fn http_router_stop(case: &Case) -> Result<Row> {
     let router = container("router", 1);
     docker(&["kill", "-s", "TERM", &router])?;
     let health = format!("http://127.0.0.1:{HTTP_PORT}/health");
-    until("the router says it drains", Duration::from_secs(5), async || {
-        http.get(&health)
-            .send()
-            .await
-            .is_ok_and(|r| r.status() == 503)
-    })
+    until(
+        "the router says it drains",
+        Duration::from_secs(5),
+        async || {
+            http.get(&health)
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 503)
+        },
+    )
     .await?;
     let mut failures = Vec::new();
     let probe = http
@@ -1507,8 +1519,9 @@ async fn http_decode_stop(case: &Case) -> Result<Row> {
     // The compose file's TANDEM_GRACE_MS.
     let grace = Duration::from_secs(10);
     if took > grace {
-        row.failures
-            .push(format!("the streams took {took:?}, past the {grace:?} grace"));
+        row.failures.push(format!(
+            "the streams took {took:?}, past the {grace:?} grace"
+        ));
     }
     if returned == 0.0 {
         row.failures

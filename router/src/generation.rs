@@ -1343,7 +1343,10 @@ mod tests {
         while progress.handoffs < MAX_HANDOFFS {
             assert!(progress.retry(&handoff("d1:1", 16), &budget));
         }
-        assert!(!progress.retry(&handoff("d1:1", 16), &budget), "out of moves");
+        assert!(
+            !progress.retry(&handoff("d1:1", 16), &budget),
+            "out of moves"
+        );
     }
 
     /// A choice's stream through a decode node cut after three frames: the second attempt

@@ -247,7 +247,10 @@ async fn drain(generations: &TaskTracker, cut: &CancellationToken, grace: std::t
         "draining: new requests refused, running streams finishing"
     );
     let started = std::time::Instant::now();
-    if tokio::time::timeout(grace, generations.wait()).await.is_err() {
+    if tokio::time::timeout(grace, generations.wait())
+        .await
+        .is_err()
+    {
         tracing::warn!(
             streams = generations.len(),
             grace_ms = grace.as_millis() as u64,
