@@ -1435,12 +1435,16 @@ async fn http_router_stop(case: &Case) -> Result<Row> {
     let router = container("router", 1);
     docker(&["kill", "-s", "TERM", &router])?;
     let health = format!("http://127.0.0.1:{HTTP_PORT}/health");
-    until("the router says it drains", Duration::from_secs(5), async || {
-        http.get(&health)
-            .send()
-            .await
-            .is_ok_and(|r| r.status() == 503)
-    })
+    until(
+        "the router says it drains",
+        Duration::from_secs(5),
+        async || {
+            http.get(&health)
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 503)
+        },
+    )
     .await?;
     let mut failures = Vec::new();
     let probe = http
@@ -1507,8 +1511,9 @@ async fn http_decode_stop(case: &Case) -> Result<Row> {
     // The compose file's TANDEM_GRACE_MS.
     let grace = Duration::from_secs(10);
     if took > grace {
-        row.failures
-            .push(format!("the streams took {took:?}, past the {grace:?} grace"));
+        row.failures.push(format!(
+            "the streams took {took:?}, past the {grace:?} grace"
+        ));
     }
     if returned == 0.0 {
         row.failures

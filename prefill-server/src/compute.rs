@@ -344,7 +344,10 @@ mod tests {
     #[test]
     fn the_pulse_says_idle_or_recent_and_falls_silent_once_stuck() {
         let pulse = Pulse::default();
-        assert!(pulse.within(Duration::ZERO), "waiting for work is not stuck");
+        assert!(
+            pulse.within(Duration::ZERO),
+            "waiting for work is not stuck"
+        );
         pulse.beat();
         assert!(pulse.within(Duration::from_secs(60)));
         std::thread::sleep(Duration::from_millis(20));

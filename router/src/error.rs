@@ -98,9 +98,7 @@ impl Error {
             | Error::NotReady
             | Error::ShuttingDown
             | Error::Draining
-            | Error::Serve(_) => {
-                Code::Unavailable
-            }
+            | Error::Serve(_) => Code::Unavailable,
             Error::Deadline => Code::DeadlineExceeded,
             Error::Downstream { code, .. } => *code,
         }
