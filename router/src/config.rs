@@ -3,7 +3,6 @@
 use std::time::Duration;
 
 pub use crate::auth::{AuthConfig, KeyLimits};
-pub use crate::policy::PolicyKind;
 
 /// Hard limits on what one client request may ask for, each enforced before the work or the
 /// memory it would cost.
@@ -58,7 +57,7 @@ pub struct Config {
     /// How long in-flight streams (gRPC and HTTP) may run after shutdown begins, while new
     /// requests are refused.
     pub grace: Duration,
-    /// How replicas are chosen (see [`crate::policy`]).
+    /// How replicas are chosen (see [`crate::cluster::policy`]).
     pub policy: PolicyKind,
     /// Most block hashes the cache index keeps per replica (10-21 bytes each).
     pub index_max_blocks: usize,
@@ -88,9 +87,9 @@ pub struct SamplingDefaults {
 
 impl SamplingDefaults {
     /// Each default within what a request may set.
-    pub fn validate(&self) -> crate::Result<()> {
+    pub fn validate(&self) -> crate::error::Result<()> {
         let out = |field, v: Option<f32>, ok: fn(f32) -> bool, range: &str| match v {
-            Some(v) if !ok(v) => Err(crate::Error::InvalidArgument {
+            Some(v) if !ok(v) => Err(crate::error::Error::InvalidArgument {
                 field,
                 reason: format!("must be in {range}, got {v}"),
             }),
@@ -137,4 +136,14 @@ impl Default for Config {
             sampling_defaults: SamplingDefaults::default(),
         }
     }
+}
+
+/// Which policy the router runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PolicyKind {
+    /// The cost formula ([`crate::cluster::policy`]).
+    #[default]
+    Affinity,
+    /// Replicas in turn, always with a remote prefill: the baseline for benchmarks.
+    RoundRobin,
 }

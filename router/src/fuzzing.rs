@@ -5,10 +5,10 @@
 use axum::http::HeaderMap;
 use tandem_proto::v1 as pb;
 
+use crate::api::openai::{DEFAULT_MAX_TOKENS, Kind, parse};
+use crate::cluster::frontend::Frontend;
 use crate::config::Limits;
-use crate::generation::{check_ids, prepare};
-use crate::openai::{DEFAULT_MAX_TOKENS, Kind, parse};
-use crate::replicas::Frontend;
+use crate::dispatch::prepare::{check_ids, prepare};
 
 /// The router's request checks for one model.
 #[derive(Debug)]

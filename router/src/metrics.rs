@@ -6,7 +6,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use std::sync::atomic::AtomicU64;
 
-use crate::index::{Freshness, Mode};
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
@@ -282,51 +281,6 @@ impl RouterMetrics {
 
     pub fn failover(&self, hop: &'static str) {
         self.failovers.get_or_create(&HopLabel { hop }).inc();
-    }
-
-    /// Sets one replica's gauges: whether it is up, and its index's freshness.
-    pub fn replica(&self, replica: &str, role: &'static str, up: bool, f: Freshness) {
-        let label = ReplicaLabel {
-            replica: replica.to_string(),
-            role,
-        };
-        self.replica_up.get_or_create(&label).set(i64::from(up));
-        self.index_events_behind
-            .get_or_create(&label)
-            .set(f.events_behind as i64);
-        self.index_seconds_since_sync
-            .get_or_create(&label)
-            .set(f.seconds_since_sync);
-        self.index_blocks.get_or_create(&label).set(f.blocks as i64);
-        for mode in Mode::ALL {
-            let label = ReplicaModeLabel {
-                replica: replica.to_string(),
-                role,
-                mode: mode.name(),
-            };
-            self.index_mode
-                .get_or_create(&label)
-                .set(i64::from(mode == f.mode));
-        }
-    }
-
-    /// Drops a replica's gauges once it has left the set.
-    pub fn forget_replica(&self, replica: &str, role: &'static str) {
-        let label = ReplicaLabel {
-            replica: replica.to_string(),
-            role,
-        };
-        self.replica_up.remove(&label);
-        self.index_events_behind.remove(&label);
-        self.index_seconds_since_sync.remove(&label);
-        self.index_blocks.remove(&label);
-        for mode in Mode::ALL {
-            self.index_mode.remove(&ReplicaModeLabel {
-                replica: replica.to_string(),
-                role,
-                mode: mode.name(),
-            });
-        }
     }
 
     pub fn refused(&self, reason: &'static str) {

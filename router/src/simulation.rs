@@ -7,8 +7,10 @@ use std::sync::Arc;
 use tandem_proto::v1 as pb;
 use tokio_util::sync::CancellationToken;
 
-use crate::policy::{Ask, Policy, PolicyKind};
-use crate::replicas::{Replicas, Role};
+use crate::cluster::policy::{Ask, Policy};
+use crate::cluster::replica::Role;
+use crate::cluster::replicas::Replicas;
+use crate::config::PolicyKind;
 
 /// A replica set that is never connected to.
 #[derive(Debug)]

@@ -1,6 +1,6 @@
 //! The replica set: each prefill and decode node's channel, health (from `grpc.health.v1`
 //! Watch), load (polled `Worker.Load`, plus what this router has in flight there) and cache
-//! index (see [`crate::index`]). Which replicas serve a request is [`crate::policy`]'s choice.
+//! index (see [`crate::cluster::index`]). Which replicas serve a request is [`crate::cluster::policy`]'s choice.
 //!
 //! ```text
 //! per replica: monitor task ──Health.Watch──▶ healthy flag
@@ -17,279 +17,16 @@ use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Duration;
 
 use tandem_proto::v1 as pb;
-use tandem_tokenizer::{Tokenizer, TokenizerSpec};
 use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tonic::transport::Channel;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
-use crate::index::CacheIndex;
+use crate::cluster::frontend::{Frontend, kv_dtype};
+use crate::cluster::index::{CacheIndex, RECONNECT_MAX};
+use crate::cluster::replica::{LIVENESS_TIMEOUT, Replica, Role};
 use crate::metrics::RouterMetrics;
-
-/// The longest a gone replica waits to be asked again (health and cache index alike): a node
-/// restarted in a rolling restart is back in the set within this of serving, before the next
-/// node goes down.
-pub(crate) const RECONNECT_MAX: Duration = Duration::from_millis(500);
-
-/// A reported speed (f64 bits), or `fallback` while it is 0 (not measured yet).
-fn measured_or(bits: &AtomicU64, fallback: f64) -> f64 {
-    match f64::from_bits(bits.load(Ordering::Relaxed)) {
-        r if r > 0.0 => r,
-        _ => fallback,
-    }
-}
-
-/// What the router knows of the model, from the first worker that answered.
-#[derive(Debug)]
-pub struct Frontend {
-    /// The model's name, as its workers report it (the OpenAI API's model id).
-    pub model_name: String,
-    pub tokenizer: Tokenizer,
-    pub context_tokens: usize,
-    pub fingerprint: Vec<u8>,
-    /// How the workers keep and send KV (`f16` or `q8`).
-    pub kv_dtype: String,
-}
-
-impl Frontend {
-    pub(crate) fn from_info(info: &pb::InfoResponse) -> Option<Self> {
-        let spec: TokenizerSpec = serde_json::from_str(&info.tokenizer_spec_json)
-            .map_err(|e| tracing::error!(error = %e, "worker sent an unreadable tokenizer spec"))
-            .ok()?;
-        let tokenizer = Tokenizer::new(spec)
-            .map_err(|e| tracing::error!(error = %e, "worker sent an unusable tokenizer spec"))
-            .ok()?;
-        Some(Self {
-            model_name: info.model_name.clone(),
-            tokenizer,
-            context_tokens: info.context_tokens as usize,
-            fingerprint: info.model_fingerprint.to_vec(),
-            kv_dtype: kv_dtype(info).to_string(),
-        })
-    }
-}
-
-/// A worker's KV dtype; workers that do not say keep f16.
-fn kv_dtype(info: &pb::InfoResponse) -> &str {
-    match info.kv_dtype.as_str() {
-        "" => "f16",
-        other => other,
-    }
-}
-
-/// How long a replica may take to answer a health check before it counts as gone.
-pub const LIVENESS_TIMEOUT: Duration = Duration::from_secs(1);
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Role {
-    Prefill,
-    Decode,
-}
-
-impl Role {
-    pub fn name(self) -> &'static str {
-        match self {
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-        }
-    }
-}
-
-#[derive(Debug)]
-pub struct Replica {
-    /// The address dialled: `ip:port` for a replica found by DNS.
-    pub addr: String,
-    /// What the configuration named (`host:port`); DNS discovery adds and removes the
-    /// replicas of a target as the name's answers change.
-    pub target: String,
-    pub role: Role,
-    pub channel: Channel,
-    pub index: CacheIndex,
-    healthy: AtomicBool,
-    /// It reported NOT_SERVING and still answers: draining, its cache still fetchable.
-    draining: AtomicBool,
-    compatible: AtomicBool,
-    /// Wire bytes of one token's KV, as `Worker.Info` says; 0 until known.
-    kv_bytes_per_token: AtomicU64,
-    /// Requests active or queued there, as last reported, less this router's requests that
-    /// finished since (the report counted them): a follow-up turn sent right after its previous
-    /// turn ended must not find that turn's replica busy for up to a poll interval.
-    reported: AtomicU32,
-    /// Load reports received so far.
-    reports: AtomicU64,
-    capacity: AtomicU32,
-    /// Prompt tokens queued there (prefill), as last reported.
-    queued_tokens: AtomicU64,
-    /// Measured prompt throughput (f64 bits), as last reported; 0 until measured.
-    prefill_tokens_per_second: AtomicU64,
-    /// Measured speed of its disk tier's reads (f64 bits, tokens per second); 0 until measured.
-    restore_tokens_per_second: AtomicU64,
-    /// Requests and prompt tokens this router has sent there and not yet seen finish.
-    inflight: AtomicU32,
-    inflight_tokens: AtomicU64,
-    /// Cancelled when the replica leaves the set; ends its monitor and index tasks.
-    stop: CancellationToken,
-    /// The set's [`Replicas::changed`], woken when this replica may have room again.
-    changed: Arc<tokio::sync::Notify>,
-}
-
-impl Replica {
-    pub fn is_up(&self) -> bool {
-        self.healthy.load(Ordering::Relaxed) && self.compatible.load(Ordering::Relaxed)
-    }
-
-    /// Requests there: the larger of the last report (which counts other routers' requests
-    /// too, but lags) and this router's own in flight (current, but only its own).
-    pub fn load(&self) -> u32 {
-        self.reported
-            .load(Ordering::Relaxed)
-            .max(self.inflight.load(Ordering::Relaxed))
-    }
-
-    pub fn capacity(&self) -> u32 {
-        self.capacity.load(Ordering::Relaxed)
-    }
-
-    /// This router's requests on the replica now.
-    pub fn inflight(&self) -> usize {
-        self.inflight.load(Ordering::Relaxed) as usize
-    }
-
-    /// Whether this router may send the replica another request: fewer of its own requests
-    /// there than the places the replica reports (any number before its first report). Other
-    /// routers' requests show only in the replica's admission, which refuses what does not fit.
-    pub fn has_room(&self) -> bool {
-        self.holds(self.inflight.load(Ordering::Relaxed) + 1)
-    }
-
-    /// Whether `requests` of this router's fit in the places the replica reports (any number
-    /// before its first report).
-    fn holds(&self, requests: u32) -> bool {
-        let capacity = self.capacity();
-        capacity == 0 || requests <= capacity
-    }
-
-    /// Prompt tokens waiting there: the larger of the last report and this router's own in
-    /// flight, as for [`Replica::load`].
-    pub fn queued_tokens(&self) -> u64 {
-        self.queued_tokens
-            .load(Ordering::Relaxed)
-            .max(self.inflight_tokens.load(Ordering::Relaxed))
-    }
-
-    /// Measured prompt tokens per second; 0 until measured.
-    pub fn prefill_rate(&self) -> f64 {
-        f64::from_bits(self.prefill_tokens_per_second.load(Ordering::Relaxed))
-    }
-
-    /// Measured tokens per second its disk tier reads back, or `fallback` while nothing has
-    /// been measured.
-    pub fn restore_rate_or(&self, fallback: f64) -> f64 {
-        measured_or(&self.restore_tokens_per_second, fallback)
-    }
-
-    /// [`Replica::prefill_rate`], or `fallback` while nothing has been measured.
-    pub fn prefill_rate_or(&self, fallback: f64) -> f64 {
-        measured_or(&self.prefill_tokens_per_second, fallback)
-    }
-
-    /// Whether peers may fetch KV from its cache: it is up, or draining (its cache is
-    /// still served while it hands off).
-    pub fn can_serve_fetch(&self) -> bool {
-        (self.healthy.load(Ordering::Relaxed) || self.draining.load(Ordering::Relaxed))
-            && self.compatible.load(Ordering::Relaxed)
-    }
-
-    /// Whether it reported NOT_SERVING and still answers.
-    pub fn is_draining(&self) -> bool {
-        self.draining.load(Ordering::Relaxed)
-    }
-
-    /// Wire bytes of one token's KV; 0 until known.
-    pub fn kv_bytes_per_token(&self) -> u64 {
-        self.kv_bytes_per_token.load(Ordering::Relaxed)
-    }
-
-    /// Sets the health flag directly, for [`crate::simulation`] (the monitor follows Watch).
-    pub(crate) fn set_healthy(&self, up: bool) {
-        self.healthy.store(up, Ordering::Relaxed);
-    }
-
-    /// Marks the replica draining (NOT_SERVING, still answering) with KV of
-    /// `kv_bytes_per_token`, as its monitor would.
-    #[cfg(test)]
-    pub(crate) fn set_draining(&self, kv_bytes_per_token: u64) {
-        self.healthy.store(false, Ordering::Relaxed);
-        self.draining.store(true, Ordering::Relaxed);
-        self.kv_bytes_per_token
-            .store(kv_bytes_per_token, Ordering::Relaxed);
-    }
-
-    /// Counts a request of `tokens` prompt tokens against this replica while the guard lives.
-    pub fn claim(self: &Arc<Self>, tokens: u64) -> InflightGuard {
-        self.inflight.fetch_add(1, Ordering::Relaxed);
-        self.inflight_tokens.fetch_add(tokens, Ordering::Relaxed);
-        InflightGuard {
-            replica: self.clone(),
-            tokens,
-            reports_at_claim: self.reports.load(Ordering::Relaxed),
-        }
-    }
-
-    /// Records a load report: requests active or queued, and the capacity. Returns whether
-    /// either changed.
-    pub(crate) fn record_load(&self, requests: u32, capacity: u32) -> bool {
-        let was = (
-            self.reported.swap(requests, Ordering::Relaxed),
-            self.capacity.swap(capacity, Ordering::Relaxed),
-        );
-        self.reports.fetch_add(1, Ordering::Relaxed);
-        was != (requests, capacity)
-    }
-}
-
-/// Counts a request against a replica while it lives.
-#[derive(Debug)]
-pub struct InflightGuard {
-    replica: Arc<Replica>,
-    tokens: u64,
-    /// The replica's report count when the request was claimed: a report received since then
-    /// counted the request.
-    reports_at_claim: u64,
-}
-
-impl InflightGuard {
-    pub fn replica(&self) -> &Arc<Replica> {
-        &self.replica
-    }
-
-    /// Whether the replica had room for this request ([`Replica::has_room`] before it was
-    /// counted).
-    pub fn fits(&self) -> bool {
-        self.replica
-            .holds(self.replica.inflight.load(Ordering::Relaxed))
-    }
-}
-
-impl Drop for InflightGuard {
-    fn drop(&mut self) {
-        self.replica.inflight.fetch_sub(1, Ordering::Relaxed);
-        self.replica
-            .inflight_tokens
-            .fetch_sub(self.tokens, Ordering::Relaxed);
-        if self.replica.reports.load(Ordering::Relaxed) != self.reports_at_claim {
-            let _ = self
-                .replica
-                .reported
-                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |r| {
-                    Some(r.saturating_sub(1))
-                });
-        }
-        self.replica.changed.notify_waiters();
-    }
-}
 
 /// How the set monitors the replicas it holds (absent in [`crate::simulation`]).
 #[derive(Debug)]
@@ -405,7 +142,7 @@ impl Replicas {
         drop(all);
         replica.stop.cancel();
         if let Some(m) = self.monitoring.get() {
-            m.metrics.forget_replica(&replica.addr, role.name());
+            crate::cluster::index::forget_gauges(&m.metrics, &replica.addr, role.name());
         }
         tracing::info!(replica = %addr, role = role.name(), "replica removed");
         self.changed.notify_waiters();
@@ -477,7 +214,9 @@ impl Replicas {
                     () = cancel.cancelled() => return,
                 }
                 for r in set.all() {
-                    metrics.replica(&r.addr, r.role.name(), r.is_up(), r.index.freshness());
+                    r.index
+                        .freshness()
+                        .report(&metrics, &r.addr, r.role.name(), r.is_up());
                 }
             }
         });
@@ -524,7 +263,7 @@ impl Replicas {
             return;
         };
         let peers = self.up(r.role);
-        let task = crate::migrate::move_sessions(r.clone(), peers, m.metrics.clone());
+        let task = crate::cluster::migrate::move_sessions(r.clone(), peers, m.metrics.clone());
         let stop = r.stop.clone();
         m.tracker.spawn(async move {
             tokio::select! {

@@ -11,8 +11,32 @@ use axum::http::{HeaderMap, StatusCode};
 use serde_json::{Map, Value, json};
 use tandem_proto::v1 as pb;
 
-use super::{ApiError, Kind};
+use crate::api::openai::error::ApiError;
 use crate::config::SamplingDefaults;
+
+/// Which endpoint a request came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Chat,
+    Completion,
+}
+
+impl Kind {
+    pub(super) fn object(self, streaming: bool) -> &'static str {
+        match (self, streaming) {
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Completion, _) => "text_completion",
+        }
+    }
+
+    pub(super) fn id_prefix(self) -> &'static str {
+        match self {
+            Kind::Chat => "chatcmpl-",
+            Kind::Completion => "cmpl-",
+        }
+    }
+}
 
 /// A request, read and checked.
 #[derive(Debug)]
@@ -362,7 +386,9 @@ fn tools(body: &Map<String, Value>, forced: bool) -> Result<Vec<pb::Tool>, ApiEr
                 ));
             }
             let name = match f.get("name") {
-                Some(Value::String(n)) if crate::chat::valid_function_name(n) => n.clone(),
+                Some(Value::String(n)) if crate::dispatch::chat::valid_function_name(n) => {
+                    n.clone()
+                }
                 _ => {
                     return Err(ApiError::invalid(
                         &format!("{param}.function.name"),

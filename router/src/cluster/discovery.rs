@@ -16,8 +16,9 @@ use hickory_resolver::TokioResolver;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::cluster::replica::Role;
+use crate::cluster::replicas::Replicas;
 use crate::error::{Error, Result};
-use crate::replicas::{Replicas, Role};
 
 /// How often a name is resolved again.
 pub const RESOLVE_INTERVAL: Duration = Duration::from_secs(2);

@@ -10,11 +10,11 @@ use serde_json::{Value, json};
 use tandem_proto::v1 as pb;
 use tandem_tokenizer::{Piece, ToolCallParser};
 
-use super::request::StreamUsage;
-use super::{ApiError, Kind};
-use crate::log::is_last;
-use crate::replicas::Frontend;
-use crate::service::GenerateStream;
+use crate::api::openai::error::ApiError;
+use crate::api::openai::request::{Kind, StreamUsage};
+use crate::cluster::frontend::Frontend;
+use crate::dispatch::GenerateStream;
+use crate::dispatch::log::is_last;
 
 fn usage(u: &pb::Usage) -> Value {
     json!({

@@ -1,7 +1,25 @@
-//! The router's gRPC face: `Generation.Generate`. Admission, request-id attachment (atomic:
-//! lookup and registration under one lock), and the hand-off to a generation task; the flow
-//! itself is in [`crate::generation`]. The OpenAI HTTP API ([`crate::openai`]) starts its
-//! generations through the same [`GenerationService::start`].
+//! Dispatch: how a request becomes a generation and runs through the cluster. Both API fronts
+//! ([`crate::api`]) start their generations through [`GenerationService::start`]: admission,
+//! request-id attachment (atomic: lookup and registration under one lock), and the hand-off
+//! to a generation task, which the [`Dispatcher`] runs.
+//!
+//! ```text
+//! start ─▶ prepare (ids, limits, tokens) ─▶ Dispatcher::run: per choice, attempts
+//!            (run) ─▶ admit (queue, policy, decode admission) ─▶ relay (progress) ─▶ log
+//! ```
+//!
+//! Imports run down this list: a module uses only those below it, the cluster view and the
+//! shared modules.
+
+pub mod admit;
+pub mod chat;
+pub mod dispatcher;
+pub mod log;
+pub mod prepare;
+pub mod progress;
+pub mod queue;
+pub mod retry;
+pub mod run;
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -13,19 +31,15 @@ use tandem_proto::v1 as pb;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::auth::{KeyStore, Principal};
 use crate::config::Limits;
+use crate::dispatch::dispatcher::{Dispatcher, Outcome};
+use crate::dispatch::log::{Item, LogWriter};
+use crate::dispatch::prepare::{check_ids, prepare};
 use crate::error::Error;
-use crate::generation::{Dispatcher, Outcome, check_ids, prepare};
-use crate::log::{Item, LogWriter};
-
-/// A request id for a request that came without one.
-pub(crate) fn fresh_request_id() -> String {
-    format!("{:032x}", rand::random::<u128>())
-}
+use crate::ids::fresh_request_id;
 
 pub(crate) type GenerateStream = Pin<Box<dyn Stream<Item = Item> + Send + 'static>>;
 
@@ -67,23 +81,6 @@ impl GenerationService {
         self.keys
             .authenticate(authorization)
             .inspect_err(|e| self.dispatcher.metrics.finished(e.code()))
-    }
-
-    /// The gRPC side of [`GenerationService::authenticate`]: an interceptor, which runs before
-    /// the message is decoded, handing the [`Principal`] to the handler in the extensions.
-    pub(crate) fn interceptor(
-        &self,
-    ) -> impl FnMut(Request<()>) -> Result<Request<()>, Status> + Clone + use<> {
-        let svc = self.clone();
-        move |mut request: Request<()>| {
-            let header = request
-                .metadata()
-                .get("authorization")
-                .map(|v| v.as_bytes());
-            let principal = svc.authenticate(header)?;
-            request.extensions_mut().insert(principal);
-            Ok(request)
-        }
     }
 
     /// Starts (or attaches to) a generation for `principal` and returns its frames. `deadline`
@@ -198,28 +195,4 @@ fn attach(running: &Running, key: &(Arc<str>, String)) -> Option<GenerateStream>
     let log = running.get(key)?;
     tracing::info!(request_id = %key.1, "attaching to the running generation");
     Some(Box::pin(log.subscribe().stream()))
-}
-
-#[tonic::async_trait]
-impl pb::generation_server::Generation for GenerationService {
-    type GenerateStream = GenerateStream;
-
-    #[tracing::instrument(skip_all, fields(request_id = %tandem_proto::loggable_id(&request.get_ref().request_id)))]
-    async fn generate(
-        &self,
-        request: Request<pb::GenerateRequest>,
-    ) -> Result<Response<Self::GenerateStream>, Status> {
-        let deadline = tandem_net::deadline(request.metadata());
-        // The interceptor ([`GenerationService::interceptor`]) put it there before the body was
-        // read.
-        let principal = request
-            .extensions()
-            .get::<Principal>()
-            .cloned()
-            .ok_or(Error::Unauthenticated)?;
-        let stream = self
-            .start(request.into_inner(), &principal, deadline, None)
-            .await?;
-        Ok(Response::new(stream))
-    }
 }

@@ -32,41 +32,18 @@ use tandem_tokenizer::{Tokenizer, ToolCallParser};
 use tonic::Code;
 
 use crate::auth::Principal;
+use crate::dispatch::{GenerateStream, GenerationService};
 use crate::error::Error;
-use crate::service::{GenerateStream, GenerationService, fresh_request_id};
+use crate::ids::fresh_request_id;
 
-pub(crate) use error::ApiError;
-pub(crate) use request::parse;
-use response::{Choice, Envelope, Logprobs, Replies, Reply, sse};
+pub(crate) use crate::api::openai::error::ApiError;
+pub(crate) use crate::api::openai::request::{Kind, parse};
+use crate::api::openai::response::{Choice, Envelope, Logprobs, Replies, Reply, sse};
 
 /// Most tokens a request may generate when it sets no `max_tokens` (less if the context ends
 /// sooner). The decode node reserves KV for the worst case, so "the whole context" by default
 /// would let a handful of requests hold the pool.
 pub const DEFAULT_MAX_TOKENS: u32 = 1024;
-
-/// Which endpoint a request came to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Kind {
-    Chat,
-    Completion,
-}
-
-impl Kind {
-    fn object(self, streaming: bool) -> &'static str {
-        match (self, streaming) {
-            (Kind::Chat, false) => "chat.completion",
-            (Kind::Chat, true) => "chat.completion.chunk",
-            (Kind::Completion, _) => "text_completion",
-        }
-    }
-
-    fn id_prefix(self) -> &'static str {
-        match self {
-            Kind::Chat => "chatcmpl-",
-            Kind::Completion => "cmpl-",
-        }
-    }
-}
 
 /// The HTTP routes, served by [`crate::run`] on the HTTP listener.
 pub(crate) fn routes(service: GenerationService) -> axum::Router {
@@ -227,7 +204,7 @@ async fn run(
 fn tool_parser(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Option<ToolCallParser> {
     let format = tokenizer.tool_format().filter(|_| !r.tools.is_empty())?;
     let choice = pb::ToolChoice::try_from(r.tool_choice).ok()?;
-    let forced = crate::chat::reply_start(format, choice, &r.tool_choice_function)?;
+    let forced = crate::dispatch::chat::reply_start(format, choice, &r.tool_choice_function)?;
     Some(ToolCallParser::new(format, &forced))
 }
 

@@ -47,7 +47,7 @@
 //! throughput shows up in `handoff_remote`.
 //!
 //! The cheapest option wins. Candidates are only the healthy replicas that have not already
-//! failed this request (failover, see [`crate::generation`]) under a per-candidate load
+//! failed this request (failover, see [`crate::dispatch::progress`]) under a per-candidate load
 //! cap (bounded-load consistent hashing, Mirrokni et al.): a replica is eligible while its
 //! requests are fewer than `ceil(1.25 × (total + 1) / replicas)` of its role, and below its
 //! reported capacity. A hot session therefore moves once its replica is over the cap, and the
@@ -63,8 +63,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use tandem_proto::block_hash::BLOCK_TOKENS;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+use crate::cluster::replica::{InflightGuard, Replica, Role};
+use crate::cluster::replicas::Replicas;
+use crate::config::PolicyKind;
 use crate::error::{Error, Result};
-use crate::replicas::{InflightGuard, Replica, Replicas, Role};
 
 /// Prompt tokens per second assumed before any replica has measured its own.
 pub const DEFAULT_RATE: f64 = 500.0;
@@ -75,16 +77,6 @@ pub const DEFAULT_LINK_BYTES_PER_SECOND: f64 = 200e6;
 /// Tokens per second a disk tier is assumed to read back before it has measured its own (a
 /// block of 16 tokens from the page cache or an SSD takes well under a millisecond).
 pub const DEFAULT_RESTORE_RATE: f64 = 50_000.0;
-
-/// Which policy the router runs.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum PolicyKind {
-    /// The cost formula above.
-    #[default]
-    Affinity,
-    /// Replicas in turn, always with a remote prefill: the baseline for benchmarks.
-    RoundRobin,
-}
 
 /// What one request brings to the policy.
 #[derive(Debug)]

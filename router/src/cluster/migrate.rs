@@ -11,7 +11,7 @@
 //!
 //! A sequence no peer takes (no room, a failure) is left: its next use computes it, as it would
 //! have without the move. Nothing here touches a running request; those move through the
-//! hand-off in [`crate::generation`].
+//! hand-off in [`crate::dispatch::progress`].
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,8 +20,8 @@ use std::time::Duration;
 use futures::StreamExt;
 use tandem_proto::v1 as pb;
 
+use crate::cluster::replica::Replica;
 use crate::metrics::RouterMetrics;
-use crate::replicas::Replica;
 
 /// Sequences being moved at once from one draining node.
 const ADOPTS_IN_FLIGHT: usize = 2;
@@ -114,7 +114,7 @@ async fn adopt(
     let mut client =
         tandem_proto::limits!(pb::worker_client::WorkerClient::new(peer.channel.clone()));
     let mut request = tonic::Request::new(pb::AdoptRequest {
-        request_id: crate::service::fresh_request_id(),
+        request_id: crate::ids::fresh_request_id(),
         holder_addr: holder.to_string(),
         session: Some(session),
     });

@@ -27,6 +27,13 @@ use tandem_proto::v1 as pb;
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 
+use crate::metrics::{ReplicaLabel, ReplicaModeLabel, RouterMetrics};
+
+/// The longest a gone replica waits to be asked again (health and cache index alike): a node
+/// restarted in a rolling restart is back in the set within this of serving, before the next
+/// node goes down.
+pub(crate) const RECONNECT_MAX: Duration = Duration::from_millis(500);
+
 /// How far the index can be trusted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
@@ -100,6 +107,53 @@ pub struct Freshness {
     pub events_behind: u64,
     pub seconds_since_sync: f64,
     pub blocks: usize,
+}
+
+impl Freshness {
+    /// Sets one replica's gauges: whether it is up, and its index's freshness.
+    pub(crate) fn report(&self, m: &RouterMetrics, replica: &str, role: &'static str, up: bool) {
+        let label = ReplicaLabel {
+            replica: replica.to_string(),
+            role,
+        };
+        m.replica_up.get_or_create(&label).set(i64::from(up));
+        m.index_events_behind
+            .get_or_create(&label)
+            .set(self.events_behind as i64);
+        m.index_seconds_since_sync
+            .get_or_create(&label)
+            .set(self.seconds_since_sync);
+        m.index_blocks.get_or_create(&label).set(self.blocks as i64);
+        for mode in Mode::ALL {
+            let label = ReplicaModeLabel {
+                replica: replica.to_string(),
+                role,
+                mode: mode.name(),
+            };
+            m.index_mode
+                .get_or_create(&label)
+                .set(i64::from(mode == self.mode));
+        }
+    }
+}
+
+/// Drops a replica's gauges ([`Freshness::report`]) once it has left the set.
+pub(crate) fn forget_gauges(m: &RouterMetrics, replica: &str, role: &'static str) {
+    let label = ReplicaLabel {
+        replica: replica.to_string(),
+        role,
+    };
+    m.replica_up.remove(&label);
+    m.index_events_behind.remove(&label);
+    m.index_seconds_since_sync.remove(&label);
+    m.index_blocks.remove(&label);
+    for mode in Mode::ALL {
+        m.index_mode.remove(&ReplicaModeLabel {
+            replica: replica.to_string(),
+            role,
+            mode: mode.name(),
+        });
+    }
 }
 
 /// Why following the stream stopped.
@@ -264,7 +318,7 @@ impl CacheIndex {
                         self.set_mode(Mode::Resyncing);
                     }
                     tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(crate::replicas::RECONNECT_MAX);
+                    backoff = (backoff * 2).min(RECONNECT_MAX);
                 }
             }
         }

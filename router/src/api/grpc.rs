@@ -1,0 +1,50 @@
+//! The gRPC front: `tandem.v1.Generation`, whose calls are authenticated by [`interceptor`]
+//! before their message is decoded and then started through [`GenerationService::start`].
+
+use tandem_proto::v1 as pb;
+use tonic::{Request, Response, Status};
+
+use crate::auth::Principal;
+use crate::dispatch::{GenerateStream, GenerationService};
+use crate::error::Error;
+
+/// The gRPC side of [`GenerationService::authenticate`]: an interceptor, which runs before the
+/// message is decoded, handing the [`Principal`] to the handler in the extensions.
+pub(crate) fn interceptor(
+    svc: &GenerationService,
+) -> impl FnMut(Request<()>) -> Result<Request<()>, Status> + Clone + use<> {
+    let svc = svc.clone();
+    move |mut request: Request<()>| {
+        let header = request
+            .metadata()
+            .get("authorization")
+            .map(|v| v.as_bytes());
+        let principal = svc.authenticate(header)?;
+        request.extensions_mut().insert(principal);
+        Ok(request)
+    }
+}
+
+#[tonic::async_trait]
+impl pb::generation_server::Generation for GenerationService {
+    type GenerateStream = GenerateStream;
+
+    #[tracing::instrument(skip_all, fields(request_id = %tandem_proto::loggable_id(&request.get_ref().request_id)))]
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let deadline = tandem_net::deadline(request.metadata());
+        // The [`interceptor`] put it there before the body was
+        // read.
+        let principal = request
+            .extensions()
+            .get::<Principal>()
+            .cloned()
+            .ok_or(Error::Unauthenticated)?;
+        let stream = self
+            .start(request.into_inner(), &principal, deadline, None)
+            .await?;
+        Ok(Response::new(stream))
+    }
+}

@@ -1,0 +1,17 @@
+//! The cluster view: what the router knows of its workers and how it picks them.
+//!
+//! ```text
+//! discovery ─▶ replicas (the set: health, load, monitoring) ─▶ migrate (a drain's moves)
+//!                 │                                   policy (which replicas serve a request)
+//!                 └─ replica (one worker) ─▶ index (its cache, from its events), frontend
+//! ```
+//!
+//! Imports run down this list: a module uses only those below it, and the shared modules.
+
+pub mod discovery;
+pub mod frontend;
+pub mod index;
+pub mod migrate;
+pub mod policy;
+pub mod replica;
+pub mod replicas;

@@ -1,0 +1,279 @@
+//! Admission: a request waits in the router's queue until a decode replica it may use has
+//! room, then the policy chooses its replicas (or, for a handed-off stream no decode node
+//! outside a drain can take, the last resort) and the decode node admits it.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tandem_proto::v1 as pb;
+use tokio::time::Instant as TokioInstant;
+use tonic::Status;
+
+use crate::cluster::policy::{Ask, Choice};
+use crate::cluster::replica::{Replica, Role};
+use crate::dispatch::dispatcher::Dispatcher;
+use crate::dispatch::prepare::Prepared;
+use crate::dispatch::progress::{Failure, Progress, ms};
+use crate::dispatch::queue::Queued;
+use crate::error::Error;
+use crate::metrics::DecisionLabel;
+
+/// A request a decode node admitted: the replicas chosen, the decode stream (its `admitted`
+/// frame read), and what the admission said.
+#[derive(Debug)]
+pub(crate) struct Admission {
+    pub choice: Choice,
+    pub frames: tonic::Streaming<pb::DecodeResponse>,
+    /// The decode node's admission: what it held, and what it fetched.
+    pub admitted: pb::DecodeAdmitted,
+    pub transfer_id: String,
+    /// From the request's acceptance to its admission, in ms.
+    pub queue_ms: f64,
+}
+
+impl Dispatcher {
+    /// Puts the request in the router's queue, unless `queued` says it is there already. A
+    /// request not yet started whose deadline the predicted wait would outlast is refused
+    /// instead, at once (RESOURCE_EXHAUSTED, with that wait as its retry pushback); a failover
+    /// is never refused, its stream has begun.
+    fn enqueue(
+        &self,
+        queued: &mut Option<Queued>,
+        progress: &Progress,
+        deadline: TokioInstant,
+    ) -> Result<(), Failure> {
+        if queued.is_some() {
+            return Ok(());
+        }
+        let ahead = self.metrics.queued.get().max(0) as usize;
+        let left = deadline.saturating_duration_since(TokioInstant::now());
+        if progress.attempts == 1
+            && let Some(wait) = self.pace.predict(ahead)
+            && wait > left
+        {
+            self.metrics.refused("deadline");
+            return Err(Error::QueueTooLong { ahead, wait, left }.into());
+        }
+        self.metrics.queued.inc();
+        *queued = Some(Queued {
+            gauge: self.metrics.queued.clone(),
+            ahead,
+            since: Instant::now(),
+        });
+        Ok(())
+    }
+
+    /// The decode stream's next message. Silence longer than `gap` fails the attempt only when
+    /// the node has also stopped serving (its health watch ended or reports NOT_SERVING): a busy
+    /// node is slow, not dead, and its streams wait for it up to the request's deadline. A node
+    /// that dies breaks the connection, which ends the stream at once, and one that stops
+    /// answering HTTP/2 pings loses it within the keepalive bound.
+    pub(crate) async fn next_frame(
+        &self,
+        frames: &mut tonic::Streaming<pb::DecodeResponse>,
+        gap: Duration,
+        replica: &Replica,
+    ) -> Result<Option<pb::DecodeResponse>, Status> {
+        let mut quiet = Duration::ZERO;
+        loop {
+            match tokio::time::timeout(gap, frames.message()).await {
+                Ok(message) => return message,
+                Err(_) if replica.is_up() => {
+                    if quiet.is_zero() {
+                        self.metrics.decode_stalls.inc();
+                        tracing::info!(
+                            replica = %replica.addr,
+                            gap_ms = gap.as_millis() as u64,
+                            "decode node busy: no frame within the token gap, still waiting"
+                        );
+                    }
+                    quiet += gap;
+                }
+                Err(_) => {
+                    return Err(Status::unavailable(format!(
+                        "no frame for {} ms and the node stopped serving",
+                        (quiet + gap).as_millis()
+                    )));
+                }
+            }
+        }
+    }
+
+    /// Where a handed-off stream goes when no decode replica outside a drain may take it
+    /// (`decodes` is empty): back to the draining node that holds its KV, or else to any
+    /// draining decode node, which finishes it within its grace ([`pb::DecodeRequest`]'s
+    /// `last_resort`) instead of failing it. `None` for a stream that was not handed off, or
+    /// while a decode replica is up.
+    fn last_resort(
+        &self,
+        decodes: &[Arc<Replica>],
+        progress: &Progress,
+        tokens: usize,
+    ) -> Option<Choice> {
+        if !decodes.is_empty() {
+            return None;
+        }
+        let (holder, kept) = progress.holder.as_ref()?;
+        let all = self.replicas.all();
+        let decode = |r: &&Arc<Replica>| r.role == Role::Decode;
+        let (replica, held) = match all
+            .iter()
+            .filter(decode)
+            .find(|r| &r.addr == holder && r.can_serve_fetch())
+        {
+            Some(r) => (r, *kept),
+            None => (all.iter().filter(decode).find(|r| r.is_draining())?, 0),
+        };
+        tracing::info!(
+            choice = progress.choice,
+            decode = %replica.addr,
+            held,
+            "no decode node outside a drain: the stream goes back to a draining one"
+        );
+        self.metrics.last_resort.inc();
+        Some(Choice {
+            decode: replica.claim(tokens as u64),
+            prefill: None,
+            decode_overlap: held,
+            prefill_overlap: 0,
+            reason: "last resort: every decode node drains".into(),
+            prefill_idle: false,
+            fetch: None,
+        })
+    }
+
+    /// Waits in the router's queue until a decode replica this request may use has room
+    /// ([`crate::cluster::replica::Replica::has_room`]), and the chosen prefill replica too when the
+    /// prompt goes to one, then chooses replicas and has the decode node
+    /// admit the request. A node that refuses for capacity after all (other routers' requests,
+    /// its KV blocks) sends the request back to the queue until something changes, never to
+    /// the client; the request's deadline bounds the wait, and a request whose deadline the
+    /// queue's predicted wait would outlast is refused at once ([`Dispatcher::enqueue`]). The
+    /// queue itself is bounded by the router's `max_inflight`, past which requests are refused
+    /// at once.
+    pub(crate) async fn admit(
+        &self,
+        p: &Prepared,
+        tokens: &[u32],
+        hashes: &[u64],
+        progress: &Progress,
+        accepted: Instant,
+        deadline: TokioInstant,
+    ) -> Result<Admission, Failure> {
+        let mut queued = None;
+        loop {
+            let change = self.replicas.changed();
+            tokio::pin!(change);
+            change.as_mut().enable();
+            let ask = Ask {
+                tokens: tokens.len(),
+                hashes,
+                session_id: &p.session_id,
+                exclude: &progress.exclude,
+                holder: progress.holder.as_ref().map(|(a, t)| (a.as_str(), *t)),
+            };
+            let decodes = crate::cluster::policy::candidates(&self.replicas, Role::Decode, &ask);
+            // With none up, the policy answers at once.
+            if !decodes.is_empty() && !decodes.iter().any(|r| r.has_room()) {
+                self.enqueue(&mut queued, progress, deadline)?;
+                change.await;
+                continue;
+            }
+            let last_resort = self.last_resort(&decodes, progress, tokens.len());
+            let is_last_resort = last_resort.is_some();
+            let choice = match last_resort {
+                Some(choice) => choice,
+                None => self.policy.choose(&self.replicas, &ask)?,
+            };
+            if choice.prefill.as_ref().is_some_and(|p| !p.fits()) {
+                // The prefill node's queue is full: wait here rather than be refused there.
+                drop(choice);
+                self.enqueue(&mut queued, progress, deadline)?;
+                change.await;
+                continue;
+            }
+            let local = choice.prefill.is_none();
+            let decode = choice.decode.replica();
+            tracing::debug!(
+                attempt = progress.attempts,
+                decode = %decode.addr,
+                prefill = choice.prefill.as_ref().map_or("local", |g| g.replica().addr.as_str()),
+                reason = %choice.reason,
+                "dispatching"
+            );
+            let on_decode = |s: &Status| Failure::on_decode(&decode.addr, s);
+            let transfer_id = if local {
+                String::new()
+            } else {
+                crate::ids::transfer_id()
+            };
+            let mut d_client =
+                tandem_proto::limits!(pb::decode_client::DecodeClient::new(decode.channel.clone()));
+            let mut d_req = tonic::Request::new(pb::DecodeRequest {
+                request_id: p.request_id.clone(),
+                transfer_id: transfer_id.clone(),
+                prompt_token_ids: tokens.to_vec(),
+                sampling: Some(p.sampling_of(progress.choice)),
+                // A prompt queued on the prefill node is not silence: its push sends keepalives.
+                kv_wait_ms: u32::try_from(self.kv_wait.as_millis()).unwrap_or(u32::MAX),
+                local_prefill: local,
+                resumed_tokens: progress.generated.len() as u32,
+                cache_salt: p.cache_salt.clone(),
+                fetch_addr: choice
+                    .fetch
+                    .as_ref()
+                    .map_or_else(String::new, |f| f.0.clone()),
+                fetch_tokens: choice.fetch.as_ref().map_or(0, |f| f.1 as u32),
+                last_resort: is_last_resort,
+            });
+            d_req.set_timeout(deadline.saturating_duration_since(TokioInstant::now()));
+            let mut frames = match d_client.generate(d_req).await {
+                Ok(frames) => frames.into_inner(),
+                Err(s) if s.code() == tonic::Code::ResourceExhausted => {
+                    tracing::debug!(decode = %decode.addr, status = %s.message(), "decode node full; back to the queue");
+                    drop(choice);
+                    self.enqueue(&mut queued, progress, deadline)?;
+                    self.replicas.changed().await;
+                    continue;
+                }
+                Err(s) => return Err(on_decode(&s)),
+            };
+            let admitted = self
+                .next_frame(&mut frames, self.token_gap, decode)
+                .await
+                .map_err(|s| on_decode(&s))?;
+            let Some(pb::decode_response::Event::Admitted(a)) = admitted.and_then(|m| m.event)
+            else {
+                return Err(on_decode(&Status::unavailable(
+                    "the decode node did not admit the request",
+                )));
+            };
+            if let Some(queued) = queued {
+                self.pace.record(&queued);
+            }
+            if choice.fetch.is_some() {
+                self.policy.record_fetch(a.fetched_bytes, a.fetch_ms);
+                self.metrics
+                    .fetched_tokens
+                    .inc_by(u64::from(a.fetched_tokens));
+            }
+            self.metrics
+                .disagg_decisions
+                .get_or_create(&DecisionLabel {
+                    decision: if local { "local" } else { "remote" },
+                })
+                .inc();
+            let queue_ms = ms(accepted);
+            if progress.attempts == 1 {
+                self.metrics.queue.observe(queue_ms / 1e3);
+            }
+            return Ok(Admission {
+                choice,
+                frames,
+                admitted: a,
+                transfer_id,
+                queue_ms,
+            });
+        }
+    }
+}

@@ -1,0 +1,349 @@
+//! One generation through the cluster: its choices, each attempted until one attempt
+//! finishes it, and an attempt itself: admitted on a decode node ([`crate::dispatch::admit`]),
+//! prefilled remotely beside the decode stream or locally on the decode node, its decode frames
+//! relayed into the choice's stream, the last completed with usage, timings and route.
+//!
+//! ```text
+//! request ─▶ tokens, block hashes ─▶ policy: D (+ P) ─▶ D.Generate ──admitted{cached}──▶ P.Prefill(dest = D)
+//!                                                          │ tokens ◀── (KV pushed P ─▶ D) ──┘
+//!                                                          ▼  (local: D computes the suffix itself)
+//!                                          LogWriter (frames, shared by attached client streams)
+//! ```
+
+use std::time::{Duration, Instant};
+
+use tandem_proto::v1 as pb;
+use tokio::time::Instant as TokioInstant;
+use tonic::Status;
+
+use crate::cluster::policy::Choice;
+use crate::cluster::replica::Replica;
+use crate::dispatch::admit::Admission;
+use crate::dispatch::dispatcher::{Dispatcher, Outcome};
+use crate::dispatch::log::LogWriter;
+use crate::dispatch::prepare::Prepared;
+use crate::dispatch::progress::{Arrival, Ending, Failure, Progress, ms};
+use crate::error::{Error, Result};
+
+impl Dispatcher {
+    /// Runs the generation, appending frames to `log`, until it ends, `deadline` passes, or
+    /// every client stream is gone. Returns how it ended, for the metrics and the key's limits.
+    pub async fn run(
+        &self,
+        p: Prepared,
+        accepted: Instant,
+        deadline: TokioInstant,
+        log: &LogWriter,
+    ) -> Outcome {
+        // Each choice is a stream that may fail over: each earns its share of the budget.
+        let carried = self.replicas.all().iter().map(|r| r.inflight()).max();
+        for _ in 0..p.choices {
+            self.budget.deposit(carried.unwrap_or(0));
+        }
+        let mut progress: Vec<Progress> = (0..p.choices)
+            .map(|choice| Progress {
+                choice,
+                ..Progress::default()
+            })
+            .collect();
+        let dispatched = self.dispatch_choices(&p, &mut progress, accepted, deadline, log);
+        let outcome = tokio::select! {
+            r = tokio::time::timeout_at(deadline, dispatched) => {
+                match r {
+                    // A downstream call may lose the race against its own copy of the deadline
+                    // (tonic reports that as CANCELLED): past the deadline, it is the deadline.
+                    Ok(Err(_)) if TokioInstant::now() >= deadline => Err(Error::Deadline),
+                    r => r.unwrap_or(Err(Error::Deadline)),
+                }
+            }
+            () = log.abandoned() => Err(Error::Downstream {
+                hop: "client",
+                code: tonic::Code::Cancelled,
+                message: "the client went away".into(),
+            }),
+        };
+        let generated = progress.iter().map(|p| p.generated.len()).sum();
+        let code = match outcome {
+            Ok(()) => tonic::Code::Ok,
+            Err(e) => {
+                let code = e.code();
+                if code == tonic::Code::Unavailable || code == tonic::Code::DataLoss {
+                    // The cluster failed the request (the client's own errors are its to see).
+                    tracing::warn!(
+                        error = %e,
+                        attempts = progress.iter().map(|p| p.attempts).sum::<u32>(),
+                        delivered = generated,
+                        "generation failed"
+                    );
+                }
+                log.push(Err(Status::from(e)));
+                code
+            }
+        };
+        Outcome { code, generated }
+    }
+
+    /// Runs every choice of the request, each with its own attempts. The first runs at once;
+    /// the others start once its first frame is out, when its prompt's KV is on its decode node
+    /// and in that node's cache (see the decode scheduler's `join`), so that they reuse it
+    /// rather than compute the prompt again. A choice that fails for good fails the request.
+    async fn dispatch_choices(
+        &self,
+        p: &Prepared,
+        progress: &mut [Progress],
+        accepted: Instant,
+        deadline: TokioInstant,
+        log: &LogWriter,
+    ) -> Result<()> {
+        let Some((first, others)) = progress.split_first_mut() else {
+            return Ok(());
+        };
+        let first = self.dispatch(p, first, accepted, deadline, log);
+        if others.is_empty() {
+            return first.await;
+        }
+        let others = async {
+            log.first_frame().await;
+            let each = others
+                .iter_mut()
+                .map(|progress| self.dispatch(p, progress, accepted, deadline, log));
+            futures::future::try_join_all(each).await
+        };
+        futures::future::try_join(first, others).await.map(drop)
+    }
+
+    /// Attempts the generation until one attempt finishes it. A replica that fails is avoided
+    /// from then on, and the next attempt resumes after the tokens already delivered, on at
+    /// most [`MAX_ATTEMPTS`] attempts and within the retry budget.
+    async fn dispatch(
+        &self,
+        p: &Prepared,
+        progress: &mut Progress,
+        accepted: Instant,
+        deadline: TokioInstant,
+        log: &LogWriter,
+    ) -> Result<()> {
+        loop {
+            progress.attempts += 1;
+            self.metrics.attempts.inc();
+            let failure = match self.attempt(p, progress, accepted, deadline, log).await {
+                Ok(()) => return Ok(()),
+                Err(f) => f,
+            };
+            if !progress.retry(&failure, &self.budget) {
+                return Err(failure.error);
+            }
+            if failure.handoff.is_some() {
+                self.metrics.handoffs.inc();
+            } else {
+                self.metrics.failover(match &failure.error {
+                    Error::Downstream { hop, .. } => hop,
+                    _ => "router",
+                });
+            }
+            tracing::warn!(
+                request_id = %p.request_id,
+                choice = progress.choice,
+                error = %failure.error,
+                suspects = ?failure.suspects,
+                delivered = progress.generated.len(),
+                "attempt failed; resuming the generation elsewhere"
+            );
+        }
+    }
+
+    /// One attempt: choose replicas and admit on decode ([`Dispatcher::admit`]), prefill
+    /// remotely beside the decode stream or let the decode node prefill locally, and relay the
+    /// decode frames into the choice's stream ([`Progress::relay`]) until its last frame, which
+    /// gets the attempt's usage, timings and route ([`Progress::finish`]).
+    async fn attempt(
+        &self,
+        p: &Prepared,
+        progress: &mut Progress,
+        accepted: Instant,
+        deadline: TokioInstant,
+        log: &LogWriter,
+    ) -> Result<(), Failure> {
+        let (tokens, hashes) = p.prompt_after(&progress.generated);
+        let Admission {
+            choice,
+            mut frames,
+            admitted,
+            transfer_id,
+            queue_ms,
+        } = self
+            .admit(p, &tokens, &hashes, progress, accepted, deadline)
+            .await?;
+        let Choice {
+            decode,
+            prefill,
+            decode_overlap,
+            prefill_overlap,
+            reason,
+            prefill_idle,
+            fetch,
+        } = choice;
+        let decode_cached = admitted.cached_tokens;
+        let local = prefill.is_none();
+        let d_addr = decode.replica().addr.clone();
+        let on_decode = |s: &Status| Failure::on_decode(&d_addr, s);
+        let p_addr = prefill.as_ref().map(|g| g.replica().addr.clone());
+        let prefill_call = {
+            let request = prefill.as_ref().map(|_| pb::PrefillRequest {
+                request_id: p.request_id.clone(),
+                transfer_id,
+                token_ids: tokens.clone(),
+                cached_tokens: decode_cached,
+                decode_addr: d_addr.clone(),
+                sampling: Some(p.sampling_of(progress.choice)),
+                resumed_tokens: progress.generated.len() as u32,
+                cache_salt: p.cache_salt.clone(),
+            });
+            let prefill = &prefill;
+            async move {
+                let (Some(guard), Some(request)) = (prefill, request) else {
+                    return Ok(None);
+                };
+                prefill_on(guard.replica(), request, deadline)
+                    .await
+                    .map(Some)
+                    .map_err(|s| Failure {
+                        error: Error::downstream("prefill", &s),
+                        suspects: vec![guard.replica().addr.clone()],
+                        handoff: None,
+                    })
+            }
+        };
+        // Remote: the prefill call runs beside the decode stream, and ends once the KV is
+        // pushed. Local: it answers `None` at once.
+        tokio::pin!(prefill_call);
+        let mut prefilled: Option<Option<pb::PrefillResponse>> = None;
+        let mut frames_here = 0usize;
+        let mut local_prefill_ms = 0.0;
+        loop {
+            let waiting_for_push = !local && prefilled.is_none();
+            let bound = if waiting_for_push {
+                // The decode node bounds KV silence itself (kv_wait), and the prefill call
+                // ends with the push.
+                None
+            } else if frames_here == 0 && local {
+                // The first frame follows a local prefill of the uncached suffix.
+                let uncached = tokens.len().saturating_sub(decode_cached as usize) as f64;
+                let rate = decode
+                    .replica()
+                    .prefill_rate_or(crate::cluster::policy::DEFAULT_RATE);
+                Some(self.token_gap + Duration::from_secs_f64(2.0 * uncached / rate))
+            } else {
+                Some(self.token_gap)
+            };
+            let next = async {
+                match bound {
+                    Some(b) => self.next_frame(&mut frames, b, decode.replica()).await,
+                    None => frames.message().await,
+                }
+            };
+            let msg = tokio::select! {
+                r = &mut prefill_call, if prefilled.is_none() => {
+                    prefilled = Some(r?);
+                    continue;
+                }
+                m = next => m,
+            };
+            let msg = msg.map_err(|s| {
+                let mut f = on_decode(&s);
+                if waiting_for_push {
+                    // Before the KV arrived, the sender is as likely at fault.
+                    f.suspects.extend(p_addr.iter().cloned());
+                }
+                f
+            })?;
+            let Some(pb::DecodeResponse {
+                event: Some(pb::decode_response::Event::Tokens(t)),
+            }) = msg
+            else {
+                return Err(on_decode(&Status::unavailable(
+                    "the decode stream ended without a final frame",
+                )));
+            };
+            if frames_here == 0 {
+                local_prefill_ms = t.local_prefill_ms;
+            }
+            frames_here += 1;
+            let (mut frame, arrival) = progress
+                .relay(t, p.tokens.len(), accepted)
+                .map_err(|s| on_decode(&s))?;
+            match arrival {
+                // The request's time to first token is its first choice's.
+                Arrival::First(ttft_ms) if progress.choice == 0 => {
+                    self.metrics.ttft.observe(ttft_ms / 1e3);
+                }
+                Arrival::First(_) => {}
+                Arrival::After(gap) => self.metrics.inter_token.observe(gap.as_secs_f64()),
+            }
+            if !crate::dispatch::log::is_last(&frame) {
+                log.push(Ok(frame));
+                continue;
+            }
+            // The KV arrived, so the prefill has answered or is about to.
+            if prefilled.is_none() {
+                prefilled = Some((&mut prefill_call).await?);
+            }
+            // What the attempt's prompt cost in compute: neither cached nor fetched.
+            let computed = match prefilled.as_ref().and_then(Option::as_ref) {
+                Some(r) => r.computed_tokens as usize,
+                None => tokens.len().saturating_sub(decode_cached as usize),
+            };
+            self.metrics.computed_tokens.inc_by(computed as u64);
+            progress.finish(
+                &mut frame,
+                &p.tokens,
+                Ending {
+                    decode_cached,
+                    prefill: prefilled.flatten(),
+                    local_prefill_ms,
+                    queue_ms,
+                    total_ms: ms(accepted),
+                    route: pb::Route {
+                        prefill: p_addr.clone().unwrap_or_default(),
+                        decode: d_addr.clone(),
+                        reason,
+                        prefill_overlap_tokens: prefill_overlap as u32,
+                        decode_overlap_tokens: decode_overlap as u32,
+                        disaggregation: if local { "local" } else { "remote" }.into(),
+                        fetched_from: fetch.map(|f| f.0).unwrap_or_default(),
+                        fetched_tokens: admitted.fetched_tokens,
+                        ..Default::default()
+                    },
+                    fetch_ms: admitted.fetch_ms,
+                },
+            );
+            let t = frame.timings.unwrap_or_default();
+            if progress.attempts == 1 && (local || prefill_idle) {
+                self.policy
+                    .record_handoff(local, t.first_token_ms - t.queue_ms - t.prefill_ms);
+            }
+            // The request's prompt counts once, as its first choice saw it.
+            if progress.choice == 0 {
+                let cached = frame.usage.map_or(0, |u| u.cached_tokens);
+                self.metrics.prompt_tokens.inc_by(p.tokens.len() as u64);
+                self.metrics.cached_prompt_tokens.inc_by(u64::from(cached));
+            }
+            log.push(Ok(frame));
+            return Ok(());
+        }
+    }
+}
+
+/// Asks `replica` to prefill `request` and push its KV, within `deadline`.
+async fn prefill_on(
+    replica: &Replica,
+    request: pb::PrefillRequest,
+    deadline: TokioInstant,
+) -> Result<pb::PrefillResponse, Status> {
+    let mut client = tandem_proto::limits!(pb::prefill_client::PrefillClient::new(
+        replica.channel.clone()
+    ));
+    let mut request = tonic::Request::new(request);
+    request.set_timeout(deadline.saturating_duration_since(TokioInstant::now()));
+    Ok(client.prefill(request).await?.into_inner())
+}
