@@ -13,7 +13,9 @@
 //! `request` parses a body, `response` shapes what goes back (a whole completion or SSE chunks),
 //! `error` makes OpenAI error objects.
 
+mod chat;
 mod error;
+mod fields;
 mod request;
 mod response;
 

@@ -1,0 +1,175 @@
+//! Readers of a JSON body's fields, shared by the OpenAI endpoints: each one reads a key as
+//! the type it must be, and refuses anything else by the key's name.
+
+use std::collections::HashMap;
+
+use axum::http::HeaderMap;
+use serde_json::{Map, Value};
+
+use crate::api::openai::error::ApiError;
+
+/// Most stop sequences, as in OpenAI's API.
+const MAX_STOP: usize = 4;
+
+/// OpenAI's bounds on `metadata`: pairs, and characters per key and per value.
+const METADATA_PAIRS: usize = 16;
+const METADATA_KEY_CHARS: usize = 64;
+const METADATA_VALUE_CHARS: usize = 512;
+
+/// Checks `metadata` (string pairs within OpenAI's bounds). It tags a stored completion, and
+/// nothing is stored (`store` is refused), so it is checked and then ignored.
+pub(super) fn check_metadata(body: &Map<String, Value>) -> Result<(), ApiError> {
+    let Some(m) = body.get("metadata").filter(|v| !v.is_null()) else {
+        return Ok(());
+    };
+    let invalid = |why: String| Err(ApiError::invalid("metadata", why));
+    let Some(pairs) = m.as_object() else {
+        return invalid("'metadata' must be an object of strings".into());
+    };
+    if pairs.len() > METADATA_PAIRS {
+        return invalid(format!("at most {METADATA_PAIRS} pairs"));
+    }
+    for (k, v) in pairs {
+        let Some(v) = v.as_str() else {
+            return invalid(format!("metadata['{k}'] must be a string"));
+        };
+        if k.chars().count() > METADATA_KEY_CHARS || v.chars().count() > METADATA_VALUE_CHARS {
+            return invalid(format!(
+                "keys of at most {METADATA_KEY_CHARS} characters, values of at most \
+                 {METADATA_VALUE_CHARS}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn number(body: &Map<String, Value>, key: &str) -> Result<Option<f64>, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| ApiError::invalid(key, format!("'{key}' must be a number"))),
+    }
+}
+
+pub(super) fn in_range(
+    body: &Map<String, Value>,
+    key: &str,
+    range: std::ops::RangeInclusive<f64>,
+) -> Result<Option<f32>, ApiError> {
+    match number(body, key)? {
+        Some(v) if !range.contains(&v) => Err(ApiError::invalid(
+            key,
+            format!(
+                "'{key}' must be between {} and {}, got {v}",
+                range.start(),
+                range.end()
+            ),
+        )),
+        v => Ok(v.map(|v| v as f32)),
+    }
+}
+
+pub(super) fn unsigned(body: &Map<String, Value>, key: &str) -> Result<Option<u64>, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
+            ApiError::invalid(key, format!("'{key}' must be a non-negative integer"))
+        }),
+    }
+}
+
+pub(super) fn flag(body: &Map<String, Value>, key: &str) -> Result<bool, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(ApiError::invalid(key, format!("'{key}' must be a boolean"))),
+    }
+}
+
+pub(super) fn present(body: &Map<String, Value>, key: &str) -> bool {
+    body.get(key).is_some_and(|v| !v.is_null())
+}
+
+pub(super) fn stop(body: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
+    let stops = match body.get("stop") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|s| {
+                s.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| ApiError::invalid("stop", "'stop' must hold strings"))
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "stop",
+                "'stop' must be a string or an array of strings",
+            ));
+        }
+    };
+    if stops.len() > MAX_STOP {
+        return Err(ApiError::invalid(
+            "stop",
+            format!("at most {MAX_STOP} stop sequences"),
+        ));
+    }
+    Ok(stops)
+}
+
+/// A header's value, if present and readable.
+/// `logit_bias`: token ids (as JSON object keys) to biases in [-100, 100]; the bounds on how
+/// many and which ids are the router's, for both APIs.
+pub(super) fn logit_bias(body: &Map<String, Value>) -> Result<HashMap<u32, f32>, ApiError> {
+    let Some(v) = body.get("logit_bias").filter(|v| !v.is_null()) else {
+        return Ok(HashMap::new());
+    };
+    let Some(o) = v.as_object() else {
+        return Err(ApiError::invalid(
+            "logit_bias",
+            "'logit_bias' must be an object of token ids to numbers",
+        ));
+    };
+    o.iter()
+        .map(|(k, v)| {
+            let id = k
+                .parse::<u32>()
+                .map_err(|_| ApiError::invalid("logit_bias", format!("'{k}' is not a token id")))?;
+            match v.as_f64() {
+                Some(b) if (-100.0..=100.0).contains(&b) => Ok((id, b as f32)),
+                _ => Err(ApiError::invalid(
+                    "logit_bias",
+                    format!("logit_bias['{k}'] must be a number from -100 to 100"),
+                )),
+            }
+        })
+        .collect()
+}
+
+/// An array of token ids.
+pub(super) fn token_ids(body: &Map<String, Value>, key: &str) -> Result<Vec<u32>, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|t| {
+                t.as_u64()
+                    .and_then(|t| u32::try_from(t).ok())
+                    .ok_or_else(|| {
+                        ApiError::invalid(key, format!("'{key}' must be an array of token ids"))
+                    })
+            })
+            .collect(),
+        Some(_) => Err(ApiError::invalid(
+            key,
+            format!("'{key}' must be an array of token ids"),
+        )),
+    }
+}
+
+pub(super) fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers.get(name).and_then(|v| v.to_str().ok())
+}
