@@ -630,6 +630,20 @@ pub async fn stray_push(channel: Channel, transfer_id: &str) -> tandem_transfer:
     }
 }
 
+/// The model id an OpenAI HTTP API at `base` (`http://HOST:PORT/v1`) serves.
+pub async fn http_model(client: &reqwest::Client, base: &str) -> anyhow::Result<String> {
+    let models: serde_json::Value = client
+        .get(format!("{base}/models"))
+        .send()
+        .await?
+        .json()
+        .await?;
+    Ok(models["data"][0]["id"]
+        .as_str()
+        .context("GET /v1/models names no model")?
+        .to_string())
+}
+
 /// One streamed OpenAI completion or chat completion (`"stream": true`) read over HTTP as a
 /// client reads it: server-sent events, each `data:` a chunk, an error object, or `[DONE]`.
 #[derive(Debug)]

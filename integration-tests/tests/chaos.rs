@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use rand::{Rng, SeedableRng};
-use tandem_integration_tests::{SseStream, metrics};
+use tandem_integration_tests::{SseStream, http_model, metrics};
 use tandem_proto::v1 as pb;
 use tonic::transport::Channel;
 
@@ -40,6 +40,9 @@ const DECODE_PORT: u16 = 50053;
 const REQUESTS: usize = 32;
 const STREAMS: usize = 8;
 const MAX_TOKENS: u32 = 64;
+/// The replies of the OpenAI HTTP scenarios: long enough that every stream still runs when the
+/// fault comes after its first chunks.
+const HTTP_MAX_TOKENS: u32 = 160;
 /// Words per prompt (about 1.2 tokens each): long enough that the router prefers a prefill
 /// node over a busy decode node, so that KV crosses the network.
 const PROMPT_WORDS: usize = 200;
@@ -264,9 +267,9 @@ const WORDS: [&str; 48] = [
     "beacon", "walnut", "crystal",
 ];
 
-fn sampling(i: usize) -> pb::SamplingParams {
+fn sampling(i: usize, max_tokens: u32) -> pb::SamplingParams {
     pb::SamplingParams {
-        max_tokens: MAX_TOKENS,
+        max_tokens,
         temperature: 0.7,
         top_p: Some(0.9),
         seed: 1000 + i as u64,
@@ -301,11 +304,11 @@ impl Reference {
     }
 
     /// Each line is `{"prompt"}` or `{"token_ids"}` with a `"seed"`.
-    fn generate(&self, lines: &[serde_json::Value]) -> Result<Vec<Generated>> {
+    fn generate(&self, lines: &[serde_json::Value], max_tokens: u32) -> Result<Vec<Generated>> {
         let file = out_dir().join("batch.jsonl");
         let text: Vec<String> = lines.iter().map(|l| l.to_string()).collect();
         std::fs::write(&file, text.join("\n"))?;
-        let s = sampling(0);
+        let s = sampling(0, max_tokens);
         let out = run_env(
             &self.binary.to_string_lossy(),
             &[
@@ -333,6 +336,11 @@ impl Reference {
 
     /// Fresh prompts: `salt` makes their text, and so their blocks, unlike any other case's.
     fn case(&self, salt: u64) -> Result<Case> {
+        self.case_with(salt, MAX_TOKENS)
+    }
+
+    /// [`Reference::case`] with replies of up to `max_tokens`.
+    fn case_with(&self, salt: u64, max_tokens: u32) -> Result<Case> {
         let lines: Vec<serde_json::Value> = (0..REQUESTS)
             .map(|i| {
                 let mut rng = rand::rngs::StdRng::seed_from_u64(salt * 1000 + i as u64);
@@ -346,18 +354,18 @@ impl Reference {
                     .join(". ");
                 serde_json::json!({
                     "prompt": format!("Notes {salt}-{i}: {notes}.\nA few sentences on what these notes say:"),
-                    "seed": sampling(i).seed,
+                    "seed": sampling(i, max_tokens).seed,
                 })
             })
             .collect();
-        let answers = self.generate(&lines)?;
+        let answers = self.generate(&lines, max_tokens)?;
         let requests = answers
             .iter()
             .enumerate()
             .map(|(i, a)| pb::GenerateRequest {
                 token_ids: a.prompt_token_ids.clone(),
                 session_id: format!("chaos-{salt}-{i}"),
-                sampling: Some(sampling(i)),
+                sampling: Some(sampling(i, max_tokens)),
                 ..Default::default()
             })
             .collect();
@@ -402,7 +410,11 @@ impl Reference {
             .iter()
             .map(|r| serde_json::json!({"token_ids": r.token_ids, "seed": r.sampling.as_ref().map_or(0, |s| s.seed)}))
             .collect();
-        let answers = self.generate(&lines)?;
+        let max_tokens = first.requests[0]
+            .sampling
+            .as_ref()
+            .map_or(MAX_TOKENS, |s| s.max_tokens);
+        let answers = self.generate(&lines, max_tokens)?;
         Ok(Case {
             requests,
             want_text: answers.iter().map(|a| a.text.clone()).collect(),
@@ -1326,20 +1338,6 @@ async fn rolling_restart(case: &Case) -> Result<Row> {
 // ---------------------------------------------------------------------------------------------
 // Clients of the OpenAI HTTP API, through stops
 
-/// The model id the router's HTTP API serves.
-async fn model_id(http: &reqwest::Client) -> Result<String> {
-    let models: serde_json::Value = http
-        .get(format!("{}/models", http_base()))
-        .send()
-        .await?
-        .json()
-        .await?;
-    Ok(models["data"][0]["id"]
-        .as_str()
-        .context("a model id")?
-        .to_string())
-}
-
 /// A request of a case as a streamed OpenAI completion: its prompt's token ids, its sampling.
 fn completion(model: &str, r: &pb::GenerateRequest) -> serde_json::Value {
     let s = r.sampling.clone().unwrap_or_default();
@@ -1437,7 +1435,7 @@ async fn http_outcomes(streams: Vec<(SseStream, Instant)>, t0: Instant) -> Vec<(
 /// again.
 async fn http_router_stop(case: &Case) -> Result<Row> {
     let http = reqwest::Client::new();
-    let model = model_id(&http).await?;
+    let model = http_model(&http, &http_base()).await?;
     let t0 = Instant::now();
     let streams = http_wave(&http, &model, case).await?;
     let router = container("router", 1);
@@ -1490,7 +1488,7 @@ async fn http_router_stop(case: &Case) -> Result<Row> {
 /// to the node holding its KV, which finishes it within its grace; then both start again.
 async fn http_decode_stop(case: &Case) -> Result<Row> {
     let http = reqwest::Client::new();
-    let model = model_id(&http).await?;
+    let model = http_model(&http, &http_base()).await?;
     let router = router_addr().to_string();
     let returned_before = metric_sum(&router, "tandem_router_last_resort_total").await;
     let t0 = Instant::now();
@@ -1812,7 +1810,12 @@ async fn suite(scenarios: &[Scenario]) -> Result<()> {
         let mut rows = vec![finish(base, &got).await?];
         for (salt, &scenario) in (1..).zip(scenarios) {
             let started = Instant::now();
-            let case = reference.case(salt)?;
+            let case = match scenario {
+                Scenario::HttpRouterStop | Scenario::HttpDecodeStop => {
+                    reference.case_with(salt, HTTP_MAX_TOKENS)?
+                }
+                _ => reference.case(salt)?,
+            };
             let (attempts_before, sent_before) =
                 (router_attempts().await, SENT.load(Ordering::Relaxed));
             println!(

@@ -91,15 +91,9 @@ async fn logprobs_match_llama_cpp_and_reach_both_apis() {
     // HTTP: chat's `logprobs.content`, streamed and not, and completions' arrays.
     let http = reqwest::Client::new();
     let base = format!("http://{}/v1", cluster.http);
-    let model_id: serde_json::Value = http
-        .get(format!("{base}/models"))
-        .send()
+    let model_id = tandem_integration_tests::http_model(&http, &base)
         .await
-        .expect("models")
-        .json()
-        .await
-        .expect("json");
-    let model_id = model_id["data"][0]["id"].clone();
+        .expect("the model id");
     let chat = serde_json::json!({
         "model": model_id,
         "messages": [{"role": "user", "content": "Name three colours."}],

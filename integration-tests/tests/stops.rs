@@ -14,29 +14,15 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use tandem_integration_tests::{Cluster, ClusterConfig, SseStream, sample, smollm2_model};
+use tandem_integration_tests::{
+    Cluster, ClusterConfig, SseStream, http_model, sample, smollm2_model,
+};
 use tandem_net::tls::{Role, Tls, write_dev_certs};
 use tandem_proto::v1 as pb;
 use tonic::Code;
 
 const STREAMS: usize = 8;
 const MAX_TOKENS: usize = 120;
-
-/// The model id the router's HTTP API serves.
-async fn model_id(http: &reqwest::Client, base: &str) -> String {
-    let models: serde_json::Value = http
-        .get(format!("{base}/models"))
-        .send()
-        .await
-        .expect("GET /v1/models")
-        .json()
-        .await
-        .expect("JSON");
-    models["data"][0]["id"]
-        .as_str()
-        .expect("a model id")
-        .to_string()
-}
 
 /// Completion `i`: a story that runs to `MAX_TOKENS`, greedy.
 fn completion(model: &str, i: usize, stream: bool) -> serde_json::Value {
@@ -104,6 +90,35 @@ async fn all_exact(streams: Vec<SseStream>, want: &[String]) {
     }
 }
 
+/// A cluster with [`STREAMS`] HTTP streams running, and each one's fault-free text.
+struct Running {
+    cluster: Cluster,
+    http: reqwest::Client,
+    base: String,
+    model: String,
+    want: Vec<String>,
+    streams: Vec<SseStream>,
+}
+
+impl Running {
+    async fn start() -> Self {
+        let cluster = Cluster::start(config()).await.expect("cluster");
+        let http = reqwest::Client::new();
+        let base = format!("http://{}/v1", cluster.http);
+        let model = http_model(&http, &base).await.expect("the model id");
+        let want = answers(&http, &base, &model).await;
+        let streams = open_streams(&http, &base, &model).await;
+        Self {
+            cluster,
+            http,
+            base,
+            model,
+            want,
+            streams,
+        }
+    }
+}
+
 fn config() -> ClusterConfig {
     ClusterConfig {
         decode: 2,
@@ -114,12 +129,14 @@ fn config() -> ClusterConfig {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_router_drains_its_http_streams_and_refuses_newcomers() {
-    let mut cluster = Cluster::start(config()).await.expect("cluster");
-    let http = reqwest::Client::new();
-    let base = format!("http://{}/v1", cluster.http);
-    let model = model_id(&http, &base).await;
-    let want = answers(&http, &base, &model).await;
-    let streams = open_streams(&http, &base, &model).await;
+    let Running {
+        mut cluster,
+        http,
+        base,
+        model,
+        want,
+        streams,
+    } = Running::start().await;
 
     cluster.router.signal_stop();
     // While it drains: a newcomer is refused at once, on either API, and /health says 503.
@@ -166,12 +183,12 @@ async fn a_stopped_router_drains_its_http_streams_and_refuses_newcomers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_decode_node_stopped_at_once_finishes_its_http_streams() {
-    let mut cluster = Cluster::start(config()).await.expect("cluster");
-    let http = reqwest::Client::new();
-    let base = format!("http://{}/v1", cluster.http);
-    let model = model_id(&http, &base).await;
-    let want = answers(&http, &base, &model).await;
-    let streams = open_streams(&http, &base, &model).await;
+    let Running {
+        mut cluster,
+        want,
+        streams,
+        ..
+    } = Running::start().await;
     for n in 0..2 {
         let active = cluster.decode_load(n).await.expect("load").active;
         assert!(active > 0, "decode node {n} runs no stream");
