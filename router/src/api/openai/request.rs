@@ -16,6 +16,7 @@ use crate::api::openai::fields::{
     check_metadata, flag, header_str, in_range, logit_bias, number, present, stop, token_ids,
     unsigned,
 };
+use crate::api::session::{BodySession, session};
 use crate::config::SamplingDefaults;
 
 /// Which endpoint a request came to.
@@ -81,6 +82,7 @@ const COMMON_KEYS: &[&str] = &[
     "presence_penalty",
     "repetition_penalty",
     "user",
+    "prompt_cache_key",
     "cache_salt",
     "logprobs",
     "logit_bias",
@@ -319,10 +321,14 @@ pub(crate) fn parse(
         request_id: header_str(headers, "x-request-id")
             .unwrap_or_default()
             .to_string(),
-        session_id: header_str(headers, "x-session-id")
-            .map(str::to_string)
-            .or(user)
-            .unwrap_or_default(),
+        session_id: session(
+            headers,
+            BodySession {
+                prompt_cache_key: string("prompt_cache_key")?,
+                anthropic_user: None,
+                user,
+            },
+        ),
         sampling: Some(sampling),
         cache_salt,
         n,

@@ -275,3 +275,26 @@ fn unset_sampling_takes_the_servers_defaults() {
         .is_err()
     );
 }
+
+#[test]
+fn the_session_comes_from_the_agents_headers_then_the_body() {
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+        "prompt_cache_key": "key", "user": "someone"});
+    let parsed = parse_json(Kind::Chat, body.clone()).expect("parsed");
+    assert_eq!(parsed.request.session_id, "key");
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        "x-claude-code-session-id",
+        "5f3c".parse().expect("a header value"),
+    );
+    headers.insert("x-session-id", "later".parse().expect("a header value"));
+    let parsed = parse(
+        Kind::Chat,
+        "m",
+        &headers,
+        body.to_string().as_bytes(),
+        &SamplingDefaults::default(),
+    )
+    .expect("parsed");
+    assert_eq!(parsed.request.session_id, "5f3c");
+}
