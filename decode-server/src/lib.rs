@@ -20,6 +20,7 @@ use tandem_transfer::{KvTransferService, Reservations, TransferMetrics};
 use tandem_worker::moves::Handoffs;
 use tandem_worker::{Node, NodeError};
 use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub use config::{Config, DEFAULT_KV_WAIT, DEFAULT_MAX_KV_WAIT, DEFAULT_MAX_SLOTS};
@@ -68,6 +69,7 @@ pub async fn run(
     let moves = node.moves(kv_layout, prefix_cache, scheduler.cache(), handoffs);
     let reservations = Reservations::default();
     let tracker = TaskTracker::new();
+    let streams_stop = CancellationToken::new();
     let ctx = RequestContext {
         model: node.config.model.clone(),
         kv_layout,
@@ -79,7 +81,9 @@ pub async fn run(
         prefix_cache,
         kv_wait,
         max_kv_wait,
-        shutdown: node.root.child_token(),
+        // Not the node's root, which the drain cancels as its hand-off ends: the streams still
+        // running then (last-resort streams, those nobody could take) go on through the grace.
+        shutdown: streams_stop.clone(),
         moves: moves.clone(),
         tracker: tracker.clone(),
         next_ticket: Arc::default(),
@@ -108,6 +112,7 @@ pub async fn run(
         .await;
     // Streams still running after the grace period end with UNAVAILABLE; then the scheduler's
     // last handles (the requests' and the moves') go and its thread exits.
+    streams_stop.cancel();
     tracker.close();
     tracker.wait().await;
     drop((ctx, moves));

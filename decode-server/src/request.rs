@@ -75,6 +75,7 @@ pub(crate) struct RequestContext {
     pub prefix_cache: bool,
     pub kv_wait: Duration,
     pub max_kv_wait: Duration,
+    /// Cancelled once the node's grace period is over: the streams still running end.
     pub shutdown: CancellationToken,
     /// Peer fetches, and the drain: its `draining` is cancelled as the drain begins, when new
     /// requests are refused and running streams hand off.

@@ -328,7 +328,10 @@ impl Compute {
                     Some(Err(tandem_transfer::Error::ReceiverGone)) => {
                         return Ok((None, first_chunk_sent));
                     }
-                    Some(Err(e)) => return Err(e.into()),
+                    Some(Err(e)) => {
+                        tracing::warn!(error = %e, "KV push made no progress; giving it up");
+                        return Err(e.into());
+                    }
                     None => return Err(Error::Cancelled),
                 }
             }

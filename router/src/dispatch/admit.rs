@@ -116,11 +116,10 @@ impl Dispatcher {
         let (holder, kept) = progress.holder.as_ref()?;
         let all = self.replicas.all();
         let decode = |r: &&Arc<Replica>| r.role == Role::Decode;
-        let (replica, held) = match all
-            .iter()
-            .filter(decode)
-            .find(|r| &r.addr == holder && r.can_serve_fetch())
-        {
+        // The holder is tried whatever its health says: it told this stream it drains, and a
+        // loaded node's health check may time out meanwhile. One that is gone fails the
+        // attempt at once.
+        let (replica, held) = match all.iter().filter(decode).find(|r| &r.addr == holder) {
             Some(r) => (r, *kept),
             None => (all.iter().filter(decode).find(|r| r.is_draining())?, 0),
         };
