@@ -119,10 +119,13 @@ impl Running {
     }
 }
 
+/// The nodes' grace period: long enough for a drained node to finish what it runs.
+const GRACE: Duration = Duration::from_secs(20);
+
 fn config() -> ClusterConfig {
     ClusterConfig {
         decode: 2,
-        grace: Duration::from_secs(20),
+        grace: GRACE,
         ..ClusterConfig::new(smollm2_model().expect("SmolLM2"))
     }
 }
@@ -204,7 +207,7 @@ async fn every_decode_node_stopped_at_once_finishes_its_http_streams() {
         .collect();
     all_exact(streams, &want).await;
     assert!(
-        stopped.elapsed() < cluster_grace(),
+        stopped.elapsed() < GRACE,
         "the streams finished only after {:?}",
         stopped.elapsed()
     );
@@ -222,10 +225,6 @@ async fn every_decode_node_stopped_at_once_finishes_its_http_streams() {
         "no stream went back to a draining node: {returned}"
     );
     cluster.stop().await.expect("stop");
-}
-
-fn cluster_grace() -> Duration {
-    config().grace
 }
 
 /// A listener that accepts every connection and never says a word: a peer whose TLS

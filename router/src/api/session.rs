@@ -7,8 +7,9 @@
 //! 2. `session-id`, then `session_id` (Codex),
 //! 3. `x-session-affinity`, then `x-session-id`,
 //! 4. the body's `prompt_cache_key` (OpenAI's cache-routing key),
-//! 5. the session of Anthropic's `metadata.user_id`, once that API is served,
-//! 6. the body's `user`.
+//! 5. the body's `user`.
+//!
+//! Anthropic's `metadata.user_id` is to take its place before `user` once that API is served.
 //!
 //! A request with none of them has no session: its prompt's first block places it.
 
@@ -27,8 +28,6 @@ pub(crate) const SESSION_HEADERS: [&str; 5] = [
 #[derive(Debug, Default)]
 pub(crate) struct BodySession {
     pub prompt_cache_key: Option<String>,
-    /// The session named in Anthropic's `metadata.user_id`.
-    pub anthropic_user: Option<String>,
     pub user: Option<String>,
 }
 
@@ -39,18 +38,10 @@ pub(crate) fn session(headers: &HeaderMap, body: BodySession) -> String {
         let value = headers.get(*name)?.to_str().ok()?.trim();
         (!value.is_empty()).then(|| value.to_string())
     });
-    let BodySession {
-        prompt_cache_key,
-        anthropic_user,
-        user,
-    } = body;
     header
         .into_iter()
-        .chain(
-            [prompt_cache_key, anthropic_user, user]
-                .into_iter()
-                .flatten(),
-        )
+        .chain(body.prompt_cache_key)
+        .chain(body.user)
         .find(|s| !s.is_empty())
         .unwrap_or_default()
 }
@@ -64,7 +55,6 @@ mod tests {
     fn body(key: Option<&str>, user: Option<&str>) -> BodySession {
         BodySession {
             prompt_cache_key: key.map(str::to_string),
-            anthropic_user: None,
             user: user.map(str::to_string),
         }
     }

@@ -114,7 +114,7 @@ async fn adopt(
     let mut client =
         tandem_proto::limits!(pb::worker_client::WorkerClient::new(peer.channel.clone()));
     let mut request = tonic::Request::new(pb::AdoptRequest {
-        request_id: crate::ids::fresh_request_id(),
+        request_id: crate::ids::fresh_id(),
         holder_addr: holder.to_string(),
         session: Some(session),
     });

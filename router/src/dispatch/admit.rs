@@ -142,9 +142,8 @@ impl Dispatcher {
     }
 
     /// Waits in the router's queue until a decode replica this request may use has room
-    /// ([`crate::cluster::replica::Replica::has_room`]), and the chosen prefill replica too when the
-    /// prompt goes to one, then chooses replicas and has the decode node
-    /// admit the request. A node that refuses for capacity after all (other routers' requests,
+    /// ([`crate::cluster::replica::Replica::has_room`]), and the chosen prefill replica too when
+    /// the prompt goes to one, then chooses replicas and has the decode node admit the request. A node that refuses for capacity after all (other routers' requests,
     /// its KV blocks) sends the request back to the queue until something changes, never to
     /// the client; the request's deadline bounds the wait, and a request whose deadline the
     /// queue's predicted wait would outlast is refused at once ([`Dispatcher::enqueue`]). The
@@ -204,7 +203,7 @@ impl Dispatcher {
             let transfer_id = if local {
                 String::new()
             } else {
-                crate::ids::transfer_id()
+                crate::ids::fresh_id()
             };
             let mut d_client =
                 tandem_proto::limits!(pb::decode_client::DecodeClient::new(decode.channel.clone()));

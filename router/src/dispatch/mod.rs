@@ -39,7 +39,7 @@ use crate::dispatch::dispatcher::{Dispatcher, Outcome};
 use crate::dispatch::log::{Item, LogWriter};
 use crate::dispatch::prepare::{check_ids, prepare};
 use crate::error::Error;
-use crate::ids::fresh_request_id;
+use crate::ids::fresh_id;
 
 pub(crate) type GenerateStream = Pin<Box<dyn Stream<Item = Item> + Send + 'static>>;
 
@@ -113,7 +113,7 @@ impl GenerationService {
         // so that every log line about it, on every node, carries an id.
         let key = (principal.tenant.clone(), r.request_id.clone());
         if key.1.is_empty() {
-            r.request_id = fresh_request_id();
+            r.request_id = fresh_id();
         }
         let span = tracing::info_span!("request", request_id = %r.request_id);
         if let Some(attached) = attach(&self.running(), &key) {

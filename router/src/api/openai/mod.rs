@@ -3,7 +3,8 @@
 //!
 //! A request becomes a `tandem.v1` `GenerateRequest` and runs through the same
 //! [`GenerationService::start`] as a gRPC call: the same validation, limits, admission,
-//! request-id attachment (`x-request-id`), affinity (`x-session-id`, else `user`) and failover.
+//! request-id attachment (`x-request-id`), affinity (the session, [`crate::api::session`]) and
+//! failover.
 //! With a key file, `/v1` routes authenticate (`Authorization: Bearer KEY`) before the body is
 //! read; `/health` is open. Every parameter is either honoured or rejected by name with a 400;
 //! none is ignored. Errors are OpenAI error objects with the status that matches the gRPC code.
@@ -36,7 +37,7 @@ use tonic::Code;
 use crate::auth::Principal;
 use crate::dispatch::{GenerateStream, GenerationService};
 use crate::error::Error;
-use crate::ids::fresh_request_id;
+use crate::ids::fresh_id;
 
 pub(crate) use crate::api::openai::error::ApiError;
 pub(crate) use crate::api::openai::request::{Kind, parse};
@@ -152,7 +153,7 @@ async fn run(
     let model = front.model_name.clone();
     let mut parsed = parse(kind, &model, headers, body, &api.sampling_defaults)?;
     if parsed.request.request_id.is_empty() {
-        parsed.request.request_id = fresh_request_id();
+        parsed.request.request_id = fresh_id();
     }
     let request_id = parsed.request.request_id.clone();
     let with_logprobs = parsed

@@ -325,7 +325,6 @@ pub(crate) fn parse(
             headers,
             BodySession {
                 prompt_cache_key: string("prompt_cache_key")?,
-                anthropic_user: None,
                 user,
             },
         ),
