@@ -5,7 +5,8 @@
 use axum::http::HeaderMap;
 use tandem_proto::v1 as pb;
 
-use crate::api::openai::{DEFAULT_MAX_TOKENS, Kind, parse};
+use crate::api::http::DEFAULT_MAX_TOKENS;
+use crate::api::openai::{Kind, parse};
 use crate::cluster::frontend::Frontend;
 use crate::config::Limits;
 use crate::dispatch::prepare::{check_ids, prepare};
@@ -42,7 +43,7 @@ impl RequestChecks {
             body,
             &crate::SamplingDefaults::default(),
         ) {
-            Ok(parsed) => self.check(parsed.request, Some(DEFAULT_MAX_TOKENS)),
+            Ok(parsed) => self.check(parsed.call.request, Some(DEFAULT_MAX_TOKENS)),
             Err(_) => false,
         }
     }

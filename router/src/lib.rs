@@ -1,7 +1,7 @@
 //! The router: serves the client API (`tandem.v1.Generation`) and dispatches each request to a
 //! decode and a prefill replica. It tokenizes and renders chat templates itself, with a
 //! tokenizer learned from the workers, and never links candle. Health, reflection and
-//! `/metrics` share its port. The OpenAI-compatible HTTP API ([`api::openai`]) has a port of
+//! `/metrics` share its port. The HTTP APIs ([`api::routes`]: OpenAI's, Anthropic's) have a port of
 //! its own.
 //!
 //! Its modules are laid out in layers, each using only those below it:
@@ -48,7 +48,6 @@ pub use crate::cluster::discovery::{Target, resolve};
 pub use crate::config::{AuthConfig, Config, KeyLimits, Limits, PolicyKind, SamplingDefaults};
 pub use crate::error::{Error, Result};
 
-use crate::api::openai;
 use crate::cluster::policy::Policy;
 use crate::cluster::replica::Role;
 use crate::cluster::replicas::Replicas;
@@ -185,7 +184,7 @@ pub async fn run(
     let http_task = match http {
         Some(l) => {
             tracing::info!(addr = ?l.local_addr().ok(), tls = config.api_tls.is_some(), "OpenAI HTTP API serving");
-            let app = openai::routes(generation.clone());
+            let app = api::routes(generation.clone());
             let stop = http_stop.clone().cancelled_owned();
             Some(match &config.api_tls {
                 Some(cert) => spawn_http(TlsListener::new(l, cert.acceptor()), app, stop),

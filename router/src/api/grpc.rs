@@ -44,7 +44,8 @@ impl pb::generation_server::Generation for GenerationService {
             .ok_or(Error::Unauthenticated)?;
         let stream = self
             .start(request.into_inner(), &principal, deadline, None)
-            .await?;
+            .await?
+            .frames;
         Ok(Response::new(stream))
     }
 }

@@ -1,8 +1,122 @@
 //! The API front: the protocols clients speak, each converting its requests into one
 //! `tandem.v1` `GenerateRequest` started through [`crate::dispatch::GenerationService::start`],
-//! and the frames back into its own answers. gRPC ([`grpc`]) and the OpenAI HTTP API
-//! ([`openai`]); the HTTP APIs find a request's affinity session alike ([`session`]).
+//! and the frames back into its own answers. gRPC ([`grpc`]); over HTTP, on a port of its own,
+//! OpenAI's chat and completions ([`openai`]), Anthropic's Messages ([`anthropic`]) and OpenAI's
+//! Responses ([`responses`]), protocol adapters over what the HTTP APIs share ([`http`]); the
+//! HTTP APIs find a request's affinity session alike ([`session`]).
+//!
+//! The HTTP routes ([`routes`]): `POST /v1/chat/completions`, `POST /v1/completions`,
+//! `POST /v1/messages`, `POST /v1/messages/count_tokens`, `POST /v1/responses`,
+//! `GET /v1/models`, and `GET /health`. With a key file, `/v1` routes authenticate before the
+//! body is read, by `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY`; `/health` is
+//! open.
 
+pub mod anthropic;
 pub mod grpc;
+pub mod http;
 pub mod openai;
+pub mod responses;
 pub mod session;
+
+use axum::Json;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde_json::{Value, json};
+
+use crate::api::http::error::{ApiError, Shape};
+use crate::dispatch::GenerationService;
+
+/// The HTTP routes, served by [`crate::run`] on the HTTP listener.
+pub(crate) fn routes(service: GenerationService) -> axum::Router {
+    let body_limit = service.limits.http_body_bytes;
+    axum::Router::new()
+        .route("/v1/chat/completions", post(openai::chat))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/v1/responses", post(responses::responses))
+        .route("/v1/models", get(models))
+        .route_layer(axum::middleware::from_fn_with_state(
+            service.clone(),
+            authenticate,
+        ))
+        .route("/health", get(health))
+        .fallback(|| async {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                "no such route",
+                "invalid_request_error",
+            )
+        })
+        .layer(DefaultBodyLimit::max(body_limit))
+        .with_state(service)
+}
+
+/// Authenticates a `/v1` request before its body is read, by its `authorization` header, else
+/// its `x-api-key` (Anthropic's), and hands the [`crate::auth::Principal`] to the handler. A
+/// refusal has the shape of the API asked.
+async fn authenticate(
+    State(api): State<GenerationService>,
+    mut request: axum::extract::Request,
+    next: Next,
+) -> Response {
+    let headers = request.headers();
+    let bearer;
+    let authorization = match (headers.get(header::AUTHORIZATION), headers.get("x-api-key")) {
+        (Some(a), _) => Some(a.as_bytes()),
+        (None, Some(key)) => {
+            bearer = [b"Bearer ", key.as_bytes()].concat();
+            Some(bearer.as_slice())
+        }
+        (None, None) => None,
+    };
+    match api.authenticate(authorization) {
+        Ok(principal) => {
+            request.extensions_mut().insert(principal);
+            next.run(request).await
+        }
+        Err(e) => {
+            let shape = if request.uri().path().starts_with("/v1/messages") {
+                Shape::Anthropic
+            } else {
+                Shape::OpenAi
+            };
+            ApiError::from(e).respond(shape)
+        }
+    }
+}
+
+async fn models(State(api): State<GenerationService>) -> Json<Value> {
+    let data: Vec<Value> = api
+        .dispatcher
+        .replicas
+        .frontend()
+        .map(|f| {
+            json!({
+                "id": f.model_name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "tandem",
+            })
+        })
+        .into_iter()
+        .collect();
+    Json(json!({"object": "list", "data": data}))
+}
+
+/// For load balancers: 200 while the router can route (it knows the model and a decode
+/// replica is up) and is not draining, else 503.
+async fn health(State(api): State<GenerationService>) -> Response {
+    if api.dispatcher.replicas.ready() && !api.draining.is_cancelled() {
+        (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "unavailable"})),
+        )
+            .into_response()
+    }
+}

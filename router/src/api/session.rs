@@ -7,9 +7,10 @@
 //! 2. `session-id`, then `session_id` (Codex),
 //! 3. `x-session-affinity`, then `x-session-id`,
 //! 4. the body's `prompt_cache_key` (OpenAI's cache-routing key),
-//! 5. the body's `user`.
-//!
-//! Anthropic's `metadata.user_id` is to take its place before `user` once that API is served.
+//! 5. the session in Anthropic's `metadata.user_id`: Claude Code sends
+//!    `user_<hash>_account_<uuid>_session_<uuid>`, whose part after `_session_` is the session
+//!    (the user's other sessions are other conversations); any other value is taken whole,
+//! 6. the body's `user`.
 //!
 //! A request with none of them has no session: its prompt's first block places it.
 
@@ -28,7 +29,17 @@ pub(crate) const SESSION_HEADERS: [&str; 5] = [
 #[derive(Debug, Default)]
 pub(crate) struct BodySession {
     pub prompt_cache_key: Option<String>,
+    /// Anthropic's `metadata.user_id`.
+    pub metadata_user_id: Option<String>,
     pub user: Option<String>,
+}
+
+/// The session a `metadata.user_id` names (see the order above).
+fn metadata_session(user_id: String) -> String {
+    match user_id.rsplit_once("_session_") {
+        Some((_, session)) if !session.is_empty() => session.to_string(),
+        _ => user_id,
+    }
 }
 
 /// The request's session (empty: none), by the order above. Empty values count as absent, and
@@ -41,6 +52,7 @@ pub(crate) fn session(headers: &HeaderMap, body: BodySession) -> String {
     header
         .into_iter()
         .chain(body.prompt_cache_key)
+        .chain(body.metadata_user_id.map(metadata_session))
         .chain(body.user)
         .find(|s| !s.is_empty())
         .unwrap_or_default()
@@ -55,8 +67,27 @@ mod tests {
     fn body(key: Option<&str>, user: Option<&str>) -> BodySession {
         BodySession {
             prompt_cache_key: key.map(str::to_string),
+            metadata_user_id: None,
             user: user.map(str::to_string),
         }
+    }
+
+    #[test]
+    fn claude_codes_user_id_names_its_session() {
+        let headers = HeaderMap::new();
+        let with = |id: &str| BodySession {
+            metadata_user_id: Some(id.into()),
+            ..body(None, Some("u"))
+        };
+        let claude = "user_ab12_account_5f0e_session_9c3d-77";
+        assert_eq!(session(&headers, with(claude)), "9c3d-77");
+        assert_eq!(session(&headers, with("alice")), "alice");
+        assert_eq!(session(&headers, with("")), "u");
+        let keyed = BodySession {
+            prompt_cache_key: Some("k".into()),
+            ..with(claude)
+        };
+        assert_eq!(session(&headers, keyed), "k");
     }
 
     #[test]

@@ -37,11 +37,18 @@ use crate::auth::{KeyStore, Principal};
 use crate::config::Limits;
 use crate::dispatch::dispatcher::{Dispatcher, Outcome};
 use crate::dispatch::log::{Item, LogWriter};
-use crate::dispatch::prepare::{check_ids, prepare};
+use crate::dispatch::prepare::{check_ids, prepare, tokenize};
 use crate::error::Error;
 use crate::ids::fresh_id;
 
 pub(crate) type GenerateStream = Pin<Box<dyn Stream<Item = Item> + Send + 'static>>;
+
+/// A generation started: its frames, and its prompt's length in tokens (0 when the request
+/// attached to a running generation, whose prompt this router did not tokenize for it).
+pub(crate) struct Started {
+    pub frames: GenerateStream,
+    pub prompt_tokens: u32,
+}
 
 #[derive(Clone, Debug)]
 pub struct GenerationService {
@@ -92,7 +99,7 @@ impl GenerationService {
         principal: &Principal,
         deadline: Option<tokio::time::Instant>,
         default_max_tokens: Option<u32>,
-    ) -> Result<GenerateStream, Error> {
+    ) -> Result<Started, Error> {
         self.try_start(r, principal, deadline, default_max_tokens)
             .await
             .inspect_err(|e| self.dispatcher.metrics.finished(e.code()))
@@ -104,7 +111,7 @@ impl GenerationService {
         principal: &Principal,
         deadline: Option<tokio::time::Instant>,
         default_max_tokens: Option<u32>,
-    ) -> Result<GenerateStream, Error> {
+    ) -> Result<Started, Error> {
         check_ids(&r)?;
         let accepted = Instant::now();
         let deadline =
@@ -117,7 +124,10 @@ impl GenerationService {
         }
         let span = tracing::info_span!("request", request_id = %r.request_id);
         if let Some(attached) = attach(&self.running(), &key) {
-            return Ok(attached);
+            return Ok(Started {
+                frames: attached,
+                prompt_tokens: 0,
+            });
         }
         if self.draining.is_cancelled() {
             return Err(Error::Draining);
@@ -155,7 +165,10 @@ impl GenerationService {
             if let Some(attached) = attach(&running, &key) {
                 // The same id started meanwhile: this request was never admitted after all.
                 grant.finish(0);
-                return Ok(attached);
+                return Ok(Started {
+                    frames: attached,
+                    prompt_tokens: 0,
+                });
             }
             let log = LogWriter::new(prepared.choices);
             if !key.1.is_empty() {
@@ -164,6 +177,7 @@ impl GenerationService {
             log
         };
         let reader = log.subscribe();
+        let prompt_tokens = u32::try_from(prepared.tokens.len()).unwrap_or(u32::MAX);
         let (svc, shutdown) = (self.clone(), self.shutdown.clone());
         self.generations.spawn(
             async move {
@@ -183,7 +197,34 @@ impl GenerationService {
             }
             .instrument(span),
         );
-        Ok(Box::pin(reader.stream()))
+        Ok(Started {
+            frames: Box::pin(reader.stream()),
+            prompt_tokens,
+        })
+    }
+
+    /// How many tokens request `r`'s input is as a prompt (its chat rendered and tokenized), as
+    /// [`GenerationService::start`] would count it: what Anthropic's `count_tokens` answers.
+    pub(crate) async fn count_tokens(&self, mut r: pb::GenerateRequest) -> Result<usize, Error> {
+        check_ids(&r)?;
+        let front = self
+            .dispatcher
+            .replicas
+            .frontend()
+            .cloned()
+            .ok_or(Error::NotReady)?;
+        // Tokenizing is bounded as a generation's is: it takes an admission permit meanwhile.
+        let _permit = self.admission.clone().try_acquire_owned().map_err(|_| {
+            self.dispatcher.metrics.refused("queue_full");
+            Error::Busy {
+                inflight: self.max_inflight,
+            }
+        })?;
+        let limits = self.limits.clone();
+        let (tokens, _) = tokio::task::spawn_blocking(move || tokenize(&front, &mut r, &limits))
+            .await
+            .map_err(|_| Error::ShuttingDown)??;
+        Ok(tokens.len())
     }
 }
 

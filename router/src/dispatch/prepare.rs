@@ -132,63 +132,15 @@ pub fn prepare(
             ),
         });
     }
-    let (field, text_bytes) = match &r.prompt {
-        Some(p) => ("prompt", p.len()),
-        None => ("messages", crate::dispatch::chat::text_bytes(&r)),
-    };
-    if text_bytes > limits.prompt_bytes {
-        return Err(Error::InvalidArgument {
-            field,
-            reason: format!(
-                "{text_bytes} bytes of text, over the limit of {}",
-                limits.prompt_bytes
-            ),
-        });
-    }
-    let tokens_field = if r.token_ids.is_empty() {
-        "prompt"
-    } else {
-        "token_ids"
-    };
-    let tokens = if let Some(prompt) = r.prompt {
-        if prompt.is_empty() {
-            return invalid("prompt", "must not be empty");
+    let (tokens, forced_call) = tokenize(front, &mut r, limits)?;
+    if let Some(call) = forced_call {
+        if sampling.grammar.is_some() {
+            return invalid(
+                "sampling.grammar",
+                "a forced tool call has the tools' grammar: give no other",
+            );
         }
-        front.tokenizer.encode(&prompt)?
-    } else if !r.messages.is_empty() {
-        let rendered = crate::dispatch::chat::render(&front.tokenizer, &r)?;
-        if let Some(call) = rendered.forced_call {
-            if sampling.grammar.is_some() {
-                return invalid(
-                    "sampling.grammar",
-                    "a forced tool call has the tools' grammar: give no other",
-                );
-            }
-            sampling.grammar = Some(call);
-        }
-        front.tokenizer.encode(&rendered.text)?
-    } else {
-        let vocab = front.tokenizer.vocab_size();
-        if let Some(t) = r.token_ids.iter().find(|&&t| t as usize >= vocab) {
-            return Err(Error::InvalidArgument {
-                field: "token_ids",
-                reason: format!("token id {t} is outside the vocabulary of {vocab}"),
-            });
-        }
-        r.token_ids
-    };
-    if tokens.is_empty() {
-        return invalid("prompt", "tokenizes to nothing");
-    }
-    if tokens.len() > limits.prompt_tokens {
-        return Err(Error::InvalidArgument {
-            field: tokens_field,
-            reason: format!(
-                "{} tokens, over the limit of {}",
-                tokens.len(),
-                limits.prompt_tokens
-            ),
-        });
+        sampling.grammar = Some(call);
     }
     if tokens.len() >= front.context_tokens {
         return Err(Error::InvalidArgument {
@@ -239,6 +191,75 @@ pub fn prepare(
         fingerprint: front.fingerprint.clone(),
         choices: r.n.max(1),
     })
+}
+
+/// A request's input as prompt tokens, bounded by `limits` (its text before it is tokenized),
+/// with the grammar of the tool call its choice forces, if any: a prompt tokenized, messages
+/// rendered through the chat template and tokenized, or token ids checked (and taken). Takes
+/// time in proportion to the text: call it off the async runtime's threads.
+pub fn tokenize(
+    front: &Frontend,
+    r: &mut pb::GenerateRequest,
+    limits: &Limits,
+) -> Result<(Vec<u32>, Option<pb::Grammar>)> {
+    let invalid = |field, reason: &str| {
+        Err(Error::InvalidArgument {
+            field,
+            reason: reason.to_string(),
+        })
+    };
+    let (field, text_bytes) = match &r.prompt {
+        Some(p) => ("prompt", p.len()),
+        None => ("messages", crate::dispatch::chat::text_bytes(r)),
+    };
+    if text_bytes > limits.prompt_bytes {
+        return Err(Error::InvalidArgument {
+            field,
+            reason: format!(
+                "{text_bytes} bytes of text, over the limit of {}",
+                limits.prompt_bytes
+            ),
+        });
+    }
+    let tokens_field = if r.token_ids.is_empty() {
+        "prompt"
+    } else {
+        "token_ids"
+    };
+    let mut forced_call = None;
+    let tokens = if let Some(prompt) = &r.prompt {
+        if prompt.is_empty() {
+            return invalid("prompt", "must not be empty");
+        }
+        front.tokenizer.encode(prompt)?
+    } else if !r.messages.is_empty() {
+        let rendered = crate::dispatch::chat::render(&front.tokenizer, r)?;
+        forced_call = rendered.forced_call;
+        front.tokenizer.encode(&rendered.text)?
+    } else {
+        let vocab = front.tokenizer.vocab_size();
+        if let Some(t) = r.token_ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::InvalidArgument {
+                field: "token_ids",
+                reason: format!("token id {t} is outside the vocabulary of {vocab}"),
+            });
+        }
+        std::mem::take(&mut r.token_ids)
+    };
+    if tokens.is_empty() {
+        return invalid("prompt", "tokenizes to nothing");
+    }
+    if tokens.len() > limits.prompt_tokens {
+        return Err(Error::InvalidArgument {
+            field: tokens_field,
+            reason: format!(
+                "{} tokens, over the limit of {}",
+                tokens.len(),
+                limits.prompt_tokens
+            ),
+        });
+    }
+    Ok((tokens, forced_call))
 }
 
 impl Prepared {

@@ -4,8 +4,8 @@
 use serde_json::{Map, Value, json};
 use tandem_proto::v1 as pb;
 
-use crate::api::openai::error::ApiError;
-use crate::api::openai::fields::flag;
+use crate::api::http::error::ApiError;
+use crate::api::http::fields::{flag, json_grammar};
 
 /// A chat message's text: a string, or an array of text parts.
 pub(super) fn content_text(i: usize, content: Option<&Value>) -> Result<String, ApiError> {
@@ -281,31 +281,13 @@ pub(super) fn tool_choice(body: &Map<String, Value>) -> Result<(pb::ToolChoice, 
 /// `response_format`: `{"type": "text"}` (free text), `{"type": "json_object"}` or
 /// `{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}`.
 pub(super) fn response_format(body: &Map<String, Value>) -> Result<Option<pb::Grammar>, ApiError> {
-    use pb::grammar::Kind;
     let Some(format) = body.get("response_format").filter(|v| !v.is_null()) else {
         return Ok(None);
     };
-    let kind = match format.get("type").and_then(Value::as_str) {
-        Some("text") => return Ok(None),
-        Some("json_object") => Kind::JsonObject(true),
-        Some("json_schema") => match format.pointer("/json_schema/schema") {
-            Some(schema @ (Value::Object(_) | Value::Bool(_))) => {
-                Kind::JsonSchema(schema.to_string())
-            }
-            _ => {
-                return Err(ApiError::invalid(
-                    "response_format.json_schema.schema",
-                    "a json_schema response format needs its 'schema' object",
-                ));
-            }
-        },
-        _ => {
-            return Err(ApiError::invalid(
-                "response_format",
-                "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or \
-                 {\"type\": \"json_schema\", \"json_schema\": {...}}",
-            ));
-        }
-    };
-    Ok(Some(pb::Grammar { kind: Some(kind) }))
+    json_grammar(
+        "response_format",
+        "response_format.json_schema.schema",
+        format.get("type").and_then(Value::as_str),
+        format.pointer("/json_schema/schema"),
+    )
 }

@@ -4,18 +4,16 @@
 //! The body is parsed by hand from a JSON object, not derived, so that an unknown key can be
 //! named in the error instead of failing the whole parse or being dropped.
 
-use std::time::Duration;
-
 use axum::http::{HeaderMap, StatusCode};
 use serde_json::{Map, Value};
 use tandem_proto::v1 as pb;
 
-use crate::api::openai::chat::{messages, response_format, tool_choice, tools};
-use crate::api::openai::error::ApiError;
-use crate::api::openai::fields::{
-    check_metadata, flag, header_str, in_range, logit_bias, number, present, stop, token_ids,
-    unsigned,
+use crate::api::http::error::ApiError;
+use crate::api::http::fields::{
+    check_metadata, flag, in_range, logit_bias, number, present, stop, token_ids, unsigned,
 };
+use crate::api::http::{Call, base_sampling, json_object, string, unknown_key};
+use crate::api::openai::chat::{messages, response_format, tool_choice, tools};
 use crate::api::session::{BodySession, session};
 use crate::config::SamplingDefaults;
 
@@ -46,11 +44,10 @@ impl Kind {
 /// A request, read and checked.
 #[derive(Debug)]
 pub(crate) struct Parsed {
-    pub(crate) request: pb::GenerateRequest,
+    pub(crate) call: Call,
     pub(super) stream: bool,
     /// Where a stream reports usage (`stream_options`).
     pub(super) stream_usage: StreamUsage,
-    pub(super) timeout: Option<Duration>,
     /// `parallel_tool_calls`: false keeps a reply's first tool call only.
     pub(super) parallel_tool_calls: bool,
 }
@@ -142,24 +139,12 @@ pub(crate) fn parse(
     body: &[u8],
     defaults: &SamplingDefaults,
 ) -> Result<Parsed, ApiError> {
-    let body: Map<String, Value> = serde_json::from_slice(body).map_err(|e| {
-        ApiError::new(
-            StatusCode::BAD_REQUEST,
-            format!("the body is not a JSON object: {e}"),
-            "invalid_request_error",
-        )
-    })?;
+    let body = json_object(body)?;
     let own = match kind {
         Kind::Chat => CHAT_KEYS,
         Kind::Completion => COMPLETION_KEYS,
     };
-    if let Some(key) = body
-        .iter()
-        .find(|(k, v)| {
-            !v.is_null() && !COMMON_KEYS.contains(&k.as_str()) && !own.contains(&k.as_str())
-        })
-        .map(|(k, _)| k)
-    {
+    if let Some(key) = unknown_key(&body, &[COMMON_KEYS, own].concat()) {
         return Err(ApiError::unsupported(key, "Tandem does not implement it"));
     }
     // The upper bound is the router's (`prepare`), the same on both APIs.
@@ -280,28 +265,9 @@ pub(crate) fn parse(
             .or_else(|| v.as_u64())
             .ok_or_else(|| ApiError::invalid("seed", "'seed' must be an integer"))?,
     };
-    let string = |key: &str| match body.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(u)) => Ok(Some(u.clone())),
-        Some(_) => Err(ApiError::invalid(key, format!("'{key}' must be a string"))),
-    };
-    let user = string("user")?;
-    let cache_salt = string("cache_salt")?.unwrap_or_default();
+    let user = string(&body, "user")?;
+    let cache_salt = string(&body, "cache_salt")?.unwrap_or_default();
     let sampling = pb::SamplingParams {
-        // Unset: the server's default, else OpenAI's (temperature and top_p 1).
-        temperature: in_range(&body, "temperature", 0.0..=2.0)?
-            .or(defaults.temperature)
-            .unwrap_or(1.0),
-        top_k: unsigned(&body, "top_k")?
-            .map(|k| u32::try_from(k).unwrap_or(u32::MAX))
-            .or(defaults.top_k)
-            .unwrap_or(0),
-        top_p: match in_range(&body, "top_p", 0.0..=1.0)? {
-            Some(0.0) => {
-                return Err(ApiError::invalid("top_p", "'top_p' must be above 0"));
-            }
-            p => Some(p.or(defaults.top_p).unwrap_or(1.0)),
-        },
         seed,
         max_tokens,
         stop: stop(&body)?,
@@ -316,16 +282,15 @@ pub(crate) fn parse(
         stop_token_ids: token_ids(&body, "stop_token_ids")?,
         logprobs,
         grammar,
+        ..base_sampling(&body, defaults, 2.0)?
     };
     let mut request = pb::GenerateRequest {
-        request_id: header_str(headers, "x-request-id")
-            .unwrap_or_default()
-            .to_string(),
         session_id: session(
             headers,
             BodySession {
-                prompt_cache_key: string("prompt_cache_key")?,
+                prompt_cache_key: string(&body, "prompt_cache_key")?,
                 user,
+                ..Default::default()
             },
         ),
         sampling: Some(sampling),
@@ -368,17 +333,10 @@ pub(crate) fn parse(
             }
         },
     }
-    let timeout = match header_str(headers, "x-timeout-ms") {
-        None => None,
-        Some(ms) => Some(Duration::from_millis(ms.parse().map_err(|_| {
-            ApiError::invalid("x-timeout-ms", "the x-timeout-ms header must be an integer")
-        })?)),
-    };
     Ok(Parsed {
-        request,
+        call: Call::new(headers, request)?,
         stream,
         stream_usage,
-        timeout,
         parallel_tool_calls,
     })
 }

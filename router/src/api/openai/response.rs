@@ -8,9 +8,9 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use futures::{Stream, StreamExt};
 use serde_json::{Value, json};
 use tandem_proto::v1 as pb;
-use tandem_tokenizer::{Piece, ToolCallParser};
 
-use crate::api::openai::error::ApiError;
+use crate::api::http::error::ApiError;
+use crate::api::http::reply::{Part, Reply};
 use crate::api::openai::request::{Kind, StreamUsage};
 use crate::cluster::frontend::Frontend;
 use crate::dispatch::GenerateStream;
@@ -37,110 +37,21 @@ fn finish_reason(code: i32, called: bool) -> Value {
     }
 }
 
-/// One part of a reply: text, or a tool call with its index among the reply's calls.
-pub(super) enum Part {
-    Text(String),
-    Call {
-        index: usize,
-        id: String,
-        name: String,
-        arguments: String,
-    },
-}
-
-impl Part {
-    fn call_json(&self) -> Option<Value> {
-        match self {
-            Part::Text(_) => None,
-            Part::Call {
-                index,
-                id,
-                name,
-                arguments,
-            } => Some(json!({
-                "index": index,
-                "id": id,
-                "type": "function",
-                "function": {"name": name, "arguments": arguments},
-            })),
-        }
-    }
-}
-
-/// A reply split into [`Part`]s as its text arrives: all text, or, for a chat that offered
-/// tools, text and the calls its template's markup holds.
-pub(super) struct Reply {
-    parser: Option<ToolCallParser>,
-    /// False: calls after the first are dropped (`parallel_tool_calls: false`).
-    parallel: bool,
-    /// Call ids are this and the call's index: stable across a failover's replay.
-    call_id_prefix: String,
-    calls: usize,
-}
-
-impl Reply {
-    /// The reply of choice `choice`; its calls' ids are unique among the request's choices.
-    pub(super) fn new(
-        parser: Option<ToolCallParser>,
-        parallel: bool,
-        request_id: &str,
-        choice: u32,
-    ) -> Self {
-        let call_id_prefix = match choice {
-            0 => format!("call_{request_id}_"),
-            c => format!("call_{request_id}_{c}_"),
-        };
-        Self {
-            parser,
-            parallel,
-            call_id_prefix,
-            calls: 0,
-        }
-    }
-
-    /// The parts `text` completes.
-    pub(super) fn push(&mut self, text: &str) -> Vec<Part> {
-        match &mut self.parser {
-            None if text.is_empty() => Vec::new(),
-            None => vec![Part::Text(text.to_string())],
-            Some(p) => {
-                let pieces = p.push(text);
-                self.parts(pieces)
-            }
-        }
-    }
-
-    /// The parts still held when the reply ends.
-    pub(super) fn finish(&mut self) -> Vec<Part> {
-        match self.parser.take() {
-            None => Vec::new(),
-            Some(p) => self.parts(p.finish()),
-        }
-    }
-
-    /// Whether the reply called a tool.
-    fn called(&self) -> bool {
-        self.calls > 0
-    }
-
-    fn parts(&mut self, pieces: Vec<Piece>) -> Vec<Part> {
-        let mut out = Vec::new();
-        for piece in pieces {
-            match piece {
-                Piece::Text(t) => out.push(Part::Text(t)),
-                Piece::Call { .. } if self.calls > 0 && !self.parallel => {}
-                Piece::Call { name, arguments } => {
-                    out.push(Part::Call {
-                        index: self.calls,
-                        id: format!("{}{}", self.call_id_prefix, self.calls),
-                        name,
-                        arguments,
-                    });
-                    self.calls += 1;
-                }
-            }
-        }
-        out
+/// A tool call in OpenAI's shape, with its index among the reply's calls (a chunk's form).
+fn call_json(part: &Part) -> Option<Value> {
+    match part {
+        Part::Text(_) => None,
+        Part::Call {
+            index,
+            id,
+            name,
+            arguments,
+        } => Some(json!({
+            "index": index,
+            "id": id,
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        })),
     }
 }
 
@@ -381,7 +292,7 @@ impl Envelope {
         match (self.kind, part) {
             (Kind::Chat, None) => choice["delta"] = json!({}),
             (Kind::Chat, Some(Part::Text(t))) => choice["delta"] = json!({"content": t}),
-            (Kind::Chat, Some(call)) => choice["delta"] = json!({"tool_calls": [call.call_json()]}),
+            (Kind::Chat, Some(call)) => choice["delta"] = json!({"tool_calls": [call_json(call)]}),
             (Kind::Completion, Some(Part::Text(t))) => choice["text"] = json!(t),
             (Kind::Completion, _) => choice["text"] = json!(""),
         }
@@ -439,7 +350,7 @@ impl Envelope {
         let mut choice = json!({"index": index, "logprobs": all_logprobs, "finish_reason": finish});
         match self.kind {
             Kind::Chat => {
-                let calls: Vec<Value> = parts.iter().filter_map(Part::call_json).collect();
+                let calls: Vec<Value> = parts.iter().filter_map(call_json).collect();
                 choice["message"] = if calls.is_empty() {
                     json!({"role": "assistant", "content": text})
                 } else {

@@ -33,7 +33,7 @@ fn tools_calls_and_results_become_the_requests_own() {
         "parallel_tool_calls": false,
     });
     let parsed = parse_json(Kind::Chat, body).expect("parsed");
-    let r = &parsed.request;
+    let r = &parsed.call.request;
     assert!(!parsed.parallel_tool_calls);
     assert_eq!(r.tool_choice, pb::ToolChoice::Function as i32);
     assert_eq!(r.tool_choice_function, "get_weather");
@@ -132,7 +132,7 @@ fn unknown_and_unsupported_parameters_are_named() {
     assert!(parse_json(Kind::Completion, ok).is_ok());
     let three = json!({"model": "m", "prompt": "x", "n": 3});
     let parsed = parse_json(Kind::Completion, three).expect("n = 3");
-    assert_eq!(parsed.request.n, 3);
+    assert_eq!(parsed.call.request.n, 3);
 }
 
 #[test]
@@ -204,7 +204,7 @@ fn values_are_checked() {
                         "service_tier": "auto", "parallel_tool_calls": true}),
     )
     .expect("valid");
-    let s = p.request.sampling.expect("sampling");
+    let s = p.call.request.sampling.expect("sampling");
     assert_eq!(
         (s.max_tokens, s.seed, s.stop),
         (7, u64::MAX, vec!["x".to_string()])
@@ -215,12 +215,13 @@ fn values_are_checked() {
                                  {"include_usage": true, "continuous_usage_stats": true}}))
     .expect("vLLM's stream options, as guidellm sends them");
     assert_eq!(continuous.stream_usage, StreamUsage::Continuous);
-    assert_eq!(p.request.session_id, "u1");
+    assert_eq!(p.call.request.session_id, "u1");
     let knobs = chat(
         json!({"min_p": 0.05, "top_k": 40, "logit_bias": {"17": -100, "3": 2.5},
                             "ignore_eos": true, "min_tokens": 4, "stop_token_ids": [7, 8]}),
     )
     .expect("valid")
+    .call
     .request
     .sampling
     .expect("sampling");
@@ -249,6 +250,7 @@ fn unset_sampling_takes_the_servers_defaults() {
             &defaults,
         )
         .expect("valid")
+        .call
         .request
         .sampling
         .expect("sampling")
@@ -281,7 +283,7 @@ fn the_session_comes_from_the_agents_headers_then_the_body() {
     let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
         "prompt_cache_key": "key", "user": "someone"});
     let parsed = parse_json(Kind::Chat, body.clone()).expect("parsed");
-    assert_eq!(parsed.request.session_id, "key");
+    assert_eq!(parsed.call.request.session_id, "key");
     let mut headers = HeaderMap::new();
     headers.insert(
         "x-claude-code-session-id",
@@ -296,5 +298,5 @@ fn the_session_comes_from_the_agents_headers_then_the_body() {
         &SamplingDefaults::default(),
     )
     .expect("parsed");
-    assert_eq!(parsed.request.session_id, "5f3c");
+    assert_eq!(parsed.call.request.session_id, "5f3c");
 }

@@ -1,5 +1,5 @@
-//! OpenAI error objects: the status, type, code and parameter a refusal carries, from this
-//! crate's errors and from gRPC statuses.
+//! The HTTP APIs' errors: the status, type, code and parameter a refusal carries, from this
+//! crate's errors and from gRPC statuses, shown as OpenAI error objects or as Anthropic's.
 
 use axum::Json;
 use axum::http::{HeaderValue, StatusCode, header};
@@ -12,16 +12,16 @@ use crate::error::Error;
 /// An OpenAI error object with its HTTP status.
 #[derive(Debug)]
 pub(crate) struct ApiError {
-    pub(super) status: StatusCode,
-    pub(super) message: String,
-    pub(super) kind: &'static str,
-    pub(super) param: Option<String>,
-    pub(super) code: Option<&'static str>,
-    pub(super) retry_after_s: Option<u64>,
+    pub(crate) status: StatusCode,
+    pub(crate) message: String,
+    pub(crate) kind: &'static str,
+    pub(crate) param: Option<String>,
+    pub(crate) code: Option<&'static str>,
+    pub(crate) retry_after_s: Option<u64>,
 }
 
 impl ApiError {
-    pub(super) fn new(status: StatusCode, message: impl Into<String>, kind: &'static str) -> Self {
+    pub(crate) fn new(status: StatusCode, message: impl Into<String>, kind: &'static str) -> Self {
         Self {
             status,
             message: message.into(),
@@ -32,14 +32,14 @@ impl ApiError {
         }
     }
 
-    pub(super) fn invalid(param: &str, message: impl Into<String>) -> Self {
+    pub(crate) fn invalid(param: &str, message: impl Into<String>) -> Self {
         Self {
             param: Some(param.to_string()),
             ..Self::new(StatusCode::BAD_REQUEST, message, "invalid_request_error")
         }
     }
 
-    pub(super) fn unsupported(param: &str, why: &str) -> Self {
+    pub(crate) fn unsupported(param: &str, why: &str) -> Self {
         Self {
             code: Some("unsupported_parameter"),
             ..Self::invalid(param, format!("unsupported parameter '{param}': {why}"))
@@ -47,7 +47,7 @@ impl ApiError {
     }
 
     /// The status a gRPC code maps to. `retry_after_ms` is the pushback that came with it.
-    pub(super) fn from_code(code: Code, message: String, retry_after_ms: Option<u64>) -> Self {
+    pub(crate) fn from_code(code: Code, message: String, retry_after_ms: Option<u64>) -> Self {
         let (status, kind, code) = match code {
             Code::InvalidArgument => (StatusCode::BAD_REQUEST, "invalid_request_error", None),
             Code::Unauthenticated => (
@@ -88,7 +88,7 @@ impl ApiError {
         }
     }
 
-    pub(super) fn from_status(s: &tonic::Status) -> Self {
+    pub(crate) fn from_status(s: &tonic::Status) -> Self {
         let pushback = s
             .metadata()
             .get("grpc-retry-pushback-ms")
@@ -97,7 +97,7 @@ impl ApiError {
         Self::from_code(s.code(), s.message().to_string(), pushback)
     }
 
-    pub(super) fn body(&self) -> Value {
+    pub(crate) fn body(&self) -> Value {
         json!({"error": {
             "message": self.message,
             "type": self.kind,
@@ -120,9 +120,46 @@ impl From<Error> for ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let mut response = (self.status, Json(self.body())).into_response();
+/// The shape of error bodies a protocol uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Shape {
+    /// `{"error": {"message", "type", "param", "code"}}`
+    OpenAi,
+    /// `{"type": "error", "error": {"type", "message"}}`, the type by the status as Anthropic's
+    /// API sets it.
+    Anthropic,
+}
+
+impl ApiError {
+    /// Anthropic's error type for this error's status.
+    fn anthropic_type(&self) -> &'static str {
+        match self.status.as_u16() {
+            400 | 422 => "invalid_request_error",
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 | 529 => "overloaded_error",
+            _ => "api_error",
+        }
+    }
+
+    /// The error's body in `shape`.
+    pub(crate) fn body_in(&self, shape: Shape) -> Value {
+        match shape {
+            Shape::OpenAi => self.body(),
+            Shape::Anthropic => json!({
+                "type": "error",
+                "error": {"type": self.anthropic_type(), "message": self.message},
+            }),
+        }
+    }
+
+    /// The error as a response with a body in `shape`.
+    pub(crate) fn respond(self, shape: Shape) -> Response {
+        tracing::debug!(status = %self.status, message = %self.message, "HTTP request refused");
+        let mut response = (self.status, Json(self.body_in(shape))).into_response();
         if self.status == StatusCode::UNAUTHORIZED {
             response
                 .headers_mut()
@@ -134,6 +171,12 @@ impl IntoResponse for ApiError {
                 .insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
         response
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        self.respond(Shape::OpenAi)
     }
 }
 

@@ -5,8 +5,9 @@ use std::collections::HashMap;
 
 use axum::http::HeaderMap;
 use serde_json::{Map, Value};
+use tandem_proto::v1 as pb;
 
-use crate::api::openai::error::ApiError;
+use crate::api::http::error::ApiError;
 
 /// Most stop sequences, as in OpenAI's API.
 const MAX_STOP: usize = 4;
@@ -18,7 +19,7 @@ const METADATA_VALUE_CHARS: usize = 512;
 
 /// Checks `metadata` (string pairs within OpenAI's bounds). It tags a stored completion, and
 /// nothing is stored (`store` is refused), so it is checked and then ignored.
-pub(super) fn check_metadata(body: &Map<String, Value>) -> Result<(), ApiError> {
+pub(crate) fn check_metadata(body: &Map<String, Value>) -> Result<(), ApiError> {
     let Some(m) = body.get("metadata").filter(|v| !v.is_null()) else {
         return Ok(());
     };
@@ -43,7 +44,7 @@ pub(super) fn check_metadata(body: &Map<String, Value>) -> Result<(), ApiError> 
     Ok(())
 }
 
-pub(super) fn number(body: &Map<String, Value>, key: &str) -> Result<Option<f64>, ApiError> {
+pub(crate) fn number(body: &Map<String, Value>, key: &str) -> Result<Option<f64>, ApiError> {
     match body.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => v
@@ -53,7 +54,7 @@ pub(super) fn number(body: &Map<String, Value>, key: &str) -> Result<Option<f64>
     }
 }
 
-pub(super) fn in_range(
+pub(crate) fn in_range(
     body: &Map<String, Value>,
     key: &str,
     range: std::ops::RangeInclusive<f64>,
@@ -71,7 +72,7 @@ pub(super) fn in_range(
     }
 }
 
-pub(super) fn unsigned(body: &Map<String, Value>, key: &str) -> Result<Option<u64>, ApiError> {
+pub(crate) fn unsigned(body: &Map<String, Value>, key: &str) -> Result<Option<u64>, ApiError> {
     match body.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => v.as_u64().map(Some).ok_or_else(|| {
@@ -80,7 +81,7 @@ pub(super) fn unsigned(body: &Map<String, Value>, key: &str) -> Result<Option<u6
     }
 }
 
-pub(super) fn flag(body: &Map<String, Value>, key: &str) -> Result<bool, ApiError> {
+pub(crate) fn flag(body: &Map<String, Value>, key: &str) -> Result<bool, ApiError> {
     match body.get(key) {
         None | Some(Value::Null) => Ok(false),
         Some(Value::Bool(b)) => Ok(*b),
@@ -88,11 +89,11 @@ pub(super) fn flag(body: &Map<String, Value>, key: &str) -> Result<bool, ApiErro
     }
 }
 
-pub(super) fn present(body: &Map<String, Value>, key: &str) -> bool {
+pub(crate) fn present(body: &Map<String, Value>, key: &str) -> bool {
     body.get(key).is_some_and(|v| !v.is_null())
 }
 
-pub(super) fn stop(body: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
+pub(crate) fn stop(body: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
     let stops = match body.get("stop") {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
@@ -123,7 +124,7 @@ pub(super) fn stop(body: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
 /// A header's value, if present and readable.
 /// `logit_bias`: token ids (as JSON object keys) to biases in [-100, 100]; the bounds on how
 /// many and which ids are the router's, for both APIs.
-pub(super) fn logit_bias(body: &Map<String, Value>) -> Result<HashMap<u32, f32>, ApiError> {
+pub(crate) fn logit_bias(body: &Map<String, Value>) -> Result<HashMap<u32, f32>, ApiError> {
     let Some(v) = body.get("logit_bias").filter(|v| !v.is_null()) else {
         return Ok(HashMap::new());
     };
@@ -150,7 +151,7 @@ pub(super) fn logit_bias(body: &Map<String, Value>) -> Result<HashMap<u32, f32>,
 }
 
 /// An array of token ids.
-pub(super) fn token_ids(body: &Map<String, Value>, key: &str) -> Result<Vec<u32>, ApiError> {
+pub(crate) fn token_ids(body: &Map<String, Value>, key: &str) -> Result<Vec<u32>, ApiError> {
     match body.get(key) {
         None | Some(Value::Null) => Ok(Vec::new()),
         Some(Value::Array(a)) => a
@@ -170,6 +171,42 @@ pub(super) fn token_ids(body: &Map<String, Value>, key: &str) -> Result<Vec<u32>
     }
 }
 
-pub(super) fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+pub(crate) fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
     headers.get(name).and_then(|v| v.to_str().ok())
+}
+
+/// The grammar of a structured-output format (`param`): `type` `text` (none), `json_object`, or
+/// `json_schema` with its `schema` (`schema_param`). Chat's `response_format` and the
+/// Responses API's `text.format` nest these differently.
+pub(crate) fn json_grammar(
+    param: &str,
+    schema_param: &str,
+    kind: Option<&str>,
+    schema: Option<&Value>,
+) -> Result<Option<pb::Grammar>, ApiError> {
+    use pb::grammar::Kind;
+    let kind = match kind {
+        Some("text") => return Ok(None),
+        Some("json_object") => Kind::JsonObject(true),
+        Some("json_schema") => match schema {
+            Some(schema @ (Value::Object(_) | Value::Bool(_))) => {
+                Kind::JsonSchema(schema.to_string())
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    schema_param,
+                    "a json_schema format needs its 'schema' object",
+                ));
+            }
+        },
+        _ => {
+            return Err(ApiError::invalid(
+                param,
+                format!(
+                    "'{param}' must have the type \"text\", \"json_object\" or \"json_schema\""
+                ),
+            ));
+        }
+    };
+    Ok(Some(pb::Grammar { kind: Some(kind) }))
 }

@@ -1,0 +1,214 @@
+//! A reply in Anthropic's shapes: its frames become content blocks (`text`, `tool_use`) and
+//! the stream's events (`content_block_start`, `content_block_delta` with `text_delta` or
+//! `input_json_delta`, `content_block_stop`, then `message_delta` and `message_stop`); the same
+//! blocks make the whole `message` of a request that does not stream.
+
+use std::sync::Arc;
+
+use serde_json::{Value, json};
+use tandem_proto::v1 as pb;
+
+use crate::api::http::reply::{Part, Reply, stop_sequence};
+use crate::cluster::frontend::Frontend;
+use crate::dispatch::log::is_last;
+
+/// One server-sent event: its name and its data.
+pub(super) type Event = (&'static str, Value);
+
+/// A reply as its frames arrive: the blocks so far, the one open, and how it ended.
+pub(super) struct Message {
+    pub(super) id: String,
+    model: String,
+    front: Arc<Frontend>,
+    reply: Reply,
+    stops: Vec<String>,
+    /// Every token of the reply (to find the stop sequence that ended it).
+    tokens: Vec<u32>,
+    blocks: Vec<Value>,
+    /// The text block open, at index `blocks.len()`.
+    text: Option<String>,
+    /// The prompt's length in tokens, as known when the message starts.
+    prompt_tokens: u32,
+    /// The last frame's stop reason, stop sequence and usage, once it came.
+    end: Option<(&'static str, Option<String>, Value)>,
+}
+
+impl Message {
+    pub(super) fn new(
+        request_id: &str,
+        front: Arc<Frontend>,
+        reply: Reply,
+        stops: Vec<String>,
+        prompt_tokens: u32,
+    ) -> Self {
+        Self {
+            id: format!("msg_{request_id}"),
+            model: front.model_name.clone(),
+            front,
+            reply,
+            stops,
+            tokens: Vec::new(),
+            blocks: Vec::new(),
+            text: None,
+            prompt_tokens,
+            end: None,
+        }
+    }
+
+    /// The `message_start` event: the message with no content yet.
+    pub(super) fn start(&self) -> Event {
+        let usage = json!({
+            "input_tokens": self.prompt_tokens,
+            "output_tokens": 0,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+        });
+        let message = self.message(json!([]), Value::Null, Value::Null, usage);
+        (
+            "message_start",
+            json!({"type": "message_start", "message": message}),
+        )
+    }
+
+    /// The events frame `f` makes; on the last frame, those that end the message.
+    pub(super) fn frame(&mut self, f: &pb::GenerateResponse) -> Vec<Event> {
+        self.tokens.extend(&f.token_ids);
+        let mut parts = self.reply.push(&f.text);
+        let last = is_last(f);
+        if last {
+            parts.extend(self.reply.finish());
+        }
+        let mut events = Vec::new();
+        for part in parts {
+            self.part(part, &mut events);
+        }
+        if last {
+            self.close_text(&mut events);
+            let (reason, sequence, usage) = self.ending(f);
+            events.push((
+                "message_delta",
+                json!({
+                    "type": "message_delta",
+                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                    "usage": usage,
+                }),
+            ));
+            events.push(("message_stop", json!({"type": "message_stop"})));
+            self.end = Some((reason, sequence, usage));
+        }
+        events
+    }
+
+    fn part(&mut self, part: Part, events: &mut Vec<Event>) {
+        match part {
+            Part::Text(t) => {
+                let index = self.blocks.len();
+                let open = self.text.get_or_insert_with(|| {
+                    events.push((
+                        "content_block_start",
+                        json!({
+                            "type": "content_block_start",
+                            "index": index,
+                            "content_block": {"type": "text", "text": ""},
+                        }),
+                    ));
+                    String::new()
+                });
+                open.push_str(&t);
+                events.push((
+                    "content_block_delta",
+                    json!({
+                        "type": "content_block_delta",
+                        "index": index,
+                        "delta": {"type": "text_delta", "text": t},
+                    }),
+                ));
+            }
+            Part::Call {
+                id,
+                name,
+                arguments,
+                ..
+            } => {
+                self.close_text(events);
+                let index = self.blocks.len();
+                events.push((
+                    "content_block_start",
+                    json!({
+                        "type": "content_block_start",
+                        "index": index,
+                        "content_block": {"type": "tool_use", "id": id, "name": name, "input": {}},
+                    }),
+                ));
+                events.push((
+                    "content_block_delta",
+                    json!({
+                        "type": "content_block_delta",
+                        "index": index,
+                        "delta": {"type": "input_json_delta", "partial_json": arguments},
+                    }),
+                ));
+                events.push(stop_block(index));
+                // The parser's arguments are a JSON object's text.
+                let input: Value = serde_json::from_str(&arguments).unwrap_or_else(|_| json!({}));
+                self.blocks
+                    .push(json!({"type": "tool_use", "id": id, "name": name, "input": input}));
+            }
+        }
+    }
+
+    fn close_text(&mut self, events: &mut Vec<Event>) {
+        if let Some(text) = self.text.take() {
+            events.push(stop_block(self.blocks.len()));
+            self.blocks.push(json!({"type": "text", "text": text}));
+        }
+    }
+
+    /// How the reply ended, from its last frame: the stop reason, the stop sequence that ended
+    /// it, and its usage (input tokens read from the cache apart from those computed).
+    fn ending(&self, f: &pb::GenerateResponse) -> (&'static str, Option<String>, Value) {
+        let u = f.usage.unwrap_or_default();
+        let usage = json!({
+            "input_tokens": u.prompt_tokens.saturating_sub(u.cached_tokens),
+            "output_tokens": u.completion_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": u.cached_tokens,
+        });
+        let (reason, sequence) = match pb::FinishReason::try_from(f.finish_reason) {
+            Ok(pb::FinishReason::Length) => ("max_tokens", None),
+            _ if self.reply.called() => ("tool_use", None),
+            _ => match stop_sequence(&self.front.tokenizer, &self.tokens, &self.stops) {
+                Some(s) => ("stop_sequence", Some(s.to_string())),
+                None => ("end_turn", None),
+            },
+        };
+        (reason, sequence, usage)
+    }
+
+    fn message(&self, content: Value, reason: Value, sequence: Value, usage: Value) -> Value {
+        json!({
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": usage,
+        })
+    }
+
+    /// The whole message, once its last frame came.
+    pub(super) fn whole(self) -> Value {
+        let (reason, sequence, usage) = self.end.clone().unwrap_or(("end_turn", None, json!({})));
+        let blocks = Value::Array(self.blocks.clone());
+        self.message(blocks, json!(reason), json!(sequence), usage)
+    }
+}
+
+fn stop_block(index: usize) -> Event {
+    (
+        "content_block_stop",
+        json!({"type": "content_block_stop", "index": index}),
+    )
+}

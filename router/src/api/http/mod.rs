@@ -1,0 +1,168 @@
+//! What the HTTP APIs share beneath their protocols: errors ([`error`]), readers of a JSON
+//! body's fields ([`fields`]), a reply split into text and tool calls ([`reply`]), and the one
+//! way a protocol adapter starts a generation ([`start`]): each adapter (OpenAI's chat and
+//! completions, Anthropic's Messages, OpenAI's Responses) turns its body into one `tandem.v1`
+//! `GenerateRequest` and starts it here, so that limits, keys, idempotency, affinity, failover
+//! and metrics are the same for all of them.
+
+pub(crate) mod error;
+pub(crate) mod fields;
+pub(crate) mod reply;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::rejection::BytesRejection;
+use axum::http::{HeaderMap, StatusCode};
+use serde_json::{Map, Value};
+use tandem_proto::v1 as pb;
+
+use crate::api::http::error::ApiError;
+use crate::api::http::fields::{header_str, in_range, unsigned};
+use crate::auth::Principal;
+use crate::cluster::frontend::Frontend;
+use crate::config::SamplingDefaults;
+use crate::dispatch::{GenerationService, Started};
+use crate::error::Error;
+use crate::ids::fresh_id;
+
+/// Most tokens a request may generate when it sets no `max_tokens` (less if the context ends
+/// sooner). The decode node reserves KV for the worst case, so "the whole context" by default
+/// would let a handful of requests hold the pool.
+pub const DEFAULT_MAX_TOKENS: u32 = 1024;
+
+/// A request's body as axum hands it over: its bytes, or why they could not be read.
+pub(crate) type Body = Result<axum::body::Bytes, BytesRejection>;
+
+/// The body's bytes, or the error its rejection is (413 over the router's limit).
+pub(crate) fn body_bytes(
+    api: &GenerationService,
+    body: Body,
+) -> Result<axum::body::Bytes, ApiError> {
+    body.map_err(|rejection| {
+        ApiError::new(
+            rejection.status(),
+            if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                format!(
+                    "the request body is over the limit of {} bytes",
+                    api.limits.http_body_bytes
+                )
+            } else {
+                rejection.body_text()
+            },
+            "invalid_request_error",
+        )
+    })
+}
+
+/// A body as a JSON object.
+pub(crate) fn json_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    serde_json::from_slice(body).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!("the body is not a JSON object: {e}"),
+            "invalid_request_error",
+        )
+    })
+}
+
+/// The first key of `body` that is present (not null) and not in `known`: what a protocol
+/// adapter refuses by name.
+pub(crate) fn unknown_key<'a>(body: &'a Map<String, Value>, known: &[&str]) -> Option<&'a str> {
+    body.iter()
+        .find(|(k, v)| !v.is_null() && !known.contains(&k.as_str()))
+        .map(|(k, _)| k.as_str())
+}
+
+/// What the model the cluster serves is known as, if it knows one yet.
+pub(crate) fn frontend(api: &GenerationService) -> Result<Arc<Frontend>, ApiError> {
+    Ok(api
+        .dispatcher
+        .replicas
+        .frontend()
+        .cloned()
+        .ok_or(Error::NotReady)?)
+}
+
+/// The sampling fields the HTTP APIs share (`temperature` up to `max_temperature`, `top_p`,
+/// `top_k`), each unset one the server's default, else the APIs' own (temperature and top_p
+/// 1, no top-k).
+pub(crate) fn base_sampling(
+    body: &Map<String, Value>,
+    defaults: &SamplingDefaults,
+    max_temperature: f64,
+) -> Result<pb::SamplingParams, ApiError> {
+    Ok(pb::SamplingParams {
+        temperature: in_range(body, "temperature", 0.0..=max_temperature)?
+            .or(defaults.temperature)
+            .unwrap_or(1.0),
+        top_k: unsigned(body, "top_k")?
+            .map(|k| u32::try_from(k).unwrap_or(u32::MAX))
+            .or(defaults.top_k)
+            .unwrap_or(0),
+        top_p: match in_range(body, "top_p", 0.0..=1.0)? {
+            Some(0.0) => {
+                return Err(ApiError::invalid("top_p", "'top_p' must be above 0"));
+            }
+            p => Some(p.or(defaults.top_p).unwrap_or(1.0)),
+        },
+        min_p: defaults.min_p,
+        ..Default::default()
+    })
+}
+
+/// A string field, if present and not null.
+pub(crate) fn string(body: &Map<String, Value>, key: &str) -> Result<Option<String>, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(u)) => Ok(Some(u.clone())),
+        Some(_) => Err(ApiError::invalid(key, format!("'{key}' must be a string"))),
+    }
+}
+
+/// A request as a protocol adapter made it, with what the HTTP layer adds: its id (the
+/// client's `x-request-id`, else a fresh one) and its deadline (`x-timeout-ms`).
+#[derive(Debug)]
+pub(crate) struct Call {
+    pub request: pb::GenerateRequest,
+    pub deadline: Option<tokio::time::Instant>,
+}
+
+impl Call {
+    pub(crate) fn new(
+        headers: &HeaderMap,
+        mut request: pb::GenerateRequest,
+    ) -> Result<Self, ApiError> {
+        request.request_id = header_str(headers, "x-request-id")
+            .map(str::to_string)
+            .unwrap_or_else(fresh_id);
+        let timeout = match header_str(headers, "x-timeout-ms") {
+            None => None,
+            Some(ms) => Some(Duration::from_millis(ms.parse().map_err(|_| {
+                ApiError::invalid("x-timeout-ms", "the x-timeout-ms header must be an integer")
+            })?)),
+        };
+        Ok(Self {
+            request,
+            deadline: timeout.map(|t| tokio::time::Instant::now() + t),
+        })
+    }
+
+    /// Starts the generation; `default_max_tokens` is what an unset `max_tokens` (0) becomes,
+    /// less where the context ends sooner.
+    pub(crate) async fn start(
+        self,
+        api: &GenerationService,
+        principal: &Principal,
+        default_max_tokens: u32,
+    ) -> Result<Started, ApiError> {
+        Ok(api
+            .start(
+                self.request,
+                principal,
+                self.deadline,
+                Some(default_max_tokens),
+            )
+            .await?)
+    }
+}

@@ -1,0 +1,115 @@
+//! OpenAI's Responses API, as the `openai` package, the OpenAI Agents SDK and Codex use it:
+//! `POST /v1/responses`, with `stream`, served stateless (`request` says what each key becomes,
+//! and what is refused or accepted and ignored).
+//!
+//! A request becomes a `tandem.v1` `GenerateRequest` and starts through
+//! [`crate::api::http::Call`], as the other HTTP APIs' do; errors are OpenAI error objects. A
+//! stream opens as soon as the request is admitted (`response.created`,
+//! `response.in_progress`); a failure after that is an `error` event.
+
+mod request;
+mod response;
+
+use std::convert::Infallible;
+
+use axum::Extension;
+use axum::Json;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures::StreamExt;
+use serde_json::Value;
+
+use crate::api::http::error::{ApiError, Shape};
+use crate::api::http::reply::{Reply, next_frame, tool_parser};
+use crate::api::http::{Body, DEFAULT_MAX_TOKENS, body_bytes, frontend};
+use crate::api::responses::request::parse;
+use crate::api::responses::response::Transcript;
+use crate::auth::Principal;
+use crate::dispatch::GenerationService;
+
+pub(crate) async fn responses(
+    State(api): State<GenerationService>,
+    Extension(principal): Extension<Principal>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let result = match body_bytes(&api, body) {
+        Ok(body) => run(api, &principal, &headers, &body).await,
+        Err(e) => Err(e),
+    };
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn run(
+    api: GenerationService,
+    principal: &Principal,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<Response, ApiError> {
+    let front = frontend(&api)?;
+    let parsed = parse(&front.model_name, headers, body, &api.sampling_defaults)?;
+    let request = &parsed.call.request;
+    let request_id = request.request_id.clone();
+    let reply = Reply::new(
+        tool_parser(&front.tokenizer, request),
+        parsed.parallel_tool_calls,
+        &request_id,
+        0,
+    );
+    let mut transcript = Transcript::new(
+        &request_id,
+        &front.model_name,
+        parsed.echo,
+        parsed.parallel_tool_calls,
+        reply,
+    );
+    let mut frames = parsed
+        .call
+        .start(&api, principal, DEFAULT_MAX_TOKENS)
+        .await?
+        .frames;
+    let mut response = if parsed.stream {
+        let event = |v: Value| {
+            let kind = v["type"].as_str().unwrap_or("message").to_string();
+            Ok::<_, Infallible>(Event::default().event(kind).data(v.to_string()))
+        };
+        let opening = futures::stream::iter(transcript.start().into_iter().map(event));
+        let body = frames
+            .scan(Some(transcript), move |state, item| {
+                let Some(transcript) = state else {
+                    return futures::future::ready(None);
+                };
+                let events = match item {
+                    Ok(f) => {
+                        let events = transcript.frame(&f);
+                        if transcript.finished() {
+                            *state = None;
+                        }
+                        events
+                    }
+                    Err(s) => {
+                        let body = ApiError::from_status(&s).body_in(Shape::OpenAi);
+                        let error = transcript.error(&body);
+                        *state = None;
+                        vec![error]
+                    }
+                };
+                futures::future::ready(Some(futures::stream::iter(events.into_iter().map(event))))
+            })
+            .flatten();
+        Sse::new(opening.chain(body))
+            .keep_alive(KeepAlive::default())
+            .into_response()
+    } else {
+        while !transcript.finished() {
+            transcript.frame(&next_frame(&mut frames).await?);
+        }
+        Json(transcript.response()).into_response()
+    };
+    if let Ok(v) = HeaderValue::from_str(&request_id) {
+        response.headers_mut().insert("x-request-id", v);
+    }
+    Ok(response)
+}

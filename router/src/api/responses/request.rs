@@ -1,0 +1,532 @@
+//! A Responses body parsed into a `tandem.v1` `GenerateRequest`: `input` (a string or items),
+//! `instructions`, function `tools`, `tool_choice`, `text.format`, sampling and the session.
+//!
+//! The API is served stateless, as vLLM and llama-server serve it: nothing is stored, so
+//! `store: true`, `previous_response_id`, `conversation` and `item_reference` items are refused
+//! by name (an agent sends its whole history in `input`, and the prefix cache and the
+//! session's affinity make that cheap). `store` absent or false is served.
+//!
+//! Accepted and ignored, because ignoring them changes no output: `reasoning` (the models
+//! served have no reasoning phase, so a reply has no reasoning items), `reasoning` items in the
+//! history (output of another model's reasoning), `include: ["reasoning.encrypted_content"]`,
+//! `truncation: "disabled"`, `service_tier` `auto`/`default`, `metadata` (checked),
+//! `safety_identifier`, and `stream_options.include_obfuscation`.
+//!
+//! A function tool's `strict` is accepted: a call that `tool_choice` forces follows the tools'
+//! schemas by grammar; a call the model makes on its own (`auto`) is read from its markup and
+//! its arguments are a JSON object, but not held to the schema.
+
+use axum::http::{HeaderMap, StatusCode};
+use serde_json::{Map, Value};
+use tandem_proto::v1 as pb;
+
+use crate::api::http::error::ApiError;
+use crate::api::http::fields::{check_metadata, flag, json_grammar, unsigned};
+use crate::api::http::{Call, base_sampling, json_object, string, unknown_key};
+use crate::api::session::{BodySession, session};
+use crate::config::SamplingDefaults;
+
+const KEYS: &[&str] = &[
+    "model",
+    "input",
+    "instructions",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "text",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "stream",
+    "stream_options",
+    "user",
+    "prompt_cache_key",
+    "metadata",
+    "store",
+    "include",
+    "reasoning",
+    "truncation",
+    "service_tier",
+    "safety_identifier",
+];
+
+/// A Responses request, read and checked, with the request fields its answer echoes.
+pub(crate) struct Parsed {
+    pub(crate) call: Call,
+    pub(super) stream: bool,
+    pub(super) parallel_tool_calls: bool,
+    /// `instructions`, `tools`, `tool_choice`, `temperature`, `top_p`, `max_output_tokens`,
+    /// `text`, `user`, `metadata`: as given, or their defaults.
+    pub(super) echo: Map<String, Value>,
+}
+
+pub(crate) fn parse(
+    model: &str,
+    headers: &HeaderMap,
+    body: &[u8],
+    defaults: &SamplingDefaults,
+) -> Result<Parsed, ApiError> {
+    let body = json_object(body)?;
+    if let Some(key) = unknown_key(&body, KEYS) {
+        let why = match key {
+            "previous_response_id" | "conversation" => {
+                "responses are not stored (the API is served stateless): send the history in \
+                 'input'"
+            }
+            _ => "Tandem does not implement it",
+        };
+        return Err(ApiError::unsupported(key, why));
+    }
+    match body.get("model") {
+        Some(Value::String(m)) if m == model => {}
+        Some(Value::String(m)) => {
+            return Err(ApiError {
+                code: Some("model_not_found"),
+                param: Some("model".into()),
+                ..ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    format!("the model '{m}' does not exist; this server has '{model}'"),
+                    "invalid_request_error",
+                )
+            });
+        }
+        _ => return Err(ApiError::invalid("model", "'model' must be a string")),
+    }
+    if flag(&body, "store")? {
+        return Err(ApiError::unsupported(
+            "store",
+            "responses are not stored (the API is served stateless); store: false is served",
+        ));
+    }
+    check_accepted(&body)?;
+    check_metadata(&body)?;
+    let stream = flag(&body, "stream")?;
+    if let Some(o) = body.get("stream_options").filter(|v| !v.is_null()) {
+        let o = o
+            .as_object()
+            .ok_or_else(|| ApiError::invalid("stream_options", "must be an object"))?;
+        if let Some(k) = unknown_key(o, &["include_obfuscation"]) {
+            return Err(ApiError::unsupported(
+                &format!("stream_options.{k}"),
+                "only include_obfuscation is taken",
+            ));
+        }
+    }
+    let mut messages = Vec::new();
+    if let Some(i) = string(&body, "instructions")? {
+        messages.push(pb::ChatMessage {
+            role: "system".into(),
+            content: i,
+            ..Default::default()
+        });
+    }
+    input(&body, &mut messages)?;
+    let (choice, function) = tool_choice(&body)?;
+    let max_tokens = match unsigned(&body, "max_output_tokens")? {
+        Some(0) => {
+            return Err(ApiError::invalid(
+                "max_output_tokens",
+                "'max_output_tokens' must be at least 1",
+            ));
+        }
+        m => m.map_or(0, |m| u32::try_from(m).unwrap_or(u32::MAX)),
+    };
+    let format = body.get("text").and_then(|t| t.get("format"));
+    let grammar = match format.filter(|f| !f.is_null()) {
+        None => None,
+        Some(f) => json_grammar(
+            "text.format",
+            "text.format.schema",
+            f.get("type").and_then(Value::as_str),
+            f.get("schema"),
+        )?,
+    };
+    let sampling = pb::SamplingParams {
+        max_tokens,
+        grammar,
+        ..base_sampling(&body, defaults, 2.0)?
+    };
+    let request = pb::GenerateRequest {
+        session_id: session(
+            headers,
+            BodySession {
+                prompt_cache_key: string(&body, "prompt_cache_key")?,
+                user: string(&body, "user")?,
+                ..Default::default()
+            },
+        ),
+        messages,
+        tools: tools(&body)?,
+        tool_choice: choice as i32,
+        tool_choice_function: function,
+        sampling: Some(sampling),
+        ..Default::default()
+    };
+    let parallel_tool_calls = match body.get("parallel_tool_calls") {
+        None | Some(Value::Null) => true,
+        _ => flag(&body, "parallel_tool_calls")?,
+    };
+    let echo = [
+        "instructions",
+        "tools",
+        "tool_choice",
+        "temperature",
+        "top_p",
+        "max_output_tokens",
+        "text",
+        "user",
+        "metadata",
+    ]
+    .iter()
+    .map(|k| (k.to_string(), body.get(*k).cloned().unwrap_or(Value::Null)))
+    .collect();
+    Ok(Parsed {
+        call: Call::new(headers, request)?,
+        stream,
+        parallel_tool_calls,
+        echo,
+    })
+}
+
+/// The keys accepted and ignored (see the module's doc), checked to hold what ignoring suits.
+fn check_accepted(body: &Map<String, Value>) -> Result<(), ApiError> {
+    if let Some(include) = body.get("include").filter(|v| !v.is_null()) {
+        let items = include
+            .as_array()
+            .ok_or_else(|| ApiError::invalid("include", "'include' must be an array"))?;
+        if let Some(other) = items
+            .iter()
+            .find(|i| i.as_str() != Some("reasoning.encrypted_content"))
+        {
+            return Err(ApiError::unsupported(
+                "include",
+                &format!("{other} is not served (reasoning.encrypted_content is accepted)"),
+            ));
+        }
+    }
+    for (key, allowed) in [
+        ("truncation", &["disabled"][..]),
+        ("service_tier", &["auto", "default"][..]),
+    ] {
+        if let Some(v) = string(body, key)?
+            && !allowed.contains(&v.as_str())
+        {
+            return Err(ApiError::unsupported(
+                key,
+                &format!("only {allowed:?} is served"),
+            ));
+        }
+    }
+    if body
+        .get("reasoning")
+        .is_some_and(|r| !r.is_null() && !r.is_object())
+    {
+        return Err(ApiError::invalid(
+            "reasoning",
+            "'reasoning' must be an object",
+        ));
+    }
+    string(body, "safety_identifier")?;
+    Ok(())
+}
+
+/// The text of a message's content: a string, or parts of type `input_text`, `output_text`
+/// or `refusal`.
+fn content(param: &str, content: Option<&Value>) -> Result<String, ApiError> {
+    match content {
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .enumerate()
+            .map(|(j, p)| {
+                let kind = p.get("type").and_then(Value::as_str);
+                let text = match kind {
+                    Some("refusal") => p.get("refusal"),
+                    _ => p.get("text"),
+                };
+                match (kind, text) {
+                    (Some("input_text" | "output_text" | "refusal"), Some(Value::String(t))) => {
+                        Ok(t.as_str())
+                    }
+                    (Some(k @ ("input_image" | "input_file" | "input_audio")), _) => {
+                        Err(ApiError::unsupported(
+                            &format!("{param}[{j}]"),
+                            &format!("{k} parts (the model served here reads text only)"),
+                        ))
+                    }
+                    _ => Err(ApiError::invalid(
+                        &format!("{param}[{j}]"),
+                        "a content part is {\"type\": \"input_text\", \"text\": ...}",
+                    )),
+                }
+            })
+            .collect(),
+        _ => Err(ApiError::invalid(
+            param,
+            "content must be a string or an array of parts",
+        )),
+    }
+}
+
+/// `input`: a string (one user message) or items. Consecutive `function_call` items are one
+/// assistant turn's calls; a `function_call_output` is a `tool` message.
+fn input(body: &Map<String, Value>, out: &mut Vec<pb::ChatMessage>) -> Result<(), ApiError> {
+    let items = match body.get("input") {
+        Some(Value::String(s)) => {
+            out.push(pb::ChatMessage {
+                role: "user".into(),
+                content: s.clone(),
+                ..Default::default()
+            });
+            return Ok(());
+        }
+        Some(Value::Array(items)) if !items.is_empty() => items,
+        _ => {
+            return Err(ApiError::invalid(
+                "input",
+                "'input' must be a string or a non-empty array of items",
+            ));
+        }
+    };
+    for (i, item) in items.iter().enumerate() {
+        let param = format!("input[{i}]");
+        let text = |k: &str| item.get(k).and_then(Value::as_str).map(str::to_string);
+        let kind = text("type").unwrap_or_else(|| "message".into());
+        match kind.as_str() {
+            "message" => {
+                let role = match text("role").as_deref() {
+                    Some(r @ ("user" | "assistant" | "system")) => r.to_string(),
+                    Some("developer") => "system".into(),
+                    _ => {
+                        return Err(ApiError::invalid(
+                            &format!("{param}.role"),
+                            "role must be user, assistant, system or developer",
+                        ));
+                    }
+                };
+                out.push(pb::ChatMessage {
+                    role,
+                    content: content(&format!("{param}.content"), item.get("content"))?,
+                    ..Default::default()
+                });
+            }
+            "function_call" => {
+                let bad = || {
+                    ApiError::invalid(
+                        &param,
+                        "a function_call item has string 'call_id', 'name' and 'arguments'",
+                    )
+                };
+                let call = pb::ToolCall {
+                    id: text("call_id").ok_or_else(bad)?,
+                    name: text("name").ok_or_else(bad)?,
+                    arguments: text("arguments").ok_or_else(bad)?,
+                };
+                match out.last_mut() {
+                    Some(m) if m.role == "assistant" => m.tool_calls.push(call),
+                    _ => out.push(pb::ChatMessage {
+                        role: "assistant".into(),
+                        tool_calls: vec![call],
+                        ..Default::default()
+                    }),
+                }
+            }
+            "function_call_output" => {
+                let Some(id) = text("call_id") else {
+                    return Err(ApiError::invalid(
+                        &format!("{param}.call_id"),
+                        "a function_call_output names the call_id it answers",
+                    ));
+                };
+                out.push(pb::ChatMessage {
+                    role: "tool".into(),
+                    content: content(&format!("{param}.output"), item.get("output"))?,
+                    tool_call_id: id,
+                    ..Default::default()
+                });
+            }
+            "reasoning" => {}
+            other => {
+                return Err(ApiError::unsupported(
+                    &format!("{param}.type"),
+                    &format!("'{other}' items are not served"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `tools`: function tools, `{"type": "function", "name", "description", "parameters",
+/// "strict"}`.
+fn tools(body: &Map<String, Value>) -> Result<Vec<pb::Tool>, ApiError> {
+    let list = match body.get("tools") {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(list)) => list,
+        Some(_) => return Err(ApiError::invalid("tools", "'tools' must be an array")),
+    };
+    list.iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let param = format!("tools[{i}]");
+            let Some(t) = t.as_object() else {
+                return Err(ApiError::invalid(&param, "a tool is an object"));
+            };
+            match t.get("type").and_then(Value::as_str) {
+                Some("function") => {}
+                other => {
+                    return Err(ApiError::unsupported(
+                        &format!("{param}.type"),
+                        &format!("{other:?} tools are not served; only function tools"),
+                    ));
+                }
+            }
+            let known = ["type", "name", "description", "parameters", "strict"];
+            if let Some(k) = unknown_key(t, &known) {
+                return Err(ApiError::unsupported(
+                    &format!("{param}.{k}"),
+                    "not a function tool's key",
+                ));
+            }
+            flag(t, "strict")?;
+            let name = match t.get("name") {
+                Some(Value::String(n)) if crate::dispatch::chat::valid_function_name(n) => {
+                    n.clone()
+                }
+                _ => {
+                    return Err(ApiError::invalid(
+                        &format!("{param}.name"),
+                        "the name must be 1 to 64 of a-z, A-Z, 0-9, _ and -",
+                    ));
+                }
+            };
+            let parameters = match t.get("parameters") {
+                None | Some(Value::Null) => String::new(),
+                Some(p @ Value::Object(_)) => p.to_string(),
+                Some(_) => {
+                    return Err(ApiError::invalid(
+                        &format!("{param}.parameters"),
+                        "'parameters' must be a JSON schema object",
+                    ));
+                }
+            };
+            Ok(pb::Tool {
+                name,
+                description: string(t, "description")?.unwrap_or_default(),
+                parameters,
+            })
+        })
+        .collect()
+}
+
+/// `tool_choice`: `"none"`, `"auto"`, `"required"` or `{"type": "function", "name"}`.
+fn tool_choice(body: &Map<String, Value>) -> Result<(pb::ToolChoice, String), ApiError> {
+    let bad = || {
+        ApiError::invalid(
+            "tool_choice",
+            "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \
+             \"name\": ...}",
+        )
+    };
+    Ok(match body.get("tool_choice") {
+        None | Some(Value::Null) => (pb::ToolChoice::Auto, String::new()),
+        Some(Value::String(c)) => match c.as_str() {
+            "auto" => (pb::ToolChoice::Auto, String::new()),
+            "none" => (pb::ToolChoice::None, String::new()),
+            "required" => (pb::ToolChoice::Required, String::new()),
+            _ => return Err(bad()),
+        },
+        Some(c) if c.get("type").and_then(Value::as_str) == Some("function") => {
+            let name = c.get("name").and_then(Value::as_str).ok_or_else(bad)?;
+            (pb::ToolChoice::Function, name.to_string())
+        }
+        Some(_) => return Err(bad()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn parse_json(body: Value) -> Result<Parsed, ApiError> {
+        parse(
+            "m",
+            &HeaderMap::new(),
+            body.to_string().as_bytes(),
+            &SamplingDefaults::default(),
+        )
+    }
+
+    #[test]
+    fn items_become_chat_messages() {
+        let parsed = parse_json(json!({
+            "model": "m",
+            "instructions": "Be brief.",
+            "input": [
+                {"role": "user", "content": "weather?"},
+                {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c2", "name": "time", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+                {"type": "message", "role": "user",
+                 "content": [{"type": "input_text", "text": "and?"}]},
+            ],
+            "tools": [{"type": "function", "name": "weather", "parameters": {"type": "object"},
+                       "strict": true}],
+            "tool_choice": {"type": "function", "name": "weather"},
+            "text": {"format": {"type": "json_object"}},
+            "max_output_tokens": 64,
+            "prompt_cache_key": "s1",
+            "store": false,
+            "reasoning": {"effort": "low"},
+            "include": ["reasoning.encrypted_content"],
+        }))
+        .expect("valid");
+        let r = &parsed.call.request;
+        let roles: Vec<&str> = r.messages.iter().map(|m| m.role.as_str()).collect();
+        assert_eq!(roles, ["system", "user", "assistant", "tool", "user"]);
+        assert_eq!(r.messages[2].tool_calls.len(), 2);
+        assert_eq!(r.messages[3].tool_call_id, "c1");
+        assert_eq!(r.tool_choice_function, "weather");
+        assert_eq!(r.session_id, "s1");
+        let s = r.sampling.as_ref().expect("sampling");
+        assert_eq!(s.max_tokens, 64);
+        assert!(s.grammar.is_some());
+        assert_eq!(parsed.echo["max_output_tokens"], json!(64));
+    }
+
+    #[test]
+    fn state_and_what_is_not_served_are_refused_by_name() {
+        for (key, value, param) in [
+            ("store", json!(true), "store"),
+            (
+                "previous_response_id",
+                json!("resp_1"),
+                "previous_response_id",
+            ),
+            (
+                "input",
+                json!([{"type": "item_reference", "id": "x"}]),
+                "input[0].type",
+            ),
+            (
+                "input",
+                json!([{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]),
+                "input[0].content[0]",
+            ),
+            ("tools", json!([{"type": "web_search"}]), "tools[0].type"),
+            (
+                "include",
+                json!(["message.output_text.logprobs"]),
+                "include",
+            ),
+            ("truncation", json!("auto"), "truncation"),
+        ] {
+            let mut body = json!({"model": "m", "input": "hi"});
+            body[key] = value;
+            let e = parse_json(body).err().expect("refused");
+            assert_eq!(e.param.as_deref(), Some(param), "{}", e.message);
+        }
+    }
+}
