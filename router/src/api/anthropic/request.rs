@@ -8,12 +8,19 @@
 //! - `thinking` (`enabled` with a `budget_tokens`, `adaptive`, `disabled`): the budget is a
 //!   ceiling, and the models Tandem serves answer without an extended-thinking phase, so the
 //!   reply has no `thinking` blocks;
+//! - `output_config.effort`, for the same reason: the reply is the model's one way of answering;
 //! - `thinking` and `redacted_thinking` blocks in earlier assistant turns: Anthropic's API
 //!   leaves earlier turns' thinking out of the context as well;
+//! - `speed` (`standard` or `fast`: a cluster decodes as fast as it can either way) and
+//!   `inference_geo` (the cluster runs where it was deployed);
 //! - `tool_result.is_error`: the result's text is the model's to read either way;
 //! - `anthropic-version` and `anthropic-beta` headers, and `service_tier`.
 //!
-//! Refused by name: `image` and `document` blocks (the models read text only), server tools
+//! `output_config.format` (`{"type": "json_schema", "schema"}`) holds the reply to its schema
+//! by grammar, as the OpenAI APIs' structured outputs do.
+//!
+//! Refused by name: `max_tokens: 0` (a request that only fills the prompt cache: Tandem's cache
+//! fills on the first real turn), `image` and `document` blocks (the models read text only), server tools
 //! (a tool with a `type` other than `custom`), and any key not listed here.
 
 use axum::http::{HeaderMap, StatusCode};
@@ -21,7 +28,7 @@ use serde_json::{Map, Value};
 use tandem_proto::v1 as pb;
 
 use crate::api::http::error::ApiError;
-use crate::api::http::fields::{flag, unsigned};
+use crate::api::http::fields::{flag, json_grammar, unsigned};
 use crate::api::http::{Call, base_sampling, json_object, string, unknown_key};
 use crate::api::session::{BodySession, session};
 use crate::config::SamplingDefaults;
@@ -34,6 +41,9 @@ const COMMON_KEYS: &[&str] = &[
     "tools",
     "tool_choice",
     "thinking",
+    "output_config",
+    "cache_control",
+    "speed",
 ];
 /// The keys `/v1/messages` takes besides.
 const MESSAGES_KEYS: &[&str] = &[
@@ -45,6 +55,7 @@ const MESSAGES_KEYS: &[&str] = &[
     "metadata",
     "stream",
     "service_tier",
+    "inference_geo",
 ];
 
 /// A Messages request, read and checked.
@@ -98,6 +109,13 @@ pub(crate) fn parse(
         _ => return Err(ApiError::invalid("model", "'model' must be a string")),
     }
     check_thinking(&body)?;
+    let grammar = output_config(&body)?;
+    if let Some(speed) = string(&body, "speed")?
+        && speed != "standard"
+        && speed != "fast"
+    {
+        return Err(ApiError::invalid("speed", "'speed' must be \"standard\" or \"fast\""));
+    }
     let (choice, function, parallel_tool_calls) = tool_choice(&body)?;
     let mut messages = system(&body)?;
     messages.extend(conversation(&body)?);
@@ -111,7 +129,9 @@ pub(crate) fn parse(
     let (stream, max_tokens) = match endpoint {
         Endpoint::CountTokens => (false, 0),
         Endpoint::Messages => {
-            let (sampling, max_tokens) = sampling(&body, defaults)?;
+            let (mut sampling, max_tokens) = sampling(&body, defaults)?;
+            sampling.grammar = grammar;
+            string(&body, "inference_geo")?;
             request.sampling = Some(sampling);
             request.session_id = session(
                 headers,
@@ -152,8 +172,15 @@ fn sampling(
     defaults: &SamplingDefaults,
 ) -> Result<(pb::SamplingParams, u32), ApiError> {
     let max_tokens = match unsigned(body, "max_tokens")? {
-        Some(m) if m > 0 => u32::try_from(m).unwrap_or(u32::MAX),
-        _ => {
+        Some(0) => {
+            return Err(ApiError::unsupported(
+                "max_tokens",
+                "0 (filling the prompt cache without a reply) is not served: the prefix cache \
+                 fills on the first turn that asks for one",
+            ));
+        }
+        Some(m) => u32::try_from(m).unwrap_or(u32::MAX),
+        None => {
             return Err(ApiError::invalid(
                 "max_tokens",
                 "'max_tokens' is required: a number of tokens, at least 1",
@@ -204,6 +231,49 @@ fn metadata_user_id(body: &Map<String, Value>) -> Result<Option<String>, ApiErro
         ));
     }
     string(m, "user_id")
+}
+
+/// `output_config`: `effort` accepted (see the module's doc), and `format`'s grammar.
+fn output_config(body: &Map<String, Value>) -> Result<Option<pb::Grammar>, ApiError> {
+    let Some(config) = body.get("output_config").filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let Some(config) = config.as_object() else {
+        return Err(ApiError::invalid(
+            "output_config",
+            "'output_config' must be an object",
+        ));
+    };
+    if let Some(k) = unknown_key(config, &["effort", "format"]) {
+        return Err(ApiError::unsupported(
+            &format!("output_config.{k}"),
+            "output_config takes effort and format",
+        ));
+    }
+    match string(config, "effort")?.as_deref() {
+        None | Some("low" | "medium" | "high" | "xhigh" | "max") => {}
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "output_config.effort",
+                "'effort' must be low, medium, high, xhigh or max",
+            ));
+        }
+    }
+    let Some(format) = config.get("format").filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    match format.get("type").and_then(Value::as_str) {
+        Some("json_schema") => json_grammar(
+            "output_config.format",
+            "output_config.format.schema",
+            Some("json_schema"),
+            format.get("schema"),
+        ),
+        _ => Err(ApiError::invalid(
+            "output_config.format",
+            "'format' must be {\"type\": \"json_schema\", \"schema\": {...}}",
+        )),
+    }
 }
 
 /// `thinking`: accepted (see the module's doc) when it is one of Anthropic's shapes.
