@@ -740,3 +740,40 @@ impl SseStream {
         Ok(())
     }
 }
+
+/// A Python with `packages` installed from PyPI (pinned `name==version` specs), in a virtual
+/// environment `dir` made once under the test target directory (`CARGO_TARGET_TMPDIR`), or remade
+/// when `import` (a Python import statement) fails in it: an interrupted install leaves one
+/// without its packages. `TANDEM_PYTHON` names the Python that makes it (default `python3`).
+/// Blocking: call it from `spawn_blocking`.
+pub fn python_env(dir: &std::path::Path, packages: &[&str], import: &str) -> std::path::PathBuf {
+    use std::process::{Command, Stdio};
+    let python = dir.join("bin/python");
+    let ready = Command::new(&python)
+        .args(["-c", import])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ready {
+        let base = std::env::var("TANDEM_PYTHON").unwrap_or_else(|_| "python3".into());
+        let made = Command::new(&base)
+            .args(["-m", "venv", "--clear"])
+            .arg(dir)
+            .status()
+            .expect("run python3 -m venv");
+        assert!(
+            made.success(),
+            "could not make a virtual environment with {base}"
+        );
+        let installed = Command::new(&python)
+            .args(["-m", "pip", "install", "--quiet"])
+            .args(packages)
+            .status()
+            .expect("run pip");
+        assert!(
+            installed.success(),
+            "pip could not install {packages:?} from PyPI"
+        );
+    }
+    python
+}

@@ -6,7 +6,6 @@
 //! `docs/examples/` run, and that a client that disconnects mid-stream frees the decode node.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -29,37 +28,7 @@ fn make_python() -> PathBuf {
         return p.into();
     }
     let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
-    let python = venv.join("bin/python");
-    let has_packages = |p: &Path| {
-        Command::new(p)
-            .args(["-c", "import openai, langchain_openai"])
-            .stderr(std::process::Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    if !has_packages(&python) {
-        let base = std::env::var("TANDEM_PYTHON").unwrap_or_else(|_| "python3".into());
-        let made = Command::new(&base)
-            // `--clear` remakes an environment an interrupted run left without the packages.
-            .args(["-m", "venv", "--clear"])
-            .arg(&venv)
-            .status()
-            .expect("run python3 -m venv");
-        assert!(
-            made.success(),
-            "could not make a virtual environment with {base}"
-        );
-        let installed = Command::new(&python)
-            .args(["-m", "pip", "install", "--quiet"])
-            .args(PACKAGES)
-            .status()
-            .expect("run pip");
-        assert!(
-            installed.success(),
-            "pip could not install {PACKAGES:?} from PyPI"
-        );
-    }
-    python
+    tandem_integration_tests::python_env(&venv, &PACKAGES, "import openai, langchain_openai")
 }
 
 /// Runs `integration-tests/openai/SCRIPT` against `base` and returns the JSON line it prints

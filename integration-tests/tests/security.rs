@@ -129,6 +129,32 @@ async fn keys_are_required_on_both_apis_and_reloaded_without_a_restart() {
         .await
         .expect("http");
     assert_eq!(r.status(), 200);
+    // Anthropic's Messages API: the key in `x-api-key` as well, and its refusal in Anthropic's
+    // error shape.
+    let message = serde_json::json!({"model": "tiny", "max_tokens": 2,
+                                     "messages": [{"role": "user", "content": "hello"}]});
+    let messages = format!("{url}/v1/messages");
+    let r = http
+        .post(&messages)
+        .json(&message)
+        .send()
+        .await
+        .expect("http");
+    assert_eq!(r.status(), 401);
+    let e: serde_json::Value = r.json().await.expect("json");
+    assert_eq!(e["type"], "error", "{e}");
+    assert_eq!(e["error"]["type"], "authentication_error", "{e}");
+    for (name, value) in [("x-api-key", "key-a"), ("authorization", "Bearer key-a")] {
+        let r = http
+            .post(&messages)
+            .header(name, value)
+            .header("anthropic-version", "2023-06-01")
+            .json(&message)
+            .send()
+            .await
+            .expect("http");
+        assert_eq!(r.status(), 200, "{name}");
+    }
 
     // A new key works, and a removed one stops working, without a restart.
     std::fs::write(&path, key_line("bob", "key-b", none)).expect("rewrite");

@@ -7,9 +7,10 @@
 //! 2. `session-id`, then `session_id` (Codex),
 //! 3. `x-session-affinity`, then `x-session-id`,
 //! 4. the body's `prompt_cache_key` (OpenAI's cache-routing key),
-//! 5. the session in Anthropic's `metadata.user_id`: Claude Code sends
-//!    `user_<hash>_account_<uuid>_session_<uuid>`, whose part after `_session_` is the session
-//!    (the user's other sessions are other conversations); any other value is taken whole,
+//! 5. the session in Anthropic's `metadata.user_id`: Claude Code sends a JSON object's text
+//!    with a `session_id` (older versions `user_<hash>_account_<uuid>_session_<uuid>`, whose
+//!    part after `_session_` is the session): a user's other sessions are other conversations.
+//!    Any other value is taken whole,
 //! 6. the body's `user`.
 //!
 //! A request with none of them has no session: its prompt's first block places it.
@@ -36,6 +37,12 @@ pub(crate) struct BodySession {
 
 /// The session a `metadata.user_id` names (see the order above).
 fn metadata_session(user_id: String) -> String {
+    if let Ok(serde_json::Value::Object(o)) = serde_json::from_str(&user_id)
+        && let Some(serde_json::Value::String(session)) = o.get("session_id")
+        && !session.is_empty()
+    {
+        return session.clone();
+    }
     match user_id.rsplit_once("_session_") {
         Some((_, session)) if !session.is_empty() => session.to_string(),
         _ => user_id,
@@ -81,6 +88,8 @@ mod tests {
         };
         let claude = "user_ab12_account_5f0e_session_9c3d-77";
         assert_eq!(session(&headers, with(claude)), "9c3d-77");
+        let json = r#"{"device_id":"7e9c","account_uuid":"","session_id":"ef0f-b85e"}"#;
+        assert_eq!(session(&headers, with(json)), "ef0f-b85e");
         assert_eq!(session(&headers, with("alice")), "alice");
         assert_eq!(session(&headers, with("")), "u");
         let keyed = BodySession {

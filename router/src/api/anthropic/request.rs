@@ -9,8 +9,12 @@
 //!   ceiling, and the models Tandem serves answer without an extended-thinking phase, so the
 //!   reply has no `thinking` blocks;
 //! - `output_config.effort`, for the same reason: the reply is the model's one way of answering;
+//!   so is a message's own `output_config` (`effort` only), which Claude Code sends on the
+//!   system messages it adds mid-conversation;
 //! - `thinking` and `redacted_thinking` blocks in earlier assistant turns: Anthropic's API
 //!   leaves earlier turns' thinking out of the context as well;
+//! - `context_management` edits of the `clear_thinking_*` types: no thinking is kept to clear
+//!   (other edits, which would clear tool results from the context, are refused by name);
 //! - `speed` (`standard` or `fast`: a cluster decodes as fast as it can either way) and
 //!   `inference_geo` (the cluster runs where it was deployed);
 //! - `tool_result.is_error`: the result's text is the model's to read either way;
@@ -22,6 +26,8 @@
 //! Refused by name: `max_tokens: 0` (a request that only fills the prompt cache: Tandem's cache
 //! fills on the first real turn), `image` and `document` blocks (the models read text only), server tools
 //! (a tool with a `type` other than `custom`), and any key not listed here.
+
+use std::collections::HashSet;
 
 use axum::http::{HeaderMap, StatusCode};
 use serde_json::{Map, Value};
@@ -44,6 +50,7 @@ const COMMON_KEYS: &[&str] = &[
     "output_config",
     "cache_control",
     "speed",
+    "context_management",
 ];
 /// The keys `/v1/messages` takes besides.
 const MESSAGES_KEYS: &[&str] = &[
@@ -109,19 +116,23 @@ pub(crate) fn parse(
         _ => return Err(ApiError::invalid("model", "'model' must be a string")),
     }
     check_thinking(&body)?;
+    check_context_management(&body)?;
     let grammar = output_config(&body)?;
     if let Some(speed) = string(&body, "speed")?
         && speed != "standard"
         && speed != "fast"
     {
-        return Err(ApiError::invalid("speed", "'speed' must be \"standard\" or \"fast\""));
+        return Err(ApiError::invalid(
+            "speed",
+            "'speed' must be \"standard\" or \"fast\"",
+        ));
     }
     let (choice, function, parallel_tool_calls) = tool_choice(&body)?;
     let mut messages = system(&body)?;
     messages.extend(conversation(&body)?);
     let mut request = pb::GenerateRequest {
         messages,
-        tools: tools(&body)?,
+        tools: tools(&body, &referenced_tools(&body))?,
         tool_choice: choice as i32,
         tool_choice_function: function,
         ..Default::default()
@@ -238,27 +249,7 @@ fn output_config(body: &Map<String, Value>) -> Result<Option<pb::Grammar>, ApiEr
     let Some(config) = body.get("output_config").filter(|v| !v.is_null()) else {
         return Ok(None);
     };
-    let Some(config) = config.as_object() else {
-        return Err(ApiError::invalid(
-            "output_config",
-            "'output_config' must be an object",
-        ));
-    };
-    if let Some(k) = unknown_key(config, &["effort", "format"]) {
-        return Err(ApiError::unsupported(
-            &format!("output_config.{k}"),
-            "output_config takes effort and format",
-        ));
-    }
-    match string(config, "effort")?.as_deref() {
-        None | Some("low" | "medium" | "high" | "xhigh" | "max") => {}
-        Some(_) => {
-            return Err(ApiError::invalid(
-                "output_config.effort",
-                "'effort' must be low, medium, high, xhigh or max",
-            ));
-        }
-    }
+    check_effort(body, "output_config", &["effort", "format"])?;
     let Some(format) = config.get("format").filter(|v| !v.is_null()) else {
         return Ok(None);
     };
@@ -274,6 +265,65 @@ fn output_config(body: &Map<String, Value>) -> Result<Option<pb::Grammar>, ApiEr
             "'format' must be {\"type\": \"json_schema\", \"schema\": {...}}",
         )),
     }
+}
+
+/// An `output_config` (`param`) in `object`, if any, checked to hold only the `known` keys and
+/// a valid `effort` (the top level's `format` is read by [`output_config`]).
+fn check_effort(object: &Map<String, Value>, param: &str, known: &[&str]) -> Result<(), ApiError> {
+    let Some(config) = object.get("output_config").filter(|v| !v.is_null()) else {
+        return Ok(());
+    };
+    let Some(config) = config.as_object() else {
+        return Err(ApiError::invalid(
+            param,
+            "'output_config' must be an object",
+        ));
+    };
+    if let Some(k) = unknown_key(config, known) {
+        return Err(ApiError::unsupported(
+            &format!("{param}.{k}"),
+            &format!("output_config takes {}", known.join(" and ")),
+        ));
+    }
+    match string(config, "effort")?.as_deref() {
+        None | Some("low" | "medium" | "high" | "xhigh" | "max") => Ok(()),
+        Some(_) => Err(ApiError::invalid(
+            &format!("{param}.effort"),
+            "'effort' must be low, medium, high, xhigh or max",
+        )),
+    }
+}
+
+/// `context_management`: `{"edits": [...]}` of `clear_thinking_*` edits only (see the module's
+/// doc).
+fn check_context_management(body: &Map<String, Value>) -> Result<(), ApiError> {
+    let Some(c) = body.get("context_management").filter(|v| !v.is_null()) else {
+        return Ok(());
+    };
+    let edits = c
+        .as_object()
+        .filter(|o| unknown_key(o, &["edits"]).is_none())
+        .and_then(|o| o.get("edits"))
+        .and_then(Value::as_array)
+        .ok_or_else(|| {
+            ApiError::invalid(
+                "context_management",
+                "'context_management' must be {\"edits\": [...]}",
+            )
+        })?;
+    for (i, edit) in edits.iter().enumerate() {
+        let kind = edit.get("type").and_then(Value::as_str).unwrap_or_default();
+        if !kind.starts_with("clear_thinking_") {
+            return Err(ApiError::unsupported(
+                &format!("context_management.edits[{i}]"),
+                &format!(
+                    "'{kind}' would change the context; only clear_thinking edits are taken (no \
+                     thinking is kept to clear)"
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `thinking`: accepted (see the module's doc) when it is one of Anthropic's shapes.
@@ -312,6 +362,22 @@ fn text_blocks(param: &str, blocks: &[Value]) -> Result<String, ApiError> {
         .collect()
 }
 
+/// A `tool_result`'s blocks: text, and `tool_reference` blocks (a tool search's finds, shown as
+/// the tool's name: the tool itself joins the prompt's tools).
+fn result_blocks(param: &str, blocks: &[Value]) -> Result<String, ApiError> {
+    let mut lines = Vec::new();
+    for (j, b) in blocks.iter().enumerate() {
+        match (block_type(b), b.get("tool_name")) {
+            (Some("tool_reference"), Some(Value::String(name))) => lines.push(name.clone()),
+            _ => lines.push(text_blocks(
+                &format!("{param}[{j}]"),
+                std::slice::from_ref(b),
+            )?),
+        }
+    }
+    Ok(lines.join("\n"))
+}
+
 fn refused_block(param: &str, j: usize, kind: &str) -> ApiError {
     ApiError::invalid(
         &format!("{param}[{j}]"),
@@ -339,7 +405,8 @@ fn system(body: &Map<String, Value>) -> Result<Vec<pb::ChatMessage>, ApiError> {
     }])
 }
 
-/// `messages`, alternating `user` and `assistant` turns, as chat messages: an assistant's
+/// `messages`, alternating `user` and `assistant` turns (with `system` messages between them,
+/// which Claude Code sends mid-conversation), as chat messages: an assistant's
 /// `tool_use` blocks become its tool calls, and a user turn's `tool_result` blocks become `tool`
 /// messages, ahead of the turn's text.
 fn conversation(body: &Map<String, Value>) -> Result<Vec<pb::ChatMessage>, ApiError> {
@@ -361,18 +428,19 @@ fn conversation(body: &Map<String, Value>) -> Result<Vec<pb::ChatMessage>, ApiEr
                 "a message is {\"role\", \"content\"}",
             ));
         };
-        if let Some(k) = unknown_key(m, &["role", "content"]) {
+        if let Some(k) = unknown_key(m, &["role", "content", "output_config"]) {
             return Err(ApiError::unsupported(
                 &format!("{param}.{k}"),
-                "a message has role and content",
+                "a message has role, content and output_config",
             ));
         }
+        check_effort(m, &format!("{param}.output_config"), &["effort"])?;
         let role = match m.get("role").and_then(Value::as_str) {
-            Some(r @ ("user" | "assistant")) => r,
+            Some(r @ ("user" | "assistant" | "system")) => r,
             _ => {
                 return Err(ApiError::invalid(
                     &format!("{param}.role"),
-                    "role must be \"user\" or \"assistant\"",
+                    "role must be \"user\", \"assistant\" or \"system\"",
                 ));
             }
         };
@@ -390,10 +458,10 @@ fn conversation(body: &Map<String, Value>) -> Result<Vec<pb::ChatMessage>, ApiEr
                 ));
             }
         };
-        if role == "assistant" {
-            out.push(assistant(&param, blocks)?);
-        } else {
-            user(&param, blocks, &mut out)?;
+        match role {
+            "assistant" => out.push(assistant(&param, blocks)?),
+            "system" => out.push(message(role, text_blocks(&param, blocks)?)),
+            _ => user(&param, blocks, &mut out)?,
         }
     }
     Ok(out)
@@ -463,7 +531,7 @@ fn user(param: &str, blocks: &[Value], out: &mut Vec<pb::ChatMessage>) -> Result
                 let content = match b.get("content") {
                     None | Some(Value::Null) => String::new(),
                     Some(Value::String(s)) => s.clone(),
-                    Some(Value::Array(parts)) => text_blocks(&format!("{param}.content"), parts)?,
+                    Some(Value::Array(parts)) => result_blocks(&format!("{param}.content"), parts)?,
                     Some(_) => {
                         return Err(ApiError::invalid(
                             &format!("{param}.content"),
@@ -499,9 +567,35 @@ fn user(param: &str, blocks: &[Value], out: &mut Vec<pb::ChatMessage>) -> Result
     Ok(())
 }
 
+/// The tools the conversation has loaded: those a `tool_reference` block names (a tool search's
+/// result) and those an assistant turn called.
+fn referenced_tools(body: &Map<String, Value>) -> HashSet<String> {
+    let mut names = HashSet::new();
+    let mut stack: Vec<&Value> = body.get("messages").into_iter().collect();
+    while let Some(v) = stack.pop() {
+        match v {
+            Value::Array(a) => stack.extend(a),
+            Value::Object(o) => {
+                let name = match block_type(v) {
+                    Some("tool_reference") => o.get("tool_name"),
+                    Some("tool_use") => o.get("name"),
+                    _ => None,
+                };
+                if let Some(Value::String(n)) = name {
+                    names.insert(n.clone());
+                }
+                stack.extend(o.get("content"));
+            }
+            _ => {}
+        }
+    }
+    names
+}
+
 /// `tools`: `{"name", "description", "input_schema"}` (a custom tool; `cache_control`
-/// ignored).
-fn tools(body: &Map<String, Value>) -> Result<Vec<pb::Tool>, ApiError> {
+/// ignored). A tool with `defer_loading: true` is left out of the prompt, as Anthropic's tool
+/// search leaves it, until the conversation has `loaded` it.
+fn tools(body: &Map<String, Value>, loaded: &HashSet<String>) -> Result<Vec<pb::Tool>, ApiError> {
     let list = match body.get("tools") {
         None | Some(Value::Null) => return Ok(Vec::new()),
         Some(Value::Array(list)) => list,
@@ -529,6 +623,7 @@ fn tools(body: &Map<String, Value>) -> Result<Vec<pb::Tool>, ApiError> {
                 "description",
                 "input_schema",
                 "cache_control",
+                "defer_loading",
             ];
             if let Some(k) = unknown_key(t, &known) {
                 return Err(ApiError::unsupported(
@@ -556,12 +651,15 @@ fn tools(body: &Map<String, Value>) -> Result<Vec<pb::Tool>, ApiError> {
                     ));
                 }
             };
-            Ok(pb::Tool {
+            let description = string(t, "description")?.unwrap_or_default();
+            let deferred = flag(t, "defer_loading")? && !loaded.contains(&name);
+            Ok((!deferred).then_some(pb::Tool {
                 name,
-                description: string(t, "description")?.unwrap_or_default(),
+                description,
                 parameters,
-            })
+            }))
         })
+        .filter_map(Result::transpose)
         .collect()
 }
 

@@ -107,3 +107,46 @@ fn count_tokens_takes_no_sampling() {
     with["max_tokens"] = json!(5);
     assert!(parse_json(Endpoint::CountTokens, with).is_err());
 }
+
+#[test]
+fn deferred_tools_join_the_prompt_once_a_tool_search_loads_them() {
+    let tool = |name: &str, deferred: bool| json!({"name": name, "input_schema": {"type": "object"}, "defer_loading": deferred});
+    let tools = json!([
+        tool("ToolSearch", false),
+        tool("Cron", true),
+        tool("Monitor", true)
+    ]);
+    let first = messages(json!({
+        "model": "m", "max_tokens": 8, "tools": tools,
+        "messages": [
+            {"role": "user", "content": "hi"},
+            // Claude Code's mid-conversation system message, with its own effort.
+            {"role": "system", "content": [{"type": "text", "text": "env"}],
+             "output_config": {"effort": "medium"}},
+        ],
+    }))
+    .expect("valid");
+    let names = |p: &Parsed| -> Vec<String> {
+        p.call
+            .request
+            .tools
+            .iter()
+            .map(|t| t.name.clone())
+            .collect()
+    };
+    assert_eq!(names(&first), ["ToolSearch"]);
+    assert_eq!(first.call.request.messages[1].role, "system");
+    let searched = messages(json!({
+        "model": "m", "max_tokens": 8, "tools": tools,
+        "messages": [
+            {"role": "user", "content": "schedule it"},
+            {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "t1", "name": "ToolSearch", "input": {"query": "cron"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                "content": [{"type": "tool_reference", "tool_name": "Cron"}]}]},
+        ],
+    }))
+    .expect("valid");
+    assert_eq!(names(&searched), ["ToolSearch", "Cron"]);
+    assert_eq!(searched.call.request.messages[2].content, "Cron");
+}
