@@ -42,7 +42,7 @@ async fn anthropic_and_openai_agent_clients_run_against_the_cluster() {
         .expect("cluster");
     let name = tandem_integration_tests::http_model(
         &reqwest::Client::new(),
-        &format!("http://{}", cluster.http),
+        &format!("http://{}/v1", cluster.http),
     )
     .await
     .expect("the model's id");
