@@ -7,7 +7,7 @@
 //! Its modules are laid out in layers, each using only those below it:
 //!
 //! ```text
-//! api/       the fronts clients speak: gRPC, the OpenAI HTTP API
+//! api/       the fronts clients speak: gRPC; OpenAI's, Anthropic's and the Responses HTTP APIs
 //! dispatch/  a request's way through the cluster: prepare, admit, attempts and failover, relay
 //! cluster/   the view of the workers: replicas, cache index, policy, discovery, drain moves
 //! auth, config, error, ids, metrics   shared by all
