@@ -112,6 +112,24 @@ def http_request():
     write("http_request", "completion", b"\x00" + json.dumps(completion).encode())
     tokens = {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": [1, 2, 3], "logprobs": False}
     write("http_request", "token_ids", b"\x00" + json.dumps(tokens).encode())
+    message = {"model": "claude-sonnet-4-5", "max_tokens": 32000, "stream": True,
+               "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+               "messages": [{"role": "user", "content": "weather?"},
+                            {"role": "assistant", "content": [
+                                {"type": "tool_use", "id": "t1", "name": "weather", "input": {"city": "Paris"}}]},
+                            {"role": "user", "content": [
+                                {"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]}],
+               "tools": [{"name": "weather", "input_schema": {"type": "object"}, "defer_loading": False}],
+               "tool_choice": {"type": "auto"}, "metadata": {"user_id": "{\"session_id\": \"s\"}"},
+               "thinking": {"type": "adaptive"}, "stop_sequences": ["END"]}
+    write("http_request", "messages", b"\x02" + json.dumps(message).encode())
+    response = {"model": "SmolLM2-135M-Instruct.Q4_1", "instructions": "Be brief.", "input": [
+        {"role": "user", "content": "weather?"},
+        {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}],
+        "tools": [{"type": "function", "name": "weather", "parameters": {"type": "object"}}],
+        "text": {"format": {"type": "json_object"}}, "max_output_tokens": 8, "store": False}
+    write("http_request", "responses", b"\x03" + json.dumps(response).encode())
 
 
 def chat_template():

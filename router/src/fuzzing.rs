@@ -1,12 +1,13 @@
 //! Entry points for the cargo-fuzz targets in `fuzz/`: the router's checks of client input (a
-//! gRPC `GenerateRequest`, an OpenAI JSON body), run on arbitrary input exactly as a request
+//! gRPC `GenerateRequest`, an HTTP API's JSON body), run on arbitrary input exactly as a request
 //! would be. Not part of the router's API.
 
 use axum::http::HeaderMap;
 use tandem_proto::v1 as pb;
 
 use crate::api::http::DEFAULT_MAX_TOKENS;
-use crate::api::openai::{Kind, parse};
+use crate::api::openai::Kind;
+use crate::api::{anthropic, openai, responses};
 use crate::cluster::frontend::Frontend;
 use crate::config::Limits;
 use crate::dispatch::prepare::{check_ids, prepare};
@@ -32,18 +33,35 @@ impl RequestChecks {
         self.check(r, None)
     }
 
-    /// Parses an HTTP body for `/v1/chat/completions` (`chat`) or `/v1/completions`, then
-    /// validates and tokenizes it; whether it was accepted.
-    pub fn http(&self, chat: bool, body: &[u8]) -> bool {
-        let kind = if chat { Kind::Chat } else { Kind::Completion };
-        match parse(
-            kind,
-            &self.front.model_name,
-            &HeaderMap::new(),
-            body,
-            &crate::SamplingDefaults::default(),
-        ) {
-            Ok(parsed) => self.check(parsed.call.request, Some(DEFAULT_MAX_TOKENS)),
+    /// Parses an HTTP body for `endpoint` (0: `/v1/completions`, 1: `/v1/chat/completions`,
+    /// 2: `/v1/messages`, 3: `/v1/responses`; the rest wrap around), then validates and
+    /// tokenizes it; whether it was accepted.
+    pub fn http(&self, endpoint: u8, body: &[u8]) -> bool {
+        let (model, headers) = (self.front.model_name.as_str(), HeaderMap::new());
+        let defaults = crate::SamplingDefaults::default();
+        let parsed = match endpoint % 4 {
+            0 | 1 => {
+                let kind = if endpoint % 4 == 1 {
+                    Kind::Chat
+                } else {
+                    Kind::Completion
+                };
+                openai::parse(kind, model, &headers, body, &defaults)
+                    .map(|p| (p.call.request, DEFAULT_MAX_TOKENS))
+            }
+            2 => anthropic::parse(
+                anthropic::Endpoint::Messages,
+                model,
+                &headers,
+                body,
+                &defaults,
+            )
+            .map(|p| (p.call.request, p.max_tokens)),
+            _ => responses::parse(model, &headers, body, &defaults)
+                .map(|p| (p.call.request, DEFAULT_MAX_TOKENS)),
+        };
+        match parsed {
+            Ok((request, max_tokens)) => self.check(request, Some(max_tokens)),
             Err(_) => false,
         }
     }

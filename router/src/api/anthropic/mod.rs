@@ -15,6 +15,8 @@
 mod request;
 mod response;
 
+pub(crate) use crate::api::anthropic::request::{Endpoint, parse};
+
 use std::convert::Infallible;
 use std::time::Duration;
 
@@ -27,7 +29,6 @@ use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use serde_json::json;
 
-use crate::api::anthropic::request::{Endpoint, parse};
 use crate::api::anthropic::response::Message;
 use crate::api::http::error::{ApiError, Shape};
 use crate::api::http::reply::{Reply, next_frame, tool_parser};

@@ -73,7 +73,7 @@ pub(crate) struct Parsed {
     pub(super) parallel_tool_calls: bool,
     /// `max_tokens`, the ceiling the reply's length is held to (see [`sampling`]); 0 for
     /// `count_tokens`.
-    pub(super) max_tokens: u32,
+    pub(crate) max_tokens: u32,
 }
 
 /// Which endpoint a body came to.

@@ -10,6 +10,8 @@
 mod request;
 mod response;
 
+pub(crate) use crate::api::responses::request::parse;
+
 use std::convert::Infallible;
 
 use axum::Extension;
@@ -24,7 +26,6 @@ use serde_json::Value;
 use crate::api::http::error::{ApiError, Shape};
 use crate::api::http::reply::{Reply, next_frame, tool_parser};
 use crate::api::http::{Body, DEFAULT_MAX_TOKENS, body_bytes, frontend};
-use crate::api::responses::request::parse;
 use crate::api::responses::response::Transcript;
 use crate::auth::Principal;
 use crate::dispatch::GenerationService;
