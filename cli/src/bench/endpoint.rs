@@ -32,6 +32,13 @@ pub(crate) struct EndpointArgs {
     tls: ServerTlsArgs,
 }
 
+impl EndpointArgs {
+    /// Whether these name a Tandem router over gRPC (`--server`).
+    pub(crate) fn is_grpc(&self) -> bool {
+        self.server.is_some()
+    }
+}
+
 /// A running endpoint.
 #[derive(Debug, Clone)]
 pub(crate) enum Endpoint {
@@ -117,6 +124,57 @@ impl Reply {
     }
 }
 
+/// The HTTP APIs agents speak.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum AgentApi {
+    /// Anthropic's Messages API (`/v1/messages`), as Claude Code speaks it.
+    Messages,
+    /// OpenAI's Responses API (`/v1/responses`), as Codex and the OpenAI Agents SDK speak it.
+    Responses,
+}
+
+/// The `data:` of each server-sent event of a response, as JSON (`event:` lines, comments
+/// and keep-alives skipped; `[DONE]` ends the events).
+struct SseEvents {
+    bytes: std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>,
+    pending: Vec<u8>,
+}
+
+impl SseEvents {
+    fn new(response: reqwest::Response) -> Self {
+        Self {
+            bytes: Box::pin(response.bytes_stream()),
+            pending: Vec::new(),
+        }
+    }
+
+    async fn next(&mut self) -> Result<Option<Value>, Failure> {
+        loop {
+            while let Some(end) = self.pending.windows(2).position(|w| w == b"\n\n") {
+                let event: Vec<u8> = self.pending.drain(..end + 2).collect();
+                let event = String::from_utf8_lossy(&event);
+                let Some(data) = event
+                    .lines()
+                    .find_map(|l| l.strip_prefix("data:"))
+                    .map(str::trim)
+                else {
+                    continue;
+                };
+                if data == "[DONE]" {
+                    return Ok(None);
+                }
+                return serde_json::from_str(data).map(Some).map_err(Failure::other);
+            }
+            match self.bytes.next().await {
+                Some(chunk) => self
+                    .pending
+                    .extend_from_slice(&chunk.map_err(Failure::other)?),
+                None => return Ok(None),
+            }
+        }
+    }
+}
+
 /// A failed request: the status code (gRPC code name, or `HTTP 429`) and the message.
 #[derive(Debug, Clone)]
 pub(crate) struct Failure {
@@ -185,12 +243,105 @@ impl Endpoint {
         Ok(Endpoint::OpenAi { root, http, model })
     }
 
+    /// The model an HTTP endpoint serves (the first `/v1/models` lists).
+    pub(crate) fn model(&self) -> Option<String> {
+        match self {
+            Endpoint::Grpc { .. } => None,
+            Endpoint::OpenAi { model, .. } => Some(model.clone()),
+        }
+    }
+
     /// What the results call this endpoint.
     pub(crate) fn describe(&self) -> String {
         match self {
             Endpoint::Grpc { addr, .. } => format!("grpc://{addr}"),
             Endpoint::OpenAi { root, model, .. } => format!("{root}/v1 ({model})"),
         }
+    }
+
+    /// Sends `body` (a whole request of `api`, which asks for a stream) to an HTTP endpoint
+    /// under `session` and reads the stream.
+    pub(crate) async fn agent_turn(
+        &self,
+        api: AgentApi,
+        body: Value,
+        session: &str,
+    ) -> Result<Reply, Failure> {
+        let Endpoint::OpenAi { root, http, .. } = self else {
+            return Err(Failure::other("an agent's APIs are served over HTTP"));
+        };
+        let path = match api {
+            AgentApi::Messages => "messages",
+            AgentApi::Responses => "responses",
+        };
+        let mut reply = Reply::new(Instant::now());
+        let response = http
+            .post(format!("{root}/v1/{path}"))
+            .header("x-session-id", session)
+            .header("anthropic-version", "2023-06-01")
+            .json(&body)
+            .send()
+            .await
+            .map_err(Failure::other)?;
+        if !response.status().is_success() {
+            let code = format!("HTTP {}", response.status().as_u16());
+            let message = response.text().await.unwrap_or_default();
+            return Err(Failure { code, message });
+        }
+        let mut events = SseEvents::new(response);
+        while let Some(v) = events.next().await? {
+            let n = |x: &Value| x.as_u64().unwrap_or(0) as u32;
+            let (piece, done) = match (api, v["type"].as_str().unwrap_or_default()) {
+                (_, "error") => {
+                    let e = if v["error"].is_object() {
+                        &v["error"]
+                    } else {
+                        &v
+                    };
+                    return Err(Failure {
+                        code: e["type"].as_str().unwrap_or("stream error").to_string(),
+                        message: e["message"].as_str().unwrap_or_default().to_string(),
+                    });
+                }
+                (AgentApi::Messages, "content_block_delta") => (
+                    v["delta"]["text"]
+                        .as_str()
+                        .or(v["delta"]["partial_json"].as_str()),
+                    false,
+                ),
+                (AgentApi::Messages, "message_delta") => {
+                    // Cumulative totals: what a prompt's tokens were, computed or read.
+                    let u = &v["usage"];
+                    let cached = n(&u["cache_read_input_tokens"]);
+                    reply.prompt_tokens =
+                        n(&u["input_tokens"]) + cached + n(&u["cache_creation_input_tokens"]);
+                    reply.cached_tokens = cached;
+                    reply.completion_tokens = n(&u["output_tokens"]);
+                    (None, false)
+                }
+                (AgentApi::Messages, "message_stop") => (None, true),
+                (
+                    AgentApi::Responses,
+                    "response.output_text.delta" | "response.function_call_arguments.delta",
+                ) => (v["delta"].as_str(), false),
+                (AgentApi::Responses, "response.completed" | "response.incomplete") => {
+                    let u = &v["response"]["usage"];
+                    reply.prompt_tokens = n(&u["input_tokens"]);
+                    reply.cached_tokens = n(&u["input_tokens_details"]["cached_tokens"]);
+                    reply.completion_tokens = n(&u["output_tokens"]);
+                    (None, true)
+                }
+                _ => (None, false),
+            };
+            if let Some(piece) = piece.filter(|p| !p.is_empty()) {
+                reply.arrivals.push(Instant::now());
+                reply.text.push_str(piece);
+            }
+            if done {
+                return Ok(reply);
+            }
+        }
+        Err(Failure::other("the stream ended before its last event"))
     }
 
     /// Sends `ask` (greedy) and reads the whole stream.

@@ -1,11 +1,13 @@
 //! `tandem bench`: the engine alone (`engine`), load against any running endpoint (`serve`,
-//! `multiturn`), the KV transfer path (`transfer`), a peer fetch against a cold prompt
+//! `multiturn`, and coding-agent sessions over the Messages or Responses API: `agent`), the KV
+//! transfer path (`transfer`), a peer fetch against a cold prompt
 //! (`fetch`), the KV dtype's fidelity (`fidelity`), what a long local prefill does to a decode
 //! node's streams (`interference`), and pictures of the results (`plot`).
 //!
 //! `serve` and `multiturn` drive a Tandem router over gRPC or any OpenAI-compatible server
 //! ([`endpoint`]); they never start what they measure.
 
+pub(crate) mod agent;
 pub(crate) mod endpoint;
 pub(crate) mod engine;
 pub(crate) mod fetch;
@@ -29,6 +31,10 @@ pub(crate) enum BenchCommand {
     Serve(serve::ServeArgs),
     /// Multi-turn chat against a running endpoint: what prefix caching and affinity buy.
     Multiturn(multiturn::MultiturnArgs),
+    /// Coding-agent sessions (a long system prompt and tool list, a tool call and its result
+    /// appended each turn) against an endpoint of Anthropic's Messages or OpenAI's Responses
+    /// API: TTFT per turn, the share of prompt tokens from a cache, throughput.
+    Agent(agent::AgentArgs),
     /// KV transfer throughput: a gRPC push of one prompt's KV against a plain TCP copy.
     Transfer(transfer::TransferArgs),
     /// A session forced off its replica: the next turn's TTFT through a peer fetch of its
@@ -40,7 +46,7 @@ pub(crate) enum BenchCommand {
     /// Inter-token latency of streams on a decode node while it prefills a long prompt, against
     /// the same streams alone (a decode node and router started in this process).
     Interference(interference::InterferenceArgs),
-    /// Draw PNG and SVG plots from `serve` and `multiturn` results.
+    /// Draw PNG and SVG plots from `serve`, `multiturn` and `agent` results.
     Plot(plot::PlotArgs),
 }
 
@@ -49,6 +55,7 @@ pub(crate) fn run(command: &BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Engine(args) => engine::engine(args),
         BenchCommand::Serve(args) => serve::serve(args),
         BenchCommand::Multiturn(args) => multiturn::multiturn(args),
+        BenchCommand::Agent(args) => agent::agent(args),
         BenchCommand::Transfer(args) => transfer::transfer(args),
         BenchCommand::Fetch(args) => fetch::fetch(args),
         BenchCommand::Fidelity(args) => fidelity::fidelity(args),

@@ -72,7 +72,7 @@ pub(crate) struct Turn {
     pub ttft_ms: f64,
     total_ms: f64,
     prompt_tokens: u32,
-    completion_tokens: u32,
+    pub completion_tokens: u32,
     cached_tokens: u32,
     /// Tandem only: where it went and what the router's index said.
     decode: String,
@@ -129,7 +129,7 @@ pub(crate) struct Results {
 }
 
 impl Turn {
-    fn new(session: usize, turn: usize, sent_ms: f64, r: &Reply) -> Self {
+    pub(crate) fn new(session: usize, turn: usize, sent_ms: f64, r: &Reply) -> Self {
         let route = r.route.clone().unwrap_or_default();
         Self {
             session,
@@ -276,9 +276,27 @@ pub(crate) fn multiturn(args: &MultiturnArgs) -> anyhow::Result<()> {
     if args.json {
         println!("{}", serde_json::to_string_pretty(&results)?);
     } else {
-        print_table(&results);
+        results.print_table();
     }
     Ok(())
+}
+
+impl Results {
+    /// The results of a run of `turns` (no cold run to compare with).
+    pub(crate) fn new(
+        label: &str,
+        endpoint: String,
+        started_unix_ms: u64,
+        turns: Vec<Turn>,
+    ) -> Self {
+        Self {
+            label: label.to_string(),
+            endpoint,
+            started_unix_ms,
+            summary: summarize(&turns, None),
+            turns,
+        }
+    }
 }
 
 async fn run(args: &MultiturnArgs) -> anyhow::Result<(String, Vec<Turn>)> {
@@ -329,6 +347,12 @@ async fn run(args: &MultiturnArgs) -> anyhow::Result<(String, Vec<Turn>)> {
     }
     progress.finish_and_clear();
     Ok((endpoint.describe(), out))
+}
+
+impl Results {
+    pub(crate) fn print_table(&self) {
+        print_table(self);
+    }
 }
 
 fn print_table(r: &Results) {
