@@ -1,5 +1,6 @@
 # Sourced by the benchmarks that run one system at a time (bench-multiturn.sh,
-# bench-kv-spill.sh). Expects $tandem, $out and $port to be set.
+# bench-kv-spill.sh, bench-agent.sh). Expects $tandem, $out and $port to be set; $model (default
+# smollm2) and $http_port (default 0, a free port) may be.
 
 pid=""
 
@@ -8,10 +9,10 @@ stop() {
   if [ -n "$pid" ]; then kill -TERM "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; pid=""; fi
 }
 
-# up FLAGS...: starts `tandem up --model smollm2` with the router on $port (HTTP on a free
-# port) and FLAGS, its log in $out/up.log, and waits until it says it is up.
+# up FLAGS...: starts `tandem up --model $model` with the router on $port (HTTP on
+# $http_port) and FLAGS, its log in $out/up.log, and waits until it says it is up.
 up() {
-  "$tandem" up --model smollm2 --port "$port" --http-port 0 "$@" >"$out/up.log" 2>&1 &
+  "$tandem" up --model "${model:-smollm2}" --port "$port" --http-port "${http_port:-0}" "$@" >"$out/up.log" 2>&1 &
   pid=$!
   for _ in $(seq 600); do
     grep -q "tandem cluster is up" "$out/up.log" && return 0
