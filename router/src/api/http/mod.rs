@@ -121,7 +121,9 @@ pub(crate) fn string(body: &Map<String, Value>, key: &str) -> Result<Option<Stri
 }
 
 /// A request as a protocol adapter made it, with what the HTTP layer adds: its id (the
-/// client's `x-request-id`, else a fresh one) and its deadline (`x-timeout-ms`).
+/// client's `x-request-id`, else a fresh one) and its deadline: `x-timeout-ms`, else
+/// `x-stainless-timeout` (seconds: how long the official OpenAI and Anthropic clients wait,
+/// which they send on every request; Claude Code's is 600 s), else the router's timeout.
 #[derive(Debug)]
 pub(crate) struct Call {
     pub request: pb::GenerateRequest,
@@ -137,10 +139,15 @@ impl Call {
             .map(str::to_string)
             .unwrap_or_else(fresh_id);
         let timeout = match header_str(headers, "x-timeout-ms") {
-            None => None,
             Some(ms) => Some(Duration::from_millis(ms.parse().map_err(|_| {
                 ApiError::invalid("x-timeout-ms", "the x-timeout-ms header must be an integer")
             })?)),
+            // The clients' own bound: a value that does not parse is theirs to get wrong, and
+            // the router's timeout holds then.
+            None => header_str(headers, "x-stainless-timeout")
+                .and_then(|s| s.trim().parse::<f64>().ok())
+                .filter(|s| s.is_finite() && *s > 0.0 && *s < 86_400.0)
+                .map(Duration::from_secs_f64),
         };
         Ok(Self {
             request,
@@ -164,5 +171,30 @@ impl Call {
                 Some(default_max_tokens),
             )
             .await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::http::HeaderValue;
+
+    use super::*;
+
+    #[test]
+    fn the_deadline_is_the_clients_own_timeout() {
+        let within = |headers: &HeaderMap| {
+            let call = Call::new(headers, pb::GenerateRequest::default()).expect("valid");
+            call.deadline
+                .map(|d| (d - tokio::time::Instant::now()).as_secs_f64().round())
+        };
+        let mut headers = HeaderMap::new();
+        assert_eq!(within(&headers), None);
+        headers.insert("x-stainless-timeout", HeaderValue::from_static("600"));
+        assert_eq!(within(&headers), Some(600.0));
+        headers.insert("x-timeout-ms", HeaderValue::from_static("2000"));
+        assert_eq!(within(&headers), Some(2.0));
+        let mut odd = HeaderMap::new();
+        odd.insert("x-stainless-timeout", HeaderValue::from_static("never"));
+        assert_eq!(within(&odd), None);
     }
 }
