@@ -134,18 +134,37 @@ pub(crate) enum AgentApi {
 }
 
 /// The `data:` of each server-sent event of a response, as JSON (`event:` lines, comments
-/// and keep-alives skipped; `[DONE]` ends the events).
+/// and keep-alives skipped; `[DONE]` ends the events, and says so in `done`).
 struct SseEvents {
     bytes: std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>,
     pending: Vec<u8>,
+    done: bool,
 }
 
 impl SseEvents {
-    fn new(response: reqwest::Response) -> Self {
-        Self {
+    /// Sends `request` with JSON `body` under `session` (`x-session-id`), and reads the
+    /// events of a success; a refusal is its status and body.
+    async fn post(
+        request: reqwest::RequestBuilder,
+        session: &str,
+        body: &Value,
+    ) -> Result<Self, Failure> {
+        let response = request
+            .header("x-session-id", session)
+            .json(body)
+            .send()
+            .await
+            .map_err(Failure::other)?;
+        if !response.status().is_success() {
+            let code = format!("HTTP {}", response.status().as_u16());
+            let message = response.text().await.unwrap_or_default();
+            return Err(Failure { code, message });
+        }
+        Ok(Self {
             bytes: Box::pin(response.bytes_stream()),
             pending: Vec::new(),
-        }
+            done: false,
+        })
     }
 
     async fn next(&mut self) -> Result<Option<Value>, Failure> {
@@ -161,6 +180,7 @@ impl SseEvents {
                     continue;
                 };
                 if data == "[DONE]" {
+                    self.done = true;
                     return Ok(None);
                 }
                 return serde_json::from_str(data).map(Some).map_err(Failure::other);
@@ -275,20 +295,10 @@ impl Endpoint {
             AgentApi::Responses => "responses",
         };
         let mut reply = Reply::new(Instant::now());
-        let response = http
+        let request = http
             .post(format!("{root}/v1/{path}"))
-            .header("x-session-id", session)
-            .header("anthropic-version", "2023-06-01")
-            .json(&body)
-            .send()
-            .await
-            .map_err(Failure::other)?;
-        if !response.status().is_success() {
-            let code = format!("HTTP {}", response.status().as_u16());
-            let message = response.text().await.unwrap_or_default();
-            return Err(Failure { code, message });
-        }
-        let mut events = SseEvents::new(response);
+            .header("anthropic-version", "2023-06-01");
+        let mut events = SseEvents::post(request, session, &body).await?;
         while let Some(v) = events.next().await? {
             let n = |x: &Value| x.as_u64().unwrap_or(0) as u32;
             let (piece, done) = match (api, v["type"].as_str().unwrap_or_default()) {
@@ -426,64 +436,42 @@ async fn openai(
         }
     };
     let mut reply = Reply::new(Instant::now());
-    let response = http
-        .post(format!("{root}/v1/{path}"))
-        .header("x-session-id", &ask.session)
-        .json(&body)
-        .send()
-        .await
-        .map_err(Failure::other)?;
-    if !response.status().is_success() {
-        let code = format!("HTTP {}", response.status().as_u16());
-        let message = response.text().await.unwrap_or_default();
-        return Err(Failure { code, message });
-    }
-    let mut bytes = response.bytes_stream();
-    let mut pending = Vec::new();
+    let request = http.post(format!("{root}/v1/{path}"));
+    let mut events = SseEvents::post(request, &ask.session, &body).await?;
     let mut pieces = 0u32;
-    while let Some(chunk) = bytes.next().await {
-        pending.extend_from_slice(&chunk.map_err(Failure::other)?);
-        // Server-sent events end with a blank line; llama-server and Tandem send `data:` only.
-        while let Some(end) = pending.windows(2).position(|w| w == b"\n\n") {
-            let event: Vec<u8> = pending.drain(..end + 2).collect();
-            let event = String::from_utf8_lossy(&event);
-            let Some(data) = event.trim().strip_prefix("data:").map(str::trim) else {
-                continue;
-            };
-            if data == "[DONE]" {
-                if reply.completion_tokens == 0 {
-                    reply.completion_tokens = pieces;
-                }
-                return Ok(reply);
-            }
-            let v: Value = serde_json::from_str(data).map_err(Failure::other)?;
-            if let Some(e) = v.get("error") {
-                return Err(Failure {
-                    code: e["code"].as_str().unwrap_or("stream error").to_string(),
-                    message: e["message"].as_str().unwrap_or_default().to_string(),
-                });
-            }
-            let choice = &v["choices"][0];
-            let text = choice["delta"]["content"]
-                .as_str()
-                .or_else(|| choice["text"].as_str())
-                .unwrap_or_default();
-            if !text.is_empty() {
-                reply.arrivals.push(Instant::now());
-                reply.text.push_str(text);
-                pieces += 1;
-            }
-            if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
-                let n = |x: &Value| x.as_u64().unwrap_or(0) as u32;
-                reply.prompt_tokens = n(&u["prompt_tokens"]);
-                reply.completion_tokens = n(&u["completion_tokens"]);
-                reply.cached_tokens = n(&u["prompt_tokens_details"]["cached_tokens"]);
-            }
-            // llama-server reports its prompt cache this way.
-            if let Some(n) = v["timings"]["cache_n"].as_u64() {
-                reply.cached_tokens = n as u32;
-            }
+    while let Some(v) = events.next().await? {
+        if let Some(e) = v.get("error") {
+            return Err(Failure {
+                code: e["code"].as_str().unwrap_or("stream error").to_string(),
+                message: e["message"].as_str().unwrap_or_default().to_string(),
+            });
+        }
+        let choice = &v["choices"][0];
+        let text = choice["delta"]["content"]
+            .as_str()
+            .or_else(|| choice["text"].as_str())
+            .unwrap_or_default();
+        if !text.is_empty() {
+            reply.arrivals.push(Instant::now());
+            reply.text.push_str(text);
+            pieces += 1;
+        }
+        if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+            let n = |x: &Value| x.as_u64().unwrap_or(0) as u32;
+            reply.prompt_tokens = n(&u["prompt_tokens"]);
+            reply.completion_tokens = n(&u["completion_tokens"]);
+            reply.cached_tokens = n(&u["prompt_tokens_details"]["cached_tokens"]);
+        }
+        // llama-server reports its prompt cache this way.
+        if let Some(n) = v["timings"]["cache_n"].as_u64() {
+            reply.cached_tokens = n as u32;
         }
     }
-    Err(Failure::other("the stream ended without [DONE]"))
+    if !events.done {
+        return Err(Failure::other("the stream ended without [DONE]"));
+    }
+    if reply.completion_tokens == 0 {
+        reply.completion_tokens = pieces;
+    }
+    Ok(reply)
 }

@@ -34,6 +34,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::auth::{KeyStore, Principal};
+use crate::cluster::frontend::Frontend;
 use crate::config::Limits;
 use crate::dispatch::dispatcher::{Dispatcher, Outcome};
 use crate::dispatch::log::{Item, LogWriter};
@@ -90,6 +91,26 @@ impl GenerationService {
             .inspect_err(|e| self.dispatcher.metrics.finished(e.code()))
     }
 
+    /// What the cluster's model is, once a worker has said.
+    fn frontend(&self) -> Result<Arc<Frontend>, Error> {
+        self.dispatcher
+            .replicas
+            .frontend()
+            .cloned()
+            .ok_or(Error::NotReady)
+    }
+
+    /// An admission permit, or RESOURCE_EXHAUSTED (counted) when the router holds as many
+    /// requests as it may.
+    fn permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Error> {
+        self.admission.clone().try_acquire_owned().map_err(|_| {
+            self.dispatcher.metrics.refused("queue_full");
+            Error::Busy {
+                inflight: self.max_inflight,
+            }
+        })
+    }
+
     /// Starts (or attaches to) a generation for `principal` and returns its frames. `deadline`
     /// defaults to the router's timeout; `default_max_tokens` is [`prepare`]'s. A refusal is
     /// counted in the metrics here.
@@ -132,19 +153,9 @@ impl GenerationService {
         if self.draining.is_cancelled() {
             return Err(Error::Draining);
         }
-        let front = self
-            .dispatcher
-            .replicas
-            .frontend()
-            .cloned()
-            .ok_or(Error::NotReady)?;
+        let front = self.frontend()?;
         // The admission permit bounds the tokenizations running at once as well.
-        let permit = self.admission.clone().try_acquire_owned().map_err(|_| {
-            self.dispatcher.metrics.refused("queue_full");
-            Error::Busy {
-                inflight: self.max_inflight,
-            }
-        })?;
+        let permit = self.permit()?;
         let (limits, tenant) = (self.limits.clone(), principal.tenant.clone());
         let prepared = tokio::task::spawn_blocking(move || {
             prepare(&front, r, &limits, default_max_tokens, &tenant)
@@ -207,19 +218,9 @@ impl GenerationService {
     /// [`GenerationService::start`] would count it: what Anthropic's `count_tokens` answers.
     pub(crate) async fn count_tokens(&self, mut r: pb::GenerateRequest) -> Result<usize, Error> {
         check_ids(&r)?;
-        let front = self
-            .dispatcher
-            .replicas
-            .frontend()
-            .cloned()
-            .ok_or(Error::NotReady)?;
+        let front = self.frontend()?;
         // Tokenizing is bounded as a generation's is: it takes an admission permit meanwhile.
-        let _permit = self.admission.clone().try_acquire_owned().map_err(|_| {
-            self.dispatcher.metrics.refused("queue_full");
-            Error::Busy {
-                inflight: self.max_inflight,
-            }
-        })?;
+        let _permit = self.permit()?;
         let limits = self.limits.clone();
         let (tokens, _) = tokio::task::spawn_blocking(move || tokenize(&front, &mut r, &limits))
             .await

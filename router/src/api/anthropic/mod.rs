@@ -12,27 +12,26 @@
 //! input into tokens computed and tokens read from the prefix cache. A failure after the stream
 //! opened is an `error` event, as on Anthropic's API.
 
+mod messages;
 mod request;
 mod response;
 
 pub(crate) use crate::api::anthropic::request::{Endpoint, parse};
 
-use std::convert::Infallible;
 use std::time::Duration;
 
 use axum::Extension;
 use axum::Json;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue};
-use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::sse::{Event, KeepAlive};
 use axum::response::{IntoResponse, Response};
-use futures::StreamExt;
 use serde_json::json;
 
 use crate::api::anthropic::response::Message;
 use crate::api::http::error::{ApiError, Shape};
 use crate::api::http::reply::{Reply, next_frame, tool_parser};
-use crate::api::http::{Body, body_bytes, frontend};
+use crate::api::http::{Body, Events, body_bytes, event_stream, frontend};
 use crate::auth::Principal;
 use crate::dispatch::GenerationService;
 
@@ -86,47 +85,15 @@ async fn run(
     let mut message = Message::new(&request_id, front, reply, stops, started.prompt_tokens);
     let mut frames = started.frames;
     let mut response = if parsed.stream {
-        let event = |(name, data): response::Event| {
-            Ok::<_, Infallible>(Event::default().event(name).data(data.to_string()))
-        };
-        let opening = futures::stream::iter([event(message.start())]);
-        let body = frames
-            .scan(Some(message), move |state, item| {
-                let Some(message) = state else {
-                    return futures::future::ready(None);
-                };
-                let events = match item {
-                    Ok(f) => {
-                        let events = message.frame(&f);
-                        if events.iter().any(|(name, _)| *name == "message_stop") {
-                            *state = None;
-                        }
-                        events
-                    }
-                    Err(s) => {
-                        *state = None;
-                        vec![("error", ApiError::from_status(&s).body_in(Shape::Anthropic))]
-                    }
-                };
-                futures::future::ready(Some(futures::stream::iter(events.into_iter().map(event))))
-            })
-            .flatten();
         let ping = Event::default()
             .event("ping")
             .data(json!({"type": "ping"}).to_string());
-        Sse::new(opening.chain(body))
-            .keep_alive(KeepAlive::new().interval(PING_EVERY).event(ping))
-            .into_response()
+        let opening = vec![message.start()];
+        let keep_alive = KeepAlive::new().interval(PING_EVERY).event(ping);
+        event_stream(opening, frames, message, keep_alive)
     } else {
-        loop {
-            let f = next_frame(&mut frames).await?;
-            if message
-                .frame(&f)
-                .iter()
-                .any(|(name, _)| *name == "message_stop")
-            {
-                break;
-            }
+        while !message.finished() {
+            message.frame(&next_frame(&mut frames).await?);
         }
         Json(message.whole()).into_response()
     };

@@ -8,12 +8,11 @@ use std::sync::Arc;
 use serde_json::{Value, json};
 use tandem_proto::v1 as pb;
 
+use crate::api::http::Events;
+use crate::api::http::error::{ApiError, Shape};
 use crate::api::http::reply::{Part, Reply, stop_sequence};
 use crate::cluster::frontend::Frontend;
 use crate::dispatch::log::is_last;
-
-/// One server-sent event: its name and its data.
-pub(super) type Event = (&'static str, Value);
 
 /// A reply as its frames arrive: the blocks so far, the one open, and how it ended.
 pub(super) struct Message {
@@ -56,7 +55,7 @@ impl Message {
     }
 
     /// The `message_start` event: the message with no content yet.
-    pub(super) fn start(&self) -> Event {
+    pub(super) fn start(&self) -> Value {
         let usage = json!({
             "input_tokens": self.prompt_tokens,
             "output_tokens": 0,
@@ -64,65 +63,49 @@ impl Message {
             "cache_read_input_tokens": 0,
         });
         let message = self.message(json!([]), Value::Null, Value::Null, usage);
-        (
-            "message_start",
-            json!({"type": "message_start", "message": message}),
-        )
+        json!({"type": "message_start", "message": message})
     }
 
     /// The events frame `f` makes; on the last frame, those that end the message.
-    pub(super) fn frame(&mut self, f: &pb::GenerateResponse) -> Vec<Event> {
+    pub(super) fn frame(&mut self, f: &pb::GenerateResponse) -> Vec<Value> {
         self.tokens.extend(&f.token_ids);
-        let mut parts = self.reply.push(&f.text);
         let last = is_last(f);
-        if last {
-            parts.extend(self.reply.finish());
-        }
         let mut events = Vec::new();
-        for part in parts {
+        for part in self.reply.frame(f) {
             self.part(part, &mut events);
         }
         if last {
             self.close_text(&mut events);
             let (reason, sequence, usage) = self.ending(f);
-            events.push((
-                "message_delta",
-                json!({
-                    "type": "message_delta",
-                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                    "usage": usage,
-                }),
-            ));
-            events.push(("message_stop", json!({"type": "message_stop"})));
+            events.push(json!({
+                "type": "message_delta",
+                "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                "usage": usage,
+            }));
+            events.push(json!({"type": "message_stop"}));
             self.end = Some((reason, sequence, usage));
         }
         events
     }
 
-    fn part(&mut self, part: Part, events: &mut Vec<Event>) {
+    fn part(&mut self, part: Part, events: &mut Vec<Value>) {
         match part {
             Part::Text(t) => {
                 let index = self.blocks.len();
                 let open = self.text.get_or_insert_with(|| {
-                    events.push((
-                        "content_block_start",
-                        json!({
-                            "type": "content_block_start",
-                            "index": index,
-                            "content_block": {"type": "text", "text": ""},
-                        }),
-                    ));
+                    events.push(json!({
+                        "type": "content_block_start",
+                        "index": index,
+                        "content_block": {"type": "text", "text": ""},
+                    }));
                     String::new()
                 });
                 open.push_str(&t);
-                events.push((
-                    "content_block_delta",
-                    json!({
-                        "type": "content_block_delta",
-                        "index": index,
-                        "delta": {"type": "text_delta", "text": t},
-                    }),
-                ));
+                events.push(json!({
+                    "type": "content_block_delta",
+                    "index": index,
+                    "delta": {"type": "text_delta", "text": t},
+                }));
             }
             Part::Call {
                 id,
@@ -132,22 +115,16 @@ impl Message {
             } => {
                 self.close_text(events);
                 let index = self.blocks.len();
-                events.push((
-                    "content_block_start",
-                    json!({
-                        "type": "content_block_start",
-                        "index": index,
-                        "content_block": {"type": "tool_use", "id": id, "name": name, "input": {}},
-                    }),
-                ));
-                events.push((
-                    "content_block_delta",
-                    json!({
-                        "type": "content_block_delta",
-                        "index": index,
-                        "delta": {"type": "input_json_delta", "partial_json": arguments},
-                    }),
-                ));
+                events.push(json!({
+                    "type": "content_block_start",
+                    "index": index,
+                    "content_block": {"type": "tool_use", "id": id, "name": name, "input": {}},
+                }));
+                events.push(json!({
+                    "type": "content_block_delta",
+                    "index": index,
+                    "delta": {"type": "input_json_delta", "partial_json": arguments},
+                }));
                 events.push(stop_block(index));
                 // The parser's arguments are a JSON object's text.
                 let input: Value = serde_json::from_str(&arguments).unwrap_or_else(|_| json!({}));
@@ -157,7 +134,7 @@ impl Message {
         }
     }
 
-    fn close_text(&mut self, events: &mut Vec<Event>) {
+    fn close_text(&mut self, events: &mut Vec<Value>) {
         if let Some(text) = self.text.take() {
             events.push(stop_block(self.blocks.len()));
             self.blocks.push(json!({"type": "text", "text": text}));
@@ -206,9 +183,20 @@ impl Message {
     }
 }
 
-fn stop_block(index: usize) -> Event {
-    (
-        "content_block_stop",
-        json!({"type": "content_block_stop", "index": index}),
-    )
+impl Events for Message {
+    fn frame(&mut self, f: &pb::GenerateResponse) -> Vec<Value> {
+        Message::frame(self, f)
+    }
+
+    fn finished(&self) -> bool {
+        self.end.is_some()
+    }
+
+    fn error(&mut self, e: &ApiError) -> Value {
+        e.body_in(Shape::Anthropic)
+    }
+}
+
+fn stop_block(index: usize) -> Value {
+    json!({"type": "content_block_stop", "index": index})
 }

@@ -210,3 +210,70 @@ pub(crate) fn json_grammar(
     };
     Ok(Some(pb::Grammar { kind: Some(kind) }))
 }
+
+/// `body`'s `tools` array, each entry (an object, `tools[i]`) made a tool by `each`, which may
+/// leave one out (`None`).
+pub(crate) fn tool_list(
+    body: &Map<String, Value>,
+    mut each: impl FnMut(&str, &Map<String, Value>) -> Result<Option<pb::Tool>, ApiError>,
+) -> Result<Vec<pb::Tool>, ApiError> {
+    let list = match body.get("tools") {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(list)) => list,
+        Some(_) => return Err(ApiError::invalid("tools", "'tools' must be an array")),
+    };
+    let mut tools = Vec::new();
+    for (i, t) in list.iter().enumerate() {
+        let param = format!("tools[{i}]");
+        let Some(t) = t.as_object() else {
+            return Err(ApiError::invalid(&param, "a tool is an object"));
+        };
+        tools.extend(each(&param, t)?);
+    }
+    Ok(tools)
+}
+
+/// A function's definition in `f` (`param` names it): its `name` (1 to 64 of a-z, A-Z, 0-9, `_`
+/// and `-`), `description`, and the JSON schema of its arguments under `schema_key` (required
+/// when `schema_required`).
+pub(crate) fn function_tool(
+    param: &str,
+    f: &Map<String, Value>,
+    schema_key: &str,
+    schema_required: bool,
+) -> Result<pb::Tool, ApiError> {
+    let name = match f.get("name") {
+        Some(Value::String(n)) if crate::dispatch::chat::valid_function_name(n) => n.clone(),
+        _ => {
+            return Err(ApiError::invalid(
+                &format!("{param}.name"),
+                "the name must be 1 to 64 of a-z, A-Z, 0-9, _ and -",
+            ));
+        }
+    };
+    let description = match f.get("description") {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(d)) => d.clone(),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                &format!("{param}.description"),
+                "'description' must be a string",
+            ));
+        }
+    };
+    let parameters = match f.get(schema_key) {
+        None | Some(Value::Null) if !schema_required => String::new(),
+        Some(p @ Value::Object(_)) => p.to_string(),
+        _ => {
+            return Err(ApiError::invalid(
+                &format!("{param}.{schema_key}"),
+                format!("'{schema_key}' must be a JSON schema object"),
+            ));
+        }
+    };
+    Ok(pb::Tool {
+        name,
+        description,
+        parameters,
+    })
+}

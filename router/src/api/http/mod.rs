@@ -12,8 +12,13 @@ pub(crate) mod reply;
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::convert::Infallible;
+
 use axum::extract::rejection::BytesRejection;
 use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures::StreamExt;
 use serde_json::{Map, Value};
 use tandem_proto::v1 as pb;
 
@@ -22,7 +27,7 @@ use crate::api::http::fields::{header_str, in_range, unsigned};
 use crate::auth::Principal;
 use crate::cluster::frontend::Frontend;
 use crate::config::SamplingDefaults;
-use crate::dispatch::{GenerationService, Started};
+use crate::dispatch::{GenerateStream, GenerationService, Started};
 use crate::error::Error;
 use crate::ids::fresh_id;
 
@@ -30,6 +35,55 @@ use crate::ids::fresh_id;
 /// sooner). The decode node reserves KV for the worst case, so "the whole context" by default
 /// would let a handful of requests hold the pool.
 pub const DEFAULT_MAX_TOKENS: u32 = 1024;
+
+/// A reply shown as a stream of named events (Anthropic's Messages, OpenAI's Responses), each
+/// event's data an object whose `type` is its name.
+pub(crate) trait Events: Send + 'static {
+    /// The events frame `f` makes.
+    fn frame(&mut self, f: &pb::GenerateResponse) -> Vec<Value>;
+    /// Whether the reply's last frame came.
+    fn finished(&self) -> bool;
+    /// The event a failure is, which ends the stream.
+    fn error(&mut self, e: &ApiError) -> Value;
+}
+
+/// The SSE stream of a reply: `opening`, then `events` of each frame of `frames` until the
+/// last, or a failure's event; quiet stretches filled by `keep_alive`.
+pub(crate) fn event_stream(
+    opening: Vec<Value>,
+    frames: GenerateStream,
+    events: impl Events,
+    keep_alive: KeepAlive,
+) -> Response {
+    let sse = |v: Value| {
+        let name = v["type"].as_str().unwrap_or("message").to_string();
+        Ok::<_, Infallible>(Event::default().event(name).data(v.to_string()))
+    };
+    let body = frames
+        .scan(Some(events), move |state, item| {
+            let Some(events) = state else {
+                return futures::future::ready(None);
+            };
+            let out = match item {
+                Ok(f) => events.frame(&f),
+                Err(s) => vec![events.error(&ApiError::from_status(&s))],
+            };
+            if item_ends(events, &out) {
+                *state = None;
+            }
+            futures::future::ready(Some(futures::stream::iter(out.into_iter().map(sse))))
+        })
+        .flatten();
+    let opening = futures::stream::iter(opening.into_iter().map(sse));
+    Sse::new(opening.chain(body))
+        .keep_alive(keep_alive)
+        .into_response()
+}
+
+/// Whether the events just made end the stream: the reply finished, or failed.
+fn item_ends(events: &impl Events, out: &[Value]) -> bool {
+    events.finished() || out.last().is_some_and(|e| e["type"] == "error")
+}
 
 /// A request's body as axum hands it over: its bytes, or why they could not be read.
 pub(crate) type Body = Result<axum::body::Bytes, BytesRejection>;
@@ -72,6 +126,23 @@ pub(crate) fn unknown_key<'a>(body: &'a Map<String, Value>, known: &[&str]) -> O
     body.iter()
         .find(|(k, v)| !v.is_null() && !known.contains(&k.as_str()))
         .map(|(k, _)| k.as_str())
+}
+
+/// Checks that `body` asks for `model` (OpenAI's APIs: another is 404 `model_not_found`).
+pub(crate) fn check_model(body: &Map<String, Value>, model: &str) -> Result<(), ApiError> {
+    match body.get("model") {
+        Some(Value::String(m)) if m == model => Ok(()),
+        Some(Value::String(m)) => Err(ApiError {
+            code: Some("model_not_found"),
+            param: Some("model".into()),
+            ..ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!("the model '{m}' does not exist; this server has '{model}'"),
+                "invalid_request_error",
+            )
+        }),
+        _ => Err(ApiError::invalid("model", "'model' must be a string")),
+    }
 }
 
 /// What the model the cluster serves is known as, if it knows one yet.

@@ -63,6 +63,15 @@ impl Reply {
         }
     }
 
+    /// The parts frame `f` completes, with those still held when it is the reply's last.
+    pub(crate) fn frame(&mut self, f: &pb::GenerateResponse) -> Vec<Part> {
+        let mut parts = self.push(&f.text);
+        if crate::dispatch::log::is_last(f) {
+            parts.extend(self.finish());
+        }
+        parts
+    }
+
     /// The parts still held when the reply ends.
     pub(crate) fn finish(&mut self) -> Vec<Part> {
         match self.parser.take() {

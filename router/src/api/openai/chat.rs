@@ -5,7 +5,8 @@ use serde_json::{Map, Value, json};
 use tandem_proto::v1 as pb;
 
 use crate::api::http::error::ApiError;
-use crate::api::http::fields::{flag, json_grammar};
+use crate::api::http::fields::{flag, function_tool, json_grammar, tool_list};
+use crate::api::http::unknown_key;
 
 /// A chat message's text: a string, or an array of text parts.
 pub(super) fn content_text(i: usize, content: Option<&Value>) -> Result<String, ApiError> {
@@ -168,85 +169,35 @@ pub(super) fn tool_calls(i: usize, calls: Option<&Value>) -> Result<Vec<pb::Tool
 /// `tools`: function definitions, `{"type": "function", "function": {"name", "description",
 /// "parameters"}}`.
 pub(super) fn tools(body: &Map<String, Value>, forced: bool) -> Result<Vec<pb::Tool>, ApiError> {
-    let list = match body.get("tools") {
-        None | Some(Value::Null) => return Ok(Vec::new()),
-        Some(Value::Array(list)) => list,
-        Some(_) => return Err(ApiError::invalid("tools", "'tools' must be an array")),
-    };
-    list.iter()
-        .enumerate()
-        .map(|(i, t)| {
-            let param = format!("tools[{i}]");
-            if t.get("type") != Some(&json!("function")) {
-                return Err(ApiError::unsupported(
-                    &format!("{param}.type"),
-                    "only function tools are served",
-                ));
-            }
-            let Some(Value::Object(f)) = t.get("function") else {
-                return Err(ApiError::invalid(
-                    &format!("{param}.function"),
-                    "a tool needs a 'function' object",
-                ));
-            };
-            if let Some(k) = f
-                .iter()
-                .find(|(k, v)| {
-                    !matches!(k.as_str(), "name" | "description" | "parameters" | "strict")
-                        && !v.is_null()
-                })
-                .map(|(k, _)| k)
-            {
-                return Err(ApiError::unsupported(
-                    &format!("{param}.function.{k}"),
-                    "not a function definition's key",
-                ));
-            }
-            if flag(f, "strict")? && !forced {
-                return Err(ApiError::unsupported(
-                    &format!("{param}.function.strict"),
-                    "arguments follow the schema only in a forced call (tool_choice \"required\" \
-                     or a named function)",
-                ));
-            }
-            let name = match f.get("name") {
-                Some(Value::String(n)) if crate::dispatch::chat::valid_function_name(n) => {
-                    n.clone()
-                }
-                _ => {
-                    return Err(ApiError::invalid(
-                        &format!("{param}.function.name"),
-                        "the name must be 1 to 64 of a-z, A-Z, 0-9, _ and -",
-                    ));
-                }
-            };
-            let description = match f.get("description") {
-                None | Some(Value::Null) => String::new(),
-                Some(Value::String(d)) => d.clone(),
-                Some(_) => {
-                    return Err(ApiError::invalid(
-                        &format!("{param}.function.description"),
-                        "'description' must be a string",
-                    ));
-                }
-            };
-            let parameters = match f.get("parameters") {
-                None | Some(Value::Null) => String::new(),
-                Some(p @ Value::Object(_)) => p.to_string(),
-                Some(_) => {
-                    return Err(ApiError::invalid(
-                        &format!("{param}.function.parameters"),
-                        "'parameters' must be a JSON schema object",
-                    ));
-                }
-            };
-            Ok(pb::Tool {
-                name,
-                description,
-                parameters,
-            })
-        })
-        .collect()
+    tool_list(body, |param, t| {
+        if t.get("type") != Some(&json!("function")) {
+            return Err(ApiError::unsupported(
+                &format!("{param}.type"),
+                "only function tools are served",
+            ));
+        }
+        let Some(Value::Object(f)) = t.get("function") else {
+            return Err(ApiError::invalid(
+                &format!("{param}.function"),
+                "a tool needs a 'function' object",
+            ));
+        };
+        let param = format!("{param}.function");
+        if let Some(k) = unknown_key(f, &["name", "description", "parameters", "strict"]) {
+            return Err(ApiError::unsupported(
+                &format!("{param}.{k}"),
+                "not a function definition's key",
+            ));
+        }
+        if flag(f, "strict")? && !forced {
+            return Err(ApiError::unsupported(
+                &format!("{param}.strict"),
+                "arguments follow the schema only in a forced call (tool_choice \"required\" \
+                 or a named function)",
+            ));
+        }
+        function_tool(&param, f, "parameters", false).map(Some)
+    })
 }
 
 /// `tool_choice`: `"none"`, `"auto"`, `"required"` or `{"type": "function", "function":

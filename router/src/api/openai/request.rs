@@ -4,7 +4,7 @@
 //! The body is parsed by hand from a JSON object, not derived, so that an unknown key can be
 //! named in the error instead of failing the whole parse or being dropped.
 
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 use serde_json::{Map, Value};
 use tandem_proto::v1 as pb;
 
@@ -12,7 +12,7 @@ use crate::api::http::error::ApiError;
 use crate::api::http::fields::{
     check_metadata, flag, in_range, logit_bias, number, present, stop, token_ids, unsigned,
 };
-use crate::api::http::{Call, base_sampling, json_object, string, unknown_key};
+use crate::api::http::{Call, base_sampling, check_model, json_object, string, unknown_key};
 use crate::api::openai::chat::{messages, response_format, tool_choice, tools};
 use crate::api::session::{BodySession, session};
 use crate::config::SamplingDefaults;
@@ -189,21 +189,7 @@ pub(crate) fn parse(
         ));
     }
     let grammar = response_format(&body)?;
-    match body.get("model") {
-        Some(Value::String(m)) if m == model => {}
-        Some(Value::String(m)) => {
-            return Err(ApiError {
-                code: Some("model_not_found"),
-                param: Some("model".into()),
-                ..ApiError::new(
-                    StatusCode::NOT_FOUND,
-                    format!("the model '{m}' does not exist; this server has '{model}'"),
-                    "invalid_request_error",
-                )
-            });
-        }
-        _ => return Err(ApiError::invalid("model", "'model' must be a string")),
-    }
+    check_model(&body, model)?;
     let stream = flag(&body, "stream")?;
     let stream_usage = match body.get("stream_options") {
         None | Some(Value::Null) => StreamUsage::None,

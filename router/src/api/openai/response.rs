@@ -169,9 +169,8 @@ impl Choice {
     /// log-probabilities.
     fn frame(&mut self, f: &pb::GenerateResponse) -> (Vec<Part>, Option<Value>) {
         let logprobs = self.logprobs.as_mut().map(|l| l.frame(f));
-        let mut parts = self.reply.push(&f.text);
+        let parts = self.reply.frame(f);
         if is_last(f) {
-            parts.extend(self.reply.finish());
             self.finish = Some(f.finish_reason);
         }
         (parts, logprobs)

@@ -12,20 +12,16 @@ mod response;
 
 pub(crate) use crate::api::responses::request::parse;
 
-use std::convert::Infallible;
-
 use axum::Extension;
 use axum::Json;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue};
-use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::sse::KeepAlive;
 use axum::response::{IntoResponse, Response};
-use futures::StreamExt;
-use serde_json::Value;
 
-use crate::api::http::error::{ApiError, Shape};
+use crate::api::http::error::ApiError;
 use crate::api::http::reply::{Reply, next_frame, tool_parser};
-use crate::api::http::{Body, DEFAULT_MAX_TOKENS, body_bytes, frontend};
+use crate::api::http::{Body, DEFAULT_MAX_TOKENS, Events, body_bytes, event_stream, frontend};
 use crate::api::responses::response::Transcript;
 use crate::auth::Principal;
 use crate::dispatch::GenerationService;
@@ -72,37 +68,8 @@ async fn run(
         .await?
         .frames;
     let mut response = if parsed.stream {
-        let event = |v: Value| {
-            let kind = v["type"].as_str().unwrap_or("message").to_string();
-            Ok::<_, Infallible>(Event::default().event(kind).data(v.to_string()))
-        };
-        let opening = futures::stream::iter(transcript.start().into_iter().map(event));
-        let body = frames
-            .scan(Some(transcript), move |state, item| {
-                let Some(transcript) = state else {
-                    return futures::future::ready(None);
-                };
-                let events = match item {
-                    Ok(f) => {
-                        let events = transcript.frame(&f);
-                        if transcript.finished() {
-                            *state = None;
-                        }
-                        events
-                    }
-                    Err(s) => {
-                        let body = ApiError::from_status(&s).body_in(Shape::OpenAi);
-                        let error = transcript.error(&body);
-                        *state = None;
-                        vec![error]
-                    }
-                };
-                futures::future::ready(Some(futures::stream::iter(events.into_iter().map(event))))
-            })
-            .flatten();
-        Sse::new(opening.chain(body))
-            .keep_alive(KeepAlive::default())
-            .into_response()
+        let opening = transcript.start();
+        event_stream(opening, frames, transcript, KeepAlive::default())
     } else {
         while !transcript.finished() {
             transcript.frame(&next_frame(&mut frames).await?);

@@ -16,13 +16,15 @@
 //! schemas by grammar; a call the model makes on its own (`auto`) is read from its markup and
 //! its arguments are a JSON object, but not held to the schema.
 
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 use serde_json::{Map, Value};
 use tandem_proto::v1 as pb;
 
 use crate::api::http::error::ApiError;
-use crate::api::http::fields::{check_metadata, flag, json_grammar, unsigned};
-use crate::api::http::{Call, base_sampling, json_object, string, unknown_key};
+use crate::api::http::fields::{
+    check_metadata, flag, function_tool, json_grammar, tool_list, unsigned,
+};
+use crate::api::http::{Call, base_sampling, check_model, json_object, string, unknown_key};
 use crate::api::session::{BodySession, session};
 use crate::config::SamplingDefaults;
 
@@ -77,21 +79,7 @@ pub(crate) fn parse(
         };
         return Err(ApiError::unsupported(key, why));
     }
-    match body.get("model") {
-        Some(Value::String(m)) if m == model => {}
-        Some(Value::String(m)) => {
-            return Err(ApiError {
-                code: Some("model_not_found"),
-                param: Some("model".into()),
-                ..ApiError::new(
-                    StatusCode::NOT_FOUND,
-                    format!("the model '{m}' does not exist; this server has '{model}'"),
-                    "invalid_request_error",
-                )
-            });
-        }
-        _ => return Err(ApiError::invalid("model", "'model' must be a string")),
-    }
+    check_model(&body, model)?;
     if flag(&body, "store")? {
         return Err(ApiError::unsupported(
             "store",
@@ -360,63 +348,26 @@ fn input(body: &Map<String, Value>, out: &mut Vec<pb::ChatMessage>) -> Result<()
 /// `tools`: function tools, `{"type": "function", "name", "description", "parameters",
 /// "strict"}`.
 fn tools(body: &Map<String, Value>) -> Result<Vec<pb::Tool>, ApiError> {
-    let list = match body.get("tools") {
-        None | Some(Value::Null) => return Ok(Vec::new()),
-        Some(Value::Array(list)) => list,
-        Some(_) => return Err(ApiError::invalid("tools", "'tools' must be an array")),
-    };
-    list.iter()
-        .enumerate()
-        .map(|(i, t)| {
-            let param = format!("tools[{i}]");
-            let Some(t) = t.as_object() else {
-                return Err(ApiError::invalid(&param, "a tool is an object"));
-            };
-            match t.get("type").and_then(Value::as_str) {
-                Some("function") => {}
-                other => {
-                    return Err(ApiError::unsupported(
-                        &format!("{param}.type"),
-                        &format!("{other:?} tools are not served; only function tools"),
-                    ));
-                }
-            }
-            let known = ["type", "name", "description", "parameters", "strict"];
-            if let Some(k) = unknown_key(t, &known) {
+    tool_list(body, |param, t| {
+        match t.get("type").and_then(Value::as_str) {
+            Some("function") => {}
+            other => {
                 return Err(ApiError::unsupported(
-                    &format!("{param}.{k}"),
-                    "not a function tool's key",
+                    &format!("{param}.type"),
+                    &format!("{other:?} tools are not served; only function tools"),
                 ));
             }
-            flag(t, "strict")?;
-            let name = match t.get("name") {
-                Some(Value::String(n)) if crate::dispatch::chat::valid_function_name(n) => {
-                    n.clone()
-                }
-                _ => {
-                    return Err(ApiError::invalid(
-                        &format!("{param}.name"),
-                        "the name must be 1 to 64 of a-z, A-Z, 0-9, _ and -",
-                    ));
-                }
-            };
-            let parameters = match t.get("parameters") {
-                None | Some(Value::Null) => String::new(),
-                Some(p @ Value::Object(_)) => p.to_string(),
-                Some(_) => {
-                    return Err(ApiError::invalid(
-                        &format!("{param}.parameters"),
-                        "'parameters' must be a JSON schema object",
-                    ));
-                }
-            };
-            Ok(pb::Tool {
-                name,
-                description: string(t, "description")?.unwrap_or_default(),
-                parameters,
-            })
-        })
-        .collect()
+        }
+        let known = ["type", "name", "description", "parameters", "strict"];
+        if let Some(k) = unknown_key(t, &known) {
+            return Err(ApiError::unsupported(
+                &format!("{param}.{k}"),
+                "not a function tool's key",
+            ));
+        }
+        flag(t, "strict")?;
+        function_tool(param, t, "parameters", false).map(Some)
+    })
 }
 
 /// `tool_choice`: `"none"`, `"auto"`, `"required"` or `{"type": "function", "name"}`.

@@ -10,6 +10,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde_json::{Map, Value, json};
 use tandem_proto::v1 as pb;
 
+use crate::api::http::Events;
+use crate::api::http::error::{ApiError, Shape};
 use crate::api::http::reply::{Part, Reply};
 use crate::dispatch::log::is_last;
 
@@ -73,22 +75,11 @@ impl Transcript {
         ]
     }
 
-    /// An error event, ending a stream.
-    pub(super) fn error(&mut self, error: &Value) -> Value {
-        let e = &error["error"];
-        let fields = json!({"code": e["code"], "message": e["message"], "param": e["param"]});
-        self.event("error", fields)
-    }
-
     /// The events frame `f` makes; on the last frame, those that end the response.
-    pub(super) fn frame(&mut self, f: &pb::GenerateResponse) -> Vec<Value> {
-        let mut parts = self.reply.push(&f.text);
+    fn events(&mut self, f: &pb::GenerateResponse) -> Vec<Value> {
         let last = is_last(f);
-        if last {
-            parts.extend(self.reply.finish());
-        }
         let mut events = Vec::new();
-        for part in parts {
+        for part in self.reply.frame(f) {
             self.part(part, &mut events);
         }
         if last {
@@ -210,11 +201,6 @@ impl Transcript {
         self.items.push(item);
     }
 
-    /// Whether the last frame came.
-    pub(super) fn finished(&self) -> bool {
-        self.end.is_some()
-    }
-
     /// The response object as it stands: in progress until the last frame, then whole.
     pub(super) fn response(&self) -> Value {
         let (status, incomplete, usage) =
@@ -250,6 +236,22 @@ impl Transcript {
             "user": or("user", Value::Null),
             "metadata": or("metadata", json!({})),
         })
+    }
+}
+
+impl Events for Transcript {
+    fn frame(&mut self, f: &pb::GenerateResponse) -> Vec<Value> {
+        self.events(f)
+    }
+
+    fn finished(&self) -> bool {
+        self.end.is_some()
+    }
+
+    fn error(&mut self, e: &ApiError) -> Value {
+        let e = &e.body_in(Shape::OpenAi)["error"];
+        let fields = json!({"code": e["code"], "message": e["message"], "param": e["param"]});
+        self.event("error", fields)
     }
 }
 

@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 
+use axum::http::StatusCode;
 use serde_json::json;
 
 use super::*;
