@@ -161,9 +161,13 @@ impl Workload {
                        "messages": messages})
             }
             AgentApi::Responses => {
-                let mut input = vec![json!({"role": "user", "content": self.tasks[s]})];
+                // Messages typed as such (`"type": "message"`): llama-server takes an assistant
+                // message only so.
+                let mut input =
+                    vec![json!({"type": "message", "role": "user", "content": self.tasks[s]})];
                 for step in &self.steps[s] {
-                    input.push(json!({"role": "assistant", "content": said(step)}));
+                    input.push(json!({"type": "message", "role": "assistant",
+                                      "content": said(step)}));
                     input.push(json!({"type": "function_call", "call_id": step.call_id,
                                       "name": step.tool,
                                       "arguments": step.arguments.to_string()}));

@@ -124,6 +124,21 @@ impl Reply {
     }
 }
 
+/// Takes what an Anthropic `usage` holds (`message_start`'s, then `message_delta`'s cumulative
+/// totals, each overwriting what the other said, as the `anthropic` package reads them): the
+/// prompt's tokens, computed and read from a cache, and the reply's.
+fn anthropic_usage(u: &Value, reply: &mut Reply) {
+    let n = |x: &Value| x.as_u64().map(|n| n as u32);
+    if let Some(input) = n(&u["input_tokens"]) {
+        let cached = n(&u["cache_read_input_tokens"]).unwrap_or(0);
+        reply.prompt_tokens = input + cached + n(&u["cache_creation_input_tokens"]).unwrap_or(0);
+        reply.cached_tokens = cached;
+    }
+    if let Some(output) = n(&u["output_tokens"]) {
+        reply.completion_tokens = output;
+    }
+}
+
 /// The HTTP APIs agents speak.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum AgentApi {
@@ -319,14 +334,12 @@ impl Endpoint {
                         .or(v["delta"]["partial_json"].as_str()),
                     false,
                 ),
+                (AgentApi::Messages, "message_start") => {
+                    anthropic_usage(&v["message"]["usage"], &mut reply);
+                    (None, false)
+                }
                 (AgentApi::Messages, "message_delta") => {
-                    // Cumulative totals: what a prompt's tokens were, computed or read.
-                    let u = &v["usage"];
-                    let cached = n(&u["cache_read_input_tokens"]);
-                    reply.prompt_tokens =
-                        n(&u["input_tokens"]) + cached + n(&u["cache_creation_input_tokens"]);
-                    reply.cached_tokens = cached;
-                    reply.completion_tokens = n(&u["output_tokens"]);
+                    anthropic_usage(&v["usage"], &mut reply);
                     (None, false)
                 }
                 (AgentApi::Messages, "message_stop") => (None, true),
