@@ -1,0 +1,158 @@
+//! Agent sessions through what clusters do to them, over Anthropic's Messages API on the
+//! default model (the 0.5B Qwen2.5-Coder), as Claude Code drives it: sessions named by
+//! `x-claude-code-session-id`, a system prompt and a tool list resent every turn, and the
+//! history growing. A session whose decode node is drained goes on on the peer with its KV
+//! (the next turn reads its whole first turn from the cache, `cache_read_input_tokens`), and
+//! says exactly what a cluster without caches says.
+
+use serde_json::{Value, json};
+use tandem_integration_tests::{Cluster, ClusterConfig, metrics, qwen_model, sample};
+
+/// A Claude-Code-like session's request: its system prompt and tools, and `messages`.
+fn request(model: &str, messages: &[Value]) -> Value {
+    json!({
+        "model": model,
+        "max_tokens": 24,
+        "temperature": 0,
+        "system": [{"type": "text", "text": "You are a coding agent. Read files with the tools \
+                    given, then answer in one short sentence.",
+                    "cache_control": {"type": "ephemeral"}}],
+        "tools": [
+            {"name": "read_file", "description": "Read a file of the repository.",
+             "input_schema": {"type": "object", "properties": {"path": {"type": "string"}},
+                              "required": ["path"]}},
+            {"name": "list_dir", "description": "List a directory of the repository.",
+             "input_schema": {"type": "object", "properties": {"path": {"type": "string"}},
+                              "required": ["path"]}},
+        ],
+        "messages": messages,
+    })
+}
+
+/// Sends a Messages request under `session`; the reply's text and usage.
+async fn turn(http: &reqwest::Client, base: &str, session: &str, body: &Value) -> Value {
+    let r = http
+        .post(format!("{base}/v1/messages"))
+        .header("x-claude-code-session-id", session)
+        .json(body)
+        .send()
+        .await
+        .expect("messages request");
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+    r.json().await.expect("a message")
+}
+
+fn text(reply: &Value) -> String {
+    reply["content"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|b| b["text"].as_str())
+        .collect()
+}
+
+/// Turn 1's history and turn 2's question, for session `s`.
+fn histories(s: usize, first: &Value) -> (Vec<Value>, Vec<Value>) {
+    let ask = vec![json!({"role": "user", "content": format!(
+        "Session {s}: what does the file src/main_{s}.rs do? Check before you answer.")})];
+    let mut next = ask.clone();
+    next.push(json!({"role": "assistant", "content": first["content"]}));
+    // Each call answered, as an agent answers it, then the next question.
+    let mut answer: Vec<Value> = first["content"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|b| b["type"] == "tool_use")
+        .map(|b| {
+            json!({"type": "tool_result", "tool_use_id": b["id"],
+                        "content": "fn main() { println!(\"hello\"); }"})
+        })
+        .collect();
+    answer.push(json!({"type": "text", "text": "Now say which directory it is in."}));
+    next.push(json!({"role": "user", "content": answer}));
+    (ask, next)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_agent_session_goes_on_with_its_kv() {
+    let model = qwen_model().expect("the 0.5B Qwen (run `tandem model fetch qwen2.5-coder-0.5b`)");
+    let mut cluster = Cluster::start(ClusterConfig {
+        decode: 2,
+        ..ClusterConfig::new(model.clone())
+    })
+    .await
+    .expect("cluster");
+    let http = reqwest::Client::new();
+    let base = format!("http://{}", cluster.http);
+    let name = tandem_integration_tests::http_model(&http, &format!("{base}/v1"))
+        .await
+        .expect("the model's id");
+
+    // Turn 1 of two sessions; then the decode node holding the first is drained.
+    let mut firsts = Vec::new();
+    for s in 0..2 {
+        let ask = histories(s, &json!({})).0;
+        let first = turn(&http, &base, &format!("session-{s}"), &request(&name, &ask)).await;
+        firsts.push(first);
+    }
+    let mut holders = Vec::new();
+    for node in &cluster.decode {
+        let m = metrics(node.addr).await.expect("metrics");
+        holders.push(sample(&m, "tandem_decode_kv_blocks_cached").unwrap_or(0.0));
+    }
+    let drained = if holders[0] >= holders[1] { 0 } else { 1 };
+    assert!(
+        holders[drained] > 0.0,
+        "a decode node holds a session: {holders:?}"
+    );
+    eprintln!("blocks cached per decode node {holders:?}; draining node {drained}");
+    cluster
+        .decode
+        .remove(drained)
+        .stop()
+        .await
+        .expect("the drained node stops cleanly once its sessions moved");
+
+    // Turn 2 of each reads its whole first turn's prompt from the cache, wherever it lives.
+    let mut seconds = Vec::new();
+    for (s, first) in firsts.iter().enumerate() {
+        let next = histories(s, first).1;
+        let second = turn(
+            &http,
+            &base,
+            &format!("session-{s}"),
+            &request(&name, &next),
+        )
+        .await;
+        let prompt = first["usage"]["input_tokens"].as_u64().unwrap_or(0)
+            + first["usage"]["cache_read_input_tokens"]
+                .as_u64()
+                .unwrap_or(0);
+        let read = second["usage"]["cache_read_input_tokens"]
+            .as_u64()
+            .unwrap_or(0);
+        eprintln!(
+            "session {s}: turn 1's prompt {prompt} tokens, turn 2 read {read} from the cache"
+        );
+        assert!(
+            read >= prompt / 16 * 16,
+            "session {s}'s turn 2 read {read} tokens from the cache; turn 1's prompt was {prompt}"
+        );
+        seconds.push((next, text(&second)));
+    }
+    cluster.stop().await.expect("stop");
+
+    // A cluster without caches says the same.
+    let cold = Cluster::start(ClusterConfig {
+        prefix_cache: false,
+        ..ClusterConfig::new(model)
+    })
+    .await
+    .expect("cold cluster");
+    let base = format!("http://{}", cold.http);
+    for (s, (next, said)) in seconds.iter().enumerate() {
+        let reply = turn(&http, &base, &format!("session-{s}"), &request(&name, next)).await;
+        assert_eq!(&text(&reply), said, "session {s}'s turn 2");
+    }
+    cold.stop().await.expect("stop");
+}
