@@ -777,3 +777,21 @@ pub fn python_env(dir: &std::path::Path, packages: &[&str], import: &str) -> std
     }
     python
 }
+
+/// Runs the Python check `script` (a path under `integration-tests/`) with `args` and returns
+/// the JSON line it prints of what it saw; a failed check fails the test with its output.
+pub async fn python_check(
+    python: &std::path::Path,
+    script: &str,
+    args: &[&str],
+) -> serde_json::Value {
+    let out = tokio::process::Command::new(python)
+        .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(script))
+        .args(args)
+        .output()
+        .await
+        .expect("run a Python check");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{script} failed:\n{stderr}");
+    serde_json::from_slice(&out.stdout).expect("the script's JSON line")
+}

@@ -46,16 +46,10 @@ async fn anthropic_and_openai_agent_clients_run_against_the_cluster() {
     )
     .await
     .expect("the model's id");
-    let out = tokio::process::Command::new(&python)
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("agents/agents_check.py"))
-        .arg(format!("http://{}", cluster.http))
-        .arg(&name)
-        .output()
-        .await
-        .expect("run the clients");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "agents_check.py failed:\n{stderr}");
-    let seen: serde_json::Value = serde_json::from_slice(&out.stdout).expect("its JSON line");
+    let base = format!("http://{}", cluster.http);
+    let seen =
+        tandem_integration_tests::python_check(&python, "agents/agents_check.py", &[&base, &name])
+            .await;
     eprintln!("agents_check.py saw {seen}");
 
     // The same question over gRPC, greedy, gives the same reply on both HTTP APIs.

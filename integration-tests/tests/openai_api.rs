@@ -31,22 +31,9 @@ fn make_python() -> PathBuf {
     tandem_integration_tests::python_env(&venv, &PACKAGES, "import openai, langchain_openai")
 }
 
-/// Runs `integration-tests/openai/SCRIPT` against `base` and returns the JSON line it prints
-/// of what it saw; a failed check fails the test with the script's output.
+/// Runs `integration-tests/openai/SCRIPT` against `base` and returns what it saw.
 async fn check_script(python: &Path, script: &str, base: &str) -> serde_json::Value {
-    let out = tokio::process::Command::new(python)
-        .arg(
-            Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("openai")
-                .join(script),
-        )
-        .arg(base)
-        .output()
-        .await
-        .expect("run the openai client");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{script} failed:\n{stderr}");
-    serde_json::from_slice(&out.stdout).expect("the script's JSON line")
+    tandem_integration_tests::python_check(python, &format!("openai/{script}"), &[base]).await
 }
 
 async fn grpc_text(cluster: &Cluster, request: pb::GenerateRequest) -> String {
