@@ -20,11 +20,10 @@
 
 use anyhow::{Context, bail};
 use clap::Args;
-use futures::StreamExt;
 use serde_json::{Value, json};
 
-use crate::bench::endpoint::{AgentApi, Endpoint, EndpointArgs, Reply};
-use crate::bench::multiturn::{Results, Turn};
+use crate::bench::endpoint::{AgentApi, Endpoint, EndpointArgs};
+use crate::bench::multiturn::{Results, Turn, send_turn};
 use crate::bench::progress_bar;
 use crate::bench::workload::words;
 
@@ -229,27 +228,17 @@ async fn run(args: &AgentArgs) -> anyhow::Result<(String, Vec<Turn>)> {
     let progress = progress_bar((args.sessions * args.turns) as u64, "agent turns");
     let started = std::time::Instant::now();
     for turn in 0..args.turns {
-        let bodies: Vec<Value> = (0..args.sessions)
-            .map(|s| workload.body(args.api, &model, args.max_tokens, s))
+        let bodies: Vec<(usize, Value)> = (0..args.sessions)
+            .map(|s| (s, workload.body(args.api, &model, args.max_tokens, s)))
             .collect();
-        let results: Vec<anyhow::Result<(f64, Reply)>> =
-            futures::stream::iter(bodies.into_iter().enumerate().map(|(s, body)| {
-                let (endpoint, progress, started) = (&endpoint, &progress, &started);
-                async move {
-                    let sent_ms = started.elapsed().as_secs_f64() * 1e3;
-                    let r = endpoint
-                        .agent_turn(args.api, body, &format!("bench-agent-{s}"))
-                        .await
-                        .map_err(|f| anyhow::anyhow!("session {s}, turn {turn}: {f}"));
-                    progress.inc(1);
-                    r.map(|r| (sent_ms, r))
-                }
-            }))
-            .buffered(args.concurrency)
-            .collect()
-            .await;
-        for (s, r) in results.into_iter().enumerate() {
-            let (sent_ms, reply) = r?;
+        let api = args.api;
+        let replies = send_turn(turn, bodies, args.concurrency, &progress, started, |body| {
+            let endpoint = &endpoint;
+            let session = format!("bench-agent-{}", body.0);
+            async move { endpoint.agent_turn(api, body.1, &session).await }
+        })
+        .await?;
+        for (s, (sent_ms, reply)) in replies.into_iter().enumerate() {
             out.push(Turn::new(s, turn, sent_ms, &reply));
             workload.step(args, s, turn);
         }

@@ -20,7 +20,7 @@ use clap::Args;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 
-use crate::bench::endpoint::{Ask, Endpoint, EndpointArgs, Input, Reply};
+use crate::bench::endpoint::{Ask, Endpoint, EndpointArgs, Failure, Input, Reply};
 use crate::bench::progress_bar;
 use crate::bench::stats::{median, percentile};
 use crate::bench::workload::words;
@@ -318,29 +318,21 @@ async fn run(args: &MultiturnArgs) -> anyhow::Result<(String, Vec<Turn>)> {
                 words(args.message_words, args.seed, s, turn + 1),
             ));
         }
-        let results: Vec<anyhow::Result<(f64, Reply)>> =
-            futures::stream::iter(histories.iter().enumerate().map(|(s, h)| {
-                let (endpoint, progress, started) = (&endpoint, &progress, &started);
-                let ask = Ask {
-                    input: Input::Messages(h.clone()),
-                    max_tokens: args.max_tokens,
-                    session: format!("bench-session-{s}"),
-                };
-                async move {
-                    let sent_ms = started.elapsed().as_secs_f64() * 1e3;
-                    let r = endpoint
-                        .generate(&ask)
-                        .await
-                        .map_err(|f| anyhow::anyhow!("session {s}, turn {turn}: {f}"));
-                    progress.inc(1);
-                    r.map(|r| (sent_ms, r))
-                }
-            }))
-            .buffered(args.concurrency)
-            .collect()
-            .await;
-        for (s, r) in results.into_iter().enumerate() {
-            let (sent_ms, reply) = r?;
+        let asks: Vec<Ask> = histories
+            .iter()
+            .enumerate()
+            .map(|(s, h)| Ask {
+                input: Input::Messages(h.clone()),
+                max_tokens: args.max_tokens,
+                session: format!("bench-session-{s}"),
+            })
+            .collect();
+        let replies = send_turn(turn, asks, args.concurrency, &progress, started, |ask| {
+            let endpoint = &endpoint;
+            async move { endpoint.generate(&ask).await }
+        })
+        .await?;
+        for (s, (sent_ms, reply)) in replies.into_iter().enumerate() {
             out.push(Turn::new(s, turn, sent_ms, &reply));
             histories[s].push(("assistant".into(), reply.text));
         }
@@ -353,6 +345,39 @@ impl Results {
     pub(crate) fn print_table(&self) {
         print_table(self);
     }
+}
+
+/// Sends turn `turn` of every session, with `concurrency` requests in flight: `send` makes
+/// session `s`'s request of `requests[s]`. Each reply with when it was sent (ms after
+/// `started`), in session order; the first failure fails the turn.
+pub(crate) async fn send_turn<R, F, Fut>(
+    turn: usize,
+    requests: Vec<R>,
+    concurrency: usize,
+    progress: &indicatif::ProgressBar,
+    started: std::time::Instant,
+    send: F,
+) -> anyhow::Result<Vec<(f64, Reply)>>
+where
+    F: Fn(R) -> Fut,
+    Fut: std::future::Future<Output = Result<Reply, Failure>>,
+{
+    futures::stream::iter(requests.into_iter().enumerate().map(|(s, request)| {
+        let reply = send(request);
+        async move {
+            let sent_ms = started.elapsed().as_secs_f64() * 1e3;
+            let r = reply
+                .await
+                .map_err(|f| anyhow::anyhow!("session {s}, turn {turn}: {f}"));
+            progress.inc(1);
+            r.map(|r| (sent_ms, r))
+        }
+    }))
+    .buffered(concurrency)
+    .collect::<Vec<_>>()
+    .await
+    .into_iter()
+    .collect()
 }
 
 fn print_table(r: &Results) {

@@ -92,7 +92,7 @@ impl GenerationService {
     }
 
     /// What the cluster's model is, once a worker has said.
-    fn frontend(&self) -> Result<Arc<Frontend>, Error> {
+    pub(crate) fn frontend(&self) -> Result<Arc<Frontend>, Error> {
         self.dispatcher
             .replicas
             .frontend()

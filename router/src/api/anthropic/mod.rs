@@ -30,8 +30,8 @@ use serde_json::json;
 
 use crate::api::anthropic::response::Message;
 use crate::api::http::error::{ApiError, Shape};
-use crate::api::http::reply::{Reply, next_frame, tool_parser};
-use crate::api::http::{Body, Events, body_bytes, event_stream, frontend};
+use crate::api::http::reply::Reply;
+use crate::api::http::{Body, body_bytes, event_stream, gather, with_request_id};
 use crate::auth::Principal;
 use crate::dispatch::GenerationService;
 
@@ -57,7 +57,7 @@ async fn run(
     headers: &HeaderMap,
     body: &[u8],
 ) -> Result<Response, ApiError> {
-    let front = frontend(&api)?;
+    let front = api.frontend()?;
     let parsed = parse(
         Endpoint::Messages,
         &front.model_name,
@@ -67,12 +67,7 @@ async fn run(
     )?;
     let request = &parsed.call.request;
     let request_id = request.request_id.clone();
-    let reply = Reply::new(
-        tool_parser(&front.tokenizer, request),
-        parsed.parallel_tool_calls,
-        &request_id,
-        0,
-    );
+    let reply = Reply::new(&front.tokenizer, request, parsed.parallel_tool_calls, 0);
     let stops = request
         .sampling
         .as_ref()
@@ -92,16 +87,14 @@ async fn run(
         let keep_alive = KeepAlive::new().interval(PING_EVERY).event(ping);
         event_stream(opening, frames, message, keep_alive)
     } else {
-        while !message.finished() {
-            message.frame(&next_frame(&mut frames).await?);
-        }
+        gather(&mut message, &mut frames).await?;
         Json(message.whole()).into_response()
     };
+    // Anthropic's API names its request ids `request-id`.
     if let Ok(v) = HeaderValue::from_str(&request_id) {
-        response.headers_mut().insert("request-id", v.clone());
-        response.headers_mut().insert("x-request-id", v);
+        response.headers_mut().insert("request-id", v);
     }
-    Ok(response)
+    Ok(with_request_id(response, &request_id))
 }
 
 /// `POST /v1/messages/count_tokens`: `{"input_tokens": N}`, the prompt's length as a
@@ -113,7 +106,7 @@ pub(crate) async fn count_tokens(
 ) -> Response {
     let count = async {
         let body = body_bytes(&api, body)?;
-        let front = frontend(&api)?;
+        let front = api.frontend()?;
         let parsed = parse(
             Endpoint::CountTokens,
             &front.model_name,

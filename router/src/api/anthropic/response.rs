@@ -16,8 +16,7 @@ use crate::dispatch::log::is_last;
 
 /// A reply as its frames arrive: the blocks so far, the one open, and how it ended.
 pub(super) struct Message {
-    pub(super) id: String,
-    model: String,
+    id: String,
     front: Arc<Frontend>,
     reply: Reply,
     stops: Vec<String>,
@@ -42,7 +41,6 @@ impl Message {
     ) -> Self {
         Self {
             id: format!("msg_{request_id}"),
-            model: front.model_name.clone(),
             front,
             reply,
             stops,
@@ -67,7 +65,7 @@ impl Message {
     }
 
     /// The events frame `f` makes; on the last frame, those that end the message.
-    pub(super) fn frame(&mut self, f: &pb::GenerateResponse) -> Vec<Value> {
+    fn events(&mut self, f: &pb::GenerateResponse) -> Vec<Value> {
         self.tokens.extend(&f.token_ids);
         let last = is_last(f);
         let mut events = Vec::new();
@@ -167,7 +165,7 @@ impl Message {
             "id": self.id,
             "type": "message",
             "role": "assistant",
-            "model": self.model,
+            "model": self.front.model_name,
             "content": content,
             "stop_reason": reason,
             "stop_sequence": sequence,
@@ -176,16 +174,16 @@ impl Message {
     }
 
     /// The whole message, once its last frame came.
-    pub(super) fn whole(self) -> Value {
-        let (reason, sequence, usage) = self.end.clone().unwrap_or(("end_turn", None, json!({})));
-        let blocks = Value::Array(self.blocks.clone());
+    pub(super) fn whole(mut self) -> Value {
+        let (reason, sequence, usage) = self.end.take().unwrap_or(("end_turn", None, json!({})));
+        let blocks = Value::Array(std::mem::take(&mut self.blocks));
         self.message(blocks, json!(reason), json!(sequence), usage)
     }
 }
 
 impl Events for Message {
     fn frame(&mut self, f: &pb::GenerateResponse) -> Vec<Value> {
-        Message::frame(self, f)
+        self.events(f)
     }
 
     fn finished(&self) -> bool {

@@ -1,6 +1,7 @@
 //! What the HTTP APIs share beneath their protocols: errors ([`error`]), readers of a JSON
-//! body's fields ([`fields`]), a reply split into text and tool calls ([`reply`]), and the one
-//! way a protocol adapter starts a generation ([`start`]): each adapter (OpenAI's chat and
+//! body's fields ([`fields`]), a reply split into text and tool calls ([`reply`]), the one way
+//! a protocol adapter starts a generation ([`Call::start`]), and the named-event stream two of
+//! them answer with ([`Events`]): each adapter (OpenAI's chat and
 //! completions, Anthropic's Messages, OpenAI's Responses) turns its body into one `tandem.v1`
 //! `GenerateRequest` and starts it here, so that limits, keys, idempotency, affinity, failover
 //! and metrics are the same for all of them.
@@ -9,13 +10,11 @@ pub(crate) mod error;
 pub(crate) mod fields;
 pub(crate) mod reply;
 
-use std::sync::Arc;
+use std::convert::Infallible;
 use std::time::Duration;
 
-use std::convert::Infallible;
-
 use axum::extract::rejection::BytesRejection;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
@@ -24,11 +23,10 @@ use tandem_proto::v1 as pb;
 
 use crate::api::http::error::ApiError;
 use crate::api::http::fields::{header_str, in_range, unsigned};
+use crate::api::http::reply::next_frame;
 use crate::auth::Principal;
-use crate::cluster::frontend::Frontend;
 use crate::config::SamplingDefaults;
 use crate::dispatch::{GenerateStream, GenerationService, Started};
-use crate::error::Error;
 use crate::ids::fresh_id;
 
 /// Most tokens a request may generate when it sets no `max_tokens` (less if the context ends
@@ -64,11 +62,11 @@ pub(crate) fn event_stream(
             let Some(events) = state else {
                 return futures::future::ready(None);
             };
-            let out = match item {
-                Ok(f) => events.frame(&f),
-                Err(s) => vec![events.error(&ApiError::from_status(&s))],
+            let (out, ends) = match item {
+                Ok(f) => (events.frame(&f), false),
+                Err(s) => (vec![events.error(&ApiError::from_status(&s))], true),
             };
-            if item_ends(events, &out) {
+            if ends || events.finished() {
                 *state = None;
             }
             futures::future::ready(Some(futures::stream::iter(out.into_iter().map(sse))))
@@ -80,9 +78,24 @@ pub(crate) fn event_stream(
         .into_response()
 }
 
-/// Whether the events just made end the stream: the reply finished, or failed.
-fn item_ends(events: &impl Events, out: &[Value]) -> bool {
-    events.finished() || out.last().is_some_and(|e| e["type"] == "error")
+/// Feeds `events` every frame of `frames` up to the reply's last: a request that does not
+/// stream.
+pub(crate) async fn gather(
+    events: &mut impl Events,
+    frames: &mut GenerateStream,
+) -> Result<(), ApiError> {
+    while !events.finished() {
+        events.frame(&next_frame(frames).await?);
+    }
+    Ok(())
+}
+
+/// `response` with the request's id in `x-request-id`, as every HTTP API answers.
+pub(crate) fn with_request_id(mut response: Response, request_id: &str) -> Response {
+    if let Ok(v) = HeaderValue::from_str(request_id) {
+        response.headers_mut().insert("x-request-id", v);
+    }
+    response
 }
 
 /// A request's body as axum hands it over: its bytes, or why they could not be read.
@@ -143,16 +156,6 @@ pub(crate) fn check_model(body: &Map<String, Value>, model: &str) -> Result<(), 
         }),
         _ => Err(ApiError::invalid("model", "'model' must be a string")),
     }
-}
-
-/// What the model the cluster serves is known as, if it knows one yet.
-pub(crate) fn frontend(api: &GenerationService) -> Result<Arc<Frontend>, ApiError> {
-    Ok(api
-        .dispatcher
-        .replicas
-        .frontend()
-        .cloned()
-        .ok_or(Error::NotReady)?)
 }
 
 /// The sampling fields the HTTP APIs share (`temperature` up to `max_temperature`, `top_p`,

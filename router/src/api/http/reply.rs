@@ -32,19 +32,22 @@ pub(crate) struct Reply {
 }
 
 impl Reply {
-    /// The reply of choice `choice`; its calls' ids are unique among the request's choices.
+    /// The reply of choice `choice` to `r`, its calls parsed when `r` offers tools the model can
+    /// take ([`tool_parser`]); the calls' ids are unique among the request's choices.
+    /// `parallel: false` keeps the first call only.
     pub(crate) fn new(
-        parser: Option<ToolCallParser>,
+        tokenizer: &Tokenizer,
+        r: &pb::GenerateRequest,
         parallel: bool,
-        request_id: &str,
         choice: u32,
     ) -> Self {
+        let request_id = &r.request_id;
         let call_id_prefix = match choice {
             0 => format!("call_{request_id}_"),
             c => format!("call_{request_id}_{c}_"),
         };
         Self {
-            parser,
+            parser: tool_parser(tokenizer, r),
             parallel,
             call_id_prefix,
             calls: 0,
@@ -52,7 +55,7 @@ impl Reply {
     }
 
     /// The parts `text` completes.
-    pub(crate) fn push(&mut self, text: &str) -> Vec<Part> {
+    fn push(&mut self, text: &str) -> Vec<Part> {
         match &mut self.parser {
             None if text.is_empty() => Vec::new(),
             None => vec![Part::Text(text.to_string())],
@@ -73,7 +76,7 @@ impl Reply {
     }
 
     /// The parts still held when the reply ends.
-    pub(crate) fn finish(&mut self) -> Vec<Part> {
+    fn finish(&mut self) -> Vec<Part> {
         match self.parser.take() {
             None => Vec::new(),
             Some(p) => self.parts(p.finish()),
@@ -109,10 +112,7 @@ impl Reply {
 /// The parser of a chat reply's tool calls: for a request that offers tools without
 /// `tool_choice: none`, in the template's markup, started on the call the choice forces.
 /// A request whose tools the model cannot take is refused before its reply.
-pub(crate) fn tool_parser(
-    tokenizer: &Tokenizer,
-    r: &pb::GenerateRequest,
-) -> Option<ToolCallParser> {
+fn tool_parser(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Option<ToolCallParser> {
     let format = tokenizer.tool_format().filter(|_| !r.tools.is_empty())?;
     let choice = pb::ToolChoice::try_from(r.tool_choice).ok()?;
     let forced = crate::dispatch::chat::reply_start(format, choice, &r.tool_choice_function)?;

@@ -18,12 +18,12 @@ mod response;
 use axum::Extension;
 use axum::Json;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue};
+use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 
 use crate::api::http::error::ApiError;
-use crate::api::http::reply::{Reply, next_frame, tool_parser};
-use crate::api::http::{Body, DEFAULT_MAX_TOKENS, body_bytes, frontend};
+use crate::api::http::reply::{Reply, next_frame};
+use crate::api::http::{Body, DEFAULT_MAX_TOKENS, body_bytes, with_request_id};
 use crate::auth::Principal;
 use crate::dispatch::GenerationService;
 
@@ -71,7 +71,7 @@ async fn run(
     headers: &HeaderMap,
     body: &[u8],
 ) -> Result<Response, ApiError> {
-    let front = frontend(&api)?;
+    let front = api.frontend()?;
     let model = front.model_name.clone();
     let parsed = parse(kind, &model, headers, body, &api.sampling_defaults)?;
     let request = &parsed.call.request;
@@ -82,12 +82,7 @@ async fn run(
         .is_some_and(|s| s.logprobs.is_some());
     let choices = (0..request.n.max(1))
         .map(|i| {
-            let reply = Reply::new(
-                tool_parser(&front.tokenizer, request),
-                parsed.parallel_tool_calls,
-                &request_id,
-                i,
-            );
+            let reply = Reply::new(&front.tokenizer, request, parsed.parallel_tool_calls, i);
             let logprobs = with_logprobs.then(|| Logprobs::new(front.clone(), kind));
             Choice::new(reply, logprobs)
         })
@@ -101,7 +96,7 @@ async fn run(
         .frames;
     // The first frame decides the status: an error before any token is an HTTP error.
     let first = next_frame(&mut frames).await?;
-    let mut response = if parsed.stream {
+    let response = if parsed.stream {
         sse(envelope, replies, first, frames, parsed.stream_usage).into_response()
     } else {
         replies.gather(&first)?;
@@ -110,8 +105,5 @@ async fn run(
         }
         Json(envelope.complete(replies)).into_response()
     };
-    if let Ok(v) = HeaderValue::from_str(&request_id) {
-        response.headers_mut().insert("x-request-id", v);
-    }
-    Ok(response)
+    Ok(with_request_id(response, &request_id))
 }

@@ -15,13 +15,15 @@ pub(crate) use crate::api::responses::request::parse;
 use axum::Extension;
 use axum::Json;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue};
+use axum::http::HeaderMap;
 use axum::response::sse::KeepAlive;
 use axum::response::{IntoResponse, Response};
 
 use crate::api::http::error::ApiError;
-use crate::api::http::reply::{Reply, next_frame, tool_parser};
-use crate::api::http::{Body, DEFAULT_MAX_TOKENS, Events, body_bytes, event_stream, frontend};
+use crate::api::http::reply::Reply;
+use crate::api::http::{
+    Body, DEFAULT_MAX_TOKENS, body_bytes, event_stream, gather, with_request_id,
+};
 use crate::api::responses::response::Transcript;
 use crate::auth::Principal;
 use crate::dispatch::GenerationService;
@@ -45,16 +47,11 @@ async fn run(
     headers: &HeaderMap,
     body: &[u8],
 ) -> Result<Response, ApiError> {
-    let front = frontend(&api)?;
+    let front = api.frontend()?;
     let parsed = parse(&front.model_name, headers, body, &api.sampling_defaults)?;
     let request = &parsed.call.request;
     let request_id = request.request_id.clone();
-    let reply = Reply::new(
-        tool_parser(&front.tokenizer, request),
-        parsed.parallel_tool_calls,
-        &request_id,
-        0,
-    );
+    let reply = Reply::new(&front.tokenizer, request, parsed.parallel_tool_calls, 0);
     let mut transcript = Transcript::new(
         &request_id,
         &front.model_name,
@@ -67,17 +64,12 @@ async fn run(
         .start(&api, principal, DEFAULT_MAX_TOKENS)
         .await?
         .frames;
-    let mut response = if parsed.stream {
+    let response = if parsed.stream {
         let opening = transcript.start();
         event_stream(opening, frames, transcript, KeepAlive::default())
     } else {
-        while !transcript.finished() {
-            transcript.frame(&next_frame(&mut frames).await?);
-        }
+        gather(&mut transcript, &mut frames).await?;
         Json(transcript.response()).into_response()
     };
-    if let Ok(v) = HeaderValue::from_str(&request_id) {
-        response.headers_mut().insert("x-request-id", v);
-    }
-    Ok(response)
+    Ok(with_request_id(response, &request_id))
 }
