@@ -89,6 +89,14 @@ pub(crate) fn flag(body: &Map<String, Value>, key: &str) -> Result<bool, ApiErro
     }
 }
 
+/// OpenAI's `parallel_tool_calls`, true unless set false (false keeps a reply's first call).
+pub(crate) fn parallel_tool_calls(body: &Map<String, Value>) -> Result<bool, ApiError> {
+    match body.get("parallel_tool_calls") {
+        None | Some(Value::Null) => Ok(true),
+        _ => flag(body, "parallel_tool_calls"),
+    }
+}
+
 pub(crate) fn present(body: &Map<String, Value>, key: &str) -> bool {
     body.get(key).is_some_and(|v| !v.is_null())
 }

@@ -10,7 +10,8 @@ use tandem_proto::v1 as pb;
 
 use crate::api::http::error::ApiError;
 use crate::api::http::fields::{
-    check_metadata, flag, in_range, logit_bias, number, present, stop, token_ids, unsigned,
+    check_metadata, flag, in_range, logit_bias, number, parallel_tool_calls, present, stop,
+    token_ids, unsigned,
 };
 use crate::api::http::{Call, base_sampling, check_model, json_object, string, unknown_key};
 use crate::api::openai::chat::{messages, response_format, tool_choice, tools};
@@ -165,10 +166,7 @@ pub(crate) fn parse(
         ));
     }
     check_metadata(&body)?;
-    let parallel_tool_calls = match body.get("parallel_tool_calls") {
-        None | Some(Value::Null) => true,
-        _ => flag(&body, "parallel_tool_calls")?,
-    };
+    let parallel_tool_calls = parallel_tool_calls(&body)?;
     match body.get("service_tier") {
         None | Some(Value::Null) => {}
         Some(Value::String(t)) if t == "auto" || t == "default" => {}

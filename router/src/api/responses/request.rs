@@ -22,7 +22,7 @@ use tandem_proto::v1 as pb;
 
 use crate::api::http::error::ApiError;
 use crate::api::http::fields::{
-    check_metadata, flag, function_tool, json_grammar, tool_list, unsigned,
+    check_metadata, flag, function_tool, json_grammar, parallel_tool_calls, tool_list, unsigned,
 };
 use crate::api::http::{Call, base_sampling, check_model, json_object, string, unknown_key};
 use crate::api::session::{BodySession, session};
@@ -150,10 +150,7 @@ pub(crate) fn parse(
         sampling: Some(sampling),
         ..Default::default()
     };
-    let parallel_tool_calls = match body.get("parallel_tool_calls") {
-        None | Some(Value::Null) => true,
-        _ => flag(&body, "parallel_tool_calls")?,
-    };
+    let parallel_tool_calls = parallel_tool_calls(&body)?;
     let echo = [
         "instructions",
         "tools",
