@@ -320,6 +320,19 @@ pub(crate) struct RouterArgs {
     /// Largest HTTP request body, in bytes (larger bodies get 413).
     #[arg(long, env = "TANDEM_MAX_HTTP_BODY_BYTES", default_value_t = 4 << 20)]
     max_http_body_bytes: usize,
+    /// Seconds an agent session (docs/api.md, "Sessions") may sit idle before its KV moves from
+    /// the workers' pools to their disk tier (`--kv-spill-dir`), where its next turn reads it
+    /// back; workers without one keep it in the pool.
+    #[arg(long, env = "TANDEM_SESSION_IDLE_SECS", default_value_t = 300)]
+    session_idle_secs: u64,
+    /// Seconds an agent session may sit idle before it ends and its KV is released, as
+    /// `DELETE /v1/sessions/{id}` does.
+    #[arg(long, env = "TANDEM_SESSION_TTL_SECS", default_value_t = 3600)]
+    session_ttl_secs: u64,
+    /// Open sessions per API key (per tenant; one for all without keys): one more ends the
+    /// key's least recently used session and releases its KV.
+    #[arg(long, env = "TANDEM_SESSIONS_PER_KEY", default_value_t = 256)]
+    sessions_per_key: usize,
     #[command(flatten)]
     tls: TlsArgs,
     #[command(flatten)]
@@ -497,6 +510,11 @@ pub(crate) fn router(args: &RouterArgs) -> anyhow::Result<()> {
         tls: args.tls.load(Role::Router)?,
         api_tls: args.api_tls.load()?,
         sampling_defaults: args.sampling_defaults.resolve(),
+        sessions: tandem_router::SessionConfig {
+            idle: Duration::from_secs(args.session_idle_secs),
+            ttl: Duration::from_secs(args.session_ttl_secs),
+            per_key: args.sessions_per_key,
+        },
     };
     runtime()?.block_on(async {
         let http = match args.http_listen {

@@ -61,13 +61,14 @@ pub(crate) struct UpArgs {
     /// Each worker's KV pool in MiB.
     #[arg(long, env = "TANDEM_KV_BUDGET_MB", default_value_t = crate::serve::DEFAULT_KV_BUDGET_MB)]
     kv_budget_mb: usize,
-    /// The caches' disk tier: each worker spills the blocks its pool evicts to a directory of
-    /// its own under this one (`prefill-0`, `decode-0`, ...) and reads them back on a later hit
-    /// (`tandem prefill --kv-spill-dir`). Off without it.
+    /// The caches' disk tier: each worker spills the blocks its pool evicts (and the KV of
+    /// agent sessions gone idle) to a directory of its own under this one (`prefill-0`,
+    /// `decode-0`, ...) and reads them back on a later hit (`tandem prefill --kv-spill-dir`).
+    /// Unset, a temporary directory, removed when the cluster stops.
     #[arg(long, env = "TANDEM_KV_SPILL_DIR")]
     kv_spill_dir: Option<PathBuf>,
-    /// Most MiB each worker's disk tier holds.
-    #[arg(long, env = "TANDEM_KV_SPILL_MB", default_value_t = crate::serve::DEFAULT_KV_SPILL_MB, requires = "kv_spill_dir")]
+    /// Most MiB each worker's disk tier holds; 0 turns the tier off.
+    #[arg(long, env = "TANDEM_KV_SPILL_MB", default_value_t = crate::serve::DEFAULT_KV_SPILL_MB)]
     kv_spill_mb: u64,
     /// How the router chooses replicas.
     #[arg(long, env = "TANDEM_POLICY", value_enum, default_value_t = Policy::Affinity)]
@@ -90,13 +91,25 @@ pub(crate) struct UpArgs {
     api_tls: bool,
 }
 
-/// Where the nodes' certificates are, and whether `up` made them (and so removes them).
-struct Certs {
+/// A directory `up` uses (the nodes' certificates, the disk tier), and whether `up` made it
+/// (and so removes it).
+struct Dir {
     dir: PathBuf,
     made: bool,
 }
 
-impl Drop for Certs {
+impl Dir {
+    /// A directory of this process's under the system's temporary one.
+    fn temporary(what: &str) -> Self {
+        let name = format!("tandem-up-{}{what}", std::process::id());
+        Self {
+            dir: std::env::temp_dir().join(name),
+            made: true,
+        }
+    }
+}
+
+impl Drop for Dir {
     fn drop(&mut self) {
         if self.made {
             let _ = std::fs::remove_dir_all(&self.dir);
@@ -104,20 +117,34 @@ impl Drop for Certs {
     }
 }
 
-fn certs(args: &UpArgs) -> anyhow::Result<Option<Certs>> {
+fn certs(args: &UpArgs) -> anyhow::Result<Option<Dir>> {
     if args.insecure {
         tracing::warn!("--insecure: node-to-node traffic is plaintext and unauthenticated");
         return Ok(None);
     }
     if let Some(dir) = &args.tls_dir {
-        return Ok(Some(Certs {
+        return Ok(Some(Dir {
             dir: dir.clone(),
             made: false,
         }));
     }
-    let dir = std::env::temp_dir().join(format!("tandem-up-{}", std::process::id()));
-    tandem_net::tls::write_dev_certs(&dir, &[], 30)?;
-    Ok(Some(Certs { dir, made: true }))
+    let dir = Dir::temporary("");
+    tandem_net::tls::write_dev_certs(&dir.dir, &[], 30)?;
+    Ok(Some(dir))
+}
+
+/// The disk tier's directory, if the tier is on.
+fn spill_dir(args: &UpArgs) -> Option<Dir> {
+    if args.kv_spill_mb == 0 {
+        return None;
+    }
+    Some(match &args.kv_spill_dir {
+        Some(dir) => Dir {
+            dir: dir.clone(),
+            made: false,
+        },
+        None => Dir::temporary("-kv"),
+    })
 }
 
 struct Node {
@@ -214,6 +241,7 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     let certs = certs(args)?;
+    let spill = spill_dir(args);
     let client_tls = certs
         .as_ref()
         .map(|c| Tls::load(&c.dir, Role::Client))
@@ -244,8 +272,8 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
             for i in 0..n {
                 let mut a = vec![role.to_string(), "--listen".into(), "127.0.0.1:0".into()];
                 a.extend(common.iter().cloned());
-                if let Some(dir) = &args.kv_spill_dir {
-                    let dir = dir.join(format!("{role}-{i}"));
+                if let Some(spill) = &spill {
+                    let dir = spill.dir.join(format!("{role}-{i}"));
                     a.extend(["--kv-spill-dir".into(), dir.display().to_string()]);
                     a.extend(["--kv-spill-mb".into(), args.kv_spill_mb.to_string()]);
                 }

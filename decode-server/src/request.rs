@@ -249,11 +249,12 @@ impl RequestContext {
             // drain no longer waits for a peer to fetch it.
             self.moves.taken_back(&plan.hashes);
         }
-        let cached = self
+        let reused = self
             .scheduler
             .open(ticket, plan.hashes, fetched)
             .await
             .ok_or(Error::ShuttingDown)?;
+        let cached = reused.tokens;
         // What the lookup found of the fetched tokens counts as fetched, the rest as cached.
         let fetched_tokens = fetched_tokens.min(cached);
         let m = &self.shared.metrics;
@@ -280,6 +281,7 @@ impl RequestContext {
                 fetched_tokens: fetched_tokens as u32,
                 fetch_ms: if plan.fetch.is_some() { fetch_ms } else { 0.0 },
                 fetched_bytes,
+                restored_tokens: reused.restored as u32,
             })),
         };
         if tx.send(Ok(frame)).await.is_err() {

@@ -99,7 +99,7 @@ enum Command {
         hashes: Vec<u64>,
         /// KV fetched from a peer for the first tokens, kept in the cache before the lookup.
         fetched: Option<KvExport>,
-        reply: oneshot::Sender<usize>,
+        reply: oneshot::Sender<tandem_engine::Reused>,
     },
     Start(Box<Start>),
     Cancel(Ticket),
@@ -190,14 +190,14 @@ impl SchedulerHandle {
     }
 
     /// Opens `ticket`'s sequence on the longest cached prefix of `hashes`, after keeping the
-    /// `fetched` KV of its first tokens in the cache; returns the tokens it holds, or `None` if
-    /// the scheduler is gone.
+    /// `fetched` KV of its first tokens in the cache; returns what it holds, or `None` if the
+    /// scheduler is gone.
     pub async fn open(
         &self,
         ticket: Ticket,
         hashes: Vec<u64>,
         fetched: Option<KvExport>,
-    ) -> Option<usize> {
+    ) -> Option<tandem_engine::Reused> {
         self.ask(|reply| Command::Open {
             ticket,
             hashes,

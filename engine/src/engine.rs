@@ -102,6 +102,15 @@ struct Sequence {
     len: usize,
 }
 
+/// What a new sequence starts with from the cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Reused {
+    /// Tokens it holds already (whole blocks from its first).
+    pub tokens: usize,
+    /// Of those, read back from the disk tier.
+    pub restored: usize,
+}
+
 /// One sequence's KV for a token range, per layer, as the pool's rows (see [`KvDtype`]) laid out
 /// `[kv_head][token]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -265,19 +274,29 @@ impl Engine {
     /// tokens it already holds. Extending it computes only what follows. Where the pool's
     /// prefix ends, the disk tier's may go on: those blocks are read back into the pool (and
     /// the cache) as far as they are whole and the pool has room.
-    pub fn new_sequence_cached(&mut self, hashes: &[u64]) -> (SeqId, usize) {
+    pub fn new_sequence_cached(&mut self, hashes: &[u64]) -> (SeqId, Reused) {
         let mut blocks = self.cache.lookup(hashes);
         for &b in &blocks {
             self.pool.retain(b);
         }
+        let in_pool = blocks.len();
         if blocks.len() < hashes.len() {
             self.restore(hashes, &mut blocks);
         }
         let id = SeqId(self.next_id);
         self.next_id = self.next_id.wrapping_add(1);
-        let len = blocks.len() * BLOCK_TOKENS;
-        self.seqs.insert(id, Sequence { blocks, len });
-        (id, len)
+        let reused = Reused {
+            tokens: blocks.len() * BLOCK_TOKENS,
+            restored: (blocks.len() - in_pool) * BLOCK_TOKENS,
+        };
+        self.seqs.insert(
+            id,
+            Sequence {
+                blocks,
+                len: reused.tokens,
+            },
+        );
+        (id, reused)
     }
 
     /// Keeps the first `hashes.len()` blocks of `seq` in the prefix cache under `hashes` (the
@@ -301,6 +320,33 @@ impl Engine {
         }
         while self.cache.len() > self.cache.max_blocks() && self.evict_one() {}
         Ok(())
+    }
+
+    /// Ends what the cache keeps of a sequence (`hashes`: its block hashes from its first):
+    /// the blocks that no other cached sequence shares and no running one holds leave the pool.
+    /// With `to_disk` they are written to the disk tier first (where there is one), for a later
+    /// turn to read back; without, they are dropped, and the sequence's blocks already on disk
+    /// become the first the tier lets go. Returns how many blocks left the pool.
+    pub fn release_cached(&mut self, hashes: &[u64], to_disk: bool) -> usize {
+        let (pool, spill) = (&self.pool, &self.spill);
+        let keep = |hash: u64, b: u32| {
+            spill.as_ref().is_some_and(|s| {
+                if to_disk {
+                    s.contains(hash) || s.store(hash, pool.block(b))
+                } else {
+                    s.demote(hash)
+                }
+            })
+        };
+        let removed = self.cache.release(hashes, |b| pool.holders(b) > 1, keep);
+        if !to_disk && let Some(spill) = &self.spill {
+            for &hash in hashes {
+                spill.demote(hash);
+            }
+        }
+        let n = removed.len();
+        self.pool.release(removed);
+        n
     }
 
     /// Drops every cached block (blocks in use stay with their sequences).

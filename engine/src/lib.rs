@@ -30,7 +30,7 @@ mod tokenizer_gguf;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-pub use engine::{Engine, EngineConfig, KvExport, Model, SeqId};
+pub use engine::{Engine, EngineConfig, KvExport, Model, Reused, SeqId};
 pub use error::{Error, Result};
 pub use generate::{GenerateOutput, GenerateRequest};
 pub use grammar::Grammar;

@@ -154,12 +154,45 @@ impl PrefixCache {
         pinned: impl Fn(u32) -> bool,
         spill: impl FnOnce(u64, u32) -> bool,
     ) -> Option<(u64, u32)> {
-        let &(used, hash) = self
+        let &(_, hash) = self
             .leaves
             .iter()
             .find(|(_, h)| self.nodes.get(h).is_some_and(|n| !pinned(n.block)))?;
-        self.leaves.remove(&(used, hash));
+        self.remove_leaf(hash, spill).map(|block| (hash, block))
+    }
+
+    /// Removes the cached tail of `chain` (a sequence's block hashes, from its first) that no
+    /// other cached sequence shares: from its deepest cached block up, each block that is a
+    /// leaf and not `pinned`, stopping at the first that another sequence extends or holds.
+    /// `spill` is as in [`PrefixCache::evict_one`]. Returns the removed blocks, whose cache
+    /// references the caller drops.
+    pub fn release(
+        &mut self,
+        chain: &[u64],
+        pinned: impl Fn(u32) -> bool,
+        mut spill: impl FnMut(u64, u32) -> bool,
+    ) -> Vec<u32> {
+        let cached = chain.iter().take_while(|h| self.contains(**h)).count();
+        let mut removed = Vec::new();
+        for &hash in chain[..cached].iter().rev() {
+            let Some(n) = self.nodes.get(&hash) else {
+                break;
+            };
+            if n.children > 0 || pinned(n.block) {
+                break;
+            }
+            let Some(block) = self.remove_leaf(hash, &mut spill) else {
+                break;
+            };
+            removed.push(block);
+        }
+        removed
+    }
+
+    /// Takes the leaf `hash` out of the tree and records its event; returns its block.
+    fn remove_leaf(&mut self, hash: u64, spill: impl FnOnce(u64, u32) -> bool) -> Option<u32> {
         let node = self.nodes.remove(&hash)?;
+        self.leaves.remove(&(node.last_used, hash));
         if let Some(p) = node.parent
             && let Some(pn) = self.nodes.get_mut(&p)
         {
@@ -174,7 +207,7 @@ impl PrefixCache {
             (true, _) => self.events.push(CacheEvent::Spilled(vec![hash])),
             (false, _) => self.events.push(CacheEvent::Evicted(vec![hash])),
         }
-        Some((hash, node.block))
+        Some(node.block)
     }
 
     /// Forgets every block; returns them so the caller drops the cache's references.
@@ -256,6 +289,43 @@ mod tests {
                 CacheEvent::Spilled(vec![2]),
                 CacheEvent::Evicted(vec![1])
             ]
+        );
+    }
+
+    #[test]
+    fn release_takes_only_what_no_other_sequence_shares() {
+        let mut c = PrefixCache::new(10);
+        // Two sessions share blocks 1 and 2; the first goes on with 3 and 4, the second with 5.
+        c.insert(&[1, 2, 3, 4], &[10, 20, 30, 40]);
+        c.insert(&[1, 2, 5], &[10, 20, 50]);
+        c.take_events();
+        let gone = |_: u64, _: u32| false;
+        // A chain longer than what is cached is released from its deepest cached block.
+        assert_eq!(c.release(&[1, 2, 3, 4, 9], |_| false, gone), vec![40, 30]);
+        assert_eq!(
+            c.lookup(&[1, 2, 5]),
+            vec![10, 20, 50],
+            "the shared prefix stays"
+        );
+        // A block a running sequence holds stops the release there.
+        assert_eq!(c.release(&[1, 2, 5], |b| b == 50, gone), Vec::<u32>::new());
+        // The last sequence goes whole; 2 stays on the disk tier.
+        assert_eq!(
+            c.release(&[1, 2, 5], |_| false, |h, _| h == 2),
+            vec![50, 20, 10]
+        );
+        assert_eq!(c.len(), 0);
+        assert_eq!(
+            c.take_events(),
+            [
+                CacheEvent::Evicted(vec![4, 3, 5]),
+                CacheEvent::Spilled(vec![2]),
+                CacheEvent::Evicted(vec![1])
+            ]
+        );
+        assert!(
+            c.release(&[7], |_| false, gone).is_empty(),
+            "nothing cached"
         );
     }
 

@@ -74,6 +74,17 @@ impl Index {
         true
     }
 
+    /// Makes a stored block the least recently used, the first to go for room.
+    fn demote(&mut self, hash: u64) -> bool {
+        let Some(entry) = self.entries.get_mut(&hash) else {
+            return false;
+        };
+        self.lru.remove(&(entry.1, hash));
+        entry.1 = 0;
+        self.lru.insert((0, hash));
+        true
+    }
+
     fn insert(&mut self, hash: u64, size: u64) {
         self.remove(hash);
         self.clock += 1;
@@ -294,6 +305,12 @@ impl Spill {
     /// Whether a block is on disk, marking it as just used.
     pub fn contains(&self, hash: u64) -> bool {
         self.shared.index().touch(hash)
+    }
+
+    /// Whether a block is on disk, making it the first to go when the tier needs room: a
+    /// released sequence's block, which another spilled sequence may still share.
+    pub fn demote(&self, hash: u64) -> bool {
+        self.shared.index().demote(hash)
     }
 
     /// Queues a block's bytes to be written, never waiting; `false` when the queue had no room

@@ -542,6 +542,7 @@ fn cached_engine(model: &Arc<Model>, blocks: usize) -> Engine {
 /// (the prompt and every generated token) and the generated tokens.
 fn run(engine: &mut Engine, prompt: &[u32], steps: usize) -> (SeqId, Vec<u32>, Vec<u32>) {
     let (seq, cached) = engine.new_sequence_cached(&chain(&prompt[..prompt.len() - 1]));
+    let cached = cached.tokens;
     let logits = engine.prefill(seq, &prompt[cached..]).expect("prefill");
     let out = decode(engine, seq, logits, steps, &SamplingParams::default());
     let mut fed = prompt.to_vec();
@@ -563,6 +564,7 @@ fn a_follow_up_on_cached_kv_equals_a_cold_run() {
     let mut turn2 = fed.clone();
     turn2.extend(prompt(21, 9));
     let (seq, cached) = warm.new_sequence_cached(&chain(&turn2[..turn2.len() - 1]));
+    let cached = cached.tokens;
     assert_eq!(
         cached,
         fed.len() / 16 * 16,
@@ -616,6 +618,7 @@ fn pool_pressure_evicts_unpinned_cache_blocks_and_never_pinned_ones() {
     let mut c_prompt = a_prompt[..64].to_vec();
     c_prompt.extend(prompt(8, 7));
     let (c, cached) = e.new_sequence_cached(&chain(&c_prompt[..c_prompt.len() - 1]));
+    let cached = cached.tokens;
     assert_eq!(cached, 64);
     let c_logits = e.prefill(c, &c_prompt[64..]).expect("prefill");
 
@@ -733,6 +736,7 @@ fn a_prefix_evicted_to_disk_comes_back_exactly_and_a_damaged_one_is_recomputed()
         decode(&mut cold, s, l, 6, &p)
     };
     let (c, cached) = e.new_sequence_cached(&chain(&c_prompt[..c_prompt.len() - 1]));
+    let cached = cached.tokens;
     assert_eq!(cached, 64, "A's blocks are read back");
     assert_eq!(e.spill_stats().restored.load(Relaxed), 4);
     let l = e.prefill(c, &c_prompt[cached..]).expect("prefill");
@@ -757,6 +761,7 @@ fn a_prefix_evicted_to_disk_comes_back_exactly_and_a_damaged_one_is_recomputed()
     bytes[mid] ^= 0x40;
     std::fs::write(victims[0], bytes).expect("write");
     let (c, cached) = e.new_sequence_cached(&chain(&c_prompt[..c_prompt.len() - 1]));
+    let cached = cached.tokens;
     assert_eq!(cached, 32, "the blocks before the damaged one");
     assert_eq!(e.spill_stats().corrupt.load(Relaxed), 1);
     assert!(!victims[0].exists(), "the damaged file is deleted");
@@ -783,6 +788,7 @@ fn an_engine_writes_its_cache_to_disk_as_it_stops() {
     assert_eq!(dir.files().len(), 4);
     let mut e = dir.engine(&model, 64);
     let (_, cached) = e.new_sequence_cached(&chain(&a_prompt[..64]));
+    let cached = cached.tokens;
     assert_eq!(cached, 64);
 }
 

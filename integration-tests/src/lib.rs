@@ -116,6 +116,8 @@ pub struct ClusterConfig {
     /// The prefill nodes' KV dtype where it differs from `engine.kv_dtype`: a misconfigured
     /// cluster.
     pub prefill_kv_dtype: Option<tandem_engine::KvDtype>,
+    /// How long the router keeps agent sessions' KV in the pools, and how many a key holds.
+    pub sessions: tandem_router::SessionConfig,
 }
 
 impl ClusterConfig {
@@ -143,6 +145,7 @@ impl ClusterConfig {
             relays: false,
             tls_dir: None,
             prefill_kv_dtype: None,
+            sessions: tandem_router::SessionConfig::default(),
         }
     }
 
@@ -275,6 +278,7 @@ impl Cluster {
             auth: config.auth.clone(),
             limits: config.limits.clone(),
             tls: config.tls(tandem_net::tls::Role::Router)?,
+            sessions: config.sessions,
             ..tandem_router::Config::default()
         };
         let http = TcpListener::bind("127.0.0.1:0").await?;
@@ -594,6 +598,34 @@ pub async fn metrics_over(channel: Channel) -> anyhow::Result<String> {
     );
     let body = axum::body::to_bytes(axum::body::Body::new(response.into_body()), 16 << 20).await?;
     Ok(String::from_utf8(body.to_vec())?)
+}
+
+/// A directory for a cluster's disk tiers, removed when dropped.
+#[derive(Debug)]
+pub struct SpillDir(pub std::path::PathBuf);
+
+impl SpillDir {
+    /// A new directory's path under the system's temporary one, unique to this process and
+    /// call (what an earlier process of the same id left there is removed).
+    pub fn new() -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("tandem-kv-spill-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        Self(dir)
+    }
+}
+
+impl Default for SpillDir {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for SpillDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// The value of one sample line (`name{labels} value`) in Prometheus text.

@@ -1,12 +1,16 @@
 //! Agent sessions through what clusters do to them, over Anthropic's Messages API on the
 //! default model (the 0.5B Qwen2.5-Coder), as Claude Code drives it: sessions named by
 //! `x-claude-code-session-id`, a system prompt and a tool list resent every turn, and the
-//! history growing. A session whose decode node is drained goes on on the peer with its KV
-//! (the next turn reads its whole first turn from the cache, `cache_read_input_tokens`), and
-//! says exactly what a cluster without caches says.
+//! history growing. A session whose decode node is drained goes on on the peer with its KV, and
+//! one that sat idle comes back from the disk tier (the next turn reads its whole first turn
+//! from a cache, `cache_read_input_tokens`, none of it recomputed); each says exactly what a
+//! cluster without caches says. A session's end releases its KV.
+
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use tandem_integration_tests::{Cluster, ClusterConfig, metrics, qwen_model, sample};
+use tandem_engine::SpillConfig;
+use tandem_integration_tests::{Cluster, ClusterConfig, SpillDir, metrics, qwen_model, sample};
 
 /// A Claude-Code-like session's request: its system prompt and tools, and `messages`.
 fn request(model: &str, messages: &[Value]) -> Value {
@@ -154,5 +158,135 @@ async fn a_drained_agent_session_goes_on_with_its_kv() {
         let reply = turn(&http, &base, &format!("session-{s}"), &request(&name, next)).await;
         assert_eq!(&text(&reply), said, "session {s}'s turn 2");
     }
+    cold.stop().await.expect("stop");
+}
+
+/// Polls the metrics at `addr` until `name` reaches `at_least` (30 s at most); its value.
+async fn until(addr: std::net::SocketAddr, name: &str, at_least: f64) -> f64 {
+    let start = Instant::now();
+    loop {
+        let m = metrics(addr).await.expect("metrics");
+        let v = sample(&m, name).unwrap_or(0.0);
+        if v >= at_least {
+            return v;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "{name} stayed at {v}, below {at_least}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The value of `name` at `addr` now.
+async fn now(addr: std::net::SocketAddr, name: &str) -> f64 {
+    sample(&metrics(addr).await.expect("metrics"), name).unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_agent_session_goes_to_disk_and_comes_back() {
+    let model = qwen_model().expect("the 0.5B Qwen (run `tandem model fetch qwen2.5-coder-0.5b`)");
+    let dir = SpillDir::new();
+    let base_config = ClusterConfig::new(model.clone());
+    let cluster = Cluster::start(ClusterConfig {
+        engine: tandem_engine::EngineConfig {
+            spill: Some(SpillConfig {
+                dir: dir.0.clone(),
+                max_bytes: 1 << 30,
+            }),
+            ..base_config.engine.clone()
+        },
+        sessions: tandem_router::SessionConfig {
+            idle: Duration::from_millis(500),
+            ..tandem_router::SessionConfig::default()
+        },
+        ..base_config
+    })
+    .await
+    .expect("cluster");
+    let http = reqwest::Client::new();
+    let base = format!("http://{}", cluster.http);
+    let name = tandem_integration_tests::http_model(&http, &format!("{base}/v1"))
+        .await
+        .expect("the model's id");
+    let (router, prefill, decode) = (
+        cluster.router.addr,
+        cluster.prefill[0].addr,
+        cluster.decode[0].addr,
+    );
+
+    let ask = histories(0, &json!({})).0;
+    let first = turn(&http, &base, "idle-session", &request(&name, &ask)).await;
+    assert!(now(decode, "tandem_decode_kv_blocks_cached").await > 0.0);
+    // Idle past half a second, its KV leaves both pools for their disk tiers.
+    until(
+        router,
+        "tandem_router_session_releases_total{reason=\"idle_to_disk\"}",
+        1.0,
+    )
+    .await;
+    let start = Instant::now();
+    while now(decode, "tandem_decode_kv_blocks_cached").await > 0.0
+        || now(prefill, "tandem_prefill_prefix_cache_blocks").await > 0.0
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the idle session's KV stayed in the pools"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let prompt = first["usage"]["input_tokens"].as_u64().unwrap_or(0) as f64;
+    let whole = (prompt / 16.0).floor();
+    let spilled = until(decode, "tandem_decode_kv_spill_stored_blocks_total", whole).await;
+    eprintln!("turn 1's prompt {prompt} tokens; the decode node wrote {spilled} blocks to disk");
+
+    // Turn 2 reads turn 1 back from disk: nothing it had is computed again.
+    let next = histories(0, &first).1;
+    let second = turn(&http, &base, "idle-session", &request(&name, &next)).await;
+    let read = second["usage"]["cache_read_input_tokens"]
+        .as_u64()
+        .unwrap_or(0) as f64;
+    let m = metrics(router).await.expect("metrics");
+    let from = |source: &str| {
+        sample(
+            &m,
+            &format!("tandem_router_session_turn_tokens_sum{{source=\"{source}\"}}"),
+        )
+        .unwrap_or(-1.0)
+    };
+    eprintln!(
+        "turn 2 read {read} tokens from a cache: {} from disk, {} from a pool, {} recomputed",
+        from("disk"),
+        from("pool"),
+        from("recomputed")
+    );
+    assert!(read >= whole * 16.0, "turn 2 read {read} cached tokens");
+    assert!(from("disk") >= whole * 16.0, "turn 2 came back from disk");
+    assert_eq!(from("recomputed"), 0.0, "nothing was computed again");
+
+    // Its end releases what the pools hold of it; a second end finds nothing.
+    assert!(now(decode, "tandem_decode_kv_blocks_cached").await > 0.0);
+    let end = |id: &str| http.delete(format!("{base}/v1/sessions/{id}")).send();
+    let ended = end("idle-session").await.expect("delete");
+    assert_eq!(ended.status(), 200);
+    let ended: Value = ended.json().await.expect("json");
+    assert!(
+        ended["released_tokens"].as_u64().unwrap_or(0) > 0,
+        "{ended}"
+    );
+    assert_eq!(now(decode, "tandem_decode_kv_blocks_cached").await, 0.0);
+    assert_eq!(now(router, "tandem_router_sessions_open").await, 0.0);
+    assert_eq!(end("idle-session").await.expect("delete").status(), 404);
+    cluster.stop().await.expect("stop");
+
+    let cold = Cluster::start(ClusterConfig {
+        prefix_cache: false,
+        ..ClusterConfig::new(model)
+    })
+    .await
+    .expect("cold cluster");
+    let base = format!("http://{}", cold.http);
+    let reply = turn(&http, &base, "idle-session", &request(&name, &next)).await;
+    assert_eq!(text(&reply), text(&second), "turn 2");
     cold.stop().await.expect("stop");
 }

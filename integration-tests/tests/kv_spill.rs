@@ -6,17 +6,10 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use tandem_engine::{EngineConfig, KvDtype, SpillConfig};
-use tandem_integration_tests::{Cluster, ClusterConfig, collect, greedy, metrics, sample};
+use tandem_integration_tests::{
+    Cluster, ClusterConfig, SpillDir, collect, greedy, metrics, sample,
+};
 use tandem_proto::v1 as pb;
-
-/// A directory for the cluster's disk tiers, removed when dropped.
-struct SpillDir(PathBuf);
-
-impl Drop for SpillDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// A cluster whose decode pool holds 24 blocks (the prefill node's, 12), with the disk tier
 /// under `spill` when given and caches off when not.
@@ -61,16 +54,6 @@ async fn counter(cluster: &Cluster, suffix: &str) -> f64 {
         }
     }
     total
-}
-
-impl SpillDir {
-    fn new() -> Self {
-        Self(std::env::temp_dir().join(format!(
-            "tandem-kv-spill-{}-{:016x}",
-            std::process::id(),
-            rand::random::<u64>()
-        )))
-    }
 }
 
 /// The tokens a cluster without caches answers `request` with.

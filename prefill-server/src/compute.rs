@@ -75,8 +75,9 @@ pub(crate) struct Done {
     pub kv: KvPush,
     pub compute_ms: f64,
     pub first_chunk_sent: Option<Instant>,
-    /// Prompt tokens found in the prefix cache.
+    /// Prompt tokens found in the prefix cache, and of those, read back from its disk tier.
     pub cached_tokens: usize,
+    pub restored_tokens: usize,
 }
 
 /// How long the compute thread may go without moving (a job taken, a chunk computed, a chunk
@@ -245,7 +246,7 @@ impl Compute {
         let started = Instant::now();
         let reusable = tandem_proto::block_hash::reusable_blocks(tokens.len()).min(hashes.len());
         let (seq, cached) = self.engine.new_sequence_cached(&hashes[..reusable]);
-        let outcome = self.compute_and_push(seq, cached, &tokens, push, &mut kv, &cancel);
+        let outcome = self.compute_and_push(seq, cached.tokens, &tokens, push, &mut kv, &cancel);
         let engine = &mut self.engine;
         let outcome = outcome.and_then(|(logits, first_chunk_sent)| {
             let tokenizer = &engine.model().tokenizer;
@@ -282,7 +283,8 @@ impl Compute {
             kv,
             compute_ms: started.elapsed().as_secs_f64() * 1e3,
             first_chunk_sent,
-            cached_tokens: cached,
+            cached_tokens: cached.tokens,
+            restored_tokens: cached.restored,
         })
     }
 

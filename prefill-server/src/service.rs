@@ -176,6 +176,7 @@ impl PrefillService {
             kv_bytes: ack.bytes_received,
             computed_tokens: (n - done.cached_tokens) as u32,
             prefix_cached_tokens: done.cached_tokens as u32,
+            restored_tokens: done.restored_tokens as u32,
         })
     }
 }

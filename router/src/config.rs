@@ -71,6 +71,8 @@ pub struct Config {
     pub api_tls: Option<std::sync::Arc<tandem_net::api_tls::ServerCert>>,
     /// Sampling for HTTP requests that leave these unset.
     pub sampling_defaults: SamplingDefaults,
+    /// How long agent sessions' KV stays in the pools, and how many sessions a key may hold.
+    pub sessions: SessionConfig,
 }
 
 /// The sampling an OpenAI HTTP request gets for what it leaves unset, as llama-server's flags
@@ -134,6 +136,30 @@ impl Default for Config {
             tls: None,
             api_tls: None,
             sampling_defaults: SamplingDefaults::default(),
+            sessions: Default::default(),
+        }
+    }
+}
+
+/// How long sessions may sit, and how many one key may hold.
+#[derive(Clone, Copy, Debug)]
+pub struct SessionConfig {
+    /// Idle this long, a session's KV moves from the pool to the disk tier (on workers that have
+    /// one), where its next turn reads it back.
+    pub idle: Duration,
+    /// Idle this long, a session ends and its KV is released.
+    pub ttl: Duration,
+    /// Open sessions per tenant (API key); opening one more ends the tenant's least recently
+    /// used.
+    pub per_key: usize,
+}
+
+impl Default for SessionConfig {
+    fn default() -> Self {
+        Self {
+            idle: Duration::from_secs(300),
+            ttl: Duration::from_secs(3600),
+            per_key: 256,
         }
     }
 }

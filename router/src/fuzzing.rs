@@ -68,7 +68,15 @@ impl RequestChecks {
 
     fn check(&self, r: pb::GenerateRequest, default_max_tokens: Option<u32>) -> bool {
         check_ids(&r)
-            .and_then(|()| prepare(&self.front, r, &self.limits, default_max_tokens, "fuzz"))
+            .and_then(|()| {
+                prepare(
+                    &self.front,
+                    r,
+                    &self.limits,
+                    default_max_tokens,
+                    &"fuzz".into(),
+                )
+            })
             .is_ok()
     }
 }

@@ -45,12 +45,15 @@ use tonic::service::Routes;
 use tonic_health::ServingStatus;
 
 pub use crate::cluster::discovery::{Target, resolve};
-pub use crate::config::{AuthConfig, Config, KeyLimits, Limits, PolicyKind, SamplingDefaults};
+pub use crate::config::{
+    AuthConfig, Config, KeyLimits, Limits, PolicyKind, SamplingDefaults, SessionConfig,
+};
 pub use crate::error::{Error, Result};
 
 use crate::cluster::policy::Policy;
 use crate::cluster::replica::Role;
 use crate::cluster::replicas::Replicas;
+use crate::cluster::sessions::Sessions;
 use crate::dispatch::GenerationService;
 use crate::dispatch::dispatcher::Dispatcher;
 use crate::metrics::RouterMetrics;
@@ -129,10 +132,13 @@ pub async fn run(
     let (health, health_service) = tonic_health::server::health_reporter();
     let draining = CancellationToken::new();
     let generations = TaskTracker::new();
+    let sessions = Arc::new(Sessions::new(config.sessions, metrics.clone()));
+    sessions.start_sweeping(replicas.clone(), &tracker, root.child_token());
     let generation = GenerationService {
         dispatcher: Dispatcher {
             replicas: replicas.clone(),
             policy: Arc::new(Policy::new(config.policy)),
+            sessions,
             metrics,
             kv_wait: config.kv_wait,
             token_gap: config.token_gap,

@@ -32,6 +32,9 @@ pub const FETCHED_TOKENS: &str = "tandem_router_fetched_tokens";
 pub const COMPUTED_TOKENS: &str = "tandem_router_computed_prompt_tokens";
 pub const MOVED_SESSIONS: &str = "tandem_router_moved_sessions";
 pub const MOVED_SESSION_TOKENS: &str = "tandem_router_moved_session_tokens";
+pub const SESSIONS_OPEN: &str = "tandem_router_sessions_open";
+pub const SESSION_RELEASES: &str = "tandem_router_session_releases";
+pub const SESSION_TURN_TOKENS: &str = "tandem_router_session_turn_tokens";
 
 /// The codes a request can end with (pre-set to 0 so that rates exist from the start).
 const CODES: [tonic::Code; 7] = [
@@ -83,6 +86,22 @@ pub struct ReplicaModeLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabel {
+    /// `pool` (a KV pool's cache), `disk` (read back from a disk tier) or `recomputed`.
+    pub source: &'static str,
+}
+
+/// A histogram of token counts per turn: 16 to about 1M.
+fn turn_tokens() -> Histogram {
+    Histogram::new(exponential_buckets(16.0, 2.0, 17))
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RoleLabel {
     pub role: &'static str,
 }
@@ -128,6 +147,13 @@ pub struct RouterMetrics {
     /// role.
     pub moved_sessions: Family<RoleLabel, Counter>,
     pub moved_session_tokens: Family<RoleLabel, Counter>,
+    /// Agent sessions open ([`crate::cluster::sessions`]).
+    pub sessions_open: Gauge,
+    /// Sessions whose KV was moved to disk or released, by reason.
+    pub session_releases: Family<ReasonLabel, Counter>,
+    /// Per session turn, its prompt tokens by where they came from: a pool's cache, a disk
+    /// tier, or computed again although the session's previous turn had them.
+    pub session_turn_tokens: Family<SourceLabel, Histogram, fn() -> Histogram>,
 }
 
 impl RouterMetrics {
@@ -156,6 +182,9 @@ impl RouterMetrics {
             computed_tokens: Counter::default(),
             moved_sessions: Family::default(),
             moved_session_tokens: Family::default(),
+            sessions_open: Gauge::default(),
+            session_releases: Family::default(),
+            session_turn_tokens: Family::new_with_constructor(turn_tokens),
         };
         // Series a dashboard queries exist before their first event.
         for hop in ["decode", "prefill"] {
@@ -276,7 +305,35 @@ impl RouterMetrics {
             "Tokens of KV fetched by peers for sequences moved off draining workers",
             m.moved_session_tokens.clone(),
         );
+        registry.register(
+            SESSIONS_OPEN,
+            "Agent sessions open: seen within the session TTL and not ended",
+            m.sessions_open.clone(),
+        );
+        registry.register(
+            SESSION_RELEASES,
+            "Sessions whose KV left the pools, by reason: idle_to_disk (moved to the disk tier, still open), expired, ended by the client, key_limit (the key opened more sessions than it may)",
+            m.session_releases.clone(),
+        );
+        registry.register(
+            SESSION_TURN_TOKENS,
+            "Per session turn, prompt tokens by source: pool (a KV pool's cache), disk (read back from a disk tier), recomputed (the previous turn had them, no cache did)",
+            m.session_turn_tokens.clone(),
+        );
         m
+    }
+
+    /// The histogram of a session turn's tokens from `source`.
+    pub fn session_turn_tokens(&self, source: &'static str) -> Histogram {
+        self.session_turn_tokens
+            .get_or_create(&SourceLabel { source })
+            .clone()
+    }
+
+    pub fn session_released(&self, reason: &'static str) {
+        self.session_releases
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
     }
 
     pub fn failover(&self, hop: &'static str) {

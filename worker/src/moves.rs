@@ -105,7 +105,7 @@ impl Recent {
 fn export_cached(engine: &mut Engine, hub: &CacheHub, hashes: &[u64]) -> Vec<KvExport> {
     let (seq, cached) = engine.new_sequence_cached(hashes);
     let grid = engine.prefill_chunk_tokens();
-    let cells = crate::grid_cells(0..cached, grid)
+    let cells = crate::grid_cells(0..cached.tokens, grid)
         .map(|cell| engine.export_kv(seq, cell))
         .collect::<Result<Vec<_>, _>>();
     let _ = engine.free(seq);
@@ -123,7 +123,7 @@ fn held(engine: &mut Engine, hub: &CacheHub, hashes: &[u64]) -> usize {
     let _ = engine.free(seq);
     // A restore from the disk tier changes the cache.
     hub.publish(engine.take_cache_events());
-    cached
+    cached.tokens
 }
 
 /// Keeps KV fetched from a peer (the first tokens of the sequence `hashes` describes) in the
@@ -179,6 +179,12 @@ pub enum CacheCommand {
         kv: KvExport,
         reply: oneshot::Sender<Result<usize, tandem_engine::Error>>,
     },
+    /// [`Engine::release_cached`], its cache events published; the blocks that left the pool.
+    Release {
+        hashes: Vec<u64>,
+        to_disk: bool,
+        reply: oneshot::Sender<usize>,
+    },
     /// The drain's offer ([`offer_within`] the budget).
     Offer {
         reply: oneshot::Sender<Vec<Session>>,
@@ -213,6 +219,15 @@ impl CacheCommand {
                     held(engine, hub, &hashes)
                 });
                 let _ = reply.send(adopted);
+            }
+            CacheCommand::Release {
+                hashes,
+                to_disk,
+                reply,
+            } => {
+                let released = engine.release_cached(&hashes, to_disk);
+                hub.publish(engine.take_cache_events());
+                let _ = reply.send(released);
             }
             CacheCommand::Offer { reply } => {
                 let _ = reply.send(offer_within(engine, recent, offer_budget));
@@ -278,6 +293,18 @@ impl EngineCache {
             session,
             hashes,
             kv,
+            reply,
+        })
+        .await
+    }
+
+    /// Releases what the cache keeps of the sequence `hashes` names
+    /// ([`Engine::release_cached`]): the blocks that left the pool, `None` when the thread is
+    /// gone.
+    pub async fn release(&self, hashes: Vec<u64>, to_disk: bool) -> Option<usize> {
+        self.ask(|reply| CacheCommand::Release {
+            hashes,
+            to_disk,
             reply,
         })
         .await
@@ -625,6 +652,29 @@ impl KvMoves {
         self.metrics.adopted_sessions.inc();
         self.metrics.adopted_tokens.inc_by(fetched.min(now) as u64);
         Ok(answer(now, fetched.min(now)))
+    }
+
+    /// `Worker.Release`: ends what the cache keeps of a session (see the proto).
+    pub async fn release(&self, r: pb::ReleaseRequest) -> Result<pb::ReleaseResponse, Status> {
+        let session = r
+            .session
+            .ok_or_else(|| Status::invalid_argument("invalid session: missing"))?;
+        tandem_proto::check_ids(&[("cache_salt", &session.cache_salt)]).map_err(
+            |(field, reason)| Status::invalid_argument(format!("invalid {field}: {reason}")),
+        )?;
+        self.model
+            .config
+            .check_token_ids("session.token_ids", &session.token_ids)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let hashes = crate::block_hashes(&self.model, &session.cache_salt, &session.token_ids);
+        let blocks = self
+            .cache
+            .release(hashes, r.to_disk)
+            .await
+            .ok_or_else(|| Status::unavailable("the node is shutting down"))?;
+        Ok(pb::ReleaseResponse {
+            released_tokens: (blocks * BLOCK_TOKENS) as u32,
+        })
     }
 
     /// The drain's hand-off: stops adoptions, makes the offer, and waits until the offered

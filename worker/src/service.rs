@@ -1,6 +1,6 @@
 //! The `Worker` service every prefill and decode node serves: `Info`, `Load` (from the role's
-//! [`LoadSource`]), the cache events and snapshot from its [`CacheHub`], and the drain's moves
-//! (`Sessions`, `Adopt`) through its [`KvMoves`].
+//! [`LoadSource`]), the cache events and snapshot from its [`CacheHub`], and the moves of cached KV
+//! (`Sessions`, `Adopt`, `Release`) through its [`KvMoves`].
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -147,5 +147,14 @@ impl pb::worker_server::Worker for WorkerService {
         request: Request<pb::AdoptRequest>,
     ) -> Result<Response<pb::AdoptResponse>, Status> {
         Ok(Response::new(self.moves.adopt(request.into_inner()).await?))
+    }
+
+    async fn release(
+        &self,
+        request: Request<pb::ReleaseRequest>,
+    ) -> Result<Response<pb::ReleaseResponse>, Status> {
+        Ok(Response::new(
+            self.moves.release(request.into_inner()).await?,
+        ))
     }
 }

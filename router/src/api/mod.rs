@@ -7,7 +7,8 @@
 //!
 //! The HTTP routes ([`routes`]): `POST /v1/chat/completions`, `POST /v1/completions`,
 //! `POST /v1/messages`, `POST /v1/messages/count_tokens`, `POST /v1/responses`,
-//! `GET /v1/models`, and `GET /health`. With a key file, `/v1` routes authenticate before the
+//! `GET /v1/models`, `DELETE /v1/sessions/{id}` (a session's end), and `GET /health`. With a
+//! key file, `/v1` routes authenticate before the
 //! body is read, by `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY`; `/health` is
 //! open.
 
@@ -20,13 +21,15 @@ pub mod session;
 
 use axum::Json;
 use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{Extension, Path};
 use axum::http::{StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use serde_json::{Value, json};
 
 use crate::api::http::error::{ApiError, Shape};
+use crate::auth::Principal;
 use crate::dispatch::GenerationService;
 
 /// The HTTP routes, served by [`crate::run`] on the HTTP listener.
@@ -39,6 +42,7 @@ pub(crate) fn routes(service: GenerationService) -> axum::Router {
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/responses", post(responses::responses))
         .route("/v1/models", get(models))
+        .route("/v1/sessions/{id}", delete(end_session))
         .route_layer(axum::middleware::from_fn_with_state(
             service.clone(),
             authenticate,
@@ -105,6 +109,34 @@ async fn models(State(api): State<GenerationService>) -> Json<Value> {
         .into_iter()
         .collect();
     Json(json!({"object": "list", "data": data}))
+}
+
+/// `DELETE /v1/sessions/{id}`: ends the caller's session `id` (as its request headers or body
+/// named it, see [`session`]) and releases its KV on every worker: 200 with
+/// `{"id", "object": "session.deleted", "deleted": true, "released_tokens"}`, or 404 when the
+/// key has no such session open (never seen, ended, or expired).
+async fn end_session(
+    State(api): State<GenerationService>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Response {
+    let d = &api.dispatcher;
+    let Some(action) = d.sessions.end(&principal.tenant, &id) else {
+        return ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("no open session {id:?}"),
+            "not_found_error",
+        )
+        .respond(Shape::OpenAi);
+    };
+    let released = d.sessions.send(&d.replicas, action).await;
+    Json(json!({
+        "id": id,
+        "object": "session.deleted",
+        "deleted": true,
+        "released_tokens": released,
+    }))
+    .into_response()
 }
 
 /// For load balancers: 200 while the router can route (it knows the model and a decode

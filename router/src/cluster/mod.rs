@@ -1,7 +1,9 @@
 //! The cluster view: what the router knows of its workers and how it picks them.
 //!
 //! ```text
-//! discovery ─▶ replicas (the set: health, load, monitoring) ─▶ migrate (a drain's moves)
+//! sessions (open agent sessions: when their KV goes to disk or is released) ─┐
+//! discovery ─▶ replicas (the set: health, load, monitoring) ◀───────────────┘
+//!                 │  ─▶ migrate (a drain's moves)
 //!                 │                                   policy (which replicas serve a request)
 //!                 └─ replica (one worker) ─▶ index (its cache, from its events), frontend
 //! ```
@@ -15,3 +17,4 @@ pub mod migrate;
 pub mod policy;
 pub mod replica;
 pub mod replicas;
+pub mod sessions;

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use crate::cluster::policy::Policy;
 use crate::cluster::replicas::Replicas;
+use crate::cluster::sessions::Sessions;
 use crate::dispatch::queue::QueuePace;
 use crate::dispatch::retry::RetryBudget;
 use crate::metrics::RouterMetrics;
@@ -31,4 +32,6 @@ pub struct Dispatcher {
     pub token_gap: Duration,
     pub budget: Arc<RetryBudget>,
     pub pace: Arc<QueuePace>,
+    /// The open agent sessions, which each completed turn updates.
+    pub sessions: Arc<Sessions>,
 }

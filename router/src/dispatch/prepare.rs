@@ -12,6 +12,8 @@ use crate::error::{Error, Result};
 #[derive(Debug)]
 pub struct Prepared {
     pub request_id: String,
+    /// Who sent it ([`crate::auth::Principal`]'s tenant), and the session it names, if any.
+    pub tenant: std::sync::Arc<str>,
     pub session_id: String,
     pub tokens: Vec<u32>,
     /// Block hashes of the prompt's full blocks that a cache may supply (all but the last
@@ -47,7 +49,7 @@ pub fn prepare(
     mut r: pb::GenerateRequest,
     limits: &Limits,
     default_max_tokens: Option<u32>,
-    tenant: &str,
+    tenant: &std::sync::Arc<str>,
 ) -> Result<Prepared> {
     let invalid = |field, reason: &str| {
         Err(Error::InvalidArgument {
@@ -183,6 +185,7 @@ pub fn prepare(
     let hashes = tandem_proto::block_hash::prompt_hashes(&front.fingerprint, &cache_salt, &tokens);
     Ok(Prepared {
         request_id: r.request_id,
+        tenant: tenant.clone(),
         session_id: r.session_id,
         tokens,
         hashes,
@@ -347,6 +350,7 @@ impl Prepared {
         let fingerprint = vec![7; 32];
         Prepared {
             request_id: "r".into(),
+            tenant: "t".into(),
             session_id: String::new(),
             hashes: tandem_proto::block_hash::prompt_hashes(&fingerprint, "salt", &tokens),
             tokens,

@@ -18,6 +18,7 @@ use tonic::Status;
 
 use crate::cluster::policy::Choice;
 use crate::cluster::replica::Replica;
+use crate::cluster::sessions::Turn;
 use crate::dispatch::admit::Admission;
 use crate::dispatch::dispatcher::{Dispatcher, Outcome};
 use crate::dispatch::log::LogWriter;
@@ -294,6 +295,10 @@ impl Dispatcher {
                 None => tokens.len().saturating_sub(decode_cached as usize),
             };
             self.metrics.computed_tokens.inc_by(computed as u64);
+            let prefill_restored = prefilled
+                .as_ref()
+                .and_then(Option::as_ref)
+                .map_or(0, |r| r.restored_tokens);
             progress.finish(
                 &mut frame,
                 &p.tokens,
@@ -327,9 +332,32 @@ impl Dispatcher {
                 let cached = frame.usage.map_or(0, |u| u.cached_tokens);
                 self.metrics.prompt_tokens.inc_by(p.tokens.len() as u64);
                 self.metrics.cached_prompt_tokens.inc_by(u64::from(cached));
+                let restored = admitted.restored_tokens + prefill_restored;
+                self.end_turn(p, &progress.generated, cached, restored);
             }
             log.push(Ok(frame));
             return Ok(());
+        }
+    }
+
+    /// Records a session's completed turn ([`crate::cluster::sessions`]); a session its key had
+    /// to end for it is released.
+    fn end_turn(&self, p: &Prepared, reply: &[u32], cached: u32, restored: u32) {
+        if p.session_id.is_empty() {
+            return;
+        }
+        let ended = self.sessions.turn(Turn {
+            tenant: &p.tenant,
+            session_id: &p.session_id,
+            cache_salt: &p.cache_salt,
+            prompt: &p.tokens,
+            reply,
+            cached: cached as usize,
+            restored: restored.min(cached) as usize,
+        });
+        if let Some(action) = ended {
+            let (sessions, replicas) = (self.sessions.clone(), self.replicas.clone());
+            tokio::spawn(async move { sessions.send(&replicas, action).await });
         }
     }
 }
