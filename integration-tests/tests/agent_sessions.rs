@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use tandem_engine::SpillConfig;
+use tandem_engine::{KvDtype, SpillConfig};
 use tandem_integration_tests::{Cluster, ClusterConfig, SpillDir, metrics, qwen_model, sample};
 
 /// A Claude-Code-like session's request: its system prompt and tools, and `messages`.
@@ -161,6 +161,34 @@ async fn a_drained_agent_session_goes_on_with_its_kv() {
     cold.stop().await.expect("stop");
 }
 
+/// A cluster of one prefill and one decode node with a disk tier under `dir`, and KV pools of
+/// `pool_blocks` blocks (the default when `None`).
+fn with_disk_tier(
+    model: std::sync::Arc<tandem_engine::Model>,
+    dir: &SpillDir,
+    pool_blocks: Option<usize>,
+) -> ClusterConfig {
+    let block = model.config.kv_layout(KvDtype::F16).block_bytes();
+    let base = ClusterConfig::new(model);
+    ClusterConfig {
+        engine: tandem_engine::EngineConfig {
+            spill: Some(SpillConfig {
+                dir: dir.0.clone(),
+                max_bytes: 1 << 30,
+            }),
+            kv_budget_bytes: pool_blocks.map_or(base.engine.kv_budget_bytes, |n| n * block),
+            ..base.engine.clone()
+        },
+        ..base
+    }
+}
+
+/// What the router's per-turn histogram says came from `source`, summed over the turns.
+async fn turn_tokens(router: std::net::SocketAddr, source: &str) -> f64 {
+    let name = format!("tandem_router_session_turn_tokens_sum{{source=\"{source}\"}}");
+    now(router, &name).await
+}
+
 /// Polls the metrics at `addr` until `name` reaches `at_least` (30 s at most); its value.
 async fn until(addr: std::net::SocketAddr, name: &str, at_least: f64) -> f64 {
     let start = Instant::now();
@@ -187,20 +215,12 @@ async fn now(addr: std::net::SocketAddr, name: &str) -> f64 {
 async fn an_idle_agent_session_goes_to_disk_and_comes_back() {
     let model = qwen_model().expect("the 0.5B Qwen (run `tandem model fetch qwen2.5-coder-0.5b`)");
     let dir = SpillDir::new();
-    let base_config = ClusterConfig::new(model.clone());
     let cluster = Cluster::start(ClusterConfig {
-        engine: tandem_engine::EngineConfig {
-            spill: Some(SpillConfig {
-                dir: dir.0.clone(),
-                max_bytes: 1 << 30,
-            }),
-            ..base_config.engine.clone()
-        },
         sessions: tandem_router::SessionConfig {
             idle: Duration::from_millis(500),
             ..tandem_router::SessionConfig::default()
         },
-        ..base_config
+        ..with_disk_tier(model.clone(), &dir, None)
     })
     .await
     .expect("cluster");
@@ -246,23 +266,12 @@ async fn an_idle_agent_session_goes_to_disk_and_comes_back() {
     let read = second["usage"]["cache_read_input_tokens"]
         .as_u64()
         .unwrap_or(0) as f64;
-    let m = metrics(router).await.expect("metrics");
-    let from = |source: &str| {
-        sample(
-            &m,
-            &format!("tandem_router_session_turn_tokens_sum{{source=\"{source}\"}}"),
-        )
-        .unwrap_or(-1.0)
-    };
-    eprintln!(
-        "turn 2 read {read} tokens from a cache: {} from disk, {} from a pool, {} recomputed",
-        from("disk"),
-        from("pool"),
-        from("recomputed")
-    );
+    let disk = turn_tokens(router, "disk").await;
+    let recomputed = turn_tokens(router, "recomputed").await;
+    eprintln!("turn 2 read {read} tokens from a cache, {disk} from disk; {recomputed} recomputed");
     assert!(read >= whole * 16.0, "turn 2 read {read} cached tokens");
-    assert!(from("disk") >= whole * 16.0, "turn 2 came back from disk");
-    assert_eq!(from("recomputed"), 0.0, "nothing was computed again");
+    assert!(disk >= whole * 16.0, "turn 2 came back from disk");
+    assert_eq!(recomputed, 0.0, "nothing was computed again");
 
     // Its end releases what the pools hold of it; a second end finds nothing.
     assert!(now(decode, "tandem_decode_kv_blocks_cached").await > 0.0);
@@ -287,6 +296,64 @@ async fn an_idle_agent_session_goes_to_disk_and_comes_back() {
     .expect("cold cluster");
     let base = format!("http://{}", cold.http);
     let reply = turn(&http, &base, "idle-session", &request(&name, &next)).await;
+    assert_eq!(text(&reply), text(&second), "turn 2");
+    cold.stop().await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_session_pushed_out_by_others_comes_back_from_disk() {
+    let model = qwen_model().expect("the 0.5B Qwen (run `tandem model fetch qwen2.5-coder-0.5b`)");
+    let dir = SpillDir::new();
+    // Pools of 28 blocks: the shared system prompt and tools (about 13 blocks) and a few
+    // sessions' own turns.
+    let cluster = Cluster::start(with_disk_tier(model.clone(), &dir, Some(28)))
+        .await
+        .expect("cluster");
+    let http = reqwest::Client::new();
+    let base = format!("http://{}", cluster.http);
+    let name = tandem_integration_tests::http_model(&http, &format!("{base}/v1"))
+        .await
+        .expect("the model's id");
+    let (router, decode) = (cluster.router.addr, cluster.decode[0].addr);
+
+    let ask = histories(0, &json!({})).0;
+    let first = turn(&http, &base, "session-0", &request(&name, &ask)).await;
+    // Eight other sessions take the pools; the first one's own blocks go to disk.
+    for s in 1..9 {
+        let ask = histories(s, &json!({})).0;
+        turn(&http, &base, &format!("session-{s}"), &request(&name, &ask)).await;
+    }
+    let spilled = until(decode, "tandem_decode_kv_spill_stored_blocks_total", 1.0).await;
+    let disk_before = turn_tokens(router, "disk").await;
+
+    let next = histories(0, &first).1;
+    let second = turn(&http, &base, "session-0", &request(&name, &next)).await;
+    let prompt = first["usage"]["input_tokens"].as_u64().unwrap_or(0);
+    let read = second["usage"]["cache_read_input_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    let disk = turn_tokens(router, "disk").await - disk_before;
+    let recomputed = turn_tokens(router, "recomputed").await;
+    eprintln!(
+        "{spilled} blocks spilled by the decode node; turn 1's prompt {prompt} tokens, turn 2 \
+         read {read} from a cache, {disk} of them from disk; {recomputed} recomputed"
+    );
+    assert!(read >= prompt / 16 * 16, "turn 2 read {read} cached tokens");
+    assert!(disk > 0.0, "turn 2 read some of its history back from disk");
+    assert_eq!(
+        recomputed, 0.0,
+        "nothing any session had was computed again"
+    );
+    cluster.stop().await.expect("stop");
+
+    let cold = Cluster::start(ClusterConfig {
+        prefix_cache: false,
+        ..ClusterConfig::new(model)
+    })
+    .await
+    .expect("cold cluster");
+    let base = format!("http://{}", cold.http);
+    let reply = turn(&http, &base, "session-0", &request(&name, &next)).await;
     assert_eq!(text(&reply), text(&second), "turn 2");
     cold.stop().await.expect("stop");
 }
