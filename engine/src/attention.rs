@@ -46,8 +46,10 @@ const PREFETCH_AHEAD: usize = 4;
 
 /// Queries per call at most ([`tile_rows`]).
 const MAX_TILE: usize = 16;
-/// The scores a call may hold: 1 MB of f32 per thread.
-const SCORES_BUDGET: usize = 1 << 18;
+/// The scores a call may hold: 16 MB of f32 per thread, so that a long prompt's rows still
+/// share their keys' and values' reads (the 0.5B Qwen's 14 heads: tiles of 16 rows up to 18k
+/// keys, 9 at 32k).
+const SCORES_BUDGET: usize = 1 << 22;
 
 /// How many consecutive positions of one sequence [`attend`] should take at once, for queries
 /// of `heads` heads that see up to `n_keys` keys: up to [`MAX_TILE`], within [`SCORES_BUDGET`].

@@ -6,6 +6,7 @@
 //! from a cache, `cache_read_input_tokens`, none of it recomputed); each says exactly what a
 //! cluster without caches says. A session's end releases its KV.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -145,18 +146,28 @@ async fn a_drained_agent_session_goes_on_with_its_kv() {
         seconds.push((next, text(&second)));
     }
     cluster.stop().await.expect("stop");
+    cold_says(model, &name, &seconds).await;
+}
 
-    // A cluster without caches says the same.
+/// Asserts that a cluster without caches answers each `(messages, text)` of session `i` (named
+/// `session-i`) with that text.
+async fn cold_says(model: Arc<tandem_engine::Model>, name: &str, turns: &[(Vec<Value>, String)]) {
     let cold = Cluster::start(ClusterConfig {
         prefix_cache: false,
         ..ClusterConfig::new(model)
     })
     .await
     .expect("cold cluster");
-    let base = format!("http://{}", cold.http);
-    for (s, (next, said)) in seconds.iter().enumerate() {
-        let reply = turn(&http, &base, &format!("session-{s}"), &request(&name, next)).await;
-        assert_eq!(&text(&reply), said, "session {s}'s turn 2");
+    let (http, base) = (reqwest::Client::new(), format!("http://{}", cold.http));
+    for (s, (messages, said)) in turns.iter().enumerate() {
+        let reply = turn(
+            &http,
+            &base,
+            &format!("session-{s}"),
+            &request(name, messages),
+        )
+        .await;
+        assert_eq!(&text(&reply), said, "session {s}'s turn");
     }
     cold.stop().await.expect("stop");
 }
@@ -164,7 +175,7 @@ async fn a_drained_agent_session_goes_on_with_its_kv() {
 /// A cluster of one prefill and one decode node with a disk tier under `dir`, and KV pools of
 /// `pool_blocks` blocks (the default when `None`).
 fn with_disk_tier(
-    model: std::sync::Arc<tandem_engine::Model>,
+    model: Arc<tandem_engine::Model>,
     dir: &SpillDir,
     pool_blocks: Option<usize>,
 ) -> ClusterConfig {
@@ -236,7 +247,7 @@ async fn an_idle_agent_session_goes_to_disk_and_comes_back() {
     );
 
     let ask = histories(0, &json!({})).0;
-    let first = turn(&http, &base, "idle-session", &request(&name, &ask)).await;
+    let first = turn(&http, &base, "session-0", &request(&name, &ask)).await;
     assert!(now(decode, "tandem_decode_kv_blocks_cached").await > 0.0);
     // Idle past half a second, its KV leaves both pools for their disk tiers.
     until(
@@ -262,7 +273,7 @@ async fn an_idle_agent_session_goes_to_disk_and_comes_back() {
 
     // Turn 2 reads turn 1 back from disk: nothing it had is computed again.
     let next = histories(0, &first).1;
-    let second = turn(&http, &base, "idle-session", &request(&name, &next)).await;
+    let second = turn(&http, &base, "session-0", &request(&name, &next)).await;
     let read = second["usage"]["cache_read_input_tokens"]
         .as_u64()
         .unwrap_or(0) as f64;
@@ -276,7 +287,7 @@ async fn an_idle_agent_session_goes_to_disk_and_comes_back() {
     // Its end releases what the pools hold of it; a second end finds nothing.
     assert!(now(decode, "tandem_decode_kv_blocks_cached").await > 0.0);
     let end = |id: &str| http.delete(format!("{base}/v1/sessions/{id}")).send();
-    let ended = end("idle-session").await.expect("delete");
+    let ended = end("session-0").await.expect("delete");
     assert_eq!(ended.status(), 200);
     let ended: Value = ended.json().await.expect("json");
     assert!(
@@ -285,19 +296,9 @@ async fn an_idle_agent_session_goes_to_disk_and_comes_back() {
     );
     assert_eq!(now(decode, "tandem_decode_kv_blocks_cached").await, 0.0);
     assert_eq!(now(router, "tandem_router_sessions_open").await, 0.0);
-    assert_eq!(end("idle-session").await.expect("delete").status(), 404);
+    assert_eq!(end("session-0").await.expect("delete").status(), 404);
     cluster.stop().await.expect("stop");
-
-    let cold = Cluster::start(ClusterConfig {
-        prefix_cache: false,
-        ..ClusterConfig::new(model)
-    })
-    .await
-    .expect("cold cluster");
-    let base = format!("http://{}", cold.http);
-    let reply = turn(&http, &base, "idle-session", &request(&name, &next)).await;
-    assert_eq!(text(&reply), text(&second), "turn 2");
-    cold.stop().await.expect("stop");
+    cold_says(model, &name, &[(next, text(&second))]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -345,15 +346,5 @@ async fn an_agent_session_pushed_out_by_others_comes_back_from_disk() {
         "nothing any session had was computed again"
     );
     cluster.stop().await.expect("stop");
-
-    let cold = Cluster::start(ClusterConfig {
-        prefix_cache: false,
-        ..ClusterConfig::new(model)
-    })
-    .await
-    .expect("cold cluster");
-    let base = format!("http://{}", cold.http);
-    let reply = turn(&http, &base, "session-0", &request(&name, &next)).await;
-    assert_eq!(text(&reply), text(&second), "turn 2");
-    cold.stop().await.expect("stop");
+    cold_says(model, &name, &[(next, text(&second))]).await;
 }
