@@ -151,6 +151,7 @@ fn attend_in(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32], s: &mut Scratch) 
         }
     }
     out.fill(0.0);
+    let wide = wide::accumulates(hd);
     for bi in 0..n_blocks {
         load(n_blocks + bi, &mut s.buf);
         let b = lo + bi;
@@ -161,10 +162,152 @@ fn attend_in(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32], s: &mut Scratch) 
         {
             let Some(n) = visible(q, b) else { continue };
             let at = off + (b - first_block(q)) * BLOCK_TOKENS;
+            if wide {
+                // The heads of each KV head together, so that each value is read once for all.
+                for (g, og) in o.chunks_exact_mut(per_kv * hd).enumerate() {
+                    let values = &s.buf[g * slab..][..n * hd];
+                    let first = at + g * per_kv * span(q);
+                    wide::accumulate_heads(&s.scores[first..], span(q), n, values, og);
+                }
+                continue;
+            }
             for (h, oh) in o.chunks_exact_mut(hd).enumerate() {
                 let values = &s.buf[h / per_kv * slab..][..n * hd];
                 let at = at + h * span(q);
                 simd::accumulate(&s.scores[at..at + n], values, oh);
+            }
+        }
+    }
+}
+
+/// The value accumulation in 512-bit registers, where the CPU has AVX-512F (found at run time)
+/// and the head size is a multiple of 32, for all the heads that share a KV head at once: each
+/// value row is read once for all of them. Each output lane's multiply-adds are those of
+/// [`simd::accumulate`], in the same order, so the results are the same bits.
+mod wide {
+    /// Output dimensions per pass: two registers for each head.
+    const PASS: usize = 32;
+    /// Heads per pass: 16 accumulators and the two value registers.
+    const HEADS: usize = 8;
+
+    /// Whether [`accumulate_heads`] runs for heads of `hd` values on this CPU.
+    pub(super) fn accumulates(hd: usize) -> bool {
+        #[cfg(x86_v3)]
+        {
+            hd.is_multiple_of(PASS) && std::arch::is_x86_feature_detected!("avx512f")
+        }
+        #[cfg(not(x86_v3))]
+        {
+            let _ = hd;
+            false
+        }
+    }
+
+    /// For each head `i` of `outs` (heads of `values`' row size, back to back):
+    /// `outs[i] += Σ_t p_i[t] · values[t]` over the `n` rows of `values`, where `p_i` is
+    /// `scores[i·stride..][..n]`. Only where [`accumulates`] says so.
+    pub(super) fn accumulate_heads(
+        scores: &[f32],
+        stride: usize,
+        n: usize,
+        values: &[f32],
+        outs: &mut [f32],
+    ) {
+        #[cfg(x86_v3)]
+        {
+            let hd = values.len() / n.max(1);
+            let heads = outs.len() / hd;
+            assert!(
+                accumulates(hd)
+                    && values.len() == n * hd
+                    && outs.len() == heads * hd
+                    && scores.len() >= (heads - 1) * stride + n,
+                "accumulate_heads: shapes"
+            );
+            for first in (0..heads).step_by(HEADS) {
+                let count = (heads - first).min(HEADS);
+                // SAFETY: AVX-512F was detected (`accumulates`); the shapes were checked.
+                unsafe { x86::heads(scores, stride, first, count, n, values, hd, outs) };
+            }
+        }
+        #[cfg(not(x86_v3))]
+        {
+            let _ = (scores, stride, n, values, outs);
+            unreachable!("accumulate_heads without AVX-512")
+        }
+    }
+
+    #[cfg(x86_v3)]
+    mod x86 {
+        use std::arch::x86_64::*;
+
+        use super::{HEADS, PASS};
+
+        /// Heads `first..first + count` (at most [`HEADS`]) of `accumulate_heads`.
+        #[allow(clippy::too_many_arguments)]
+        #[target_feature(enable = "avx2,fma,avx512f")]
+        pub(super) unsafe fn heads(
+            scores: &[f32],
+            stride: usize,
+            first: usize,
+            count: usize,
+            n: usize,
+            values: &[f32],
+            hd: usize,
+            outs: &mut [f32],
+        ) {
+            match count {
+                8 => pass::<8>(scores, stride, first, n, values, hd, outs),
+                7 => pass::<7>(scores, stride, first, n, values, hd, outs),
+                6 => pass::<6>(scores, stride, first, n, values, hd, outs),
+                5 => pass::<5>(scores, stride, first, n, values, hd, outs),
+                4 => pass::<4>(scores, stride, first, n, values, hd, outs),
+                3 => pass::<3>(scores, stride, first, n, values, hd, outs),
+                2 => pass::<2>(scores, stride, first, n, values, hd, outs),
+                _ => pass::<1>(scores, stride, first, n, values, hd, outs),
+            }
+            const { assert!(HEADS == 8) };
+        }
+
+        /// `H` heads' outputs, [`PASS`] dimensions at a time, held in registers across the rows.
+        #[inline]
+        #[target_feature(enable = "avx2,fma,avx512f")]
+        fn pass<const H: usize>(
+            scores: &[f32],
+            stride: usize,
+            first: usize,
+            n: usize,
+            values: &[f32],
+            hd: usize,
+            outs: &mut [f32],
+        ) {
+            debug_assert!((first + H - 1) * stride + n <= scores.len());
+            debug_assert!(values.len() == n * hd && (first + H) * hd <= outs.len());
+            // SAFETY: AVX-512F is enabled; `accumulate_heads` checked that every score read
+            // (`(first + H - 1)·stride + n` at most) lies in `scores`, every value read in
+            // `values[..n·hd]`, and every output in `outs[..(first + H)·hd]`.
+            unsafe {
+                for c0 in (0..hd).step_by(PASS) {
+                    let out = |j: usize| outs.as_ptr().add((first + j) * hd + c0);
+                    let mut acc = [[_mm512_setzero_ps(); 2]; H];
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        *a = [_mm512_loadu_ps(out(j)), _mm512_loadu_ps(out(j).add(16))];
+                    }
+                    for t in 0..n {
+                        let v = values.as_ptr().add(t * hd + c0);
+                        let (v0, v1) = (_mm512_loadu_ps(v), _mm512_loadu_ps(v.add(16)));
+                        for (j, a) in acc.iter_mut().enumerate() {
+                            let p = _mm512_set1_ps(*scores.get_unchecked((first + j) * stride + t));
+                            a[0] = _mm512_fmadd_ps(p, v0, a[0]);
+                            a[1] = _mm512_fmadd_ps(p, v1, a[1]);
+                        }
+                    }
+                    for (j, a) in acc.iter().enumerate() {
+                        let o = outs.as_mut_ptr().add((first + j) * hd + c0);
+                        _mm512_storeu_ps(o, a[0]);
+                        _mm512_storeu_ps(o.add(16), a[1]);
+                    }
+                }
             }
         }
     }
@@ -365,6 +508,29 @@ mod tests {
             simd::scores(&q, &keys[4 * t0 * hd..], 0.125, &mut four);
             assert_eq!(chunk, &four[..], "keys from {}", 4 * t0);
         }
+    }
+
+    /// Where the CPU takes the 512-bit accumulation, it gives each head what the per-head
+    /// accumulation gives, bit for bit: heads in a pass of eight and a remainder, two passes of
+    /// dimensions.
+    #[test]
+    fn the_wide_accumulation_equals_the_per_head_one() {
+        let (hd, n, heads) = (64, 13, 11);
+        if !wide::accumulates(hd) {
+            eprintln!("no AVX-512F here: the per-head accumulation serves alone");
+            return;
+        }
+        let stride = 16;
+        let scores: Vec<f32> = (0..heads * stride).map(|i| (i as f32 * 0.17).sin()).collect();
+        let values: Vec<f32> = (0..n * hd).map(|i| (i as f32 * 0.023).cos()).collect();
+        let start: Vec<f32> = (0..heads * hd).map(|i| (i as f32 * 0.05).sin()).collect();
+        let mut together = start.clone();
+        wide::accumulate_heads(&scores, stride, n, &values, &mut together);
+        let mut alone = start;
+        for (h, o) in alone.chunks_exact_mut(hd).enumerate() {
+            simd::accumulate(&scores[h * stride..h * stride + n], &values, o);
+        }
+        assert_eq!(together, alone);
     }
 
     /// Two heads against one KV head, checked against a direct computation over the keys and
