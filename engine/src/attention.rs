@@ -35,6 +35,8 @@ struct Scratch {
     /// Where each query's scores start in `scores`.
     offsets: Vec<usize>,
     buf: Vec<f32>,
+    /// A block's keys transposed for [`wide::scores`]: `[kv head][dimension][token]`.
+    transposed: Vec<f32>,
 }
 
 thread_local! {
@@ -97,7 +99,8 @@ fn attend_in(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32], s: &mut Scratch) 
         s.offsets.push(total);
         total += heads * span(q);
     }
-    s.scores.clear();
+    // Every score is written below (each query's visible blocks cover its span), so what the
+    // buffer held before is not cleared.
     s.scores.resize(total, 0.0);
     s.buf.resize(g.kv_heads.len() * slab, 0.0);
     // Read `i` of the 2·n_blocks: keys of every block, then values of every block.
@@ -130,15 +133,30 @@ fn attend_in(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32], s: &mut Scratch) 
     for i in 0..PREFETCH_AHEAD.min(2 * n_blocks) {
         prefetch(read(i));
     }
+    // A tile of rows takes each block's keys transposed, for its many queries to share.
+    let wide_scores = qs.len() >= wide::SCORES_ROWS && wide::scores_fit(hd);
+    s.transposed.resize(g.kv_heads.len() * slab, 0.0);
     for bi in 0..n_blocks {
         load(bi, &mut s.buf);
         let b = lo + bi;
+        if wide_scores {
+            wide::transpose(&s.buf, hd, &mut s.transposed);
+        }
         for (q, &off) in qs.iter().zip(&s.offsets) {
             let Some(n) = visible(q, b) else { continue };
             let at = off + (b - first_block(q)) * BLOCK_TOKENS;
+            if wide_scores {
+                // The heads that share a KV head together, each key row read once for several.
+                for (g, qg) in q.q.chunks_exact(per_kv * hd).enumerate() {
+                    let keys = &s.transposed[g * slab..][..slab];
+                    let first = at + g * per_kv * span(q);
+                    wide::scores(qg, keys, scale, &mut s.scores[first..], span(q), n);
+                }
+                continue;
+            }
             for (h, qh) in q.q.chunks_exact(hd).enumerate() {
-                let keys = &s.buf[h / per_kv * slab..][..n * hd];
                 let at = at + h * span(q);
+                let keys = &s.buf[h / per_kv * slab..][..n * hd];
                 simd::scores(qh, keys, scale, &mut s.scores[at..at + n]);
             }
         }
@@ -180,11 +198,24 @@ fn attend_in(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32], s: &mut Scratch) 
     }
 }
 
-/// The value accumulation in 512-bit registers, where the CPU has AVX-512F (found at run time)
-/// and the head size is a multiple of 32, for all the heads that share a KV head at once: each
-/// value row is read once for all of them. Each output lane's multiply-adds are those of
-/// [`simd::accumulate`], in the same order, so the results are the same bits.
+/// The two inner loops in 512-bit registers, where the CPU has AVX-512F (found at run time),
+/// each giving the same bits as [`simd`]'s.
+///
+/// - Scores, for tiles of rows and head sizes that are a multiple of 8: a block's keys are
+///   transposed once, `[dimension][token]`, so that a query's 16 scores are one register of
+///   multiply-adds with no horizontal sums. Its eight registers hold what [`simd::scores`]'s
+///   eight lanes hold (dimension `c + i` into sum `i`, in the same order), and they are added
+///   in the order that path reduces a key in a group of four, or, for the keys past the last
+///   group of four, alone.
+/// - Value accumulation, for head sizes that are a multiple of 32: all the heads that share a
+///   KV head at once, each value row read once for all of them; each output lane's
+///   multiply-adds are [`simd::accumulate`]'s, in the same order.
 mod wide {
+    /// Rows a tile needs before its blocks' keys are transposed for [`scores`]: a transpose
+    /// costs about what a few queries' scores save.
+    pub(super) const SCORES_ROWS: usize = 4;
+    /// Heads whose scores are summed together: eight sums each, and the key row they share.
+    const SCORE_HEADS: usize = 3;
     /// Output dimensions per pass: two registers for each head.
     const PASS: usize = 32;
     /// Heads per pass: 16 accumulators and the two value registers.
@@ -192,14 +223,72 @@ mod wide {
 
     /// Whether [`accumulate_heads`] runs for heads of `hd` values on this CPU.
     pub(super) fn accumulates(hd: usize) -> bool {
+        hd.is_multiple_of(PASS) && avx512()
+    }
+
+    fn avx512() -> bool {
         #[cfg(x86_v3)]
         {
-            hd.is_multiple_of(PASS) && std::arch::is_x86_feature_detected!("avx512f")
+            std::arch::is_x86_feature_detected!("avx512f")
+        }
+        #[cfg(not(x86_v3))]
+        false
+    }
+
+    /// Whether [`scores`] runs for heads of `hd` values on this CPU.
+    pub(super) fn scores_fit(hd: usize) -> bool {
+        hd.is_multiple_of(8) && avx512()
+    }
+
+    /// A block's keys (`[kv head][token][hd]`, [`crate::kv::BLOCK_TOKENS`] tokens per head)
+    /// into `out` as `[kv head][dimension][token]`.
+    pub(super) fn transpose(keys: &[f32], hd: usize, out: &mut [f32]) {
+        let slab = super::BLOCK_TOKENS * hd;
+        for (src, dst) in keys.chunks_exact(slab).zip(out.chunks_exact_mut(slab)) {
+            for (t, row) in src.chunks_exact(hd).enumerate() {
+                for (d, &k) in row.iter().enumerate() {
+                    dst[d * super::BLOCK_TOKENS + t] = k;
+                }
+            }
+        }
+    }
+
+    /// For each head `i` of `qs` (heads of `hd` values, back to back):
+    /// `scores[i·stride + t] = q_i · keys[t] · scale` for the first `n` keys of a block
+    /// transposed by [`transpose`] (`keys`: one KV head's `[dimension][token]`). Only where
+    /// [`scores_fit`] says so.
+    pub(super) fn scores(
+        qs: &[f32],
+        keys: &[f32],
+        scale: f32,
+        scores: &mut [f32],
+        stride: usize,
+        n: usize,
+    ) {
+        #[cfg(x86_v3)]
+        {
+            let hd = keys.len() / super::BLOCK_TOKENS;
+            let heads = qs.len() / hd.max(1);
+            assert!(
+                scores_fit(hd)
+                    && keys.len() == hd * super::BLOCK_TOKENS
+                    && qs.len() == heads * hd
+                    && n <= super::BLOCK_TOKENS
+                    && scores.len() >= (heads.max(1) - 1) * stride + n,
+                "wide scores: shapes"
+            );
+            for first in (0..heads).step_by(SCORE_HEADS) {
+                let count = (heads - first).min(SCORE_HEADS);
+                let q = &qs[first * hd..(first + count) * hd];
+                let out = &mut scores[first * stride..];
+                // SAFETY: AVX-512F was detected (`scores_fit`); the shapes were checked.
+                unsafe { x86::scores(q, keys, scale, out, stride, n) };
+            }
         }
         #[cfg(not(x86_v3))]
         {
-            let _ = hd;
-            false
+            let _ = (qs, keys, scale, scores, stride, n);
+            unreachable!("wide scores without AVX-512")
         }
     }
 
@@ -241,7 +330,78 @@ mod wide {
     mod x86 {
         use std::arch::x86_64::*;
 
-        use super::{HEADS, PASS};
+        use super::{HEADS, PASS, SCORE_HEADS};
+
+        /// Up to [`SCORE_HEADS`] heads of [`super::scores`].
+        #[target_feature(enable = "avx2,fma,avx512f")]
+        pub(super) unsafe fn scores(
+            qs: &[f32],
+            keys: &[f32],
+            scale: f32,
+            out: &mut [f32],
+            stride: usize,
+            n: usize,
+        ) {
+            let hd = keys.len() / crate::kv::BLOCK_TOKENS;
+            match qs.len() / hd {
+                3 => scores_of::<3>(qs, keys, scale, out, stride, n),
+                2 => scores_of::<2>(qs, keys, scale, out, stride, n),
+                _ => scores_of::<1>(qs, keys, scale, out, stride, n),
+            }
+            const { assert!(SCORE_HEADS == 3) };
+        }
+
+        /// `H` heads' scores: eight sums of 16 keys per head, sum `i` taking dimensions `c + i`.
+        #[inline]
+        #[target_feature(enable = "avx2,fma,avx512f")]
+        fn scores_of<const H: usize>(
+            qs: &[f32],
+            keys: &[f32],
+            scale: f32,
+            out: &mut [f32],
+            stride: usize,
+            n: usize,
+        ) {
+            const T: usize = crate::kv::BLOCK_TOKENS;
+            let hd = keys.len() / T;
+            debug_assert!(qs.len() == H * hd && n <= T && hd.is_multiple_of(8));
+            debug_assert!(out.len() >= (H - 1) * stride + n);
+            // SAFETY: AVX-512F is enabled; every key load reads row `d < hd` of `keys`
+            // (`hd × T` values), every query read is inside `qs` (`H × hd`), and each head's
+            // store writes the first `n <= T` lanes at `j·stride`, inside `out` (all checked by
+            // the caller).
+            unsafe {
+                let mut sum = [[_mm512_setzero_ps(); 8]; H];
+                for c in (0..hd).step_by(8) {
+                    for i in 0..8 {
+                        let k = _mm512_loadu_ps(keys.as_ptr().add((c + i) * T));
+                        for (j, s) in sum.iter_mut().enumerate() {
+                            let q = _mm512_set1_ps(*qs.get_unchecked(j * hd + c + i));
+                            s[i] = _mm512_fmadd_ps(q, k, s[i]);
+                        }
+                    }
+                }
+                let add = |a, b| _mm512_add_ps(a, b);
+                let groups = n - n % 4;
+                let alone: __mmask16 = ((1u32 << n) - (1u32 << groups)) as __mmask16;
+                let stored: __mmask16 = ((1u32 << n) - 1) as __mmask16;
+                for (j, s) in sum.iter().enumerate() {
+                    // A key in a group of four: ((s0+s1)+(s2+s3)) + ((s4+s5)+(s6+s7)).
+                    let grouped = add(
+                        add(add(s[0], s[1]), add(s[2], s[3])),
+                        add(add(s[4], s[5]), add(s[6], s[7])),
+                    );
+                    // A key alone: ((s0+s4)+(s1+s5)) + ((s2+s6)+(s3+s7)).
+                    let single = add(
+                        add(add(s[0], s[4]), add(s[1], s[5])),
+                        add(add(s[2], s[6]), add(s[3], s[7])),
+                    );
+                    let dots = _mm512_mask_blend_ps(alone, grouped, single);
+                    let scores = _mm512_mul_ps(dots, _mm512_set1_ps(scale));
+                    _mm512_mask_storeu_ps(out.as_mut_ptr().add(j * stride), stored, scores);
+                }
+            }
+        }
 
         /// Heads `first..first + count` (at most [`HEADS`]) of `accumulate_heads`.
         #[allow(clippy::too_many_arguments)]
@@ -521,7 +681,9 @@ mod tests {
             return;
         }
         let stride = 16;
-        let scores: Vec<f32> = (0..heads * stride).map(|i| (i as f32 * 0.17).sin()).collect();
+        let scores: Vec<f32> = (0..heads * stride)
+            .map(|i| (i as f32 * 0.17).sin())
+            .collect();
         let values: Vec<f32> = (0..n * hd).map(|i| (i as f32 * 0.023).cos()).collect();
         let start: Vec<f32> = (0..heads * hd).map(|i| (i as f32 * 0.05).sin()).collect();
         let mut together = start.clone();
@@ -531,6 +693,43 @@ mod tests {
             simd::accumulate(&scores[h * stride..h * stride + n], &values, o);
         }
         assert_eq!(together, alone);
+    }
+
+    /// Where the CPU takes the 512-bit scores, a block's keys transposed give each key what
+    /// the AVX2 loop gives, bit for bit, however many keys the block shows (groups of four and
+    /// keys alone).
+    #[test]
+    fn the_wide_scores_equal_the_narrow_ones() {
+        let hd = 64;
+        if !wide::scores_fit(hd) {
+            eprintln!("no AVX-512F here: the narrow scores serve alone");
+            return;
+        }
+        let q: Vec<f32> = (0..7 * hd).map(|i| (i as f32 * 0.31).sin() * 3.0).collect();
+        let keys: Vec<f32> = (0..BLOCK_TOKENS * hd)
+            .map(|i| (i as f32 * 0.013).cos() * 2.0)
+            .collect();
+        let mut transposed = vec![0f32; keys.len()];
+        wide::transpose(&keys, hd, &mut transposed);
+        for n in 1..=BLOCK_TOKENS {
+            // Seven heads: a pass of three heads, another, and one alone.
+            let heads = 7;
+            let mut wide = vec![0f32; heads * BLOCK_TOKENS];
+            wide::scores(&q, &transposed, 0.125, &mut wide, BLOCK_TOKENS, n);
+            for (h, (qh, got)) in q
+                .chunks_exact(hd)
+                .zip(wide.chunks(BLOCK_TOKENS))
+                .enumerate()
+            {
+                let mut narrow = vec![0f32; n];
+                simd::scores(qh, &keys[..n * hd], 0.125, &mut narrow);
+                assert_eq!(
+                    narrow.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    got[..n].iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    "{n} keys, head {h}"
+                );
+            }
+        }
     }
 
     /// Two heads against one KV head, checked against a direct computation over the keys and
