@@ -12,7 +12,10 @@
 # Usage: scripts/bench-long-context.sh [ROUNDS] [LENGTHS]   (default 1 round; 4096,16384,32704: the
 #   last with its 64 decode steps fills the model's 32,768-token context)
 # Env: TANDEM (default target/release/tandem), LLAMA_BENCH (default the one
-#   ../shared/tools/build-llamacpp.sh builds), IK_LLAMA_BENCH (unset: ik_llama.cpp is skipped).
+#   ../shared/tools/build-llamacpp.sh builds), IK_LLAMA_BENCH (unset: ik_llama.cpp is skipped;
+#   build it from github.com/ikawrakow/ik_llama.cpp with `cmake -B build -DGGML_NATIVE=ON
+#   -DLLAMA_CURL=OFF && cmake --build build --target llama-bench`: its build with AVX-512 chosen
+#   flag by flag, as build-llamacpp.sh does for llama.cpp, does not compile as of 8337e4c).
 # Results: target/bench-long-context/<N>.<system>.<round>.json and a table of medians on stdout.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -211,8 +211,9 @@ fn attend_in(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32], s: &mut Scratch) 
 ///   KV head at once, each value row read once for all of them; each output lane's
 ///   multiply-adds are [`simd::accumulate`]'s, in the same order.
 mod wide {
-    /// Rows a tile needs before its blocks' keys are transposed for [`scores`]: a transpose
-    /// costs about what a few queries' scores save.
+    /// Rows a tile needs before its blocks' keys are transposed for [`scores`]: the transpose
+    /// pays only when several queries share it, so a decode step's single row keeps the AVX2
+    /// loop (with the same bits).
     pub(super) const SCORES_ROWS: usize = 4;
     /// Heads whose scores are summed together: eight sums each, and the key row they share.
     const SCORE_HEADS: usize = 3;

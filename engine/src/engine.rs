@@ -326,8 +326,12 @@ impl Engine {
     /// the blocks that no other cached sequence shares and no running one holds leave the pool.
     /// With `to_disk` they are written to the disk tier first (where there is one), for a later
     /// turn to read back; without, they are dropped, and the sequence's blocks already on disk
-    /// become the first the tier lets go. Returns how many blocks left the pool.
+    /// become the first the tier lets go. Without a disk tier, `to_disk` keeps them in the
+    /// pool, where the LRU order decides. Returns how many blocks left the pool.
     pub fn release_cached(&mut self, hashes: &[u64], to_disk: bool) -> usize {
+        if to_disk && self.spill.is_none() {
+            return 0;
+        }
         let (pool, spill) = (&self.pool, &self.spill);
         let keep = |hash: u64, b: u32| {
             spill.as_ref().is_some_and(|s| {

@@ -883,3 +883,55 @@ fn a_resumed_stream_emits_the_rest_of_the_text() {
         Err(Error::InvalidArgument { .. })
     ));
 }
+
+/// A released sequence leaves the pool: to the disk tier with `to_disk` where there is one (its
+/// next use reads it back, counted as restored), kept in the pool with `to_disk` where there is
+/// none, and dropped without `to_disk`.
+#[test]
+fn a_released_sequence_leaves_the_pool_as_asked() {
+    let model = tiny();
+    let tokens = prompt(64, 5);
+    let hashes = chain(&tokens);
+    let fill = |engine: &mut Engine| {
+        let (seq, _) = engine.new_sequence_cached(&[]);
+        engine.prefill(seq, &tokens).expect("prefill");
+        engine.cache_sequence(seq, &hashes).expect("cache");
+        engine.free(seq).expect("free");
+    };
+    let mut plain = cached_engine(&model, 16);
+    fill(&mut plain);
+    assert_eq!(plain.release_cached(&hashes, true), 0, "no disk tier: kept");
+    assert_eq!(plain.kv_blocks_cached(), 4);
+    assert_eq!(plain.release_cached(&hashes, false), 4, "dropped");
+    assert_eq!(plain.kv_blocks_cached(), 0);
+
+    let dir = std::env::temp_dir().join(format!("tandem-release-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let config = EngineConfig {
+        spill: Some(tandem_engine::SpillConfig {
+            dir: dir.clone(),
+            max_bytes: 1 << 30,
+        }),
+        ..cached_config(&model, 16)
+    };
+    {
+        let mut spilling = Engine::new(model.clone(), config).expect("engine");
+        fill(&mut spilling);
+        assert_eq!(spilling.release_cached(&hashes, true), 4, "to disk");
+        assert_eq!(spilling.kv_blocks_cached(), 0);
+        let stats = spilling.spill_stats();
+        let start = std::time::Instant::now();
+        while stats.stored.load(std::sync::atomic::Ordering::Relaxed) < 4 {
+            assert!(start.elapsed().as_secs() < 30, "the writer stored nothing");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let (seq, reused) = spilling.new_sequence_cached(&hashes);
+        assert_eq!(
+            (reused.tokens, reused.restored),
+            (64, 64),
+            "read back from disk"
+        );
+        spilling.free(seq).expect("free");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
