@@ -99,6 +99,14 @@ struct Dir {
 }
 
 impl Dir {
+    /// A directory the user gave, left in place.
+    fn kept(dir: &std::path::Path) -> Self {
+        Self {
+            dir: dir.to_path_buf(),
+            made: false,
+        }
+    }
+
     /// A directory of this process's under the system's temporary one.
     fn temporary(what: &str) -> Self {
         let name = format!("tandem-up-{}{what}", std::process::id());
@@ -123,10 +131,7 @@ fn certs(args: &UpArgs) -> anyhow::Result<Option<Dir>> {
         return Ok(None);
     }
     if let Some(dir) = &args.tls_dir {
-        return Ok(Some(Dir {
-            dir: dir.clone(),
-            made: false,
-        }));
+        return Ok(Some(Dir::kept(dir)));
     }
     let dir = Dir::temporary("");
     tandem_net::tls::write_dev_certs(&dir.dir, &[], 30)?;
@@ -139,10 +144,7 @@ fn spill_dir(args: &UpArgs) -> Option<Dir> {
         return None;
     }
     Some(match &args.kv_spill_dir {
-        Some(dir) => Dir {
-            dir: dir.clone(),
-            made: false,
-        },
+        Some(dir) => Dir::kept(dir),
         None => Dir::temporary("-kv"),
     })
 }

@@ -56,6 +56,16 @@ fn text(reply: &Value) -> String {
         .collect()
 }
 
+/// An HTTP client for `cluster`'s router, its base address, and the model's id there.
+async fn connect(cluster: &Cluster) -> (reqwest::Client, String, String) {
+    let http = reqwest::Client::new();
+    let base = format!("http://{}", cluster.http);
+    let name = tandem_integration_tests::http_model(&http, &format!("{base}/v1"))
+        .await
+        .expect("the model's id");
+    (http, base, name)
+}
+
 /// Turn 1's history and turn 2's question, for session `s`.
 fn histories(s: usize, first: &Value) -> (Vec<Value>, Vec<Value>) {
     let ask = vec![json!({"role": "user", "content": format!(
@@ -87,11 +97,7 @@ async fn a_drained_agent_session_goes_on_with_its_kv() {
     })
     .await
     .expect("cluster");
-    let http = reqwest::Client::new();
-    let base = format!("http://{}", cluster.http);
-    let name = tandem_integration_tests::http_model(&http, &format!("{base}/v1"))
-        .await
-        .expect("the model's id");
+    let (http, base, name) = connect(&cluster).await;
 
     // Turn 1 of two sessions; then the decode node holding the first is drained.
     let mut firsts = Vec::new();
@@ -146,25 +152,25 @@ async fn a_drained_agent_session_goes_on_with_its_kv() {
         seconds.push((next, text(&second)));
     }
     cluster.stop().await.expect("stop");
-    cold_says(model, &name, &seconds).await;
+    cold_says(model, &seconds).await;
 }
 
 /// Asserts that a cluster without caches answers each `(messages, text)` of session `i` (named
 /// `session-i`) with that text.
-async fn cold_says(model: Arc<tandem_engine::Model>, name: &str, turns: &[(Vec<Value>, String)]) {
+async fn cold_says(model: Arc<tandem_engine::Model>, turns: &[(Vec<Value>, String)]) {
     let cold = Cluster::start(ClusterConfig {
         prefix_cache: false,
         ..ClusterConfig::new(model)
     })
     .await
     .expect("cold cluster");
-    let (http, base) = (reqwest::Client::new(), format!("http://{}", cold.http));
+    let (http, base, name) = connect(&cold).await;
     for (s, (messages, said)) in turns.iter().enumerate() {
         let reply = turn(
             &http,
             &base,
             &format!("session-{s}"),
-            &request(name, messages),
+            &request(&name, messages),
         )
         .await;
         assert_eq!(&text(&reply), said, "session {s}'s turn");
@@ -235,11 +241,7 @@ async fn an_idle_agent_session_goes_to_disk_and_comes_back() {
     })
     .await
     .expect("cluster");
-    let http = reqwest::Client::new();
-    let base = format!("http://{}", cluster.http);
-    let name = tandem_integration_tests::http_model(&http, &format!("{base}/v1"))
-        .await
-        .expect("the model's id");
+    let (http, base, name) = connect(&cluster).await;
     let (router, prefill, decode) = (
         cluster.router.addr,
         cluster.prefill[0].addr,
@@ -298,7 +300,7 @@ async fn an_idle_agent_session_goes_to_disk_and_comes_back() {
     assert_eq!(now(router, "tandem_router_sessions_open").await, 0.0);
     assert_eq!(end("session-0").await.expect("delete").status(), 404);
     cluster.stop().await.expect("stop");
-    cold_says(model, &name, &[(next, text(&second))]).await;
+    cold_says(model, &[(next, text(&second))]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -310,11 +312,7 @@ async fn an_agent_session_pushed_out_by_others_comes_back_from_disk() {
     let cluster = Cluster::start(with_disk_tier(model.clone(), &dir, Some(28)))
         .await
         .expect("cluster");
-    let http = reqwest::Client::new();
-    let base = format!("http://{}", cluster.http);
-    let name = tandem_integration_tests::http_model(&http, &format!("{base}/v1"))
-        .await
-        .expect("the model's id");
+    let (http, base, name) = connect(&cluster).await;
     let (router, decode) = (cluster.router.addr, cluster.decode[0].addr);
 
     let ask = histories(0, &json!({})).0;
@@ -346,5 +344,5 @@ async fn an_agent_session_pushed_out_by_others_comes_back_from_disk() {
         "nothing any session had was computed again"
     );
     cluster.stop().await.expect("stop");
-    cold_says(model, &name, &[(next, text(&second))]).await;
+    cold_says(model, &[(next, text(&second))]).await;
 }

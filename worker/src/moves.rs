@@ -604,11 +604,7 @@ impl KvMoves {
         if !self.enabled {
             return Err(Status::failed_precondition("the cache is off"));
         }
-        self.model
-            .config
-            .check_token_ids("session.token_ids", &session.token_ids)
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let hashes = crate::block_hashes(&self.model, &session.cache_salt, &session.token_ids);
+        let hashes = self.session_hashes(&session)?;
         let answer = |held: usize, fetched: usize| pb::AdoptResponse {
             cached_tokens: held as u32,
             fetched_tokens: fetched as u32,
@@ -654,6 +650,19 @@ impl KvMoves {
         Ok(answer(now, fetched.min(now)))
     }
 
+    /// The block hashes of a session a caller named, once its token ids are checked.
+    fn session_hashes(&self, session: &pb::CachedSession) -> Result<Vec<u64>, Status> {
+        self.model
+            .config
+            .check_token_ids("session.token_ids", &session.token_ids)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        Ok(crate::block_hashes(
+            &self.model,
+            &session.cache_salt,
+            &session.token_ids,
+        ))
+    }
+
     /// `Worker.Release`: ends what the cache keeps of a session (see the proto).
     pub async fn release(&self, r: pb::ReleaseRequest) -> Result<pb::ReleaseResponse, Status> {
         let session = r
@@ -662,11 +671,7 @@ impl KvMoves {
         tandem_proto::check_ids(&[("cache_salt", &session.cache_salt)]).map_err(
             |(field, reason)| Status::invalid_argument(format!("invalid {field}: {reason}")),
         )?;
-        self.model
-            .config
-            .check_token_ids("session.token_ids", &session.token_ids)
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let hashes = crate::block_hashes(&self.model, &session.cache_salt, &session.token_ids);
+        let hashes = self.session_hashes(&session)?;
         let blocks = self
             .cache
             .release(hashes, r.to_disk)

@@ -8,9 +8,8 @@
 //! The HTTP routes ([`routes`]): `POST /v1/chat/completions`, `POST /v1/completions`,
 //! `POST /v1/messages`, `POST /v1/messages/count_tokens`, `POST /v1/responses`,
 //! `GET /v1/models`, `DELETE /v1/sessions/{id}` (a session's end), and `GET /health`. With a
-//! key file, `/v1` routes authenticate before the
-//! body is read, by `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY`; `/health` is
-//! open.
+//! key file, `/v1` routes authenticate before the body is read, by `Authorization: Bearer KEY`
+//! or Anthropic's `x-api-key: KEY`; `/health` is open.
 
 pub mod anthropic;
 pub mod grpc;

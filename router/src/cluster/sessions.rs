@@ -48,9 +48,8 @@ pub struct Turn<'a> {
 #[derive(Debug)]
 struct Entry {
     last_used: Instant,
-    /// The session's tokens as its last turn left them (prompt and reply).
-    tokens: Vec<u32>,
-    cache_salt: String,
+    /// The session's sequence as its last turn left it (prompt and reply), as a release names it.
+    sequence: pb::CachedSession,
     /// Moved to the disk tier since its last turn.
     on_disk: bool,
 }
@@ -146,7 +145,7 @@ impl Sessions {
         let key = (t.tenant.clone(), t.session_id.to_string());
         let mut open = self.lock();
         let shared = open.get(&key).map_or(0, |e| {
-            let whole = common_prefix(&e.tokens, t.prompt);
+            let whole = common_prefix(&e.sequence.token_ids, t.prompt);
             whole - whole % tandem_proto::block_hash::BLOCK_TOKENS
         });
         let m = &self.metrics;
@@ -160,8 +159,10 @@ impl Sessions {
         tokens.extend_from_slice(t.reply);
         let entry = Entry {
             last_used: Instant::now(),
-            tokens,
-            cache_salt: t.cache_salt.to_string(),
+            sequence: pb::CachedSession {
+                token_ids: tokens,
+                cache_salt: t.cache_salt.to_string(),
+            },
             on_disk: false,
         };
         let new = open.insert(key.clone(), entry).is_none();
@@ -174,9 +175,10 @@ impl Sessions {
                     .filter(|(k, _)| k.0 == key.0)
                     .min_by_key(|(_, e)| e.last_used)
                     .map(|(k, _)| k.clone());
-                ended = oldest
-                    .and_then(|k| open.remove(&k))
-                    .map(|e| action(e, Release::KeyLimit));
+                ended = oldest.and_then(|k| open.remove(&k)).map(|e| Action {
+                    session: e.sequence,
+                    why: Release::KeyLimit,
+                });
             }
         }
         self.gauge(&open);
@@ -188,7 +190,10 @@ impl Sessions {
         let mut open = self.lock();
         let entry = open.remove(&(tenant.clone(), id.to_string()))?;
         self.gauge(&open);
-        Some(action(entry, Release::Ended))
+        Some(Action {
+            session: entry.sequence,
+            why: Release::Ended,
+        })
     }
 
     /// The sessions idle past `ttl` (ended) or `idle` (moved to disk), as of `now`.
@@ -198,12 +203,8 @@ impl Sessions {
         open.retain(|_, e| {
             let idle = now.saturating_duration_since(e.last_used);
             if idle >= self.config.ttl {
-                let tokens = std::mem::take(&mut e.tokens);
                 actions.push(Action {
-                    session: pb::CachedSession {
-                        token_ids: tokens,
-                        cache_salt: std::mem::take(&mut e.cache_salt),
-                    },
+                    session: std::mem::take(&mut e.sequence),
                     why: Release::Expired,
                 });
                 return false;
@@ -211,10 +212,7 @@ impl Sessions {
             if idle >= self.config.idle && !e.on_disk {
                 e.on_disk = true;
                 actions.push(Action {
-                    session: pb::CachedSession {
-                        token_ids: e.tokens.clone(),
-                        cache_salt: e.cache_salt.clone(),
-                    },
+                    session: e.sequence.clone(),
                     why: Release::Idle,
                 });
             }
@@ -273,16 +271,6 @@ impl Sessions {
             }
         });
         futures::future::join_all(calls).await.into_iter().sum()
-    }
-}
-
-fn action(e: Entry, why: Release) -> Action {
-    Action {
-        session: pb::CachedSession {
-            token_ids: e.tokens,
-            cache_salt: e.cache_salt,
-        },
-        why,
     }
 }
 
