@@ -333,6 +333,11 @@ pub(crate) struct RouterArgs {
     /// key's least recently used session and releases its KV.
     #[arg(long, env = "TANDEM_SESSIONS_PER_KEY", default_value_t = 256)]
     sessions_per_key: usize,
+    /// The model (its id, as `GET /v1/models` lists it) a request that names none runs on: a
+    /// gRPC request with an empty `model`, a Messages request asking for a `claude-*` model.
+    /// Unset, the only model the workers serve; with several, such a request is refused.
+    #[arg(long, env = "TANDEM_DEFAULT_MODEL")]
+    default_model: Option<String>,
     #[command(flatten)]
     tls: TlsArgs,
     #[command(flatten)]
@@ -515,6 +520,8 @@ pub(crate) fn router(args: &RouterArgs) -> anyhow::Result<()> {
             ttl: Duration::from_secs(args.session_ttl_secs),
             per_key: args.sessions_per_key,
         },
+        // Compose passes an unset default as an empty value.
+        default_model: args.default_model.clone().filter(|m| !m.is_empty()),
     };
     runtime()?.block_on(async {
         let http = match args.http_listen {

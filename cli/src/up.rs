@@ -1,5 +1,7 @@
 //! `tandem up`: a whole cluster on loopback as child processes of one command. Workers start
-//! on port 0 and report their port on stdout; the router starts once they are known. `up` waits
+//! on port 0 and report their port on stdout; the router starts once they are known. With
+//! several `--model`s, each model gets its own prefill and decode nodes, and the router serves
+//! them all (the first is its default model). `up` waits
 //! until every worker and then the router report SERVING (the router once it knows the model
 //! and sees a healthy decode replica), prints the endpoints, and on Ctrl-C or SIGTERM stops the router first, then the
 //! workers, each with SIGTERM so it drains.
@@ -16,19 +18,31 @@ use tandem_net::tls::{Role, Tls};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-use crate::ModelArgs;
 use crate::serve::{KvDtype, Policy, Switch, shutdown_signal};
 
 #[derive(Args, Debug)]
 pub(crate) struct UpArgs {
-    #[command(flatten)]
-    model: ModelArgs,
+    /// The models to serve: each a catalog name (`default` is Qwen2.5-Coder-0.5B-Instruct;
+    /// `tandem model list` lists the rest), `tiny` (`tiny-qwen2`, `tiny-gemma3`) or a GGUF path.
+    /// Repeat the flag (or separate with commas) for several: each model gets `--prefill` and
+    /// `--decode` nodes of its own, requests pick one by its id (`GET /v1/models`), and the
+    /// first is the default for requests that name none.
+    #[arg(
+        long = "model",
+        env = "TANDEM_MODEL",
+        default_value = "default",
+        value_delimiter = ','
+    )]
+    models: Vec<String>,
+    /// Directory holding fetched models.
+    #[arg(long, env = "TANDEM_MODEL_DIR")]
+    model_dir: Option<PathBuf>,
     #[command(flatten)]
     sampling_defaults: crate::serve::SamplingDefaultsArgs,
-    /// Prefill nodes to start.
+    /// Prefill nodes to start per model.
     #[arg(long, default_value_t = 1)]
     prefill: usize,
-    /// Decode nodes to start.
+    /// Decode nodes to start per model.
     #[arg(long, default_value_t = 1)]
     decode: usize,
     /// The router's port on 127.0.0.1 (0 picks a free one).
@@ -239,6 +253,20 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
     if args.prefill == 0 || args.decode == 0 {
         bail!("--prefill and --decode must each be at least 1");
     }
+    let dir = (args.model_dir.clone()).unwrap_or_else(tandem_engine::model_dir_from_env);
+    let models: Vec<(String, String)> = args
+        .models
+        .iter()
+        .map(|m| (m.clone(), tandem_engine::ModelSource::parse(m, &dir).name()))
+        .collect();
+    for (i, (spec, id)) in models.iter().enumerate() {
+        if let Some((other, _)) = models[..i].iter().find(|(_, o)| o == id) {
+            bail!("--model {spec} and --model {other} are the same model ({id})");
+        }
+    }
+    let Some((_, default_model)) = models.first() else {
+        bail!("--model names no model");
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -249,8 +277,8 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
         .map(|c| Tls::load(&c.dir, Role::Client))
         .transpose()?;
     rt.block_on(async {
-        let mut common = vec!["--model".to_string(), args.model.model.clone()];
-        if let Some(dir) = &args.model.model_dir {
+        let mut common = Vec::new();
+        if let Some(dir) = &args.model_dir {
             common.extend(["--model-dir".into(), dir.display().to_string()]);
         }
         let tls_args: Vec<String> = certs
@@ -261,7 +289,7 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
         let threads = match args.threads {
             0 => {
                 let cores = std::thread::available_parallelism().map_or(1, usize::from);
-                (cores / (args.prefill + args.decode)).max(1)
+                (cores / ((args.prefill + args.decode) * models.len())).max(1)
             }
             n => n,
         };
@@ -270,21 +298,30 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
         common.extend(["--kv-dtype".into(), args.kv_dtype.dtype().name().into()]);
         common.extend(["--kv-budget-mb".into(), args.kv_budget_mb.to_string()]);
         let mut workers = Vec::new();
-        for (role, n) in [("prefill", args.prefill), ("decode", args.decode)] {
-            for i in 0..n {
-                let mut a = vec![role.to_string(), "--listen".into(), "127.0.0.1:0".into()];
-                a.extend(common.iter().cloned());
-                if let Some(spill) = &spill {
-                    let dir = spill.dir.join(format!("{role}-{i}"));
-                    a.extend(["--kv-spill-dir".into(), dir.display().to_string()]);
-                    a.extend(["--kv-spill-mb".into(), args.kv_spill_mb.to_string()]);
+        for (m, (spec, _)) in models.iter().enumerate() {
+            for (role, n) in [("prefill", args.prefill), ("decode", args.decode)] {
+                for i in 0..n {
+                    // One model keeps the names it always had; with several, each node's name
+                    // says its model's place in --model.
+                    let name = match models.len() {
+                        1 => format!("{role}-{i}"),
+                        _ => format!("{role}-m{m}-{i}"),
+                    };
+                    let mut a = vec![role.to_string(), "--listen".into(), "127.0.0.1:0".into()];
+                    a.extend(["--model".into(), spec.clone()]);
+                    a.extend(common.iter().cloned());
+                    if let Some(spill) = &spill {
+                        let dir = spill.dir.join(&name);
+                        a.extend(["--kv-spill-dir".into(), dir.display().to_string()]);
+                        a.extend(["--kv-spill-mb".into(), args.kv_spill_mb.to_string()]);
+                    }
+                    if role == "prefill" {
+                        a.extend(["--prefix-cache-mb".into(), args.prefix_cache_mb.to_string()]);
+                    } else {
+                        a.extend(["--speculate".into(), args.speculate.name().into()]);
+                    }
+                    workers.push(start(name, &a).await?);
                 }
-                if role == "prefill" {
-                    a.extend(["--prefix-cache-mb".into(), args.prefix_cache_mb.to_string()]);
-                } else {
-                    a.extend(["--speculate".into(), args.speculate.name().into()]);
-                }
-                workers.push(start(format!("{role}-{i}"), &a).await?);
             }
         }
         let list = |role: &str| {
@@ -307,6 +344,8 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
             list("decode"),
             "--policy".into(),
             args.policy.name().into(),
+            "--default-model".into(),
+            default_model.clone(),
         ];
         if let Some(keys) = &args.api_keys {
             router_args.extend(["--api-keys".into(), keys.display().to_string()]);
@@ -333,7 +372,8 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
             stop(&mut nodes).await;
             return Err(e);
         }
-        println!("tandem cluster is up");
+        let ids: Vec<&str> = models.iter().map(|(_, id)| id.as_str()).collect();
+        println!("tandem cluster is up, serving {}", ids.join(", "));
         for n in &nodes {
             println!("  {:<10} {}", n.name, n.addr);
         }

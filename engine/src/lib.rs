@@ -82,27 +82,33 @@ impl ModelSource {
         }
     }
 
+    /// The model's id, what its workers name it and the APIs list: `tiny` (or another tiny
+    /// model's name), or the file's name without `.gguf`, the same wherever it is mounted.
+    pub fn name(&self) -> String {
+        match self {
+            ModelSource::Tiny(arch) => tiny::name(*arch).to_string(),
+            ModelSource::File { path, .. } => path.file_stem().map_or_else(
+                || path.display().to_string(),
+                |s| s.to_string_lossy().into_owned(),
+            ),
+        }
+    }
+
     /// Loads the model, with a hint on how to fetch the default one if it is missing.
     pub fn load(&self) -> Result<Arc<Model>> {
-        let (name, loaded) = match self {
-            ModelSource::Tiny(arch) => (tiny::name(*arch), tiny::load(*arch)?),
+        let loaded = match self {
+            ModelSource::Tiny(arch) => tiny::load(*arch)?,
             ModelSource::File { path, known } => {
-                let loaded = loader::load_file(path).map_err(|e| match (e, known) {
+                loader::load_file(path).map_err(|e| match (e, known) {
                     (Error::ModelNotFound { path, .. }, Some(k)) => Error::ModelNotFound {
                         path,
                         hint: format!("; fetch it with `tandem model fetch {}`", k.name),
                     },
                     (e, _) => e,
-                })?;
-                // The file's name without `.gguf`: the same wherever the file is mounted.
-                let name = path.file_stem().map_or_else(
-                    || path.display().to_string(),
-                    |s| s.to_string_lossy().into_owned(),
-                );
-                (name, loaded)
+                })?
             }
         };
-        Ok(Arc::new(Model::from_loaded(name, loaded)))
+        Ok(Arc::new(Model::from_loaded(self.name(), loaded)))
     }
 }
 

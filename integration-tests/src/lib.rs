@@ -85,6 +85,10 @@ async fn stopped(rx: oneshot::Receiver<()>) {
 #[derive(Debug, Clone)]
 pub struct ClusterConfig {
     pub model: Arc<Model>,
+    /// More models, each on `prefill` and `decode` nodes of its own, started after `model`'s
+    /// (so [`Cluster::prefill`] and [`Cluster::decode`] hold `model`'s nodes first).
+    pub more_models: Vec<Arc<Model>>,
+    /// Prefill and decode nodes per model.
     pub prefill: usize,
     pub decode: usize,
     pub engine: EngineConfig,
@@ -124,6 +128,7 @@ impl ClusterConfig {
     pub fn new(model: Arc<Model>) -> Self {
         Self {
             model,
+            more_models: Vec::new(),
             prefill: 1,
             decode: 1,
             engine: EngineConfig {
@@ -157,6 +162,20 @@ impl ClusterConfig {
         })
     }
 
+    /// The model of worker `index` among the `per_model` workers of its role that each model
+    /// has.
+    fn model_of(&self, index: usize, per_model: usize) -> Arc<Model> {
+        match index / per_model.max(1) {
+            0 => self.model.clone(),
+            m => self.more_models[m - 1].clone(),
+        }
+    }
+
+    /// Every model the cluster serves.
+    fn models(&self) -> usize {
+        1 + self.more_models.len()
+    }
+
     /// The settings of worker `index` in `role`, whose cache, when on, may hold `cache_bytes`.
     fn node(
         &self,
@@ -164,6 +183,10 @@ impl ClusterConfig {
         role: tandem_net::tls::Role,
         index: usize,
     ) -> anyhow::Result<tandem_worker::NodeConfig> {
+        let per_model = match role {
+            tandem_net::tls::Role::Prefill => self.prefill,
+            _ => self.decode,
+        };
         let mut engine = self.engine(cache_bytes);
         // A disk tier serves one node: each gets a directory of its own under the cluster's,
         // which a restarted node finds again.
@@ -173,7 +196,7 @@ impl ClusterConfig {
         Ok(tandem_worker::NodeConfig {
             tls: self.tls(role)?,
             grace: self.grace,
-            ..tandem_worker::NodeConfig::new(self.model.clone(), engine)
+            ..tandem_worker::NodeConfig::new(self.model_of(index, per_model), engine)
         })
     }
 
@@ -227,7 +250,7 @@ impl Cluster {
     /// refuse.
     pub async fn launch(config: ClusterConfig) -> anyhow::Result<Self> {
         let mut prefill = Vec::new();
-        for i in 0..config.prefill {
+        for i in 0..config.prefill * config.models() {
             let mut node = config.node(
                 config.engine.kv_budget_bytes / 2,
                 tandem_net::tls::Role::Prefill,
@@ -237,7 +260,7 @@ impl Cluster {
             let c = tandem_prefill_server::Config {
                 node,
                 keepalive: config.keepalive,
-                ..tandem_prefill_server::Config::new(config.model.clone())
+                ..tandem_prefill_server::Config::new(config.model_of(i, config.prefill))
             };
             prefill.push(
                 Node::spawn(|l, rx| async move {
@@ -247,7 +270,7 @@ impl Cluster {
             );
         }
         let mut decode = Vec::new();
-        for i in 0..config.decode {
+        for i in 0..config.decode * config.models() {
             decode.push(start_decode(&config, "127.0.0.1:0".parse()?, i).await?);
         }
         let mut relays = Vec::new();

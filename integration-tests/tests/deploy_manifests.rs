@@ -89,6 +89,56 @@ fn the_compose_file_runs_healthy_workers_before_the_router() {
     assert_eq!(env["TANDEM_DECODE"].as_str(), Some("decode:50053"));
 }
 
+/// The second model's file, given after the main one: its nodes are checked and mounted as the
+/// first model's, and the router lists them after the first model's and waits for them.
+#[test]
+fn the_two_models_file_adds_a_second_models_nodes() {
+    let mut compose = documents(&deploy().join("docker-compose.two-models.yml")).remove(0);
+    compose.apply_merge().expect("merge keys");
+    assert_eq!(compose["version"].as_str(), Some("2.4"));
+    let services = &compose["services"];
+    for (name, role, port) in [
+        ("prefill-b", "prefill", 50052),
+        ("decode-b", "decode", 50053),
+    ] {
+        let svc = &services[name];
+        let command: Vec<&str> = (svc["command"].as_sequence())
+            .unwrap_or_else(|| panic!("{name} has a command"))
+            .iter()
+            .filter_map(Value::as_str)
+            .collect();
+        assert_eq!(
+            command,
+            [role, "--model", "${TANDEM_MODEL_B:-gemma-3-270m}"],
+            "{name}"
+        );
+        let check = format!("{:?}", s(svc, &["healthcheck", "test"]));
+        assert!(check.contains(&format!("127.0.0.1:{port}")), "{name}");
+        let volumes = format!("{:?}", svc["volumes"]);
+        assert!(
+            volumes.contains(":/models:ro") && volumes.contains(":/certs:ro"),
+            "{name}"
+        );
+        assert_eq!(
+            s(svc, &["environment", "TANDEM_TLS_DIR"]).as_str(),
+            Some("/certs")
+        );
+        assert_eq!(
+            s(&services["router"], &["depends_on", name, "condition"]).as_str(),
+            Some("service_healthy")
+        );
+    }
+    let env = &services["router"]["environment"];
+    assert_eq!(
+        env["TANDEM_PREFILL"].as_str(),
+        Some("prefill:50052,prefill-b:50052")
+    );
+    assert_eq!(
+        env["TANDEM_DECODE"].as_str(),
+        Some("decode:50053,decode-b:50053")
+    );
+}
+
 #[test]
 fn the_kubernetes_manifests_have_probes_requests_and_headless_services() {
     let mut docs = Vec::new();

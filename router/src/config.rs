@@ -73,6 +73,10 @@ pub struct Config {
     pub sampling_defaults: SamplingDefaults,
     /// How long agent sessions' KV stays in the pools, and how many sessions a key may hold.
     pub sessions: SessionConfig,
+    /// The model a request that names none runs on (gRPC's empty `model`, a `claude-*` name on
+    /// the Messages API); without it, the only model served, and with several served such a
+    /// request is refused.
+    pub default_model: Option<String>,
 }
 
 /// The sampling an OpenAI HTTP request gets for what it leaves unset, as llama-server's flags
@@ -137,6 +141,7 @@ impl Default for Config {
             api_tls: None,
             sampling_defaults: SamplingDefaults::default(),
             sessions: Default::default(),
+            default_model: None,
         }
     }
 }

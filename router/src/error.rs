@@ -37,8 +37,11 @@ pub enum Error {
     #[error("no healthy {role} replica (replicas of another model or KV dtype are not used)")]
     NoReplica { role: &'static str },
 
-    #[error("the model's tokenizer is not known yet (no worker has answered)")]
+    #[error("no model is known yet (no worker has answered)")]
     NotReady,
+
+    #[error("the model '{asked}' does not exist; this cluster serves: {served}")]
+    UnknownModel { asked: String, served: String },
 
     #[error("deadline exceeded")]
     Deadline,
@@ -94,6 +97,7 @@ impl Error {
                 Code::ResourceExhausted
             }
             Error::Unauthenticated => Code::Unauthenticated,
+            Error::UnknownModel { .. } => Code::NotFound,
             Error::NoReplica { .. }
             | Error::NotReady
             | Error::ShuttingDown

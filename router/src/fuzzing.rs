@@ -37,6 +37,8 @@ impl RequestChecks {
     /// 2: `/v1/messages`, 3: `/v1/responses`; the rest wrap around), then validates and
     /// tokenizes it; whether it was accepted.
     pub fn http(&self, endpoint: u8, body: &[u8]) -> bool {
+        // The model a body names is read before it is parsed, whatever the body is.
+        let _ = crate::api::http::asked_model(body);
         let (model, headers) = (self.front.model_name.as_str(), HeaderMap::new());
         let defaults = crate::SamplingDefaults::default();
         let parsed = match endpoint % 4 {

@@ -149,6 +149,7 @@ pub async fn run(
         max_inflight: config.max_inflight,
         limits: Arc::new(config.limits.clone()),
         sampling_defaults: config.sampling_defaults,
+        default_model: config.default_model.as_deref().map(Arc::from),
         keys: keys.clone(),
         default_timeout: config.default_timeout,
         running: Arc::new(Mutex::new(HashMap::new())),

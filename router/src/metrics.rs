@@ -35,11 +35,18 @@ pub const MOVED_SESSION_TOKENS: &str = "tandem_router_moved_session_tokens";
 pub const SESSIONS_OPEN: &str = "tandem_router_sessions_open";
 pub const SESSION_RELEASES: &str = "tandem_router_session_releases";
 pub const SESSION_TURN_TOKENS: &str = "tandem_router_session_turn_tokens";
+pub const MODEL_REQUESTS: &str = "tandem_model_requests";
+pub const MODEL_TTFT: &str = "tandem_model_ttft_seconds";
+pub const MODEL_PROMPT_TOKENS: &str = "tandem_model_prompt_tokens";
+pub const MODEL_CACHED_PROMPT_TOKENS: &str = "tandem_model_cached_prompt_tokens";
+pub const MODEL_GENERATED_TOKENS: &str = "tandem_model_generated_tokens";
+pub const MODEL_REPLICAS: &str = "tandem_router_model_replicas";
 
 /// The codes a request can end with (pre-set to 0 so that rates exist from the start).
-const CODES: [tonic::Code; 7] = [
+const CODES: [tonic::Code; 8] = [
     tonic::Code::Ok,
     tonic::Code::InvalidArgument,
+    tonic::Code::NotFound,
     tonic::Code::ResourceExhausted,
     tonic::Code::Unavailable,
     tonic::Code::DeadlineExceeded,
@@ -102,6 +109,28 @@ fn turn_tokens() -> Histogram {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabel {
+    /// The model's id, as `GET /v1/models` lists it.
+    pub model: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelStatusLabel {
+    pub model: String,
+    pub code: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelRoleLabel {
+    pub model: String,
+    pub role: &'static str,
+}
+
+fn ttft_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 16))
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RoleLabel {
     pub role: &'static str,
 }
@@ -154,12 +183,21 @@ pub struct RouterMetrics {
     /// Per session turn, its prompt tokens by where they came from: a pool's cache, a disk
     /// tier, or computed again although the session's previous turn had them.
     pub session_turn_tokens: Family<SourceLabel, Histogram, fn() -> Histogram>,
+    /// Per model: accepted requests by final status, time to first token, and tokens (the
+    /// prompt's, those of it a cache supplied, and the generated ones).
+    pub model_requests: Family<ModelStatusLabel, Counter>,
+    pub model_ttft: Family<ModelLabel, Histogram, fn() -> Histogram>,
+    pub model_prompt_tokens: Family<ModelLabel, Counter>,
+    pub model_cached_prompt_tokens: Family<ModelLabel, Counter>,
+    pub model_generated_tokens: Family<ModelLabel, Counter>,
+    /// Replicas up per model and role.
+    pub model_replicas: Family<ModelRoleLabel, Gauge>,
 }
 
 impl RouterMetrics {
     pub fn register(registry: &mut Registry) -> Self {
         let m = Self {
-            ttft: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
+            ttft: ttft_histogram(),
             inter_token: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
             queue: Histogram::new(exponential_buckets(0.0001, 2.0, 18)),
             queued: Gauge::default(),
@@ -185,6 +223,12 @@ impl RouterMetrics {
             sessions_open: Gauge::default(),
             session_releases: Family::default(),
             session_turn_tokens: Family::new_with_constructor(turn_tokens),
+            model_requests: Family::default(),
+            model_ttft: Family::new_with_constructor(ttft_histogram),
+            model_prompt_tokens: Family::default(),
+            model_cached_prompt_tokens: Family::default(),
+            model_generated_tokens: Family::default(),
+            model_replicas: Family::default(),
         };
         // Series a dashboard queries exist before their first event.
         for hop in ["decode", "prefill"] {
@@ -320,6 +364,36 @@ impl RouterMetrics {
             "Per session turn, prompt tokens by source: pool (a KV pool's cache), disk (read back from a disk tier), recomputed (the previous turn had them, no cache did)",
             m.session_turn_tokens.clone(),
         );
+        registry.register(
+            MODEL_REQUESTS,
+            "Accepted requests by model and final status",
+            m.model_requests.clone(),
+        );
+        registry.register(
+            MODEL_TTFT,
+            "Time from request to first token, by model",
+            m.model_ttft.clone(),
+        );
+        registry.register(
+            MODEL_PROMPT_TOKENS,
+            "Prompt tokens of completed requests, by model",
+            m.model_prompt_tokens.clone(),
+        );
+        registry.register(
+            MODEL_CACHED_PROMPT_TOKENS,
+            "Prompt tokens of completed requests that a cache supplied, by model",
+            m.model_cached_prompt_tokens.clone(),
+        );
+        registry.register(
+            MODEL_GENERATED_TOKENS,
+            "Tokens generated, by model",
+            m.model_generated_tokens.clone(),
+        );
+        registry.register(
+            MODEL_REPLICAS,
+            "Replicas up (healthy, serving the model) by model and role",
+            m.model_replicas.clone(),
+        );
         m
     }
 
@@ -342,6 +416,43 @@ impl RouterMetrics {
 
     pub fn refused(&self, reason: &'static str) {
         self.refused.get_or_create(&RefusalLabel { reason }).inc();
+    }
+
+    /// An accepted request on `model` ended with `code`, having generated `generated` tokens.
+    pub fn model_finished(&self, model: &str, code: tonic::Code, generated: u64) {
+        self.model_requests
+            .get_or_create(&ModelStatusLabel {
+                model: model.to_string(),
+                code: format!("{code:?}"),
+            })
+            .inc();
+        self.model_generated_tokens
+            .get_or_create(&ModelLabel {
+                model: model.to_string(),
+            })
+            .inc_by(generated);
+    }
+
+    /// A request on `model` saw its first token after `seconds`.
+    pub fn model_first_token(&self, model: &str, seconds: f64) {
+        self.model_ttft
+            .get_or_create(&ModelLabel {
+                model: model.to_string(),
+            })
+            .observe(seconds);
+    }
+
+    /// A completed request on `model` had `prompt` prompt tokens, `cached` of them from a cache.
+    pub fn model_prompt(&self, model: &str, prompt: u64, cached: u64) {
+        let label = ModelLabel {
+            model: model.to_string(),
+        };
+        self.model_prompt_tokens
+            .get_or_create(&label)
+            .inc_by(prompt);
+        self.model_cached_prompt_tokens
+            .get_or_create(&label)
+            .inc_by(cached);
     }
 
     pub fn finished(&self, code: tonic::Code) {

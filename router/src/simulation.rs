@@ -78,6 +78,7 @@ impl Simulation {
             .choose(
                 &self.replicas,
                 &Ask {
+                    model: "",
                     tokens: tokens.len(),
                     hashes: &hashes,
                     session_id: session,

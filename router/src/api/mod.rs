@@ -92,11 +92,13 @@ async fn authenticate(
     }
 }
 
+/// `GET /v1/models`: every model a worker in the set serves, by name.
 async fn models(State(api): State<GenerationService>) -> Json<Value> {
     let data: Vec<Value> = api
         .dispatcher
         .replicas
-        .frontend()
+        .models()
+        .iter()
         .map(|f| {
             json!({
                 "id": f.model_name,
@@ -105,7 +107,6 @@ async fn models(State(api): State<GenerationService>) -> Json<Value> {
                 "owned_by": "tandem",
             })
         })
-        .into_iter()
         .collect();
     Json(json!({"object": "list", "data": data}))
 }

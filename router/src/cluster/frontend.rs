@@ -1,11 +1,15 @@
-//! What the router knows of the model it serves, learned from the first worker that answers
+//! What the router knows of each model it serves, learned from the first worker that names it in
 //! `Worker.Info`: the tokenizer (so the router tokenizes and renders chat templates itself),
-//! the context, the weights' fingerprint and the KV dtype.
+//! the context, the weights' fingerprint and the KV dtype. [`pick`] finds a request's model.
+
+use std::sync::Arc;
 
 use tandem_proto::v1 as pb;
 use tandem_tokenizer::{Tokenizer, TokenizerSpec};
 
-/// What the router knows of the model, from the first worker that answered.
+use crate::error::Error;
+
+/// What the router knows of a model, from the first worker that named it.
 #[derive(Debug)]
 pub struct Frontend {
     /// The model's name, as its workers report it (the OpenAI API's model id).
@@ -35,10 +39,76 @@ impl Frontend {
     }
 }
 
+/// The model a request naming `asked` runs on, among those `served`: the one of that name; for
+/// an empty name, `default` when given, else the only one served. Several served and no
+/// default, an empty name is refused; an unknown name is NOT_FOUND, naming those served.
+pub fn pick(
+    served: &[Arc<Frontend>],
+    asked: &str,
+    default: Option<&str>,
+) -> Result<Arc<Frontend>, Error> {
+    let names: Vec<&str> = served.iter().map(|f| f.model_name.as_str()).collect();
+    choose(&names, asked, default).map(|i| served[i].clone())
+}
+
+/// [`pick`] by the models' names: the index of the one chosen.
+fn choose(names: &[&str], asked: &str, default: Option<&str>) -> Result<usize, Error> {
+    let name = match (asked, default, names.len()) {
+        (_, _, 0) => return Err(Error::NotReady),
+        ("", None, 1) => return Ok(0),
+        ("", None, _) => {
+            return Err(Error::InvalidArgument {
+                field: "model",
+                reason: format!(
+                    "this cluster serves several models, name one: {}",
+                    names.join(", ")
+                ),
+            });
+        }
+        ("", Some(default), _) => default,
+        (asked, _, _) => asked,
+    };
+    names
+        .iter()
+        .position(|n| *n == name)
+        .ok_or_else(|| Error::UnknownModel {
+            asked: name.to_string(),
+            served: names.join(", "),
+        })
+}
+
 /// A worker's KV dtype; workers that do not say keep f16.
 pub(super) fn kv_dtype(info: &pb::InfoResponse) -> &str {
     match info.kv_dtype.as_str() {
         "" => "f16",
         other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_runs_on_the_model_it_names_else_the_default() {
+        let two = ["gemma", "qwen"];
+        assert_eq!(choose(&two, "qwen", None).ok(), Some(1));
+        assert_eq!(choose(&two, "", Some("gemma")).ok(), Some(0));
+        assert_eq!(choose(&["qwen"], "", None).ok(), Some(0));
+        // Several and no default: a request must name one.
+        let unnamed = choose(&two, "", None).expect_err("unnamed");
+        assert_eq!(unnamed.code(), tonic::Code::InvalidArgument);
+        assert!(unnamed.to_string().contains("gemma, qwen"), "{unnamed}");
+        // An unknown name, or a default no worker serves now, is NOT_FOUND naming those served.
+        for (asked, default) in [("gpt-4o", None), ("", Some("llama"))] {
+            let e = choose(&two, asked, default).expect_err("unknown");
+            assert_eq!(e.code(), tonic::Code::NotFound);
+            assert!(e.to_string().contains("gemma, qwen"), "{e}");
+        }
+        // Nothing learned yet: not ready (UNAVAILABLE), whatever is asked.
+        assert_eq!(
+            choose(&[], "qwen", None).expect_err("none").code(),
+            tonic::Code::Unavailable
+        );
     }
 }

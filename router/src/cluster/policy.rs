@@ -81,6 +81,8 @@ pub const DEFAULT_RESTORE_RATE: f64 = 50_000.0;
 /// What one request brings to the policy.
 #[derive(Debug)]
 pub struct Ask<'a> {
+    /// The model it runs on: only that model's replicas serve it.
+    pub model: &'a str,
     pub tokens: usize,
     /// Block hashes of the prompt's reusable full blocks.
     pub hashes: &'a [u64],
@@ -138,9 +140,9 @@ fn rendezvous(key: &[u8], replica: &Replica) -> u64 {
     xxh3_64_with_seed(replica.addr.as_bytes(), xxhash_rust::xxh3::xxh3_64(key))
 }
 
-/// The healthy replicas of `role` that have not failed this request.
+/// The healthy replicas of `role` serving the request's model that have not failed it.
 pub(crate) fn candidates(replicas: &Replicas, role: Role, ask: &Ask<'_>) -> Vec<Arc<Replica>> {
-    let mut up = replicas.up(role);
+    let mut up = replicas.up(role, ask.model);
     up.retain(|r| !ask.exclude.contains(&r.addr));
     up
 }
@@ -230,6 +232,7 @@ impl Policy {
         let measured: Vec<f64> = replicas
             .all()
             .iter()
+            .filter(|r| r.serves(ask.model))
             .map(|r| r.prefill_rate())
             .filter(|&r| r > 0.0)
             .collect();
@@ -278,6 +281,7 @@ impl Policy {
                     Role::Prefill => &prefills,
                 };
                 r.can_serve_fetch()
+                    && r.serves(ask.model)
                     && r.kv_bytes_per_token() > 0
                     && !chosen.iter().any(|c| c.addr == r.addr)
             })
@@ -442,6 +446,7 @@ mod tests {
             });
         }
         let ask = Ask {
+            model: "",
             tokens: prompt.len(),
             hashes: &hashes,
             session_id: "s",

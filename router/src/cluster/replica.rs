@@ -2,8 +2,8 @@
 //! router knows of it: health, load as reported and as this router counts it in flight, and
 //! its measured speeds. [`InflightGuard`] counts a request against it while the request runs.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
@@ -51,6 +51,9 @@ pub struct Replica {
     /// It reported NOT_SERVING and still answers: draining, its cache still fetchable.
     pub(super) draining: AtomicBool,
     pub(super) compatible: AtomicBool,
+    /// The model it serves (its `Worker.Info` name); empty until it has said, and in
+    /// [`crate::simulation`], whose requests name no model either.
+    pub(super) model: RwLock<Arc<str>>,
     /// Wire bytes of one token's KV, as `Worker.Info` says; 0 until known.
     pub(super) kv_bytes_per_token: AtomicU64,
     /// Requests active or queued there, as last reported, less this router's requests that
@@ -79,6 +82,24 @@ pub struct Replica {
 impl Replica {
     pub fn is_up(&self) -> bool {
         self.healthy.load(Ordering::Relaxed) && self.compatible.load(Ordering::Relaxed)
+    }
+
+    /// The model it serves; empty until it has said.
+    pub fn model(&self) -> Arc<str> {
+        // Whole-value stores only; a poisoned lock is still consistent.
+        self.model.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Whether it serves `model`.
+    pub fn serves(&self, model: &str) -> bool {
+        *self.model() == *model
+    }
+
+    pub(super) fn set_model(&self, model: &str) {
+        let mut m = self.model.write().unwrap_or_else(|e| e.into_inner());
+        if **m != *model {
+            *m = model.into();
+        }
     }
 
     /// Requests there: the larger of the last report (which counts other routers' requests

@@ -8,10 +8,13 @@
 //!              index task ──CacheEvents / CacheSnapshot──▶ CacheIndex
 //! ```
 //!
-//! The first worker to answer `Worker.Info` gives the router its tokenizer and KV dtype
-//! ([`Frontend`]); a worker whose model fingerprint or KV dtype differs is never picked (its KV
-//! could not move between prefill and decode).
+//! Each worker serves one model, which it names in `Worker.Info`. The first worker to name a
+//! model gives the router that model's tokenizer and KV dtype ([`Frontend`]); a later worker
+//! naming the same model with other weights (fingerprint) or another KV dtype is never picked
+//! (its KV could not move between prefill and decode). A request runs only on its model's
+//! replicas ([`Replicas::up`]).
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Duration;
@@ -43,7 +46,8 @@ pub struct Replicas {
     /// The parent of every replica's stop token: cancelling it ends all their tasks.
     cancel: CancellationToken,
     monitoring: OnceLock<Monitoring>,
-    frontend: OnceLock<Arc<Frontend>>,
+    /// Every model a worker has named, by name, as the first to name it described it.
+    models: RwLock<BTreeMap<String, Arc<Frontend>>>,
     /// Mutual TLS to the workers, as the router.
     tls: Option<tandem_net::tls::Tls>,
     /// Woken whenever a replica's health, compatibility or room, the set, or the frontend
@@ -69,7 +73,7 @@ impl Replicas {
             index_max_blocks,
             cancel,
             monitoring: OnceLock::new(),
-            frontend: OnceLock::new(),
+            models: RwLock::default(),
             tls,
             changed: Arc::default(),
         }
@@ -109,6 +113,7 @@ impl Replicas {
             healthy: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             compatible: AtomicBool::new(true),
+            model: RwLock::new(Arc::from("")),
             kv_bytes_per_token: AtomicU64::new(0),
             reported: AtomicU32::new(0),
             reports: AtomicU64::new(0),
@@ -148,8 +153,38 @@ impl Replicas {
         self.changed.notify_waiters();
     }
 
-    pub fn frontend(&self) -> Option<&Arc<Frontend>> {
-        self.frontend.get()
+    /// The models served now: each one a replica in the set serves (up or not), by name.
+    pub fn models(&self) -> Vec<Arc<Frontend>> {
+        let all = self.read();
+        let known = self.models.read().unwrap_or_else(|e| e.into_inner());
+        known
+            .values()
+            .filter(|f| all.iter().any(|r| r.serves(&f.model_name)))
+            .cloned()
+            .collect()
+    }
+
+    /// The model named `name`, as the first worker to name it described it; a worker naming it
+    /// for the first time describes it now.
+    fn learn(&self, info: &pb::InfoResponse, from: &str) -> Option<Arc<Frontend>> {
+        if let Some(f) = self
+            .models
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&info.model_name)
+        {
+            return Some(f.clone());
+        }
+        let front = Arc::new(Frontend::from_info(info)?);
+        let mut models = self.models.write().unwrap_or_else(|e| e.into_inner());
+        let front = models
+            .entry(info.model_name.clone())
+            .or_insert_with(|| {
+                tracing::info!(model = %info.model_name, kv_dtype = kv_dtype(info), from, "learned a model's tokenizer and KV dtype");
+                front
+            })
+            .clone();
+        Some(front)
     }
 
     /// Resolves at the next change of [`Replicas::ready`]'s inputs or of a replica's room
@@ -158,21 +193,19 @@ impl Replicas {
         self.changed.notified()
     }
 
-    /// Whether the router can serve: it knows the model and a decode replica is healthy (with
-    /// no prefill replica up, decode nodes prefill locally).
+    /// Whether the router can serve: a decode replica of a model it knows is healthy (with no
+    /// prefill replica up, decode nodes prefill locally).
     pub fn ready(&self) -> bool {
-        self.frontend.get().is_some()
-            && self
-                .read()
-                .iter()
-                .any(|r| r.role == Role::Decode && r.is_up())
-    }
-
-    /// The replicas of `role` that can take requests now.
-    pub fn up(&self, role: Role) -> Vec<Arc<Replica>> {
         self.read()
             .iter()
-            .filter(|r| r.role == role && r.is_up())
+            .any(|r| r.role == Role::Decode && r.is_up() && !r.model().is_empty())
+    }
+
+    /// The replicas of `role` serving `model` that can take requests now.
+    pub fn up(&self, role: Role, model: &str) -> Vec<Arc<Replica>> {
+        self.read()
+            .iter()
+            .filter(|r| r.role == role && r.is_up() && r.serves(model))
             .cloned()
             .collect()
     }
@@ -218,8 +251,25 @@ impl Replicas {
                         .freshness()
                         .report(&metrics, &r.addr, r.role.name(), r.is_up());
                 }
+                set.report_models(&metrics);
             }
         });
+    }
+
+    /// Sets the replicas-up gauge of every model served and role.
+    fn report_models(&self, metrics: &RouterMetrics) {
+        for front in self.models() {
+            for role in [Role::Prefill, Role::Decode] {
+                let up = self.up(role, &front.model_name).len();
+                metrics
+                    .model_replicas
+                    .get_or_create(&crate::metrics::ModelRoleLabel {
+                        model: front.model_name.clone(),
+                        role: role.name(),
+                    })
+                    .set(up as i64);
+            }
+        }
     }
 
     fn spawn_tasks(self: &Arc<Self>, m: &Monitoring, replica: &Arc<Replica>) {
@@ -262,7 +312,7 @@ impl Replicas {
         let Some(m) = self.monitoring.get() else {
             return;
         };
-        let peers = self.up(r.role);
+        let peers = self.up(r.role, &r.model());
         let task = crate::cluster::migrate::move_sessions(r.clone(), peers, m.metrics.clone());
         let stop = r.stop.clone();
         m.tracker.spawn(async move {
@@ -273,7 +323,8 @@ impl Replicas {
         });
     }
 
-    /// Asks the worker for its model; learns the tokenizer from the first one.
+    /// Asks the worker for its model; learns the model's tokenizer from the first worker that
+    /// names it.
     async fn check_info(&self, r: &Replica) -> bool {
         let mut client =
             tandem_proto::limits!(pb::worker_client::WorkerClient::new(r.channel.clone()));
@@ -282,20 +333,13 @@ impl Replicas {
         let Ok(info) = client.info(req).await.map(tonic::Response::into_inner) else {
             return false;
         };
-        if self.frontend.get().is_none()
-            && let Some(f) = Frontend::from_info(&info)
-            && self.frontend.set(Arc::new(f)).is_ok()
-        {
-            self.changed.notify_waiters();
-            tracing::info!(model = %info.model_name, kv_dtype = kv_dtype(&info), from = %r.addr, "learned the model's tokenizer and KV dtype");
-        }
-        let Some(front) = self.frontend.get() else {
+        let Some(front) = self.learn(&info, &r.addr) else {
             return false;
         };
         let same_model = front.fingerprint == info.model_fingerprint.as_ref();
         let same_kv = front.kv_dtype == kv_dtype(&info);
         if !same_model {
-            tracing::error!(replica = %r.addr, model = %info.model_name, "replica serves a different model; not using it");
+            tracing::error!(replica = %r.addr, model = %info.model_name, "replica serves other weights under a model's name; not using it");
         } else if !same_kv {
             tracing::error!(
                 replica = %r.addr,
@@ -307,7 +351,10 @@ impl Replicas {
         let same = same_model && same_kv;
         r.kv_bytes_per_token
             .store(info.kv_bytes_per_token, Ordering::Relaxed);
-        if r.compatible.swap(same, Ordering::Relaxed) != same {
+        let model = if same { info.model_name.as_str() } else { "" };
+        let was = r.model();
+        r.set_model(model);
+        if r.compatible.swap(same, Ordering::Relaxed) != same || *was != *model {
             self.changed.notify_waiters();
         }
         same

@@ -108,6 +108,7 @@ impl Dispatcher {
         &self,
         decodes: &[Arc<Replica>],
         progress: &Progress,
+        model: &str,
         tokens: usize,
     ) -> Option<Choice> {
         if !decodes.is_empty() {
@@ -115,7 +116,7 @@ impl Dispatcher {
         }
         let (holder, kept) = progress.holder.as_ref()?;
         let all = self.replicas.all();
-        let decode = |r: &&Arc<Replica>| r.role == Role::Decode;
+        let decode = |r: &&Arc<Replica>| r.role == Role::Decode && r.serves(model);
         // The holder is tried whatever its health says: it told this stream it drains, and a
         // loaded node's health check may time out meanwhile. One that is gone fails the
         // attempt at once.
@@ -165,6 +166,7 @@ impl Dispatcher {
             tokio::pin!(change);
             change.as_mut().enable();
             let ask = Ask {
+                model: &p.model,
                 tokens: tokens.len(),
                 hashes,
                 session_id: &p.session_id,
@@ -178,7 +180,7 @@ impl Dispatcher {
                 change.await;
                 continue;
             }
-            let last_resort = self.last_resort(&decodes, progress, tokens.len());
+            let last_resort = self.last_resort(&decodes, progress, &p.model, tokens.len());
             let is_last_resort = last_resort.is_some();
             let choice = match last_resort {
                 Some(choice) => choice,

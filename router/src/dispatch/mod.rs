@@ -34,7 +34,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::auth::{KeyStore, Principal};
-use crate::cluster::frontend::Frontend;
+use crate::cluster::frontend::{Frontend, pick};
 use crate::config::Limits;
 use crate::dispatch::dispatcher::{Dispatcher, Outcome};
 use crate::dispatch::log::{Item, LogWriter};
@@ -58,6 +58,8 @@ pub struct GenerationService {
     pub(crate) max_inflight: usize,
     pub(crate) default_timeout: std::time::Duration,
     pub(crate) limits: Arc<Limits>,
+    /// The model of a request that names none ([`crate::Config::default_model`]).
+    pub(crate) default_model: Option<Arc<str>>,
     /// What an HTTP request's unset sampling fields become.
     pub(crate) sampling_defaults: crate::config::SamplingDefaults,
     pub(crate) keys: Arc<KeyStore>,
@@ -91,13 +93,10 @@ impl GenerationService {
             .inspect_err(|e| self.dispatcher.metrics.finished(e.code()))
     }
 
-    /// What the cluster's model is, once a worker has said.
-    pub(crate) fn frontend(&self) -> Result<Arc<Frontend>, Error> {
-        self.dispatcher
-            .replicas
-            .frontend()
-            .cloned()
-            .ok_or(Error::NotReady)
+    /// The model a request naming `model` runs on ([`pick`]), once a worker has named it.
+    pub(crate) fn frontend(&self, model: &str) -> Result<Arc<Frontend>, Error> {
+        let served = self.dispatcher.replicas.models();
+        pick(&served, model, self.default_model.as_deref())
     }
 
     /// An admission permit, or RESOURCE_EXHAUSTED (counted) when the router holds as many
@@ -153,7 +152,7 @@ impl GenerationService {
         if self.draining.is_cancelled() {
             return Err(Error::Draining);
         }
-        let front = self.frontend()?;
+        let front = self.frontend(&r.model)?;
         // The admission permit bounds the tokenizations running at once as well.
         let permit = self.permit()?;
         let (limits, tenant) = (self.limits.clone(), principal.tenant.clone());
@@ -190,6 +189,7 @@ impl GenerationService {
         let reader = log.subscribe();
         let prompt_tokens = u32::try_from(prepared.tokens.len()).unwrap_or(u32::MAX);
         let (svc, shutdown) = (self.clone(), self.shutdown.clone());
+        let model = prepared.model.clone();
         self.generations.spawn(
             async move {
                 let _permit = permit;
@@ -202,6 +202,11 @@ impl GenerationService {
                 };
                 grant.finish(outcome.generated);
                 svc.dispatcher.metrics.finished(outcome.code);
+                (svc.dispatcher.metrics).model_finished(
+                    &model,
+                    outcome.code,
+                    outcome.generated as u64,
+                );
                 if !key.1.is_empty() {
                     svc.running().remove(&key);
                 }
@@ -218,7 +223,7 @@ impl GenerationService {
     /// [`GenerationService::start`] would count it: what Anthropic's `count_tokens` answers.
     pub(crate) async fn count_tokens(&self, mut r: pb::GenerateRequest) -> Result<usize, Error> {
         check_ids(&r)?;
-        let front = self.frontend()?;
+        let front = self.frontend(&r.model)?;
         // Tokenizing is bounded as a generation's is: it takes an admission permit meanwhile.
         let _permit = self.permit()?;
         let limits = self.limits.clone();

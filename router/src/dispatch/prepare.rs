@@ -22,6 +22,8 @@ pub struct Prepared {
     pub sampling: pb::SamplingParams,
     /// The cache partition ([`crate::auth::cache_partition`]) that seeds the block hashes.
     pub cache_salt: String,
+    /// The model it runs on ([`Frontend::model_name`]).
+    pub model: String,
     /// The model's fingerprint, which seeds the block hashes too.
     pub fingerprint: Vec<u8>,
     /// How many replies to generate (`n`): 1 to [`tandem_proto::MAX_CHOICES`].
@@ -191,6 +193,7 @@ pub fn prepare(
         hashes,
         sampling,
         cache_salt,
+        model: front.model_name.clone(),
         fingerprint: front.fingerprint.clone(),
         choices: r.n.max(1),
     })
@@ -360,6 +363,7 @@ impl Prepared {
                 ..Default::default()
             },
             cache_salt: "salt".into(),
+            model: String::new(),
             fingerprint,
             choices: 2,
         }

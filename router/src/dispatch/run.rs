@@ -277,6 +277,7 @@ impl Dispatcher {
                 // The request's time to first token is its first choice's.
                 Arrival::First(ttft_ms) if progress.choice == 0 => {
                     self.metrics.ttft.observe(ttft_ms / 1e3);
+                    self.metrics.model_first_token(&p.model, ttft_ms / 1e3);
                 }
                 Arrival::First(_) => {}
                 Arrival::After(gap) => self.metrics.inter_token.observe(gap.as_secs_f64()),
@@ -332,6 +333,7 @@ impl Dispatcher {
                 let cached = frame.usage.map_or(0, |u| u.cached_tokens);
                 self.metrics.prompt_tokens.inc_by(p.tokens.len() as u64);
                 self.metrics.cached_prompt_tokens.inc_by(u64::from(cached));
+                (self.metrics).model_prompt(&p.model, p.tokens.len() as u64, cached.into());
                 let restored = admitted.restored_tokens + prefill_restored;
                 self.end_turn(p, &progress.generated, cached, restored);
             }

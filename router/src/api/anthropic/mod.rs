@@ -31,7 +31,7 @@ use serde_json::json;
 use crate::api::anthropic::response::Message;
 use crate::api::http::error::{ApiError, Shape};
 use crate::api::http::reply::Reply;
-use crate::api::http::{Body, body_bytes, event_stream, gather, with_request_id};
+use crate::api::http::{Body, asked_model, body_bytes, event_stream, gather, with_request_id};
 use crate::auth::Principal;
 use crate::dispatch::GenerationService;
 
@@ -57,7 +57,7 @@ async fn run(
     headers: &HeaderMap,
     body: &[u8],
 ) -> Result<Response, ApiError> {
-    let front = api.frontend()?;
+    let front = api.frontend(&asked(body))?;
     let parsed = parse(
         Endpoint::Messages,
         &front.model_name,
@@ -97,6 +97,17 @@ async fn run(
     Ok(with_request_id(response, &request_id))
 }
 
+/// The model a Messages body asks for: a `claude-*` name (Claude Code asks for its own
+/// models) is the router's default model, as [`request`]'s `serves` accepts it.
+fn asked(body: &[u8]) -> String {
+    let model = asked_model(body);
+    if model.starts_with("claude-") {
+        String::new()
+    } else {
+        model
+    }
+}
+
 /// `POST /v1/messages/count_tokens`: `{"input_tokens": N}`, the prompt's length as a
 /// `/v1/messages` request with the same messages, system and tools would have it.
 pub(crate) async fn count_tokens(
@@ -106,7 +117,7 @@ pub(crate) async fn count_tokens(
 ) -> Response {
     let count = async {
         let body = body_bytes(&api, body)?;
-        let front = api.frontend()?;
+        let front = api.frontend(&asked(&body))?;
         let parsed = parse(
             Endpoint::CountTokens,
             &front.model_name,

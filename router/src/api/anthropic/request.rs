@@ -136,6 +136,7 @@ pub(crate) fn parse(
         tools: tools(&body, &referenced_tools(&body))?,
         tool_choice: choice as i32,
         tool_choice_function: function,
+        model: model.to_string(),
         ..Default::default()
     };
     let (stream, max_tokens) = match endpoint {

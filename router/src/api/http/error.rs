@@ -50,6 +50,12 @@ impl ApiError {
     pub(crate) fn from_code(code: Code, message: String, retry_after_ms: Option<u64>) -> Self {
         let (status, kind, code) = match code {
             Code::InvalidArgument => (StatusCode::BAD_REQUEST, "invalid_request_error", None),
+            // The router's only NOT_FOUND is a model it does not serve.
+            Code::NotFound => (
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                Some("model_not_found"),
+            ),
             Code::Unauthenticated => (
                 StatusCode::UNAUTHORIZED,
                 "authentication_error",
@@ -111,10 +117,14 @@ impl From<Error> for ApiError {
     fn from(e: Error) -> Self {
         let pushback = e.retry_after().map(|d| d.as_millis() as u64);
         let mut api = Self::from_code(e.code(), e.to_string(), pushback);
-        if let Error::InvalidArgument { field, .. } = &e {
-            // The gRPC field's OpenAI name.
-            let name = field.strip_prefix("sampling.").unwrap_or(field);
-            api.param = Some(name.to_string());
+        match &e {
+            Error::InvalidArgument { field, .. } => {
+                // The gRPC field's OpenAI name.
+                let name = field.strip_prefix("sampling.").unwrap_or(field);
+                api.param = Some(name.to_string());
+            }
+            Error::UnknownModel { .. } => api.param = Some("model".into()),
+            _ => {}
         }
         api
     }

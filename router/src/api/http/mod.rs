@@ -34,6 +34,23 @@ use crate::ids::fresh_id;
 /// would let a handful of requests hold the pool.
 pub const DEFAULT_MAX_TOKENS: u32 = 1024;
 
+/// The model a request body names: its `model` string, or `""` when it has none (a body that
+/// is not a JSON object, or a `model` that is not a string, is refused by the adapter's parse,
+/// with the protocol's own message). Read before the body is parsed, to find the model whose
+/// tokenizer and limits the parse uses.
+pub(crate) fn asked_model(body: &[u8]) -> String {
+    #[derive(serde::Deserialize)]
+    struct Asked {
+        model: Option<Value>,
+    }
+    match serde_json::from_slice::<Asked>(body) {
+        Ok(Asked {
+            model: Some(Value::String(m)),
+        }) => m,
+        _ => String::new(),
+    }
+}
+
 /// A reply shown as a stream of named events (Anthropic's Messages, OpenAI's Responses), each
 /// event's data an object whose `type` is its name.
 pub(crate) trait Events: Send + 'static {

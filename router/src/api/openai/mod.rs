@@ -23,7 +23,7 @@ use axum::response::{IntoResponse, Response};
 
 use crate::api::http::error::ApiError;
 use crate::api::http::reply::{Reply, next_frame};
-use crate::api::http::{Body, DEFAULT_MAX_TOKENS, body_bytes, with_request_id};
+use crate::api::http::{Body, DEFAULT_MAX_TOKENS, asked_model, body_bytes, with_request_id};
 use crate::auth::Principal;
 use crate::dispatch::GenerationService;
 
@@ -71,7 +71,7 @@ async fn run(
     headers: &HeaderMap,
     body: &[u8],
 ) -> Result<Response, ApiError> {
-    let front = api.frontend()?;
+    let front = api.frontend(&asked_model(body))?;
     let model = front.model_name.clone();
     let parsed = parse(kind, &model, headers, body, &api.sampling_defaults)?;
     let request = &parsed.call.request;

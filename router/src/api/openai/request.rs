@@ -280,6 +280,7 @@ pub(crate) fn parse(
         sampling: Some(sampling),
         cache_salt,
         n,
+        model: model.to_string(),
         ..Default::default()
     };
     match kind {

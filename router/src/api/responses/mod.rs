@@ -22,7 +22,7 @@ use axum::response::{IntoResponse, Response};
 use crate::api::http::error::ApiError;
 use crate::api::http::reply::Reply;
 use crate::api::http::{
-    Body, DEFAULT_MAX_TOKENS, body_bytes, event_stream, gather, with_request_id,
+    Body, DEFAULT_MAX_TOKENS, asked_model, body_bytes, event_stream, gather, with_request_id,
 };
 use crate::api::responses::response::Transcript;
 use crate::auth::Principal;
@@ -47,7 +47,7 @@ async fn run(
     headers: &HeaderMap,
     body: &[u8],
 ) -> Result<Response, ApiError> {
-    let front = api.frontend()?;
+    let front = api.frontend(&asked_model(body))?;
     let parsed = parse(&front.model_name, headers, body, &api.sampling_defaults)?;
     let request = &parsed.call.request;
     let request_id = request.request_id.clone();

@@ -148,6 +148,7 @@ pub(crate) fn parse(
         tool_choice: choice as i32,
         tool_choice_function: function,
         sampling: Some(sampling),
+        model: model.to_string(),
         ..Default::default()
     };
     let parallel_tool_calls = parallel_tool_calls(&body)?;
