@@ -375,7 +375,7 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
         let ids: Vec<&str> = models.iter().map(|(_, id)| id.as_str()).collect();
         println!("tandem cluster is up, serving {}", ids.join(", "));
         for n in &nodes {
-            println!("  {:<10} {}", n.name, n.addr);
+            println!("  {:<14} {}", n.name, n.addr);
         }
         // Plaintext addresses print bare (host:port), as every client takes them.
         let (scheme, grpc, ca_flag) = match (api_tls, &certs) {

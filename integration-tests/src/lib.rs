@@ -591,6 +591,11 @@ pub fn qwen_model() -> anyhow::Result<Arc<Model>> {
     named_model("qwen2.5-coder-0.5b")
 }
 
+/// Gemma 3 270M (Q4_K_M), a third architecture; `tandem model fetch gemma-3-270m` fetches it.
+pub fn gemma_model() -> anyhow::Result<Arc<Model>> {
+    named_model("gemma-3-270m")
+}
+
 fn named_model(name: &str) -> anyhow::Result<Arc<Model>> {
     let source = tandem_engine::ModelSource::parse(name, &tandem_engine::model_dir_from_env());
     Ok(source.load()?)

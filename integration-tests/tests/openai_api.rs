@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use tandem_integration_tests::{Cluster, ClusterConfig, collect, smollm2_model};
+use tandem_integration_tests::{
+    Cluster, ClusterConfig, collect, gemma_model, metrics, qwen_model, sample, smollm2_model,
+};
 use tandem_proto::v1 as pb;
 
 /// The packages the checks are written against: the `openai` client, and LangChain's.
@@ -218,5 +220,58 @@ async fn the_openai_client_calls_tools_and_gets_structured_outputs() {
     let call: serde_json::Value = serde_json::from_str(&call).expect(&text);
     assert_eq!(call["name"], seen["required"]["name"], "{text:?}");
     assert_eq!(call["arguments"], seen["required"]["arguments"], "{text:?}");
+    cluster.stop().await.expect("stop");
+}
+
+/// One cluster serving the default model and Gemma 3 270M: the `openai` client lists both, each
+/// completes a prompt under its own id as the gRPC API does for that model, from its own nodes (each
+/// model's decode node decoded only its own model's requests), and an unknown model is a 404
+/// naming both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_client_reaches_each_model_of_a_two_model_cluster() {
+    let python = tokio::task::spawn_blocking(python)
+        .await
+        .expect("python setup");
+    let qwen = qwen_model().expect("the default model (run `tandem model fetch`)");
+    let gemma = gemma_model().expect("Gemma 3 270M (run `tandem model fetch gemma-3-270m`)");
+    let config = ClusterConfig {
+        more_models: vec![gemma.clone()],
+        ..ClusterConfig::new(qwen.clone())
+    };
+    let cluster = Cluster::start(config).await.expect("cluster");
+    let base = format!("http://{}/v1", cluster.http);
+    let seen = check_script(&python, "two_models.py", &base).await;
+    assert_eq!(seen["unknown_status"], 404, "{seen}");
+    for (m, model) in [&qwen, &gemma].into_iter().enumerate() {
+        let text = grpc_text(
+            &cluster,
+            pb::GenerateRequest {
+                model: model.name.clone(),
+                prompt: Some("The colours of the rainbow are red, orange,".into()),
+                sampling: Some(pb::SamplingParams {
+                    max_tokens: 12,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        )
+        .await;
+        assert_eq!(seen["replies"][&model.name], text.as_str(), "{seen}");
+        // Its decode node (nodes are in model order) decoded its three requests' tokens (at
+        // most 12 each), and none of the other model's.
+        let text = metrics(cluster.decode[m].addr).await.expect("metrics");
+        let tokens = sample(&text, "tandem_decode_tokens_total").unwrap_or(0.0);
+        assert!(
+            tokens > 0.0 && tokens <= 36.0,
+            "{}'s decode node decoded {tokens} tokens",
+            model.name
+        );
+        let router = metrics(cluster.router.addr).await.expect("metrics");
+        let ok = format!(
+            "tandem_model_requests_total{{model=\"{}\",code=\"Ok\"}}",
+            model.name
+        );
+        assert_eq!(sample(&router, &ok), Some(3.0), "{ok}");
+    }
     cluster.stop().await.expect("stop");
 }
