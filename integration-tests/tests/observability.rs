@@ -202,3 +202,37 @@ async fn shutdown_drains_a_running_stream_to_its_final_frame() {
     );
     stopping.await.expect("join").expect("clean stop");
 }
+
+/// Every worker exposes the Gateway API Inference Extension's model-server gauges under the
+/// protocol's names, with what its `Worker.Load` says: requests waiting and running, the KV
+/// pool's use as a fraction, and the block size and pool blocks as labels.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_expose_the_model_server_protocols_gauges() {
+    let model = tandem_engine::ModelSource::TINY.load().expect("tiny");
+    let cluster = Cluster::start(ClusterConfig::new(model))
+        .await
+        .expect("cluster");
+    let prompt: Vec<u32> = (0..70).map(|i| 3 + (i * 5) % 250).collect();
+    collect(&mut cluster.client(), greedy(prompt, 6))
+        .await
+        .expect("generate");
+    cluster.until_decode_idle(0).await.expect("idle");
+    let load = cluster.decode_load(0).await.expect("load");
+    let text = metrics(cluster.decode[0].addr).await.expect("metrics");
+    assert_eq!(sample(&text, "vllm:num_requests_waiting"), Some(0.0));
+    assert_eq!(sample(&text, "vllm:num_requests_running"), Some(0.0));
+    let usage = sample(&text, "vllm:kv_cache_usage_perc").expect("usage");
+    let used = (load.kv_blocks_total - load.kv_blocks_free) as f64;
+    assert_eq!(usage, used / load.kv_blocks_total as f64, "{load:?}");
+    let info = format!(
+        "vllm:cache_config_info{{block_size=\"16\",num_gpu_blocks=\"{}\"}}",
+        load.kv_blocks_total
+    );
+    assert_eq!(sample(&text, &info), Some(1.0), "{text}");
+    // A prefill node has them too.
+    let text = metrics(cluster.prefill[0].addr).await.expect("metrics");
+    for name in ["vllm:num_requests_waiting", "vllm:num_requests_running"] {
+        assert_eq!(sample(&text, name), Some(0.0), "{name}");
+    }
+    cluster.stop().await.expect("stop");
+}

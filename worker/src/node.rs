@@ -189,12 +189,13 @@ impl Node {
     ) -> Result<(), NodeError> {
         let Self {
             config,
-            registry,
+            mut registry,
             hub,
             root,
             role,
             spill,
         } = self;
+        registry.register_collector(Box::new(ModelServerMetrics { load: load.clone() }));
         let worker = WorkerService::new(
             crate::worker_info(&config.model, kv_layout, role),
             load,
@@ -227,6 +228,66 @@ impl Node {
         .await;
         root.cancel();
         Ok(served?)
+    }
+}
+
+/// The Gateway API Inference Extension's model-server metrics, under the names its protocol
+/// documents (vLLM's, which its endpoint picker reads by default), from the node's
+/// `Worker.Load` answer at each scrape: requests queued and running, the KV pool's use (a
+/// fraction: 1 is full) and, as labels of an info gauge, the block size and the pool's blocks.
+struct ModelServerMetrics {
+    load: Arc<dyn LoadSource>,
+}
+
+impl std::fmt::Debug for ModelServerMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelServerMetrics").finish_non_exhaustive()
+    }
+}
+
+impl Collector for ModelServerMetrics {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let load = self.load.load();
+        for (name, help, value) in [
+            (
+                "vllm:num_requests_waiting",
+                "Requests waiting for a place (TotalQueuedRequests)",
+                load.queued,
+            ),
+            (
+                "vllm:num_requests_running",
+                "Requests being served (TotalRunningRequests)",
+                load.active,
+            ),
+        ] {
+            let gauge = ConstGauge::new(i64::from(value));
+            gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        let used = load.kv_blocks_total.saturating_sub(load.kv_blocks_free);
+        let usage = match load.kv_blocks_total {
+            0 => 0.0,
+            total => used as f64 / total as f64,
+        };
+        let gauge = ConstGauge::new(usage);
+        gauge.encode(encoder.encode_descriptor(
+            "vllm:kv_cache_usage_perc",
+            "KV pool use, 1 is full (KVCacheUtilization)",
+            None,
+            gauge.metric_type(),
+        )?)?;
+        let info = ConstGauge::new(1i64);
+        let labels = [
+            ("block_size", tandem_engine::BLOCK_TOKENS.to_string()),
+            ("num_gpu_blocks", load.kv_blocks_total.to_string()),
+        ];
+        let mut family = encoder.encode_descriptor(
+            "vllm:cache_config_info",
+            "The KV pool's block size in tokens and its blocks (BlockSize, NumGPUBlocks)",
+            None,
+            info.metric_type(),
+        )?;
+        info.encode(family.encode_family(&labels)?)?;
+        Ok(())
     }
 }
 
