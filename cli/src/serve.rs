@@ -338,6 +338,11 @@ pub(crate) struct RouterArgs {
     /// Unset, the only model the workers serve; with several, such a request is refused.
     #[arg(long, env = "TANDEM_DEFAULT_MODEL")]
     default_model: Option<String>,
+    /// Serve the Gateway API Inference Extension's endpoint picker (Envoy's ext_proc service)
+    /// on the gRPC port, picking among these routers' HTTP endpoints (`host:port`, names
+    /// resolved every 2 s): each conversation's requests go to one of them (docs/gateway.md).
+    #[arg(long, env = "TANDEM_PICKER_ENDPOINTS", value_delimiter = ',')]
+    picker_endpoints: Vec<String>,
     #[command(flatten)]
     tls: TlsArgs,
     #[command(flatten)]
@@ -522,6 +527,7 @@ pub(crate) fn router(args: &RouterArgs) -> anyhow::Result<()> {
         },
         // Compose passes an unset default as an empty value.
         default_model: args.default_model.clone().filter(|m| !m.is_empty()),
+        picker_endpoints: args.picker_endpoints.clone(),
     };
     runtime()?.block_on(async {
         let http = match args.http_listen {

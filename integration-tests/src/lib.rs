@@ -219,6 +219,8 @@ pub struct Cluster {
     /// With `relays`: the prefill nodes' relays, then the decode nodes'.
     pub relays: Vec<Relay>,
     config: ClusterConfig,
+    /// The router's configuration, which [`Cluster::another_router`] starts again.
+    router_config: tandem_router::Config,
 }
 
 async fn start_decode(
@@ -306,6 +308,7 @@ impl Cluster {
         };
         let http = TcpListener::bind("127.0.0.1:0").await?;
         let http_addr = http.local_addr()?;
+        let router_config = rc.clone();
         let router = Node::spawn(|grpc, rx| async move {
             let listeners = tandem_router::Listeners {
                 grpc,
@@ -321,7 +324,30 @@ impl Cluster {
             decode,
             relays,
             config,
+            router_config,
         })
+    }
+
+    /// Starts another router over the same workers, as the first one is configured and then
+    /// changed by `adjust` (given the address its HTTP API will have): a second router of a
+    /// fleet. Returns it and its HTTP address.
+    pub async fn another_router(
+        &self,
+        adjust: impl FnOnce(&mut tandem_router::Config, SocketAddr),
+    ) -> anyhow::Result<(Node, SocketAddr)> {
+        let http = TcpListener::bind("127.0.0.1:0").await?;
+        let http_addr = http.local_addr()?;
+        let mut rc = self.router_config.clone();
+        adjust(&mut rc, http_addr);
+        let router = Node::spawn(|grpc, rx| async move {
+            let listeners = tandem_router::Listeners {
+                grpc,
+                http: Some(http),
+            };
+            Ok(tandem_router::run(listeners, rc, stopped(rx)).await?)
+        })
+        .await?;
+        Ok((router, http_addr))
     }
 
     /// Stops decode node `i` and starts a new one (empty caches, a new cache epoch) on the

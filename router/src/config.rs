@@ -77,6 +77,9 @@ pub struct Config {
     /// the Messages API); without it, the only model served, and with several served such a
     /// request is refused.
     pub default_model: Option<String>,
+    /// The endpoints (`host:port`: routers' HTTP addresses, names resolved every 2 s) the
+    /// router picks among as a gateway's ext_proc endpoint picker; empty, it serves no picker.
+    pub picker_endpoints: Vec<String>,
 }
 
 /// The sampling an OpenAI HTTP request gets for what it leaves unset, as llama-server's flags
@@ -142,6 +145,7 @@ impl Default for Config {
             sampling_defaults: SamplingDefaults::default(),
             sessions: Default::default(),
             default_model: None,
+            picker_endpoints: Vec::new(),
         }
     }
 }

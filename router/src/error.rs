@@ -40,6 +40,9 @@ pub enum Error {
     #[error("no model is known yet (no worker has answered)")]
     NotReady,
 
+    #[error("the endpoint picker knows no endpoint: --picker-endpoints resolved to none")]
+    NoEndpoint,
+
     #[error("the model '{asked}' does not exist; this cluster serves: {served}")]
     UnknownModel { asked: String, served: String },
 
@@ -99,6 +102,7 @@ impl Error {
             Error::Unauthenticated => Code::Unauthenticated,
             Error::UnknownModel { .. } => Code::NotFound,
             Error::NoReplica { .. }
+            | Error::NoEndpoint
             | Error::NotReady
             | Error::ShuttingDown
             | Error::Draining

@@ -205,13 +205,32 @@ pub async fn run(
         tracker.spawn(cert.clone().watch(root.child_token()));
     }
     let interceptor = crate::api::grpc::interceptor(&generation);
+    let picker = match config.picker_endpoints.as_slice() {
+        [] => None,
+        specs => {
+            let picker = api::picker::Picker::start(
+                generation.clone(),
+                specs.to_vec(),
+                config.limits.http_body_bytes,
+                &tracker,
+                root.child_token(),
+            )
+            .await;
+            tracing::info!(endpoints = ?specs, "serving the ext_proc endpoint picker");
+            Some(picker)
+        }
+    };
     let cut = generation.shutdown.clone();
     let server = pb::generation_server::GenerationServer::new(generation)
         .max_decoding_message_size(config.limits.grpc_message_bytes)
         .max_encoding_message_size(tandem_proto::MAX_MESSAGE_BYTES);
-    let routes = Routes::new(health_service).add_service(
+    let mut routes = Routes::new(health_service).add_service(
         tonic::service::interceptor::InterceptedService::new(server, interceptor),
     );
+    if let Some(picker) = picker {
+        use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
+        routes = routes.add_service(ExternalProcessorServer::new(picker));
+    }
     let shutdown = async {
         shutdown.await;
         draining.cancel();

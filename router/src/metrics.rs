@@ -41,6 +41,8 @@ pub const MODEL_PROMPT_TOKENS: &str = "tandem_model_prompt_tokens";
 pub const MODEL_CACHED_PROMPT_TOKENS: &str = "tandem_model_cached_prompt_tokens";
 pub const MODEL_GENERATED_TOKENS: &str = "tandem_model_generated_tokens";
 pub const MODEL_REPLICAS: &str = "tandem_router_model_replicas";
+pub const PICKS: &str = "tandem_router_picks";
+pub const PICKER_SHED: &str = "tandem_router_picker_shed";
 
 /// The codes a request can end with (pre-set to 0 so that rates exist from the start).
 const CODES: [tonic::Code; 8] = [
@@ -121,6 +123,17 @@ pub struct ModelStatusLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DestinationLabel {
+    /// The endpoint (`ip:port`) the picker named.
+    pub destination: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HttpStatusLabel {
+    pub status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ModelRoleLabel {
     pub model: String,
     pub role: &'static str,
@@ -192,6 +205,10 @@ pub struct RouterMetrics {
     pub model_generated_tokens: Family<ModelLabel, Counter>,
     /// Replicas up per model and role.
     pub model_replicas: Family<ModelRoleLabel, Gauge>,
+    /// The endpoint picker's decisions: requests sent to each endpoint, and those shed by
+    /// HTTP status.
+    pub picks: Family<DestinationLabel, Counter>,
+    pub picker_shed: Family<HttpStatusLabel, Counter>,
 }
 
 impl RouterMetrics {
@@ -229,6 +246,8 @@ impl RouterMetrics {
             model_cached_prompt_tokens: Family::default(),
             model_generated_tokens: Family::default(),
             model_replicas: Family::default(),
+            picks: Family::default(),
+            picker_shed: Family::default(),
         };
         // Series a dashboard queries exist before their first event.
         for hop in ["decode", "prefill"] {
@@ -394,6 +413,16 @@ impl RouterMetrics {
             "Replicas up (healthy, serving the model) by model and role",
             m.model_replicas.clone(),
         );
+        registry.register(
+            PICKS,
+            "Requests the endpoint picker sent to each endpoint",
+            m.picks.clone(),
+        );
+        registry.register(
+            PICKER_SHED,
+            "Requests the endpoint picker shed, by HTTP status (429, 503)",
+            m.picker_shed.clone(),
+        );
         m
     }
 
@@ -453,6 +482,20 @@ impl RouterMetrics {
         self.model_cached_prompt_tokens
             .get_or_create(&label)
             .inc_by(cached);
+    }
+
+    pub fn picked(&self, destination: &str) {
+        self.picks
+            .get_or_create(&DestinationLabel {
+                destination: destination.to_string(),
+            })
+            .inc();
+    }
+
+    pub fn picker_shed(&self, status: u16) {
+        self.picker_shed
+            .get_or_create(&HttpStatusLabel { status })
+            .inc();
     }
 
     pub fn finished(&self, code: tonic::Code) {

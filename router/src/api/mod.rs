@@ -15,6 +15,7 @@ pub mod anthropic;
 pub mod grpc;
 pub mod http;
 pub mod openai;
+pub(crate) mod picker;
 pub mod responses;
 pub mod session;
 

@@ -135,9 +135,15 @@ fn ewma(old: f64, sample: f64) -> f64 {
     }
 }
 
-/// Rendezvous (highest random weight) score of `replica` for `key`.
+/// Rendezvous (highest random weight) score of the place named `name` for `key`: each key's
+/// places ranked by it move only as places come and go.
+pub(crate) fn rendezvous_score(key: &[u8], name: &[u8]) -> u64 {
+    xxh3_64_with_seed(name, xxhash_rust::xxh3::xxh3_64(key))
+}
+
+/// Rendezvous score of `replica` for `key`.
 fn rendezvous(key: &[u8], replica: &Replica) -> u64 {
-    xxh3_64_with_seed(replica.addr.as_bytes(), xxhash_rust::xxh3::xxh3_64(key))
+    rendezvous_score(key, replica.addr.as_bytes())
 }
 
 /// The healthy replicas of `role` serving the request's model that have not failed it.
