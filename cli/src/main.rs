@@ -119,17 +119,29 @@ impl ModelArgs {
     }
 }
 
-fn init_tracing(json: bool) {
+/// Logs to stderr (as JSON with `json`) and, when the `OTEL_*` environment asks for it, spans
+/// to an OTLP collector as `service` ([`tandem_net::otel`]); keep the guard until the end.
+fn init_tracing(json: bool, service: &str) -> Option<tandem_net::otel::Guard> {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| "info,h2=warn,tower=warn,hyper=warn".into());
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    let (otel, guard) = match tandem_net::otel::layer(service) {
+        Ok(Some((layer, guard))) => (Some(layer), Some(guard)),
+        Ok(None) => (None, None),
+        Err(e) => {
+            eprintln!("OpenTelemetry: no trace export ({e})");
+            (None, None)
+        }
+    };
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let registry = tracing_subscriber::registry().with(filter).with(otel);
     if json {
-        builder.json().init();
+        registry.with(fmt.json()).init();
     } else {
-        builder.init();
+        registry.with(fmt).init();
     }
+    guard
 }
 
 /// glibc's malloc raises its mmap threshold to the largest block freed so far (up to 32 MB), so
@@ -149,7 +161,13 @@ fn bound_freed_memory() {}
 fn main() -> anyhow::Result<()> {
     bound_freed_memory();
     let cli = Cli::parse();
-    init_tracing(cli.log_json);
+    let service = match &cli.command {
+        Command::Router(_) => "tandem-router",
+        Command::Prefill(_) => "tandem-prefill",
+        Command::Decode(_) => "tandem-decode",
+        _ => "tandem",
+    };
+    let _traces = init_tracing(cli.log_json, service);
     match cli.command {
         Command::Model {
             command: ModelCommand::Fetch(args),

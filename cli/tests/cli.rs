@@ -36,8 +36,14 @@ impl Up {
     /// With `log`, every node logs JSON at debug level into that file; `extra` are more flags
     /// for `tandem up`.
     fn start_with(log: Option<&std::path::Path>, extra: &[&str]) -> Self {
+        Self::start_in(log, extra, &[])
+    }
+
+    /// [`Up::start_with`], with `env` set for every node.
+    fn start_in(log: Option<&std::path::Path>, extra: &[&str], env: &[(&str, &str)]) -> Self {
         use std::io::BufRead;
         let mut command = Command::new(env!("CARGO_BIN_EXE_tandem"));
+        command.envs(env.iter().copied());
         match log {
             Some(path) => {
                 let file = std::fs::File::create(path).expect("log file");
@@ -890,4 +896,153 @@ fn the_client_api_over_tls() {
     assert!(status.ends_with("200 OK"), "{status}");
     assert!(body.contains("tandem_router_"), "{body}");
     up.stop();
+}
+
+/// Spans of every node reach an OTLP collector (a receiver built from the official
+/// `opentelemetry-proto` definitions) when `OTEL_EXPORTER_OTLP_ENDPOINT` is set: one request
+/// sent with a client's `traceparent` is one trace holding the router's, the prefill node's and
+/// the decode node's spans, each process under its own `service.name`, and the router's
+/// request span carries the GenAI attributes.
+#[test]
+fn one_request_is_one_trace_across_the_nodes() {
+    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+        TraceService, TraceServiceServer,
+    };
+    use opentelemetry_proto::tonic::collector::trace::v1::{
+        ExportTraceServiceRequest, ExportTraceServiceResponse,
+    };
+    use opentelemetry_proto::tonic::common::v1::any_value::Value as Any;
+    use std::sync::{Arc, Mutex};
+
+    /// Every span received: its process's service name, trace id, name and attributes.
+    type Received = Arc<Mutex<Vec<(String, Vec<u8>, String, Vec<(String, String)>)>>>;
+    struct Receiver(Received);
+
+    #[tonic::async_trait]
+    impl TraceService for Receiver {
+        async fn export(
+            &self,
+            request: tonic::Request<ExportTraceServiceRequest>,
+        ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+            let text = |v: &Option<Any>| match v {
+                Some(Any::StringValue(s)) => s.clone(),
+                Some(Any::IntValue(i)) => i.to_string(),
+                Some(Any::DoubleValue(d)) => d.to_string(),
+                Some(Any::BoolValue(b)) => b.to_string(),
+                _ => String::new(),
+            };
+            let mut got = self.0.lock().expect("lock");
+            for rs in request.into_inner().resource_spans {
+                let attrs = rs.resource.map(|r| r.attributes).unwrap_or_default();
+                let service = attrs
+                    .iter()
+                    .find(|a| a.key == "service.name")
+                    .map(|a| text(&a.value.as_ref().and_then(|v| v.value.clone())))
+                    .unwrap_or_default();
+                for span in rs.scope_spans.into_iter().flat_map(|s| s.spans) {
+                    let attributes = span
+                        .attributes
+                        .iter()
+                        .map(|a| {
+                            (
+                                a.key.clone(),
+                                text(&a.value.as_ref().and_then(|v| v.value.clone())),
+                            )
+                        })
+                        .collect();
+                    got.push((service.clone(), span.trace_id, span.name, attributes));
+                }
+            }
+            Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+        }
+    }
+
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let received = Received::default();
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .expect("bind");
+    let collector = listener.local_addr().expect("addr");
+    rt.spawn(
+        tonic::transport::Server::builder()
+            .add_service(TraceServiceServer::new(Receiver(received.clone())))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let endpoint = format!("http://{collector}");
+    let up = Up::start_in(
+        None,
+        &[],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ],
+    );
+    // The client's own trace: the request continues it.
+    let trace_hex = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let trace_id: Vec<u8> = (0..16)
+        .map(|i| u8::from_str_radix(&trace_hex[2 * i..2 * i + 2], 16).expect("hex"))
+        .collect();
+    let status = rt.block_on(async {
+        reqwest::Client::new()
+            .post(format!("{}/completions", up.http))
+            .header("traceparent", format!("00-{trace_hex}-00f067aa0ba902b7-01"))
+            .json(&serde_json::json!({"model": "tiny", "prompt": "hello there", "max_tokens": 3}))
+            .send()
+            .await
+            .expect("POST")
+            .status()
+    });
+    assert_eq!(status, 200);
+    let want = ["tandem-router", "tandem-prefill", "tandem-decode"];
+    let started = std::time::Instant::now();
+    let spans = loop {
+        let spans: Vec<_> = (received.lock().expect("lock").iter())
+            .filter(|s| s.1 == trace_id)
+            .cloned()
+            .collect();
+        if want.iter().all(|w| spans.iter().any(|s| s.0 == *w)) {
+            break spans;
+        }
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(20),
+            "the trace's spans by then: {spans:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    up.stop();
+    let request = spans
+        .iter()
+        .find(|s| s.0 == "tandem-router" && s.2 == "request")
+        .unwrap_or_else(|| panic!("no request span: {spans:?}"));
+    let attr = |key: &str| {
+        request
+            .3
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+            .unwrap_or_else(|| panic!("no {key} on {request:?}"))
+    };
+    assert_eq!(attr("gen_ai.request.model"), "tiny");
+    assert_eq!(attr("gen_ai.operation.name"), "text_completion");
+    assert!(attr("gen_ai.usage.input_tokens").parse::<u64>().expect("n") > 0);
+    assert_eq!(attr("gen_ai.usage.output_tokens"), "3");
+    // The attempt and its replicas, and the KV push on the decode node, are spans of it too.
+    for (service, name) in [
+        ("tandem-router", "attempt"),
+        ("tandem-router", "prefill"),
+        ("tandem-prefill", "prefill"),
+        ("tandem-decode", "generate"),
+        ("tandem-decode", "push"),
+    ] {
+        assert!(
+            spans.iter().any(|s| s.0 == service && s.2 == name),
+            "no {name} span from {service}: {spans:?}"
+        );
+    }
+    let ttft = spans
+        .iter()
+        .filter(|s| s.2 == "attempt")
+        .flat_map(|s| &s.3)
+        .find(|(k, _)| k == "gen_ai.server.time_to_first_token");
+    assert!(ttft.is_some(), "{spans:?}");
 }

@@ -6,6 +6,7 @@ use std::pin::Pin;
 use tandem_proto::v1 as pb;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use crate::error::Error;
 use crate::request::{Plan, RequestContext};
@@ -22,11 +23,24 @@ pub struct DecodeService {
 impl pb::decode_server::Decode for DecodeService {
     type GenerateStream = DecodeStream;
 
-    #[tracing::instrument(skip_all, fields(request_id = %tandem_proto::loggable_id(&request.get_ref().request_id)))]
     async fn generate(
         &self,
         request: Request<pb::DecodeRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
+        let id = tandem_proto::loggable_id(&request.get_ref().request_id);
+        let span = tracing::info_span!("generate", request_id = %id);
+        // The caller's trace is the span's parent, set before the span is entered.
+        tandem_net::otel::follow(&span, request.metadata());
+        self.open(request).instrument(span).await
+    }
+}
+
+impl DecodeService {
+    /// Checks and starts one decode stream.
+    async fn open(
+        &self,
+        request: Request<pb::DecodeRequest>,
+    ) -> Result<Response<DecodeStream>, Status> {
         let deadline = tandem_net::deadline(request.metadata());
         let r = request.into_inner();
         tandem_proto::check_ids(&[

@@ -11,6 +11,7 @@
 //! ([`api_tls`]).
 
 pub mod api_tls;
+pub mod otel;
 pub mod tls;
 
 use std::future::Future;

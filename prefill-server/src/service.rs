@@ -11,6 +11,7 @@ use tandem_transfer::{Header, KvPush};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use crate::compute::{Job, Shared, Work};
 use crate::error::{Error, Result};
@@ -183,14 +184,18 @@ impl PrefillService {
 
 #[tonic::async_trait]
 impl pb::prefill_server::Prefill for PrefillService {
-    #[tracing::instrument(skip_all, fields(request_id = %tandem_proto::loggable_id(&request.get_ref().request_id)))]
     async fn prefill(
         &self,
         request: Request<pb::PrefillRequest>,
     ) -> Result<Response<pb::PrefillResponse>, Status> {
-        Ok(Response::new(
-            PrefillService::prefill(self, request.into_inner()).await?,
-        ))
+        let id = tandem_proto::loggable_id(&request.get_ref().request_id);
+        let span = tracing::info_span!("prefill", request_id = %id);
+        // The caller's trace is the span's parent, set before the span is entered.
+        tandem_net::otel::follow(&span, request.metadata());
+        let prefilled = PrefillService::prefill(self, request.into_inner())
+            .instrument(span)
+            .await?;
+        Ok(Response::new(prefilled))
     }
 }
 

@@ -67,11 +67,14 @@ impl KvPush {
         };
         // Capacity is at least one, so the header always fits.
         let _ = tx.try_send(first);
+        // The push belongs to the caller's trace.
+        let mut request = tonic::Request::new(ReceiverStream::new(rx));
+        tandem_net::otel::inject(request.metadata_mut());
         let task = tokio::spawn(async move {
             let mut client =
                 tandem_proto::limits!(pb::kv_transfer_client::KvTransferClient::new(channel));
             Ok(client
-                .push(ReceiverStream::new(rx))
+                .push(request)
                 .await
                 .map_err(Error::from)?
                 .into_inner())

@@ -14,6 +14,7 @@ use std::time::Instant;
 use tandem_proto::v1 as pb;
 use tandem_proto::v1::push_frame::Frame;
 use tonic::{Code, Request, Response, Status, Streaming};
+use tracing::Instrument;
 
 use crate::error::{Error, Result};
 use crate::fetch::FetchSource;
@@ -176,11 +177,24 @@ impl pb::kv_transfer_server::KvTransfer for KvTransferService {
         )))
     }
 
-    #[tracing::instrument(
-        skip_all,
-        fields(request_id = tracing::field::Empty, transfer_id = tracing::field::Empty)
-    )]
     async fn push(
+        &self,
+        request: Request<Streaming<pb::PushFrame>>,
+    ) -> Result<Response<pb::PushAck>, Status> {
+        let span = tracing::info_span!(
+            "push",
+            request_id = tracing::field::Empty,
+            transfer_id = tracing::field::Empty
+        );
+        // The sender's trace is the span's parent, set before the span is entered.
+        tandem_net::otel::follow(&span, request.metadata());
+        self.take(request).instrument(span).await
+    }
+}
+
+impl KvTransferService {
+    /// Receives one push ([`KvTransferService::receive`]) and counts it.
+    async fn take(
         &self,
         request: Request<Streaming<pb::PushFrame>>,
     ) -> Result<Response<pb::PushAck>, Status> {

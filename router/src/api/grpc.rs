@@ -29,11 +29,23 @@ pub(crate) fn interceptor(
 impl pb::generation_server::Generation for GenerationService {
     type GenerateStream = GenerateStream;
 
-    #[tracing::instrument(skip_all, fields(request_id = %tandem_proto::loggable_id(&request.get_ref().request_id)))]
     async fn generate(
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
+        let id = tandem_proto::loggable_id(&request.get_ref().request_id);
+        let span = tracing::info_span!("generate", request_id = %id);
+        // A client's `traceparent` is the span's parent, set before the span is entered.
+        tandem_net::otel::follow(&span, request.metadata());
+        tracing::Instrument::instrument(self.generate_traced(request), span).await
+    }
+}
+
+impl GenerationService {
+    async fn generate_traced(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<GenerateStream>, Status> {
         let deadline = tandem_net::deadline(request.metadata());
         // The [`interceptor`] put it there before the body was
         // read.

@@ -80,7 +80,10 @@ async fn authenticate(
     match api.authenticate(authorization) {
         Ok(principal) => {
             request.extensions_mut().insert(principal);
-            next.run(request).await
+            // The request's trace starts here, or continues the client's `traceparent`.
+            let span = tracing::info_span!("http", method = %request.method(), path = %request.uri().path());
+            tandem_net::otel::follow_http(&span, request.headers());
+            tracing::Instrument::instrument(next.run(request), span).await
         }
         Err(e) => {
             let shape = if request.uri().path().starts_with("/v1/messages") {

@@ -228,6 +228,7 @@ impl Dispatcher {
                 last_resort: is_last_resort,
             });
             d_req.set_timeout(deadline.saturating_duration_since(TokioInstant::now()));
+            tandem_net::otel::inject(d_req.metadata_mut());
             let mut frames = match d_client.generate(d_req).await {
                 Ok(frames) => frames.into_inner(),
                 Err(s) if s.code() == tonic::Code::ResourceExhausted => {

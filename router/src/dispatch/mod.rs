@@ -142,7 +142,17 @@ impl GenerationService {
         if key.1.is_empty() {
             r.request_id = fresh_id();
         }
-        let span = tracing::info_span!("request", request_id = %r.request_id);
+        // The request's span carries the GenAI semantic conventions' attributes.
+        let span = tracing::info_span!(
+            "request",
+            request_id = %r.request_id,
+            "gen_ai.operation.name" = if r.messages.is_empty() { "text_completion" } else { "chat" },
+            "gen_ai.provider.name" = "tandem",
+            "gen_ai.request.model" = tracing::field::Empty,
+            "gen_ai.request.max_tokens" = tracing::field::Empty,
+            "gen_ai.usage.input_tokens" = tracing::field::Empty,
+            "gen_ai.usage.output_tokens" = tracing::field::Empty,
+        );
         if let Some(attached) = attach(&self.running(), &key) {
             return Ok(Started {
                 frames: attached,
@@ -188,6 +198,9 @@ impl GenerationService {
         };
         let reader = log.subscribe();
         let prompt_tokens = u32::try_from(prepared.tokens.len()).unwrap_or(u32::MAX);
+        span.record("gen_ai.request.model", prepared.model.as_str());
+        span.record("gen_ai.request.max_tokens", prepared.sampling.max_tokens);
+        span.record("gen_ai.usage.input_tokens", prompt_tokens);
         let (svc, shutdown) = (self.clone(), self.shutdown.clone());
         let model = prepared.model.clone();
         self.generations.spawn(
@@ -201,6 +214,7 @@ impl GenerationService {
                     }
                 };
                 grant.finish(outcome.generated);
+                tracing::Span::current().record("gen_ai.usage.output_tokens", outcome.generated);
                 svc.dispatcher.metrics.finished(outcome.code);
                 (svc.dispatcher.metrics).model_finished(
                     &model,

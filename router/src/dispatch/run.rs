@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 use tandem_proto::v1 as pb;
 use tokio::time::Instant as TokioInstant;
 use tonic::Status;
+use tracing::Instrument;
+use tracing::field::Empty;
 
 use crate::cluster::policy::Choice;
 use crate::cluster::replica::Replica;
@@ -127,7 +129,21 @@ impl Dispatcher {
         loop {
             progress.attempts += 1;
             self.metrics.attempts.inc();
-            let failure = match self.attempt(p, progress, accepted, deadline, log).await {
+            // One span an attempt (failovers and hand-offs are later attempts), with the
+            // replicas chosen and, on the attempt that saw it, the time to the first token.
+            // Each of the router's spans names the request, as log lines show their innermost.
+            let span = tracing::info_span!(
+                "attempt",
+                request_id = %p.request_id,
+                attempt = progress.attempts,
+                choice = progress.choice,
+                failover = progress.attempts > 1,
+                decode = Empty,
+                prefill = Empty,
+                "gen_ai.server.time_to_first_token" = Empty,
+            );
+            let attempt = self.attempt(p, progress, accepted, deadline, log);
+            let failure = match attempt.instrument(span).await {
                 Ok(()) => return Ok(()),
                 Err(f) => f,
             };
@@ -174,6 +190,7 @@ impl Dispatcher {
             queue_ms,
         } = self
             .admit(p, &tokens, &hashes, progress, accepted, deadline)
+            .instrument(tracing::info_span!("admission", request_id = %p.request_id))
             .await?;
         let Choice {
             decode,
@@ -189,6 +206,9 @@ impl Dispatcher {
         let d_addr = decode.replica().addr.clone();
         let on_decode = |s: &Status| Failure::on_decode(&d_addr, s);
         let p_addr = prefill.as_ref().map(|g| g.replica().addr.clone());
+        let span = tracing::Span::current();
+        span.record("decode", d_addr.as_str());
+        span.record("prefill", p_addr.as_deref().unwrap_or("local"));
         let prefill_call = {
             let request = prefill.as_ref().map(|_| pb::PrefillRequest {
                 request_id: p.request_id.clone(),
@@ -205,7 +225,11 @@ impl Dispatcher {
                 let (Some(guard), Some(request)) = (prefill, request) else {
                     return Ok(None);
                 };
+                let addr = guard.replica().addr.as_str();
                 prefill_on(guard.replica(), request, deadline)
+                    .instrument(
+                        tracing::info_span!("prefill", request_id = %p.request_id, replica = addr),
+                    )
                     .await
                     .map(Some)
                     .map_err(|s| Failure {
@@ -278,6 +302,8 @@ impl Dispatcher {
                 Arrival::First(ttft_ms) if progress.choice == 0 => {
                     self.metrics.ttft.observe(ttft_ms / 1e3);
                     self.metrics.model_first_token(&p.model, ttft_ms / 1e3);
+                    tracing::Span::current()
+                        .record("gen_ai.server.time_to_first_token", ttft_ms / 1e3);
                 }
                 Arrival::First(_) => {}
                 Arrival::After(gap) => self.metrics.inter_token.observe(gap.as_secs_f64()),
@@ -375,5 +401,6 @@ async fn prefill_on(
     ));
     let mut request = tonic::Request::new(request);
     request.set_timeout(deadline.saturating_duration_since(TokioInstant::now()));
+    tandem_net::otel::inject(request.metadata_mut());
     Ok(client.prefill(request).await?.into_inner())
 }
