@@ -83,6 +83,12 @@ async fn each_request_runs_on_its_own_models_nodes() {
         assert_eq!(sample(&text, &ok), Some(1.0), "{ok}");
         let up = format!("tandem_router_model_replicas{{model=\"{id}\",role=\"decode\"}}");
         assert_eq!(sample(&text, &up), Some(1.0), "{up}");
+        // Idle, each role of each model wants the one replica it has.
+        for role in ["prefill", "decode"] {
+            let desired =
+                format!("tandem_router_desired_replicas{{model=\"{id}\",role=\"{role}\"}}");
+            assert_eq!(sample(&text, &desired), Some(1.0), "{desired}");
+        }
     }
 
     // An unknown model is NOT_FOUND (HTTP 404 model_not_found), naming the models served; with

@@ -41,6 +41,7 @@ pub const MODEL_PROMPT_TOKENS: &str = "tandem_model_prompt_tokens";
 pub const MODEL_CACHED_PROMPT_TOKENS: &str = "tandem_model_cached_prompt_tokens";
 pub const MODEL_GENERATED_TOKENS: &str = "tandem_model_generated_tokens";
 pub const MODEL_REPLICAS: &str = "tandem_router_model_replicas";
+pub const DESIRED_REPLICAS: &str = "tandem_router_desired_replicas";
 pub const PICKS: &str = "tandem_router_picks";
 pub const PICKER_SHED: &str = "tandem_router_picker_shed";
 
@@ -205,6 +206,8 @@ pub struct RouterMetrics {
     pub model_generated_tokens: Family<ModelLabel, Counter>,
     /// Replicas up per model and role.
     pub model_replicas: Family<ModelRoleLabel, Gauge>,
+    /// The replicas each model's roles need ([`crate::cluster::scaling`]).
+    pub desired_replicas: Family<ModelRoleLabel, Gauge>,
     /// The endpoint picker's decisions: requests sent to each endpoint, and those shed by
     /// HTTP status.
     pub picks: Family<DestinationLabel, Counter>,
@@ -246,6 +249,7 @@ impl RouterMetrics {
             model_cached_prompt_tokens: Family::default(),
             model_generated_tokens: Family::default(),
             model_replicas: Family::default(),
+            desired_replicas: Family::default(),
             picks: Family::default(),
             picker_shed: Family::default(),
         };
@@ -412,6 +416,11 @@ impl RouterMetrics {
             MODEL_REPLICAS,
             "Replicas up (healthy, serving the model) by model and role",
             m.model_replicas.clone(),
+        );
+        registry.register(
+            DESIRED_REPLICAS,
+            "Replicas each model's role needs, from its load and queue against its measured capacity (for KEDA or an HPA)",
+            m.desired_replicas.clone(),
         );
         registry.register(
             PICKS,

@@ -5,6 +5,7 @@
 //! discovery ─▶ replicas (the set: health, load, monitoring) ◀───────────────┘
 //!                 │  ─▶ migrate (a drain's moves)
 //!                 │                                   policy (which replicas serve a request)
+//!                 ├─ scaling (desired replicas per model and role)
 //!                 └─ replica (one worker) ─▶ index (its cache, from its events), frontend
 //! ```
 //!
@@ -17,4 +18,5 @@ pub mod migrate;
 pub mod policy;
 pub mod replica;
 pub mod replicas;
+pub mod scaling;
 pub mod sessions;

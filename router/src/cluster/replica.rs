@@ -22,7 +22,7 @@ fn measured_or(bits: &AtomicU64, fallback: f64) -> f64 {
 /// How long a replica may take to answer a health check before it counts as gone.
 pub const LIVENESS_TIMEOUT: Duration = Duration::from_secs(1);
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Role {
     Prefill,
     Decode,

@@ -14,7 +14,7 @@
 //! (its KV could not move between prefill and decode). A request runs only on its model's
 //! replicas ([`Replicas::up`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Duration;
@@ -29,6 +29,7 @@ use tonic_health::pb::health_client::HealthClient;
 use crate::cluster::frontend::{Frontend, kv_dtype};
 use crate::cluster::index::{CacheIndex, RECONNECT_MAX};
 use crate::cluster::replica::{LIVENESS_TIMEOUT, Replica, Role};
+use crate::cluster::scaling::{RoleLoad, Smoothed, decode_need, prefill_need};
 use crate::metrics::RouterMetrics;
 
 /// How the set monitors the replicas it holds (absent in [`crate::simulation`]).
@@ -48,6 +49,8 @@ pub struct Replicas {
     monitoring: OnceLock<Monitoring>,
     /// Every model a worker has named, by name, as the first to name it described it.
     models: RwLock<BTreeMap<String, Arc<Frontend>>>,
+    /// The smoothed need of each model's roles ([`crate::cluster::scaling`]).
+    scaling: std::sync::Mutex<HashMap<(String, Role), Smoothed>>,
     /// Mutual TLS to the workers, as the router.
     tls: Option<tandem_net::tls::Tls>,
     /// Woken whenever a replica's health, compatibility or room, the set, or the frontend
@@ -74,6 +77,7 @@ impl Replicas {
             cancel,
             monitoring: OnceLock::new(),
             models: RwLock::default(),
+            scaling: std::sync::Mutex::default(),
             tls,
             changed: Arc::default(),
         }
@@ -256,18 +260,31 @@ impl Replicas {
         });
     }
 
-    /// Sets the replicas-up gauge of every model served and role.
+    /// Sets the replicas-up and desired-replicas gauges of every model served and role.
     fn report_models(&self, metrics: &RouterMetrics) {
+        let mut scaling = self.scaling.lock().unwrap_or_else(|e| e.into_inner());
         for front in self.models() {
             for role in [Role::Prefill, Role::Decode] {
-                let up = self.up(role, &front.model_name).len();
+                let up = self.up(role, &front.model_name);
+                let load = role_load(&up);
+                let need = match role {
+                    Role::Prefill => prefill_need(&load),
+                    Role::Decode => decode_need(&load),
+                };
+                let key = (front.model_name.clone(), role);
+                let desired = scaling.entry(key).or_default().desired(need, up.len());
+                let label = crate::metrics::ModelRoleLabel {
+                    model: front.model_name.clone(),
+                    role: role.name(),
+                };
                 metrics
                     .model_replicas
-                    .get_or_create(&crate::metrics::ModelRoleLabel {
-                        model: front.model_name.clone(),
-                        role: role.name(),
-                    })
-                    .set(up as i64);
+                    .get_or_create(&label)
+                    .set(up.len() as i64);
+                metrics
+                    .desired_replicas
+                    .get_or_create(&label)
+                    .set(desired as i64);
             }
         }
     }
@@ -428,6 +445,28 @@ impl Replicas {
                 }
             }
         }
+    }
+}
+
+/// What the replicas `up` (one model's, one role's) report now.
+fn role_load(up: &[Arc<Replica>]) -> RoleLoad {
+    let rates: Vec<f64> = (up.iter().map(|r| r.prefill_rate()))
+        .filter(|&r| r > 0.0)
+        .collect();
+    RoleLoad {
+        up: up.len(),
+        requests: up.iter().map(|r| u64::from(r.load())).sum(),
+        capacity: up
+            .iter()
+            .map(|r| u64::from(r.capacity()))
+            .max()
+            .unwrap_or(0),
+        busy: up.iter().filter(|r| r.load() > 0).count() as u64,
+        queued_tokens: up.iter().map(|r| r.queued_tokens()).sum(),
+        rate: match rates.len() {
+            0 => 0.0,
+            n => rates.iter().sum::<f64>() / n as f64,
+        },
     }
 }
 
