@@ -45,6 +45,10 @@ pub(crate) struct UpArgs {
     /// Decode nodes to start per model.
     #[arg(long, default_value_t = 1)]
     decode: usize,
+    /// Routers to start, each over all the workers: the first on --port and --http-port, the
+    /// others on free ports (each one's addresses are printed). Any of them serves any request.
+    #[arg(long, default_value_t = 1)]
+    routers: usize,
     /// The router's port on 127.0.0.1 (0 picks a free one).
     #[arg(long, env = "TANDEM_PORT", default_value_t = 50051)]
     port: u16,
@@ -217,9 +221,9 @@ async fn wait_ready(
 ) -> anyhow::Result<()> {
     let ready = async {
         let (routers, workers): (Vec<&Node>, Vec<&Node>) =
-            nodes.iter().partition(|n| n.name == "router");
+            nodes.iter().partition(|n| n.name.starts_with("router"));
         for n in workers.into_iter().chain(routers) {
-            let (service, tls) = if n.name == "router" {
+            let (service, tls) = if n.name.starts_with("router") {
                 ("tandem.v1.Generation", api_tls.map(Tls::api_client_config))
             } else {
                 ("", tls.map(Tls::client_config))
@@ -250,8 +254,8 @@ async fn stop(nodes: &mut [Node]) {
 }
 
 pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
-    if args.prefill == 0 || args.decode == 0 {
-        bail!("--prefill and --decode must each be at least 1");
+    if args.prefill == 0 || args.decode == 0 || args.routers == 0 {
+        bail!("--prefill, --decode and --routers must each be at least 1");
     }
     let dir = (args.model_dir.clone()).unwrap_or_else(tandem_engine::model_dir_from_env);
     let models: Vec<(String, String)> = args
@@ -334,10 +338,6 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
         };
         let mut router_args = vec![
             "router".to_string(),
-            "--listen".into(),
-            format!("127.0.0.1:{}", args.port),
-            "--http-listen".into(),
-            format!("127.0.0.1:{}", http_port(args.port, args.http_port)),
             "--prefill".into(),
             list("prefill"),
             "--decode".into(),
@@ -361,10 +361,32 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
                 c.dir.join(key).display().to_string(),
             ]);
         }
-        let router = start("router".into(), &router_args).await?;
-        let router_addr = router.addr.clone();
-        let http_addr = router.http.clone().unwrap_or_default();
-        let mut nodes = vec![router];
+        let mut nodes = Vec::new();
+        for i in 0..args.routers {
+            let (port, http) = match i {
+                0 => (args.port, http_port(args.port, args.http_port)),
+                _ => (0, 0),
+            };
+            let mut a = router_args.clone();
+            a.extend(["--listen".into(), format!("127.0.0.1:{port}")]);
+            a.extend(["--http-listen".into(), format!("127.0.0.1:{http}")]);
+            let name = match i {
+                0 => "router".to_string(),
+                i => format!("router-{i}"),
+            };
+            nodes.push(start(name, &a).await?);
+        }
+        let router_addr = nodes[0].addr.clone();
+        let routers: Vec<(String, String, String)> = nodes
+            .iter()
+            .map(|n| {
+                (
+                    n.name.clone(),
+                    n.addr.clone(),
+                    n.http.clone().unwrap_or_default(),
+                )
+            })
+            .collect();
         nodes.extend(workers);
         let ready_timeout = Duration::from_millis(args.ready_timeout_ms);
         let api_tls = client_tls.as_ref().filter(|_| args.api_tls);
@@ -386,8 +408,14 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
             ),
             _ => ("http", router_addr.clone(), String::new()),
         };
-        println!("router (gRPC tandem.v1.Generation): {grpc}");
-        println!("router (OpenAI HTTP): {scheme}://{http_addr}/v1");
+        for (name, addr, http_addr) in &routers {
+            let grpc = match scheme {
+                "https" => format!("https://{addr}"),
+                _ => addr.clone(),
+            };
+            println!("{name} (gRPC tandem.v1.Generation): {grpc}");
+            println!("{name} (OpenAI HTTP): {scheme}://{http_addr}/v1");
+        }
         println!("try: tandem chat --server {grpc}{ca_flag}");
         println!("metrics: {scheme}://{router_addr}/metrics; Ctrl-C stops the cluster");
         println!(

@@ -628,6 +628,34 @@ fn json_logs_carry_the_request_id_across_nodes() {
     }
 }
 
+/// `tandem up --routers 2` starts two routers over the same workers and lists both; each one
+/// serves requests.
+#[test]
+fn up_starts_several_routers_over_the_same_workers() {
+    let up = Up::start_with(None, &["--routers", "2"]);
+    let routers: Vec<&(String, String)> = up
+        .nodes
+        .iter()
+        .filter(|(name, _)| name.starts_with("router"))
+        .collect();
+    assert_eq!(routers.len(), 2, "{:?}", up.nodes);
+    assert_ne!(routers[0].1, routers[1].1);
+    for (name, addr) in routers {
+        let (ok, out, err) = tandem(&[
+            "generate",
+            "--server",
+            addr,
+            "--prompt",
+            "hello there",
+            "--max-tokens",
+            "3",
+        ]);
+        assert!(ok, "{name}: {err}");
+        assert!(!out.is_empty(), "{name}");
+    }
+    up.stop();
+}
+
 /// `generate --batch` decodes every line in one batch and prints, per line, what the single
 /// command prints for the same prompt and seed; a bad line is named.
 #[test]
