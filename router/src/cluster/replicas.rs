@@ -260,10 +260,24 @@ impl Replicas {
         });
     }
 
-    /// Sets the replicas-up and desired-replicas gauges of every model served and role.
+    /// Sets the replicas-up and desired-replicas gauges of every model served and role; a model
+    /// no longer served loses its series.
     fn report_models(&self, metrics: &RouterMetrics) {
         let mut scaling = self.scaling.lock().unwrap_or_else(|e| e.into_inner());
-        for front in self.models() {
+        let models = self.models();
+        scaling.retain(|(model, role), _| {
+            let served = models.iter().any(|f| f.model_name == *model);
+            if !served {
+                let label = crate::metrics::ModelRoleLabel {
+                    model: model.clone(),
+                    role: role.name(),
+                };
+                metrics.model_replicas.remove(&label);
+                metrics.desired_replicas.remove(&label);
+            }
+            served
+        });
+        for front in models {
             for role in [Role::Prefill, Role::Decode] {
                 let up = self.up(role, &front.model_name);
                 let load = role_load(&up);

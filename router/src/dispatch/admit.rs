@@ -58,7 +58,7 @@ impl Dispatcher {
         *queued = Some(Queued {
             gauge: self.metrics.queued.clone(),
             ahead,
-            since: Instant::now(),
+            since: TokioInstant::now(),
         });
         Ok(())
     }

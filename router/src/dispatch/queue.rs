@@ -2,7 +2,9 @@
 //! counted in the queue's gauge while it lives) and the queue's pace ([`QueuePace`]), which
 //! predicts a newcomer's wait.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 /// A request's place in the router's queue: counted in the queue's gauge while it lives.
 #[derive(Debug)]
@@ -45,5 +47,45 @@ impl QueuePace {
     pub(crate) fn predict(&self, ahead: usize) -> Option<Duration> {
         self.lock()
             .map(|per| Duration::from_secs_f64(per * (ahead + 1) as f64))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prometheus_client::metrics::gauge::Gauge;
+
+    use super::*;
+
+    fn join(gauge: &Gauge, ahead: usize) -> Queued {
+        gauge.inc();
+        Queued {
+            gauge: gauge.clone(),
+            ahead,
+            since: Instant::now(),
+        }
+    }
+
+    /// With time paused: the pace is the wait per request ahead, averaged over admissions, and
+    /// a place leaves the gauge when it is dropped.
+    #[tokio::test(start_paused = true)]
+    async fn the_pace_predicts_the_wait_behind_the_requests_ahead() {
+        let (pace, gauge) = (QueuePace::default(), Gauge::default());
+        assert_eq!(pace.predict(5), None, "nothing admitted from the queue yet");
+        // Three ahead, admitted after 400 ms: 100 ms a place.
+        let first = join(&gauge, 3);
+        assert_eq!(gauge.get(), 1);
+        tokio::time::advance(Duration::from_millis(400)).await;
+        pace.record(&first);
+        drop(first);
+        assert_eq!(gauge.get(), 0);
+        assert_eq!(pace.predict(1), Some(Duration::from_millis(200)));
+        // One admitted at once moves the average a fifth of the way: 80 ms a place.
+        let second = join(&gauge, 0);
+        pace.record(&second);
+        let behind_four = pace.predict(4).expect("a pace");
+        assert!(
+            behind_four.abs_diff(Duration::from_millis(400)) < Duration::from_micros(1),
+            "{behind_four:?}"
+        );
     }
 }
