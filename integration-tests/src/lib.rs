@@ -240,6 +240,26 @@ async fn start_decode(
     .await
 }
 
+/// Starts a router of configuration `rc`, changed by `adjust` (given the address its HTTP API
+/// will have), with its HTTP API on a free port: the router and that address.
+async fn spawn_router(
+    mut rc: tandem_router::Config,
+    adjust: impl FnOnce(&mut tandem_router::Config, SocketAddr),
+) -> anyhow::Result<(Node, SocketAddr)> {
+    let http = TcpListener::bind("127.0.0.1:0").await?;
+    let http_addr = http.local_addr()?;
+    adjust(&mut rc, http_addr);
+    let router = Node::spawn(|grpc, rx| async move {
+        let listeners = tandem_router::Listeners {
+            grpc,
+            http: Some(http),
+        };
+        Ok(tandem_router::run(listeners, rc, stopped(rx)).await?)
+    })
+    .await?;
+    Ok((router, http_addr))
+}
+
 impl Cluster {
     /// Starts the cluster and waits until the router sees every replica up.
     pub async fn start(config: ClusterConfig) -> anyhow::Result<Self> {
@@ -306,17 +326,7 @@ impl Cluster {
             sessions: config.sessions,
             ..tandem_router::Config::default()
         };
-        let http = TcpListener::bind("127.0.0.1:0").await?;
-        let http_addr = http.local_addr()?;
-        let router_config = rc.clone();
-        let router = Node::spawn(|grpc, rx| async move {
-            let listeners = tandem_router::Listeners {
-                grpc,
-                http: Some(http),
-            };
-            Ok(tandem_router::run(listeners, rc, stopped(rx)).await?)
-        })
-        .await?;
+        let (router, http_addr) = spawn_router(rc.clone(), |_, _| {}).await?;
         Ok(Self {
             router,
             http: http_addr,
@@ -324,7 +334,7 @@ impl Cluster {
             decode,
             relays,
             config,
-            router_config,
+            router_config: rc,
         })
     }
 
@@ -335,19 +345,7 @@ impl Cluster {
         &self,
         adjust: impl FnOnce(&mut tandem_router::Config, SocketAddr),
     ) -> anyhow::Result<(Node, SocketAddr)> {
-        let http = TcpListener::bind("127.0.0.1:0").await?;
-        let http_addr = http.local_addr()?;
-        let mut rc = self.router_config.clone();
-        adjust(&mut rc, http_addr);
-        let router = Node::spawn(|grpc, rx| async move {
-            let listeners = tandem_router::Listeners {
-                grpc,
-                http: Some(http),
-            };
-            Ok(tandem_router::run(listeners, rc, stopped(rx)).await?)
-        })
-        .await?;
-        Ok((router, http_addr))
+        spawn_router(self.router_config.clone(), adjust).await
     }
 
     /// Stops decode node `i` and starts a new one (empty caches, a new cache epoch) on the
