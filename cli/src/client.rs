@@ -255,6 +255,10 @@ pub(crate) struct ChatArgs {
     api_key: Option<String>,
     #[command(flatten)]
     tls: ServerTlsArgs,
+    /// The model to talk to, by its id as `GET /v1/models` lists it (the GGUF file's name
+    /// without `.gguf`); unset, the router's default model.
+    #[arg(long)]
+    model: Option<String>,
     /// A system prompt for the conversation.
     #[arg(long)]
     system: Option<String>,
@@ -317,6 +321,7 @@ pub(crate) fn chat(args: &ChatArgs) -> anyhow::Result<()> {
             ..Default::default()
         });
         let request = pb::GenerateRequest {
+            model: args.model.clone().unwrap_or_default(),
             session_id: session_id.clone(),
             messages: messages.clone(),
             sampling: Some(tandem_worker::params_to_pb(&GenerateParams {

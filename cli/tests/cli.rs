@@ -462,6 +462,36 @@ fn up_serves_generate_server_like_local_and_stops_on_sigterm() {
         2,
         "one line per reply"
     );
+    // `--model` names the model; one the cluster does not serve is refused by name.
+    for (model, served) in [("tiny", true), ("nope", false)] {
+        let mut chat = Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args([
+                "chat",
+                "--server",
+                &router,
+                "--max-tokens",
+                "2",
+                "--model",
+                model,
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start chat");
+        {
+            use std::io::Write;
+            let mut stdin = chat.stdin.take().expect("stdin");
+            stdin.write_all(b"Hi\n\n").expect("write a turn");
+        }
+        let chat = chat.wait_with_output().expect("chat");
+        let err = String::from_utf8_lossy(&chat.stderr);
+        if served {
+            assert!(chat.status.success(), "{err}");
+        } else {
+            assert!(err.contains("'nope' does not exist"), "{err}");
+        }
+    }
 
     up.stop();
 }
