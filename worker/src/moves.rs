@@ -23,7 +23,9 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::registry::Registry;
@@ -728,5 +730,65 @@ impl KvSource for KvMoves {
             tokens: tokens as u32,
             chunks: cells.into_iter().flat_map(crate::kv_chunks).collect(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn session(last: u64) -> Session {
+        Session {
+            cache_salt: String::new(),
+            tokens: vec![1; BLOCK_TOKENS],
+            last,
+        }
+    }
+
+    /// With time paused: a kept stream holds the drain until a peer fetches it; an offer holds
+    /// it while peers fetch from it, and lets it go once nobody has for [`OFFER_IDLE`].
+    #[tokio::test(start_paused = true)]
+    async fn the_drain_waits_for_its_kept_streams_and_a_live_offer() {
+        let h = Handoffs::default();
+        assert!(!h.waiting(OFFER_IDLE), "nothing kept, nothing offered");
+        h.kept(7);
+        tokio::time::advance(OFFER_IDLE * 10).await;
+        assert!(h.waiting(OFFER_IDLE), "a kept stream waits however long");
+        h.fetched(7);
+        assert!(!h.waiting(OFFER_IDLE));
+
+        h.offer(vec![session(1), session(2)]);
+        tokio::time::advance(OFFER_IDLE - Duration::from_millis(1)).await;
+        assert!(h.waiting(OFFER_IDLE), "the offer is fresh");
+        // A fetch is activity: the idle clock starts again.
+        h.fetched(1);
+        tokio::time::advance(OFFER_IDLE - Duration::from_millis(1)).await;
+        assert!(h.waiting(OFFER_IDLE));
+        assert_eq!(h.unfetched(), (0, 1));
+        tokio::time::advance(Duration::from_millis(2)).await;
+        assert!(!h.waiting(OFFER_IDLE), "nobody fetched for OFFER_IDLE");
+    }
+
+    /// The offer goes to the first caller once the drain has made it; a caller before that
+    /// waits at most its bound and gets nothing.
+    #[tokio::test(start_paused = true)]
+    async fn the_offer_goes_once_to_the_first_caller() {
+        let h = std::sync::Arc::new(Handoffs::default());
+        let started = Instant::now();
+        assert!(h.take_offer(OFFER_IDLE).await.is_empty());
+        assert_eq!(
+            started.elapsed(),
+            OFFER_IDLE,
+            "waited its bound for an offer"
+        );
+        let early = {
+            let h = h.clone();
+            tokio::spawn(async move { h.take_offer(OFFER_IDLE).await })
+        };
+        tokio::time::advance(Duration::from_millis(100)).await;
+        h.offer(vec![session(3)]);
+        let got = early.await.expect("the waiting caller");
+        assert_eq!(got.iter().map(|s| s.last).collect::<Vec<_>>(), [3]);
+        assert!(h.take_offer(OFFER_IDLE).await.is_empty(), "taken once");
     }
 }
