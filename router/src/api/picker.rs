@@ -65,8 +65,7 @@ impl Endpoints {
         self.addrs.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// Resolves every spec; a spec that fails keeps its previous addresses out of the set only
-    /// until it answers again.
+    /// Resolves every spec again; one that cannot be resolved now adds nothing until it can.
     async fn refresh(&self, specs: &[String]) {
         let mut addrs = Vec::new();
         for spec in specs {
