@@ -377,16 +377,6 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
             nodes.push(start(name, &a).await?);
         }
         let router_addr = nodes[0].addr.clone();
-        let routers: Vec<(String, String, String)> = nodes
-            .iter()
-            .map(|n| {
-                (
-                    n.name.clone(),
-                    n.addr.clone(),
-                    n.http.clone().unwrap_or_default(),
-                )
-            })
-            .collect();
         nodes.extend(workers);
         let ready_timeout = Duration::from_millis(args.ready_timeout_ms);
         let api_tls = client_tls.as_ref().filter(|_| args.api_tls);
@@ -400,23 +390,30 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
             println!("  {:<14} {}", n.name, n.addr);
         }
         // Plaintext addresses print bare (host:port), as every client takes them.
-        let (scheme, grpc, ca_flag) = match (api_tls, &certs) {
+        let (scheme, ca_flag) = match (api_tls, &certs) {
             (Some(_), Some(c)) => (
                 "https",
-                format!("https://{router_addr}"),
                 format!(" --ca-cert {}", c.dir.join("ca.pem").display()),
             ),
-            _ => ("http", router_addr.clone(), String::new()),
+            _ => ("http", String::new()),
         };
-        for (name, addr, http_addr) in &routers {
-            let grpc = match scheme {
-                "https" => format!("https://{addr}"),
-                _ => addr.clone(),
-            };
-            println!("{name} (gRPC tandem.v1.Generation): {grpc}");
-            println!("{name} (OpenAI HTTP): {scheme}://{http_addr}/v1");
+        let grpc_of = |addr: &str| match scheme {
+            "https" => format!("https://{addr}"),
+            _ => addr.to_string(),
+        };
+        for n in nodes.iter().filter(|n| n.name.starts_with("router")) {
+            let http = n.http.as_deref().unwrap_or_default();
+            println!(
+                "{} (gRPC tandem.v1.Generation): {}",
+                n.name,
+                grpc_of(&n.addr)
+            );
+            println!("{} (OpenAI HTTP): {scheme}://{http}/v1", n.name);
         }
-        println!("try: tandem chat --server {grpc}{ca_flag}");
+        println!(
+            "try: tandem chat --server {}{ca_flag}",
+            grpc_of(&router_addr)
+        );
         println!("metrics: {scheme}://{router_addr}/metrics; Ctrl-C stops the cluster");
         println!(
             "stopping drains the router first: streams in flight finish (up to 10 s), and \

@@ -396,13 +396,29 @@ fn bench_fidelity_compares_kv_dtypes() {
     assert!(err.contains("belong to another model"), "{err}");
 }
 
+/// `tandem chat --server ROUTER` with `flags`, given `turns` on stdin, run to its end.
+fn run_chat(router: &str, flags: &[&str], turns: &[u8]) -> std::process::Output {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut chat = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["chat", "--server", router])
+        .args(flags)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start chat");
+    let mut stdin = chat.stdin.take().expect("stdin");
+    stdin.write_all(turns).expect("write turns");
+    drop(stdin);
+    chat.wait_with_output().expect("chat")
+}
+
 /// `tandem up` starts a cluster, `generate --server` through it prints the same JSON fields and
 /// the same tokens as the local command (sampled, with every sampling flag), and SIGTERM stops
 /// every process cleanly.
 #[test]
 fn up_serves_generate_server_like_local_and_stops_on_sigterm() {
-    use std::process::Stdio;
-
     let up = Up::start();
     let router = up.grpc.clone();
     let (ok, local, err) = tandem(SEEDED);
@@ -441,19 +457,7 @@ fn up_serves_generate_server_like_local_and_stops_on_sigterm() {
     );
 
     // Two chat turns over stdin; an empty line ends the session.
-    let mut chat = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["chat", "--server", &router, "--max-tokens", "4"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start chat");
-    {
-        use std::io::Write;
-        let mut stdin = chat.stdin.take().expect("stdin");
-        stdin.write_all(b"Hi\nAnd again\n\n").expect("write turns");
-    }
-    let chat = chat.wait_with_output().expect("chat");
+    let chat = run_chat(&router, &["--max-tokens", "4"], b"Hi\nAnd again\n\n");
     let chat_err = String::from_utf8_lossy(&chat.stderr);
     assert!(chat.status.success(), "{chat_err}");
     assert!(!chat_err.contains("error"), "{chat_err}");
@@ -464,27 +468,7 @@ fn up_serves_generate_server_like_local_and_stops_on_sigterm() {
     );
     // `--model` names the model; one the cluster does not serve is refused by name.
     for (model, served) in [("tiny", true), ("nope", false)] {
-        let mut chat = Command::new(env!("CARGO_BIN_EXE_tandem"))
-            .args([
-                "chat",
-                "--server",
-                &router,
-                "--max-tokens",
-                "2",
-                "--model",
-                model,
-            ])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start chat");
-        {
-            use std::io::Write;
-            let mut stdin = chat.stdin.take().expect("stdin");
-            stdin.write_all(b"Hi\n\n").expect("write a turn");
-        }
-        let chat = chat.wait_with_output().expect("chat");
+        let chat = run_chat(&router, &["--max-tokens", "2", "--model", model], b"Hi\n\n");
         let err = String::from_utf8_lossy(&chat.stderr);
         if served {
             assert!(chat.status.success(), "{err}");

@@ -80,7 +80,6 @@ where
         .with_resource(resource.build())
         .build();
     let tracer = provider.tracer("tandem");
-    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
     let guard = Guard {
         provider,
         runtime: Some(runtime),

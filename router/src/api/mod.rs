@@ -85,14 +85,7 @@ async fn authenticate(
             tandem_net::otel::follow_http(&span, request.headers());
             tracing::Instrument::instrument(next.run(request), span).await
         }
-        Err(e) => {
-            let shape = if request.uri().path().starts_with("/v1/messages") {
-                Shape::Anthropic
-            } else {
-                Shape::OpenAi
-            };
-            ApiError::from(e).respond(shape)
-        }
+        Err(e) => ApiError::from(e).respond(Shape::of_path(request.uri().path())),
     }
 }
 

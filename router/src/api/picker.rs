@@ -37,6 +37,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::api::anthropic::request::requested;
 use crate::api::http::error::{ApiError, Shape};
 use crate::api::session::{BodySession, session};
 use crate::cluster::discovery::{RESOLVE_INTERVAL, resolve};
@@ -125,9 +126,8 @@ impl Picker {
     fn decide(&self, headers: &HeaderMap, path: &str, body: &[u8]) -> Decision {
         let body: serde_json::Map<String, Json> = serde_json::from_slice(body).unwrap_or_default();
         let endpoints = self.endpoints.now();
-        // A Messages request for a `claude-*` model runs on the default model, as there.
         let asked = match body.get("model").and_then(Json::as_str) {
-            Some(m) if m.starts_with("claude-") && path.starts_with("/v1/messages") => "",
+            Some(m) if Shape::of_path(path) == Shape::Anthropic => requested(m),
             Some(m) => m,
             None => "",
         };
@@ -158,17 +158,12 @@ impl Picker {
                 routed(&addr)
             }
             Decision::Shed(e) => {
-                let shape = if path.starts_with("/v1/messages") {
-                    Shape::Anthropic
-                } else {
-                    Shape::OpenAi
-                };
                 let api = ApiError::from(e);
                 self.service
                     .dispatcher
                     .metrics
                     .picker_shed(api.status.as_u16());
-                immediate(&api, shape)
+                immediate(&api, Shape::of_path(path))
             }
         }
     }

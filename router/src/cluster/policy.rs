@@ -63,7 +63,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use tandem_proto::block_hash::BLOCK_TOKENS;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use crate::cluster::replica::{InflightGuard, Replica, Role};
+use crate::cluster::replica::{InflightGuard, Replica, Role, mean_prefill_rate};
 use crate::cluster::replicas::Replicas;
 use crate::config::PolicyKind;
 use crate::error::{Error, Result};
@@ -235,18 +235,9 @@ impl Policy {
         }
         let prefills = eligible(replicas, Role::Prefill, ask);
         let prefills: Vec<&Arc<Replica>> = prefills.iter().collect();
-        let measured: Vec<f64> = replicas
-            .all()
-            .iter()
-            .filter(|r| r.serves(ask.model))
-            .map(|r| r.prefill_rate())
-            .filter(|&r| r > 0.0)
-            .collect();
-        let fallback_rate = if measured.is_empty() {
-            DEFAULT_RATE
-        } else {
-            measured.iter().sum::<f64>() / measured.len() as f64
-        };
+        let all = replicas.all();
+        let fallback_rate =
+            mean_prefill_rate(all.iter().filter(|r| r.serves(ask.model))).unwrap_or(DEFAULT_RATE);
         let rate = |r: &Replica| r.prefill_rate_or(fallback_rate);
         let key: Vec<u8> = if ask.session_id.is_empty() {
             ask.hashes
@@ -277,7 +268,6 @@ impl Policy {
         // request cannot go to in their role (failed it, over the load cap, draining), so that
         // a session stays where its KV is while it may, and a prompt is computed where its
         // prefix is while it may.
-        let all = replicas.all();
         let reusable = ask.hashes.len() * BLOCK_TOKENS;
         let holders: Vec<(&Arc<Replica>, usize, f64)> = all
             .iter()

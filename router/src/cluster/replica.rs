@@ -19,6 +19,15 @@ fn measured_or(bits: &AtomicU64, fallback: f64) -> f64 {
     }
 }
 
+/// The mean of the measured prompt throughputs of `replicas`; `None` while none is measured.
+pub fn mean_prefill_rate<'a>(replicas: impl IntoIterator<Item = &'a Arc<Replica>>) -> Option<f64> {
+    let (sum, n) = (replicas.into_iter())
+        .map(|r| r.prefill_rate())
+        .filter(|&r| r > 0.0)
+        .fold((0.0, 0usize), |(sum, n), r| (sum + r, n + 1));
+    (n > 0).then(|| sum / n as f64)
+}
+
 /// How long a replica may take to answer a health check before it counts as gone.
 pub const LIVENESS_TIMEOUT: Duration = Duration::from_secs(1);
 

@@ -28,7 +28,7 @@ use tonic_health::pb::health_client::HealthClient;
 
 use crate::cluster::frontend::{Frontend, kv_dtype};
 use crate::cluster::index::{CacheIndex, RECONNECT_MAX};
-use crate::cluster::replica::{LIVENESS_TIMEOUT, Replica, Role};
+use crate::cluster::replica::{LIVENESS_TIMEOUT, Replica, Role, mean_prefill_rate};
 use crate::cluster::scaling::{RoleLoad, Smoothed, decode_need, prefill_need};
 use crate::metrics::RouterMetrics;
 
@@ -197,12 +197,12 @@ impl Replicas {
         self.changed.notified()
     }
 
-    /// Whether the router can serve: a decode replica of a model it knows is healthy (with no
-    /// prefill replica up, decode nodes prefill locally).
+    /// Whether the router can serve: a decode replica is up (with no prefill replica up, decode
+    /// nodes prefill locally). A replica is up only once it has named a model the router knows.
     pub fn ready(&self) -> bool {
         self.read()
             .iter()
-            .any(|r| r.role == Role::Decode && r.is_up() && !r.model().is_empty())
+            .any(|r| r.role == Role::Decode && r.is_up())
     }
 
     /// The replicas of `role` serving `model` that can take requests now.
@@ -464,9 +464,6 @@ impl Replicas {
 
 /// What the replicas `up` (one model's, one role's) report now.
 fn role_load(up: &[Arc<Replica>]) -> RoleLoad {
-    let rates: Vec<f64> = (up.iter().map(|r| r.prefill_rate()))
-        .filter(|&r| r > 0.0)
-        .collect();
     RoleLoad {
         up: up.len(),
         requests: up.iter().map(|r| u64::from(r.load())).sum(),
@@ -477,10 +474,7 @@ fn role_load(up: &[Arc<Replica>]) -> RoleLoad {
             .unwrap_or(0),
         busy: up.iter().filter(|r| r.load() > 0).count() as u64,
         queued_tokens: up.iter().map(|r| r.queued_tokens()).sum(),
-        rate: match rates.len() {
-            0 => 0.0,
-            n => rates.iter().sum::<f64>() / n as f64,
-        },
+        rate: mean_prefill_rate(up).unwrap_or(0.0),
     }
 }
 

@@ -13,7 +13,7 @@
 //! opened is an `error` event, as on Anthropic's API.
 
 mod messages;
-mod request;
+pub(crate) mod request;
 mod response;
 
 pub(crate) use crate::api::anthropic::request::{Endpoint, parse};
@@ -97,15 +97,9 @@ async fn run(
     Ok(with_request_id(response, &request_id))
 }
 
-/// The model a Messages body asks for: a `claude-*` name (Claude Code asks for its own
-/// models) is the router's default model, as [`request`]'s `serves` accepts it.
+/// The model a Messages body asks for ([`request::requested`]).
 fn asked(body: &[u8]) -> String {
-    let model = asked_model(body);
-    if model.starts_with("claude-") {
-        String::new()
-    } else {
-        model
-    }
+    request::requested(&asked_model(body)).to_string()
 }
 
 /// `POST /v1/messages/count_tokens`: `{"input_tokens": N}`, the prompt's length as a

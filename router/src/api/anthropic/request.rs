@@ -84,10 +84,20 @@ pub(crate) enum Endpoint {
     CountTokens,
 }
 
-/// Whether `name` asks for the model `model`: its own name, or a Claude model's, which Claude
-/// Code asks for by default and the one model the cluster serves answers (as llama-server does).
+/// The model a Messages request's `model` asks for: a Claude model's name (Claude Code asks for
+/// its own models by default) is the router's default model, `""`, which answers it (as
+/// llama-server's one model does); any other name is itself.
+pub(crate) fn requested(name: &str) -> &str {
+    if name.starts_with("claude-") {
+        ""
+    } else {
+        name
+    }
+}
+
+/// Whether `name` asks for the model `model` ([`requested`]).
 fn serves(model: &str, name: &str) -> bool {
-    name == model || name.starts_with("claude-")
+    name == model || requested(name).is_empty()
 }
 
 pub(crate) fn parse(

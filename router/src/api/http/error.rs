@@ -140,6 +140,17 @@ pub(crate) enum Shape {
     Anthropic,
 }
 
+impl Shape {
+    /// The shape of the API at `path`: Anthropic's under `/v1/messages`, else OpenAI's.
+    pub(crate) fn of_path(path: &str) -> Self {
+        if path.starts_with("/v1/messages") {
+            Shape::Anthropic
+        } else {
+            Shape::OpenAi
+        }
+    }
+}
+
 impl ApiError {
     /// Anthropic's error type for this error's status.
     fn anthropic_type(&self) -> &'static str {
