@@ -8,6 +8,7 @@ const PROTOS: &[&str] = &[
     "tandem/v1/generation.proto",
     "tandem/v1/worker.proto",
     "tandem/v1/transfer.proto",
+    "tandem/v1/peer.proto",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

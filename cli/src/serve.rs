@@ -245,8 +245,8 @@ pub(crate) struct RouterArgs {
     listen: SocketAddr,
     /// Address of the OpenAI-compatible HTTP API (`/v1/chat/completions`, `/v1/completions`,
     /// `/v1/models`, `/health`); `off` serves none.
-    #[arg(long, env = "TANDEM_HTTP_LISTEN", default_value = "127.0.0.1:8000", value_parser = parse_http_listen)]
-    http_listen: HttpListen,
+    #[arg(long, env = "TANDEM_HTTP_LISTEN", default_value = "127.0.0.1:8000", value_parser = parse_listen)]
+    http_listen: Listen,
     /// Prefill replicas, host:port (repeat or comma-separate). None: the decode nodes prefill
     /// every prompt themselves (`affinity` policy only).
     #[arg(long, env = "TANDEM_PREFILL", value_delimiter = ',')]
@@ -343,6 +343,22 @@ pub(crate) struct RouterArgs {
     /// resolved every 2 s): each conversation's requests go to one of them (docs/gateway.md).
     #[arg(long, env = "TANDEM_PICKER_ENDPOINTS", value_delimiter = ',')]
     picker_endpoints: Vec<String>,
+    /// Address of the peer port, where the other routers over the same workers ask this one
+    /// for its state (agent sessions, load, running generations) and attach retries to its
+    /// streams; with --tls-dir, mutual TLS that only router certificates pass. `off` serves
+    /// none. Needed with --peers.
+    #[arg(long, env = "TANDEM_PEER_LISTEN", default_value = "off", value_parser = parse_listen)]
+    peer_listen: Listen,
+    /// The other routers' peer ports, host:port (repeat or comma-separate; names resolved every
+    /// 2 s, so one name for all routers will do: this router leaves its own address out). Each
+    /// router then routes with what they all know (docs/operations.md, "Several routers").
+    #[arg(
+        long,
+        env = "TANDEM_PEERS",
+        value_delimiter = ',',
+        requires = "peer_listen"
+    )]
+    peers: Vec<String>,
     #[command(flatten)]
     tls: TlsArgs,
     #[command(flatten)]
@@ -528,14 +544,19 @@ pub(crate) fn router(args: &RouterArgs) -> anyhow::Result<()> {
         // Compose passes an unset default as an empty value.
         default_model: args.default_model.clone().filter(|m| !m.is_empty()),
         picker_endpoints: args.picker_endpoints.clone(),
+        peers: args.peers.clone(),
     };
     runtime()?.block_on(async {
         let http = match args.http_listen {
-            HttpListen::Off => None,
-            HttpListen::At(addr) => Some(bind(addr, "http ").await?),
+            Listen::Off => None,
+            Listen::At(addr) => Some(bind(addr, "http ").await?),
+        };
+        let peer = match args.peer_listen {
+            Listen::Off => None,
+            Listen::At(addr) => Some(bind(addr, "peer ").await?),
         };
         let grpc = bind(args.listen, "").await?;
-        let listeners = tandem_router::Listeners { grpc, http };
+        let listeners = tandem_router::Listeners { grpc, http, peer };
         tandem_router::run(listeners, config, shutdown_signal()).await?;
         Ok(())
     })
@@ -546,19 +567,19 @@ fn unlimited_if_zero<T: Default + PartialEq>(n: T, unlimited: T) -> T {
     if n == T::default() { unlimited } else { n }
 }
 
-/// Where the router serves HTTP, if at all.
+/// Where the router serves one of its optional ports, if at all.
 #[derive(Debug, Clone, Copy)]
-pub(crate) enum HttpListen {
+pub(crate) enum Listen {
     Off,
     At(SocketAddr),
 }
 
-fn parse_http_listen(s: &str) -> Result<HttpListen, String> {
+fn parse_listen(s: &str) -> Result<Listen, String> {
     match s {
-        "off" => Ok(HttpListen::Off),
+        "off" => Ok(Listen::Off),
         _ => s
             .parse()
-            .map(HttpListen::At)
+            .map(Listen::At)
             .map_err(|e| format!("expected ip:port or off: {e}")),
     }
 }

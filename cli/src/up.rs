@@ -46,7 +46,9 @@ pub(crate) struct UpArgs {
     #[arg(long, default_value_t = 1)]
     decode: usize,
     /// Routers to start, each over all the workers: the first on --port and --http-port, the
-    /// others on free ports (each one's addresses are printed). Any of them serves any request.
+    /// others on free ports (each one's addresses are printed). Any of them serves any request:
+    /// they are each other's peers (`tandem router --peers`), sharing sessions, load and
+    /// running generations.
     #[arg(long, default_value_t = 1)]
     routers: usize,
     /// The router's port on 127.0.0.1 (0 picks a free one).
@@ -361,6 +363,19 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
                 c.dir.join(key).display().to_string(),
             ]);
         }
+        // Several routers are each other's peers: their peer ports are picked before they
+        // start, so that each can be told all of them.
+        let mut peer_ports = Vec::new();
+        if args.routers > 1 {
+            for _ in 0..args.routers {
+                let free = std::net::TcpListener::bind("127.0.0.1:0")?;
+                peer_ports.push(free.local_addr()?.port());
+            }
+            let peers: Vec<String> = (peer_ports.iter())
+                .map(|p| format!("127.0.0.1:{p}"))
+                .collect();
+            router_args.extend(["--peers".into(), peers.join(",")]);
+        }
         let mut nodes = Vec::new();
         for i in 0..args.routers {
             let (port, http) = match i {
@@ -368,6 +383,9 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
                 _ => (0, 0),
             };
             let mut a = router_args.clone();
+            if let Some(p) = peer_ports.get(i) {
+                a.extend(["--peer-listen".into(), format!("127.0.0.1:{p}")]);
+            }
             a.extend(["--listen".into(), format!("127.0.0.1:{port}")]);
             a.extend(["--http-listen".into(), format!("127.0.0.1:{http}")]);
             let name = match i {

@@ -209,6 +209,15 @@ impl ClusterConfig {
     }
 }
 
+/// A router of [`Cluster::peer_routers`].
+#[derive(Debug)]
+pub struct PeerRouter {
+    pub node: Node,
+    /// Its HTTP API and its peer port.
+    pub http: SocketAddr,
+    pub peer: SocketAddr,
+}
+
 #[derive(Debug)]
 pub struct Cluster {
     pub router: Node,
@@ -241,9 +250,11 @@ async fn start_decode(
 }
 
 /// Starts a router of configuration `rc`, changed by `adjust` (given the address its HTTP API
-/// will have), with its HTTP API on a free port: the router and that address.
+/// will have), with its HTTP API on a free port and its peer port on `peer`: the router and its
+/// HTTP address.
 async fn spawn_router(
     mut rc: tandem_router::Config,
+    peer: Option<TcpListener>,
     adjust: impl FnOnce(&mut tandem_router::Config, SocketAddr),
 ) -> anyhow::Result<(Node, SocketAddr)> {
     let http = TcpListener::bind("127.0.0.1:0").await?;
@@ -253,6 +264,7 @@ async fn spawn_router(
         let listeners = tandem_router::Listeners {
             grpc,
             http: Some(http),
+            peer,
         };
         Ok(tandem_router::run(listeners, rc, stopped(rx)).await?)
     })
@@ -326,7 +338,7 @@ impl Cluster {
             sessions: config.sessions,
             ..tandem_router::Config::default()
         };
-        let (router, http_addr) = spawn_router(rc.clone(), |_, _| {}).await?;
+        let (router, http_addr) = spawn_router(rc.clone(), None, |_, _| {}).await?;
         Ok(Self {
             router,
             http: http_addr,
@@ -345,7 +357,38 @@ impl Cluster {
         &self,
         adjust: impl FnOnce(&mut tandem_router::Config, SocketAddr),
     ) -> anyhow::Result<(Node, SocketAddr)> {
-        spawn_router(self.router_config.clone(), adjust).await
+        spawn_router(self.router_config.clone(), None, adjust).await
+    }
+
+    /// Starts `n` more routers over the same workers, as the first one is configured and then
+    /// changed by `adjust`, each with a peer port and all of them each other's peers (the
+    /// first router is not among them).
+    pub async fn peer_routers(
+        &self,
+        n: usize,
+        adjust: impl Fn(&mut tandem_router::Config),
+    ) -> anyhow::Result<Vec<PeerRouter>> {
+        let mut listeners = Vec::new();
+        for _ in 0..n {
+            listeners.push(TcpListener::bind("127.0.0.1:0").await?);
+        }
+        let peers: Vec<SocketAddr> = (listeners.iter())
+            .map(TcpListener::local_addr)
+            .collect::<std::io::Result<_>>()?;
+        let mut routers = Vec::new();
+        for (listener, peer) in listeners.into_iter().zip(&peers) {
+            let (node, http) = spawn_router(self.router_config.clone(), Some(listener), |c, _| {
+                c.peers = peers.iter().map(SocketAddr::to_string).collect();
+                adjust(c);
+            })
+            .await?;
+            routers.push(PeerRouter {
+                node,
+                http,
+                peer: *peer,
+            });
+        }
+        Ok(routers)
     }
 
     /// Stops decode node `i` and starts a new one (empty caches, a new cache epoch) on the

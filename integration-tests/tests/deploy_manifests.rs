@@ -32,7 +32,12 @@ fn the_compose_file_runs_healthy_workers_before_the_router() {
     compose.apply_merge().expect("merge keys");
     assert_eq!(compose["version"].as_str(), Some("2.4"));
     let services = &compose["services"];
-    for (name, port) in [("prefill", 50052), ("decode", 50053), ("router", 50051)] {
+    for (name, port) in [
+        ("prefill", 50052),
+        ("decode", 50053),
+        ("router", 50051),
+        ("router-2", 50051),
+    ] {
         let svc = &services[name];
         let check: Vec<&str> = s(svc, &["healthcheck", "test"])
             .as_sequence()
@@ -48,7 +53,8 @@ fn the_compose_file_runs_healthy_workers_before_the_router() {
         assert_eq!(s(svc, &["healthcheck", "interval"]).as_str(), Some("1s"));
         // The router's container has TANDEM_TLS_DIR for its calls to the workers, but its
         // client port is plaintext: its check must not speak the nodes' mutual TLS.
-        assert_eq!(check.contains(&"--plaintext"), name == "router", "{name}");
+        let router = name.starts_with("router");
+        assert_eq!(check.contains(&"--plaintext"), router, "{name}");
     }
     for worker in ["prefill", "decode"] {
         let svc = &services[worker];
@@ -62,13 +68,15 @@ fn the_compose_file_runs_healthy_workers_before_the_router() {
                 .any(|v| v.ends_with(":/models:ro")),
             "{worker} mounts the model read-only"
         );
-        assert_eq!(
-            s(&services["router"], &["depends_on", worker, "condition"]).as_str(),
-            Some("service_healthy")
-        );
+        for router in ["router", "router-2"] {
+            assert_eq!(
+                s(&services[router], &["depends_on", worker, "condition"]).as_str(),
+                Some("service_healthy")
+            );
+        }
     }
     // Every node speaks mutual TLS with the certificates mounted read-only.
-    for name in ["prefill", "decode", "router"] {
+    for name in ["prefill", "decode", "router", "router-2"] {
         let svc = &services[name];
         assert_eq!(
             s(svc, &["environment", "TANDEM_TLS_DIR"]).as_str(),
@@ -84,9 +92,25 @@ fn the_compose_file_runs_healthy_workers_before_the_router() {
             "{name} mounts the certificates read-only"
         );
     }
-    let env = &services["router"]["environment"];
-    assert_eq!(env["TANDEM_PREFILL"].as_str(), Some("prefill:50052"));
-    assert_eq!(env["TANDEM_DECODE"].as_str(), Some("decode:50053"));
+    // Two routers over the same workers, each the other's peer, on ports of their own.
+    let mut published = Vec::new();
+    for router in ["router", "router-2"] {
+        let env = &services[router]["environment"];
+        assert_eq!(env["TANDEM_PREFILL"].as_str(), Some("prefill:50052"));
+        assert_eq!(env["TANDEM_DECODE"].as_str(), Some("decode:50053"));
+        assert_eq!(env["TANDEM_PEER_LISTEN"].as_str(), Some("0.0.0.0:50060"));
+        assert_eq!(
+            env["TANDEM_PEERS"].as_str(),
+            Some("router:50060,router-2:50060")
+        );
+        published.extend(
+            format!("{:?}", services[router]["ports"])
+                .split(',')
+                .map(str::to_string),
+        );
+    }
+    let distinct: std::collections::HashSet<&String> = published.iter().collect();
+    assert_eq!(distinct.len(), published.len(), "{published:?}");
 }
 
 /// The second model's file, given after the main one: its nodes are checked and mounted as the
@@ -123,20 +147,24 @@ fn the_two_models_file_adds_a_second_models_nodes() {
             s(svc, &["environment", "TANDEM_TLS_DIR"]).as_str(),
             Some("/certs")
         );
+        for router in ["router", "router-2"] {
+            assert_eq!(
+                s(&services[router], &["depends_on", name, "condition"]).as_str(),
+                Some("service_healthy")
+            );
+        }
+    }
+    for router in ["router", "router-2"] {
+        let env = &services[router]["environment"];
         assert_eq!(
-            s(&services["router"], &["depends_on", name, "condition"]).as_str(),
-            Some("service_healthy")
+            env["TANDEM_PREFILL"].as_str(),
+            Some("prefill:50052,prefill-b:50052")
+        );
+        assert_eq!(
+            env["TANDEM_DECODE"].as_str(),
+            Some("decode:50053,decode-b:50053")
         );
     }
-    let env = &services["router"]["environment"];
-    assert_eq!(
-        env["TANDEM_PREFILL"].as_str(),
-        Some("prefill:50052,prefill-b:50052")
-    );
-    assert_eq!(
-        env["TANDEM_DECODE"].as_str(),
-        Some("decode:50053,decode-b:50053")
-    );
 }
 
 #[test]
@@ -243,4 +271,20 @@ fn the_kubernetes_manifests_have_probes_requests_and_headless_services() {
         .collect();
     assert!(env.contains(&("TANDEM_PREFILL", "tandem-prefill:50052")));
     assert!(env.contains(&("TANDEM_DECODE", "tandem-decode:50053")));
+    // The router replicas find each other through a headless Service of their peer ports.
+    assert!(env.contains(&("TANDEM_PEER_LISTEN", "0.0.0.0:50060")));
+    assert!(env.contains(&("TANDEM_PEERS", "tandem-router-peers:50060")));
+    let peers = find("Service", "tandem-router-peers");
+    assert_eq!(s(peers, &["spec", "clusterIP"]).as_str(), Some("None"));
+    assert_eq!(
+        s(peers, &["spec", "ports"])[0]["port"].as_u64(),
+        Some(50060)
+    );
+    assert_eq!(
+        s(peers, &["spec", "selector"]),
+        s(
+            find("Deployment", "tandem-router"),
+            &["spec", "template", "metadata", "labels"]
+        )
+    );
 }

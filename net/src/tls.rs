@@ -70,10 +70,10 @@ impl Role {
     }
 }
 
-/// The services (or single methods, `Service/Method`, which come before their service) a worker
+/// The services (or single methods, `Service/Method`, which come before their service) a node
 /// serves over mutual TLS, and the roles that may call each. Health, reflection and metrics are
 /// open to every role.
-const SERVICES: [(&str, &[Role]); 8] = [
+const SERVICES: [(&str, &[Role]); 9] = [
     ("tandem.v1.Prefill", &[Role::Router]),
     ("tandem.v1.Decode", &[Role::Router]),
     ("tandem.v1.Worker", &[Role::Router]),
@@ -81,6 +81,8 @@ const SERVICES: [(&str, &[Role]); 8] = [
     // from a draining prefill peer.
     ("tandem.v1.KvTransfer/Fetch", &[Role::Decode, Role::Prefill]),
     ("tandem.v1.KvTransfer", &[Role::Prefill]),
+    // A router's peer port: routers share their state.
+    ("tandem.v1.Peer", &[Role::Router]),
     ("grpc.health.v1.Health", &Role::ALL),
     ("grpc.reflection.v1.ServerReflection", &Role::ALL),
     ("metrics", &Role::ALL),

@@ -80,6 +80,10 @@ pub struct Config {
     /// The endpoints (`host:port`: routers' HTTP addresses, names resolved every 2 s) the
     /// router picks among as a gateway's ext_proc endpoint picker; empty, it serves no picker.
     pub picker_endpoints: Vec<String>,
+    /// The other routers' peer ports (`host:port`; names resolved every 2 s, this router's
+    /// own address among them left out), whose state this router follows
+    /// ([`crate::cluster::peers`]); empty, it routes on its own.
+    pub peers: Vec<String>,
 }
 
 /// The sampling an OpenAI HTTP request gets for what it leaves unset, as llama-server's flags
@@ -146,6 +150,7 @@ impl Default for Config {
             sessions: Default::default(),
             default_model: None,
             picker_endpoints: Vec::new(),
+            peers: Vec::new(),
         }
     }
 }

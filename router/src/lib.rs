@@ -50,6 +50,7 @@ pub use crate::config::{
 };
 pub use crate::error::{Error, Result};
 
+use crate::cluster::peers::Peers;
 use crate::cluster::policy::Policy;
 use crate::cluster::replica::Role;
 use crate::cluster::replicas::Replicas;
@@ -67,6 +68,9 @@ pub struct Listeners {
     pub grpc: TcpListener,
     /// The OpenAI-compatible HTTP API, if any.
     pub http: Option<TcpListener>,
+    /// `tandem.v1.Peer` for the other routers (mutual TLS with the cluster's certificates when
+    /// [`Config::tls`] is set), if any.
+    pub peer: Option<TcpListener>,
 }
 
 /// Serves the router until `shutdown` completes, then drains: new requests are refused at once
@@ -79,6 +83,7 @@ pub async fn run(
     let Listeners {
         grpc: listener,
         http,
+        peer: peer_listener,
     } = listeners;
     // Without prefill replicas the decode nodes prefill every prompt themselves, which the
     // affinity policy does whenever no prefill replica is up; round-robin always wants one.
@@ -104,6 +109,14 @@ pub async fn run(
         return Err(Error::InvalidArgument {
             field: "max_inflight",
             reason: "must be at least 1".into(),
+        });
+    }
+    if !config.peers.is_empty() && peer_listener.is_none() {
+        return Err(Error::InvalidArgument {
+            field: "peers",
+            reason:
+                "a router that asks peers for their state must serve its own: give it a peer port"
+                    .into(),
         });
     }
     config.sampling_defaults.validate()?;
@@ -134,11 +147,21 @@ pub async fn run(
     let generations = TaskTracker::new();
     let sessions = Arc::new(Sessions::new(config.sessions, metrics.clone()));
     sessions.start_sweeping(replicas.clone(), &tracker, root.child_token());
+    let peer_tls = config.tls.as_ref().map(tandem_net::tls::Tls::client_config);
+    let peers = Arc::new(Peers::new(&config.peers, peer_tls, metrics.clone())?);
+    peers.start(
+        sessions.clone(),
+        replicas.clone(),
+        config.load_poll,
+        &tracker,
+        root.child_token(),
+    );
     let generation = GenerationService {
         dispatcher: Dispatcher {
             replicas: replicas.clone(),
             policy: Arc::new(Policy::new(config.policy)),
             sessions,
+            peers,
             metrics,
             kv_wait: config.kv_wait,
             token_gap: config.token_gap,
@@ -204,6 +227,26 @@ pub async fn run(
     if let Some(cert) = &config.api_tls {
         tracker.spawn(cert.clone().watch(root.child_token()));
     }
+    let peer_task = peer_listener.map(|l| {
+        tracing::info!(addr = ?l.local_addr().ok(), peers = ?config.peers, "peer port serving");
+        let peer = api::peer::PeerService {
+            service: generation.clone(),
+        };
+        let (health, health_service) = tonic_health::server::health_reporter();
+        let routes = Routes::new(health_service).add_service(tandem_proto::limits!(
+            pb::peer_server::PeerServer::new(peer)
+        ));
+        let options = tandem_net::ServeOptions {
+            service_names: vec!["tandem.v1.Peer"],
+            health,
+            metrics: Arc::new(Registry::default()),
+            grace: config.grace,
+            tls: config.tls.clone().map(ServerTls::Mutual),
+        };
+        // It serves until the router has drained: a peer may attach to a stream still running.
+        let stop = root.clone().cancelled_owned();
+        tokio::spawn(tandem_net::serve(l, routes, options, stop, async {}))
+    });
     let interceptor = crate::api::grpc::interceptor(&generation);
     let picker = match config.picker_endpoints.as_slice() {
         [] => None,
@@ -215,7 +258,7 @@ pub async fn run(
                 &tracker,
                 root.child_token(),
             )
-            .await;
+            .await?;
             tracing::info!(endpoints = ?specs, "serving the ext_proc endpoint picker");
             Some(picker)
         }
@@ -253,6 +296,13 @@ pub async fn run(
     .await;
     root.cancel();
     http_stop.cancel();
+    if let Some(task) = peer_task {
+        match task.await {
+            Ok(Err(e)) => tracing::warn!(error = %e, "the peer server failed"),
+            Err(e) => tracing::warn!(error = %e, "the peer server task failed"),
+            Ok(Ok(())) => {}
+        }
+    }
     tracker.close();
     tracker.wait().await;
     if let Some(task) = http_task {

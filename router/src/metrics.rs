@@ -44,6 +44,8 @@ pub const MODEL_REPLICAS: &str = "tandem_router_model_replicas";
 pub const DESIRED_REPLICAS: &str = "tandem_router_desired_replicas";
 pub const PICKS: &str = "tandem_router_picks";
 pub const PICKER_SHED: &str = "tandem_router_picker_shed";
+pub const PEER_STALENESS: &str = "tandem_router_peer_staleness_seconds";
+pub const PEER_ATTACHES: &str = "tandem_router_peer_attaches";
 
 /// The codes a request can end with (pre-set to 0 so that rates exist from the start).
 const CODES: [tonic::Code; 8] = [
@@ -121,6 +123,12 @@ pub struct ModelLabel {
 pub struct ModelStatusLabel {
     pub model: String,
     pub code: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PeerLabel {
+    /// The peer router's address (`ip:port` of its peer port).
+    pub peer: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -212,6 +220,10 @@ pub struct RouterMetrics {
     /// HTTP status.
     pub picks: Family<DestinationLabel, Counter>,
     pub picker_shed: Family<HttpStatusLabel, Counter>,
+    /// Per peer router: how old this router's view of its state is.
+    pub peer_staleness: Family<PeerLabel, Gauge<f64, AtomicU64>>,
+    /// Retries of a request id running on a peer router that attached to it there.
+    pub peer_attaches: Counter,
 }
 
 impl RouterMetrics {
@@ -252,6 +264,8 @@ impl RouterMetrics {
             desired_replicas: Family::default(),
             picks: Family::default(),
             picker_shed: Family::default(),
+            peer_staleness: Family::default(),
+            peer_attaches: Counter::default(),
         };
         // Series a dashboard queries exist before their first event.
         for hop in ["decode", "prefill"] {
@@ -431,6 +445,16 @@ impl RouterMetrics {
             PICKER_SHED,
             "Requests the endpoint picker shed, by HTTP status (429, 503)",
             m.picker_shed.clone(),
+        );
+        registry.register(
+            PEER_STALENESS,
+            "Seconds since this router last heard a peer router's state (sessions, load, running generations)",
+            m.peer_staleness.clone(),
+        );
+        registry.register(
+            PEER_ATTACHES,
+            "Requests whose id was running on a peer router and that attached to it there",
+            m.peer_attaches.clone(),
         );
         m
     }

@@ -143,6 +143,7 @@ pub(crate) fn interference(args: &InterferenceArgs) -> anyhow::Result<()> {
         let listeners = tandem_router::Listeners {
             grpc: router,
             http: None,
+            peer: None,
         };
         let router_task = tokio::spawn(tandem_router::run(
             listeners,

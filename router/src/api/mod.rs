@@ -3,7 +3,8 @@
 //! and the frames back into its own answers. gRPC ([`grpc`]); over HTTP, on a port of its own,
 //! OpenAI's chat and completions ([`openai`]), Anthropic's Messages ([`anthropic`]) and OpenAI's
 //! Responses ([`responses`]), protocol adapters over what the HTTP APIs share ([`http`]); the
-//! HTTP APIs find a request's affinity session alike ([`session`]).
+//! HTTP APIs find a request's affinity session alike ([`session`]). Other routers call
+//! [`peer`] on a port of its own.
 //!
 //! The HTTP routes ([`routes`]): `POST /v1/chat/completions`, `POST /v1/completions`,
 //! `POST /v1/messages`, `POST /v1/messages/count_tokens`, `POST /v1/responses`,
@@ -15,6 +16,7 @@ pub mod anthropic;
 pub mod grpc;
 pub mod http;
 pub mod openai;
+pub(crate) mod peer;
 pub(crate) mod picker;
 pub mod responses;
 pub mod session;

@@ -40,7 +40,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::api::anthropic::request::requested;
 use crate::api::http::error::{ApiError, Shape};
 use crate::api::session::{BodySession, session};
-use crate::cluster::discovery::{RESOLVE_INTERVAL, resolve};
+use crate::cluster::discovery::{RESOLVE_INTERVAL, Specs};
 use crate::cluster::policy::rendezvous_score;
 use crate::cluster::replica::Role;
 use crate::dispatch::GenerationService;
@@ -66,19 +66,9 @@ impl Endpoints {
         self.addrs.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// Resolves every spec again; one that cannot be resolved now adds nothing until it can.
-    async fn refresh(&self, specs: &[String]) {
-        let mut addrs = Vec::new();
-        for spec in specs {
-            match resolve(spec).await {
-                Ok(found) => addrs.extend(found),
-                Err(e) => {
-                    tracing::warn!(endpoint = %spec, error = %e, "cannot resolve a picker endpoint")
-                }
-            }
-        }
-        addrs.sort();
-        addrs.dedup();
+    /// Resolves every spec again.
+    async fn refresh(&self, specs: &Specs) {
+        let addrs = specs.addresses().await;
         *self.addrs.write().unwrap_or_else(|e| e.into_inner()) = addrs;
     }
 }
@@ -101,7 +91,8 @@ impl Picker {
         max_body: usize,
         tracker: &TaskTracker,
         cancel: CancellationToken,
-    ) -> Self {
+    ) -> crate::error::Result<Self> {
+        let specs = Specs::parse(&specs)?;
         let endpoints = Arc::new(Endpoints::default());
         endpoints.refresh(&specs).await;
         let following = endpoints.clone();
@@ -115,11 +106,11 @@ impl Picker {
                 }
             }
         });
-        Self {
+        Ok(Self {
             service,
             endpoints,
             max_body,
-        }
+        })
     }
 
     /// Where one request goes, from its headers and (buffered) body.

@@ -118,6 +118,50 @@ pub async fn resolve(spec: &str) -> Result<Vec<SocketAddr>> {
     }
 }
 
+/// Addresses given as `host:port` specs (routers: the picker's endpoints, a router's peers),
+/// followed as replicas' are: each name resolved again at every [`Specs::addresses`], with one
+/// resolver kept across them.
+#[derive(Debug)]
+pub struct Specs {
+    targets: Vec<(String, Target)>,
+    /// Only when a spec is a name.
+    resolver: Option<TokioResolver>,
+}
+
+impl Specs {
+    pub fn parse(specs: &[String]) -> Result<Self> {
+        let targets = (specs.iter())
+            .map(|s| Ok((s.clone(), Target::parse(s)?)))
+            .collect::<Result<Vec<_>>>()?;
+        let names = (targets.iter()).any(|(_, t)| matches!(t, Target::Name { .. }));
+        let resolver = if names { Some(resolver()?) } else { None };
+        Ok(Self { targets, resolver })
+    }
+
+    /// Every spec's addresses now, sorted; a name that cannot be resolved now adds nothing
+    /// until it can.
+    pub async fn addresses(&self) -> Vec<SocketAddr> {
+        let mut addrs = Vec::new();
+        for (spec, target) in &self.targets {
+            match (target, &self.resolver) {
+                (Target::Addr(addr), _) => addrs.push(*addr),
+                (Target::Name { host, port }, Some(resolver)) => {
+                    match resolver.lookup_ip(host.as_str()).await {
+                        Ok(answer) => {
+                            addrs.extend(answer.iter().map(|ip| SocketAddr::new(ip, *port)))
+                        }
+                        Err(e) => tracing::warn!(spec, error = %e, "cannot resolve an address"),
+                    }
+                }
+                (Target::Name { .. }, None) => {}
+            }
+        }
+        addrs.sort();
+        addrs.dedup();
+        addrs
+    }
+}
+
 /// A resolver from the system's configuration that caches nothing: every lookup asks again,
 /// so that a replica leaving or joining shows up at the next interval, whatever the TTL.
 fn resolver() -> Result<TokioResolver> {

@@ -1,6 +1,7 @@
 //! The cluster view: what the router knows of its workers and how it picks them.
 //!
 //! ```text
+//! peers (the other routers: their sessions, load and running generations) ─▶ sessions, replicas
 //! sessions (open agent sessions: when their KV goes to disk or is released) ─┐
 //! discovery ─▶ replicas (the set: health, load, monitoring) ◀───────────────┘
 //!                 │  ─▶ migrate (a drain's moves)
@@ -15,6 +16,7 @@ pub mod discovery;
 pub mod frontend;
 pub mod index;
 pub mod migrate;
+pub mod peers;
 pub mod policy;
 pub mod replica;
 pub mod replicas;

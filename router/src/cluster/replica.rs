@@ -81,6 +81,10 @@ pub struct Replica {
     /// Requests and prompt tokens this router has sent there and not yet seen finish.
     pub(super) inflight: AtomicU32,
     pub(super) inflight_tokens: AtomicU64,
+    /// Requests and prompt tokens the peer routers said they have there
+    /// ([`crate::cluster::peers`]).
+    pub(super) peer_inflight: AtomicU32,
+    pub(super) peer_inflight_tokens: AtomicU64,
     /// Cancelled when the replica leaves the set; ends its monitor and index tasks.
     pub(super) stop: CancellationToken,
     /// The set's [`crate::cluster::replicas::Replicas::changed`], woken when this replica may
@@ -112,11 +116,12 @@ impl Replica {
     }
 
     /// Requests there: the larger of the last report (which counts other routers' requests
-    /// too, but lags) and this router's own in flight (current, but only its own).
+    /// too, but lags) and the requests in flight there from this router (current) and its peers
+    /// (as of their last answer).
     pub fn load(&self) -> u32 {
-        self.reported
-            .load(Ordering::Relaxed)
-            .max(self.inflight.load(Ordering::Relaxed))
+        let routers = (self.inflight.load(Ordering::Relaxed))
+            .saturating_add(self.peer_inflight.load(Ordering::Relaxed));
+        self.reported.load(Ordering::Relaxed).max(routers)
     }
 
     pub fn capacity(&self) -> u32 {
@@ -126,6 +131,17 @@ impl Replica {
     /// This router's requests on the replica now.
     pub fn inflight(&self) -> usize {
         self.inflight.load(Ordering::Relaxed) as usize
+    }
+
+    /// This router's prompt tokens in flight on the replica now.
+    pub fn inflight_tokens(&self) -> u64 {
+        self.inflight_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Records what the peer routers have in flight there, summed over them.
+    pub(crate) fn set_peer_inflight(&self, requests: u32, tokens: u64) {
+        self.peer_inflight.store(requests, Ordering::Relaxed);
+        self.peer_inflight_tokens.store(tokens, Ordering::Relaxed);
     }
 
     /// Whether this router may send the replica another request: fewer of its own requests
@@ -142,12 +158,12 @@ impl Replica {
         capacity == 0 || requests <= capacity
     }
 
-    /// Prompt tokens waiting there: the larger of the last report and this router's own in
+    /// Prompt tokens waiting there: the larger of the last report and the routers' in
     /// flight, as for [`Replica::load`].
     pub fn queued_tokens(&self) -> u64 {
-        self.queued_tokens
-            .load(Ordering::Relaxed)
-            .max(self.inflight_tokens.load(Ordering::Relaxed))
+        let routers = (self.inflight_tokens.load(Ordering::Relaxed))
+            .saturating_add(self.peer_inflight_tokens.load(Ordering::Relaxed));
+        self.queued_tokens.load(Ordering::Relaxed).max(routers)
     }
 
     /// Measured prompt tokens per second; 0 until measured.

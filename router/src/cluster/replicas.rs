@@ -127,6 +127,8 @@ impl Replicas {
             restore_tokens_per_second: AtomicU64::new(0),
             inflight: AtomicU32::new(0),
             inflight_tokens: AtomicU64::new(0),
+            peer_inflight: AtomicU32::new(0),
+            peer_inflight_tokens: AtomicU64::new(0),
             stop: self.cancel.child_token(),
             changed: self.changed.clone(),
         });

@@ -14,6 +14,13 @@
 //! a replica that holds none of them does nothing. Only blocks no other cached sequence shares
 //! and no running request holds are released (the workers' rule), so a system prompt that other
 //! sessions share stays. A session is keyed by its tenant and id: one key cannot end another's.
+//!
+//! With several routers ([`crate::cluster::peers`]), each one's table holds every router's
+//! sessions: its own, and those whose last turn went through a peer, learned from the peer's
+//! changes ([`Sessions::changes`], [`Sessions::learn`]). A session's clocks (idle, TTL) are run
+//! by the router its last turn went through, so its KV is moved or released once; the others
+//! keep it for its key's bound and for measuring its next turn. A peer's sessions become this
+//! router's own when the peer is gone.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -48,6 +55,10 @@ pub struct Turn<'a> {
 #[derive(Debug)]
 struct Entry {
     last_used: Instant,
+    /// The peer router its last turn went through (its peer address); `None`: this one.
+    from: Option<Arc<str>>,
+    /// This router's change sequence at its last change here (0 for a peer's).
+    changed: u64,
     /// The session's sequence as its last turn left it (prompt and reply), as a release names it.
     sequence: pb::CachedSession,
     /// Moved to the disk tier since its last turn.
@@ -96,8 +107,56 @@ pub struct Action {
 #[derive(Debug)]
 pub struct Sessions {
     config: SessionConfig,
-    open: Mutex<HashMap<Key, Entry>>,
+    table: Mutex<Table>,
     metrics: RouterMetrics,
+}
+
+/// Most sessions' ends kept for peers to learn: a peer further behind gets the whole table.
+const ENDED_KEPT: usize = 1 << 16;
+
+#[derive(Debug, Default)]
+struct Table {
+    open: HashMap<Key, Entry>,
+    /// The sequence of this router's changes: each turn, move to disk and end takes the next.
+    seq: u64,
+    /// This router's recent ends, by sequence.
+    ended: std::collections::VecDeque<(u64, Key)>,
+    /// Ends before this sequence are no longer in `ended`.
+    forgot: u64,
+}
+
+impl Table {
+    fn next(&mut self) -> u64 {
+        self.seq += 1;
+        self.seq
+    }
+
+    fn ended(&mut self, key: Key) {
+        let seq = self.next();
+        self.ended.push_back((seq, key));
+        while self.ended.len() > ENDED_KEPT {
+            if let Some((seq, _)) = self.ended.pop_front() {
+                self.forgot = seq;
+            }
+        }
+    }
+}
+
+/// What changed in this router's sessions since a peer last asked ([`Sessions::changes`]).
+#[derive(Debug, Default)]
+pub struct Changes {
+    pub seq: u64,
+    /// The whole table: the peer forgets what it learned from here before.
+    pub full: bool,
+    pub sessions: Vec<pb::PeerSession>,
+    pub ended: Vec<pb::SessionKey>,
+}
+
+fn wire_key((tenant, id): &Key) -> pb::SessionKey {
+    pb::SessionKey {
+        tenant: tenant.to_string(),
+        session_id: id.clone(),
+    }
 }
 
 /// The tokens at the start of `a` and `b` that are equal.
@@ -123,18 +182,18 @@ impl Sessions {
         }
         Self {
             config,
-            open: Mutex::default(),
+            table: Mutex::default(),
             metrics,
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<Key, Entry>> {
+    fn lock(&self) -> MutexGuard<'_, Table> {
         // Single inserts, updates and removes; a poisoned lock is still consistent.
-        self.open.lock().unwrap_or_else(|e| e.into_inner())
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn gauge(&self, open: &HashMap<Key, Entry>) {
-        self.metrics.sessions_open.set(open.len() as i64);
+    fn gauge(&self, table: &Table) {
+        self.metrics.sessions_open.set(table.open.len() as i64);
     }
 
     /// Records a completed turn: measures its cache use against the session's previous turn
@@ -143,7 +202,9 @@ impl Sessions {
     /// session its key had to end to stay within `per_key`, if any.
     pub fn turn(&self, t: Turn<'_>) -> Option<Action> {
         let key = (t.tenant.clone(), t.session_id.to_string());
-        let mut open = self.lock();
+        let mut table = self.lock();
+        let changed = table.next();
+        let open = &mut table.open;
         let shared = open.get(&key).map_or(0, |e| {
             let whole = common_prefix(&e.sequence.token_ids, t.prompt);
             whole - whole % tandem_proto::block_hash::BLOCK_TOKENS
@@ -159,6 +220,8 @@ impl Sessions {
         tokens.extend_from_slice(t.reply);
         let entry = Entry {
             last_used: Instant::now(),
+            from: None,
+            changed,
             sequence: pb::CachedSession {
                 token_ids: tokens,
                 cache_salt: t.cache_salt.to_string(),
@@ -175,38 +238,48 @@ impl Sessions {
                     .filter(|(k, _)| k.0 == key.0)
                     .min_by_key(|(_, e)| e.last_used)
                     .map(|(k, _)| k.clone());
-                ended = oldest.and_then(|k| open.remove(&k)).map(|e| Action {
-                    session: e.sequence,
-                    why: Release::KeyLimit,
-                });
+                if let Some((k, e)) = oldest.and_then(|k| open.remove_entry(&k)) {
+                    table.ended(k);
+                    ended = Some(Action {
+                        session: e.sequence,
+                        why: Release::KeyLimit,
+                    });
+                }
             }
         }
-        self.gauge(&open);
+        self.gauge(&table);
         ended
     }
 
     /// Ends `tenant`'s session `id`: what to release, or `None` when no such session is open.
     pub fn end(&self, tenant: &Arc<str>, id: &str) -> Option<Action> {
-        let mut open = self.lock();
-        let entry = open.remove(&(tenant.clone(), id.to_string()))?;
-        self.gauge(&open);
+        let mut table = self.lock();
+        let (key, entry) = table.open.remove_entry(&(tenant.clone(), id.to_string()))?;
+        table.ended(key);
+        self.gauge(&table);
         Some(Action {
             session: entry.sequence,
             why: Release::Ended,
         })
     }
 
-    /// The sessions idle past `ttl` (ended) or `idle` (moved to disk), as of `now`.
+    /// This router's sessions idle past `ttl` (ended) or `idle` (moved to disk), as of `now`.
+    /// A peer's session idle past twice `ttl` is dropped without a release: its router should
+    /// have ended it, and said so.
     pub fn sweep(&self, now: Instant) -> Vec<Action> {
-        let mut open = self.lock();
-        let mut actions = Vec::new();
-        open.retain(|_, e| {
+        let mut table = self.lock();
+        let (mut actions, mut ended, mut moved) = (Vec::new(), Vec::new(), Vec::new());
+        table.open.retain(|k, e| {
             let idle = now.saturating_duration_since(e.last_used);
+            if e.from.is_some() {
+                return idle < 2 * self.config.ttl;
+            }
             if idle >= self.config.ttl {
                 actions.push(Action {
                     session: std::mem::take(&mut e.sequence),
                     why: Release::Expired,
                 });
+                ended.push(k.clone());
                 return false;
             }
             if idle >= self.config.idle && !e.on_disk {
@@ -215,11 +288,103 @@ impl Sessions {
                     session: e.sequence.clone(),
                     why: Release::Idle,
                 });
+                moved.push(k.clone());
             }
             true
         });
-        self.gauge(&open);
+        for k in ended {
+            table.ended(k);
+        }
+        for k in moved {
+            let seq = table.next();
+            if let Some(e) = table.open.get_mut(&k) {
+                e.changed = seq;
+            }
+        }
+        self.gauge(&table);
         actions
+    }
+
+    /// This router's sessions changed since its change `since` (0: all of them), and the ends
+    /// since; the whole table when `since` is older than the ends kept.
+    pub fn changes(&self, since: u64) -> Changes {
+        let table = self.lock();
+        let full = since == 0 || since < table.forgot || since > table.seq;
+        let now = Instant::now();
+        let sessions = (table.open.iter())
+            .filter(|(_, e)| e.from.is_none() && (full || e.changed > since))
+            .map(|(k, e)| pb::PeerSession {
+                key: Some(wire_key(k)),
+                idle_ms: now.saturating_duration_since(e.last_used).as_millis() as u64,
+                sequence: Some(e.sequence.clone()),
+                on_disk: e.on_disk,
+            })
+            .collect();
+        let ended = if full {
+            Vec::new()
+        } else {
+            (table.ended.iter())
+                .filter(|(seq, _)| *seq > since)
+                .map(|(_, k)| wire_key(k))
+                .collect()
+        };
+        Changes {
+            seq: table.seq,
+            full,
+            sessions,
+            ended,
+        }
+    }
+
+    /// Takes in what peer `peer` said changed ([`Sessions::changes`]). A session this router
+    /// served a later turn of stays this router's.
+    pub fn learn(&self, peer: &Arc<str>, changes: Changes) {
+        let mut table = self.lock();
+        if changes.full {
+            table.open.retain(|_, e| e.from.as_ref() != Some(peer));
+        }
+        let now = Instant::now();
+        for s in changes.sessions {
+            let (Some(k), Some(sequence)) = (s.key, s.sequence) else {
+                continue;
+            };
+            let key = (Arc::from(k.tenant), k.session_id);
+            let last_used = now
+                .checked_sub(Duration::from_millis(s.idle_ms))
+                .unwrap_or(now);
+            if (table.open.get(&key)).is_some_and(|e| e.from.is_none() && e.last_used > last_used) {
+                continue;
+            }
+            let entry = Entry {
+                last_used,
+                from: Some(peer.clone()),
+                changed: 0,
+                sequence,
+                on_disk: s.on_disk,
+            };
+            table.open.insert(key, entry);
+        }
+        for k in changes.ended {
+            table.open.remove(&(Arc::from(k.tenant), k.session_id));
+        }
+        self.gauge(&table);
+    }
+
+    /// Makes the sessions learned from `peer` this router's own (the peer is gone): their
+    /// clocks run here from now on, and this router's peers learn them.
+    pub fn adopt(&self, peer: &str) {
+        let mut table = self.lock();
+        let theirs: Vec<Key> = (table.open.iter())
+            .filter(|(_, e)| e.from.as_deref() == Some(peer))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in theirs {
+            let seq = table.next();
+            if let Some(e) = table.open.get_mut(&k) {
+                e.from = None;
+                e.changed = seq;
+            }
+        }
     }
 
     /// Sweeps every so often until `cancel`, sending what the sweeps find to the replicas.
@@ -275,99 +440,4 @@ impl Sessions {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn sessions(config: SessionConfig) -> Sessions {
-        let mut registry = prometheus_client::registry::Registry::default();
-        Sessions::new(config, RouterMetrics::register(&mut registry))
-    }
-
-    fn turn<'a>(tenant: &'a Arc<str>, id: &'a str, prompt: &'a [u32]) -> Turn<'a> {
-        Turn {
-            tenant,
-            session_id: id,
-            cache_salt: "salt",
-            prompt,
-            reply: &[7, 8],
-            cached: 0,
-            restored: 0,
-        }
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn idle_sessions_go_to_disk_then_end() {
-        let s = sessions(SessionConfig {
-            idle: Duration::from_secs(10),
-            ttl: Duration::from_secs(60),
-            per_key: 8,
-        });
-        let a: Arc<str> = "a".into();
-        assert!(s.turn(turn(&a, "s1", &[1, 2, 3])).is_none());
-        assert!(s.sweep(Instant::now()).is_empty(), "active");
-        tokio::time::advance(Duration::from_secs(11)).await;
-        let moved = s.sweep(Instant::now());
-        assert_eq!(moved.len(), 1);
-        assert_eq!(moved[0].why, Release::Idle);
-        assert_eq!(
-            moved[0].session.token_ids,
-            [1, 2, 3, 7, 8],
-            "prompt and reply"
-        );
-        assert!(s.sweep(Instant::now()).is_empty(), "moved once");
-        tokio::time::advance(Duration::from_secs(50)).await;
-        let ended = s.sweep(Instant::now());
-        assert_eq!(ended.len(), 1);
-        assert_eq!(ended[0].why, Release::Expired);
-        assert!(s.end(&a, "s1").is_none(), "already ended");
-        assert_eq!(s.metrics.sessions_open.get(), 0);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_key_over_its_bound_ends_its_least_recent_session() {
-        let s = sessions(SessionConfig {
-            per_key: 2,
-            ..SessionConfig::default()
-        });
-        let (a, b): (Arc<str>, Arc<str>) = ("a".into(), "b".into());
-        assert!(s.turn(turn(&a, "s1", &[1])).is_none());
-        tokio::time::advance(Duration::from_secs(1)).await;
-        assert!(s.turn(turn(&a, "s2", &[2])).is_none());
-        assert!(s.turn(turn(&b, "s1", &[3])).is_none(), "another key's");
-        tokio::time::advance(Duration::from_secs(1)).await;
-        assert!(
-            s.turn(turn(&a, "s1", &[1, 4])).is_none(),
-            "a turn of an open one"
-        );
-        let ended = s.turn(turn(&a, "s3", &[5])).expect("over the bound");
-        assert_eq!(ended.why, Release::KeyLimit);
-        assert_eq!(
-            ended.session.token_ids,
-            [2, 7, 8],
-            "s2 was the least recent"
-        );
-        assert_eq!(s.metrics.sessions_open.get(), 3);
-        assert!(s.end(&b, "s2").is_none(), "a key ends only its own");
-        assert!(s.end(&a, "s3").is_some());
-    }
-
-    #[test]
-    fn recomputed_tokens_are_the_shared_whole_blocks_no_cache_supplied() {
-        let s = sessions(SessionConfig::default());
-        let a: Arc<str> = "a".into();
-        let first: Vec<u32> = (0..40).collect();
-        s.turn(turn(&a, "s", &first));
-        // The next turn shares the first 40 tokens and the reply's 2: two whole blocks of 16.
-        let mut next = first.clone();
-        next.extend([7, 8, 99, 100]);
-        s.turn(Turn {
-            cached: 16,
-            restored: 16,
-            ..turn(&a, "s", &next)
-        });
-        let m = &s.metrics;
-        assert_eq!(m.session_turn_tokens("recomputed").sum(), 16.0);
-        assert_eq!(m.session_turn_tokens("disk").sum(), 16.0);
-        assert_eq!(m.session_turn_tokens("pool").sum(), 0.0);
-    }
-}
+mod tests;

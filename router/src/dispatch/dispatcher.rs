@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::cluster::peers::Peers;
 use crate::cluster::policy::Policy;
 use crate::cluster::replicas::Replicas;
 use crate::cluster::sessions::Sessions;
@@ -34,4 +35,6 @@ pub struct Dispatcher {
     pub pace: Arc<QueuePace>,
     /// The open agent sessions, which each completed turn updates.
     pub sessions: Arc<Sessions>,
+    /// The other routers over the same workers.
+    pub peers: Arc<Peers>,
 }

@@ -35,6 +35,7 @@ use tracing::Instrument;
 
 use crate::auth::{KeyStore, Principal};
 use crate::cluster::frontend::{Frontend, pick};
+use crate::cluster::peers::RunningKey;
 use crate::config::Limits;
 use crate::dispatch::dispatcher::{Dispatcher, Outcome};
 use crate::dispatch::log::{Item, LogWriter};
@@ -77,7 +78,7 @@ pub struct GenerationService {
 }
 
 /// Running generations by (tenant, client-given request id).
-pub(crate) type Running = HashMap<(Arc<str>, String), Arc<LogWriter>>;
+pub(crate) type Running = HashMap<RunningKey, Arc<LogWriter>>;
 
 impl GenerationService {
     fn running(&self) -> std::sync::MutexGuard<'_, Running> {
@@ -154,6 +155,12 @@ impl GenerationService {
             "gen_ai.usage.output_tokens" = tracing::field::Empty,
         );
         if let Some(attached) = attach(&self.running(), &key) {
+            return Ok(Started {
+                frames: attached,
+                prompt_tokens: 0,
+            });
+        }
+        if let Some(attached) = self.attach_on_peer(&key, deadline).await {
             return Ok(Started {
                 frames: attached,
                 prompt_tokens: 0,
@@ -248,8 +255,51 @@ impl GenerationService {
     }
 }
 
+impl GenerationService {
+    /// The keys of the generations running here under a client's request id.
+    pub(crate) fn running_keys(&self) -> Vec<RunningKey> {
+        self.running().keys().cloned().collect()
+    }
+
+    /// The frames of the generation running here under `key`, if any.
+    pub(crate) fn attach_here(&self, key: &RunningKey) -> Option<GenerateStream> {
+        attach(&self.running(), key)
+    }
+
+    /// The frames of the generation a peer router runs under `key`, as of the peer's last
+    /// answer; `None` when none does, or the peer no longer has it or cannot be reached (the
+    /// request then starts here: with the same sampling seed, the same tokens).
+    async fn attach_on_peer(
+        &self,
+        key: &RunningKey,
+        deadline: tokio::time::Instant,
+    ) -> Option<GenerateStream> {
+        if key.1.is_empty() {
+            return None;
+        }
+        let channel = self.dispatcher.peers.running_on(key)?;
+        let mut client = tandem_proto::limits!(pb::peer_client::PeerClient::new(channel));
+        let mut ask = tonic::Request::new(pb::AttachRequest {
+            tenant: key.0.to_string(),
+            request_id: key.1.clone(),
+        });
+        ask.set_timeout(deadline.saturating_duration_since(tokio::time::Instant::now()));
+        match client.attach(ask).await {
+            Ok(frames) => {
+                tracing::info!(request_id = %key.1, "attaching to the generation a peer router runs");
+                self.dispatcher.metrics.peer_attaches.inc();
+                Some(Box::pin(frames.into_inner()))
+            }
+            Err(e) => {
+                tracing::info!(request_id = %key.1, error = %e, "cannot attach on the peer router; starting here");
+                None
+            }
+        }
+    }
+}
+
 /// The running generation with this tenant's request id, if any.
-fn attach(running: &Running, key: &(Arc<str>, String)) -> Option<GenerateStream> {
+fn attach(running: &Running, key: &RunningKey) -> Option<GenerateStream> {
     if key.1.is_empty() {
         return None;
     }
