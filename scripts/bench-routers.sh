@@ -5,10 +5,16 @@
 # cache events itself and places a session by the same rendezvous hash, so a follow-up turn
 # should find its prefix as often through two routers as through one: the script prints the
 # share of follow-ups served on their prefix (and the share of their prompt tokens from a cache)
-# for both. Results go to target/bench-routers/ as JSON.
+# for both. Then a router killed mid-run: two routers as processes of their own, each the other's
+# peer, over the same kind of workers behind Envoy round-robin, the benchmark sending every
+# request under an id of its own and again with that id after a failure (`--retries`); one
+# router gets SIGKILL a few seconds in. The script prints the turns completed, those sent again,
+# and how many replies differ from the one-router run's (greedy: none should).
+# Results go to target/bench-routers/ as JSON.
 #
 # Usage: scripts/bench-routers.sh [ROUNDS] [extra `tandem bench multiturn` flags...]
-# Env: TANDEM (the binary, default target/release/tandem), model (default smollm2).
+# Env: TANDEM (the binary, default target/release/tandem), model (default smollm2), KILL_AFTER
+# (seconds into the killed round's run before the SIGKILL, default 5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
@@ -28,8 +34,10 @@ fi
 
 . scripts/lib/up.sh
 envoy_pid=""
+routers=()
 cleanup() {
   if [ -n "$envoy_pid" ]; then kill "$envoy_pid" 2>/dev/null || true; wait "$envoy_pid" 2>/dev/null || true; fi
+  for r in "${routers[@]}"; do kill -9 "$r" 2>/dev/null || true; done
   stop
 }
 trap cleanup EXIT
@@ -84,6 +92,55 @@ YAML
   cat "$out/envoy.log"; return 1
 }
 
+# serving ADDR: waits until the router at ADDR serves.
+serving() {
+  for _ in $(seq 300); do
+    "$tandem" healthcheck --addr "$1" --service tandem.v1.Generation --plaintext >/dev/null 2>&1 && return 0
+    sleep 0.1
+  done
+  echo "the router at $1 never served" >&2; return 1
+}
+
+# kill_round R: the multi-turn benchmark through two peer routers behind Envoy, one killed
+# (SIGKILL) a few seconds in; the client retries failed requests with their ids.
+kill_round() {
+  local r=$1 certs=$out/certs
+  [ -f "$certs/ca.pem" ] || "$tandem" certs init "$certs" >/dev/null
+  up --prefill 1 --decode 2 --routers 1 --tls-dir "$certs"
+  local prefill decode
+  prefill=$(sed -n 's/^  prefill-0 *//p' "$out/up.log")
+  decode=$(sed -n 's/^  decode-[0-9] *//p' "$out/up.log" | paste -sd,)
+  routers=()
+  local peers="127.0.0.1:$((port + 30)),127.0.0.1:$((port + 31))"
+  for i in 0 1; do
+    "$tandem" router --listen "127.0.0.1:$((port + 20 + i))" --http-listen off \
+      --prefill "$prefill" --decode "$decode" --tls-dir "$certs" \
+      --peer-listen "127.0.0.1:$((port + 30 + i))" --peers "$peers" >"$out/router-$i.log" 2>&1 &
+    routers+=($!)
+  done
+  serving "127.0.0.1:$((port + 20))"; serving "127.0.0.1:$((port + 21))"
+  envoy_rr $((port + 10)) "127.0.0.1:$((port + 20))" "127.0.0.1:$((port + 21))"
+  "$tandem" bench multiturn --server "127.0.0.1:$((port + 10))" "${flags[@]}" --retries 20 \
+    --label router-killed --json >"$out/router-killed.$r.json" &
+  local bench=$!
+  sleep "${KILL_AFTER:-5}"
+  kill -9 "${routers[0]}"
+  wait "$bench"
+  kill "$envoy_pid"; wait "$envoy_pid" 2>/dev/null || true; envoy_pid=""
+  kill -9 "${routers[1]}" 2>/dev/null || true
+  routers=()
+  stop
+  python3 - "$out/router-killed.$r.json" "$out/one-router.$r.json" <<'PY'
+import json, sys
+killed, one = (json.load(open(p)) for p in sys.argv[1:3])
+s = killed["summary"]
+texts = {(t["session"], t["turn"]): t["text"] for t in one["turns"]}
+differ = sum(1 for t in killed["turns"] if texts.get((t["session"], t["turn"])) != t["text"])
+print(f"router killed: {s['turns']} turns completed, {s.get('retried_turns', 0)} sent again "
+      f"({s.get('retries', 0)} retries), {differ} replies differ from the one-router run's")
+PY
+}
+
 share() { python3 -c "import json,sys; s=json.load(open(sys.argv[1]))['summary']; print(f\"{s['follow_ups_on_their_prefix']:.3f} {s['follow_up_cached_share']:.3f}\")" "$1"; }
 
 for r in $(seq "$rounds"); do
@@ -101,4 +158,5 @@ for r in $(seq "$rounds"); do
   kill "$envoy_pid"; wait "$envoy_pid" 2>/dev/null || true; envoy_pid=""
   stop
   echo "round $r: one router (on prefix, cached share): $(share "$out/one-router.$r.json"); two routers: $(share "$out/two-routers.$r.json")"
+  kill_round "$r"
 done

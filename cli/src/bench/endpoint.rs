@@ -71,6 +71,9 @@ pub(crate) struct Ask {
     pub max_tokens: u32,
     /// The conversation, for affinity (gRPC `session_id`, HTTP `x-session-id`).
     pub session: String,
+    /// The request's id (gRPC `request_id`, HTTP `x-request-id`), under which a retry attaches
+    /// to the running generation; empty: none.
+    pub request_id: String,
 }
 
 /// One streamed answer.
@@ -88,6 +91,8 @@ pub(crate) struct Reply {
     /// Tandem over gRPC only.
     pub route: Option<pb::Route>,
     pub timings: Option<pb::Timings>,
+    /// The times the request was sent again after a failure.
+    pub retries: u32,
 }
 
 impl Reply {
@@ -101,6 +106,7 @@ impl Reply {
             cached_tokens: 0,
             route: None,
             timings: None,
+            retries: 0,
         }
     }
 
@@ -229,6 +235,15 @@ impl Failure {
             code: "transport".into(),
             message: message.to_string(),
         }
+    }
+
+    /// Whether the request may succeed if sent again: the server or the way to it went away
+    /// (a cut stream, a refused connection, a router draining), not a refusal of the request.
+    pub(crate) fn retryable(&self) -> bool {
+        matches!(
+            self.code.as_str(),
+            "Unavailable" | "Unknown" | "Cancelled" | "Internal" | "transport" | "HTTP 502" | "HTTP 503"
+        )
     }
 }
 
@@ -379,6 +394,7 @@ impl Endpoint {
 async fn grpc(mut client: Client, ask: &Ask) -> Result<Reply, Failure> {
     let mut request = pb::GenerateRequest {
         session_id: ask.session.clone(),
+        request_id: ask.request_id.clone(),
         sampling: Some(pb::SamplingParams {
             max_tokens: ask.max_tokens,
             ..Default::default()
@@ -449,7 +465,10 @@ async fn openai(
         }
     };
     let mut reply = Reply::new(Instant::now());
-    let request = http.post(format!("{root}/v1/{path}"));
+    let mut request = http.post(format!("{root}/v1/{path}"));
+    if !ask.request_id.is_empty() {
+        request = request.header("x-request-id", &ask.request_id);
+    }
     let mut events = SseEvents::post(request, &ask.session, &body).await?;
     let mut pieces = 0u32;
     while let Some(v) = events.next().await? {

@@ -59,6 +59,12 @@ pub(crate) struct MultiturnArgs {
     /// Print the results as JSON (per-turn records and the summary) instead of a table.
     #[arg(long)]
     json: bool,
+    /// Send every request under a request id of its own, and send it again with the same id
+    /// after a failure the server or the way to it caused (UNAVAILABLE, a cut stream, a refused
+    /// connection), up to this many times, 100 ms apart: what a client of several routers does
+    /// when its router goes away. 0: no ids, no retries.
+    #[arg(long, default_value_t = 0)]
+    retries: u32,
 }
 
 /// One turn as measured.
@@ -86,6 +92,9 @@ pub(crate) struct Turn {
     attempts: u32,
     #[serde(default)]
     fetched_tokens: u32,
+    /// Times it was sent again after a failure (`--retries`).
+    #[serde(default)]
+    retries: u32,
     /// The reply, to compare runs of the same workload with.
     #[serde(default)]
     text: String,
@@ -111,6 +120,11 @@ pub(crate) struct Summary {
     prefill_requests: BTreeMap<String, usize>,
     prefill_max_over_mean: f64,
     local_prefills: usize,
+    /// Turns sent more than once (`--retries`), and the retries in all.
+    #[serde(default)]
+    retried_turns: usize,
+    #[serde(default)]
+    retries: u64,
     /// With `--cold`: median over follow-ups of this run's TTFT over the cold run's, turn by
     /// turn, and the ratio of the medians.
     follow_up_ttft_ratio_to_cold_median: Option<f64>,
@@ -147,6 +161,7 @@ impl Turn {
             prefill_overlap_tokens: route.prefill_overlap_tokens,
             attempts: route.attempts,
             fetched_tokens: route.fetched_tokens,
+            retries: r.retries,
             text: r.text.clone(),
         }
     }
@@ -237,6 +252,8 @@ fn summarize(turns: &[Turn], cold: Option<&Results>) -> Summary {
         decode_max_over_mean: max_over_mean(&decode_requests),
         prefill_max_over_mean: max_over_mean(&prefill_requests),
         local_prefills: turns.iter().filter(|t| t.disaggregation == "local").count(),
+        retried_turns: turns.iter().filter(|t| t.retries > 0).count(),
+        retries: turns.iter().map(|t| u64::from(t.retries)).sum(),
         decode_requests,
         prefill_requests,
         follow_up_ttft_ratio_to_cold_median: ratio,
@@ -311,6 +328,8 @@ async fn run(args: &MultiturnArgs) -> anyhow::Result<(String, Vec<Turn>)> {
     let total = args.sessions * args.turns;
     let progress = progress_bar(total as u64, "multiturn");
     let started = std::time::Instant::now();
+    // Request ids are the run's own: another run's retries never attach to this one's.
+    let run_id = rand::random::<u64>();
     for turn in 0..args.turns {
         for (s, h) in histories.iter_mut().enumerate() {
             h.push((
@@ -325,11 +344,27 @@ async fn run(args: &MultiturnArgs) -> anyhow::Result<(String, Vec<Turn>)> {
                 input: Input::Messages(h.clone()),
                 max_tokens: args.max_tokens,
                 session: format!("bench-session-{s}"),
+                request_id: match args.retries {
+                    0 => String::new(),
+                    _ => format!("bench-{run_id:016x}-{s}-{turn}"),
+                },
             })
             .collect();
         let replies = send_turn(turn, asks, args.concurrency, &progress, started, |ask| {
             let endpoint = &endpoint;
-            async move { endpoint.generate(&ask).await }
+            async move {
+                let mut retries = 0;
+                loop {
+                    match endpoint.generate(&ask).await {
+                        Ok(reply) => return Ok(Reply { retries, ..reply }),
+                        Err(f) if f.retryable() && retries < args.retries => {
+                            retries += 1;
+                            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                        }
+                        Err(f) => return Err(f),
+                    }
+                }
+            }
         })
         .await?;
         for (s, (sent_ms, reply)) in replies.into_iter().enumerate() {
@@ -409,6 +444,12 @@ fn print_table(r: &Results) {
             s.prefill_requests,
             s.prefill_max_over_mean,
             s.local_prefills
+        );
+    }
+    if s.retries > 0 {
+        println!(
+            "  turns sent again after a failure: {} ({} retries)",
+            s.retried_turns, s.retries
         );
     }
     if let (Some(ratio), Some(of_medians)) = (

@@ -263,6 +263,7 @@ fn ask(args: &ServeArgs, seed: u64, level: usize, i: usize) -> Ask {
         input: Input::Prompt(words(n, seed, level, i)),
         max_tokens: args.max_tokens,
         session: format!("bench-serve-{level}-{i}"),
+        request_id: String::new(),
     }
 }
 
