@@ -85,10 +85,12 @@ pub(crate) struct Done {
 /// takes on any CPU we run on, and than [`PUSH_STALL`], after which a stuck push is given up.
 pub(crate) const STALLED_AFTER: Duration = Duration::from_secs(10);
 
-/// When the compute thread last moved, or that it waits for work (nothing is stuck then).
+/// When the compute thread last moved, or that it waits for work (nothing is stuck then). It
+/// counts tokio time (outside a runtime, the system's clock), so that its rule is tested on
+/// paused time.
 #[derive(Debug)]
 pub(crate) struct Pulse {
-    epoch: Instant,
+    epoch: tokio::time::Instant,
     /// Milliseconds from `epoch` to the last move; [`Pulse::IDLE`] while waiting for a job.
     at_ms: AtomicU64,
 }
@@ -117,7 +119,7 @@ impl Pulse {
 impl Default for Pulse {
     fn default() -> Self {
         Self {
-            epoch: Instant::now(),
+            epoch: tokio::time::Instant::now(),
             at_ms: AtomicU64::new(Self::IDLE),
         }
     }
@@ -346,18 +348,27 @@ impl Compute {
 mod tests {
     use super::*;
 
-    #[test]
-    fn the_pulse_says_idle_or_recent_and_falls_silent_once_stuck() {
+    /// The rule the queued pushes' heartbeats follow: they beat while the compute thread
+    /// waits for work or moved within [`STALLED_AFTER`], and fall silent once it has not, so a
+    /// decode node gives up on a stuck prefill node by its own bound on silence.
+    #[tokio::test(start_paused = true)]
+    async fn the_pulse_says_idle_or_recent_and_falls_silent_once_stuck() {
         let pulse = Pulse::default();
         assert!(
             pulse.within(Duration::ZERO),
             "waiting for work is not stuck"
         );
+        tokio::time::advance(Duration::from_secs(3600)).await;
+        assert!(pulse.within(Duration::ZERO), "however long it waits");
         pulse.beat();
-        assert!(pulse.within(Duration::from_secs(60)));
-        std::thread::sleep(Duration::from_millis(20));
-        assert!(!pulse.within(Duration::from_millis(1)), "no move for 20 ms");
+        tokio::time::advance(STALLED_AFTER - Duration::from_millis(1)).await;
+        assert!(pulse.within(STALLED_AFTER), "a chunk still computing");
+        tokio::time::advance(Duration::from_millis(2)).await;
+        assert!(!pulse.within(STALLED_AFTER), "no move for longer: stuck");
+        pulse.beat();
+        assert!(pulse.within(STALLED_AFTER), "a move clears it");
         pulse.idle();
-        assert!(pulse.within(Duration::ZERO));
+        tokio::time::advance(STALLED_AFTER * 2).await;
+        assert!(pulse.within(STALLED_AFTER));
     }
 }

@@ -242,7 +242,13 @@ impl Failure {
     pub(crate) fn retryable(&self) -> bool {
         matches!(
             self.code.as_str(),
-            "Unavailable" | "Unknown" | "Cancelled" | "Internal" | "transport" | "HTTP 502" | "HTTP 503"
+            "Unavailable"
+                | "Unknown"
+                | "Cancelled"
+                | "Internal"
+                | "transport"
+                | "HTTP 502"
+                | "HTTP 503"
         )
     }
 }

@@ -287,6 +287,66 @@ mod tests {
     use super::*;
     use crate::cluster::replica::Role;
 
+    /// A peer that stops answering keeps its word for [`FORGET_AFTER`], its staleness growing;
+    /// then its load and running generations no longer count and its sessions are adopted.
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_peer_is_forgotten_and_its_sessions_adopted() {
+        let mut registry = prometheus_client::registry::Registry::default();
+        let metrics = RouterMetrics::register(&mut registry);
+        let sessions = Sessions::new(crate::config::SessionConfig::default(), metrics.clone());
+        let peers = Peers::new(&[], None, metrics.clone()).expect("peers");
+        // Nothing listens there: every ask fails.
+        let gone = "127.0.0.1:1";
+        let key: RunningKey = ("t".into(), "r".into());
+        let mut view = View::new(tandem_net::channel(gone, None).expect("channel"));
+        view.instance = 7;
+        view.load = [("10.0.0.9:1".to_string(), (3, 30))].into();
+        view.running = [key.clone()].into();
+        peers.lock().insert(gone.parse().expect("addr"), view);
+        let theirs = Changes {
+            seq: 1,
+            full: true,
+            sessions: vec![pb::PeerSession {
+                key: Some(pb::SessionKey {
+                    tenant: "t".into(),
+                    session_id: "s".into(),
+                }),
+                idle_ms: 0,
+                sequence: Some(pb::CachedSession::default()),
+                on_disk: false,
+            }],
+            ended: Vec::new(),
+        };
+        sessions.learn(&Arc::from(gone), theirs);
+        let since = sessions.changes(0).seq;
+        let staleness = || {
+            (metrics.peer_staleness)
+                .get_or_create(&PeerLabel { peer: gone.into() })
+                .get()
+        };
+
+        tokio::time::advance(FORGET_AFTER / 2).await;
+        peers.ask_all(&sessions).await;
+        assert!(peers.running_on(&key).is_some(), "its word still holds");
+        assert!(staleness() >= (FORGET_AFTER / 2).as_secs_f64());
+        assert!(
+            sessions.changes(since).sessions.is_empty(),
+            "still its sessions"
+        );
+
+        tokio::time::advance(FORGET_AFTER / 2).await;
+        peers.ask_all(&sessions).await;
+        assert!(peers.running_on(&key).is_none(), "forgotten");
+        assert!(peers.lock().values().all(|v| v.load.is_empty()));
+        assert!(staleness() >= FORGET_AFTER.as_secs_f64());
+        let adopted = sessions.changes(since);
+        assert_eq!(
+            adopted.sessions.len(),
+            1,
+            "its session is this router's now"
+        );
+    }
+
     /// What the peers have in flight on a worker adds to this router's own, for the policy's
     /// load and queued prompt tokens; a worker no peer names gets 0.
     #[tokio::test]
