@@ -66,10 +66,11 @@ impl Endpoints {
         self.addrs.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// Resolves every spec again.
+    /// Resolves every spec again; a failed lookup keeps the endpoints as they are.
     async fn refresh(&self, specs: &Specs) {
-        let addrs = specs.addresses().await;
-        *self.addrs.write().unwrap_or_else(|e| e.into_inner()) = addrs;
+        if let Some(addrs) = specs.addresses().await {
+            *self.addrs.write().unwrap_or_else(|e| e.into_inner()) = addrs;
+        }
     }
 }
 

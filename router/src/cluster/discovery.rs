@@ -92,6 +92,7 @@ pub fn start(
                     () = cancel.cancelled() => return,
                 }
                 if let Some(addrs) = lookup(&resolver, &host, port).await {
+                    let addrs = addrs.iter().map(SocketAddr::to_string).collect();
                     follow(&replicas, role, &spec, &addrs);
                 }
             }
@@ -138,27 +139,22 @@ impl Specs {
         Ok(Self { targets, resolver })
     }
 
-    /// Every spec's addresses now, sorted; a name that cannot be resolved now adds nothing
-    /// until it can.
-    pub async fn addresses(&self) -> Vec<SocketAddr> {
-        let mut addrs = Vec::new();
-        for (spec, target) in &self.targets {
+    /// Every spec's addresses now, sorted; `None` when a lookup failed (as opposed to a name
+    /// with no addresses), and what the caller follows should stay as it is.
+    pub async fn addresses(&self) -> Option<Vec<SocketAddr>> {
+        let mut addrs = BTreeSet::new();
+        for (_, target) in &self.targets {
             match (target, &self.resolver) {
-                (Target::Addr(addr), _) => addrs.push(*addr),
+                (Target::Addr(addr), _) => {
+                    addrs.insert(*addr);
+                }
                 (Target::Name { host, port }, Some(resolver)) => {
-                    match resolver.lookup_ip(host.as_str()).await {
-                        Ok(answer) => {
-                            addrs.extend(answer.iter().map(|ip| SocketAddr::new(ip, *port)))
-                        }
-                        Err(e) => tracing::warn!(spec, error = %e, "cannot resolve an address"),
-                    }
+                    addrs.extend(lookup(resolver, host, *port).await?);
                 }
                 (Target::Name { .. }, None) => {}
             }
         }
-        addrs.sort();
-        addrs.dedup();
-        addrs
+        Some(addrs.into_iter().collect())
     }
 }
 
@@ -175,17 +171,17 @@ fn resolver() -> Result<TokioResolver> {
 
 /// The name's addresses now: `Some(empty)` when it has none (every replica left), `None` when
 /// the lookup failed and the set should stay as it is.
-async fn lookup(resolver: &TokioResolver, host: &str, port: u16) -> Option<BTreeSet<String>> {
+async fn lookup(resolver: &TokioResolver, host: &str, port: u16) -> Option<BTreeSet<SocketAddr>> {
     match resolver.lookup_ip(host).await {
         Ok(answer) => Some(
             answer
                 .iter()
-                .map(|ip: IpAddr| SocketAddr::new(ip, port).to_string())
+                .map(|ip: IpAddr| SocketAddr::new(ip, port))
                 .collect(),
         ),
         Err(e) if e.is_no_records_found() || e.is_nx_domain() => Some(BTreeSet::new()),
         Err(e) => {
-            tracing::warn!(host, error = %e, "DNS lookup failed; keeping the replicas as they are");
+            tracing::warn!(host, error = %e, "DNS lookup failed; keeping what it named as it is");
             None
         }
     }
@@ -243,7 +239,11 @@ mod tests {
     async fn a_name_becomes_its_addresses() {
         let replicas = Arc::new(Replicas::new(16, CancellationToken::new()));
         let resolver = resolver().expect("resolver");
-        let addrs = lookup(&resolver, "localhost", 50053).await.expect("lookup");
+        let addrs: BTreeSet<String> = (lookup(&resolver, "localhost", 50053).await)
+            .expect("lookup")
+            .iter()
+            .map(SocketAddr::to_string)
+            .collect();
         assert!(addrs.contains("127.0.0.1:50053"), "{addrs:?}");
         follow(&replicas, Role::Decode, "localhost:50053", &addrs);
         assert_eq!(replicas.all().len(), addrs.len());

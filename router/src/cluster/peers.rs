@@ -151,7 +151,10 @@ impl Peers {
         let Some(specs) = &self.specs else {
             return;
         };
-        let addrs = specs.addresses().await;
+        // A failed lookup keeps the peers as they are.
+        let Some(addrs) = specs.addresses().await else {
+            return;
+        };
         let mut views = self.lock();
         let gone: Vec<SocketAddr> = (views.keys())
             .filter(|a| !addrs.contains(a))
