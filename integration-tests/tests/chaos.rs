@@ -34,6 +34,10 @@ const MODEL: &str = "smollm2";
 const PORT: u16 = 50151;
 /// The router's OpenAI HTTP API (`TANDEM_HTTP_PORT`).
 const HTTP_PORT: u16 = 8151;
+/// The second router's ports (`TANDEM_PORT_2`, `TANDEM_HTTP_PORT_2`); the scenarios drive the
+/// first.
+const PORT_2: u16 = 50161;
+const HTTP_PORT_2: u16 = 8161;
 const DECODE_PORT: u16 = 50053;
 /// Requests per scenario, and how many stream at once: the fault hits the first wave, and the
 /// later ones show that the cluster serves on (and bound the attempts per request, C7).
@@ -79,6 +83,8 @@ fn run_env(program: &str, args: &[&str], env: &[(&str, &str)]) -> Result<String>
         .current_dir(repo())
         .env("TANDEM_PORT", PORT.to_string())
         .env("TANDEM_HTTP_PORT", HTTP_PORT.to_string())
+        .env("TANDEM_PORT_2", PORT_2.to_string())
+        .env("TANDEM_HTTP_PORT_2", HTTP_PORT_2.to_string())
         .env("TANDEM_IMAGE", IMAGE)
         .env("TANDEM_CERTS", certs_dir())
         .envs(env.iter().copied())
@@ -203,6 +209,7 @@ async fn cluster_up() -> Result<()> {
     // as much as the workers' (mutual TLS).
     for c in [
         container("router", 1),
+        container("router-2", 1),
         container("prefill", 1),
         container("decode", 1),
     ] {
@@ -216,6 +223,21 @@ async fn cluster_up() -> Result<()> {
         )
         .await?;
     }
+    // The second router found the first by its service name and hears it over mutual TLS.
+    let peer = format!(
+        "tandem_router_peer_staleness_seconds{{peer=\"{}:50060\"}}",
+        ip(&container("router", 1))?
+    );
+    until(
+        "the second router hears the first",
+        Duration::from_secs(30),
+        async || {
+            let addr = format!("127.0.0.1:{PORT_2}");
+            let text = metrics(addr.parse().expect("addr")).await.unwrap_or_default();
+            tandem_integration_tests::sample(&text, &peer).is_some_and(|s| s < 2.0)
+        },
+    )
+    .await?;
     Ok(())
 }
 
