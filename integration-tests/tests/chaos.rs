@@ -233,7 +233,9 @@ async fn cluster_up() -> Result<()> {
         Duration::from_secs(30),
         async || {
             let addr = format!("127.0.0.1:{PORT_2}");
-            let text = metrics(addr.parse().expect("addr")).await.unwrap_or_default();
+            let text = metrics(addr.parse().expect("addr"))
+                .await
+                .unwrap_or_default();
             tandem_integration_tests::sample(&text, &peer).is_some_and(|s| s < 2.0)
         },
     )

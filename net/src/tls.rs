@@ -30,7 +30,8 @@ pub const ROLE_URI_PREFIX: &str = "spiffe://tandem/";
 /// What a certificate lets its holder be.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Role {
-    /// Calls the workers: Prefill, Decode, Worker (info, load, cache events).
+    /// Calls the workers: Prefill, Decode, Worker (info, load, cache events); and its peer
+    /// routers' Peer (state, attach).
     Router,
     /// Pushes KV to decode nodes; fetches cached KV from its peers (a drain's moves).
     Prefill,
@@ -284,6 +285,10 @@ mod tests {
         assert!(may("/tandem.v1.KvTransfer/Fetch", Role::Decode));
         assert!(!may("/tandem.v1.KvTransfer/Fetch", Role::Client));
         assert!(!may("/tandem.v1.Decode/Generate", Role::Prefill));
+        // A router's peer port: its session tables and streams are for other routers only.
+        assert!(may("/tandem.v1.Peer/State", Role::Router));
+        assert!(!may("/tandem.v1.Peer/State", Role::Client));
+        assert!(!may("/tandem.v1.Peer/Attach", Role::Decode));
         assert!(may("/grpc.health.v1.Health/Check", Role::Client));
         assert!(may("/metrics", Role::Client));
         assert!(!may("/tandem.v1.Unknown/X", Role::Router));

@@ -27,6 +27,10 @@ pub(crate) struct EndpointArgs {
     /// `Authorization` header).
     #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// The model to ask for, by its id as `/v1/models` lists it, on a cluster serving several
+    /// [default: the router's default model over gRPC; the first model listed over HTTP].
+    #[arg(long = "model")]
+    model_id: Option<String>,
     /// TLS to the router (`--server`); the HTTP client here speaks plain HTTP only.
     #[command(flatten)]
     tls: ServerTlsArgs,
@@ -45,6 +49,8 @@ pub(crate) enum Endpoint {
     Grpc {
         addr: String,
         client: Client,
+        /// The model asked for; empty: the router's default.
+        model: String,
     },
     OpenAi {
         /// The URL without a trailing `/v1`.
@@ -261,6 +267,7 @@ impl Endpoint {
             return Ok(Endpoint::Grpc {
                 addr: addr.clone(),
                 client: client(addr, &key, &args.tls)?,
+                model: args.model_id.clone().unwrap_or_default(),
             });
         }
         let base = args
@@ -292,14 +299,17 @@ impl Endpoint {
             .json()
             .await
             .context("the model list is not JSON")?;
-        let model = models["data"][0]["id"]
-            .as_str()
-            .with_context(|| format!("{root}/v1/models lists no model"))?
-            .to_string();
+        let model = match &args.model_id {
+            Some(id) => id.clone(),
+            None => models["data"][0]["id"]
+                .as_str()
+                .with_context(|| format!("{root}/v1/models lists no model"))?
+                .to_string(),
+        };
         Ok(Endpoint::OpenAi { root, http, model })
     }
 
-    /// The model an HTTP endpoint serves (the first `/v1/models` lists).
+    /// The model an HTTP endpoint serves (`--model`, else the first `/v1/models` lists).
     pub(crate) fn model(&self) -> Option<String> {
         match self {
             Endpoint::Grpc { .. } => None,
@@ -310,7 +320,8 @@ impl Endpoint {
     /// What the results call this endpoint.
     pub(crate) fn describe(&self) -> String {
         match self {
-            Endpoint::Grpc { addr, .. } => format!("grpc://{addr}"),
+            Endpoint::Grpc { addr, model, .. } if model.is_empty() => format!("grpc://{addr}"),
+            Endpoint::Grpc { addr, model, .. } => format!("grpc://{addr} ({model})"),
             Endpoint::OpenAi { root, model, .. } => format!("{root}/v1 ({model})"),
         }
     }
@@ -391,14 +402,15 @@ impl Endpoint {
     /// Sends `ask` (greedy) and reads the whole stream.
     pub(crate) async fn generate(&self, ask: &Ask) -> Result<Reply, Failure> {
         match self {
-            Endpoint::Grpc { client, .. } => grpc(client.clone(), ask).await,
+            Endpoint::Grpc { client, model, .. } => grpc(client.clone(), model, ask).await,
             Endpoint::OpenAi { root, http, model } => openai(http, root, model, ask).await,
         }
     }
 }
 
-async fn grpc(mut client: Client, ask: &Ask) -> Result<Reply, Failure> {
+async fn grpc(mut client: Client, model: &str, ask: &Ask) -> Result<Reply, Failure> {
     let mut request = pb::GenerateRequest {
+        model: model.to_string(),
         session_id: ask.session.clone(),
         request_id: ask.request_id.clone(),
         sampling: Some(pb::SamplingParams {

@@ -253,9 +253,7 @@ impl GenerationService {
             .map_err(|_| Error::ShuttingDown)??;
         Ok(tokens.len())
     }
-}
 
-impl GenerationService {
     /// The keys of the generations running here under a client's request id.
     pub(crate) fn running_keys(&self) -> Vec<RunningKey> {
         self.running().keys().cloned().collect()
