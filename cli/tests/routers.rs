@@ -107,6 +107,24 @@ async fn client(addr: &str) -> Client {
     }
 }
 
+/// Sends request `id` and reads its first frame: the rest of the stream, and that frame.
+async fn begin(
+    client: &mut Client,
+    id: &str,
+) -> (tonic::Streaming<pb::GenerateResponse>, pb::GenerateResponse) {
+    let mut frames = client
+        .generate(request(id))
+        .await
+        .expect("a stream")
+        .into_inner();
+    let first = frames
+        .message()
+        .await
+        .expect("a frame")
+        .expect("a first frame");
+    (frames, first)
+}
+
 /// Reads a stream to its end: its tokens, or the status it failed with after `frames` frames.
 async fn read(
     mut frames: tonic::Streaming<pb::GenerateResponse>,
@@ -216,16 +234,7 @@ fn a_killed_routers_streams_finish_on_its_peer() {
 
         // Running on a, retried on b once b has heard of it (a few of its 50 ms asks): b
         // attaches to a's stream.
-        let mut on_a = to_a
-            .generate(request("twice"))
-            .await
-            .expect("a")
-            .into_inner();
-        let first = on_a
-            .message()
-            .await
-            .expect("a frame")
-            .expect("a first frame");
+        let (on_a, first) = begin(&mut to_a, "twice").await;
         tokio::time::sleep(Duration::from_millis(400)).await;
         let on_b = to_b
             .generate(request("twice"))
@@ -242,16 +251,7 @@ fn a_killed_routers_streams_finish_on_its_peer() {
 
         // Killed mid-stream: the client's retry on b starts it again there (a's last word still
         // lists it; the attach finds a gone), and it says the same.
-        let mut on_a = to_a
-            .generate(request("killed"))
-            .await
-            .expect("a")
-            .into_inner();
-        let first = on_a
-            .message()
-            .await
-            .expect("a frame")
-            .expect("a first frame");
+        let (on_a, first) = begin(&mut to_a, "killed").await;
         assert_eq!(first.finish_reason, pb::FinishReason::Unspecified as i32);
         a.kill();
         let (delivered, status) = read(on_a).await.expect_err("a died mid-stream");
