@@ -34,6 +34,31 @@ pub(crate) struct NewArgs {
     /// Concurrent generations for this key (unset: the router's default; 0: unlimited).
     #[arg(long)]
     streams: Option<u32>,
+    /// The highest priority class the key's requests may ask for with `x-priority`, and theirs
+    /// without it (unset: standard).
+    #[arg(long, value_enum)]
+    class: Option<KeyClass>,
+    /// The key's share of the tokens served within its class, against the other keys' (unset:
+    /// 1).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    weight: Option<u32>,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub(crate) enum KeyClass {
+    Interactive,
+    Standard,
+    Batch,
+}
+
+impl KeyClass {
+    fn class(self) -> tandem_router::Class {
+        match self {
+            KeyClass::Interactive => tandem_router::Class::Interactive,
+            KeyClass::Standard => tandem_router::Class::Standard,
+            KeyClass::Batch => tandem_router::Class::Batch,
+        }
+    }
 }
 
 pub(crate) fn run(command: &KeysCommand) -> anyhow::Result<()> {
@@ -64,6 +89,8 @@ fn new(args: &NewArgs) -> anyhow::Result<()> {
         requests_per_minute: args.rpm,
         tokens_per_minute: args.tpm,
         streams: args.streams,
+        class: args.class.map(KeyClass::class),
+        weight: args.weight,
     };
     let mut line = key_line(&args.tenant, &key, limits);
     if !existing.is_empty() && !existing.ends_with('\n') {

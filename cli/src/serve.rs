@@ -288,7 +288,8 @@ pub(crate) struct RouterArgs {
     /// replica whose cache is larger is routed to as if it held nothing.
     #[arg(long, env = "TANDEM_INDEX_MAX_BLOCKS", default_value_t = 1 << 20)]
     index_max_blocks: usize,
-    /// API key file (`TENANT sha256:HEX [rpm=N] [tpm=N] [streams=N]` per line; `tandem keys new`
+    /// API key file (`TENANT sha256:HEX [rpm=N] [tpm=N] [streams=N] [class=C] [weight=N]` per
+    /// line, docs/api.md "Priority classes and fair shares" for the last two; `tandem keys new`
     /// writes them). With it, every gRPC and HTTP request needs `authorization: Bearer KEY`,
     /// each key's tenant gets its own prefix-cache partition, and the file is re-read when it
     /// changes. Without it, clients need no key and share one partition.

@@ -12,6 +12,9 @@
 //!
 //! `rpm` (requests per minute), `tpm` (prompt plus completion tokens per minute) and `streams`
 //! (concurrent generations) override the router's defaults for that key; 0 means unlimited.
+//! `class` (`interactive`, `standard`, `batch`) is the highest priority class the key's requests
+//! may ask for and the one they get without `x-priority`, and `weight` (a whole number, 1 by
+//! default) its share of the tokens served within its class ([`crate::dispatch`]'s order).
 //! `tandem keys new` adds a line and prints the key once. The file is read again whenever it
 //! changes, so keys are added, revoked and re-limited without a restart; a file that no longer
 //! parses is reported and the keys already loaded stay in force.
@@ -20,7 +23,6 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 use tokio_util::sync::CancellationToken;
 
@@ -31,12 +33,48 @@ pub const MAX_TENANT_BYTES: usize = 64;
 /// How often the key file is checked for changes.
 const RELOAD_POLL: Duration = Duration::from_secs(1);
 
-/// Per-key limits; `None` is unlimited.
+mod keyfile;
+
+pub use keyfile::{KeyEntry, cache_partition, hash_key, key_line, parse_key_file, valid_tenant};
+
+/// A request's priority class: the router's admission order serves them in this order
+/// ([`crate::dispatch::order`]). A key's class (its line's `class=`; `standard` without one) is
+/// the highest its requests may ask for with `x-priority`, which may only lower it; without a
+/// key file the header alone decides.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Class {
+    Interactive = 0,
+    #[default]
+    Standard = 1,
+    Batch = 2,
+}
+
+impl Class {
+    pub const ALL: [Class; 3] = [Class::Interactive, Class::Standard, Class::Batch];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Class::Interactive => "interactive",
+            Class::Standard => "standard",
+            Class::Batch => "batch",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|c| c.name() == name)
+    }
+}
+
+/// Per-key limits (`None` is unlimited), and the key's standing among the others: its priority
+/// class (the highest its requests may ask for; `standard` when unset) and its weight within the
+/// class (its share of the tokens served; 1 when unset).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct KeyLimits {
     pub requests_per_minute: Option<u32>,
     pub tokens_per_minute: Option<u32>,
     pub streams: Option<u32>,
+    pub class: Option<Class>,
+    pub weight: Option<u32>,
 }
 
 impl KeyLimits {
@@ -46,6 +84,8 @@ impl KeyLimits {
             requests_per_minute: some(rpm),
             tokens_per_minute: some(tpm),
             streams: some(streams),
+            class: None,
+            weight: None,
         }
     }
 }
@@ -67,128 +107,6 @@ impl AuthConfig {
             defaults: KeyLimits::from_flags(rpm, tpm, streams),
         }
     }
-}
-
-/// One line of the key file.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct KeyEntry {
-    pub tenant: String,
-    pub hash: [u8; 32],
-    /// What the line sets; unset fields fall back to the router's defaults.
-    pub limits: KeyLimits,
-}
-
-/// The SHA-256 of a key, as the key file stores it.
-pub fn hash_key(key: &str) -> [u8; 32] {
-    Sha256::digest(key.as_bytes()).into()
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// The cache partition of a request: empty (the shared partition) when it has neither a tenant
-/// nor a salt, else 32 hex digits of SHA-256 over both. A digest keeps what workers see short and
-/// free of tenant names, and the length prefix keeps ("ab", "c") apart from ("a", "bc").
-pub fn cache_partition(tenant: &str, salt: &str) -> String {
-    if tenant.is_empty() && salt.is_empty() {
-        return String::new();
-    }
-    let mut h = Sha256::new();
-    h.update((tenant.len() as u64).to_le_bytes());
-    h.update(tenant.as_bytes());
-    h.update(salt.as_bytes());
-    hex(&h.finalize()[..16])
-}
-
-/// A key file line for `tenant` and `key`.
-pub fn key_line(tenant: &str, key: &str, limits: KeyLimits) -> String {
-    let mut line = format!("{tenant} sha256:{}", hex(&hash_key(key)));
-    for (name, value) in [
-        ("rpm", limits.requests_per_minute),
-        ("tpm", limits.tokens_per_minute),
-        ("streams", limits.streams),
-    ] {
-        if let Some(v) = value {
-            line.push_str(&format!(" {name}={v}"));
-        }
-    }
-    line
-}
-
-/// Whether `tenant` is a valid tenant name: 1 to [`MAX_TENANT_BYTES`] ASCII letters, digits,
-/// `.`, `_` or `-`.
-pub fn valid_tenant(tenant: &str) -> bool {
-    !tenant.is_empty()
-        && tenant.len() <= MAX_TENANT_BYTES
-        && tenant
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
-}
-
-/// Parses a key file; an error names the line and never echoes a hash.
-pub fn parse_key_file(text: &str) -> std::result::Result<Vec<KeyEntry>, String> {
-    let mut entries: Vec<KeyEntry> = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        let n = i + 1;
-        let line = line.split('#').next().unwrap_or("").trim();
-        if line.is_empty() {
-            continue;
-        }
-        let mut fields = line.split_whitespace();
-        let (Some(tenant), Some(hash)) = (fields.next(), fields.next()) else {
-            return Err(format!("line {n}: expected `TENANT sha256:HEX [limits]`"));
-        };
-        if !valid_tenant(tenant) {
-            return Err(format!(
-                "line {n}: a tenant is 1 to {MAX_TENANT_BYTES} letters, digits, '.', '_' or '-'"
-            ));
-        }
-        let hash = hash
-            .strip_prefix("sha256:")
-            .and_then(parse_hex32)
-            .ok_or_else(|| format!("line {n}: the key must be `sha256:` and 64 hex digits"))?;
-        let mut limits = KeyLimits::default();
-        for field in fields {
-            let (name, value) = field
-                .split_once('=')
-                .ok_or_else(|| format!("line {n}: `{field}` is not NAME=VALUE"))?;
-            let value: u32 = value
-                .parse()
-                .map_err(|_| format!("line {n}: {name} must be a whole number"))?;
-            let slot = match name {
-                "rpm" => &mut limits.requests_per_minute,
-                "tpm" => &mut limits.tokens_per_minute,
-                "streams" => &mut limits.streams,
-                _ => {
-                    return Err(format!(
-                        "line {n}: unknown limit `{name}` (rpm, tpm, streams)"
-                    ));
-                }
-            };
-            *slot = Some(value);
-        }
-        if entries.iter().any(|e| e.hash == hash) {
-            return Err(format!("line {n}: the same key is listed twice"));
-        }
-        entries.push(KeyEntry {
-            tenant: tenant.to_string(),
-            hash,
-            limits,
-        });
-    }
-    Ok(entries)
-}
-
-fn parse_hex32(hex: &str) -> Option<[u8; 32]> {
-    if hex.len() != 64 || !hex.is_ascii() {
-        return None;
-    }
-    let mut out = [0u8; 32];
-    for (i, b) in out.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
-    }
-    Some(out)
 }
 
 /// A token bucket that may go into debt. Written here rather than taken from `governor`, whose
@@ -285,6 +203,26 @@ impl Principal {
             tenant: Arc::from(""),
             state: None,
         }
+    }
+
+    /// The priority class of a request that asked for `asked` (`x-priority`), or none: the
+    /// key's class, or a lower one it asked for; without a key file, what it asked for
+    /// (`standard` when nothing).
+    pub fn class(&self, asked: Option<Class>) -> Class {
+        match &self.state {
+            Some(state) => {
+                let key = state.usage().limits.class.unwrap_or_default();
+                asked.map_or(key, |asked| asked.max(key))
+            }
+            None => asked.unwrap_or_default(),
+        }
+    }
+
+    /// The key's weight within its class (1 without a key file or a `weight=`).
+    pub fn weight(&self) -> u32 {
+        (self.state.as_ref())
+            .and_then(|state| state.usage().limits.weight)
+            .unwrap_or(1)
     }
 
     /// Admits one generation of `prompt_tokens` that may generate `max_tokens` against the
@@ -464,6 +402,8 @@ impl KeyStore {
             requests_per_minute: pick(e.limits.requests_per_minute, d.requests_per_minute),
             tokens_per_minute: pick(e.limits.tokens_per_minute, d.tokens_per_minute),
             streams: pick(e.limits.streams, d.streams),
+            class: e.limits.class,
+            weight: e.limits.weight,
         }
     }
 
@@ -517,39 +457,6 @@ impl KeyStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn key_files_parse_and_refuse_what_is_malformed() {
-        let a = key_line(
-            "alice",
-            "secret-a",
-            KeyLimits {
-                requests_per_minute: Some(60),
-                ..KeyLimits::default()
-            },
-        );
-        let b = key_line("bob", "secret-b", KeyLimits::default());
-        let text = format!("# comment\n\n{a}\n{b}  # trailing comment\n");
-        let entries = parse_key_file(&text).expect("parses");
-        assert_eq!(entries.len(), 2);
-        assert_eq!(entries[0].tenant, "alice");
-        assert_eq!(entries[0].hash, hash_key("secret-a"));
-        assert_eq!(entries[0].limits.requests_per_minute, Some(60));
-        assert_eq!(entries[1].tenant, "bob");
-        for (bad, why) in [
-            ("alice", "line 1: expected"),
-            ("alice sha256:00", "64 hex"),
-            ("al ice sha256:", "64 hex"),
-            ("a/b sha256:00", "a tenant is"),
-            (&format!("{a} burst=3"), "unknown limit"),
-            (&format!("{a} rpm=x"), "whole number"),
-            (&format!("{a}\n{a}"), "line 2: the same key"),
-        ] {
-            let e = parse_key_file(bad).expect_err(bad);
-            assert!(e.contains(why), "{bad}: {e}");
-            assert!(!e.contains(&a[6..]), "{e} echoes the hash");
-        }
-    }
 
     #[test]
     fn buckets_refill_over_a_minute_and_may_go_into_debt() {

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-pub use crate::auth::{AuthConfig, KeyLimits};
+pub use crate::auth::{AuthConfig, Class, KeyLimits};
 
 /// Hard limits on what one client request may ask for, each enforced before the work or the
 /// memory it would cost.

@@ -76,7 +76,7 @@ impl RequestChecks {
                     r,
                     &self.limits,
                     default_max_tokens,
-                    &"fuzz".into(),
+                    &crate::auth::Principal::anonymous(),
                 )
             })
             .is_ok()

@@ -46,7 +46,7 @@ use tonic_health::ServingStatus;
 
 pub use crate::cluster::discovery::{Target, resolve};
 pub use crate::config::{
-    AuthConfig, Config, KeyLimits, Limits, PolicyKind, SamplingDefaults, SessionConfig,
+    AuthConfig, Class, Config, KeyLimits, Limits, PolicyKind, SamplingDefaults, SessionConfig,
 };
 pub use crate::error::{Error, Result};
 
@@ -167,6 +167,7 @@ pub async fn run(
             token_gap: config.token_gap,
             budget: Arc::default(),
             pace: Arc::default(),
+            order: Arc::default(),
         },
         admission: Arc::new(Semaphore::new(config.max_inflight)),
         max_inflight: config.max_inflight,

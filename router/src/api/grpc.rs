@@ -47,6 +47,8 @@ impl GenerationService {
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<GenerateStream>, Status> {
         let deadline = tandem_net::deadline(request.metadata());
+        let asked = (request.metadata().get("x-priority"))
+            .map(|v| v.to_str().unwrap_or("unreadable").to_string());
         // The [`interceptor`] put it there before the body was
         // read.
         let principal = request
@@ -54,10 +56,11 @@ impl GenerationService {
             .get::<Principal>()
             .cloned()
             .ok_or(Error::Unauthenticated)?;
-        let stream = self
-            .start(request.into_inner(), &principal, deadline, None)
-            .await?
-            .frames;
+        let mut r = request.into_inner();
+        if let Some(asked) = asked.filter(|_| r.priority.is_empty()) {
+            r.priority = asked;
+        }
+        let stream = self.start(r, &principal, deadline, None).await?.frames;
         Ok(Response::new(stream))
     }
 }

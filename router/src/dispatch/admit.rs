@@ -12,6 +12,7 @@ use tonic::Status;
 use crate::cluster::policy::{Ask, Choice};
 use crate::cluster::replica::{Replica, Role};
 use crate::dispatch::dispatcher::Dispatcher;
+use crate::dispatch::order::Asker;
 use crate::dispatch::prepare::Prepared;
 use crate::dispatch::progress::{Failure, Progress, ms};
 use crate::dispatch::queue::Queued;
@@ -41,6 +42,7 @@ impl Dispatcher {
         queued: &mut Option<Queued>,
         progress: &Progress,
         deadline: TokioInstant,
+        asker: &Asker,
     ) -> Result<(), Failure> {
         if queued.is_some() {
             return Ok(());
@@ -59,6 +61,7 @@ impl Dispatcher {
             gauge: self.metrics.queued.clone(),
             ahead,
             since: TokioInstant::now(),
+            ticket: (progress.attempts == 1).then(|| self.order.join(asker.clone())),
         });
         Ok(())
     }
@@ -160,11 +163,20 @@ impl Dispatcher {
         accepted: Instant,
         deadline: TokioInstant,
     ) -> Result<Admission, Failure> {
-        let mut queued = None;
+        let asker = Asker {
+            model: p.model.as_str().into(),
+            class: p.class,
+            tenant: p.tenant.clone(),
+            weight: f64::from(p.weight),
+        };
+        let mut queued: Option<Queued> = None;
         loop {
             let change = self.replicas.changed();
             tokio::pin!(change);
             change.as_mut().enable();
+            let left = self.order.left();
+            tokio::pin!(left);
+            left.as_mut().enable();
             let ask = Ask {
                 model: &p.model,
                 tokens: tokens.len(),
@@ -174,10 +186,16 @@ impl Dispatcher {
                 holder: progress.holder.as_ref().map(|(a, t)| (a.as_str(), *t)),
             };
             let decodes = crate::cluster::policy::candidates(&self.replicas, Role::Decode, &ask);
+            // A first attempt waits its turn in the admission order; a failover does not.
+            let ticket = queued.as_ref().and_then(|q| q.ticket.as_ref());
+            let turn = progress.attempts > 1 || self.order.is_first(&asker, ticket);
             // With none up, the policy answers at once.
-            if !decodes.is_empty() && !decodes.iter().any(|r| r.has_room()) {
-                self.enqueue(&mut queued, progress, deadline)?;
-                change.await;
+            if !turn || (!decodes.is_empty() && !decodes.iter().any(|r| r.has_room())) {
+                self.enqueue(&mut queued, progress, deadline, &asker)?;
+                tokio::select! {
+                    () = change => {}
+                    () = left => {}
+                }
                 continue;
             }
             let last_resort = self.last_resort(&decodes, progress, &p.model, tokens.len());
@@ -189,7 +207,7 @@ impl Dispatcher {
             if choice.prefill.as_ref().is_some_and(|p| !p.fits()) {
                 // The prefill node's queue is full: wait here rather than be refused there.
                 drop(choice);
-                self.enqueue(&mut queued, progress, deadline)?;
+                self.enqueue(&mut queued, progress, deadline, &asker)?;
                 change.await;
                 continue;
             }
@@ -234,7 +252,7 @@ impl Dispatcher {
                 Err(s) if s.code() == tonic::Code::ResourceExhausted => {
                     tracing::debug!(decode = %decode.addr, status = %s.message(), "decode node full; back to the queue");
                     drop(choice);
-                    self.enqueue(&mut queued, progress, deadline)?;
+                    self.enqueue(&mut queued, progress, deadline, &asker)?;
                     self.replicas.changed().await;
                     continue;
                 }
@@ -253,6 +271,8 @@ impl Dispatcher {
             if let Some(queued) = queued {
                 self.pace.record(&queued);
             }
+            self.order
+                .charge(&p.tenant, asker.weight, tokens.len() as u64);
             if choice.fetch.is_some() {
                 self.policy.record_fetch(a.fetched_bytes, a.fetch_ms);
                 self.metrics

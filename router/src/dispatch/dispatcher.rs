@@ -9,6 +9,7 @@ use crate::cluster::peers::Peers;
 use crate::cluster::policy::Policy;
 use crate::cluster::replicas::Replicas;
 use crate::cluster::sessions::Sessions;
+use crate::dispatch::order::Order;
 use crate::dispatch::queue::QueuePace;
 use crate::dispatch::retry::RetryBudget;
 use crate::metrics::RouterMetrics;
@@ -33,6 +34,8 @@ pub struct Dispatcher {
     pub token_gap: Duration,
     pub budget: Arc<RetryBudget>,
     pub pace: Arc<QueuePace>,
+    /// Which waiting request takes the next place ([`crate::dispatch::order`]).
+    pub order: Arc<Order>,
     /// The open agent sessions, which each completed turn updates.
     pub sessions: Arc<Sessions>,
     /// The other routers over the same workers.

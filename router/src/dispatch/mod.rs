@@ -15,6 +15,7 @@ pub mod admit;
 pub mod chat;
 pub mod dispatcher;
 pub mod log;
+pub mod order;
 pub mod prepare;
 pub mod progress;
 pub mod queue;
@@ -172,9 +173,9 @@ impl GenerationService {
         let front = self.frontend(&r.model)?;
         // The admission permit bounds the tokenizations running at once as well.
         let permit = self.permit()?;
-        let (limits, tenant) = (self.limits.clone(), principal.tenant.clone());
+        let (limits, who) = (self.limits.clone(), principal.clone());
         let prepared = tokio::task::spawn_blocking(move || {
-            prepare(&front, r, &limits, default_max_tokens, &tenant)
+            prepare(&front, r, &limits, default_max_tokens, &who)
         })
         .instrument(span.clone())
         .await
@@ -210,6 +211,7 @@ impl GenerationService {
         span.record("gen_ai.usage.input_tokens", prompt_tokens);
         let (svc, shutdown) = (self.clone(), self.shutdown.clone());
         let model = prepared.model.clone();
+        let (tenant, weight) = (prepared.tenant.clone(), prepared.weight);
         self.generations.spawn(
             async move {
                 let _permit = permit;
@@ -221,6 +223,8 @@ impl GenerationService {
                     }
                 };
                 grant.finish(outcome.generated);
+                // The admission order charges the prompt at admission, the reply here.
+                (svc.dispatcher.order).charge(&tenant, f64::from(weight), outcome.generated as u64);
                 tracing::Span::current().record("gen_ai.usage.output_tokens", outcome.generated);
                 svc.dispatcher.metrics.finished(outcome.code);
                 (svc.dispatcher.metrics).model_finished(

@@ -4,6 +4,7 @@
 
 use tandem_proto::v1 as pb;
 
+use crate::auth::{Class, Principal};
 use crate::cluster::frontend::Frontend;
 use crate::config::Limits;
 use crate::error::{Error, Result};
@@ -28,6 +29,9 @@ pub struct Prepared {
     pub fingerprint: Vec<u8>,
     /// How many replies to generate (`n`): 1 to [`tandem_proto::MAX_CHOICES`].
     pub choices: u32,
+    /// Its priority class, and its key's weight within the class ([`crate::dispatch::order`]).
+    pub class: Class,
+    pub weight: u32,
 }
 
 /// Checks the request's ids and salt ([`tandem_proto::check_ids`]); the first thing done with a
@@ -43,16 +47,25 @@ pub fn check_ids(r: &pb::GenerateRequest) -> Result<()> {
 
 /// Checks a client request against `limits` and turns its input into token ids; the text is
 /// bounded before it is tokenized. With `default_max_tokens`, an unset `max_tokens` (0) means
-/// that many, or the rest of the context if that is less. `tenant` partitions the caches, with
-/// the request's own `cache_salt`. Tokenizing takes time in proportion to the text: call this
-/// off the async runtime's threads.
+/// that many, or the rest of the context if that is less. `principal`'s tenant partitions the
+/// caches, with the request's own `cache_salt`, and its key bounds the priority class the
+/// request may ask for. Tokenizing takes time in proportion to the text: call this off the async
+/// runtime's threads.
 pub fn prepare(
     front: &Frontend,
     mut r: pb::GenerateRequest,
     limits: &Limits,
     default_max_tokens: Option<u32>,
-    tenant: &std::sync::Arc<str>,
+    principal: &Principal,
 ) -> Result<Prepared> {
+    let tenant = &principal.tenant;
+    let asked = match r.priority.as_str() {
+        "" => None,
+        asked => Some(Class::parse(asked).ok_or_else(|| Error::InvalidArgument {
+            field: "priority",
+            reason: format!("{asked:?}: must be interactive, standard or batch"),
+        })?),
+    };
     let invalid = |field, reason: &str| {
         Err(Error::InvalidArgument {
             field,
@@ -196,6 +209,8 @@ pub fn prepare(
         model: front.model_name.clone(),
         fingerprint: front.fingerprint.clone(),
         choices: r.n.max(1),
+        class: principal.class(asked),
+        weight: principal.weight(),
     })
 }
 
@@ -366,6 +381,8 @@ impl Prepared {
             model: String::new(),
             fingerprint,
             choices: 2,
+            class: Class::Standard,
+            weight: 1,
         }
     }
 }

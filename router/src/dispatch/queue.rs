@@ -6,13 +6,15 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-/// A request's place in the router's queue: counted in the queue's gauge while it lives.
+/// A request's place in the router's queue: counted in the queue's gauge while it lives, and
+/// ranked in the admission order (a first attempt's; a failover is not ranked).
 #[derive(Debug)]
 pub(crate) struct Queued {
     pub(crate) gauge: prometheus_client::metrics::gauge::Gauge,
     /// Requests in the queue when this one joined.
     pub(crate) ahead: usize,
     pub(crate) since: Instant,
+    pub(crate) ticket: Option<crate::dispatch::order::Ticket>,
 }
 
 impl Drop for Queued {
@@ -62,6 +64,7 @@ mod tests {
             gauge: gauge.clone(),
             ahead,
             since: Instant::now(),
+            ticket: None,
         }
     }
 

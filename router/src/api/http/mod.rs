@@ -212,7 +212,8 @@ pub(crate) fn string(body: &Map<String, Value>, key: &str) -> Result<Option<Stri
 }
 
 /// A request as a protocol adapter made it, with what the HTTP layer adds: its id (the
-/// client's `x-request-id`, else a fresh one) and its deadline: `x-timeout-ms`, else
+/// client's `x-request-id`, else a fresh one), its priority class (`x-priority`) and its
+/// deadline: `x-timeout-ms`, else
 /// `x-stainless-timeout` (seconds: how long the official OpenAI and Anthropic clients wait,
 /// which they send on every request; Claude Code's is 600 s), else the router's timeout.
 #[derive(Debug)]
@@ -229,6 +230,9 @@ impl Call {
         request.request_id = header_str(headers, "x-request-id")
             .map(str::to_string)
             .unwrap_or_else(fresh_id);
+        if let Some(priority) = header_str(headers, "x-priority") {
+            request.priority = priority.to_string();
+        }
         let timeout = match header_str(headers, "x-timeout-ms") {
             Some(ms) => Some(Duration::from_millis(ms.parse().map_err(|_| {
                 ApiError::invalid("x-timeout-ms", "the x-timeout-ms header must be an integer")
