@@ -75,6 +75,20 @@ async fn peer_routers_share_sessions_load_and_running_generations() {
     let mut routers = cluster.peer_routers(2, |_| {}).await.expect("routers");
     let [a, b]: [&PeerRouter; 2] = [&routers[0], &routers[1]];
     for (r, other) in [(a, b), (b, a)] {
+        // It serves once it has learned the model from the workers.
+        let started = Instant::now();
+        let http = reqwest::Client::new();
+        while http_model(&http, &format!("http://{}/v1", r.http))
+            .await
+            .is_err()
+        {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "{} never served",
+                r.http
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         until_metrics(r.node.addr, "the peer answered", |t| {
             staleness(t, other.peer).is_some_and(|s| s < 1.0)
         })
