@@ -122,10 +122,10 @@ impl Peers {
         tracker: &TaskTracker,
         cancel: CancellationToken,
     ) {
-        let Some(specs) = &self.specs else {
+        if self.specs.is_none() {
             return;
-        };
-        tracing::info!(peers = ?specs, instance = self.instance, "sharing state with peer routers");
+        }
+        tracing::info!(instance = self.instance, "sharing state with peer routers");
         let peers = self.clone();
         tracker.spawn(async move {
             let mut tick = tokio::time::interval(interval);
