@@ -6,8 +6,8 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
-use tandem_router::KeyLimits;
 use tandem_router::auth::{key_line, parse_key_file, valid_tenant};
+use tandem_router::{Class, KeyLimits};
 
 #[derive(Subcommand, Debug)]
 pub(crate) enum KeysCommand {
@@ -35,30 +35,17 @@ pub(crate) struct NewArgs {
     #[arg(long)]
     streams: Option<u32>,
     /// The highest priority class the key's requests may ask for with `x-priority`, and theirs
-    /// without it (unset: standard).
-    #[arg(long, value_enum)]
-    class: Option<KeyClass>,
+    /// without it: interactive, standard or batch (unset: standard).
+    #[arg(long, value_parser = parse_class)]
+    class: Option<Class>,
     /// The key's share of the tokens served within its class, against the other keys' (unset:
     /// 1).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     weight: Option<u32>,
 }
 
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-pub(crate) enum KeyClass {
-    Interactive,
-    Standard,
-    Batch,
-}
-
-impl KeyClass {
-    fn class(self) -> tandem_router::Class {
-        match self {
-            KeyClass::Interactive => tandem_router::Class::Interactive,
-            KeyClass::Standard => tandem_router::Class::Standard,
-            KeyClass::Batch => tandem_router::Class::Batch,
-        }
-    }
+fn parse_class(name: &str) -> Result<Class, String> {
+    Class::parse(name).ok_or_else(|| "expected interactive, standard or batch".to_string())
 }
 
 pub(crate) fn run(command: &KeysCommand) -> anyhow::Result<()> {
@@ -89,7 +76,7 @@ fn new(args: &NewArgs) -> anyhow::Result<()> {
         requests_per_minute: args.rpm,
         tokens_per_minute: args.tpm,
         streams: args.streams,
-        class: args.class.map(KeyClass::class),
+        class: args.class,
         weight: args.weight,
     };
     let mut line = key_line(&args.tenant, &key, limits);

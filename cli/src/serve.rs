@@ -548,14 +548,8 @@ pub(crate) fn router(args: &RouterArgs) -> anyhow::Result<()> {
         peers: args.peers.clone(),
     };
     runtime()?.block_on(async {
-        let http = match args.http_listen {
-            Listen::Off => None,
-            Listen::At(addr) => Some(bind(addr, "http ").await?),
-        };
-        let peer = match args.peer_listen {
-            Listen::Off => None,
-            Listen::At(addr) => Some(bind(addr, "peer ").await?),
-        };
+        let http = args.http_listen.bind("http ").await?;
+        let peer = args.peer_listen.bind("peer ").await?;
         let grpc = bind(args.listen, "").await?;
         let listeners = tandem_router::Listeners { grpc, http, peer };
         tandem_router::run(listeners, config, shutdown_signal()).await?;
@@ -573,6 +567,16 @@ fn unlimited_if_zero<T: Default + PartialEq>(n: T, unlimited: T) -> T {
 pub(crate) enum Listen {
     Off,
     At(SocketAddr),
+}
+
+impl Listen {
+    /// The listener, bound as [`bind`] does, unless `off`.
+    async fn bind(self, prefix: &str) -> anyhow::Result<Option<TcpListener>> {
+        match self {
+            Listen::Off => Ok(None),
+            Listen::At(addr) => Ok(Some(bind(addr, prefix).await?)),
+        }
+    }
 }
 
 fn parse_listen(s: &str) -> Result<Listen, String> {

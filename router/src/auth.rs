@@ -205,24 +205,22 @@ impl Principal {
         }
     }
 
-    /// The priority class of a request that asked for `asked` (`x-priority`), or none: the
-    /// key's class, or a lower one it asked for; without a key file, what it asked for
-    /// (`standard` when nothing).
-    pub fn class(&self, asked: Option<Class>) -> Class {
+    /// The priority class of a request that asked for `asked` (`x-priority`), or none, and its
+    /// key's weight within the class. The class is the key's, or a lower one it asked for;
+    /// without a key file, what it asked for (`standard` when nothing). The weight is the key's
+    /// `weight=`, else 1.
+    pub fn standing(&self, asked: Option<Class>) -> (Class, u32) {
         match &self.state {
             Some(state) => {
-                let key = state.usage().limits.class.unwrap_or_default();
-                asked.map_or(key, |asked| asked.max(key))
+                let limits = state.usage().limits;
+                let key = limits.class.unwrap_or_default();
+                (
+                    asked.map_or(key, |asked| asked.max(key)),
+                    limits.weight.unwrap_or(1),
+                )
             }
-            None => asked.unwrap_or_default(),
+            None => (asked.unwrap_or_default(), 1),
         }
-    }
-
-    /// The key's weight within its class (1 without a key file or a `weight=`).
-    pub fn weight(&self) -> u32 {
-        (self.state.as_ref())
-            .and_then(|state| state.usage().limits.weight)
-            .unwrap_or(1)
     }
 
     /// Admits one generation of `prompt_tokens` that may generate `max_tokens` against the

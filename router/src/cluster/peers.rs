@@ -222,7 +222,6 @@ impl Peers {
                         tracing::info!(peer = %addr, "a peer router restarted");
                         sessions.adopt(&name);
                     }
-                    let full = state.full || view.instance != state.instance;
                     view.instance = state.instance;
                     view.seq = state.seq;
                     view.heard = now;
@@ -234,7 +233,7 @@ impl Peers {
                         .collect();
                     let changes = Changes {
                         seq: state.seq,
-                        full,
+                        full: state.full,
                         sessions: state.sessions,
                         ended: state.ended,
                     };

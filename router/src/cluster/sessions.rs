@@ -268,8 +268,9 @@ impl Sessions {
     /// have ended it, and said so.
     pub fn sweep(&self, now: Instant) -> Vec<Action> {
         let mut table = self.lock();
-        let (mut actions, mut ended, mut moved) = (Vec::new(), Vec::new(), Vec::new());
-        table.open.retain(|k, e| {
+        let (mut actions, mut ended) = (Vec::new(), Vec::new());
+        let Table { open, seq, .. } = &mut *table;
+        open.retain(|k, e| {
             let idle = now.saturating_duration_since(e.last_used);
             if e.from.is_some() {
                 return idle < 2 * self.config.ttl;
@@ -288,18 +289,13 @@ impl Sessions {
                     session: e.sequence.clone(),
                     why: Release::Idle,
                 });
-                moved.push(k.clone());
+                *seq += 1;
+                e.changed = *seq;
             }
             true
         });
         for k in ended {
             table.ended(k);
-        }
-        for k in moved {
-            let seq = table.next();
-            if let Some(e) = table.open.get_mut(&k) {
-                e.changed = seq;
-            }
         }
         self.gauge(&table);
         actions
@@ -374,16 +370,14 @@ impl Sessions {
     /// clocks run here from now on, and this router's peers learn them.
     pub fn adopt(&self, peer: &str) {
         let mut table = self.lock();
-        let theirs: Vec<Key> = (table.open.iter())
-            .filter(|(_, e)| e.from.as_deref() == Some(peer))
-            .map(|(k, _)| k.clone())
-            .collect();
-        for k in theirs {
-            let seq = table.next();
-            if let Some(e) = table.open.get_mut(&k) {
-                e.from = None;
-                e.changed = seq;
-            }
+        let Table { open, seq, .. } = &mut *table;
+        for e in open
+            .values_mut()
+            .filter(|e| e.from.as_deref() == Some(peer))
+        {
+            *seq += 1;
+            e.from = None;
+            e.changed = *seq;
         }
     }
 

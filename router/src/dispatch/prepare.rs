@@ -66,6 +66,7 @@ pub fn prepare(
             reason: format!("{asked:?}: must be interactive, standard or batch"),
         })?),
     };
+    let (class, weight) = principal.standing(asked);
     let invalid = |field, reason: &str| {
         Err(Error::InvalidArgument {
             field,
@@ -209,8 +210,8 @@ pub fn prepare(
         model: front.model_name.clone(),
         fingerprint: front.fingerprint.clone(),
         choices: r.n.max(1),
-        class: principal.class(asked),
-        weight: principal.weight(),
+        class,
+        weight,
     })
 }
 
