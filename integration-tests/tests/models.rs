@@ -76,11 +76,23 @@ async fn each_request_runs_on_its_own_models_nodes() {
             model.name
         );
     }
-    // Per-model metrics count each model's request.
-    let text = metrics(cluster.router.addr).await.expect("metrics");
+    // Per-model metrics count each model's request (once its generation task has ended, which
+    // may be just after the client read its last frame).
+    let oks = [&llama_id, &gemma_id]
+        .map(|id| format!("tandem_model_requests_total{{model=\"{id}\",code=\"Ok\"}}"));
+    let started = std::time::Instant::now();
+    let text = loop {
+        let text = metrics(cluster.router.addr).await.expect("metrics");
+        if oks.iter().all(|ok| sample(&text, ok) == Some(1.0)) {
+            break text;
+        }
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "{oks:?}:\n{text}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
     for id in [&llama_id, &gemma_id] {
-        let ok = format!("tandem_model_requests_total{{model=\"{id}\",code=\"Ok\"}}");
-        assert_eq!(sample(&text, &ok), Some(1.0), "{ok}");
         let up = format!("tandem_router_model_replicas{{model=\"{id}\",role=\"decode\"}}");
         assert_eq!(sample(&text, &up), Some(1.0), "{up}");
         // Idle, each role of each model wants the one replica it has.
