@@ -232,6 +232,16 @@ pub(crate) struct DecodeArgs {
     /// it, so idle reservations cannot hold KV blocks for long.
     #[arg(long, env = "TANDEM_MAX_KV_WAIT_MS", default_value_t = tandem_decode_server::DEFAULT_MAX_KV_WAIT.as_millis() as u64)]
     max_kv_wait_ms: u64,
+    /// KV the streams paused for a higher priority class may keep pinned in the pool, in MiB;
+    /// past it they park on the disk tier (`--kv-spill-dir`, with the session cache on), and
+    /// without one they stay pinned (docs/api.md "Priority classes and fair shares").
+    #[arg(long, env = "TANDEM_PARK_PINNED_MB", default_value_t = tandem_decode_server::DEFAULT_PARK_PINNED_BYTES >> 20)]
+    park_pinned_mb: u64,
+    /// The share, in percent, of the node's places (4 per slot) and KV blocks that requests of
+    /// the batch priority class may hold; the rest is kept for the standard and interactive
+    /// classes (1 to 100; 100 keeps nothing).
+    #[arg(long, env = "TANDEM_BATCH_SHARE_PERCENT", default_value_t = tandem_decode_server::DEFAULT_BATCH_SHARE_PERCENT)]
+    batch_share_percent: u8,
     /// Prompt-lookup speculative decoding: drafts copied from the sequence itself, verified
     /// several at a time, never changing a token (docs/speculative.md).
     #[arg(long, env = "TANDEM_SPECULATE", value_enum, default_value_t = Switch::On)]
@@ -498,6 +508,8 @@ pub(crate) fn decode(args: &DecodeArgs) -> anyhow::Result<()> {
         max_slots: args.max_slots,
         kv_wait: Duration::from_millis(args.kv_wait_ms),
         max_kv_wait: Duration::from_millis(args.max_kv_wait_ms),
+        park_pinned_bytes: args.park_pinned_mb << 20,
+        batch_share_percent: args.batch_share_percent,
     };
     runtime()?.block_on(async {
         let listener = bind(args.listen, "").await?;

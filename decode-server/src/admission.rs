@@ -5,6 +5,12 @@
 //! Places are not batch slots: an admitted request may still be waiting for its KV (a prefill
 //! node's queue) or for a slot (the scheduler's), so a node admits [`PLACES_PER_SLOT`] times
 //! its batch slots. The KV blocks are the real bound.
+//!
+//! Requests of the batch class may hold at most a share of the places and of the KV blocks
+//! (`--batch-share-percent`): the rest is kept for the standard and interactive classes, so a
+//! flood of batch requests cannot fill the node and leave a higher class waiting for a batch
+//! stream to end. (Batch slots need no such share: a higher class pauses a batch stream for
+//! its slot, [`crate::classes`].)
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -14,10 +20,16 @@ use crate::error::{Error, Result};
 /// for a slot.
 pub const PLACES_PER_SLOT: usize = 4;
 
+/// The batch class's class number ([`tandem_worker::class_of`]).
+const BATCH: u8 = 2;
+
 #[derive(Debug, Default)]
 struct Used {
     places: usize,
     blocks: usize,
+    /// Of those, held by batch requests.
+    batch_places: usize,
+    batch_blocks: usize,
 }
 
 #[derive(Clone, Debug)]
@@ -25,15 +37,23 @@ pub struct Admission {
     used: Arc<Mutex<Used>>,
     max_places: usize,
     total_blocks: usize,
+    /// What batch requests may hold at most.
+    batch_places: usize,
+    batch_blocks: usize,
 }
 
 impl Admission {
-    /// Admits up to [`PLACES_PER_SLOT`] requests per batch slot, within `total_blocks`.
-    pub fn new(max_slots: usize, total_blocks: usize) -> Self {
+    /// Admits up to [`PLACES_PER_SLOT`] requests per batch slot, within `total_blocks`; batch
+    /// requests within `batch_percent` of both.
+    pub fn new(max_slots: usize, total_blocks: usize, batch_percent: u8) -> Self {
+        let max_places = max_slots * PLACES_PER_SLOT;
+        let share = |n: usize| (n * usize::from(batch_percent.min(100)) / 100).max(1);
         Self {
             used: Arc::default(),
-            max_places: max_slots * PLACES_PER_SLOT,
+            max_places,
             total_blocks,
+            batch_places: share(max_places),
+            batch_blocks: share(total_blocks),
         }
     }
 
@@ -42,7 +62,8 @@ impl Admission {
         self.used.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn try_admit(&self, blocks: usize) -> Result<Admitted> {
+    /// A place and `blocks` KV blocks for a request of `class`.
+    pub fn try_admit(&self, blocks: usize, class: u8) -> Result<Admitted> {
         let mut used = self.lock();
         if used.places >= self.max_places {
             return Err(Error::Capacity {
@@ -61,10 +82,33 @@ impl Admission {
                 ),
             });
         }
+        let batch = class >= BATCH;
+        if batch && used.batch_places >= self.batch_places {
+            return Err(Error::Capacity {
+                detail: format!(
+                    "the batch class's {} places are taken; the rest are kept for higher classes",
+                    self.batch_places
+                ),
+            });
+        }
+        if batch && used.batch_blocks + blocks > self.batch_blocks {
+            return Err(Error::Capacity {
+                detail: format!(
+                    "{blocks} KV blocks needed, {} of the batch class's {} free",
+                    self.batch_blocks.saturating_sub(used.batch_blocks),
+                    self.batch_blocks
+                ),
+            });
+        }
         used.places += 1;
         used.blocks += blocks;
+        if batch {
+            used.batch_places += 1;
+            used.batch_blocks += blocks;
+        }
         Ok(Admitted {
             blocks,
+            batch,
             admission: self.clone(),
         })
     }
@@ -84,6 +128,7 @@ impl Admission {
 #[derive(Debug)]
 pub struct Admitted {
     blocks: usize,
+    batch: bool,
     admission: Admission,
 }
 
@@ -92,6 +137,10 @@ impl Drop for Admitted {
         let mut used = self.admission.lock();
         used.places -= 1;
         used.blocks -= self.blocks;
+        if self.batch {
+            used.batch_places -= 1;
+            used.batch_blocks -= self.blocks;
+        }
     }
 }
 
@@ -99,19 +148,51 @@ impl Drop for Admitted {
 mod tests {
     use super::*;
 
+    const STANDARD: u8 = 1;
+
     #[test]
     fn places_and_blocks_are_bounded_and_returned() {
-        let a = Admission::new(1, 10);
-        let first = a.try_admit(6).expect("fits");
-        assert!(matches!(a.try_admit(5), Err(Error::Capacity { .. })));
-        let second = a.try_admit(4).expect("fits");
-        assert!(matches!(a.try_admit(1), Err(Error::Capacity { .. })));
+        let a = Admission::new(1, 10, 100);
+        let first = a.try_admit(6, STANDARD).expect("fits");
+        assert!(matches!(
+            a.try_admit(5, STANDARD),
+            Err(Error::Capacity { .. })
+        ));
+        let second = a.try_admit(4, STANDARD).expect("fits");
+        assert!(matches!(
+            a.try_admit(1, STANDARD),
+            Err(Error::Capacity { .. })
+        ));
         let more: Vec<Admitted> = (2..PLACES_PER_SLOT)
-            .map(|_| a.try_admit(0).expect("a place"))
+            .map(|_| a.try_admit(0, STANDARD).expect("a place"))
             .collect();
-        assert!(matches!(a.try_admit(0), Err(Error::Capacity { .. })));
+        assert!(matches!(
+            a.try_admit(0, STANDARD),
+            Err(Error::Capacity { .. })
+        ));
         assert_eq!(a.in_use(), (PLACES_PER_SLOT, 10));
         drop((first, second, more));
+        assert_eq!(a.in_use(), (0, 0));
+    }
+
+    /// Batch requests hold at most their share of the places and of the blocks; the rest stays
+    /// for the higher classes, and a batch request's share comes back when it ends.
+    #[test]
+    fn batch_requests_hold_at_most_their_share() {
+        // Two slots: eight places, six of them (75%) for batch; 100 blocks, 75 for batch.
+        let a = Admission::new(2, 100, 75);
+        let batch: Vec<Admitted> = (0..6)
+            .map(|_| a.try_admit(10, BATCH).expect("within the share"))
+            .collect();
+        let refused = a.try_admit(1, BATCH).expect_err("past the places' share");
+        assert!(refused.to_string().contains("batch class"), "{refused}");
+        let standard = a.try_admit(10, STANDARD).expect("kept for higher classes");
+        let interactive = a.try_admit(10, 0).expect("kept for higher classes");
+        drop(batch);
+        let big = a.try_admit(70, BATCH).expect("70 of 75 blocks");
+        let refused = a.try_admit(6, BATCH).expect_err("past the blocks' share");
+        assert!(refused.to_string().contains("batch class"), "{refused}");
+        drop((big, standard, interactive));
         assert_eq!(a.in_use(), (0, 0));
     }
 }

@@ -4,10 +4,12 @@
 //! scheduler runs on its own thread and keeps finished sequences' KV in a session cache.
 
 mod admission;
+mod classes;
 mod config;
 mod error;
 mod handoff;
 mod metrics;
+mod park;
 mod request;
 mod scheduler;
 mod service;
@@ -23,13 +25,16 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-pub use config::{Config, DEFAULT_KV_WAIT, DEFAULT_MAX_KV_WAIT, DEFAULT_MAX_SLOTS};
+pub use config::{
+    Config, DEFAULT_BATCH_SHARE_PERCENT, DEFAULT_KV_WAIT, DEFAULT_MAX_KV_WAIT, DEFAULT_MAX_SLOTS,
+    DEFAULT_PARK_PINNED_BYTES,
+};
 pub use error::{Error, Result};
 
 use crate::admission::Admission;
 use crate::metrics::DecodeMetrics;
 use crate::request::RequestContext;
-use crate::scheduler::{SchedulerHandle, Shared};
+use crate::scheduler::{SchedulerHandle, Shared, Slots};
 use crate::service::{DecodeLoad, DecodeService};
 
 /// Serves a decode node on `listener` until `shutdown` completes, then drains.
@@ -44,6 +49,8 @@ pub async fn run(
         max_slots,
         kv_wait,
         max_kv_wait,
+        park_pinned_bytes,
+        batch_share_percent,
     } = config;
     let drain_handoff = node.drain_handoff;
     let mut node = Node::new("decode", node);
@@ -59,13 +66,13 @@ pub async fn run(
         handoffs: handoffs.clone(),
     });
     let transfer_metrics = TransferMetrics::register(&mut node.registry);
-    let (scheduler, thread) = SchedulerHandle::spawn(
-        engine,
-        shared.clone(),
+    let slots = Slots {
         max_slots,
-        node.config.handoff_budget(),
-    )
-    .map_err(NodeError::spawn("scheduler"))?;
+        handoff_bytes: node.config.handoff_budget(),
+        pinned_bytes: park_pinned_bytes,
+    };
+    let (scheduler, thread) = SchedulerHandle::spawn(engine, shared.clone(), slots)
+        .map_err(NodeError::spawn("scheduler"))?;
     let moves = node.moves(kv_layout, prefix_cache, scheduler.cache(), handoffs);
     let reservations = Reservations::default();
     let tracker = TaskTracker::new();
@@ -73,7 +80,7 @@ pub async fn run(
     let ctx = RequestContext {
         model: node.config.model.clone(),
         kv_layout,
-        admission: Admission::new(max_slots, total_blocks),
+        admission: Admission::new(max_slots, total_blocks, batch_share_percent),
         total_blocks,
         reservations: reservations.clone(),
         scheduler,

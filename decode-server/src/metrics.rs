@@ -20,6 +20,13 @@ pub const ACCEPTED_DRAFT_TOKENS: &str = "tandem_decode_accepted_draft_tokens";
 pub const FETCHED_TOKENS: &str = "tandem_decode_fetched_tokens";
 pub const HANDED_OFF_STREAMS: &str = "tandem_decode_handed_off_streams";
 pub const HANDED_OFF_TOKENS: &str = "tandem_decode_handed_off_tokens";
+pub const PREEMPTIONS: &str = "tandem_decode_preemptions";
+pub const PARKED_STREAMS: &str = "tandem_decode_parked_streams";
+pub const PARKED_BYTES: &str = "tandem_decode_parked_bytes";
+pub const PARKED_DISK_BYTES: &str = "tandem_decode_parked_disk_bytes";
+pub const RESUME_SECONDS: &str = "tandem_decode_resume_seconds";
+pub const PAUSED_SECONDS: &str = "tandem_decode_paused_seconds";
+pub const RECOMPUTED_TOKENS: &str = "tandem_decode_recomputed_tokens";
 
 #[derive(Clone, Debug)]
 pub struct DecodeMetrics {
@@ -46,6 +53,17 @@ pub struct DecodeMetrics {
     /// Running streams handed off at drain, and the tokens of KV kept for their peers to fetch.
     pub handed_off_streams: Counter,
     pub handed_off_tokens: Counter,
+    /// Running streams paused for a waiting stream of a higher class, and those paused now.
+    pub preemptions: Counter,
+    pub parked_streams: Gauge,
+    /// The paused streams' KV, and of it what went to the disk tier.
+    pub parked_bytes: Counter,
+    pub parked_disk_bytes: Counter,
+    /// What bringing a paused stream's KV back took, and how long it was paused.
+    pub resume_seconds: Histogram,
+    pub paused_seconds: Histogram,
+    /// Tokens of paused streams computed again because the disk tier no longer had them.
+    pub recomputed_tokens: Counter,
 }
 
 impl DecodeMetrics {
@@ -66,6 +84,13 @@ impl DecodeMetrics {
             fetched_tokens: Counter::default(),
             handed_off_streams: Counter::default(),
             handed_off_tokens: Counter::default(),
+            preemptions: Counter::default(),
+            parked_streams: Gauge::default(),
+            parked_bytes: Counter::default(),
+            parked_disk_bytes: Counter::default(),
+            resume_seconds: Histogram::new(exponential_buckets(0.0001, 2.0, 16)),
+            paused_seconds: Histogram::new(exponential_buckets(0.01, 2.0, 14)),
+            recomputed_tokens: Counter::default(),
         };
         registry.register(
             ACTIVE_SLOTS,
@@ -137,6 +162,41 @@ impl DecodeMetrics {
             HANDED_OFF_TOKENS,
             "Tokens of KV kept at drain for the peers that continue the streams",
             m.handed_off_tokens.clone(),
+        );
+        registry.register(
+            PREEMPTIONS,
+            "Running streams paused for a waiting stream of a higher priority class",
+            m.preemptions.clone(),
+        );
+        registry.register(
+            PARKED_STREAMS,
+            "Streams paused now, their KV parked (pinned or on disk)",
+            m.parked_streams.clone(),
+        );
+        registry.register(
+            PARKED_BYTES,
+            "KV bytes of the streams paused, pinned or on disk",
+            m.parked_bytes.clone(),
+        );
+        registry.register(
+            PARKED_DISK_BYTES,
+            "KV bytes of paused streams written to the disk tier",
+            m.parked_disk_bytes.clone(),
+        );
+        registry.register(
+            RESUME_SECONDS,
+            "Time to bring a paused stream's KV back into the batch",
+            m.resume_seconds.clone(),
+        );
+        registry.register(
+            PAUSED_SECONDS,
+            "How long a stream was paused: the gap its client saw",
+            m.paused_seconds.clone(),
+        );
+        registry.register(
+            RECOMPUTED_TOKENS,
+            "Tokens of paused streams computed again because the disk tier no longer held them",
+            m.recomputed_tokens.clone(),
         );
         m
     }

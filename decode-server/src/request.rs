@@ -55,6 +55,8 @@ pub(crate) struct Plan {
     /// Peer fetch: the KV of the prompt's first tokens comes from this holder (its address and
     /// the tokens asked) before the cache lookup.
     pub fetch: Option<(String, usize)>,
+    /// Its priority class ([`tandem_worker::class_of`]).
+    pub class: u8,
     pub params: GenerateParams,
     pub kv_wait: Option<Duration>,
     pub deadline: Option<TokioInstant>,
@@ -178,7 +180,7 @@ impl RequestContext {
         )?;
         let admitted = self
             .admission
-            .try_admit(total.div_ceil(tandem_engine::BLOCK_TOKENS))?;
+            .try_admit(total.div_ceil(tandem_engine::BLOCK_TOKENS), plan.class)?;
         let (tx, rx) = mpsc::channel(FRAME_BUFFER);
         let ctx = self.clone();
         // The generation logs under the request's span (its request_id).
@@ -323,6 +325,7 @@ impl RequestContext {
                 ticket,
                 prompt: plan.prompt,
                 cache_salt: plan.cache_salt,
+                class: plan.class,
                 stream,
                 events: events_tx,
             },

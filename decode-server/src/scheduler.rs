@@ -9,8 +9,11 @@
 //!
 //! At most `max_slots` sequences decode at once. A sequence takes its batch slot only once it
 //! holds its whole prompt's KV (pushed or computed here): one that is ready while every slot is
-//! taken emits its first token and waits, first come first served, for a sequence to leave.
-//! Requests still waiting for their KV hold no slot, only their KV blocks (admission).
+//! taken emits its first token and waits for a sequence to leave, in the order of the requests'
+//! priority classes, or pauses a running stream of a lower class and takes its slot; the paused
+//! stream's KV is parked (pinned in the pool or on the disk tier, [`crate::park`]) and it resumes
+//! where it stood once a slot is its ([`crate::classes`] has the rules). Requests still waiting
+//! for their KV hold no slot, only their KV blocks (admission).
 //!
 //! ```text
 //! request tasks ──Command::{Open, Start, Cancel}──▶ scheduler thread ──Event per step──▶ request task
@@ -30,7 +33,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tandem_engine::{
     Decoding, Emission, Engine, KvExport, PromptChunk, SeqId, Stream, TokenLogprobs,
@@ -39,7 +42,9 @@ use tandem_worker::moves::{self, CacheCommand, EngineCache, Handoffs, Recent};
 use tandem_worker::{CacheHub, Throughput};
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
+use crate::classes::{self, Queue, Ready, SHIELD_TOKENS, Standing};
 use crate::metrics::DecodeMetrics;
+use crate::park::{self, Parked};
 
 /// Identifies one admitted request to the scheduler.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -87,6 +92,8 @@ pub struct Joining {
     pub prompt: Vec<u32>,
     /// The request's cache partition: the finished sequence is kept under it.
     pub cache_salt: String,
+    /// Its priority class ([`tandem_worker::class_of`]).
+    pub class: u8,
     /// The generation's state: fresh, or resumed after tokens an earlier attempt delivered.
     pub stream: Stream,
     pub events: tmpsc::Sender<Event>,
@@ -142,16 +149,45 @@ const CHUNK_SHARE_OF_STEP: f64 = 0.6;
 /// batch's contexts grow as it decodes).
 const PLAIN_STEP_EVERY: u32 = 8;
 
+/// How long a stream parked on disk waits for its blocks' writes before it may resume anyway,
+/// computing again what is not written yet.
+const SETTLE_WAIT: Duration = Duration::from_secs(1);
+
 struct Active {
     decoding: Decoding,
     cache_salt: String,
+    standing: Standing,
     events: tmpsc::Sender<Event>,
+}
+
+/// A ready sequence without a batch slot: fresh, or paused with its KV parked.
+struct Slotless {
+    active: Active,
+    paused: Option<Pause>,
+}
+
+struct Pause {
+    parked: Parked,
+    /// Bytes it keeps pinned in the pool (0 when parked on disk).
+    pinned: u64,
+    at: Instant,
 }
 
 /// The front of the scheduler thread; cloning shares the thread.
 #[derive(Clone, Debug)]
 pub struct SchedulerHandle {
     tx: mpsc::Sender<Command>,
+}
+
+/// The scheduler's bounds.
+#[derive(Clone, Copy, Debug)]
+pub struct Slots {
+    /// Sequences decoded at once.
+    pub max_slots: usize,
+    /// Bytes of KV a drain may keep for hand-offs.
+    pub handoff_bytes: u64,
+    /// Bytes of KV paused streams may keep pinned in the pool; past it they park on disk.
+    pub pinned_bytes: u64,
 }
 
 /// What the scheduler shares with the rest of the node.
@@ -171,13 +207,12 @@ impl SchedulerHandle {
     pub fn spawn(
         engine: Engine,
         shared: Arc<Shared>,
-        max_slots: usize,
-        handoff_bytes: u64,
+        slots: Slots,
     ) -> std::io::Result<(Self, JoinHandle<()>)> {
         let (tx, rx) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("tandem-decode-scheduler".into())
-            .spawn(move || Scheduler::new(engine, shared, max_slots, handoff_bytes).run(&rx))?;
+            .spawn(move || Scheduler::new(engine, shared, slots).run(&rx))?;
         Ok((Self { tx }, thread))
     }
 
@@ -239,9 +274,12 @@ struct Scheduler {
     /// First come, first computed: one chunk of the front one per round.
     prefilling: VecDeque<Prefilling>,
     active: HashMap<Ticket, Active>,
-    /// Ready sequences waiting for a batch slot, oldest first.
-    waiting: VecDeque<(Ticket, Active)>,
+    /// Ready sequences waiting for a batch slot, and paused ones.
+    ready: Queue<Slotless>,
     max_slots: usize,
+    /// Bytes paused streams may keep pinned in the pool, and those they keep.
+    pinned_room: u64,
+    pinned: u64,
     /// How long the last step without a prompt chunk took.
     plain_step_secs: f64,
     /// Steps with a chunk since the last one without.
@@ -253,18 +291,20 @@ struct Scheduler {
 }
 
 impl Scheduler {
-    fn new(engine: Engine, shared: Arc<Shared>, max_slots: usize, handoff_budget: u64) -> Self {
+    fn new(engine: Engine, shared: Arc<Shared>, slots: Slots) -> Self {
         let mut s = Self {
             engine,
             shared,
             opened: HashMap::new(),
             prefilling: VecDeque::new(),
             active: HashMap::new(),
-            waiting: VecDeque::new(),
-            max_slots,
+            ready: Queue::default(),
+            max_slots: slots.max_slots,
+            pinned_room: slots.pinned_bytes,
+            pinned: 0,
             plain_step_secs: 0.0,
             fused_steps: 0,
-            handoff_budget,
+            handoff_budget: slots.handoff_bytes,
             recent: Recent::default(),
         };
         s.publish();
@@ -273,10 +313,17 @@ impl Scheduler {
 
     fn run(mut self, rx: &mpsc::Receiver<Command>) {
         loop {
-            if self.active.is_empty() && self.prefilling.is_empty() && self.waiting.is_empty() {
-                match rx.recv() {
+            if self.active.is_empty() && self.prefilling.is_empty() {
+                // A stream parked on disk may wait a moment for its writes (`SETTLE_WAIT`).
+                let command = if self.ready.is_empty() {
+                    rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected)
+                } else {
+                    rx.recv_timeout(Duration::from_millis(5))
+                };
+                match command {
                     Ok(c) => self.handle(c),
-                    Err(_) => return,
+                    Err(mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
                 }
             }
             loop {
@@ -286,11 +333,7 @@ impl Scheduler {
                     Err(mpsc::TryRecvError::Disconnected) => return,
                 }
             }
-            while self.active.len() < self.max_slots
-                && let Some((ticket, a)) = self.waiting.pop_front()
-            {
-                self.active.insert(ticket, a);
-            }
+            self.fill_slots();
             if self.active.is_empty() {
                 self.prefill_alone();
             } else {
@@ -307,7 +350,9 @@ impl Scheduler {
         let total = self.engine.kv_blocks_total();
         let free = self.engine.kv_blocks_free();
         m.active_slots.set(self.active.len() as i64);
-        m.waiting_sequences.set(self.waiting.len() as i64);
+        let paused = self.ready.iter().filter(|r| r.paused).count();
+        m.waiting_sequences.set((self.ready.len() - paused) as i64);
+        m.parked_streams.set(paused as i64);
         m.kv_blocks_free.set(free as i64);
         m.kv_blocks_in_use.set((total - free) as i64);
         m.kv_blocks_cached
@@ -363,7 +408,7 @@ impl Scheduler {
         let token_bytes = self.engine.kv_layout().token_bytes() as u64;
         self.active
             .values()
-            .chain(self.waiting.iter().map(|(_, a)| a))
+            .chain(self.slotless_in_pool())
             .map(|a| {
                 let held = self.engine.seq_len(a.decoding.seq).unwrap_or(0);
                 (held / tandem_engine::BLOCK_TOKENS * tandem_engine::BLOCK_TOKENS) as u64
@@ -375,13 +420,15 @@ impl Scheduler {
     /// Keeps a running (or waiting) sequence's KV in the cache for a peer to fetch, within the
     /// hand-off budget; the tokens kept.
     fn hand_off(&mut self, ticket: Ticket) -> usize {
-        let a = self.active.get(&ticket).or_else(|| {
-            self.waiting
-                .iter()
-                .find(|(t, _)| *t == ticket)
-                .map(|(_, a)| a)
-        });
-        let Some(a) = a else { return 0 };
+        let in_pool = |r: &&Ready<Slotless>| r.item.in_pool();
+        let slotless = self.ready.get(ticket).filter(in_pool);
+        let Some(a) = self
+            .active
+            .get(&ticket)
+            .or(slotless.map(|r| &r.item.active))
+        else {
+            return 0;
+        };
         let (seq, tokens) = (a.decoding.seq, a.decoding.tokens.clone());
         let salt = a.cache_salt.clone();
         let held = self.engine.seq_len(seq).unwrap_or(0).min(tokens.len());
@@ -409,10 +456,8 @@ impl Scheduler {
         if let Some(a) = self.active.remove(&ticket) {
             let _ = self.engine.free(a.decoding.seq);
         }
-        if let Some(i) = self.waiting.iter().position(|(t, _)| *t == ticket)
-            && let Some((_, a)) = self.waiting.remove(i)
-        {
-            let _ = self.engine.free(a.decoding.seq);
+        if let Some(r) = self.ready.remove(ticket) {
+            self.drop_slotless(r.item);
         }
         if let Some(i) = self
             .prefilling
@@ -475,16 +520,145 @@ impl Scheduler {
         let mut a = Active {
             decoding: Decoding::new(seq, j.stream, j.prompt, next),
             cache_salt: j.cache_salt,
+            standing: Standing::new(j.class),
             events: j.events,
         };
         let tokenizer = &self.engine.model().tokenizer;
         let first = a.decoding.stream.accept(tokenizer, next);
         if !self.deliver(&mut a, vec![first]) {
             let _ = self.engine.free(a.decoding.seq);
-        } else if self.active.len() < self.max_slots {
-            self.active.insert(j.ticket, a);
         } else {
-            self.waiting.push_back((j.ticket, a));
+            self.ready.push(Ready {
+                ticket: j.ticket,
+                standing: a.standing,
+                paused: false,
+                since: tokio::time::Instant::now(),
+                item: Slotless {
+                    active: a,
+                    paused: None,
+                },
+            });
+        }
+    }
+
+    /// Gives the free batch slots to the ready sequences, in the classes' order, pausing a
+    /// running stream of a lower class for each ready one of a higher class when no slot is
+    /// free ([`crate::classes`]).
+    fn fill_slots(&mut self) {
+        let now = tokio::time::Instant::now();
+        loop {
+            if self.active.len() >= self.max_slots {
+                let may_go = |r: &Ready<Slotless>| r.item.may_go(&self.engine);
+                let Some(rank) = self.ready.best_class(now, may_go) else {
+                    return;
+                };
+                let running = self.active.iter().map(|(t, a)| (*t, a.standing));
+                let Some(victim) = classes::victim(running, rank) else {
+                    return;
+                };
+                self.pause(victim, now);
+            }
+            let may_go = |r: &Ready<Slotless>| r.item.may_go(&self.engine);
+            let Some(next) = self.ready.pop_best(now, may_go) else {
+                return;
+            };
+            self.take_slot(next);
+        }
+    }
+
+    /// Takes a running stream out of the batch, parking its KV, until a slot is its again.
+    fn pause(&mut self, ticket: Ticket, now: tokio::time::Instant) {
+        let Some(active) = self.active.remove(&ticket) else {
+            return;
+        };
+        let held = self.engine.seq_len(active.decoding.seq).unwrap_or(0);
+        let bytes = (held * self.engine.kv_layout().token_bytes()) as u64;
+        let pin = self.pinned + bytes <= self.pinned_room;
+        let parking = park::park(&mut self.engine, &active.decoding, &active.cache_salt, pin);
+        self.shared.hub.publish(self.engine.take_cache_events());
+        let pinned = match parking.parked {
+            Parked::Pinned => parking.bytes,
+            Parked::Disk { .. } => 0,
+        };
+        self.pinned += pinned;
+        let m = &self.shared.metrics;
+        m.preemptions.inc();
+        eprintln!(
+            "PAUSE {} class {} active {:?}",
+            ticket.0,
+            active.standing.class,
+            self.active
+                .iter()
+                .map(|(t, a)| (t.0, a.standing))
+                .collect::<Vec<_>>()
+        );
+        m.parked_bytes.inc_by(parking.bytes);
+        m.parked_disk_bytes.inc_by(parking.to_disk);
+        tracing::debug!(
+            ticket = ticket.0,
+            class = active.standing.class,
+            bytes = parking.bytes,
+            to_disk = parking.to_disk,
+            "paused a stream for a higher class"
+        );
+        self.ready.push(Ready {
+            ticket,
+            standing: active.standing,
+            paused: true,
+            since: now,
+            item: Slotless {
+                active,
+                paused: Some(Pause {
+                    parked: parking.parked,
+                    pinned,
+                    at: Instant::now(),
+                }),
+            },
+        });
+    }
+
+    /// Puts a ready sequence into the batch, bringing a paused one's KV back first.
+    fn take_slot(&mut self, ready: Ready<Slotless>) {
+        let Slotless { mut active, paused } = ready.item;
+        if let Some(pause) = paused {
+            self.pinned -= pause.pinned;
+            let started = Instant::now();
+            let resumed = park::resume(&mut self.engine, &mut active.decoding, pause.parked);
+            self.shared.hub.publish(self.engine.take_cache_events());
+            let m = &self.shared.metrics;
+            match resumed {
+                Ok(r) => {
+                    m.resume_seconds.observe(started.elapsed().as_secs_f64());
+                    m.paused_seconds.observe(pause.at.elapsed().as_secs_f64());
+                    m.recomputed_tokens.inc_by(r.recomputed as u64);
+                    active.standing.shield = SHIELD_TOKENS;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot resume a paused stream");
+                    let _ = active.events.try_send(Event::Failed(Arc::new(e)));
+                    return;
+                }
+            }
+        }
+        self.active.insert(ready.ticket, active);
+    }
+
+    /// The ready sequences without a slot whose KV is in the pool.
+    fn slotless_in_pool(&self) -> impl Iterator<Item = &Active> {
+        self.ready
+            .iter()
+            .filter(|r| r.item.in_pool())
+            .map(|r| &r.item.active)
+    }
+
+    /// Ends a ready sequence that has no slot. A stream parked on disk holds no sequence: its
+    /// blocks stay in the session cache, as a finished stream's do.
+    fn drop_slotless(&mut self, s: Slotless) {
+        if let Some(p) = &s.paused {
+            self.pinned -= p.pinned;
+        }
+        if s.in_pool() {
+            let _ = self.engine.free(s.active.decoding.seq);
         }
     }
 
@@ -632,6 +806,8 @@ impl Scheduler {
                 m.draft_tokens.inc_by(step.drafted as u64);
                 m.accepted_draft_tokens.inc_by(step.accepted as u64);
                 for ((ticket, mut a), emissions) in active.into_iter().zip(step.emissions) {
+                    a.standing
+                        .generated(emissions.iter().filter(|e| e.token.is_some()).count());
                     if self.deliver(&mut a, emissions) {
                         self.active.insert(ticket, a);
                     } else {
@@ -660,3 +836,27 @@ impl Scheduler {
         }
     }
 }
+
+impl Slotless {
+    /// Whether it may take a slot: fresh, pinned, or parked on disk with its blocks written (or
+    /// waiting for them no longer, [`SETTLE_WAIT`]).
+    fn may_go(&self, engine: &Engine) -> bool {
+        self.paused
+            .as_ref()
+            .is_none_or(|p| p.at.elapsed() >= SETTLE_WAIT || park::settled(engine, &p.parked))
+    }
+
+    /// Whether its sequence holds its KV in the pool (fresh, or paused and pinned).
+    fn in_pool(&self) -> bool {
+        !matches!(
+            self.paused,
+            Some(Pause {
+                parked: Parked::Disk { .. },
+                ..
+            })
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -259,6 +259,17 @@ impl Engine {
         self.cache.contains(hash)
     }
 
+    /// How many of `hashes`, from the first, the prefix cache holds in the pool or on the disk
+    /// tier: what [`Engine::new_sequence_cached`] would find of them now (less, if the pool
+    /// lacks room to read them back).
+    pub fn cached_prefix(&self, hashes: &[u64]) -> usize {
+        let on_disk = |h: u64| self.spill.as_ref().is_some_and(|s| s.contains(h));
+        hashes
+            .iter()
+            .take_while(|&&h| self.cache.contains(h) || on_disk(h))
+            .count()
+    }
+
     /// Whether the prefix cache is on.
     pub fn prefix_cache_enabled(&self) -> bool {
         self.cache.enabled()

@@ -94,6 +94,8 @@ pub struct ClusterConfig {
     pub engine: EngineConfig,
     /// Batch slots per decode node.
     pub decode_slots: usize,
+    /// KV the decode nodes' paused streams may keep pinned; past it they park on disk.
+    pub park_pinned_bytes: u64,
     pub kv_wait: Duration,
     /// The router's token gap: how long a decode stream may be silent before the router checks
     /// that its node still serves.
@@ -137,6 +139,7 @@ impl ClusterConfig {
                 ..EngineConfig::default()
             },
             decode_slots: 16,
+            park_pinned_bytes: tandem_decode_server::DEFAULT_PARK_PINNED_BYTES,
             max_inflight: tandem_router::Config::default().max_inflight,
             kv_wait: Duration::from_secs(10),
             token_gap: tandem_router::Config::default().token_gap,
@@ -242,6 +245,8 @@ async fn start_decode(
         max_slots: config.decode_slots,
         kv_wait: config.kv_wait,
         max_kv_wait: config.max_kv_wait,
+        park_pinned_bytes: config.park_pinned_bytes,
+        batch_share_percent: tandem_decode_server::DEFAULT_BATCH_SHARE_PERCENT,
     };
     Node::spawn_on(addr, |l, rx| async move {
         Ok(tandem_decode_server::run(l, c, stopped(rx)).await?)

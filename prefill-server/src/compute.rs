@@ -1,5 +1,6 @@
 //! The compute thread: one prefill at a time (prefill is compute-bound; batch 1 as soon as a
-//! request arrives). It starts from the longest prefix its cache holds, computes the rest in
+//! request arrives), the queued ones by priority class: the highest first, aged one class higher
+//! per [`tandem_proto::PRIORITY_AGE_STEP`] waited as the router's queue is, then the oldest. It starts from the longest prefix its cache holds, computes the rest in
 //! chunks, and pushes the KV the decode node lacks while the next chunk computes. The prompt's
 //! full blocks then stay in the prefix cache.
 //!
@@ -54,6 +55,8 @@ pub(crate) struct Work {
     pub tokens: Vec<u32>,
     /// The cache partition the hashes are seeded with.
     pub cache_salt: String,
+    /// Its priority class ([`tandem_worker::class_of`]).
+    pub class: u8,
     /// Block hashes of the prompt's full blocks (empty with the cache off).
     pub hashes: Vec<u64>,
     /// The prompt tokens whose KV goes to the decode node (it holds the rest).
@@ -125,6 +128,34 @@ impl Default for Pulse {
     }
 }
 
+/// The jobs waiting for the compute thread: [`Waiting::pop`] takes the highest class, aged one
+/// class higher per [`tandem_proto::PRIORITY_AGE_STEP`] waited, then the oldest.
+#[derive(Debug)]
+struct Waiting<T> {
+    jobs: Vec<(T, u8, tokio::time::Instant)>,
+}
+
+impl<T> Default for Waiting<T> {
+    fn default() -> Self {
+        Self { jobs: Vec::new() }
+    }
+}
+
+impl<T> Waiting<T> {
+    fn push(&mut self, class: u8, job: T) {
+        self.jobs.push((job, class, tokio::time::Instant::now()));
+    }
+
+    fn pop(&mut self, now: tokio::time::Instant) -> Option<T> {
+        let rank = |(_, class, since): &(T, u8, tokio::time::Instant)| {
+            let waited = now.saturating_duration_since(*since);
+            (tandem_proto::aged_class(*class, waited), *since)
+        };
+        let i = (0..self.jobs.len()).min_by_key(|&i| rank(&self.jobs[i]))?;
+        Some(self.jobs.remove(i).0)
+    }
+}
+
 /// What the compute thread shares with the service.
 #[derive(Debug)]
 pub(crate) struct Shared {
@@ -151,6 +182,7 @@ pub(crate) fn spawn(
             let mut c = Compute {
                 engine,
                 shared,
+                waiting: Waiting::default(),
                 commands,
                 recent: Recent::default(),
                 handoff_budget: handoff_bytes,
@@ -167,6 +199,8 @@ pub(crate) fn spawn(
 struct Compute {
     engine: Engine,
     shared: Arc<Shared>,
+    /// Jobs taken off the queue, not yet run.
+    waiting: Waiting<Job>,
     commands: mpsc::UnboundedReceiver<CacheCommand>,
     /// The prompts kept in the prefix cache, for a drain to offer its hottest.
     recent: Recent,
@@ -177,16 +211,25 @@ struct Compute {
 }
 
 impl Compute {
-    /// The next job, answering commands until it comes; `None` once the queue is closed.
+    /// The next job in the classes' order, answering commands until one comes; `None` once the
+    /// queue is closed and every job taken off it has run.
     async fn next_job(&mut self, jobs: &mut mpsc::Receiver<Job>) -> Option<Job> {
-        self.shared.pulse.idle();
         loop {
+            self.between_chunks();
+            while let Ok(job) = jobs.try_recv() {
+                self.waiting.push(job.work.class, job);
+            }
+            if let Some(job) = self.waiting.pop(tokio::time::Instant::now()) {
+                self.shared.pulse.beat();
+                return Some(job);
+            }
+            self.shared.pulse.idle();
             tokio::select! {
                 biased;
                 Some(command) = self.commands.recv() => self.handle(command),
                 job = jobs.recv() => {
-                    self.shared.pulse.beat();
-                    return job;
+                    let job = job?;
+                    self.waiting.push(job.work.class, job);
                 }
             }
         }
@@ -238,6 +281,7 @@ impl Compute {
         let Work {
             tokens,
             cache_salt,
+            class: _,
             hashes,
             push,
             resumed,
@@ -347,6 +391,38 @@ impl Compute {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Queued prompts go by class, then arrival; one that has waited an age step ranks a class
+    /// higher, so a batch prompt waiting 20 s goes before an interactive one.
+    #[tokio::test(start_paused = true)]
+    async fn queued_prompts_go_by_class_aged_then_arrival() {
+        let mut w = Waiting::default();
+        for (job, class) in [
+            ("batch", 2),
+            ("standard-1", 1),
+            ("interactive", 0),
+            ("standard-2", 1),
+        ] {
+            w.push(class, job);
+        }
+        let now = tokio::time::Instant::now();
+        let order: Vec<_> = std::iter::from_fn(|| w.pop(now)).collect();
+        assert_eq!(order, ["interactive", "standard-1", "standard-2", "batch"]);
+
+        w.push(2, "batch");
+        tokio::time::advance(tandem_proto::PRIORITY_AGE_STEP).await;
+        w.push(1, "standard");
+        w.push(0, "interactive");
+        assert_eq!(w.pop(tokio::time::Instant::now()), Some("interactive"));
+        assert_eq!(w.pop(tokio::time::Instant::now()), Some("batch"));
+        w.push(2, "batch");
+        tokio::time::advance(2 * tandem_proto::PRIORITY_AGE_STEP).await;
+        w.push(0, "interactive");
+        assert_eq!(w.pop(tokio::time::Instant::now()), Some("standard"));
+        assert_eq!(w.pop(tokio::time::Instant::now()), Some("batch"));
+        assert_eq!(w.pop(tokio::time::Instant::now()), Some("interactive"));
+        assert_eq!(w.pop(tokio::time::Instant::now()), None);
+    }
 
     /// The rule the queued pushes' heartbeats follow: they beat while the compute thread
     /// waits for work or moved within [`STALLED_AFTER`], and fall silent once it has not, so a

@@ -66,6 +66,7 @@ pub async fn run(
         model: node.config.model.clone(),
         kv_layout: tandem_worker::wire_layout(kv_layout),
         jobs,
+        max_queue,
         shared: shared.clone(),
         shutdown: node.root.child_token(),
         chunk_tokens,

@@ -22,6 +22,8 @@ pub struct PrefillService {
     /// The KV this node sends: the engine's layout and dtype.
     pub(crate) kv_layout: tandem_transfer::WireLayout,
     pub(crate) jobs: mpsc::Sender<Job>,
+    /// Prompts waiting for the compute thread at most (besides the one it runs).
+    pub(crate) max_queue: usize,
     pub(crate) shared: Arc<Shared>,
     pub(crate) shutdown: CancellationToken,
     pub(crate) chunk_tokens: usize,
@@ -86,6 +88,10 @@ impl PrefillService {
         self.validate(&r)?;
         let params = tandem_worker::params_from_pb(r.sampling.take());
         params.validate()?;
+        let class = tandem_worker::class_of(r.priority).ok_or(Error::InvalidArgument {
+            field: "priority",
+            reason: format!("{} names no priority class", r.priority),
+        })?;
         if self.shutdown.is_cancelled() {
             return Err(Error::ShuttingDown);
         }
@@ -126,6 +132,7 @@ impl PrefillService {
             work: Work {
                 tokens: r.token_ids,
                 cache_salt: r.cache_salt,
+                class,
                 hashes,
                 push,
                 resumed: r.resumed_tokens as usize,
@@ -135,14 +142,18 @@ impl PrefillService {
             },
             reply,
         };
+        // The compute thread takes jobs off the channel to rank them, so the queue's bound is
+        // its depth (the job it runs and those waiting), counted here.
         let metrics = &self.shared.metrics;
-        self.jobs.try_send(job).map_err(|e| match e {
-            mpsc::error::TrySendError::Full(_) => Error::QueueFull {
-                depth: metrics.queue_depth.get() as usize,
-            },
-            mpsc::error::TrySendError::Closed(_) => Error::ShuttingDown,
-        })?;
-        metrics.queue_depth.inc();
+        let depth = metrics.queue_depth.inc().max(0) as usize;
+        if depth > self.max_queue {
+            metrics.queue_depth.dec();
+            return Err(Error::QueueFull { depth });
+        }
+        if self.jobs.try_send(job).is_err() {
+            metrics.queue_depth.dec();
+            return Err(Error::ShuttingDown);
+        }
         metrics.queued_tokens.inc_by(n as i64);
         let pulse = || self.shared.pulse.within(crate::compute::STALLED_AFTER);
         let done = tokio::select! {

@@ -41,6 +41,18 @@ pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// tokens of KV it keeps for the peer that continues the stream to fetch (`Decode.Generate`).
 pub const HANDOFF_METADATA: &str = "tandem-kv-handoff";
 
+/// How long a request waits for its turn before it ranks one priority class higher: the
+/// router's admission order and the decode nodes' batch slots both age by it, so that no class
+/// is starved for good.
+pub const PRIORITY_AGE_STEP: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The class a request of class `class` (0 the highest) ranks as after waiting `waited`: one
+/// higher per [`PRIORITY_AGE_STEP`], up to the highest.
+pub fn aged_class(class: u8, waited: std::time::Duration) -> u8 {
+    let steps = waited.as_secs_f64() / PRIORITY_AGE_STEP.as_secs_f64();
+    class.saturating_sub(steps.min(f64::from(u8::MAX)) as u8)
+}
+
 /// Most choices a request may ask for (`GenerateRequest.n`).
 pub const MAX_CHOICES: u32 = 16;
 

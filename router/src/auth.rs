@@ -63,6 +63,16 @@ impl Class {
     pub fn parse(name: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|c| c.name() == name)
     }
+
+    /// The class as the worker contract names it (`DecodeRequest.priority`).
+    pub fn to_pb(self) -> tandem_proto::v1::Priority {
+        use tandem_proto::v1::Priority;
+        match self {
+            Class::Interactive => Priority::Interactive,
+            Class::Standard => Priority::Standard,
+            Class::Batch => Priority::Batch,
+        }
+    }
 }
 
 /// Per-key limits (`None` is unlimited), and the key's standing among the others: its priority

@@ -145,6 +145,16 @@ pub fn logprobs_from_pb(l: &pb::TokenLogprobs) -> TokenLogprobs {
     }
 }
 
+/// A request's priority class as a worker ranks it (`Priority` in the worker contract): 0
+/// interactive, 1 standard (also when unset), 2 batch. `None` for a value no class has.
+pub fn class_of(priority: i32) -> Option<u8> {
+    match pb::Priority::try_from(priority).ok()? {
+        pb::Priority::Interactive => Some(0),
+        pb::Priority::Unspecified | pb::Priority::Standard => Some(1),
+        pb::Priority::Batch => Some(2),
+    }
+}
+
 /// What a worker says about its model and KV (`Worker.Info`).
 pub fn worker_info(model: &Model, kv: KvLayout, role: &str) -> pb::InfoResponse {
     pb::InfoResponse {
@@ -244,6 +254,15 @@ impl Throughput {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn classes_map_from_the_contract() {
+        assert_eq!(class_of(pb::Priority::Interactive as i32), Some(0));
+        assert_eq!(class_of(pb::Priority::Unspecified as i32), Some(1));
+        assert_eq!(class_of(pb::Priority::Standard as i32), Some(1));
+        assert_eq!(class_of(pb::Priority::Batch as i32), Some(2));
+        assert_eq!(class_of(17), None);
+    }
 
     #[test]
     fn grid_cells_cut_at_multiples() {

@@ -244,6 +244,7 @@ impl Dispatcher {
                     .map_or_else(String::new, |f| f.0.clone()),
                 fetch_tokens: choice.fetch.as_ref().map_or(0, |f| f.1 as u32),
                 last_resort: is_last_resort,
+                priority: p.class.to_pb() as i32,
             });
             d_req.set_timeout(deadline.saturating_duration_since(TokioInstant::now()));
             tandem_net::otel::inject(d_req.metadata_mut());

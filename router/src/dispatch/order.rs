@@ -7,7 +7,7 @@
 //! ```
 //!
 //! - **Classes in strict order**: `interactive`, then `standard`, then `batch`
-//!   ([`crate::auth::Class`]). **Aging**: a request that has waited [`AGE_STEP`] is ranked one
+//!   ([`crate::auth::Class`]). **Aging**: a request that has waited [`tandem_proto::PRIORITY_AGE_STEP`] (10 s) is ranked one
 //!   class higher, and one more for each further step, so a class is never starved for good.
 //! - **Within a class, fairness between keys by tokens served** (a virtual token counter, after
 //!   Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024): each tenant is
@@ -23,15 +23,11 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::auth::Class;
-
-/// How long a request waits before it is ranked one class higher.
-pub const AGE_STEP: Duration = Duration::from_secs(10);
 
 /// Who asks for a place.
 #[derive(Clone, Debug)]
@@ -84,8 +80,8 @@ impl State {
         id: u64,
         now: Instant,
     ) -> (u8, f64, Instant, u64) {
-        let steps = now.saturating_duration_since(since).as_secs_f64() / AGE_STEP.as_secs_f64();
-        let class = (asker.class as u8).saturating_sub(steps.min(f64::from(u8::MAX)) as u8);
+        let class =
+            tandem_proto::aged_class(asker.class as u8, now.saturating_duration_since(since));
         (class, served, since, id)
     }
 }
@@ -164,6 +160,10 @@ impl Order {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
+    use tandem_proto::PRIORITY_AGE_STEP as AGE_STEP;
+
     use super::*;
 
     fn asker(class: Class, tenant: &str) -> Asker {

@@ -219,6 +219,7 @@ impl Dispatcher {
                 sampling: Some(p.sampling_of(progress.choice)),
                 resumed_tokens: progress.generated.len() as u32,
                 cache_salt: p.cache_salt.clone(),
+                priority: p.class.to_pb() as i32,
             });
             let prefill = &prefill;
             async move {

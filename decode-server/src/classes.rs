@@ -1,0 +1,245 @@
+//! Priority classes in the decode batch: which ready sequence takes a free batch slot, and which
+//! running one a ready sequence of a higher class pauses (preemption).
+//!
+//! - A sequence's class is its request's (`DecodeRequest.priority`, [`tandem_worker::class_of`]):
+//!   0 interactive, 1 standard (also when unset), 2 batch.
+//! - **Slots**: a free slot goes to the ready sequence of the best rank. A ready sequence's rank
+//!   is its class, one class higher for each [`tandem_proto::PRIORITY_AGE_STEP`] it has waited
+//!   for a slot (the router's queue ages the same way), so no class waits for good: a free slot
+//!   goes to a batch stream paused for 20 s before a fresh interactive one. At equal rank a
+//!   paused stream goes first (its client has begun reading it), then the longest waiting.
+//! - **Preemption**: with every slot taken, a ready sequence whose rank is higher than a running
+//!   sequence's class pauses the running one of the lowest class (of those, the latest to
+//!   join), and takes its slot. A running sequence is judged by its class, not aged.
+//! - **Never twice in a row**: a stream that resumed after a pause is not paused again until it
+//!   has generated [`SHIELD_TOKENS`] more tokens.
+//!
+//! The policy is kept apart from the engine so its rules can be tested on their own, on paused
+//! time.
+
+use tokio::time::Instant;
+
+use crate::scheduler::Ticket;
+
+/// Tokens a resumed stream generates before it may be paused again.
+pub const SHIELD_TOKENS: usize = 16;
+
+/// Where a sequence stands in the batch's order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Standing {
+    /// 0 the highest ([`tandem_worker::class_of`]).
+    pub class: u8,
+    /// Tokens it generates before it may be paused again.
+    pub shield: usize,
+}
+
+impl Standing {
+    pub fn new(class: u8) -> Self {
+        Self { class, shield: 0 }
+    }
+
+    /// Counts `tokens` generated against the shield.
+    pub fn generated(&mut self, tokens: usize) {
+        self.shield = self.shield.saturating_sub(tokens);
+    }
+}
+
+/// A ready sequence without a slot.
+#[derive(Debug)]
+pub struct Ready<T> {
+    pub ticket: Ticket,
+    pub standing: Standing,
+    /// Paused by a preemption (its stream has begun), not yet in the batch since.
+    pub paused: bool,
+    /// When it began waiting for a slot.
+    pub since: Instant,
+    pub item: T,
+}
+
+impl<T> Ready<T> {
+    /// Lower goes first: (aged class, fresh after paused, waiting since, arrival).
+    fn rank(&self, now: Instant) -> (u8, bool, Instant, u64) {
+        let waited = now.saturating_duration_since(self.since);
+        let class = tandem_proto::aged_class(self.standing.class, waited);
+        (class, !self.paused, self.since, self.ticket.0)
+    }
+}
+
+/// The ready sequences without a slot, in no order: [`Queue::pop_best`] ranks them.
+#[derive(Debug)]
+pub struct Queue<T> {
+    ready: Vec<Ready<T>>,
+}
+
+impl<T> Default for Queue<T> {
+    fn default() -> Self {
+        Self { ready: Vec::new() }
+    }
+}
+
+impl<T> Queue<T> {
+    pub fn push(&mut self, ready: Ready<T>) {
+        self.ready.push(ready);
+    }
+
+    pub fn len(&self) -> usize {
+        self.ready.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ready.is_empty()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Ready<T>> {
+        self.ready.iter()
+    }
+
+    pub fn get(&self, ticket: Ticket) -> Option<&Ready<T>> {
+        self.ready.iter().find(|r| r.ticket == ticket)
+    }
+
+    pub fn remove(&mut self, ticket: Ticket) -> Option<Ready<T>> {
+        let i = self.ready.iter().position(|r| r.ticket == ticket)?;
+        Some(self.ready.swap_remove(i))
+    }
+
+    /// The sequence that goes next of those `may_go` lets.
+    fn best(&self, now: Instant, may_go: impl Fn(&Ready<T>) -> bool) -> Option<usize> {
+        (0..self.ready.len())
+            .filter(|&i| may_go(&self.ready[i]))
+            .min_by_key(|&i| self.ready[i].rank(now))
+    }
+
+    /// The rank (aged class) of the sequence that goes next of those `may_go` lets.
+    pub fn best_class(&self, now: Instant, may_go: impl Fn(&Ready<T>) -> bool) -> Option<u8> {
+        self.best(now, may_go).map(|i| self.ready[i].rank(now).0)
+    }
+
+    /// Takes the sequence that goes next of those `may_go` lets.
+    pub fn pop_best(
+        &mut self,
+        now: Instant,
+        may_go: impl Fn(&Ready<T>) -> bool,
+    ) -> Option<Ready<T>> {
+        let i = self.best(now, may_go)?;
+        Some(self.ready.swap_remove(i))
+    }
+}
+
+/// The running sequence that a ready sequence ranked `rank` pauses: the lowest class below
+/// `rank` (of those, the latest to join, the highest ticket), not shielded; `None` if no
+/// running sequence is below it.
+pub fn victim(running: impl Iterator<Item = (Ticket, Standing)>, rank: u8) -> Option<Ticket> {
+    running
+        .filter(|(_, s)| s.class > rank && s.shield == 0)
+        .max_by_key(|(t, s)| (s.class, t.0))
+        .map(|(t, _)| t)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tandem_proto::PRIORITY_AGE_STEP as AGE_STEP;
+
+    use super::*;
+
+    const INTERACTIVE: u8 = 0;
+    const STANDARD: u8 = 1;
+    const BATCH: u8 = 2;
+
+    fn ready(ticket: u64, class: u8, paused: bool) -> Ready<()> {
+        Ready {
+            ticket: Ticket(ticket),
+            standing: Standing::new(class),
+            paused,
+            since: Instant::now(),
+            item: (),
+        }
+    }
+
+    fn order(q: &mut Queue<()>) -> Vec<u64> {
+        let now = Instant::now();
+        std::iter::from_fn(|| q.pop_best(now, |_| true).map(|r| r.ticket.0)).collect()
+    }
+
+    /// A free slot goes by class first, then to a paused stream before a fresh one, then to the
+    /// longest waiting.
+    #[tokio::test(start_paused = true)]
+    async fn slots_go_by_class_then_paused_then_arrival() {
+        let mut q = Queue::default();
+        q.push(ready(1, BATCH, false));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        q.push(ready(2, STANDARD, false));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        q.push(ready(3, BATCH, true));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        q.push(ready(4, INTERACTIVE, false));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        q.push(ready(5, STANDARD, false));
+        assert_eq!(order(&mut q), [4, 2, 5, 3, 1]);
+    }
+
+    /// A ready sequence rises one class per age step: a batch stream paused for one step goes
+    /// before a standard one that just came, for two before an interactive one.
+    #[tokio::test(start_paused = true)]
+    async fn waiting_ages_a_class_per_step() {
+        let mut q = Queue::default();
+        q.push(ready(1, BATCH, true));
+        tokio::time::advance(AGE_STEP - Duration::from_millis(1)).await;
+        q.push(ready(2, STANDARD, false));
+        assert_eq!(q.best_class(Instant::now(), |_| true), Some(STANDARD));
+        assert_eq!(order(&mut q), [2, 1]);
+
+        let mut q = Queue::default();
+        q.push(ready(1, BATCH, true));
+        tokio::time::advance(AGE_STEP).await;
+        q.push(ready(2, STANDARD, false));
+        assert_eq!(order(&mut q), [1, 2]);
+
+        let mut q = Queue::default();
+        q.push(ready(1, BATCH, true));
+        tokio::time::advance(2 * AGE_STEP).await;
+        q.push(ready(2, INTERACTIVE, false));
+        assert_eq!(q.best_class(Instant::now(), |_| true), Some(INTERACTIVE));
+        assert_eq!(order(&mut q), [1, 2]);
+    }
+
+    /// A waiter pauses the lowest class below it, the latest to join of those; nothing at or
+    /// above its rank.
+    #[test]
+    fn the_victim_is_the_lowest_class_latest_joined() {
+        let running = [
+            (Ticket(1), Standing::new(BATCH)),
+            (Ticket(2), Standing::new(STANDARD)),
+            (Ticket(3), Standing::new(BATCH)),
+            (Ticket(4), Standing::new(INTERACTIVE)),
+        ];
+        assert_eq!(victim(running.into_iter(), INTERACTIVE), Some(Ticket(3)));
+        assert_eq!(victim(running.into_iter(), STANDARD), Some(Ticket(3)));
+        assert_eq!(victim(running.into_iter(), BATCH), None);
+        let high = [(Ticket(1), Standing::new(INTERACTIVE))];
+        assert_eq!(victim(high.into_iter(), INTERACTIVE), None);
+    }
+
+    /// A resumed stream is not paused again until it has generated its shield's tokens: the
+    /// waiter pauses another one meanwhile, or none.
+    #[test]
+    fn a_resumed_stream_is_not_paused_twice_in_a_row() {
+        let mut resumed = Standing {
+            class: BATCH,
+            shield: SHIELD_TOKENS,
+        };
+        let other = Standing::new(STANDARD);
+        let running = |r: Standing| [(Ticket(9), r), (Ticket(1), other)].into_iter();
+        assert_eq!(victim(running(resumed), INTERACTIVE), Some(Ticket(1)));
+        assert_eq!(
+            victim([(Ticket(9), resumed)].into_iter(), INTERACTIVE),
+            None
+        );
+        resumed.generated(SHIELD_TOKENS - 1);
+        assert_eq!(victim(running(resumed), INTERACTIVE), Some(Ticket(1)));
+        resumed.generated(1);
+        assert_eq!(victim(running(resumed), INTERACTIVE), Some(Ticket(9)));
+    }
+}
