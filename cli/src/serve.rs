@@ -242,6 +242,11 @@ pub(crate) struct DecodeArgs {
     /// classes (1 to 100; 100 keeps nothing).
     #[arg(long, env = "TANDEM_BATCH_SHARE_PERCENT", default_value_t = tandem_decode_server::DEFAULT_BATCH_SHARE_PERCENT)]
     batch_share_percent: u8,
+    /// Slots that streams of the batch priority class keep while an interactive stream runs or
+    /// is ready; the others pause (their KV parked) so that the steps stay short for the
+    /// interactive tokens, and resume once none is left, or after waiting 10 s.
+    #[arg(long, env = "TANDEM_BATCH_SLOTS_BESIDE_INTERACTIVE", default_value_t = tandem_decode_server::DEFAULT_BATCH_SLOTS_BESIDE_INTERACTIVE)]
+    batch_slots_beside_interactive: usize,
     /// Prompt-lookup speculative decoding: drafts copied from the sequence itself, verified
     /// several at a time, never changing a token (docs/speculative.md).
     #[arg(long, env = "TANDEM_SPECULATE", value_enum, default_value_t = Switch::On)]
@@ -510,6 +515,7 @@ pub(crate) fn decode(args: &DecodeArgs) -> anyhow::Result<()> {
         max_kv_wait: Duration::from_millis(args.max_kv_wait_ms),
         park_pinned_bytes: args.park_pinned_mb << 20,
         batch_share_percent: args.batch_share_percent,
+        batch_slots_beside_interactive: args.batch_slots_beside_interactive,
     };
     runtime()?.block_on(async {
         let listener = bind(args.listen, "").await?;

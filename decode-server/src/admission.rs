@@ -14,14 +14,12 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use crate::classes::BATCH;
 use crate::error::{Error, Result};
 
 /// Admitted requests per batch slot: the batch, and three more batches waiting for their KV or
 /// for a slot.
 pub const PLACES_PER_SLOT: usize = 4;
-
-/// The batch class's class number ([`tandem_worker::class_of`]).
-const BATCH: u8 = 2;
 
 #[derive(Debug, Default)]
 struct Used {

@@ -11,6 +11,11 @@
 //! - **Preemption**: with every slot taken, a ready sequence whose rank is higher than a running
 //!   sequence's class pauses the running one of the lowest class (of those, the latest to
 //!   join), and takes its slot. A running sequence is judged by its class, not aged.
+//! - **Batch yields beside interactive**: while an interactive stream runs or is ready, streams
+//!   ranked batch hold at most a few slots (`--batch-slots-beside-interactive`): the latest to
+//!   join of the others are paused, and no more take a slot, so that the batch's steps stay
+//!   short for the interactive streams' tokens. A batch stream that has waited an age step ranks
+//!   standard and is no longer held back.
 //! - **Never twice in a row**: a stream that resumed after a pause is not paused again until it
 //!   has generated [`SHIELD_TOKENS`] more tokens.
 //!
@@ -20,6 +25,10 @@
 use tokio::time::Instant;
 
 use crate::scheduler::Ticket;
+
+/// The classes' numbers ([`tandem_worker::class_of`]).
+pub const INTERACTIVE: u8 = 0;
+pub const BATCH: u8 = 2;
 
 /// Tokens a resumed stream generates before it may be paused again.
 pub const SHIELD_TOKENS: usize = 16;
@@ -59,9 +68,13 @@ pub struct Ready<T> {
 impl<T> Ready<T> {
     /// Lower goes first: (aged class, fresh after paused, waiting since, arrival).
     fn rank(&self, now: Instant) -> (u8, bool, Instant, u64) {
+        (self.class_now(now), !self.paused, self.since, self.ticket.0)
+    }
+
+    /// Its class, aged by its wait.
+    pub fn class_now(&self, now: Instant) -> u8 {
         let waited = now.saturating_duration_since(self.since);
-        let class = tandem_proto::aged_class(self.standing.class, waited);
-        (class, !self.paused, self.since, self.ticket.0)
+        tandem_proto::aged_class(self.standing.class, waited)
     }
 }
 
@@ -136,6 +149,23 @@ pub fn victim(running: impl Iterator<Item = (Ticket, Standing)>, rank: u8) -> Op
         .map(|(t, _)| t)
 }
 
+/// While an interactive stream runs or is ready (`interactive`), the batch stream to pause
+/// because more than `beside` batch streams run: the latest to join, not shielded.
+pub fn batch_excess(
+    running: impl Iterator<Item = (Ticket, Standing)> + Clone,
+    interactive: bool,
+    beside: usize,
+) -> Option<Ticket> {
+    let batch = |(_, s): &(Ticket, Standing)| s.class >= BATCH;
+    if !interactive || running.clone().filter(batch).count() <= beside {
+        return None;
+    }
+    running
+        .filter(|r| batch(r) && r.1.shield == 0)
+        .max_by_key(|(t, _)| t.0)
+        .map(|(t, _)| t)
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -144,9 +174,7 @@ mod tests {
 
     use super::*;
 
-    const INTERACTIVE: u8 = 0;
     const STANDARD: u8 = 1;
-    const BATCH: u8 = 2;
 
     fn ready(ticket: u64, class: u8, paused: bool) -> Ready<()> {
         Ready {
@@ -241,5 +269,30 @@ mod tests {
         assert_eq!(victim(running(resumed), INTERACTIVE), Some(Ticket(1)));
         resumed.generated(1);
         assert_eq!(victim(running(resumed), INTERACTIVE), Some(Ticket(9)));
+    }
+
+    /// Beside an interactive stream, batch streams keep `beside` slots: the latest unshielded
+    /// one past them is paused; without an interactive stream, none is.
+    #[test]
+    fn batch_yields_beside_interactive() {
+        let running = [
+            (Ticket(1), Standing::new(BATCH)),
+            (Ticket(2), Standing::new(INTERACTIVE)),
+            (Ticket(3), Standing::new(BATCH)),
+            (
+                Ticket(4),
+                Standing {
+                    class: BATCH,
+                    shield: 3,
+                },
+            ),
+            (Ticket(5), Standing::new(STANDARD)),
+        ];
+        assert_eq!(batch_excess(running.into_iter(), true, 1), Some(Ticket(3)));
+        assert_eq!(batch_excess(running.into_iter(), true, 2), Some(Ticket(3)));
+        assert_eq!(batch_excess(running.into_iter(), true, 3), None);
+        assert_eq!(batch_excess(running.into_iter(), false, 0), None);
+        let shielded = [(Ticket(4), running[3].1), (Ticket(1), running[0].1)];
+        assert_eq!(batch_excess(shielded.into_iter(), true, 1), Some(Ticket(1)));
     }
 }

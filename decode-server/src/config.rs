@@ -12,6 +12,8 @@ pub const DEFAULT_MAX_SLOTS: usize = 16;
 pub const DEFAULT_KV_WAIT: Duration = Duration::from_secs(10);
 /// The share of a node's places and KV blocks that batch requests may hold, unless configured.
 pub const DEFAULT_BATCH_SHARE_PERCENT: u8 = 75;
+/// Slots batch streams keep while an interactive stream runs, unless configured.
+pub const DEFAULT_BATCH_SLOTS_BESIDE_INTERACTIVE: usize = 2;
 /// Bytes of KV paused streams may keep pinned in the pool, unless configured.
 pub const DEFAULT_PARK_PINNED_BYTES: u64 = 64 << 20;
 /// The longest KV wait a caller may ask for, unless configured.
@@ -35,6 +37,10 @@ pub struct Config {
     /// The share, in percent, of the node's places and KV blocks that requests of the batch
     /// class may hold; the rest is kept for the higher classes.
     pub batch_share_percent: u8,
+    /// Batch slots that streams of the batch class keep while an interactive stream runs or is
+    /// ready; the others pause until no interactive stream is left (or they have waited an age
+    /// step).
+    pub batch_slots_beside_interactive: usize,
 }
 
 impl Config {
@@ -52,6 +58,7 @@ impl Config {
             max_kv_wait: DEFAULT_MAX_KV_WAIT,
             park_pinned_bytes: DEFAULT_PARK_PINNED_BYTES,
             batch_share_percent: DEFAULT_BATCH_SHARE_PERCENT,
+            batch_slots_beside_interactive: DEFAULT_BATCH_SLOTS_BESIDE_INTERACTIVE,
         }
     }
 

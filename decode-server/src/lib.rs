@@ -26,8 +26,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub use config::{
-    Config, DEFAULT_BATCH_SHARE_PERCENT, DEFAULT_KV_WAIT, DEFAULT_MAX_KV_WAIT, DEFAULT_MAX_SLOTS,
-    DEFAULT_PARK_PINNED_BYTES,
+    Config, DEFAULT_BATCH_SHARE_PERCENT, DEFAULT_BATCH_SLOTS_BESIDE_INTERACTIVE, DEFAULT_KV_WAIT,
+    DEFAULT_MAX_KV_WAIT, DEFAULT_MAX_SLOTS, DEFAULT_PARK_PINNED_BYTES,
 };
 pub use error::{Error, Result};
 
@@ -51,6 +51,7 @@ pub async fn run(
         max_kv_wait,
         park_pinned_bytes,
         batch_share_percent,
+        batch_slots_beside_interactive,
     } = config;
     let drain_handoff = node.drain_handoff;
     let mut node = Node::new("decode", node);
@@ -70,6 +71,7 @@ pub async fn run(
         max_slots,
         handoff_bytes: node.config.handoff_budget(),
         pinned_bytes: park_pinned_bytes,
+        batch_beside: batch_slots_beside_interactive,
     };
     let (scheduler, thread) = SchedulerHandle::spawn(engine, shared.clone(), slots)
         .map_err(NodeError::spawn("scheduler"))?;

@@ -188,6 +188,8 @@ pub struct Slots {
     pub handoff_bytes: u64,
     /// Bytes of KV paused streams may keep pinned in the pool; past it they park on disk.
     pub pinned_bytes: u64,
+    /// Slots batch streams keep while an interactive stream runs or is ready.
+    pub batch_beside: usize,
 }
 
 /// What the scheduler shares with the rest of the node.
@@ -280,6 +282,8 @@ struct Scheduler {
     /// Bytes paused streams may keep pinned in the pool, and those they keep.
     pinned_room: u64,
     pinned: u64,
+    /// Slots batch streams keep beside an interactive stream.
+    batch_beside: usize,
     /// How long the last step without a prompt chunk took.
     plain_step_secs: f64,
     /// Steps with a chunk since the last one without.
@@ -302,6 +306,7 @@ impl Scheduler {
             max_slots: slots.max_slots,
             pinned_room: slots.pinned_bytes,
             pinned: 0,
+            batch_beside: slots.batch_beside,
             plain_step_secs: 0.0,
             fused_steps: 0,
             handoff_budget: slots.handoff_bytes,
@@ -547,8 +552,22 @@ impl Scheduler {
     fn fill_slots(&mut self) {
         let now = tokio::time::Instant::now();
         loop {
+            let interactive = (self.active.values().map(|a| a.standing.class))
+                .chain(self.ready.iter().map(|r| r.standing.class))
+                .any(|c| c == classes::INTERACTIVE);
+            let running = self.active.iter().map(|(t, a)| (*t, a.standing));
+            if let Some(excess) = classes::batch_excess(running, interactive, self.batch_beside) {
+                self.pause(excess, now);
+                continue;
+            }
+            let batch_running = (self.active.values())
+                .filter(|a| a.standing.class >= classes::BATCH)
+                .count();
+            // Beside an interactive stream, no more batch-ranked streams than their slots.
+            let full = interactive && batch_running >= self.batch_beside;
+            let held_back = |r: &Ready<Slotless>| full && r.class_now(now) >= classes::BATCH;
+            let may_go = |r: &Ready<Slotless>| r.item.may_go(&self.engine) && !held_back(r);
             if self.active.len() >= self.max_slots {
-                let may_go = |r: &Ready<Slotless>| r.item.may_go(&self.engine);
                 let Some(rank) = self.ready.best_class(now, may_go) else {
                     return;
                 };
@@ -557,8 +576,8 @@ impl Scheduler {
                     return;
                 };
                 self.pause(victim, now);
+                continue;
             }
-            let may_go = |r: &Ready<Slotless>| r.item.may_go(&self.engine);
             let Some(next) = self.ready.pop_best(now, may_go) else {
                 return;
             };
@@ -583,15 +602,6 @@ impl Scheduler {
         self.pinned += pinned;
         let m = &self.shared.metrics;
         m.preemptions.inc();
-        eprintln!(
-            "PAUSE {} class {} active {:?}",
-            ticket.0,
-            active.standing.class,
-            self.active
-                .iter()
-                .map(|(t, a)| (t.0, a.standing))
-                .collect::<Vec<_>>()
-        );
         m.parked_bytes.inc_by(parking.bytes);
         m.parked_disk_bytes.inc_by(parking.to_disk);
         tracing::debug!(

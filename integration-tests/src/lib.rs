@@ -247,6 +247,8 @@ async fn start_decode(
         max_kv_wait: config.max_kv_wait,
         park_pinned_bytes: config.park_pinned_bytes,
         batch_share_percent: tandem_decode_server::DEFAULT_BATCH_SHARE_PERCENT,
+        batch_slots_beside_interactive:
+            tandem_decode_server::DEFAULT_BATCH_SLOTS_BESIDE_INTERACTIVE,
     };
     Node::spawn_on(addr, |l, rx| async move {
         Ok(tandem_decode_server::run(l, c, stopped(rx)).await?)

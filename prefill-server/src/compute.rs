@@ -1,6 +1,9 @@
 //! The compute thread: one prefill at a time (prefill is compute-bound; batch 1 as soon as a
 //! request arrives), the queued ones by priority class: the highest first, aged one class higher
-//! per [`tandem_proto::PRIORITY_AGE_STEP`] waited as the router's queue is, then the oldest. It starts from the longest prefix its cache holds, computes the rest in
+//! per [`tandem_proto::PRIORITY_AGE_STEP`] waited as the router's queue is, then the oldest. A
+//! prompt being computed yields between its chunks to a queued prompt of a higher class, which
+//! runs to its end (its push included) before the first goes on where it stood: a long batch
+//! prompt delays an interactive one by one chunk at most. It starts from the longest prefix its cache holds, computes the rest in
 //! chunks, and pushes the KV the decode node lacks while the next chunk computes. The prompt's
 //! full blocks then stay in the prefix cache.
 //!
@@ -83,6 +86,13 @@ pub(crate) struct Done {
     pub restored_tokens: usize,
 }
 
+/// The batch class's number ([`tandem_worker::class_of`]).
+const BATCH_CLASS: u8 = 2;
+/// The most tokens a batch prompt computes between two chances to yield to a higher class: a
+/// quarter of the default chunk, which costs it a few percent of its speed and keeps an
+/// interactive prompt's wait behind it to a fraction of a second.
+const YIELD_CHUNK_TOKENS: usize = 64;
+
 /// How long the compute thread may go without moving (a job taken, a chunk computed, a chunk
 /// taken by its push) before the queued pushes' heartbeats stop: longer than a prompt chunk
 /// takes on any CPU we run on, and than [`PUSH_STALL`], after which a stuck push is given up.
@@ -147,11 +157,19 @@ impl<T> Waiting<T> {
     }
 
     fn pop(&mut self, now: tokio::time::Instant) -> Option<T> {
+        self.pop_above(u8::MAX, now)
+    }
+
+    /// Takes the job that goes next if its class, aged, is higher than `class` (below it).
+    fn pop_above(&mut self, class: u8, now: tokio::time::Instant) -> Option<T> {
         let rank = |(_, class, since): &(T, u8, tokio::time::Instant)| {
             let waited = now.saturating_duration_since(*since);
             (tandem_proto::aged_class(*class, waited), *since)
         };
         let i = (0..self.jobs.len()).min_by_key(|&i| rank(&self.jobs[i]))?;
+        if rank(&self.jobs[i]).0 >= class {
+            return None;
+        }
         Some(self.jobs.remove(i).0)
     }
 }
@@ -169,7 +187,7 @@ pub(crate) struct Shared {
 /// job queue closes.
 pub(crate) fn spawn(
     engine: Engine,
-    mut jobs: mpsc::Receiver<Job>,
+    jobs: mpsc::Receiver<Job>,
     shared: Arc<Shared>,
     handoff_bytes: u64,
 ) -> std::io::Result<(EngineCache, std::thread::JoinHandle<()>)> {
@@ -182,13 +200,15 @@ pub(crate) fn spawn(
             let mut c = Compute {
                 engine,
                 shared,
+                jobs,
                 waiting: Waiting::default(),
+                yielded_secs: 0.0,
                 commands,
                 recent: Recent::default(),
                 handoff_budget: handoff_bytes,
                 runtime: runtime.clone(),
             };
-            while let Some(job) = runtime.block_on(c.next_job(&mut jobs)) {
+            while let Some(job) = runtime.block_on(c.next_job()) {
                 c.job(job);
             }
         })?;
@@ -199,8 +219,11 @@ pub(crate) fn spawn(
 struct Compute {
     engine: Engine,
     shared: Arc<Shared>,
+    jobs: mpsc::Receiver<Job>,
     /// Jobs taken off the queue, not yet run.
     waiting: Waiting<Job>,
+    /// Seconds spent on jobs run while another yielded: what a job's own time leaves out.
+    yielded_secs: f64,
     commands: mpsc::UnboundedReceiver<CacheCommand>,
     /// The prompts kept in the prefix cache, for a drain to offer its hottest.
     recent: Recent,
@@ -213,12 +236,10 @@ struct Compute {
 impl Compute {
     /// The next job in the classes' order, answering commands until one comes; `None` once the
     /// queue is closed and every job taken off it has run.
-    async fn next_job(&mut self, jobs: &mut mpsc::Receiver<Job>) -> Option<Job> {
+    async fn next_job(&mut self) -> Option<Job> {
         loop {
             self.between_chunks();
-            while let Ok(job) = jobs.try_recv() {
-                self.waiting.push(job.work.class, job);
-            }
+            self.take_queued();
             if let Some(job) = self.waiting.pop(tokio::time::Instant::now()) {
                 self.shared.pulse.beat();
                 return Some(job);
@@ -227,11 +248,36 @@ impl Compute {
             tokio::select! {
                 biased;
                 Some(command) = self.commands.recv() => self.handle(command),
-                job = jobs.recv() => {
+                job = self.jobs.recv() => {
                     let job = job?;
                     self.waiting.push(job.work.class, job);
                 }
             }
+        }
+    }
+
+    /// Moves the jobs queued on the channel to those waiting.
+    fn take_queued(&mut self) {
+        while let Ok(job) = self.jobs.try_recv() {
+            self.waiting.push(job.work.class, job);
+        }
+    }
+
+    /// Runs the waiting jobs of a class higher than `class` (aged), each to its end: what a
+    /// job of `class` does between its chunks.
+    fn yield_above(&mut self, class: u8) {
+        self.take_queued();
+        while let Some(job) = self.waiting.pop_above(class, tokio::time::Instant::now()) {
+            tracing::debug!(
+                class,
+                to = job.work.class,
+                "a prompt yields to one of a higher class"
+            );
+            self.shared.metrics.yields.inc();
+            let (before, started) = (self.yielded_secs, Instant::now());
+            self.job(job);
+            // Its whole time, the jobs it yielded to included, once.
+            self.yielded_secs = before + started.elapsed().as_secs_f64();
         }
     }
 
@@ -257,7 +303,7 @@ impl Compute {
 
     fn job(&mut self, Job { work, reply }: Job) {
         let n = work.tokens.len();
-        let started = Instant::now();
+        let (started, yielded) = (Instant::now(), self.yielded_secs);
         let result = self.run(work);
         self.shared.hub.publish(self.engine.take_cache_events());
         let m = &self.shared.metrics;
@@ -265,7 +311,7 @@ impl Compute {
         m.queued_tokens.dec_by(n as i64);
         m.cache_blocks.set(self.engine.kv_blocks_cached() as i64);
         if let Ok(done) = &result {
-            let secs = started.elapsed().as_secs_f64();
+            let secs = started.elapsed().as_secs_f64() - (self.yielded_secs - yielded);
             let computed = n - done.cached_tokens;
             m.tokens.inc_by(computed as u64);
             m.cached_tokens.inc_by(done.cached_tokens as u64);
@@ -281,7 +327,7 @@ impl Compute {
         let Work {
             tokens,
             cache_salt,
-            class: _,
+            class,
             hashes,
             push,
             resumed,
@@ -289,10 +335,11 @@ impl Compute {
             mut kv,
             cancel,
         } = work;
-        let started = Instant::now();
+        let (started, yielded) = (Instant::now(), self.yielded_secs);
         let reusable = tandem_proto::block_hash::reusable_blocks(tokens.len()).min(hashes.len());
         let (seq, cached) = self.engine.new_sequence_cached(&hashes[..reusable]);
-        let outcome = self.compute_and_push(seq, cached.tokens, &tokens, push, &mut kv, &cancel);
+        let outcome =
+            self.compute_and_push(seq, cached.tokens, &tokens, push, &mut kv, &cancel, class);
         let engine = &mut self.engine;
         let outcome = outcome.and_then(|(logits, first_chunk_sent)| {
             let tokenizer = &engine.model().tokenizer;
@@ -327,7 +374,7 @@ impl Compute {
         Ok(Done {
             first_token,
             kv,
-            compute_ms: started.elapsed().as_secs_f64() * 1e3,
+            compute_ms: (started.elapsed().as_secs_f64() - (self.yielded_secs - yielded)) * 1e3,
             first_chunk_sent,
             cached_tokens: cached.tokens,
             restored_tokens: cached.restored,
@@ -344,9 +391,17 @@ impl Compute {
         push: Range<usize>,
         kv: &mut KvPush,
         cancel: &CancellationToken,
+        class: u8,
     ) -> Result<(Option<Vec<f32>>, Option<Instant>)> {
         let grid = self.engine.prefill_chunk_tokens();
-        let mut cells = tandem_worker::grid_cells(cached..tokens.len(), grid);
+        // A batch prompt is computed in smaller steps (a divisor of the grid, so the push cells
+        // still end on them): it yields sooner to a higher class.
+        let step = if class >= BATCH_CLASS {
+            grid.min(YIELD_CHUNK_TOKENS)
+        } else {
+            grid
+        };
+        let mut cells = tandem_worker::grid_cells(cached..tokens.len(), step);
         let mut computed = cached;
         let mut logits = Vec::new();
         let mut first_chunk_sent = None;
@@ -356,6 +411,9 @@ impl Compute {
                     return Err(Error::Cancelled);
                 }
                 self.between_chunks();
+                if computed > cached {
+                    self.yield_above(class);
+                }
                 let Some(c) = cells.next() else { break };
                 logits = self.engine.prefill(seq, &tokens[c.clone()])?;
                 self.shared.pulse.beat();
@@ -422,6 +480,15 @@ mod tests {
         assert_eq!(w.pop(tokio::time::Instant::now()), Some("batch"));
         assert_eq!(w.pop(tokio::time::Instant::now()), Some("interactive"));
         assert_eq!(w.pop(tokio::time::Instant::now()), None);
+
+        // Between its chunks, a standard prompt yields to a higher class only.
+        w.push(1, "standard");
+        w.push(2, "batch");
+        let now = tokio::time::Instant::now();
+        assert_eq!(w.pop_above(1, now), None);
+        w.push(0, "interactive");
+        assert_eq!(w.pop_above(1, now), Some("interactive"));
+        assert_eq!(w.pop_above(1, now), None);
     }
 
     /// The rule the queued pushes' heartbeats follow: they beat while the compute thread

@@ -12,6 +12,7 @@ pub const SECONDS: &str = "tandem_prefill_seconds";
 pub const QUEUED_TOKENS: &str = "tandem_prefill_queued_tokens";
 pub const CACHED_TOKENS: &str = "tandem_prefill_cached_tokens";
 pub const CACHE_BLOCKS: &str = "tandem_prefill_prefix_cache_blocks";
+pub const YIELDS: &str = "tandem_prefill_yields";
 
 #[derive(Clone, Debug)]
 pub struct PrefillMetrics {
@@ -26,6 +27,9 @@ pub struct PrefillMetrics {
     /// Prompt tokens taken from the prefix cache instead of computed.
     pub cached_tokens: Counter,
     pub cache_blocks: Gauge,
+    /// Prompts of a higher class computed while a prompt of a lower class waited between its
+    /// chunks.
+    pub yields: Counter,
 }
 
 impl PrefillMetrics {
@@ -38,6 +42,7 @@ impl PrefillMetrics {
             queued_tokens: Gauge::default(),
             cached_tokens: Counter::default(),
             cache_blocks: Gauge::default(),
+            yields: Counter::default(),
         };
         registry.register(
             QUEUE_DEPTH,
@@ -64,6 +69,11 @@ impl PrefillMetrics {
             CACHED_TOKENS,
             "Prompt tokens reused from the prefix cache",
             m.cached_tokens.clone(),
+        );
+        registry.register(
+            YIELDS,
+            "Prompts of a higher priority class computed while a lower class's prompt waited between its chunks",
+            m.yields.clone(),
         );
         registry.register(
             CACHE_BLOCKS,

@@ -26,6 +26,7 @@ pub const LAST_RESORT: &str = "tandem_router_last_resort";
 pub const DECODE_STALLS: &str = "tandem_router_decode_stalls";
 pub const QUEUED: &str = "tandem_router_queued_requests";
 pub const REFUSED: &str = "tandem_router_refused_requests";
+pub const TENANT_TOKENS: &str = "tandem_router_tenant_tokens";
 pub const PROMPT_TOKENS: &str = "tandem_router_prompt_tokens";
 pub const CACHED_PROMPT_TOKENS: &str = "tandem_router_cached_prompt_tokens";
 pub const FETCHED_TOKENS: &str = "tandem_router_fetched_tokens";
@@ -58,6 +59,12 @@ const CODES: [tonic::Code; 8] = [
     tonic::Code::Cancelled,
     tonic::Code::DataLoss,
 ];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantLabel {
+    /// The key file's tenant; empty without a key file.
+    pub tenant: String,
+}
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StatusLabel {
@@ -166,6 +173,8 @@ pub struct RouterMetrics {
     pub queued: Gauge,
     /// Requests refused at once for want of room, by reason.
     pub refused: Family<RefusalLabel, Counter>,
+    /// Tokens served per tenant: what the admission order's fair shares divide.
+    pub tenant_tokens: Family<TenantLabel, Counter>,
     pub requests: Family<StatusLabel, Counter>,
     pub disagg_decisions: Family<DecisionLabel, Counter>,
     /// 1 while the replica is healthy and serves the router's model.
@@ -234,6 +243,7 @@ impl RouterMetrics {
             queue: Histogram::new(exponential_buckets(0.0001, 2.0, 18)),
             queued: Gauge::default(),
             refused: Family::default(),
+            tenant_tokens: Family::default(),
             requests: Family::default(),
             disagg_decisions: Family::default(),
             replica_up: Family::default(),
@@ -299,6 +309,11 @@ impl RouterMetrics {
             REFUSED,
             "Requests refused at once for want of room: the queue was full, or its wait would outlast the request's deadline",
             m.refused.clone(),
+        );
+        registry.register(
+            TENANT_TOKENS,
+            "Tokens served per tenant (prompt tokens at admission, generated tokens at the end): what the fair shares within a priority class divide",
+            m.tenant_tokens.clone(),
         );
         registry.register(REQUESTS, "Requests by final status", m.requests.clone());
         registry.register(
@@ -529,6 +544,14 @@ impl RouterMetrics {
         self.picker_shed
             .get_or_create(&HttpStatusLabel { status })
             .inc();
+    }
+
+    pub fn tenant_served(&self, tenant: &str, tokens: u64) {
+        self.tenant_tokens
+            .get_or_create(&TenantLabel {
+                tenant: tenant.to_string(),
+            })
+            .inc_by(tokens);
     }
 
     pub fn finished(&self, code: tonic::Code) {

@@ -31,6 +31,10 @@ pub(crate) struct EndpointArgs {
     /// [default: the router's default model over gRPC; the first model listed over HTTP].
     #[arg(long = "model")]
     model_id: Option<String>,
+    /// The priority class every request asks for: `interactive`, `standard` or `batch`
+    /// (gRPC `priority`, HTTP `x-priority`) [default: the key's class].
+    #[arg(long)]
+    priority: Option<String>,
     /// TLS to the router (`--server`); the HTTP client here speaks plain HTTP only.
     #[command(flatten)]
     tls: ServerTlsArgs,
@@ -51,6 +55,8 @@ pub(crate) enum Endpoint {
         client: Client,
         /// The model asked for; empty: the router's default.
         model: String,
+        /// The priority class asked for; empty: the key's.
+        priority: String,
     },
     OpenAi {
         /// The URL without a trailing `/v1`.
@@ -268,6 +274,7 @@ impl Endpoint {
                 addr: addr.clone(),
                 client: client(addr, &key, &args.tls)?,
                 model: args.model_id.clone().unwrap_or_default(),
+                priority: args.priority.clone().unwrap_or_default(),
             });
         }
         let base = args
@@ -285,6 +292,12 @@ impl Endpoint {
             let mut value = reqwest::header::HeaderValue::from_str(value)?;
             value.set_sensitive(true);
             headers.insert(reqwest::header::AUTHORIZATION, value);
+        }
+        if let Some(priority) = &args.priority {
+            headers.insert(
+                "x-priority",
+                reqwest::header::HeaderValue::from_str(priority)?,
+            );
         }
         let http = reqwest::Client::builder()
             .pool_max_idle_per_host(0)
@@ -402,15 +415,26 @@ impl Endpoint {
     /// Sends `ask` (greedy) and reads the whole stream.
     pub(crate) async fn generate(&self, ask: &Ask) -> Result<Reply, Failure> {
         match self {
-            Endpoint::Grpc { client, model, .. } => grpc(client.clone(), model, ask).await,
+            Endpoint::Grpc {
+                client,
+                model,
+                priority,
+                ..
+            } => grpc(client.clone(), model, priority, ask).await,
             Endpoint::OpenAi { root, http, model } => openai(http, root, model, ask).await,
         }
     }
 }
 
-async fn grpc(mut client: Client, model: &str, ask: &Ask) -> Result<Reply, Failure> {
+async fn grpc(
+    mut client: Client,
+    model: &str,
+    priority: &str,
+    ask: &Ask,
+) -> Result<Reply, Failure> {
     let mut request = pb::GenerateRequest {
         model: model.to_string(),
+        priority: priority.to_string(),
         session_id: ask.session.clone(),
         request_id: ask.request_id.clone(),
         sampling: Some(pb::SamplingParams {

@@ -60,6 +60,7 @@ fn bench(pinned_bytes: u64, disk: bool) -> Bench {
         max_slots: 1,
         handoff_bytes: 0,
         pinned_bytes,
+        batch_beside: 1,
     };
     let (handle, _thread) = SchedulerHandle::spawn(engine, shared.clone(), slots).expect("spawn");
     Bench {

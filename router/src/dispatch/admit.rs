@@ -167,7 +167,6 @@ impl Dispatcher {
             model: p.model.as_str().into(),
             class: p.class,
             tenant: p.tenant.clone(),
-            weight: f64::from(p.weight),
         };
         let mut queued: Option<Queued> = None;
         loop {
@@ -272,8 +271,7 @@ impl Dispatcher {
             if let Some(queued) = queued {
                 self.pace.record(&queued);
             }
-            self.order
-                .charge(&p.tenant, asker.weight, tokens.len() as u64);
+            self.charge(&p.tenant, p.weight, tokens.len() as u64);
             if choice.fetch.is_some() {
                 self.policy.record_fetch(a.fetched_bytes, a.fetch_ms);
                 self.metrics

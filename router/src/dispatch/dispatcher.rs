@@ -41,3 +41,12 @@ pub struct Dispatcher {
     /// The other routers over the same workers.
     pub peers: Arc<Peers>,
 }
+
+impl Dispatcher {
+    /// Charges `tenant` for `tokens` served (the prompt at admission, the reply at the end), in
+    /// the admission order's fair shares at its `weight`, and in its served-tokens counter.
+    pub fn charge(&self, tenant: &Arc<str>, weight: u32, tokens: u64) {
+        self.order.charge(tenant, f64::from(weight), tokens);
+        self.metrics.tenant_served(tenant, tokens);
+    }
+}

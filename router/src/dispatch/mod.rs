@@ -224,7 +224,7 @@ impl GenerationService {
                 };
                 grant.finish(outcome.generated);
                 // The admission order charges the prompt at admission, the reply here.
-                (svc.dispatcher.order).charge(&tenant, f64::from(weight), outcome.generated as u64);
+                (svc.dispatcher).charge(&tenant, weight, outcome.generated as u64);
                 tracing::Span::current().record("gen_ai.usage.output_tokens", outcome.generated);
                 svc.dispatcher.metrics.finished(outcome.code);
                 (svc.dispatcher.metrics).model_finished(

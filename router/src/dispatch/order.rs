@@ -35,8 +35,6 @@ pub struct Asker {
     pub model: Arc<str>,
     pub class: Class,
     pub tenant: Arc<str>,
-    /// The tenant's weight (its key's, 1 by default): its share within its class.
-    pub weight: f64,
 }
 
 #[derive(Debug)]
@@ -171,7 +169,6 @@ mod tests {
             model: "m".into(),
             class,
             tenant: tenant.into(),
-            weight: 1.0,
         }
     }
 
@@ -239,12 +236,9 @@ mod tests {
         assert!(order.is_first(&light, Some(&second)), "served less: first");
         assert!(!order.is_first(&flood, Some(&first)));
         // Weighted: 20000 tokens at weight 20 count 1000, under flood's 10000.
-        let heavy = Asker {
-            weight: 20.0,
-            ..asker(Class::Standard, "heavy")
-        };
+        let heavy = asker(Class::Standard, "heavy");
         let third = order.join(heavy.clone());
-        order.charge(&heavy.tenant, heavy.weight, 20_000);
+        order.charge(&heavy.tenant, 20.0, 20_000);
         drop(second);
         assert!(order.is_first(&heavy, Some(&third)));
         // A tenant never served starts at the least counter waiting (heavy's: it joined at
@@ -286,7 +280,7 @@ mod tests {
                 .find(|&i| order.is_first(&tickets[i].0, Some(&tickets[i].2)))
                 .expect("someone goes first");
             let (a, cost, ticket) = tickets.remove(next);
-            order.charge(&a.tenant, a.weight, cost);
+            order.charge(&a.tenant, 1.0, cost);
             *served
                 .entry(if &*a.tenant == "big" { "big" } else { "small" })
                 .or_default() += cost;

@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# Sharing the cluster (issue 47), on a fresh 1P1D `tandem up` cluster of SmolLM2 per run:
+#   alone         the interactive load alone: open-loop short chat turns (INTERACTIVE_RATE
+#                 requests/s, 48-word prompts, 32 tokens), `--priority interactive`;
+#   classes       the same interactive load beside a batch flood that alone saturates the
+#                 cluster (BATCH_CLIENTS closed-loop clients, 1,200-word prompts, 128 tokens,
+#                 `--priority batch`), started BATCH_LEAD seconds before it;
+#   fifo          the same two loads without priorities: every request standard, first come
+#                 first served, as before classes;
+#   llama-server  the same two loads against llama-server (-t 2, --parallel 16), which has no
+#                 classes (skipped when LLAMA_SERVER is not there);
+#   keys          fair shares: two keys of equal weight on a cluster whose decode node has 2
+#                 slots (8 places); the heavy key keeps 6 requests in flight, the light key 16
+#                 (so that it always has some queued), and the heavy key's requests carry 10
+#                 times the light key's tokens (1,000-word prompts and 100 tokens against 100
+#                 and 10). The router's served tokens per tenant (`tandem_router_tenant_tokens`)
+#                 are read as the light key's load ends, while both still have work queued.
+# Prints a line per run (the interactive TTFT and ITL p50/p99, the batch requests completed),
+# the ratios the issue asks for, and the keys' shares. Results: target/bench-sharing/*.json.
+#
+# Usage: scripts/bench-sharing.sh
+# Env: TANDEM (the binary, default target/release/tandem), INTERACTIVE_RATE (default 1),
+#   INTERACTIVE_REQUESTS (40), BATCH_CLIENTS (8), BATCH_REQUESTS (24), BATCH_LEAD (8),
+#   LLAMA_SERVER (default the one ../shared/tools/build-llamacpp.sh builds), RUNS (default
+#   "alone classes fifo llama-server keys").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/lib/cluster.sh
+out=target/bench-sharing
+mkdir -p "$out"
+rate=${INTERACTIVE_RATE:-1}
+interactive=(--rate "$rate" --requests "${INTERACTIVE_REQUESTS:-40}" --prompt-words 48
+  --max-tokens 32 --warmup 0 --seed 7)
+batch=(--concurrency "${BATCH_CLIENTS:-8}" --requests "${BATCH_REQUESTS:-24}" --prompt-words 1200
+  --max-tokens 128 --warmup 0 --seed 8)
+lead=${BATCH_LEAD:-8}
+pids=()
+cleanup() {
+  [ -z "${up_pid:-}" ] || down 2>/dev/null || true
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+
+line() { # line NAME: the interactive load's figures, and the batch load's completions
+  python3 - "$out" "$1" <<'PY'
+import json, os, sys
+out, name = sys.argv[1], sys.argv[2]
+i = json.load(open(f"{out}/{name}.interactive.json"))["levels"][0]
+text = (f'{name}: interactive {i["completed"]}/{i["requests"]} completed, '
+        f'TTFT p50/p99 {i["ttft_ms"]["p50"]:.0f}/{i["ttft_ms"]["p99"]:.0f} ms, '
+        f'ITL p50/p99 {i["itl_ms"]["p50"]:.1f}/{i["itl_ms"]["p99"]:.1f} ms')
+if os.path.exists(f"{out}/{name}.batch.json"):
+    b = json.load(open(f"{out}/{name}.batch.json"))["levels"][0]
+    text += (f'; batch {b["completed"]}/{b["requests"]} completed (failed {b["failed"]}), '
+             f'{b["output_tok_s"]:.0f} output tok/s, TTFT p50 {b["ttft_ms"]["p50"]:.0f} ms')
+print(text)
+PY
+}
+
+# mixed NAME ENDPOINT... -- EXTRA: the batch flood, then the interactive load BATCH_LEAD seconds
+# later; waits for both. EXTRA_I / EXTRA_B are the flags of each load (priorities).
+mixed() {
+  local name=$1
+  shift
+  "$tandem" bench serve "$@" "${batch[@]}" "${extra_b[@]}" --label "$name-batch" \
+    --out "$out/$name.batch.json" >"$out/$name.batch.txt" &
+  local bpid=$!
+  sleep "$lead"
+  "$tandem" bench serve "$@" "${interactive[@]}" "${extra_i[@]}" --label "$name-interactive" \
+    --out "$out/$name.interactive.json" >"$out/$name.interactive.txt"
+  wait "$bpid"
+}
+
+todo=${RUNS:-alone classes fifo llama-server keys}
+wants() { [[ " $todo " == *" $1 "* ]]; }
+if wants alone; then
+  up "$out/up-alone.log" --prefill 1 --decode 1
+  "$tandem" bench serve --server "$up_addr" "${interactive[@]}" --priority interactive \
+    --label alone --out "$out/alone.interactive.json" >"$out/alone.interactive.txt"
+  down
+  line alone
+fi
+if wants classes; then
+  up "$out/up-classes.log" --prefill 1 --decode 1
+  extra_b=(--priority batch) extra_i=(--priority interactive)
+  mixed classes --server "$up_addr"
+  down
+  line classes
+fi
+if wants fifo; then
+  up "$out/up-fifo.log" --prefill 1 --decode 1
+  extra_b=() extra_i=()
+  mixed fifo --server "$up_addr"
+  down
+  line fifo
+fi
+if wants llama-server; then
+  llama=${LLAMA_SERVER:-$HOME/.cache/tandem-peer/build/bin/llama-server}
+  gguf=${GGUF:-${TANDEM_MODEL_DIR:-$HOME/.cache/tandem/models}/SmolLM2-135M-Instruct.Q4_1.gguf}
+  if [ -x "$llama" ]; then
+    "$llama" -m "$gguf" -t 2 --parallel 16 -c 65536 --port 8094 >"$out/llama-server.log" 2>&1 &
+    lpid=$!
+    pids+=("$lpid")
+    for _ in $(seq 600); do curl -sf 127.0.0.1:8094/health >/dev/null && break; sleep 0.1; done
+    extra_b=() extra_i=()
+    mixed llama-server --openai http://127.0.0.1:8094/v1
+    kill -TERM "$lpid"; wait "$lpid" 2>/dev/null || true
+    line llama-server
+  else
+    echo "no llama-server at $llama (run ../shared/tools/build-llamacpp.sh): skipped" >&2
+  fi
+fi
+if wants alone && wants classes && wants fifo; then
+  python3 - "$out" <<'PY'
+import json, sys
+out = sys.argv[1]
+p99 = lambda n, k: json.load(open(f"{out}/{n}.interactive.json"))["levels"][0][k]["p99"]
+print(f'interactive TTFT p99: classes {p99("classes", "ttft_ms"):.0f} ms, '
+      f'{p99("classes", "ttft_ms") / p99("fifo", "ttft_ms"):.3f} of FIFO\'s {p99("fifo", "ttft_ms"):.0f} ms; '
+      f'ITL p99: classes {p99("classes", "itl_ms"):.1f} ms, '
+      f'{p99("classes", "itl_ms") / p99("alone", "itl_ms"):.2f}x the load alone ({p99("alone", "itl_ms"):.1f} ms); '
+      f'FIFO {p99("fifo", "itl_ms") / p99("alone", "itl_ms"):.2f}x')
+PY
+fi
+
+if wants keys; then
+  keys=$out/keys
+  rm -f "$keys"
+  heavy=$("$tandem" keys new --file "$keys" --tenant heavy --rpm 0 --tpm 0 --streams 0)
+  light=$("$tandem" keys new --file "$keys" --tenant light --rpm 0 --tpm 0 --streams 0)
+  TANDEM_MAX_SLOTS=2 up "$out/up-keys.log" --prefill 1 --decode 1 --api-keys "$keys"
+  "$tandem" bench serve --server "$up_addr" --api-key "$heavy" --concurrency 6 --requests 400 \
+    --prompt-words 1000 --max-tokens 100 --warmup 0 --seed 9 --label heavy \
+    --out "$out/keys.heavy.json" >"$out/keys.heavy.txt" 2>&1 &
+  hpid=$!
+  pids+=("$hpid")
+  "$tandem" bench serve --server "$up_addr" --api-key "$light" --concurrency 16 --requests 400 \
+    --prompt-words 100 --max-tokens 10 --warmup 0 --seed 10 --label light \
+    --out "$out/keys.light.json" >"$out/keys.light.txt"
+  curl -sf "http://$up_addr/metrics" >"$out/keys.metrics.txt"
+  kill -TERM "$hpid" 2>/dev/null || true
+  wait "$hpid" 2>/dev/null || true
+  down
+  python3 - "$out/keys.metrics.txt" <<'PY'
+import re, sys
+served = {m[1]: float(m[2]) for m in re.finditer(r'tandem_router_tenant_tokens_total\{tenant="(\w+)"\} ([0-9.e+]+)', open(sys.argv[1]).read())}
+total = sum(served.values())
+print("keys: tokens served while both had work queued: " +
+      ", ".join(f"{t} {n:.0f} ({n / total:.3f})" for t, n in sorted(served.items())))
+PY
+fi
