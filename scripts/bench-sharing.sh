@@ -14,7 +14,8 @@
 #                 (so that it always has some queued), and the heavy key's requests carry 10
 #                 times the light key's tokens (1,000-word prompts and 100 tokens against 100
 #                 and 10). The router's served tokens per tenant (`tandem_router_tenant_tokens`)
-#                 are read as the light key's load ends, while both still have work queued.
+#                 are read KEYS_SETTLE (30) seconds in and as the light key's load ends, while
+#                 both have work queued: the shares are of the tokens served between.
 # Prints a line per run (the interactive TTFT and ITL p50/p99, the batch requests completed),
 # the ratios the issue asks for, and the keys' shares. Results: target/bench-sharing/*.json.
 #
@@ -134,18 +135,24 @@ if wants keys; then
     --out "$out/keys.heavy.json" >"$out/keys.heavy.txt" 2>&1 &
   hpid=$!
   pids+=("$hpid")
-  "$tandem" bench serve --server "$up_addr" --api-key "$light" --concurrency 16 --requests 400 \
+  # The counters once both loads have settled (the first places go to whoever asks first).
+  ( sleep "${KEYS_SETTLE:-30}"; curl -sf "http://$up_addr/metrics" >"$out/keys.start.txt" ) &
+  "$tandem" bench serve --server "$up_addr" --api-key "$light" --concurrency 16 --requests 160 \
     --prompt-words 100 --max-tokens 10 --warmup 0 --seed 10 --label light \
     --out "$out/keys.light.json" >"$out/keys.light.txt"
   curl -sf "http://$up_addr/metrics" >"$out/keys.metrics.txt"
   kill -TERM "$hpid" 2>/dev/null || true
   wait "$hpid" 2>/dev/null || true
   down
-  python3 - "$out/keys.metrics.txt" <<'PY'
+  python3 - "$out/keys.start.txt" "$out/keys.metrics.txt" <<'PY'
 import re, sys
-served = {m[1]: float(m[2]) for m in re.finditer(r'tandem_router_tenant_tokens_total\{tenant="(\w+)"\} ([0-9.e+]+)', open(sys.argv[1]).read())}
-total = sum(served.values())
-print("keys: tokens served while both had work queued: " +
-      ", ".join(f"{t} {n:.0f} ({n / total:.3f})" for t, n in sorted(served.items())))
+def served(path):
+    text = open(path).read()
+    return {m[1]: float(m[2]) for m in re.finditer(r'tandem_router_tenant_tokens_total\{tenant="(\w+)"\} ([0-9.e+]+)', text)}
+start, end = served(sys.argv[1]), served(sys.argv[2])
+delta = {t: end[t] - start.get(t, 0.0) for t in end}
+total = sum(delta.values())
+print("keys: tokens served from the settled start to the light key's last request: " +
+      ", ".join(f"{t} {n:.0f} ({n / total:.3f})" for t, n in sorted(delta.items())))
 PY
 fi

@@ -30,6 +30,7 @@
 //! draining peer): before the next job, and between the chunks of a running one, so a fetch
 //! waits for one chunk at most, never for the queue.
 
+use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -58,8 +59,8 @@ pub(crate) struct Work {
     pub tokens: Vec<u32>,
     /// The cache partition the hashes are seeded with.
     pub cache_salt: String,
-    /// Its priority class ([`tandem_worker::class_of`]).
-    pub class: u8,
+    /// Its priority class ([`tandem_worker::class_of`]), tenant and weight.
+    pub share: Share,
     /// Block hashes of the prompt's full blocks (empty with the cache off).
     pub hashes: Vec<u64>,
     /// The prompt tokens whose KV goes to the decode node (it holds the rest).
@@ -138,22 +139,66 @@ impl Default for Pulse {
     }
 }
 
-/// The jobs waiting for the compute thread: [`Waiting::pop`] takes the highest class, aged one
-/// class higher per [`tandem_proto::PRIORITY_AGE_STEP`] waited, then the oldest.
+/// The jobs waiting for the compute thread. [`Waiting::pop`] takes the highest class, aged one
+/// class higher per [`tandem_proto::PRIORITY_AGE_STEP`] waited; within a class the tenant served
+/// the fewest prompt tokens (divided by its weight) so far, as the router's admission order
+/// shares a class (a virtual token counter: a tenant that starts waiting again is lifted to the
+/// least counter of those waiting, so idling earns no credit); then the oldest. The prefill node
+/// is where a flood of long prompts costs the most, so the shares are kept here too.
 #[derive(Debug)]
 struct Waiting<T> {
-    jobs: Vec<(T, u8, tokio::time::Instant)>,
+    jobs: Vec<Queued<T>>,
+    /// Prompt tokens taken per tenant, divided by its weight.
+    served: HashMap<String, f64>,
+}
+
+#[derive(Debug)]
+struct Queued<T> {
+    job: T,
+    class: u8,
+    tenant: String,
+    /// Its prompt tokens, divided by its tenant's weight.
+    cost: f64,
+    since: tokio::time::Instant,
+}
+
+/// Who a job is for, and its share: its priority class ([`tandem_worker::class_of`]), its
+/// tenant and the tenant's weight within the class.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Share {
+    pub class: u8,
+    pub tenant: String,
+    pub weight: u32,
 }
 
 impl<T> Default for Waiting<T> {
     fn default() -> Self {
-        Self { jobs: Vec::new() }
+        Self {
+            jobs: Vec::new(),
+            served: HashMap::new(),
+        }
     }
 }
 
 impl<T> Waiting<T> {
-    fn push(&mut self, class: u8, job: T) {
-        self.jobs.push((job, class, tokio::time::Instant::now()));
+    fn push(&mut self, share: &Share, tokens: usize, job: T) {
+        let in_class = |q: &&Queued<T>| q.class == share.class;
+        if !(self.jobs.iter().filter(in_class)).any(|q| q.tenant == share.tenant) {
+            let floor = (self.jobs.iter().filter(in_class))
+                .map(|q| self.served.get(&q.tenant).copied().unwrap_or(0.0))
+                .min_by(f64::total_cmp);
+            let own = self.served.entry(share.tenant.clone()).or_insert(0.0);
+            if let Some(floor) = floor {
+                *own = own.max(floor);
+            }
+        }
+        self.jobs.push(Queued {
+            job,
+            class: share.class,
+            tenant: share.tenant.clone(),
+            cost: tokens as f64 / f64::from(share.weight.max(1)),
+            since: tokio::time::Instant::now(),
+        });
     }
 
     fn pop(&mut self, now: tokio::time::Instant) -> Option<T> {
@@ -162,15 +207,24 @@ impl<T> Waiting<T> {
 
     /// Takes the job that goes next if its class, aged, is higher than `class` (below it).
     fn pop_above(&mut self, class: u8, now: tokio::time::Instant) -> Option<T> {
-        let rank = |(_, class, since): &(T, u8, tokio::time::Instant)| {
-            let waited = now.saturating_duration_since(*since);
-            (tandem_proto::aged_class(*class, waited), *since)
+        let served = |t: &str| self.served.get(t).copied().unwrap_or(0.0);
+        let rank = |q: &Queued<T>| {
+            let waited = now.saturating_duration_since(q.since);
+            let class = tandem_proto::aged_class(q.class, waited);
+            (class, served(&q.tenant), q.since)
         };
-        let i = (0..self.jobs.len()).min_by_key(|&i| rank(&self.jobs[i]))?;
+        let i = (0..self.jobs.len()).min_by(|&a, &b| {
+            let (ra, rb) = (rank(&self.jobs[a]), rank(&self.jobs[b]));
+            (ra.0.cmp(&rb.0))
+                .then(ra.1.total_cmp(&rb.1))
+                .then(ra.2.cmp(&rb.2))
+        })?;
         if rank(&self.jobs[i]).0 >= class {
             return None;
         }
-        Some(self.jobs.remove(i).0)
+        let q = self.jobs.remove(i);
+        *self.served.entry(q.tenant).or_insert(0.0) += q.cost;
+        Some(q.job)
     }
 }
 
@@ -250,7 +304,8 @@ impl Compute {
                 Some(command) = self.commands.recv() => self.handle(command),
                 job = self.jobs.recv() => {
                     let job = job?;
-                    self.waiting.push(job.work.class, job);
+                    self.waiting
+                .push(&job.work.share.clone(), job.work.tokens.len(), job);
                 }
             }
         }
@@ -259,7 +314,8 @@ impl Compute {
     /// Moves the jobs queued on the channel to those waiting.
     fn take_queued(&mut self) {
         while let Ok(job) = self.jobs.try_recv() {
-            self.waiting.push(job.work.class, job);
+            self.waiting
+                .push(&job.work.share.clone(), job.work.tokens.len(), job);
         }
     }
 
@@ -270,7 +326,7 @@ impl Compute {
         while let Some(job) = self.waiting.pop_above(class, tokio::time::Instant::now()) {
             tracing::debug!(
                 class,
-                to = job.work.class,
+                to = job.work.share.class,
                 "a prompt yields to one of a higher class"
             );
             self.shared.metrics.yields.inc();
@@ -327,7 +383,7 @@ impl Compute {
         let Work {
             tokens,
             cache_salt,
-            class,
+            share,
             hashes,
             push,
             resumed,
@@ -338,8 +394,15 @@ impl Compute {
         let (started, yielded) = (Instant::now(), self.yielded_secs);
         let reusable = tandem_proto::block_hash::reusable_blocks(tokens.len()).min(hashes.len());
         let (seq, cached) = self.engine.new_sequence_cached(&hashes[..reusable]);
-        let outcome =
-            self.compute_and_push(seq, cached.tokens, &tokens, push, &mut kv, &cancel, class);
+        let outcome = self.compute_and_push(
+            seq,
+            cached.tokens,
+            &tokens,
+            push,
+            &mut kv,
+            &cancel,
+            share.class,
+        );
         let engine = &mut self.engine;
         let outcome = outcome.and_then(|(logits, first_chunk_sent)| {
             let tokenizer = &engine.model().tokenizer;
@@ -450,6 +513,48 @@ impl Compute {
 mod tests {
     use super::*;
 
+    fn share(class: u8) -> Share {
+        Share {
+            class,
+            tenant: String::new(),
+            weight: 1,
+        }
+    }
+
+    /// Within a class, the tenant served fewer prompt tokens per weight goes first; one that
+    /// starts waiting again starts at the least counter waiting.
+    #[tokio::test(start_paused = true)]
+    async fn tenants_share_a_class_by_prompt_tokens() {
+        let mut w = Waiting::default();
+        let tenant = |t: &str, weight| Share {
+            class: 1,
+            tenant: t.into(),
+            weight,
+        };
+        for i in 0..3 {
+            w.push(&tenant("heavy", 1), 1000, format!("heavy-{i}"));
+        }
+        let now = tokio::time::Instant::now();
+        assert_eq!(w.pop(now).as_deref(), Some("heavy-0"));
+        w.push(&tenant("light", 1), 100, "light-0".to_string());
+        w.push(&tenant("light", 1), 100, "light-1".to_string());
+        // light starts at heavy's 1000 (idling earns nothing); equal counters go by arrival.
+        assert_eq!(w.pop(now).as_deref(), Some("heavy-1"));
+        assert_eq!(w.pop(now).as_deref(), Some("light-0"));
+        assert_eq!(w.pop(now).as_deref(), Some("light-1"));
+        assert_eq!(w.pop(now).as_deref(), Some("heavy-2"));
+
+        // Weight 10: 1000 tokens count 100, so the weighted tenant's second goes before the
+        // other's (at weight 1 they would tie, and arrival would put the other's first).
+        let mut w = Waiting::default();
+        for i in 0..2 {
+            w.push(&tenant("a", 1), 1000, format!("a-{i}"));
+            w.push(&tenant("b", 10), 1000, format!("b-{i}"));
+        }
+        let order: Vec<_> = std::iter::from_fn(|| w.pop(now)).collect();
+        assert_eq!(order, ["a-0", "b-0", "b-1", "a-1"]);
+    }
+
     /// Queued prompts go by class, then arrival; one that has waited an age step ranks a class
     /// higher, so a batch prompt waiting 20 s goes before an interactive one.
     #[tokio::test(start_paused = true)]
@@ -461,32 +566,32 @@ mod tests {
             ("interactive", 0),
             ("standard-2", 1),
         ] {
-            w.push(class, job);
+            w.push(&share(class), 1, job);
         }
         let now = tokio::time::Instant::now();
         let order: Vec<_> = std::iter::from_fn(|| w.pop(now)).collect();
         assert_eq!(order, ["interactive", "standard-1", "standard-2", "batch"]);
 
-        w.push(2, "batch");
+        w.push(&share(2), 1, "batch");
         tokio::time::advance(tandem_proto::PRIORITY_AGE_STEP).await;
-        w.push(1, "standard");
-        w.push(0, "interactive");
+        w.push(&share(1), 1, "standard");
+        w.push(&share(0), 1, "interactive");
         assert_eq!(w.pop(tokio::time::Instant::now()), Some("interactive"));
         assert_eq!(w.pop(tokio::time::Instant::now()), Some("batch"));
-        w.push(2, "batch");
+        w.push(&share(2), 1, "batch");
         tokio::time::advance(2 * tandem_proto::PRIORITY_AGE_STEP).await;
-        w.push(0, "interactive");
+        w.push(&share(0), 1, "interactive");
         assert_eq!(w.pop(tokio::time::Instant::now()), Some("standard"));
         assert_eq!(w.pop(tokio::time::Instant::now()), Some("batch"));
         assert_eq!(w.pop(tokio::time::Instant::now()), Some("interactive"));
         assert_eq!(w.pop(tokio::time::Instant::now()), None);
 
         // Between its chunks, a standard prompt yields to a higher class only.
-        w.push(1, "standard");
-        w.push(2, "batch");
+        w.push(&share(1), 1, "standard");
+        w.push(&share(2), 1, "batch");
         let now = tokio::time::Instant::now();
         assert_eq!(w.pop_above(1, now), None);
-        w.push(0, "interactive");
+        w.push(&share(0), 1, "interactive");
         assert_eq!(w.pop_above(1, now), Some("interactive"));
         assert_eq!(w.pop_above(1, now), None);
     }

@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
-use crate::compute::{Job, Shared, Work};
+use crate::compute::{Job, Share, Shared, Work};
 use crate::error::{Error, Result};
 
 #[derive(Clone, Debug)]
@@ -40,6 +40,7 @@ impl PrefillService {
         tandem_proto::check_ids(&[
             ("request_id", &r.request_id),
             ("transfer_id", &r.transfer_id),
+            ("tenant", &r.tenant),
             ("cache_salt", &r.cache_salt),
         ])
         .or_else(|(field, reason)| invalid(field, reason))?;
@@ -132,7 +133,11 @@ impl PrefillService {
             work: Work {
                 tokens: r.token_ids,
                 cache_salt: r.cache_salt,
-                class,
+                share: Share {
+                    class,
+                    tenant: r.tenant,
+                    weight: r.weight,
+                },
                 hashes,
                 push,
                 resumed: r.resumed_tokens as usize,

@@ -220,6 +220,8 @@ impl Dispatcher {
                 resumed_tokens: progress.generated.len() as u32,
                 cache_salt: p.cache_salt.clone(),
                 priority: p.class.to_pb() as i32,
+                tenant: p.tenant.to_string(),
+                weight: p.weight,
             });
             let prefill = &prefill;
             async move {
