@@ -228,6 +228,14 @@ impl<T> Waiting<T> {
     }
 }
 
+/// The prompt a job computes: its sequence, holding the first `cached` tokens, and its class.
+struct Prompt<'a> {
+    seq: SeqId,
+    cached: usize,
+    tokens: &'a [u32],
+    class: u8,
+}
+
 /// What the compute thread shares with the service.
 #[derive(Debug)]
 pub(crate) struct Shared {
@@ -394,15 +402,13 @@ impl Compute {
         let (started, yielded) = (Instant::now(), self.yielded_secs);
         let reusable = tandem_proto::block_hash::reusable_blocks(tokens.len()).min(hashes.len());
         let (seq, cached) = self.engine.new_sequence_cached(&hashes[..reusable]);
-        let outcome = self.compute_and_push(
+        let prompt = Prompt {
             seq,
-            cached.tokens,
-            &tokens,
-            push,
-            &mut kv,
-            &cancel,
-            share.class,
-        );
+            cached: cached.tokens,
+            tokens: &tokens,
+            class: share.class,
+        };
+        let outcome = self.compute_and_push(prompt, push, &mut kv, &cancel);
         let engine = &mut self.engine;
         let outcome = outcome.and_then(|(logits, first_chunk_sent)| {
             let tokenizer = &engine.model().tokenizer;
@@ -448,14 +454,17 @@ impl Compute {
     /// last position's logits, or `None` when the receiver ended the push early.
     fn compute_and_push(
         &mut self,
-        seq: SeqId,
-        cached: usize,
-        tokens: &[u32],
+        prompt: Prompt<'_>,
         push: Range<usize>,
         kv: &mut KvPush,
         cancel: &CancellationToken,
-        class: u8,
     ) -> Result<(Option<Vec<f32>>, Option<Instant>)> {
+        let Prompt {
+            seq,
+            cached,
+            tokens,
+            class,
+        } = prompt;
         let grid = self.engine.prefill_chunk_tokens();
         // A batch prompt is computed in smaller steps (a divisor of the grid, so the push cells
         // still end on them): it yields sooner to a higher class.

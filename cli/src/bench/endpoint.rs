@@ -52,7 +52,8 @@ impl EndpointArgs {
 pub(crate) enum Endpoint {
     Grpc {
         addr: String,
-        client: Client,
+        /// Boxed: the HTTP variant is a fraction of its size.
+        client: Box<Client>,
         /// The model asked for; empty: the router's default.
         model: String,
         /// The priority class asked for; empty: the key's.
@@ -272,7 +273,7 @@ impl Endpoint {
         if let Some(addr) = &args.server {
             return Ok(Endpoint::Grpc {
                 addr: addr.clone(),
-                client: client(addr, &key, &args.tls)?,
+                client: Box::new(client(addr, &key, &args.tls)?),
                 model: args.model_id.clone().unwrap_or_default(),
                 priority: args.priority.clone().unwrap_or_default(),
             });
@@ -420,7 +421,7 @@ impl Endpoint {
                 model,
                 priority,
                 ..
-            } => grpc(client.clone(), model, priority, ask).await,
+            } => grpc(client.as_ref().clone(), model, priority, ask).await,
             Endpoint::OpenAi { root, http, model } => openai(http, root, model, ask).await,
         }
     }
