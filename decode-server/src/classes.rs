@@ -8,9 +8,10 @@
 //!   for a slot (the router's queue ages the same way), so no class waits for good: a free slot
 //!   goes to a batch stream paused for 20 s before a fresh interactive one. At equal rank a
 //!   paused stream goes first (its client has begun reading it), then the longest waiting.
-//! - **Preemption**: with every slot taken, a ready sequence whose rank is higher than a running
-//!   sequence's class pauses the running one of the lowest class (of those, the latest to
-//!   join), and takes its slot. A running sequence is judged by its class, not aged.
+//! - **Preemption**: with every slot taken, a ready sequence whose class is higher than a running
+//!   sequence's pauses the running one of the lowest class (of those, the latest to join), and
+//!   takes its slot. Preemption goes by the classes themselves, not aged: aging orders the free
+//!   slots, so that streams of one class never pause each other.
 //! - **Batch yields beside interactive**: while an interactive stream runs or is ready, streams
 //!   ranked batch hold at most a few slots (`--batch-slots-beside-interactive`): the latest to
 //!   join of the others are paused, and no more take a slot, so that the batch's steps stay
@@ -123,9 +124,12 @@ impl<T> Queue<T> {
             .min_by_key(|&i| self.ready[i].rank(now))
     }
 
-    /// The rank (aged class) of the sequence that goes next of those `may_go` lets.
-    pub fn best_class(&self, now: Instant, may_go: impl Fn(&Ready<T>) -> bool) -> Option<u8> {
-        self.best(now, may_go).map(|i| self.ready[i].rank(now).0)
+    /// The sequence of the highest class (not aged) of those `may_go` lets, the longest waiting
+    /// of that class: the one a preemption is for.
+    pub fn highest_class(&self, may_go: impl Fn(&Ready<T>) -> bool) -> Option<(Ticket, u8)> {
+        (self.ready.iter().filter(|r| may_go(r)))
+            .min_by_key(|r| (r.standing.class, !r.paused, r.since, r.ticket.0))
+            .map(|r| (r.ticket, r.standing.class))
     }
 
     /// Takes the sequence that goes next of those `may_go` lets.
@@ -139,12 +143,12 @@ impl<T> Queue<T> {
     }
 }
 
-/// The running sequence that a ready sequence ranked `rank` pauses: the lowest class below
-/// `rank` (of those, the latest to join, the highest ticket), not shielded; `None` if no
-/// running sequence is below it.
-pub fn victim(running: impl Iterator<Item = (Ticket, Standing)>, rank: u8) -> Option<Ticket> {
+/// The running sequence that a ready sequence of class `class` pauses: the lowest class below
+/// it (of those, the latest to join, the highest ticket), not shielded; `None` if no running
+/// sequence is below it.
+pub fn victim(running: impl Iterator<Item = (Ticket, Standing)>, class: u8) -> Option<Ticket> {
     running
-        .filter(|(_, s)| s.class > rank && s.shield == 0)
+        .filter(|(_, s)| s.class > class && s.shield == 0)
         .max_by_key(|(t, s)| (s.class, t.0))
         .map(|(t, _)| t)
 }
@@ -216,7 +220,7 @@ mod tests {
         q.push(ready(1, BATCH, true));
         tokio::time::advance(AGE_STEP - Duration::from_millis(1)).await;
         q.push(ready(2, STANDARD, false));
-        assert_eq!(q.best_class(Instant::now(), |_| true), Some(STANDARD));
+        assert_eq!(q.highest_class(|_| true), Some((Ticket(2), STANDARD)));
         assert_eq!(order(&mut q), [2, 1]);
 
         let mut q = Queue::default();
@@ -229,7 +233,8 @@ mod tests {
         q.push(ready(1, BATCH, true));
         tokio::time::advance(2 * AGE_STEP).await;
         q.push(ready(2, INTERACTIVE, false));
-        assert_eq!(q.best_class(Instant::now(), |_| true), Some(INTERACTIVE));
+        // Aged, it takes the free slot first; a preemption is still for the interactive one.
+        assert_eq!(q.highest_class(|_| true), Some((Ticket(2), INTERACTIVE)));
         assert_eq!(order(&mut q), [1, 2]);
     }
 

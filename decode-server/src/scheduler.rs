@@ -568,14 +568,18 @@ impl Scheduler {
             let held_back = |r: &Ready<Slotless>| full && r.class_now(now) >= classes::BATCH;
             let may_go = |r: &Ready<Slotless>| r.item.may_go(&self.engine) && !held_back(r);
             if self.active.len() >= self.max_slots {
-                let Some(rank) = self.ready.best_class(now, may_go) else {
+                // Preemption goes by the classes themselves: aging orders free slots only.
+                let Some((waiter, class)) = self.ready.highest_class(may_go) else {
                     return;
                 };
                 let running = self.active.iter().map(|(t, a)| (*t, a.standing));
-                let Some(victim) = classes::victim(running, rank) else {
+                let Some(victim) = classes::victim(running, class) else {
                     return;
                 };
                 self.pause(victim, now);
+                if let Some(next) = self.ready.remove(waiter) {
+                    self.take_slot(next);
+                }
                 continue;
             }
             let Some(next) = self.ready.pop_best(now, may_go) else {
