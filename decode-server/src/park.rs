@@ -46,9 +46,10 @@ pub struct Resumed {
     pub recomputed: usize,
 }
 
-/// Takes `decoding`'s KV out of the batch: pinned when `pin` (or when nothing else can keep it),
-/// else to the disk tier. An engine error leaves it pinned.
-pub fn park(engine: &mut Engine, decoding: &Decoding, cache_salt: &str, pin: bool) -> Parking {
+/// Takes `decoding`'s KV out of the batch: pinned when it fits the `room` pinned streams have
+/// left (or when nothing else can keep it), else to the disk tier. An engine error leaves it
+/// pinned.
+pub fn park(engine: &mut Engine, decoding: &Decoding, cache_salt: &str, room: u64) -> Parking {
     let seq = decoding.seq;
     let held = engine.seq_len(seq).unwrap_or(0).min(decoding.tokens.len());
     let bytes = (held * engine.kv_layout().token_bytes()) as u64;
@@ -58,7 +59,7 @@ pub fn park(engine: &mut Engine, decoding: &Decoding, cache_salt: &str, pin: boo
         to_disk: 0,
     };
     let no_tier = engine.config().spill.is_none() || !engine.prefix_cache_enabled();
-    if pin || no_tier {
+    if bytes <= room || no_tier {
         return pinned;
     }
     let whole = held / BLOCK_TOKENS * BLOCK_TOKENS;

@@ -594,10 +594,8 @@ impl Scheduler {
         let Some(active) = self.active.remove(&ticket) else {
             return;
         };
-        let held = self.engine.seq_len(active.decoding.seq).unwrap_or(0);
-        let bytes = (held * self.engine.kv_layout().token_bytes()) as u64;
-        let pin = self.pinned + bytes <= self.pinned_room;
-        let parking = park::park(&mut self.engine, &active.decoding, &active.cache_salt, pin);
+        let room = self.pinned_room.saturating_sub(self.pinned);
+        let parking = park::park(&mut self.engine, &active.decoding, &active.cache_salt, room);
         self.shared.hub.publish(self.engine.take_cache_events());
         let pinned = match parking.parked {
             Parked::Pinned => parking.bytes,
