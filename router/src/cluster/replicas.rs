@@ -199,6 +199,17 @@ impl Replicas {
         self.changed.notified()
     }
 
+    /// Resolves at the next change ([`Replicas::changed`]), or after one load poll's interval
+    /// at most: what a worker refused may have been freed before the wait began, its report's
+    /// change then already past.
+    pub async fn changed_or_polled(&self) {
+        let poll = self
+            .monitoring
+            .get()
+            .map_or(Duration::from_millis(250), |m| m.load_poll);
+        let _ = tokio::time::timeout(poll, self.changed()).await;
+    }
+
     /// Whether the router can serve: a decode replica is up (with no prefill replica up, decode
     /// nodes prefill locally). A replica is up only once it has named a model the router knows.
     pub fn ready(&self) -> bool {

@@ -207,7 +207,7 @@ impl Dispatcher {
                 // The prefill node's queue is full: wait here rather than be refused there.
                 drop(choice);
                 self.enqueue(&mut queued, progress, deadline, &asker)?;
-                change.await;
+                self.replicas.changed_or_polled().await;
                 continue;
             }
             let local = choice.prefill.is_none();
@@ -253,7 +253,7 @@ impl Dispatcher {
                     tracing::debug!(decode = %decode.addr, status = %s.message(), "decode node full; back to the queue");
                     drop(choice);
                     self.enqueue(&mut queued, progress, deadline, &asker)?;
-                    self.replicas.changed().await;
+                    self.replicas.changed_or_polled().await;
                     continue;
                 }
                 Err(s) => return Err(on_decode(&s)),
