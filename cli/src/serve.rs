@@ -336,6 +336,12 @@ pub(crate) struct RouterArgs {
     /// Largest HTTP request body, in bytes (larger bodies get 413).
     #[arg(long, env = "TANDEM_MAX_HTTP_BODY_BYTES", default_value_t = 4 << 20)]
     max_http_body_bytes: usize,
+    /// The time to first token each priority class is held to when a request names none
+    /// (`x-slo-ttft-ms`), as `CLASS=MS` pairs: `interactive=800,standard=5000`. A request whose
+    /// predicted TTFT misses its target is refused at once (RESOURCE_EXHAUSTED; HTTP 429 with
+    /// Retry-After) instead of served late. Empty: no class has a target.
+    #[arg(long, env = "TANDEM_TTFT_TARGET", default_value = "", value_parser = tandem_router::parse_ttft_targets)]
+    ttft_target: [Option<Duration>; 3],
     /// Seconds an agent session (docs/api.md, "Sessions") may sit idle before its KV moves from
     /// the workers' pools to their disk tier (`--kv-spill-dir`), where its next turn reads it
     /// back; workers without one keep it in the pool.
@@ -551,6 +557,7 @@ pub(crate) fn router(args: &RouterArgs) -> anyhow::Result<()> {
             max_tokens: unlimited_if_zero(args.max_tokens_limit, u32::MAX),
             grpc_message_bytes: args.max_request_bytes,
             http_body_bytes: args.max_http_body_bytes,
+            ttft_targets: args.ttft_target,
         },
         tls: args.tls.load(Role::Router)?,
         api_tls: args.api_tls.load()?,

@@ -17,6 +17,7 @@ fn limits() -> tandem_router::Limits {
         max_tokens: 20,
         grpc_message_bytes: 64 << 10,
         http_body_bytes: 8 << 10,
+        ttft_targets: [None; 3],
     }
 }
 

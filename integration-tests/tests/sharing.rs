@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tandem_integration_tests::{Cluster, ClusterConfig, metrics, sample, smollm2_model};
+use tandem_integration_tests::{Cluster, ClusterConfig, collect, metrics, sample, smollm2_model};
 use tandem_proto::v1 as pb;
 use tandem_router::auth::key_line;
 use tandem_router::{AuthConfig, Class, KeyLimits};
@@ -242,4 +242,92 @@ async fn keys_share_a_class_by_tokens_served_and_a_key_cannot_rise_above_its_cla
         "after the four holding requests: {order:?}"
     );
     assert_eq!(place("bulk"), order.len() - 1, "{order:?}");
+}
+
+/// Admission against a TTFT target: a request whose target the router predicts the cluster
+/// misses is refused at once (RESOURCE_EXHAUSTED with retry pushback; HTTP 429 with
+/// Retry-After), one whose target it meets is served, a class's default target applies to the
+/// requests that name none, and a target that is no number is a clear error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ttft_target_the_cluster_cannot_meet_is_refused_at_once() {
+    // The batch class is held to 1 ms, which no prompt meets; the others have no default.
+    let config = ClusterConfig::new(smollm2_model().expect("SmolLM2"));
+    let cluster = Cluster::start(ClusterConfig {
+        limits: tandem_router::Limits {
+            ttft_targets: [None, None, Some(Duration::from_millis(1))],
+            ..config.limits.clone()
+        },
+        ..config
+    })
+    .await
+    .expect("cluster");
+    let with = |id: &str, target: Option<&str>, priority: Option<&str>| {
+        let mut r = tonic::Request::new(request(id, 4));
+        for (name, value) in [("x-slo-ttft-ms", target), ("x-priority", priority)] {
+            if let Some(v) = value {
+                r.metadata_mut().insert(name, v.parse().expect("ascii"));
+            }
+        }
+        r
+    };
+    // Served without a target (this also gives the router the rates its estimates use) and
+    // with one it meets.
+    for (id, target) in [("warm", None), ("roomy", Some("60000"))] {
+        let out = collect(&mut cluster.client(), with(id, target, None)).await;
+        assert_eq!(out.expect(id).token_ids.len(), 4);
+    }
+
+    // Refused at once: its own 1 ms target, and the batch class's default.
+    for (id, target, priority) in [("hurried", Some("1"), None), ("batch", None, Some("batch"))] {
+        let started = Instant::now();
+        let status = collect(&mut cluster.client(), with(id, target, priority))
+            .await
+            .expect_err(id);
+        let took = started.elapsed();
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+        assert!(status.message().contains("x-slo-ttft-ms"), "{status:?}");
+        assert!(
+            status.metadata().get("grpc-retry-pushback-ms").is_some(),
+            "{status:?}"
+        );
+        assert!(
+            took < Duration::from_millis(100),
+            "{id}: refused after {took:?}"
+        );
+    }
+    let status = collect(&mut cluster.client(), with("bad", Some("soon"), None))
+        .await
+        .expect_err("not a number");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("x-slo-ttft-ms"), "{status:?}");
+
+    // Over HTTP: 429 with Retry-After.
+    let http = reqwest::Client::new();
+    let base = format!("http://{}/v1", cluster.http);
+    let model = tandem_integration_tests::http_model(&http, &base)
+        .await
+        .expect("model");
+    let refused = http
+        .post(format!("{base}/chat/completions"))
+        .header("x-slo-ttft-ms", "1")
+        .json(&serde_json::json!({
+            "model": model,
+            "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": 4,
+        }))
+        .send()
+        .await
+        .expect("HTTP");
+    assert_eq!(refused.status(), 429);
+    assert!(refused.headers().contains_key("retry-after"));
+
+    let text = metrics(cluster.router.addr).await.expect("metrics");
+    let refusals = "tandem_router_refused_requests_total{reason=\"ttft_target\"}";
+    assert_eq!(sample(&text, refusals), Some(3.0), "{text}");
+    assert_eq!(
+        sample(&text, "tandem_router_ttft_fail_open"),
+        Some(0.0),
+        "{text}"
+    );
+    cluster.stop().await.expect("clean stop");
 }

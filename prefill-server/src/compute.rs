@@ -33,7 +33,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tandem_engine::{Engine, GenerateParams, SeqId, TokenLogprobs};
@@ -243,6 +243,18 @@ pub(crate) struct Shared {
     pub hub: Arc<CacheHub>,
     pub throughput: Throughput,
     pub pulse: Pulse,
+    /// Prompt tokens waiting or being computed, by priority class (the load report's
+    /// `queued_class_tokens`).
+    pub class_tokens: [AtomicI64; 3],
+}
+
+impl Shared {
+    /// Counts a prompt of `n` tokens of `class` as queued (`joins`) or no longer.
+    pub fn queued(&self, class: u8, n: usize, joins: bool) {
+        let n = if joins { n as i64 } else { -(n as i64) };
+        self.metrics.queued_tokens.inc_by(n);
+        self.class_tokens[usize::from(class).min(2)].fetch_add(n, Ordering::Relaxed);
+    }
 }
 
 /// Starts the thread, with `handoff_bytes` of KV that a drain may offer peers. It ends when the
@@ -366,13 +378,13 @@ impl Compute {
     }
 
     fn job(&mut self, Job { work, reply }: Job) {
-        let n = work.tokens.len();
+        let (n, class) = (work.tokens.len(), work.share.class);
         let (started, yielded) = (Instant::now(), self.yielded_secs);
         let result = self.run(work);
         self.shared.hub.publish(self.engine.take_cache_events());
         let m = &self.shared.metrics;
         m.queue_depth.dec();
-        m.queued_tokens.dec_by(n as i64);
+        self.shared.queued(class, n, false);
         m.cache_blocks.set(self.engine.kv_blocks_cached() as i64);
         if let Ok(done) = &result {
             let secs = started.elapsed().as_secs_f64() - (self.yielded_secs - yielded);

@@ -50,6 +50,7 @@ pub async fn run(
         hub: node.hub.clone(),
         throughput: Default::default(),
         pulse: Default::default(),
+        class_tokens: Default::default(),
     });
     let (jobs, queue) = mpsc::channel(max_queue);
     let (cache, thread) =

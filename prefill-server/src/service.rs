@@ -159,7 +159,7 @@ impl PrefillService {
             metrics.queue_depth.dec();
             return Err(Error::ShuttingDown);
         }
-        metrics.queued_tokens.inc_by(n as i64);
+        self.shared.queued(class, n, true);
         let pulse = || self.shared.pulse.within(crate::compute::STALLED_AFTER);
         let done = tokio::select! {
             done = done => done,
@@ -231,6 +231,9 @@ impl tandem_worker::LoadSource for PrefillLoad {
             queued: depth.saturating_sub(1),
             capacity: self.max_queue as u32,
             queued_tokens: m.queued_tokens.get().max(0) as u64,
+            queued_class_tokens: (self.shared.class_tokens.iter())
+                .map(|t| t.load(std::sync::atomic::Ordering::Relaxed).max(0) as u64)
+                .collect(),
             prefill_tokens_per_second: self.shared.throughput.get(),
             kv_blocks_cached: m.cache_blocks.get().max(0) as u64,
             ..Default::default()

@@ -19,6 +19,27 @@ pub struct Limits {
     pub grpc_message_bytes: usize,
     /// Largest HTTP request body, in bytes.
     pub http_body_bytes: usize,
+    /// The time to first token each priority class is held to when a request names none
+    /// (`--ttft-target`), by class (interactive, standard, batch); `None`: no target.
+    pub ttft_targets: [Option<Duration>; 3],
+}
+
+/// Parses `--ttft-target`: `CLASS=MS` pairs, comma-separated (`interactive=800,standard=5000`);
+/// a class not named has no target.
+pub fn parse_ttft_targets(s: &str) -> std::result::Result<[Option<Duration>; 3], String> {
+    let mut targets = [None; 3];
+    for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (class, ms) = pair
+            .split_once('=')
+            .ok_or_else(|| format!("{pair:?}: expected CLASS=MS"))?;
+        let class = Class::parse(class.trim())
+            .ok_or_else(|| format!("{class:?}: must be interactive, standard or batch"))?;
+        let ms: u64 = (ms.trim().parse().ok())
+            .filter(|&ms| ms > 0)
+            .ok_or_else(|| format!("{ms:?}: expected a positive whole number of milliseconds"))?;
+        targets[class as usize] = Some(Duration::from_millis(ms));
+    }
+    Ok(targets)
 }
 
 impl Default for Limits {
@@ -29,9 +50,13 @@ impl Default for Limits {
             max_tokens: u32::MAX,
             grpc_message_bytes: 4 << 20,
             http_body_bytes: 4 << 20,
+            ttft_targets: [None; 3],
         }
     }
 }
+
+/// How often the router asks each worker for its load unless told (`--load-poll-ms`).
+pub const DEFAULT_LOAD_POLL: Duration = Duration::from_millis(250);
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -138,7 +163,7 @@ impl Default for Config {
             default_timeout: Duration::from_secs(300),
             kv_wait: Duration::from_secs(10),
             token_gap: Duration::from_secs(5),
-            load_poll: Duration::from_millis(250),
+            load_poll: DEFAULT_LOAD_POLL,
             grace: Duration::from_secs(10),
             policy: PolicyKind::Affinity,
             index_max_blocks: 1 << 20,
@@ -186,4 +211,22 @@ pub enum PolicyKind {
     Affinity,
     /// Replicas in turn, always with a remote prefill: the baseline for benchmarks.
     RoundRobin,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ttft_targets_are_class_ms_pairs() {
+        let ms = |ms| Some(Duration::from_millis(ms));
+        assert_eq!(parse_ttft_targets(""), Ok([None; 3]));
+        assert_eq!(
+            parse_ttft_targets("interactive=800, batch=60000"),
+            Ok([ms(800), None, ms(60_000)])
+        );
+        for bad in ["interactive", "urgent=5", "standard=0", "standard=soon"] {
+            assert!(parse_ttft_targets(bad).is_err(), "{bad}");
+        }
+    }
 }

@@ -24,6 +24,16 @@ pub enum Error {
         left: std::time::Duration,
     },
 
+    #[error(
+        "the predicted time to first token, about {} ms, misses this request's target of {} ms (x-slo-ttft-ms): the cluster cannot meet it now",
+        predicted.as_millis(),
+        target.as_millis()
+    )]
+    TtftTarget {
+        predicted: std::time::Duration,
+        target: std::time::Duration,
+    },
+
     /// The message never says which of missing, malformed or unknown the key was.
     #[error("a valid API key is required (authorization: Bearer KEY)")]
     Unauthenticated,
@@ -96,9 +106,10 @@ impl Error {
     pub fn code(&self) -> Code {
         match self {
             Error::InvalidArgument { .. } => Code::InvalidArgument,
-            Error::Busy { .. } | Error::QueueTooLong { .. } | Error::RateLimited { .. } => {
-                Code::ResourceExhausted
-            }
+            Error::Busy { .. }
+            | Error::QueueTooLong { .. }
+            | Error::TtftTarget { .. }
+            | Error::RateLimited { .. } => Code::ResourceExhausted,
             Error::Unauthenticated => Code::Unauthenticated,
             Error::UnknownModel { .. } => Code::NotFound,
             Error::NoReplica { .. }
@@ -120,6 +131,8 @@ impl Error {
             Error::RateLimited { retry_after, .. } => Some(*retry_after),
             // When the queue ahead should have drained.
             Error::QueueTooLong { wait, .. } => Some(*wait),
+            // When the work ahead that the target misses by should be done.
+            Error::TtftTarget { predicted, target } => Some(predicted.saturating_sub(*target)),
             _ if self.code() == Code::ResourceExhausted => {
                 Some(std::time::Duration::from_millis(200))
             }

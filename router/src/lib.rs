@@ -47,6 +47,7 @@ use tonic_health::ServingStatus;
 pub use crate::cluster::discovery::{Target, resolve};
 pub use crate::config::{
     AuthConfig, Class, Config, KeyLimits, Limits, PolicyKind, SamplingDefaults, SessionConfig,
+    parse_ttft_targets,
 };
 pub use crate::error::{Error, Result};
 

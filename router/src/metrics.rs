@@ -27,6 +27,7 @@ pub const DECODE_STALLS: &str = "tandem_router_decode_stalls";
 pub const QUEUED: &str = "tandem_router_queued_requests";
 pub const REFUSED: &str = "tandem_router_refused_requests";
 pub const TENANT_TOKENS: &str = "tandem_router_tenant_tokens";
+pub const TTFT_FAIL_OPEN: &str = "tandem_router_ttft_fail_open";
 pub const PROMPT_TOKENS: &str = "tandem_router_prompt_tokens";
 pub const CACHED_PROMPT_TOKENS: &str = "tandem_router_cached_prompt_tokens";
 pub const FETCHED_TOKENS: &str = "tandem_router_fetched_tokens";
@@ -175,6 +176,9 @@ pub struct RouterMetrics {
     pub refused: Family<RefusalLabel, Counter>,
     /// Tokens served per tenant: what the admission order's fair shares divide.
     pub tenant_tokens: Family<TenantLabel, Counter>,
+    /// 1 while the TTFT targets go unchecked because the load figures they would be checked
+    /// against are stale (the last check found them so and admitted), else 0.
+    pub ttft_fail_open: Gauge,
     pub requests: Family<StatusLabel, Counter>,
     pub disagg_decisions: Family<DecisionLabel, Counter>,
     /// 1 while the replica is healthy and serves the router's model.
@@ -244,6 +248,7 @@ impl RouterMetrics {
             queued: Gauge::default(),
             refused: Family::default(),
             tenant_tokens: Family::default(),
+            ttft_fail_open: Gauge::default(),
             requests: Family::default(),
             disagg_decisions: Family::default(),
             replica_up: Family::default(),
@@ -307,8 +312,13 @@ impl RouterMetrics {
         );
         registry.register(
             REFUSED,
-            "Requests refused at once for want of room: the queue was full, or its wait would outlast the request's deadline",
+            "Requests refused at once for want of room: the queue was full (queue_full), its wait would outlast the request's deadline (deadline), or the predicted time to first token misses the request's target (ttft_target)",
             m.refused.clone(),
+        );
+        registry.register(
+            TTFT_FAIL_OPEN,
+            "1 while requests with a TTFT target are admitted unchecked because the chosen workers' load reports are stale (fail open), else 0",
+            m.ttft_fail_open.clone(),
         );
         registry.register(
             TENANT_TOKENS,

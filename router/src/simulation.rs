@@ -84,6 +84,7 @@ impl Simulation {
                     session_id: session,
                     exclude: &[],
                     holder: None,
+                    class: crate::auth::Class::Standard as u8,
                 },
             )
             .ok()?;

@@ -56,9 +56,15 @@ impl GenerationService {
             .get::<Principal>()
             .cloned()
             .ok_or(Error::Unauthenticated)?;
+        let target = (request.metadata().get("x-slo-ttft-ms"))
+            .map(|v| crate::dispatch::prepare::ttft_target_ms(v.to_str().unwrap_or("unreadable")))
+            .transpose()?;
         let mut r = request.into_inner();
         if let Some(asked) = asked.filter(|_| r.priority.is_empty()) {
             r.priority = asked;
+        }
+        if let Some(ms) = target.filter(|_| r.ttft_target_ms == 0) {
+            r.ttft_target_ms = ms;
         }
         let stream = self.start(r, &principal, deadline, None).await?.frames;
         Ok(Response::new(stream))

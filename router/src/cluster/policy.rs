@@ -11,7 +11,7 @@
 //! option is, in ms:
 //!
 //! ```text
-//! remote(P, D) = queued_tokens(P) / rate(P)          // P's queue
+//! remote(P, D) = ahead(P) / rate(P)                 // P's queue: its prompts of the request's class and above
 //!              + (n − held(P)) / rate(P)             // P computes what its prefix cache lacks
 //!              + disk(P) / restore(P)                // and reads back what is on its disk
 //!              + handoff_remote                      // measured: the push's exposed tail, the hops
@@ -92,6 +92,9 @@ pub struct Ask<'a> {
     /// A replica that holds the prompt's first tokens whatever the index says (a draining node
     /// that handed this request's stream off): its address and the tokens.
     pub holder: Option<(&'a str, usize)>,
+    /// Its priority class (0 the highest): a prefill node's prompts of lower classes yield to
+    /// it, so only those of its class and above are ahead of it.
+    pub class: u8,
 }
 
 /// The replicas chosen for one request, each counted as in flight while the guard lives.
@@ -110,6 +113,18 @@ pub struct Choice {
     /// Peer fetch: the decode node first fetches the prompt's first tokens' KV from this
     /// replica (its address and the tokens).
     pub fetch: Option<(String, usize)>,
+    /// The option's estimated time to first token, in ms (the formula above); `None` where
+    /// no formula chose (round robin, the last resort).
+    pub est_ms: Option<f64>,
+}
+
+impl Choice {
+    /// Whether the chosen replicas' last load reports are at most `age` old (the figures its
+    /// estimate is made of are fresh).
+    pub fn reported_within(&self, age: std::time::Duration) -> bool {
+        let fresh = |r: &Replica| r.report_age().is_some_and(|a| a <= age);
+        fresh(self.decode.replica()) && (self.prefill.as_ref()).is_none_or(|p| fresh(p.replica()))
+    }
 }
 
 /// Moving averages of measured handoffs, in ms, and of fetch throughput, in bytes per ms.
@@ -224,6 +239,7 @@ impl Policy {
             prefill_overlap: 0,
             reason: "round-robin".into(),
             fetch: None,
+            est_ms: None,
         })
     }
 
@@ -336,7 +352,8 @@ impl Policy {
             .map(|&p| {
                 let (h, read_ms) = held(p);
                 let r = rate(p);
-                let ms = (p.queued_tokens() as f64 + n - h as f64) / r * 1e3 + read_ms + h_remote;
+                let ahead = p.queued_tokens_ahead(ask.class) as f64;
+                let ms = (ahead + n - h as f64) / r * 1e3 + read_ms + h_remote;
                 (ms, p, h)
             })
             .collect();
@@ -380,6 +397,7 @@ impl Policy {
                 reason,
                 prefill_idle: false,
                 fetch: fetch.map(|(from, t, _)| (from.addr.clone(), t)),
+                est_ms: Some(l_ms),
             });
         }
         let Some((r_ms, p, ph)) = remote else {
@@ -405,12 +423,15 @@ impl Policy {
             prefill_overlap: ph,
             reason,
             fetch: None,
+            est_ms: Some(r_ms),
         })
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use tandem_proto::v1 as pb;
     use tokio_util::sync::CancellationToken;
 
@@ -448,6 +469,7 @@ mod tests {
             session_id: "s",
             exclude: &[],
             holder: None,
+            class: 1,
         };
         let policy = Policy::new(PolicyKind::Affinity);
         let choice = policy.choose(&replicas, &ask).expect("a choice");
@@ -471,5 +493,73 @@ mod tests {
             choice.reason
         );
         assert!(choice.prefill.is_none(), "{}", choice.reason);
+    }
+
+    /// A prefill node's queued prompts of lower classes yield to a higher one's, so its
+    /// estimate counts only the queued tokens of its class and above; the estimate's figures
+    /// are fresh while the chosen replicas' reports are. With time paused.
+    #[tokio::test(start_paused = true)]
+    async fn a_prompt_waits_only_for_the_queued_tokens_of_its_class_and_above() {
+        let replicas = Arc::new(Replicas::new(usize::MAX, CancellationToken::new()));
+        for (role, addr) in [
+            (Role::Prefill, "127.0.0.1:1"),
+            (Role::Decode, "127.0.0.1:2"),
+        ] {
+            replicas.add(role, addr, addr).expect("add");
+        }
+        for r in replicas.all() {
+            r.set_healthy(true);
+        }
+        let prefill = &replicas.all()[0];
+        // 1,000 prompt tokens per second; 100 interactive, 900 standard, 9,000 batch queued.
+        prefill
+            .prefill_tokens_per_second
+            .store(1000f64.to_bits(), Ordering::Relaxed);
+        prefill.queued_tokens.store(10_000, Ordering::Relaxed);
+        for (slot, t) in prefill.queued_class_tokens.iter().zip([100, 900, 9_000]) {
+            slot.store(t, Ordering::Relaxed);
+        }
+        let policy = Policy::new(PolicyKind::Affinity);
+        let ask = |class: u8| Ask {
+            model: "",
+            tokens: 100,
+            hashes: &[],
+            session_id: "",
+            exclude: &[],
+            holder: None,
+            class,
+        };
+        let est = |class: u8| {
+            let choice = policy.choose(&replicas, &ask(class)).expect("a choice");
+            assert!(choice.prefill.is_some(), "{}", choice.reason);
+            choice.est_ms.expect("an estimate")
+        };
+        // Ahead and its own 100 tokens, at a token per ms, on figures reported just now.
+        for r in replicas.all() {
+            r.record_load(0, 64);
+        }
+        for (class, ms) in [(0, 200.0), (1, 1_100.0), (2, 10_100.0)] {
+            let e = est(class);
+            assert!((e - ms).abs() < 1e-6, "class {class}: {e} ms");
+        }
+        // Tokens sent there beyond the last report count in full, whatever their class: 12,000
+        // in flight less the 9,900 reported below interactive.
+        let claim = replicas.all()[0].claim(12_000);
+        let e = est(0);
+        assert!((e - 2_200.0).abs() < 1e-6, "{e} ms");
+        drop(claim);
+
+        // Figures whose report is older than the bound are stale (the router then fails open).
+        let choice = (policy.choose(&replicas, &ask(0))).expect("a choice");
+        assert!(choice.reported_within(Duration::from_secs(2)));
+        tokio::time::advance(Duration::from_secs(3)).await;
+        assert!(!choice.reported_within(Duration::from_secs(2)));
+        replicas.all()[1].record_load(0, 64);
+        assert!(
+            !choice.reported_within(Duration::from_secs(2)),
+            "the prefill's is old"
+        );
+        replicas.all()[0].record_load(0, 64);
+        assert!(choice.reported_within(Duration::from_secs(2)));
     }
 }

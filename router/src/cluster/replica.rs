@@ -3,7 +3,7 @@
 //! its measured speeds. [`InflightGuard`] counts a request against it while the request runs.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
@@ -72,8 +72,11 @@ pub struct Replica {
     /// Load reports received so far.
     pub(super) reports: AtomicU64,
     pub(super) capacity: AtomicU32,
-    /// Prompt tokens queued there (prefill), as last reported.
+    /// Prompt tokens queued there (prefill), as last reported: in all, and by priority class.
     pub(super) queued_tokens: AtomicU64,
+    pub(super) queued_class_tokens: [AtomicU64; 3],
+    /// When the last load report came; `None` before the first.
+    pub(super) reported_at: Mutex<Option<tokio::time::Instant>>,
     /// Measured prompt throughput (f64 bits), as last reported; 0 until measured.
     pub(super) prefill_tokens_per_second: AtomicU64,
     /// Measured speed of its disk tier's reads (f64 bits, tokens per second); 0 until measured.
@@ -166,6 +169,22 @@ impl Replica {
         self.queued_tokens.load(Ordering::Relaxed).max(routers)
     }
 
+    /// Prompt tokens a prompt of `class` waits for there: [`Replica::queued_tokens`] less
+    /// those of the lower classes as last reported, which yield to it between their chunks.
+    pub fn queued_tokens_ahead(&self, class: u8) -> u64 {
+        let below: u64 = (self.queued_class_tokens.iter())
+            .skip(usize::from(class) + 1)
+            .map(|t| t.load(Ordering::Relaxed))
+            .sum();
+        self.queued_tokens().saturating_sub(below)
+    }
+
+    /// How old its last load report is; `None` before the first.
+    pub fn report_age(&self) -> Option<Duration> {
+        let at = *self.reported_at.lock().unwrap_or_else(|e| e.into_inner());
+        at.map(|at| at.elapsed())
+    }
+
     /// Measured prompt tokens per second; 0 until measured.
     pub fn prefill_rate(&self) -> f64 {
         f64::from_bits(self.prefill_tokens_per_second.load(Ordering::Relaxed))
@@ -233,6 +252,8 @@ impl Replica {
             self.capacity.swap(capacity, Ordering::Relaxed),
         );
         self.reports.fetch_add(1, Ordering::Relaxed);
+        *self.reported_at.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(tokio::time::Instant::now());
         was != (requests, capacity)
     }
 }

@@ -123,6 +123,8 @@ impl Replicas {
             reports: AtomicU64::new(0),
             capacity: AtomicU32::new(0),
             queued_tokens: AtomicU64::new(0),
+            queued_class_tokens: Default::default(),
+            reported_at: std::sync::Mutex::new(None),
             prefill_tokens_per_second: AtomicU64::new(0),
             restore_tokens_per_second: AtomicU64::new(0),
             inflight: AtomicU32::new(0),
@@ -203,11 +205,20 @@ impl Replicas {
     /// at most: what a worker refused may have been freed before the wait began, its report's
     /// change then already past.
     pub async fn changed_or_polled(&self) {
-        let poll = self
-            .monitoring
+        let _ = tokio::time::timeout(self.load_poll(), self.changed()).await;
+    }
+
+    /// How old a replica's load report may be before the figures it gave are stale: four
+    /// polls missed, and two seconds at least.
+    pub fn stale_after(&self) -> Duration {
+        (self.load_poll() * 4).max(Duration::from_secs(2))
+    }
+
+    /// The load poll's interval (the default's in [`crate::simulation`], which polls nothing).
+    fn load_poll(&self) -> Duration {
+        self.monitoring
             .get()
-            .map_or(Duration::from_millis(250), |m| m.load_poll);
-        let _ = tokio::time::timeout(poll, self.changed()).await;
+            .map_or(crate::config::DEFAULT_LOAD_POLL, |m| m.load_poll)
     }
 
     /// Whether the router can serve: a decode replica is up (with no prefill replica up, decode
@@ -454,6 +465,10 @@ impl Replicas {
                                 self.changed.notify_waiters();
                             }
                             r.queued_tokens.store(load.queued_tokens, Ordering::Relaxed);
+                            for (i, slot) in r.queued_class_tokens.iter().enumerate() {
+                                let t = load.queued_class_tokens.get(i).copied().unwrap_or(0);
+                                slot.store(t, Ordering::Relaxed);
+                            }
                             r.prefill_tokens_per_second
                                 .store(load.prefill_tokens_per_second.to_bits(), Ordering::Relaxed);
                             r.restore_tokens_per_second

@@ -32,16 +32,42 @@ pub(crate) struct Admission {
     pub queue_ms: f64,
 }
 
+/// A request's time-to-first-token target, counted from its acceptance.
+#[derive(Clone, Copy, Debug)]
+struct Target {
+    target: Duration,
+    accepted: Instant,
+}
+
+impl Target {
+    /// Refuses the request (RESOURCE_EXHAUSTED, counted as `ttft_target`) if `more` from now
+    /// misses the target.
+    fn check(self, d: &Dispatcher, more: Duration) -> Result<(), Failure> {
+        let predicted = self.accepted.elapsed() + more;
+        if predicted <= self.target {
+            return Ok(());
+        }
+        d.metrics.refused("ttft_target");
+        Err(Error::TtftTarget {
+            predicted,
+            target: self.target,
+        }
+        .into())
+    }
+}
+
 impl Dispatcher {
     /// Puts the request in the router's queue, unless `queued` says it is there already. A
     /// request not yet started whose deadline the predicted wait would outlast is refused
-    /// instead, at once (RESOURCE_EXHAUSTED, with that wait as its retry pushback); a failover
-    /// is never refused, its stream has begun.
+    /// instead, at once (RESOURCE_EXHAUSTED, with that wait as its retry pushback), and so is
+    /// one whose TTFT target ([`Target`]) the wait alone would miss; a failover is never
+    /// refused, its stream has begun.
     fn enqueue(
         &self,
         queued: &mut Option<Queued>,
         progress: &Progress,
         deadline: TokioInstant,
+        target: Option<Target>,
         asker: &Asker,
     ) -> Result<(), Failure> {
         if queued.is_some() {
@@ -51,10 +77,14 @@ impl Dispatcher {
         let left = deadline.saturating_duration_since(TokioInstant::now());
         if progress.attempts == 1
             && let Some(wait) = self.pace.predict(ahead)
-            && wait > left
         {
-            self.metrics.refused("deadline");
-            return Err(Error::QueueTooLong { ahead, wait, left }.into());
+            if wait > left {
+                self.metrics.refused("deadline");
+                return Err(Error::QueueTooLong { ahead, wait, left }.into());
+            }
+            if let Some(t) = target {
+                t.check(self, wait)?;
+            }
         }
         self.metrics.queued.inc();
         *queued = Some(Queued {
@@ -142,7 +172,28 @@ impl Dispatcher {
             reason: "last resort: every decode node drains".into(),
             prefill_idle: false,
             fetch: None,
+            est_ms: None,
         })
+    }
+
+    /// Refuses at once a request whose TTFT target the chosen option's estimate misses (the
+    /// cheapest option the policy found, so no other meets it either). Where the chosen
+    /// workers' load reports are stale the estimate is not trusted: the request is admitted
+    /// (fail open) and [`crate::metrics::TTFT_FAIL_OPEN`] says so.
+    fn meets_target(&self, choice: &Choice, target: Target) -> Result<(), Failure> {
+        let Some(est_ms) = choice.est_ms else {
+            return Ok(());
+        };
+        let stale = !choice.reported_within(self.replicas.stale_after());
+        self.metrics.ttft_fail_open.set(i64::from(stale));
+        if stale {
+            tracing::warn!(
+                decode = %choice.decode.replica().addr,
+                "stale load reports: a TTFT target admitted unchecked (fail open)"
+            );
+            return Ok(());
+        }
+        target.check(self, Duration::from_secs_f64(est_ms.max(0.0) / 1e3))
     }
 
     /// Waits in the router's queue until a decode replica this request may use has room
@@ -168,6 +219,7 @@ impl Dispatcher {
             class: p.class,
             tenant: p.tenant.clone(),
         };
+        let target = p.ttft_target.map(|target| Target { target, accepted });
         let mut queued: Option<Queued> = None;
         loop {
             let change = self.replicas.changed();
@@ -183,6 +235,7 @@ impl Dispatcher {
                 session_id: &p.session_id,
                 exclude: &progress.exclude,
                 holder: progress.holder.as_ref().map(|(a, t)| (a.as_str(), *t)),
+                class: p.class as u8,
             };
             let decodes = crate::cluster::policy::candidates(&self.replicas, Role::Decode, &ask);
             // A first attempt waits its turn in the admission order; a failover does not.
@@ -190,7 +243,7 @@ impl Dispatcher {
             let turn = progress.attempts > 1 || self.order.is_first(&asker, ticket);
             // With none up, the policy answers at once.
             if !turn || (!decodes.is_empty() && !decodes.iter().any(|r| r.has_room())) {
-                self.enqueue(&mut queued, progress, deadline, &asker)?;
+                self.enqueue(&mut queued, progress, deadline, target, &asker)?;
                 tokio::select! {
                     () = change => {}
                     () = left => {}
@@ -206,9 +259,15 @@ impl Dispatcher {
             if choice.prefill.as_ref().is_some_and(|p| !p.fits()) {
                 // The prefill node's queue is full: wait here rather than be refused there.
                 drop(choice);
-                self.enqueue(&mut queued, progress, deadline, &asker)?;
+                self.enqueue(&mut queued, progress, deadline, target, &asker)?;
                 self.replicas.changed_or_polled().await;
                 continue;
+            }
+            if queued.is_none()
+                && progress.attempts == 1
+                && let Some(target) = target
+            {
+                self.meets_target(&choice, target)?;
             }
             let local = choice.prefill.is_none();
             let decode = choice.decode.replica();
@@ -252,7 +311,7 @@ impl Dispatcher {
                 Err(s) if s.code() == tonic::Code::ResourceExhausted => {
                     tracing::debug!(decode = %decode.addr, status = %s.message(), "decode node full; back to the queue");
                     drop(choice);
-                    self.enqueue(&mut queued, progress, deadline, &asker)?;
+                    self.enqueue(&mut queued, progress, deadline, target, &asker)?;
                     self.replicas.changed_or_polled().await;
                     continue;
                 }

@@ -32,6 +32,9 @@ pub struct Prepared {
     /// Its priority class, and its key's weight within the class ([`crate::dispatch::order`]).
     pub class: Class,
     pub weight: u32,
+    /// The time to first token it must get, if any: its own (`ttft_target_ms`), else its
+    /// class's default ([`Limits::ttft_targets`]).
+    pub ttft_target: Option<std::time::Duration>,
 }
 
 /// Checks the request's ids and salt ([`tandem_proto::check_ids`]); the first thing done with a
@@ -43,6 +46,17 @@ pub fn check_ids(r: &pb::GenerateRequest) -> Result<()> {
         ("cache_salt", &r.cache_salt),
     ])
     .map_err(|(field, reason)| Error::InvalidArgument { field, reason })
+}
+
+/// The `x-slo-ttft-ms` header's (or metadata's) value as `GenerateRequest.ttft_target_ms`: a
+/// positive whole number of milliseconds.
+pub fn ttft_target_ms(value: &str) -> Result<u32> {
+    (value.trim().parse().ok())
+        .filter(|&ms| ms > 0)
+        .ok_or_else(|| Error::InvalidArgument {
+            field: "x-slo-ttft-ms",
+            reason: format!("{value:?}: expected a positive whole number of milliseconds"),
+        })
 }
 
 /// Checks a client request against `limits` and turns its input into token ids; the text is
@@ -212,6 +226,10 @@ pub fn prepare(
         choices: r.n.max(1),
         class,
         weight,
+        ttft_target: match r.ttft_target_ms {
+            0 => limits.ttft_targets[class as usize],
+            ms => Some(std::time::Duration::from_millis(u64::from(ms))),
+        },
     })
 }
 
@@ -384,6 +402,7 @@ impl Prepared {
             choices: 2,
             class: Class::Standard,
             weight: 1,
+            ttft_target: None,
         }
     }
 }

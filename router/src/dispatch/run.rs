@@ -200,6 +200,7 @@ impl Dispatcher {
             reason,
             prefill_idle,
             fetch,
+            est_ms: _,
         } = choice;
         let decode_cached = admitted.cached_tokens;
         let local = prefill.is_none();

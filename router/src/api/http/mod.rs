@@ -212,8 +212,8 @@ pub(crate) fn string(body: &Map<String, Value>, key: &str) -> Result<Option<Stri
 }
 
 /// A request as a protocol adapter made it, with what the HTTP layer adds: its id (the
-/// client's `x-request-id`, else a fresh one), its priority class (`x-priority`) and its
-/// deadline: `x-timeout-ms`, else
+/// client's `x-request-id`, else a fresh one), its priority class (`x-priority`), its TTFT
+/// target (`x-slo-ttft-ms`) and its deadline: `x-timeout-ms`, else
 /// `x-stainless-timeout` (seconds: how long the official OpenAI and Anthropic clients wait,
 /// which they send on every request; Claude Code's is 600 s), else the router's timeout.
 #[derive(Debug)]
@@ -232,6 +232,10 @@ impl Call {
             .unwrap_or_else(fresh_id);
         if let Some(priority) = header_str(headers, "x-priority") {
             request.priority = priority.to_string();
+        }
+        if let Some(ms) = headers.get("x-slo-ttft-ms") {
+            let ms = ms.to_str().unwrap_or("unreadable");
+            request.ttft_target_ms = crate::dispatch::prepare::ttft_target_ms(ms)?;
         }
         let timeout = match header_str(headers, "x-timeout-ms") {
             Some(ms) => Some(Duration::from_millis(ms.parse().map_err(|_| {
