@@ -9,6 +9,11 @@
 #                 first served, as before classes;
 #   llama-server  the same two loads against llama-server (-t 2, --parallel 16), which has no
 #                 classes (skipped when LLAMA_SERVER is not there);
+#   slo           admission against a TTFT target: the classes run's two loads, each
+#                 interactive request asking for SLO_TTFT_MS (default 400) with
+#                 `--ttft-target-ms`; the router refuses at once those it predicts would miss
+#                 it. Prints how many were refused and how fast, and the admitted ones' TTFT
+#                 p90 against the target;
 #   keys          fair shares: two keys of equal weight on a cluster whose decode node has 2
 #                 slots (8 places); the heavy key keeps 6 requests in flight, the light key 16
 #                 (so that it always has some queued), and the heavy key's requests carry 10
@@ -22,8 +27,8 @@
 # Usage: scripts/bench-sharing.sh
 # Env: TANDEM (the binary, default target/release/tandem), INTERACTIVE_RATE (default 1),
 #   INTERACTIVE_REQUESTS (40), BATCH_CLIENTS (8), BATCH_REQUESTS (24), BATCH_LEAD (8),
-#   LLAMA_SERVER (default the one ../shared/tools/build-llamacpp.sh builds), RUNS (default
-#   "alone classes fifo llama-server keys").
+#   LLAMA_SERVER (default the one ../shared/tools/build-llamacpp.sh builds), SLO_TTFT_MS (400),
+#   RUNS (default "alone classes fifo llama-server slo keys").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib/cluster.sh
@@ -72,7 +77,7 @@ mixed() {
   wait "$bpid"
 }
 
-todo=${RUNS:-alone classes fifo llama-server keys}
+todo=${RUNS:-alone classes fifo llama-server slo keys}
 wants() { [[ " $todo " == *" $1 "* ]]; }
 if wants alone; then
   up "$out/up-alone.log" --prefill 1 --decode 1
@@ -110,6 +115,30 @@ if wants llama-server; then
   else
     echo "no llama-server at $llama (run ../shared/tools/build-llamacpp.sh): skipped" >&2
   fi
+fi
+if wants slo; then
+  slo=${SLO_TTFT_MS:-400}
+  up "$out/up-slo.log" --prefill 1 --decode 1
+  extra_b=(--priority batch) extra_i=(--priority interactive --ttft-target-ms "$slo")
+  mixed slo --server "$up_addr"
+  down
+  line slo
+  python3 - "$out" "$slo" <<'PY'
+import json, sys
+out, target = sys.argv[1], float(sys.argv[2])
+i = json.load(open(f"{out}/slo.interactive.json"))["levels"][0]
+refused = i["failed"].get("ResourceExhausted", 0)
+others = sum(n for code, n in i["failed"].items() if code != "ResourceExhausted")
+took = i["failed_ms"]
+text = f'slo: target {target:.0f} ms: {refused} of {i["requests"]} refused'
+if took:
+    text += f' (in p50/p99 {took["p50"]:.1f}/{took["p99"]:.1f} ms)'
+if i["completed"]:
+    p90 = i["ttft_ms"]["p90"]
+    text += (f'; {i["completed"]} admitted, TTFT p90 {p90:.0f} ms '
+             f'({"meets" if p90 <= target else "misses"} the target)')
+print(text + (f'; {others} failed otherwise' if others else ''))
+PY
 fi
 if wants alone && wants classes && wants fifo; then
   python3 - "$out" <<'PY'

@@ -35,6 +35,11 @@ pub(crate) struct EndpointArgs {
     /// (gRPC `priority`, HTTP `x-priority`) [default: the key's class].
     #[arg(long)]
     priority: Option<String>,
+    /// The time to first token every request asks for, in ms (gRPC `ttft_target_ms`, HTTP
+    /// `x-slo-ttft-ms`): Tandem refuses at once what it predicts it would serve later
+    /// [default: none, the class's default].
+    #[arg(long)]
+    ttft_target_ms: Option<u32>,
     /// TLS to the router (`--server`); the HTTP client here speaks plain HTTP only.
     #[command(flatten)]
     tls: ServerTlsArgs,
@@ -58,6 +63,8 @@ pub(crate) enum Endpoint {
         model: String,
         /// The priority class asked for; empty: the key's.
         priority: String,
+        /// The TTFT target asked for, in ms; 0: none.
+        ttft_target_ms: u32,
     },
     OpenAi {
         /// The URL without a trailing `/v1`.
@@ -276,6 +283,7 @@ impl Endpoint {
                 client: Box::new(client(addr, &key, &args.tls)?),
                 model: args.model_id.clone().unwrap_or_default(),
                 priority: args.priority.clone().unwrap_or_default(),
+                ttft_target_ms: args.ttft_target_ms.unwrap_or_default(),
             });
         }
         let base = args
@@ -299,6 +307,9 @@ impl Endpoint {
                 "x-priority",
                 reqwest::header::HeaderValue::from_str(priority)?,
             );
+        }
+        if let Some(ms) = args.ttft_target_ms {
+            headers.insert("x-slo-ttft-ms", reqwest::header::HeaderValue::from(ms));
         }
         let http = reqwest::Client::builder()
             .pool_max_idle_per_host(0)
@@ -420,8 +431,18 @@ impl Endpoint {
                 client,
                 model,
                 priority,
+                ttft_target_ms,
                 ..
-            } => grpc(client.as_ref().clone(), model, priority, ask).await,
+            } => {
+                grpc(
+                    client.as_ref().clone(),
+                    model,
+                    priority,
+                    *ttft_target_ms,
+                    ask,
+                )
+                .await
+            }
             Endpoint::OpenAi { root, http, model } => openai(http, root, model, ask).await,
         }
     }
@@ -431,11 +452,13 @@ async fn grpc(
     mut client: Client,
     model: &str,
     priority: &str,
+    ttft_target_ms: u32,
     ask: &Ask,
 ) -> Result<Reply, Failure> {
     let mut request = pb::GenerateRequest {
         model: model.to_string(),
         priority: priority.to_string(),
+        ttft_target_ms,
         session_id: ask.session.clone(),
         request_id: ask.request_id.clone(),
         sampling: Some(pb::SamplingParams {
