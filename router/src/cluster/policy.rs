@@ -233,8 +233,8 @@ impl Policy {
         let prefill = pick(Role::Prefill).ok_or(Error::NoReplica { role: "prefill" })?;
         Ok(Choice {
             prefill_idle: prefill.queued_tokens() == 0,
-            decode: decode.claim(0),
-            prefill: Some(prefill.claim(ask.tokens as u64)),
+            decode: decode.claim(0, ask.class),
+            prefill: Some(prefill.claim(ask.tokens as u64, ask.class)),
             decode_overlap: 0,
             prefill_overlap: 0,
             reason: "round-robin".into(),
@@ -390,7 +390,7 @@ impl Policy {
                 ),
             };
             return Ok(Choice {
-                decode: d.claim(0),
+                decode: d.claim(0, ask.class),
                 prefill: None,
                 decode_overlap: dh,
                 prefill_overlap: 0,
@@ -417,8 +417,8 @@ impl Policy {
         );
         Ok(Choice {
             prefill_idle: p.queued_tokens() == 0,
-            decode: d.claim(0),
-            prefill: Some(p.claim(ask.tokens.saturating_sub(ph) as u64)),
+            decode: d.claim(0, ask.class),
+            prefill: Some(p.claim(ask.tokens.saturating_sub(ph) as u64, ask.class)),
             decode_overlap: dh,
             prefill_overlap: ph,
             reason,
@@ -542,12 +542,20 @@ mod tests {
             let e = est(class);
             assert!((e - ms).abs() < 1e-6, "class {class}: {e} ms");
         }
-        // Tokens sent there beyond the last report count in full, whatever their class: 12,000
-        // in flight less the 9,900 reported below interactive.
-        let claim = replicas.all()[0].claim(12_000);
-        let e = est(0);
-        assert!((e - 2_200.0).abs() < 1e-6, "{e} ms");
-        drop(claim);
+        // The router's own tokens in flight there count by their class too, where they exceed
+        // the report's: 12,000 batch tokens are behind an interactive prompt, 500 interactive
+        // ones ahead of it.
+        let batch = replicas.all()[0].claim(12_000, 2);
+        assert!((est(0) - 200.0).abs() < 1e-6, "{}", est(0));
+        assert!((est(2) - 12_100.0).abs() < 1e-6, "{}", est(2));
+        let interactive = replicas.all()[0].claim(500, 0);
+        assert!((est(0) - 600.0).abs() < 1e-6, "{}", est(0));
+        drop((batch, interactive));
+        // A worker that does not report by class: its whole queue is ahead.
+        for slot in &prefill.queued_class_tokens {
+            slot.store(0, Ordering::Relaxed);
+        }
+        assert!((est(0) - 10_100.0).abs() < 1e-6, "{}", est(0));
 
         // Figures whose report is older than the bound are stale (the router then fails open).
         let choice = (policy.choose(&replicas, &ask(0))).expect("a choice");

@@ -84,6 +84,8 @@ pub struct Replica {
     /// Requests and prompt tokens this router has sent there and not yet seen finish.
     pub(super) inflight: AtomicU32,
     pub(super) inflight_tokens: AtomicU64,
+    /// Of those tokens, each priority class's.
+    pub(super) inflight_class_tokens: [AtomicU64; 3],
     /// Requests and prompt tokens the peer routers said they have there
     /// ([`crate::cluster::peers`]).
     pub(super) peer_inflight: AtomicU32,
@@ -169,14 +171,30 @@ impl Replica {
         self.queued_tokens.load(Ordering::Relaxed).max(routers)
     }
 
-    /// Prompt tokens a prompt of `class` waits for there: [`Replica::queued_tokens`] less
-    /// those of the lower classes as last reported, which yield to it between their chunks.
+    /// Prompt tokens a prompt of `class` waits for there: those of its class and above (the
+    /// lower classes yield to it between their chunks), the larger of the last report's and
+    /// the routers' in flight, as for [`Replica::queued_tokens`]. The peers' tokens count
+    /// whatever their class (their answers do not say), and so does the whole report of a
+    /// worker that does not report by class.
     pub fn queued_tokens_ahead(&self, class: u8) -> u64 {
-        let below: u64 = (self.queued_class_tokens.iter())
-            .skip(usize::from(class) + 1)
-            .map(|t| t.load(Ordering::Relaxed))
-            .sum();
-        self.queued_tokens().saturating_sub(below)
+        let ahead = |t: &[AtomicU64; 3]| -> u64 {
+            (t.iter().take(usize::from(class) + 1))
+                .map(|t| t.load(Ordering::Relaxed))
+                .sum()
+        };
+        let reported = match ahead(&self.queued_class_tokens) {
+            0 if self
+                .queued_class_tokens
+                .iter()
+                .all(|t| t.load(Ordering::Relaxed) == 0) =>
+            {
+                self.queued_tokens.load(Ordering::Relaxed)
+            }
+            n => n,
+        };
+        let routers = ahead(&self.inflight_class_tokens)
+            .saturating_add(self.peer_inflight_tokens.load(Ordering::Relaxed));
+        reported.max(routers)
     }
 
     /// How old its last load report is; `None` before the first.
@@ -233,13 +251,17 @@ impl Replica {
             .store(kv_bytes_per_token, Ordering::Relaxed);
     }
 
-    /// Counts a request of `tokens` prompt tokens against this replica while the guard lives.
-    pub fn claim(self: &Arc<Self>, tokens: u64) -> InflightGuard {
+    /// Counts a request of `tokens` prompt tokens of priority class `class` against this
+    /// replica while the guard lives.
+    pub fn claim(self: &Arc<Self>, tokens: u64, class: u8) -> InflightGuard {
+        let class = usize::from(class).min(2);
         self.inflight.fetch_add(1, Ordering::Relaxed);
         self.inflight_tokens.fetch_add(tokens, Ordering::Relaxed);
+        self.inflight_class_tokens[class].fetch_add(tokens, Ordering::Relaxed);
         InflightGuard {
             replica: self.clone(),
             tokens,
+            class,
             reports_at_claim: self.reports.load(Ordering::Relaxed),
         }
     }
@@ -263,6 +285,7 @@ impl Replica {
 pub struct InflightGuard {
     replica: Arc<Replica>,
     tokens: u64,
+    class: usize,
     /// The replica's report count when the request was claimed: a report received since then
     /// counted the request.
     reports_at_claim: u64,
@@ -287,6 +310,7 @@ impl Drop for InflightGuard {
         self.replica
             .inflight_tokens
             .fetch_sub(self.tokens, Ordering::Relaxed);
+        self.replica.inflight_class_tokens[self.class].fetch_sub(self.tokens, Ordering::Relaxed);
         if self.replica.reports.load(Ordering::Relaxed) != self.reports_at_claim {
             let _ = self
                 .replica

@@ -129,6 +129,7 @@ impl Replicas {
             restore_tokens_per_second: AtomicU64::new(0),
             inflight: AtomicU32::new(0),
             inflight_tokens: AtomicU64::new(0),
+            inflight_class_tokens: Default::default(),
             peer_inflight: AtomicU32::new(0),
             peer_inflight_tokens: AtomicU64::new(0),
             stop: self.cancel.child_token(),
@@ -517,10 +518,10 @@ mod tests {
             .add(Role::Decode, "127.0.0.1:1", "127.0.0.1:1")
             .expect("add");
         let r = replicas.all().remove(0);
-        let counted = r.claim(10);
+        let counted = r.claim(10, 1);
         // A report taken while the request ran counts it (and one of another router's).
         assert!(r.record_load(2, 8));
-        let uncounted = r.claim(10);
+        let uncounted = r.claim(10, 1);
         assert_eq!(r.load(), 2);
         drop(counted);
         assert_eq!(

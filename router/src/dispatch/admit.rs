@@ -143,6 +143,7 @@ impl Dispatcher {
         progress: &Progress,
         model: &str,
         tokens: usize,
+        class: u8,
     ) -> Option<Choice> {
         if !decodes.is_empty() {
             return None;
@@ -165,7 +166,7 @@ impl Dispatcher {
         );
         self.metrics.last_resort.inc();
         Some(Choice {
-            decode: replica.claim(tokens as u64),
+            decode: replica.claim(tokens as u64, class),
             prefill: None,
             decode_overlap: held,
             prefill_overlap: 0,
@@ -193,7 +194,11 @@ impl Dispatcher {
             );
             return Ok(());
         }
-        target.check(self, Duration::from_secs_f64(est_ms.max(0.0) / 1e3))
+        let checked = target.check(self, Duration::from_secs_f64(est_ms.max(0.0) / 1e3));
+        if checked.is_err() {
+            tracing::debug!(reason = %choice.reason, "a TTFT target the estimate misses");
+        }
+        checked
     }
 
     /// Waits in the router's queue until a decode replica this request may use has room
@@ -250,7 +255,8 @@ impl Dispatcher {
                 }
                 continue;
             }
-            let last_resort = self.last_resort(&decodes, progress, &p.model, tokens.len());
+            let last_resort =
+                self.last_resort(&decodes, progress, &p.model, tokens.len(), p.class as u8);
             let is_last_resort = last_resort.is_some();
             let choice = match last_resort {
                 Some(choice) => choice,

@@ -224,7 +224,8 @@ impl Dispatcher {
                 tenant: p.tenant.to_string(),
                 weight: p.weight,
             });
-            let prefill = &prefill;
+            // The claim on the prefill node ends with the call: what decodes afterwards is no
+            // longer in its queue.
             async move {
                 let (Some(guard), Some(request)) = (prefill, request) else {
                     return Ok(None);
