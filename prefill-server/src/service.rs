@@ -155,6 +155,7 @@ impl PrefillService {
             metrics.queue_depth.dec();
             return Err(Error::QueueFull { depth });
         }
+        let submitted = Instant::now();
         if self.jobs.try_send(job).is_err() {
             metrics.queue_depth.dec();
             return Err(Error::ShuttingDown);
@@ -166,6 +167,7 @@ impl PrefillService {
             never = heartbeat.run(self.keepalive, pulse) => match never {},
         };
         let done = done.map_err(|_| Error::ShuttingDown)??;
+        let waited_ms = (submitted.elapsed().as_secs_f64() * 1e3 - done.compute_ms).max(0.0);
         let first_sent = done.first_chunk_sent.unwrap_or_else(Instant::now);
         let (first_token, first_logprobs) = match &done.first_token {
             Some((token, logprobs)) => (Some(*token), logprobs.as_ref()),
@@ -194,6 +196,7 @@ impl PrefillService {
             computed_tokens: (n - done.cached_tokens) as u32,
             prefix_cached_tokens: done.cached_tokens as u32,
             restored_tokens: done.restored_tokens as u32,
+            waited_ms,
         })
     }
 }

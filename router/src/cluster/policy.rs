@@ -43,7 +43,8 @@
 //! what disaggregation is for), and a follow-up turn whose history D holds is prefilled on D
 //! when its new suffix costs less there, stalls included, than on P (which lacks at least the
 //! last reply). The handoffs are moving averages of what the
-//! router measured on earlier requests (first token time minus queue and compute); the link's
+//! router measured on earlier requests (first token time minus the router's queue, the prefill
+//! node's queue and yields, and the compute); the link's
 //! throughput shows up in `handoff_remote`.
 //!
 //! The cheapest option wins. Candidates are only the healthy replicas that have not already
@@ -107,9 +108,6 @@ pub struct Choice {
     pub decode_overlap: usize,
     pub prefill_overlap: usize,
     pub reason: String,
-    /// Whether the prefill replica's queue was empty when chosen (its handoff then measures
-    /// the transfer alone).
-    pub prefill_idle: bool,
     /// Peer fetch: the decode node first fetches the prompt's first tokens' KV from this
     /// replica (its address and the tokens).
     pub fetch: Option<(String, usize)>,
@@ -232,7 +230,6 @@ impl Policy {
         let decode = pick(Role::Decode).ok_or(Error::NoReplica { role: "decode" })?;
         let prefill = pick(Role::Prefill).ok_or(Error::NoReplica { role: "prefill" })?;
         Ok(Choice {
-            prefill_idle: prefill.queued_tokens() == 0,
             decode: decode.claim(0, ask.class),
             prefill: Some(prefill.claim(ask.tokens as u64, ask.class)),
             decode_overlap: 0,
@@ -395,7 +392,6 @@ impl Policy {
                 decode_overlap: dh,
                 prefill_overlap: 0,
                 reason,
-                prefill_idle: false,
                 fetch: fetch.map(|(from, t, _)| (from.addr.clone(), t)),
                 est_ms: Some(l_ms),
             });
@@ -416,7 +412,6 @@ impl Policy {
             d.load()
         );
         Ok(Choice {
-            prefill_idle: p.queued_tokens() == 0,
             decode: d.claim(0, ask.class),
             prefill: Some(p.claim(ask.tokens.saturating_sub(ph) as u64, ask.class)),
             decode_overlap: dh,

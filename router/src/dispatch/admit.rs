@@ -171,7 +171,6 @@ impl Dispatcher {
             decode_overlap: held,
             prefill_overlap: 0,
             reason: "last resort: every decode node drains".into(),
-            prefill_idle: false,
             fetch: None,
             est_ms: None,
         })

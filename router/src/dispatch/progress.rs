@@ -161,6 +161,7 @@ impl Progress {
         timings.queue_ms = queue_ms;
         timings.prefill_ms = prefill.as_ref().map_or(local_prefill_ms, |r| r.prefill_ms);
         timings.transfer_ms = prefill.as_ref().map_or(0.0, |r| r.transfer_ms);
+        timings.prefill_wait_ms = prefill.as_ref().map_or(0.0, |r| r.waited_ms);
         timings.first_token_ms = self.first_token_ms.unwrap_or_default();
         timings.total_ms = total_ms;
         timings.fetch_ms = fetch_ms;

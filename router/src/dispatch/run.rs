@@ -198,7 +198,6 @@ impl Dispatcher {
             decode_overlap,
             prefill_overlap,
             reason,
-            prefill_idle,
             fetch,
             est_ms: _,
         } = choice;
@@ -355,9 +354,10 @@ impl Dispatcher {
                 },
             );
             let t = frame.timings.unwrap_or_default();
-            if progress.attempts == 1 && (local || prefill_idle) {
-                self.policy
-                    .record_handoff(local, t.first_token_ms - t.queue_ms - t.prefill_ms);
+            // The hand-off: what the first token took beyond the queues and the compute.
+            if progress.attempts == 1 {
+                let waited = t.queue_ms + t.prefill_wait_ms + t.prefill_ms;
+                self.policy.record_handoff(local, t.first_token_ms - waited);
             }
             // The request's prompt counts once, as its first choice saw it.
             if progress.choice == 0 {
