@@ -182,15 +182,11 @@ impl Replica {
                 .map(|t| t.load(Ordering::Relaxed))
                 .sum()
         };
-        let reported = match ahead(&self.queued_class_tokens) {
-            0 if self
-                .queued_class_tokens
-                .iter()
-                .all(|t| t.load(Ordering::Relaxed) == 0) =>
-            {
-                self.queued_tokens.load(Ordering::Relaxed)
-            }
-            n => n,
+        let by_class = (self.queued_class_tokens.iter()).any(|t| t.load(Ordering::Relaxed) > 0);
+        let reported = if by_class {
+            ahead(&self.queued_class_tokens)
+        } else {
+            self.queued_tokens.load(Ordering::Relaxed)
         };
         let routers = ahead(&self.inflight_class_tokens)
             .saturating_add(self.peer_inflight_tokens.load(Ordering::Relaxed));
