@@ -131,8 +131,12 @@ impl Error {
             Error::RateLimited { retry_after, .. } => Some(*retry_after),
             // When the queue ahead should have drained.
             Error::QueueTooLong { wait, .. } => Some(*wait),
-            // When the work ahead that the target misses by should be done.
-            Error::TtftTarget { predicted, target } => Some(predicted.saturating_sub(*target)),
+            // When the work ahead that the target misses by should be done, 200 ms at least.
+            Error::TtftTarget { predicted, target } => Some(
+                predicted
+                    .saturating_sub(*target)
+                    .max(std::time::Duration::from_millis(200)),
+            ),
             _ if self.code() == Code::ResourceExhausted => {
                 Some(std::time::Duration::from_millis(200))
             }
