@@ -52,9 +52,10 @@ line() { # line NAME: the interactive load's figures, and the batch load's compl
 import json, os, sys
 out, name = sys.argv[1], sys.argv[2]
 i = json.load(open(f"{out}/{name}.interactive.json"))["levels"][0]
-text = (f'{name}: interactive {i["completed"]}/{i["requests"]} completed, '
-        f'TTFT p50/p99 {i["ttft_ms"]["p50"]:.0f}/{i["ttft_ms"]["p99"]:.0f} ms, '
-        f'ITL p50/p99 {i["itl_ms"]["p50"]:.1f}/{i["itl_ms"]["p99"]:.1f} ms')
+text = f'{name}: interactive {i["completed"]}/{i["requests"]} completed'
+if i["completed"]:
+    text += (f', TTFT p50/p99 {i["ttft_ms"]["p50"]:.0f}/{i["ttft_ms"]["p99"]:.0f} ms, '
+             f'ITL p50/p99 {i["itl_ms"]["p50"]:.1f}/{i["itl_ms"]["p99"]:.1f} ms')
 if os.path.exists(f"{out}/{name}.batch.json"):
     b = json.load(open(f"{out}/{name}.batch.json"))["levels"][0]
     text += (f'; batch {b["completed"]}/{b["requests"]} completed (failed {b["failed"]}), '

@@ -37,6 +37,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tandem_engine::{Engine, GenerateParams, SeqId, TokenLogprobs};
+use tandem_proto::PRIORITY_CLASSES;
 use tandem_transfer::KvPush;
 use tandem_transfer::client::PUSH_STALL;
 use tandem_worker::moves::{CacheCommand, EngineCache, Recent};
@@ -245,7 +246,7 @@ pub(crate) struct Shared {
     pub pulse: Pulse,
     /// Prompt tokens waiting or being computed, by priority class (the load report's
     /// `queued_class_tokens`).
-    pub class_tokens: [AtomicI64; 3],
+    pub class_tokens: [AtomicI64; PRIORITY_CLASSES],
 }
 
 impl Shared {
@@ -253,7 +254,7 @@ impl Shared {
     pub fn queued(&self, class: u8, n: usize, joins: bool) {
         let n = if joins { n as i64 } else { -(n as i64) };
         self.metrics.queued_tokens.inc_by(n);
-        self.class_tokens[usize::from(class).min(2)].fetch_add(n, Ordering::Relaxed);
+        self.class_tokens[usize::from(class).min(PRIORITY_CLASSES - 1)].fetch_add(n, Ordering::Relaxed);
     }
 }
 

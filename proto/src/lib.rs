@@ -41,6 +41,9 @@ pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// tokens of KV it keeps for the peer that continues the stream to fetch (`Decode.Generate`).
 pub const HANDOFF_METADATA: &str = "tandem-kv-handoff";
 
+/// How many priority classes there are: 0 interactive (the highest), 1 standard, 2 batch.
+pub const PRIORITY_CLASSES: usize = 3;
+
 /// How long a request waits for its turn before it ranks one priority class higher: the
 /// router's admission order and the decode nodes' batch slots both age by it, so that no class
 /// is starved for good.

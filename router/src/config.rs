@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use tandem_proto::PRIORITY_CLASSES;
+
 pub use crate::auth::{AuthConfig, Class, KeyLimits};
 
 /// Hard limits on what one client request may ask for, each enforced before the work or the
@@ -21,13 +23,13 @@ pub struct Limits {
     pub http_body_bytes: usize,
     /// The time to first token each priority class is held to when a request names none
     /// (`--ttft-target`), by class (interactive, standard, batch); `None`: no target.
-    pub ttft_targets: [Option<Duration>; 3],
+    pub ttft_targets: [Option<Duration>; PRIORITY_CLASSES],
 }
 
 /// Parses `--ttft-target`: `CLASS=MS` pairs, comma-separated (`interactive=800,standard=5000`);
 /// a class not named has no target.
-pub fn parse_ttft_targets(s: &str) -> std::result::Result<[Option<Duration>; 3], String> {
-    let mut targets = [None; 3];
+pub fn parse_ttft_targets(s: &str) -> std::result::Result<[Option<Duration>; PRIORITY_CLASSES], String> {
+    let mut targets = [None; PRIORITY_CLASSES];
     for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let (class, ms) = pair
             .split_once('=')
@@ -50,7 +52,7 @@ impl Default for Limits {
             max_tokens: u32::MAX,
             grpc_message_bytes: 4 << 20,
             http_body_bytes: 4 << 20,
-            ttft_targets: [None; 3],
+            ttft_targets: [None; PRIORITY_CLASSES],
         }
     }
 }

@@ -168,6 +168,7 @@ pub async fn run(
             token_gap: config.token_gap,
             budget: Arc::default(),
             pace: Arc::default(),
+            calibration: Arc::default(),
             order: Arc::default(),
         },
         admission: Arc::new(Semaphore::new(config.max_inflight)),

@@ -5,11 +5,12 @@ tandem=${TANDEM:-target/release/tandem}
 [ -x "$tandem" ] || cargo build --release -p tandem-cli
 
 # up LOG [FLAG...]: starts `tandem up --model smollm2` on free ports with the FLAGs, its output
-# in LOG, and waits until it prints the router's address; sets $up_pid and $up_addr (gRPC).
+# in LOG, and waits until it prints the router's address; sets $up_pid and $up_addr (gRPC). Its
+# logs (stderr, filtered by RUST_LOG) go to $UP_STDERR, by default nowhere.
 up() {
   local log=$1
   shift
-  "$tandem" up --model smollm2 --port 0 --http-port 0 "$@" >"$log" 2>/dev/null &
+  "$tandem" up --model smollm2 --port 0 --http-port 0 "$@" >"$log" 2>"${UP_STDERR:-/dev/null}" &
   up_pid=$!
   for _ in $(seq 1 120); do grep -q "router (gRPC" "$log" && break; sleep 0.5; done
   up_addr=$(grep "router (gRPC" "$log" | awk '{print $NF}')

@@ -42,10 +42,10 @@
 //! already holds may be prefilled there: a cold prompt always goes to a prefill node (that is
 //! what disaggregation is for), and a follow-up turn whose history D holds is prefilled on D
 //! when its new suffix costs less there, stalls included, than on P (which lacks at least the
-//! last reply). The handoffs are moving averages of what the
-//! router measured on earlier requests (first token time minus the router's queue, the prefill
-//! node's queue and yields, and the compute); the link's
-//! throughput shows up in `handoff_remote`.
+//! last reply). The handoffs are moving averages of what the router measured on earlier
+//! requests of the same priority class (first token time minus the router's queue, the prefill
+//! node's queue and yields, and the compute; before a class's first, the other classes'); the
+//! link's throughput shows up in `handoff_remote`.
 //!
 //! The cheapest option wins. Candidates are only the healthy replicas that have not already
 //! failed this request (failover, see [`crate::dispatch::progress`]) under a per-candidate load
@@ -60,8 +60,11 @@
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
+use tandem_proto::PRIORITY_CLASSES;
 use tandem_proto::block_hash::BLOCK_TOKENS;
+use tokio::time::Instant;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::cluster::replica::{InflightGuard, Replica, Role, mean_prefill_rate};
@@ -119,18 +122,51 @@ pub struct Choice {
 impl Choice {
     /// Whether the chosen replicas' last load reports are at most `age` old (the figures its
     /// estimate is made of are fresh).
-    pub fn reported_within(&self, age: std::time::Duration) -> bool {
+    pub fn reported_within(&self, age: Duration) -> bool {
         let fresh = |r: &Replica| r.report_age().is_some_and(|a| a <= age);
         fresh(self.decode.replica()) && (self.prefill.as_ref()).is_none_or(|p| fresh(p.replica()))
     }
 }
 
-/// Moving averages of measured handoffs, in ms, and of fetch throughput, in bytes per ms.
+/// How long a measured hand-off describes the cluster: one sampled under a load that has
+/// passed must not hold a class's estimate up for good once nothing of it is admitted to
+/// measure again.
+pub const HANDOFF_TTL: Duration = Duration::from_secs(30);
+
+/// A moving average of measured hand-offs, in ms, and when it was last sampled.
+#[derive(Clone, Copy, Debug)]
+struct Handoff {
+    ms: f64,
+    at: Instant,
+}
+
+/// Measured hand-offs by priority class (a class's prompts are alike, and a hand-off's
+/// exposed tail grows with the prompt: a short interactive turn's is not a long batch
+/// prompt's), and the moving average of fetch throughput, in bytes per ms.
 #[derive(Debug, Default)]
 struct Handoffs {
-    remote: f64,
-    local: f64,
+    remote: [Option<Handoff>; PRIORITY_CLASSES],
+    local: [Option<Handoff>; PRIORITY_CLASSES],
     link: f64,
+}
+
+/// The hand-off a request of `class` is estimated with, in ms: its class's average sampled in
+/// the last [`HANDOFF_TTL`]; else the mean of the other classes' sampled in it; else 0 (the
+/// cluster has been idle, or nothing was measured yet: the next requests measure it).
+fn handoff_of(by_class: &[Option<Handoff>; PRIORITY_CLASSES], class: u8) -> f64 {
+    let fresh = |h: &&Handoff| h.at.elapsed() <= HANDOFF_TTL;
+    if let Some(own) = by_class[usize::from(class).min(PRIORITY_CLASSES - 1)]
+        .as_ref()
+        .filter(fresh)
+    {
+        return own.ms;
+    }
+    let others: Vec<f64> = by_class.iter().flatten().filter(fresh).map(|h| h.ms).collect();
+    if others.is_empty() {
+        0.0
+    } else {
+        others.iter().sum::<f64>() / others.len() as f64
+    }
 }
 
 #[derive(Debug, Default)]
@@ -195,15 +231,23 @@ impl Policy {
         self.handoffs.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Folds in a measured handoff: first-token time minus queue and compute, in ms.
-    pub fn record_handoff(&self, local: bool, ms: f64) {
+    /// Folds in a measured handoff of a request of `class`: first-token time minus queue and
+    /// compute, in ms.
+    pub fn record_handoff(&self, local: bool, class: u8, ms: f64) {
         let ms = ms.max(0.0);
+        let class = usize::from(class).min(PRIORITY_CLASSES - 1);
         let mut h = self.handoffs();
-        if local {
-            h.local = ewma(h.local, ms);
+        let slot = if local {
+            &mut h.local[class]
         } else {
-            h.remote = ewma(h.remote, ms);
-        }
+            &mut h.remote[class]
+        };
+        // A stale average starts over: the load it measured has passed.
+        let old = slot.filter(|h| h.at.elapsed() <= HANDOFF_TTL);
+        *slot = Some(Handoff {
+            ms: old.map_or(ms, |old| ewma(old.ms, ms)),
+            at: Instant::now(),
+        });
     }
 
     /// Folds in a measured peer fetch: `bytes` in `ms`.
@@ -266,7 +310,11 @@ impl Policy {
             } else {
                 DEFAULT_LINK_BYTES_PER_SECOND / 1e3
             };
-            (h.remote, h.local, link)
+            (
+                handoff_of(&h.remote, ask.class),
+                handoff_of(&h.local, ask.class),
+                link,
+            )
         };
         let n = ask.tokens as f64;
         // The tokens a replica holds by the index, and what reading those on its disk tier
@@ -425,12 +473,39 @@ impl Policy {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use tandem_proto::v1 as pb;
     use tokio_util::sync::CancellationToken;
 
     use super::*;
+
+    /// With time paused: a class is estimated with its own hand-offs; before its first, with
+    /// the mean of the other classes'; a class's average counts for [`HANDOFF_TTL`] after its
+    /// last sample and then starts over, and with nothing sampled in it the hand-off is 0.
+    #[tokio::test(start_paused = true)]
+    async fn a_class_is_estimated_with_its_own_recent_hand_offs() {
+        let policy = Policy::default();
+        let remote = |class| handoff_of(&policy.handoffs().remote, class);
+        assert_eq!(remote(0), 0.0, "nothing measured");
+        policy.record_handoff(false, 2, 100.0);
+        assert_eq!(remote(0), 100.0, "the batch class's, before the class's own");
+        policy.record_handoff(false, 1, 50.0);
+        assert_eq!(remote(0), 75.0, "the mean of the classes measured");
+        policy.record_handoff(false, 0, 10.0);
+        policy.record_handoff(false, 0, 20.0);
+        assert_eq!(remote(0), 12.0, "its own moving average: 10 + (20 - 10) / 5");
+        assert_eq!(remote(2), 100.0);
+        assert_eq!(handoff_of(&policy.handoffs().local, 0), 0.0, "local apart");
+        // The interactive class goes on being measured; the others fall silent.
+        tokio::time::advance(HANDOFF_TTL / 2).await;
+        policy.record_handoff(false, 0, 12.0);
+        tokio::time::advance(HANDOFF_TTL / 2 + Duration::from_millis(1)).await;
+        assert_eq!(remote(2), 12.0, "its own went stale: the classes sampled lately");
+        assert_eq!(remote(0), 12.0);
+        tokio::time::advance(HANDOFF_TTL).await;
+        assert_eq!(remote(0), 0.0, "nothing sampled lately");
+        policy.record_handoff(false, 0, 30.0);
+        assert_eq!(remote(0), 30.0, "a stale average starts over");
+    }
 
     /// A prompt whose prefix a draining prefill node's prefix cache holds is fetched from
     /// there and its rest computed on the decode node, rather than computed whole on the

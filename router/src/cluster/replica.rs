@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
+use tandem_proto::PRIORITY_CLASSES;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
@@ -74,7 +75,7 @@ pub struct Replica {
     pub(super) capacity: AtomicU32,
     /// Prompt tokens queued there (prefill), as last reported: in all, and by priority class.
     pub(super) queued_tokens: AtomicU64,
-    pub(super) queued_class_tokens: [AtomicU64; 3],
+    pub(super) queued_class_tokens: [AtomicU64; PRIORITY_CLASSES],
     /// When the last load report came; `None` before the first.
     pub(super) reported_at: Mutex<Option<tokio::time::Instant>>,
     /// Measured prompt throughput (f64 bits), as last reported; 0 until measured.
@@ -85,7 +86,7 @@ pub struct Replica {
     pub(super) inflight: AtomicU32,
     pub(super) inflight_tokens: AtomicU64,
     /// Of those tokens, each priority class's.
-    pub(super) inflight_class_tokens: [AtomicU64; 3],
+    pub(super) inflight_class_tokens: [AtomicU64; PRIORITY_CLASSES],
     /// Requests and prompt tokens the peer routers said they have there
     /// ([`crate::cluster::peers`]).
     pub(super) peer_inflight: AtomicU32,
@@ -177,7 +178,7 @@ impl Replica {
     /// whatever their class (their answers do not say), and so does the whole report of a
     /// worker that does not report by class.
     pub fn queued_tokens_ahead(&self, class: u8) -> u64 {
-        let ahead = |t: &[AtomicU64; 3]| -> u64 {
+        let ahead = |t: &[AtomicU64; PRIORITY_CLASSES]| -> u64 {
             (t.iter().take(usize::from(class) + 1))
                 .map(|t| t.load(Ordering::Relaxed))
                 .sum()
@@ -250,7 +251,7 @@ impl Replica {
     /// Counts a request of `tokens` prompt tokens of priority class `class` against this
     /// replica while the guard lives.
     pub fn claim(self: &Arc<Self>, tokens: u64, class: u8) -> InflightGuard {
-        let class = usize::from(class).min(2);
+        let class = usize::from(class).min(PRIORITY_CLASSES - 1);
         self.inflight.fetch_add(1, Ordering::Relaxed);
         self.inflight_tokens.fetch_add(tokens, Ordering::Relaxed);
         self.inflight_class_tokens[class].fetch_add(tokens, Ordering::Relaxed);

@@ -30,6 +30,8 @@ pub(crate) struct Admission {
     pub transfer_id: String,
     /// From the request's acceptance to its admission, in ms.
     pub queue_ms: f64,
+    /// From the request's acceptance to the choice, in ms.
+    pub chosen_ms: f64,
 }
 
 /// A request's time-to-first-token target, counted from its acceptance.
@@ -176,11 +178,12 @@ impl Dispatcher {
         })
     }
 
-    /// Refuses at once a request whose TTFT target the chosen option's estimate misses (the
-    /// cheapest option the policy found, so no other meets it either). Where the chosen
-    /// workers' load reports are stale the estimate is not trusted: the request is admitted
-    /// (fail open) and [`crate::metrics::TTFT_FAIL_OPEN`] says so.
-    fn meets_target(&self, choice: &Choice, target: Target) -> Result<(), Failure> {
+    /// Refuses at once a request of `class` whose TTFT target the chosen option's estimate
+    /// misses (the cheapest option the policy found, so no other meets it either), the
+    /// estimate corrected by its measured error ([`crate::dispatch::calibration`]). Where the
+    /// chosen workers' load reports are stale the estimate is not trusted: the request is
+    /// admitted (fail open) and [`crate::metrics::TTFT_FAIL_OPEN`] says so.
+    fn meets_target(&self, choice: &Choice, class: u8, target: Target) -> Result<(), Failure> {
         let Some(est_ms) = choice.est_ms else {
             return Ok(());
         };
@@ -193,9 +196,15 @@ impl Dispatcher {
             );
             return Ok(());
         }
-        let checked = target.check(self, Duration::from_secs_f64(est_ms.max(0.0) / 1e3));
+        let correction_ms = self.calibration.correction_ms(class);
+        let more_ms = (est_ms + correction_ms).max(0.0);
+        let checked = target.check(self, Duration::from_secs_f64(more_ms / 1e3));
         if checked.is_err() {
-            tracing::debug!(reason = %choice.reason, "a TTFT target the estimate misses");
+            tracing::debug!(
+                reason = %choice.reason,
+                correction_ms,
+                "a TTFT target the estimate misses"
+            );
         }
         checked
     }
@@ -268,11 +277,12 @@ impl Dispatcher {
                 self.replicas.changed_or_polled().await;
                 continue;
             }
+            let chosen_ms = ms(accepted);
             if queued.is_none()
                 && progress.attempts == 1
                 && let Some(target) = target
             {
-                self.meets_target(&choice, target)?;
+                self.meets_target(&choice, p.class as u8, target)?;
             }
             let local = choice.prefill.is_none();
             let decode = choice.decode.replica();
@@ -358,6 +368,7 @@ impl Dispatcher {
                 admitted: a,
                 transfer_id,
                 queue_ms,
+                chosen_ms,
             });
         }
     }

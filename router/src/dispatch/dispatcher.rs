@@ -9,6 +9,7 @@ use crate::cluster::peers::Peers;
 use crate::cluster::policy::Policy;
 use crate::cluster::replicas::Replicas;
 use crate::cluster::sessions::Sessions;
+use crate::dispatch::calibration::Calibration;
 use crate::dispatch::order::Order;
 use crate::dispatch::queue::QueuePace;
 use crate::dispatch::retry::RetryBudget;
@@ -34,6 +35,8 @@ pub struct Dispatcher {
     pub token_gap: Duration,
     pub budget: Arc<RetryBudget>,
     pub pace: Arc<QueuePace>,
+    /// The TTFT estimate's recent errors, which a TTFT target's check adds to it.
+    pub calibration: Arc<Calibration>,
     /// Which waiting request takes the next place ([`crate::dispatch::order`]).
     pub order: Arc<Order>,
     /// The open agent sessions, which each completed turn updates.

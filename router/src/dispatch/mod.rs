@@ -12,6 +12,7 @@
 //! shared modules.
 
 pub mod admit;
+pub mod calibration;
 pub mod chat;
 pub mod dispatcher;
 pub mod log;

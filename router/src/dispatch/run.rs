@@ -188,6 +188,7 @@ impl Dispatcher {
             admitted,
             transfer_id,
             queue_ms,
+            chosen_ms,
         } = self
             .admit(p, &tokens, &hashes, progress, accepted, deadline)
             .instrument(tracing::info_span!("admission", request_id = %p.request_id))
@@ -199,7 +200,7 @@ impl Dispatcher {
             prefill_overlap,
             reason,
             fetch,
-            est_ms: _,
+            est_ms,
         } = choice;
         let decode_cached = admitted.cached_tokens;
         let local = prefill.is_none();
@@ -354,10 +355,16 @@ impl Dispatcher {
                 },
             );
             let t = frame.timings.unwrap_or_default();
-            // The hand-off: what the first token took beyond the queues and the compute.
+            // The hand-off: what the first token took beyond the queues and the compute; and
+            // how far the choice's estimate was off.
             if progress.attempts == 1 {
                 let waited = t.queue_ms + t.prefill_wait_ms + t.prefill_ms;
-                self.policy.record_handoff(local, t.first_token_ms - waited);
+                (self.policy).record_handoff(local, p.class as u8, t.first_token_ms - waited);
+                if let Some(est_ms) = est_ms {
+                    let actual_ms = t.first_token_ms - chosen_ms;
+                    tracing::debug!(est_ms, actual_ms, "time to first token from the choice");
+                    (self.calibration).record(p.class as u8, actual_ms, est_ms);
+                }
             }
             // The request's prompt counts once, as its first choice saw it.
             if progress.choice == 0 {
