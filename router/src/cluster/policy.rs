@@ -115,7 +115,9 @@ pub struct Choice {
     /// replica (its address and the tokens).
     pub fetch: Option<(String, usize)>,
     /// The option's estimated time to first token, in ms (the formula above); `None` where
-    /// no formula chose (round robin, the last resort).
+    /// no formula chose (round robin, the last resort), or where its hand-off was another
+    /// class's ([`handoff_of`]): not the request's own figures, which a TTFT target is checked
+    /// on.
     pub est_ms: Option<f64>,
 }
 
@@ -150,22 +152,25 @@ struct Handoffs {
     link: f64,
 }
 
-/// The hand-off a request of `class` is estimated with, in ms: its class's average sampled in
-/// the last [`HANDOFF_TTL`]; else the mean of the other classes' sampled in it; else 0 (the
-/// cluster has been idle, or nothing was measured yet: the next requests measure it).
-fn handoff_of(by_class: &[Option<Handoff>; PRIORITY_CLASSES], class: u8) -> f64 {
+/// The hand-off a request of `class` is estimated with, in ms, and whether it is another
+/// class's: its class's average sampled in the last [`HANDOFF_TTL`]; else the mean of the
+/// other classes' sampled in it (borrowed: good enough to choose replicas by, not to refuse a
+/// request by, since a flood's long prompts would hold a short turn's estimate up for as long
+/// as they last, and it would never be admitted to measure its own); else 0 (the cluster has
+/// been idle, or nothing was measured yet: the next requests measure it).
+fn handoff_of(by_class: &[Option<Handoff>; PRIORITY_CLASSES], class: u8) -> (f64, bool) {
     let fresh = |h: &&Handoff| h.at.elapsed() <= HANDOFF_TTL;
     if let Some(own) = by_class[usize::from(class).min(PRIORITY_CLASSES - 1)]
         .as_ref()
         .filter(fresh)
     {
-        return own.ms;
+        return (own.ms, false);
     }
     let others: Vec<f64> = by_class.iter().flatten().filter(fresh).map(|h| h.ms).collect();
     if others.is_empty() {
-        0.0
+        (0.0, false)
     } else {
-        others.iter().sum::<f64>() / others.len() as f64
+        (others.iter().sum::<f64>() / others.len() as f64, true)
     }
 }
 
@@ -303,7 +308,7 @@ impl Policy {
         } else {
             ask.session_id.as_bytes().to_vec()
         };
-        let (h_remote, h_local, link) = {
+        let ((h_remote, remote_borrowed), (h_local, local_borrowed), link) = {
             let h = self.handoffs();
             let link = if h.link > 0.0 {
                 h.link
@@ -441,7 +446,7 @@ impl Policy {
                 prefill_overlap: 0,
                 reason,
                 fetch: fetch.map(|(from, t, _)| (from.addr.clone(), t)),
-                est_ms: Some(l_ms),
+                est_ms: (!local_borrowed).then_some(l_ms),
             });
         }
         let Some((r_ms, p, ph)) = remote else {
@@ -466,7 +471,7 @@ impl Policy {
             prefill_overlap: ph,
             reason,
             fetch: None,
-            est_ms: Some(r_ms),
+            est_ms: (!remote_borrowed).then_some(r_ms),
         })
     }
 }
@@ -479,32 +484,32 @@ mod tests {
     use super::*;
 
     /// With time paused: a class is estimated with its own hand-offs; before its first, with
-    /// the mean of the other classes'; a class's average counts for [`HANDOFF_TTL`] after its
+    /// the mean of the other classes' (borrowed); a class's average counts for [`HANDOFF_TTL`] after its
     /// last sample and then starts over, and with nothing sampled in it the hand-off is 0.
     #[tokio::test(start_paused = true)]
     async fn a_class_is_estimated_with_its_own_recent_hand_offs() {
         let policy = Policy::default();
         let remote = |class| handoff_of(&policy.handoffs().remote, class);
-        assert_eq!(remote(0), 0.0, "nothing measured");
+        assert_eq!(remote(0), (0.0, false), "nothing measured");
         policy.record_handoff(false, 2, 100.0);
-        assert_eq!(remote(0), 100.0, "the batch class's, before the class's own");
+        assert_eq!(remote(0), (100.0, true), "the batch class's, borrowed");
         policy.record_handoff(false, 1, 50.0);
-        assert_eq!(remote(0), 75.0, "the mean of the classes measured");
+        assert_eq!(remote(0), (75.0, true), "the mean of the classes measured");
         policy.record_handoff(false, 0, 10.0);
         policy.record_handoff(false, 0, 20.0);
-        assert_eq!(remote(0), 12.0, "its own moving average: 10 + (20 - 10) / 5");
-        assert_eq!(remote(2), 100.0);
-        assert_eq!(handoff_of(&policy.handoffs().local, 0), 0.0, "local apart");
+        assert_eq!(remote(0), (12.0, false), "its own moving average: 10 + (20 - 10) / 5");
+        assert_eq!(remote(2), (100.0, false));
+        assert_eq!(handoff_of(&policy.handoffs().local, 0), (0.0, false), "local apart");
         // The interactive class goes on being measured; the others fall silent.
         tokio::time::advance(HANDOFF_TTL / 2).await;
         policy.record_handoff(false, 0, 12.0);
         tokio::time::advance(HANDOFF_TTL / 2 + Duration::from_millis(1)).await;
-        assert_eq!(remote(2), 12.0, "its own went stale: the classes sampled lately");
-        assert_eq!(remote(0), 12.0);
+        assert_eq!(remote(2), (12.0, true), "its own went stale: the classes sampled lately");
+        assert_eq!(remote(0), (12.0, false));
         tokio::time::advance(HANDOFF_TTL).await;
-        assert_eq!(remote(0), 0.0, "nothing sampled lately");
+        assert_eq!(remote(0), (0.0, false), "nothing sampled lately");
         policy.record_handoff(false, 0, 30.0);
-        assert_eq!(remote(0), 30.0, "a stale average starts over");
+        assert_eq!(remote(0), (30.0, false), "a stale average starts over");
     }
 
     /// A prompt whose prefix a draining prefill node's prefix cache holds is fetched from
