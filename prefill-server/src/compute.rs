@@ -37,7 +37,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tandem_engine::{Engine, GenerateParams, SeqId, TokenLogprobs};
-use tandem_proto::PRIORITY_CLASSES;
+use tandem_proto::{BATCH_YIELD_TOKENS, PRIORITY_CLASSES};
 use tandem_transfer::KvPush;
 use tandem_transfer::client::PUSH_STALL;
 use tandem_worker::moves::{CacheCommand, EngineCache, Recent};
@@ -90,10 +90,6 @@ pub(crate) struct Done {
 
 /// The batch class's number ([`tandem_worker::class_of`]).
 const BATCH_CLASS: u8 = 2;
-/// The most tokens a batch prompt computes between two chances to yield to a higher class: a
-/// quarter of the default chunk, which costs it a few percent of its speed and keeps an
-/// interactive prompt's wait behind it to a fraction of a second.
-const YIELD_CHUNK_TOKENS: usize = 64;
 
 /// How long the compute thread may go without moving (a job taken, a chunk computed, a chunk
 /// taken by its push) before the queued pushes' heartbeats stop: longer than a prompt chunk
@@ -482,7 +478,7 @@ impl Compute {
         // A batch prompt is computed in smaller steps (a divisor of the grid, so the push cells
         // still end on them): it yields sooner to a higher class.
         let step = if class >= BATCH_CLASS {
-            grid.min(YIELD_CHUNK_TOKENS)
+            grid.min(BATCH_YIELD_TOKENS)
         } else {
             grid
         };

@@ -12,6 +12,7 @@
 //!
 //! ```text
 //! remote(P, D) = ahead(P) / rate(P)                 // P's queue: its prompts of the request's class and above
+//!              + step(P) / rate(P)                   // a lower class's step in progress: BATCH_YIELD_TOKENS if any is there
 //!              + (n − held(P)) / rate(P)             // P computes what its prefix cache lacks
 //!              + disk(P) / restore(P)                // and reads back what is on its disk
 //!              + handoff_remote                      // measured: the push's exposed tail, the hops
@@ -62,7 +63,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use tandem_proto::PRIORITY_CLASSES;
+use tandem_proto::{BATCH_YIELD_TOKENS, PRIORITY_CLASSES};
 use tandem_proto::block_hash::BLOCK_TOKENS;
 use tokio::time::Instant;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -403,7 +404,12 @@ impl Policy {
                 let (h, read_ms) = held(p);
                 let r = rate(p);
                 let ahead = p.queued_tokens_ahead(ask.class) as f64;
-                let ms = (ahead + n - h as f64) / r * 1e3 + read_ms + h_remote;
+                let step = if p.lower_class_busy(ask.class) {
+                    BATCH_YIELD_TOKENS as f64
+                } else {
+                    0.0
+                };
+                let ms = (ahead + step + n - h as f64) / r * 1e3 + read_ms + h_remote;
                 (ms, p, h)
             })
             .collect();
@@ -571,8 +577,9 @@ mod tests {
     }
 
     /// A prefill node's queued prompts of lower classes yield to a higher one's, so its
-    /// estimate counts only the queued tokens of its class and above; the estimate's figures
-    /// are fresh while the chosen replicas' reports are. With time paused.
+    /// estimate counts only the queued tokens of its class and above, and one batch yield
+    /// step ([`BATCH_YIELD_TOKENS`]) while a lower class is there; the estimate's figures are
+    /// fresh while the chosen replicas' reports are. With time paused.
     #[tokio::test(start_paused = true)]
     async fn a_prompt_waits_only_for_the_queued_tokens_of_its_class_and_above() {
         let replicas = Arc::new(Replicas::new(usize::MAX, CancellationToken::new()));
@@ -609,11 +616,12 @@ mod tests {
             assert!(choice.prefill.is_some(), "{}", choice.reason);
             choice.est_ms.expect("an estimate")
         };
-        // Ahead and its own 100 tokens, at a token per ms, on figures reported just now.
+        // Ahead, a lower class's step (64 tokens) and its own 100 tokens, at a token per ms, on
+        // figures reported just now; the batch class has nothing below it.
         for r in replicas.all() {
             r.record_load(0, 64);
         }
-        for (class, ms) in [(0, 200.0), (1, 1_100.0), (2, 10_100.0)] {
+        for (class, ms) in [(0, 264.0), (1, 1_164.0), (2, 10_100.0)] {
             let e = est(class);
             assert!((e - ms).abs() < 1e-6, "class {class}: {e} ms");
         }
@@ -621,12 +629,12 @@ mod tests {
         // the report's: 12,000 batch tokens are behind an interactive prompt, 500 interactive
         // ones ahead of it.
         let batch = replicas.all()[0].claim(12_000, 2);
-        assert!((est(0) - 200.0).abs() < 1e-6, "{}", est(0));
+        assert!((est(0) - 264.0).abs() < 1e-6, "{}", est(0));
         assert!((est(2) - 12_100.0).abs() < 1e-6, "{}", est(2));
         let interactive = replicas.all()[0].claim(500, 0);
-        assert!((est(0) - 600.0).abs() < 1e-6, "{}", est(0));
+        assert!((est(0) - 664.0).abs() < 1e-6, "{}", est(0));
         drop((batch, interactive));
-        // A worker that does not report by class: its whole queue is ahead.
+        // A worker that does not report by class: its whole queue is ahead, and no step.
         for slot in &prefill.queued_class_tokens {
             slot.store(0, Ordering::Relaxed);
         }

@@ -194,6 +194,16 @@ impl Replica {
         reported.max(routers)
     }
 
+    /// Whether prompts of a class lower than `class` are queued or computing there, by the last
+    /// report or the routers' in flight: one of them may be in the middle of a step that a
+    /// prompt of `class` waits for.
+    pub fn lower_class_busy(&self, class: u8) -> bool {
+        let lower = |t: &[AtomicU64; PRIORITY_CLASSES]| {
+            (t.iter().skip(usize::from(class) + 1)).any(|t| t.load(Ordering::Relaxed) > 0)
+        };
+        lower(&self.queued_class_tokens) || lower(&self.inflight_class_tokens)
+    }
+
     /// How old its last load report is; `None` before the first.
     pub fn report_age(&self) -> Option<Duration> {
         let at = *self.reported_at.lock().unwrap_or_else(|e| e.into_inner());
