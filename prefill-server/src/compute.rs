@@ -250,7 +250,8 @@ impl Shared {
     pub fn queued(&self, class: u8, n: usize, joins: bool) {
         let n = if joins { n as i64 } else { -(n as i64) };
         self.metrics.queued_tokens.inc_by(n);
-        self.class_tokens[usize::from(class).min(PRIORITY_CLASSES - 1)].fetch_add(n, Ordering::Relaxed);
+        self.class_tokens[usize::from(class).min(PRIORITY_CLASSES - 1)]
+            .fetch_add(n, Ordering::Relaxed);
     }
 }
 

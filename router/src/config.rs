@@ -28,7 +28,9 @@ pub struct Limits {
 
 /// Parses `--ttft-target`: `CLASS=MS` pairs, comma-separated (`interactive=800,standard=5000`);
 /// a class not named has no target.
-pub fn parse_ttft_targets(s: &str) -> std::result::Result<[Option<Duration>; PRIORITY_CLASSES], String> {
+pub fn parse_ttft_targets(
+    s: &str,
+) -> std::result::Result<[Option<Duration>; PRIORITY_CLASSES], String> {
     let mut targets = [None; PRIORITY_CLASSES];
     for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let (class, ms) = pair

@@ -63,8 +63,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use tandem_proto::{BATCH_YIELD_TOKENS, PRIORITY_CLASSES};
 use tandem_proto::block_hash::BLOCK_TOKENS;
+use tandem_proto::{BATCH_YIELD_TOKENS, PRIORITY_CLASSES};
 use tokio::time::Instant;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -167,7 +167,12 @@ fn handoff_of(by_class: &[Option<Handoff>; PRIORITY_CLASSES], class: u8) -> (f64
     {
         return (own.ms, false);
     }
-    let others: Vec<f64> = by_class.iter().flatten().filter(fresh).map(|h| h.ms).collect();
+    let others: Vec<f64> = by_class
+        .iter()
+        .flatten()
+        .filter(fresh)
+        .map(|h| h.ms)
+        .collect();
     if others.is_empty() {
         (0.0, false)
     } else {
@@ -503,14 +508,26 @@ mod tests {
         assert_eq!(remote(0), (75.0, true), "the mean of the classes measured");
         policy.record_handoff(false, 0, 10.0);
         policy.record_handoff(false, 0, 20.0);
-        assert_eq!(remote(0), (12.0, false), "its own moving average: 10 + (20 - 10) / 5");
+        assert_eq!(
+            remote(0),
+            (12.0, false),
+            "its own moving average: 10 + (20 - 10) / 5"
+        );
         assert_eq!(remote(2), (100.0, false));
-        assert_eq!(handoff_of(&policy.handoffs().local, 0), (0.0, false), "local apart");
+        assert_eq!(
+            handoff_of(&policy.handoffs().local, 0),
+            (0.0, false),
+            "local apart"
+        );
         // The interactive class goes on being measured; the others fall silent.
         tokio::time::advance(HANDOFF_TTL / 2).await;
         policy.record_handoff(false, 0, 12.0);
         tokio::time::advance(HANDOFF_TTL / 2 + Duration::from_millis(1)).await;
-        assert_eq!(remote(2), (12.0, true), "its own went stale: the classes sampled lately");
+        assert_eq!(
+            remote(2),
+            (12.0, true),
+            "its own went stale: the classes sampled lately"
+        );
         assert_eq!(remote(0), (12.0, false));
         tokio::time::advance(HANDOFF_TTL).await;
         assert_eq!(remote(0), (0.0, false), "nothing sampled lately");

@@ -1,9 +1,9 @@
 //! The TTFT estimate's measured error, which admission against a TTFT target adds to the
 //! estimate. The policy's formula ([`crate::cluster::policy`]) counts the queues, the compute
-//! and the hand-off it measured, but not what the workers' CPU does besides: on a machine
-//! whose prefill and decode nodes share cores, a flood's decode steps slow an interactive
-//! prompt's compute and hand-off, and a lower class's chunk in progress holds it until the
-//! chunk ends. So each request's actual time to first token, less its time before the choice
+//! and the hand-off it measured, and a lower class's step in progress as a whole, but not
+//! what the workers' CPU does besides (on a machine whose prefill and decode nodes share
+//! cores, a flood's decode steps slow an interactive prompt's compute and hand-off), nor that
+//! the step is often half done. So each request's actual time to first token, less its time before the choice
 //! and the choice's estimate, is kept as a residual of its class, and a request's estimate is
 //! raised by the 90th percentile of its class's recent residuals: the prediction that a
 //! request meets its target is then right nine times in ten, which is what the target asks of
@@ -83,7 +83,9 @@ mod tests {
         }
         assert_eq!(c.correction_ms(1), 0.0, "too few residuals");
         // Residuals 30 20 10 6 5 4 3 2 1 0 ms: the 9th of 10, sorted, is 20.
-        for actual in [130.0, 120.0, 110.0, 106.0, 105.0, 104.0, 103.0, 102.0, 101.0, 100.0] {
+        for actual in [
+            130.0, 120.0, 110.0, 106.0, 105.0, 104.0, 103.0, 102.0, 101.0, 100.0,
+        ] {
             c.record(0, actual, 100.0);
         }
         assert_eq!(c.correction_ms(0), 20.0);
