@@ -116,10 +116,11 @@ pub struct Choice {
     /// replica (its address and the tokens).
     pub fetch: Option<(String, usize)>,
     /// The option's estimated time to first token, in ms (the formula above); `None` where
-    /// no formula chose (round robin, the last resort), or where its hand-off was another
-    /// class's ([`handoff_of`]): not the request's own figures, which a TTFT target is checked
-    /// on.
+    /// no formula chose (round robin, the last resort).
     pub est_ms: Option<f64>,
+    /// Of that estimate, a hand-off borrowed from another class ([`handoff_of`]); 0 where the
+    /// request's class measured its own.
+    pub borrowed_ms: f64,
 }
 
 impl Choice {
@@ -157,8 +158,9 @@ struct Handoffs {
 /// class's: its class's average sampled in the last [`HANDOFF_TTL`]; else the mean of the
 /// other classes' sampled in it (borrowed: good enough to choose replicas by, not to refuse a
 /// request by, since a flood's long prompts would hold a short turn's estimate up for as long
-/// as they last, and it would never be admitted to measure its own); else 0 (the cluster has
-/// been idle, or nothing was measured yet: the next requests measure it).
+/// as they last, and it would never be admitted to measure its own; see [`Choice::borrowed_ms`]);
+/// else 0 (the cluster has been idle, or nothing was measured yet: the next requests measure
+/// it).
 fn handoff_of(by_class: &[Option<Handoff>; PRIORITY_CLASSES], class: u8) -> (f64, bool) {
     let fresh = |h: &&Handoff| h.at.elapsed() <= HANDOFF_TTL;
     if let Some(own) = by_class[usize::from(class).min(PRIORITY_CLASSES - 1)]
@@ -292,6 +294,7 @@ impl Policy {
             reason: "round-robin".into(),
             fetch: None,
             est_ms: None,
+            borrowed_ms: 0.0,
         })
     }
 
@@ -457,7 +460,8 @@ impl Policy {
                 prefill_overlap: 0,
                 reason,
                 fetch: fetch.map(|(from, t, _)| (from.addr.clone(), t)),
-                est_ms: (!local_borrowed).then_some(l_ms),
+                est_ms: Some(l_ms),
+                borrowed_ms: if local_borrowed { h_local } else { 0.0 },
             });
         }
         let Some((r_ms, p, ph)) = remote else {
@@ -482,7 +486,8 @@ impl Policy {
             prefill_overlap: ph,
             reason,
             fetch: None,
-            est_ms: (!remote_borrowed).then_some(r_ms),
+            est_ms: Some(r_ms),
+            borrowed_ms: if remote_borrowed { h_remote } else { 0.0 },
         })
     }
 }

@@ -175,14 +175,18 @@ impl Dispatcher {
             reason: "last resort: every decode node drains".into(),
             fetch: None,
             est_ms: None,
+            borrowed_ms: 0.0,
         })
     }
 
     /// Refuses at once a request of `class` whose TTFT target the chosen option's estimate
     /// misses (the cheapest option the policy found, so no other meets it either), the
-    /// estimate corrected by its measured error ([`crate::dispatch::calibration`]). Where the
-    /// chosen workers' load reports are stale the estimate is not trusted: the request is
-    /// admitted (fail open) and [`crate::metrics::TTFT_FAIL_OPEN`] says so.
+    /// estimate corrected by its measured error ([`crate::dispatch::calibration`]). An estimate
+    /// whose hand-off is borrowed from another class is checked without it (and uncorrected):
+    /// only a request that its queue and compute alone make miss is refused, and the rest get
+    /// through to measure their class's own. Where the chosen workers' load reports are stale
+    /// the estimate is not trusted: the request is admitted (fail open) and
+    /// [`crate::metrics::TTFT_FAIL_OPEN`] says so.
     fn meets_target(&self, choice: &Choice, class: u8, target: Target) -> Result<(), Failure> {
         let Some(est_ms) = choice.est_ms else {
             return Ok(());
@@ -196,7 +200,11 @@ impl Dispatcher {
             );
             return Ok(());
         }
-        let correction_ms = self.calibration.correction_ms(class);
+        let correction_ms = if choice.borrowed_ms > 0.0 {
+            -choice.borrowed_ms
+        } else {
+            self.calibration.correction_ms(class)
+        };
         let more_ms = (est_ms + correction_ms).max(0.0);
         let checked = target.check(self, Duration::from_secs_f64(more_ms / 1e3));
         if checked.is_err() {

@@ -201,6 +201,7 @@ impl Dispatcher {
             reason,
             fetch,
             est_ms,
+            borrowed_ms,
         } = choice;
         let decode_cached = admitted.cached_tokens;
         let local = prefill.is_none();
@@ -360,7 +361,7 @@ impl Dispatcher {
             if progress.attempts == 1 {
                 let waited = t.queue_ms + t.prefill_wait_ms + t.prefill_ms;
                 (self.policy).record_handoff(local, p.class as u8, t.first_token_ms - waited);
-                if let Some(est_ms) = est_ms {
+                if let Some(est_ms) = est_ms.filter(|_| borrowed_ms == 0.0) {
                     let actual_ms = t.first_token_ms - chosen_ms;
                     tracing::debug!(est_ms, actual_ms, "time to first token from the choice");
                     (self.calibration).record(p.class as u8, actual_ms, est_ms);
