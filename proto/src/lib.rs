@@ -47,7 +47,7 @@ pub const PRIORITY_CLASSES: usize = 3;
 /// The most tokens a prefill node computes of a batch prompt between two chances to yield to
 /// a higher class (other prompts yield between whole chunks): a quarter of the default chunk,
 /// which costs it a few percent of its speed and keeps an interactive prompt's wait behind it
-/// to a fraction of a second. The router's TTFT estimate charges that wait.
+/// to a fraction of a second. The router's TTFT estimate charges half of it, the expected wait.
 pub const BATCH_YIELD_TOKENS: usize = 64;
 
 /// How long a request waits for its turn before it ranks one priority class higher: the

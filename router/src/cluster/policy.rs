@@ -12,7 +12,7 @@
 //!
 //! ```text
 //! remote(P, D) = ahead(P) / rate(P)                 // P's queue: its prompts of the request's class and above
-//!              + step(P) / rate(P)                   // a lower class's step in progress: BATCH_YIELD_TOKENS if any is there
+//!              + step(P) / rate(P)                   // half a batch yield step (BATCH_YIELD_TOKENS) if a lower class is there
 //!              + (n − held(P)) / rate(P)             // P computes what its prefix cache lacks
 //!              + disk(P) / restore(P)                // and reads back what is on its disk
 //!              + handoff_remote                      // measured: the push's exposed tail, the hops
@@ -412,8 +412,9 @@ impl Policy {
                 let (h, read_ms) = held(p);
                 let r = rate(p);
                 let ahead = p.queued_tokens_ahead(ask.class) as f64;
+                // Where it stands within the step is unknown: half of one, expected.
                 let step = if p.lower_class_busy(ask.class) {
-                    BATCH_YIELD_TOKENS as f64
+                    BATCH_YIELD_TOKENS as f64 / 2.0
                 } else {
                     0.0
                 };
@@ -599,7 +600,7 @@ mod tests {
     }
 
     /// A prefill node's queued prompts of lower classes yield to a higher one's, so its
-    /// estimate counts only the queued tokens of its class and above, and one batch yield
+    /// estimate counts only the queued tokens of its class and above, and half a batch yield
     /// step ([`BATCH_YIELD_TOKENS`]) while a lower class is there; the estimate's figures are
     /// fresh while the chosen replicas' reports are. With time paused.
     #[tokio::test(start_paused = true)]
@@ -638,12 +639,12 @@ mod tests {
             assert!(choice.prefill.is_some(), "{}", choice.reason);
             choice.est_ms.expect("an estimate")
         };
-        // Ahead, a lower class's step (64 tokens) and its own 100 tokens, at a token per ms, on
+        // Ahead, half a lower class's step (32 tokens) and its own 100 tokens, at a token per ms, on
         // figures reported just now; the batch class has nothing below it.
         for r in replicas.all() {
             r.record_load(0, 64);
         }
-        for (class, ms) in [(0, 264.0), (1, 1_164.0), (2, 10_100.0)] {
+        for (class, ms) in [(0, 232.0), (1, 1_132.0), (2, 10_100.0)] {
             let e = est(class);
             assert!((e - ms).abs() < 1e-6, "class {class}: {e} ms");
         }
@@ -651,10 +652,10 @@ mod tests {
         // the report's: 12,000 batch tokens are behind an interactive prompt, 500 interactive
         // ones ahead of it.
         let batch = replicas.all()[0].claim(12_000, 2);
-        assert!((est(0) - 264.0).abs() < 1e-6, "{}", est(0));
+        assert!((est(0) - 232.0).abs() < 1e-6, "{}", est(0));
         assert!((est(2) - 12_100.0).abs() < 1e-6, "{}", est(2));
         let interactive = replicas.all()[0].claim(500, 0);
-        assert!((est(0) - 664.0).abs() < 1e-6, "{}", est(0));
+        assert!((est(0) - 632.0).abs() < 1e-6, "{}", est(0));
         drop((batch, interactive));
         // A worker that does not report by class: its whole queue is ahead, and no step.
         for slot in &prefill.queued_class_tokens {

@@ -1,9 +1,9 @@
 //! The TTFT estimate's measured error, which admission against a TTFT target adds to the
 //! estimate. The policy's formula ([`crate::cluster::policy`]) counts the queues, the compute
-//! and the hand-off it measured, and a lower class's step in progress as a whole, but not
-//! what the workers' CPU does besides (on a machine whose prefill and decode nodes share
-//! cores, a flood's decode steps slow an interactive prompt's compute and hand-off), nor that
-//! the step is often half done. So each request's actual time to first token, less its time before the choice
+//! and the hand-off it measured, and half a lower class's step in progress, but not what the
+//! workers' CPU does besides (on a machine whose prefill and decode nodes share cores, a
+//! flood's decode steps slow an interactive prompt's compute and hand-off), nor where within
+//! the step the prompt arrives. So each request's actual time to first token, less its time before the choice
 //! and the choice's estimate, is kept as a residual of its class, and a request's estimate is
 //! raised by the 90th percentile of its class's recent residuals: the prediction that a
 //! request meets its target is then right nine times in ten, which is what the target asks of
