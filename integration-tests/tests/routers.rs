@@ -89,6 +89,15 @@ async fn peer_routers_share_sessions_load_and_running_generations() {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        // And once its health checks have found the workers up (the model comes first).
+        let workers = cluster.prefill.len() + cluster.decode.len();
+        until_metrics(r.node.addr, "every worker up", |t| {
+            (t.lines())
+                .filter(|l| l.starts_with("tandem_router_replica_up{") && l.ends_with(" 1"))
+                .count()
+                == workers
+        })
+        .await;
         until_metrics(r.node.addr, "the peer answered", |t| {
             staleness(t, other.peer).is_some_and(|s| s < 1.0)
         })
