@@ -14,6 +14,7 @@
 
 pub mod discovery;
 pub mod frontend;
+pub mod handoffs;
 pub mod index;
 pub mod migrate;
 pub mod peers;

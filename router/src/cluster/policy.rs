@@ -63,11 +63,11 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use tandem_proto::BATCH_YIELD_TOKENS;
 use tandem_proto::block_hash::BLOCK_TOKENS;
-use tandem_proto::{BATCH_YIELD_TOKENS, PRIORITY_CLASSES};
-use tokio::time::Instant;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+use crate::cluster::handoffs::Handoffs;
 use crate::cluster::replica::{InflightGuard, Replica, Role, mean_prefill_rate};
 use crate::cluster::replicas::Replicas;
 use crate::config::PolicyKind;
@@ -118,7 +118,7 @@ pub struct Choice {
     /// The option's estimated time to first token, in ms (the formula above); `None` where
     /// no formula chose (round robin, the last resort).
     pub est_ms: Option<f64>,
-    /// Of that estimate, a hand-off borrowed from another class ([`handoff_of`]); 0 where the
+    /// Of that estimate, a hand-off borrowed from another class ([`Handoffs::of`]); 0 where the
     /// request's class measured its own.
     pub borrowed_ms: f64,
 }
@@ -132,69 +132,11 @@ impl Choice {
     }
 }
 
-/// How long a measured hand-off describes the cluster: one sampled under a load that has
-/// passed must not hold a class's estimate up for good once nothing of it is admitted to
-/// measure again.
-pub const HANDOFF_TTL: Duration = Duration::from_secs(30);
-
-/// A moving average of measured hand-offs, in ms, and when it was last sampled.
-#[derive(Clone, Copy, Debug)]
-struct Handoff {
-    ms: f64,
-    at: Instant,
-}
-
-/// Measured hand-offs by priority class (a class's prompts are alike, and a hand-off's
-/// exposed tail grows with the prompt: a short interactive turn's is not a long batch
-/// prompt's), and the moving average of fetch throughput, in bytes per ms.
-#[derive(Debug, Default)]
-struct Handoffs {
-    remote: [Option<Handoff>; PRIORITY_CLASSES],
-    local: [Option<Handoff>; PRIORITY_CLASSES],
-    link: f64,
-}
-
-/// The hand-off a request of `class` is estimated with, in ms, and whether it is another
-/// class's: its class's average sampled in the last [`HANDOFF_TTL`]; else the mean of the
-/// other classes' sampled in it (borrowed: good enough to choose replicas by, not to refuse a
-/// request by, since a flood's long prompts would hold a short turn's estimate up for as long
-/// as they last, and it would never be admitted to measure its own; see [`Choice::borrowed_ms`]);
-/// else 0 (the cluster has been idle, or nothing was measured yet: the next requests measure
-/// it).
-fn handoff_of(by_class: &[Option<Handoff>; PRIORITY_CLASSES], class: u8) -> (f64, bool) {
-    let fresh = |h: &&Handoff| h.at.elapsed() <= HANDOFF_TTL;
-    if let Some(own) = by_class[usize::from(class).min(PRIORITY_CLASSES - 1)]
-        .as_ref()
-        .filter(fresh)
-    {
-        return (own.ms, false);
-    }
-    let others: Vec<f64> = by_class
-        .iter()
-        .flatten()
-        .filter(fresh)
-        .map(|h| h.ms)
-        .collect();
-    if others.is_empty() {
-        (0.0, false)
-    } else {
-        (others.iter().sum::<f64>() / others.len() as f64, true)
-    }
-}
-
 #[derive(Debug, Default)]
 pub struct Policy {
     kind: PolicyKind,
     next: AtomicUsize,
     handoffs: Mutex<Handoffs>,
-}
-
-fn ewma(old: f64, sample: f64) -> f64 {
-    if old == 0.0 {
-        sample
-    } else {
-        old * 0.8 + sample * 0.2
-    }
 }
 
 /// Rendezvous (highest random weight) score of the place named `name` for `key`: each key's
@@ -247,28 +189,12 @@ impl Policy {
     /// Folds in a measured handoff of a request of `class`: first-token time minus queue and
     /// compute, in ms.
     pub fn record_handoff(&self, local: bool, class: u8, ms: f64) {
-        let ms = ms.max(0.0);
-        let class = usize::from(class).min(PRIORITY_CLASSES - 1);
-        let mut h = self.handoffs();
-        let slot = if local {
-            &mut h.local[class]
-        } else {
-            &mut h.remote[class]
-        };
-        // A stale average starts over: the load it measured has passed.
-        let old = slot.filter(|h| h.at.elapsed() <= HANDOFF_TTL);
-        *slot = Some(Handoff {
-            ms: old.map_or(ms, |old| ewma(old.ms, ms)),
-            at: Instant::now(),
-        });
+        self.handoffs().record(local, class, ms);
     }
 
     /// Folds in a measured peer fetch: `bytes` in `ms`.
     pub fn record_fetch(&self, bytes: u64, ms: f64) {
-        if bytes > 0 && ms > 0.0 {
-            let mut h = self.handoffs();
-            h.link = ewma(h.link, bytes as f64 / ms);
-        }
+        self.handoffs().record_fetch(bytes, ms);
     }
 
     pub fn choose(&self, replicas: &Replicas, ask: &Ask<'_>) -> Result<Choice> {
@@ -324,11 +250,7 @@ impl Policy {
             } else {
                 DEFAULT_LINK_BYTES_PER_SECOND / 1e3
             };
-            (
-                handoff_of(&h.remote, ask.class),
-                handoff_of(&h.local, ask.class),
-                link,
-            )
+            (h.of(false, ask.class), h.of(true, ask.class), link)
         };
         let n = ask.tokens as f64;
         // The tokens a replica holds by the index, and what reading those on its disk tier
@@ -499,47 +421,6 @@ mod tests {
     use tokio_util::sync::CancellationToken;
 
     use super::*;
-
-    /// With time paused: a class is estimated with its own hand-offs; before its first, with
-    /// the mean of the other classes' (borrowed); a class's average counts for [`HANDOFF_TTL`] after its
-    /// last sample and then starts over, and with nothing sampled in it the hand-off is 0.
-    #[tokio::test(start_paused = true)]
-    async fn a_class_is_estimated_with_its_own_recent_hand_offs() {
-        let policy = Policy::default();
-        let remote = |class| handoff_of(&policy.handoffs().remote, class);
-        assert_eq!(remote(0), (0.0, false), "nothing measured");
-        policy.record_handoff(false, 2, 100.0);
-        assert_eq!(remote(0), (100.0, true), "the batch class's, borrowed");
-        policy.record_handoff(false, 1, 50.0);
-        assert_eq!(remote(0), (75.0, true), "the mean of the classes measured");
-        policy.record_handoff(false, 0, 10.0);
-        policy.record_handoff(false, 0, 20.0);
-        assert_eq!(
-            remote(0),
-            (12.0, false),
-            "its own moving average: 10 + (20 - 10) / 5"
-        );
-        assert_eq!(remote(2), (100.0, false));
-        assert_eq!(
-            handoff_of(&policy.handoffs().local, 0),
-            (0.0, false),
-            "local apart"
-        );
-        // The interactive class goes on being measured; the others fall silent.
-        tokio::time::advance(HANDOFF_TTL / 2).await;
-        policy.record_handoff(false, 0, 12.0);
-        tokio::time::advance(HANDOFF_TTL / 2 + Duration::from_millis(1)).await;
-        assert_eq!(
-            remote(2),
-            (12.0, true),
-            "its own went stale: the classes sampled lately"
-        );
-        assert_eq!(remote(0), (12.0, false));
-        tokio::time::advance(HANDOFF_TTL).await;
-        assert_eq!(remote(0), (0.0, false), "nothing sampled lately");
-        policy.record_handoff(false, 0, 30.0);
-        assert_eq!(remote(0), (30.0, false), "a stale average starts over");
-    }
 
     /// A prompt whose prefix a draining prefill node's prefix cache holds is fetched from
     /// there and its rest computed on the decode node, rather than computed whole on the
