@@ -419,10 +419,7 @@ impl Cluster {
         let replicas = self.prefill.len() + self.decode.len();
         loop {
             let text = metrics(self.router.addr).await?;
-            let up = text
-                .lines()
-                .filter(|l| l.starts_with("tandem_router_replica_up{") && l.ends_with(" 1"))
-                .count();
+            let up = replicas_up(&text);
             if up == replicas {
                 return Ok(());
             }
@@ -728,6 +725,13 @@ impl Drop for SpillDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+/// How many replicas a router's metrics (Prometheus text) say are up.
+pub fn replicas_up(text: &str) -> usize {
+    text.lines()
+        .filter(|l| l.starts_with("tandem_router_replica_up{") && l.ends_with(" 1"))
+        .count()
 }
 
 /// The value of one sample line (`name{labels} value`) in Prometheus text.

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use tandem_integration_tests::{
-    Cluster, ClusterConfig, PeerRouter, collect, finish, http_model, metrics, open, sample,
-    smollm2_model,
+    Cluster, ClusterConfig, PeerRouter, collect, finish, http_model, metrics, open, replicas_up,
+    sample, smollm2_model,
 };
 use tandem_proto::v1 as pb;
 
@@ -92,10 +92,7 @@ async fn peer_routers_share_sessions_load_and_running_generations() {
         // And once its health checks have found the workers up (the model comes first).
         let workers = cluster.prefill.len() + cluster.decode.len();
         until_metrics(r.node.addr, "every worker up", |t| {
-            (t.lines())
-                .filter(|l| l.starts_with("tandem_router_replica_up{") && l.ends_with(" 1"))
-                .count()
-                == workers
+            replicas_up(t) == workers
         })
         .await;
         until_metrics(r.node.addr, "the peer answered", |t| {

@@ -37,7 +37,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tandem_engine::{Engine, GenerateParams, SeqId, TokenLogprobs};
-use tandem_proto::{BATCH_YIELD_TOKENS, PRIORITY_CLASSES};
+use tandem_proto::{BATCH_YIELD_TOKENS, PRIORITY_CLASSES, class_slot};
 use tandem_transfer::KvPush;
 use tandem_transfer::client::PUSH_STALL;
 use tandem_worker::moves::{CacheCommand, EngineCache, Recent};
@@ -250,8 +250,7 @@ impl Shared {
     pub fn queued(&self, class: u8, n: usize, joins: bool) {
         let n = if joins { n as i64 } else { -(n as i64) };
         self.metrics.queued_tokens.inc_by(n);
-        self.class_tokens[usize::from(class).min(PRIORITY_CLASSES - 1)]
-            .fetch_add(n, Ordering::Relaxed);
+        self.class_tokens[class_slot(class)].fetch_add(n, Ordering::Relaxed);
     }
 }
 

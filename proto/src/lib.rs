@@ -44,6 +44,12 @@ pub const HANDOFF_METADATA: &str = "tandem-kv-handoff";
 /// How many priority classes there are: 0 interactive (the highest), 1 standard, 2 batch.
 pub const PRIORITY_CLASSES: usize = 3;
 
+/// The index of class `class` in an array by class: a number past the lowest class counts as
+/// the lowest.
+pub fn class_slot(class: u8) -> usize {
+    usize::from(class).min(PRIORITY_CLASSES - 1)
+}
+
 /// The most tokens a prefill node computes of a batch prompt between two chances to yield to
 /// a higher class (other prompts yield between whole chunks): a quarter of the default chunk,
 /// which costs it a few percent of its speed and keeps an interactive prompt's wait behind it

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use tandem_proto::PRIORITY_CLASSES;
+use tandem_proto::{PRIORITY_CLASSES, class_slot};
 use tokio::time::Instant;
 
 /// How long a measured hand-off describes the cluster: one sampled under a load that has
@@ -33,11 +33,10 @@ impl Handoffs {
     /// Folds in a measured hand-off of a request of `class`, in ms.
     pub fn record(&mut self, local: bool, class: u8, ms: f64) {
         let ms = ms.max(0.0);
-        let class = usize::from(class).min(PRIORITY_CLASSES - 1);
         let slot = if local {
-            &mut self.local[class]
+            &mut self.local[class_slot(class)]
         } else {
-            &mut self.remote[class]
+            &mut self.remote[class_slot(class)]
         };
         // A stale average starts over: the load it measured has passed.
         let old = slot.filter(|h| h.at.elapsed() <= HANDOFF_TTL);
@@ -54,30 +53,27 @@ impl Handoffs {
         }
     }
 
-    /// The hand-off a request of `class` is estimated with, in ms, and whether it is another
-    /// class's: its class's average sampled in the last [`HANDOFF_TTL`]; else the mean of the
+    /// The hand-off a request of `class` is estimated with, in ms, and how much of it is
+    /// borrowed from other classes (all of it, or none): its class's average sampled in the last [`HANDOFF_TTL`]; else the mean of the
     /// other classes' sampled in it (borrowed: good enough to choose replicas by, not to
     /// refuse a request by, since a flood's long prompts would hold a short turn's estimate up
     /// for as long as they last, and it would never be admitted to measure its own; see
     /// [`crate::cluster::policy::Choice::borrowed_ms`]); else 0 (the cluster has been idle,
     /// or nothing was measured yet: the next requests measure it).
-    pub fn of(&self, local: bool, class: u8) -> (f64, bool) {
+    pub fn of(&self, local: bool, class: u8) -> (f64, f64) {
         let by_class = if local { &self.local } else { &self.remote };
         let fresh = |h: &&Handoff| h.at.elapsed() <= HANDOFF_TTL;
-        if let Some(own) = by_class[usize::from(class).min(PRIORITY_CLASSES - 1)]
-            .as_ref()
-            .filter(fresh)
-        {
-            return (own.ms, false);
+        if let Some(own) = by_class[class_slot(class)].as_ref().filter(fresh) {
+            return (own.ms, 0.0);
         }
-        let others: Vec<f64> = (by_class.iter().flatten())
+        let (sum, n) = (by_class.iter().flatten())
             .filter(fresh)
-            .map(|h| h.ms)
-            .collect();
-        if others.is_empty() {
-            (0.0, false)
+            .fold((0.0, 0), |(sum, n), h| (sum + h.ms, n + 1));
+        if n == 0 {
+            (0.0, 0.0)
         } else {
-            (others.iter().sum::<f64>() / others.len() as f64, true)
+            let mean = sum / f64::from(n);
+            (mean, mean)
         }
     }
 }
@@ -101,39 +97,40 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_class_is_estimated_with_its_own_recent_hand_offs() {
         let mut h = Handoffs::default();
-        let is = |got: (f64, bool), ms: f64, borrowed: bool| {
-            (got.0 - ms).abs() < 1e-9 && got.1 == borrowed
+        // (the hand-off, of it borrowed), within a rounding error.
+        let is = |got: (f64, f64), want: (f64, f64)| {
+            (got.0 - want.0).abs() < 1e-9 && (got.1 - want.1).abs() < 1e-9
         };
-        assert!(is(h.of(false, 0), 0.0, false), "nothing measured");
+        assert!(is(h.of(false, 0), (0.0, 0.0)), "nothing measured");
         h.record(false, 2, 100.0);
         assert!(
-            is(h.of(false, 0), 100.0, true),
+            is(h.of(false, 0), (100.0, 100.0)),
             "the batch class's, borrowed"
         );
         h.record(false, 1, 50.0);
-        assert!(is(h.of(false, 0), 75.0, true), "the classes measured");
+        assert!(is(h.of(false, 0), (75.0, 75.0)), "the classes measured");
         h.record(false, 0, 10.0);
         h.record(false, 0, 20.0);
         assert!(
-            is(h.of(false, 0), 12.0, false),
+            is(h.of(false, 0), (12.0, 0.0)),
             "its own: 10 + (20 - 10) / 5"
         );
-        assert!(is(h.of(false, 2), 100.0, false));
-        assert!(is(h.of(true, 0), 0.0, false), "local apart");
+        assert!(is(h.of(false, 2), (100.0, 0.0)));
+        assert!(is(h.of(true, 0), (0.0, 0.0)), "local apart");
         // The interactive class goes on being measured; the others fall silent.
         tokio::time::advance(HANDOFF_TTL / 2).await;
         h.record(false, 0, 12.0);
         tokio::time::advance(HANDOFF_TTL / 2 + Duration::from_millis(1)).await;
         assert!(
-            is(h.of(false, 2), 12.0, true),
+            is(h.of(false, 2), (12.0, 12.0)),
             "its own went stale: the class sampled lately"
         );
-        assert!(is(h.of(false, 0), 12.0, false));
+        assert!(is(h.of(false, 0), (12.0, 0.0)));
         tokio::time::advance(HANDOFF_TTL).await;
-        assert!(is(h.of(false, 0), 0.0, false), "nothing sampled lately");
+        assert!(is(h.of(false, 0), (0.0, 0.0)), "nothing sampled lately");
         h.record(false, 0, 30.0);
         assert!(
-            is(h.of(false, 0), 30.0, false),
+            is(h.of(false, 0), (30.0, 0.0)),
             "a stale average starts over"
         );
     }

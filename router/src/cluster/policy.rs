@@ -243,7 +243,7 @@ impl Policy {
         } else {
             ask.session_id.as_bytes().to_vec()
         };
-        let ((h_remote, remote_borrowed), (h_local, local_borrowed), link) = {
+        let ((h_remote, remote_borrowed_ms), (h_local, local_borrowed_ms), link) = {
             let h = self.handoffs();
             let link = if h.link > 0.0 {
                 h.link
@@ -384,7 +384,7 @@ impl Policy {
                 reason,
                 fetch: fetch.map(|(from, t, _)| (from.addr.clone(), t)),
                 est_ms: Some(l_ms),
-                borrowed_ms: if local_borrowed { h_local } else { 0.0 },
+                borrowed_ms: local_borrowed_ms,
             });
         }
         let Some((r_ms, p, ph)) = remote else {
@@ -410,7 +410,7 @@ impl Policy {
             reason,
             fetch: None,
             est_ms: Some(r_ms),
-            borrowed_ms: if remote_borrowed { h_remote } else { 0.0 },
+            borrowed_ms: remote_borrowed_ms,
         })
     }
 }

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use tandem_proto::PRIORITY_CLASSES;
+use tandem_proto::{PRIORITY_CLASSES, class_slot};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
@@ -261,7 +261,7 @@ impl Replica {
     /// Counts a request of `tokens` prompt tokens of priority class `class` against this
     /// replica while the guard lives.
     pub fn claim(self: &Arc<Self>, tokens: u64, class: u8) -> InflightGuard {
-        let class = usize::from(class).min(PRIORITY_CLASSES - 1);
+        let class = class_slot(class);
         self.inflight.fetch_add(1, Ordering::Relaxed);
         self.inflight_tokens.fetch_add(tokens, Ordering::Relaxed);
         self.inflight_class_tokens[class].fetch_add(tokens, Ordering::Relaxed);

@@ -17,7 +17,7 @@ use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use tandem_proto::PRIORITY_CLASSES;
+use tandem_proto::{PRIORITY_CLASSES, class_slot};
 use tokio::time::Instant;
 
 /// Recent residuals of the TTFT estimate (actual − estimated, ms), by priority class.
@@ -41,7 +41,7 @@ impl Calibration {
     /// estimated `est_ms`.
     pub fn record(&self, class: u8, actual_ms: f64, est_ms: f64) {
         let mut all = self.lock();
-        let kept = &mut all[usize::from(class).min(PRIORITY_CLASSES - 1)];
+        let kept = &mut all[class_slot(class)];
         if kept.len() == Self::KEPT {
             kept.pop_front();
         }
@@ -53,7 +53,7 @@ impl Calibration {
     /// fewer than [`Self::MIN_SAMPLES`] of them.
     pub fn correction_ms(&self, class: u8) -> f64 {
         let mut all = self.lock();
-        let kept = &mut all[usize::from(class).min(PRIORITY_CLASSES - 1)];
+        let kept = &mut all[class_slot(class)];
         while kept.front().is_some_and(|(at, _)| at.elapsed() > Self::TTL) {
             kept.pop_front();
         }
