@@ -75,8 +75,6 @@ impl Policy {
     }
 }
 
-/// A worker's KV pool in MiB, unless configured.
-pub(crate) const DEFAULT_KV_BUDGET_MB: usize = 512;
 /// The most MiB a worker's disk tier holds, unless configured.
 pub(crate) const DEFAULT_KV_SPILL_MB: u64 = 4096;
 
@@ -88,9 +86,11 @@ pub(crate) struct WorkerArgs {
     /// Compute threads (0 = one per core).
     #[arg(long, env = "TANDEM_THREADS", default_value_t = 0)]
     pub threads: usize,
-    /// KV pool size in MiB.
-    #[arg(long, env = "TANDEM_KV_BUDGET_MB", default_value_t = DEFAULT_KV_BUDGET_MB)]
-    pub kv_budget_mb: usize,
+    /// KV pool size in MiB [default: 512, or one sequence of the model's whole context where
+    /// that is more]. A pool smaller than the context serves sequences (prompt + max_tokens) up
+    /// to its size: a decode node cuts a longer request's max_tokens to it.
+    #[arg(long, env = "TANDEM_KV_BUDGET_MB")]
+    pub kv_budget_mb: Option<usize>,
     /// How long in-flight requests may run after shutdown begins, in ms.
     #[arg(long, env = "TANDEM_GRACE_MS", default_value_t = tandem_worker::DEFAULT_GRACE.as_millis() as u64)]
     pub grace_ms: u64,
@@ -176,11 +176,15 @@ impl WorkerArgs {
         })
     }
 
-    /// The engine, with a prefix cache of `cache_bytes` when the cache is on.
-    fn engine(&self, cache_bytes: usize) -> EngineConfig {
+    /// The engine for `model`, with a prefix cache of `cache_bytes` when the cache is on.
+    fn engine(&self, model: &Model, cache_bytes: usize) -> EngineConfig {
         EngineConfig {
             threads: self.threads,
-            kv_budget_bytes: self.kv_budget_mb << 20,
+            kv_budget_bytes: tandem_worker::kv_budget_bytes(
+                model,
+                self.kv_dtype.dtype(),
+                self.kv_budget_mb,
+            ),
             kv_dtype: self.kv_dtype.dtype(),
             prefix_cache_bytes: match self.prefix_cache {
                 Switch::On => cache_bytes,
@@ -493,8 +497,8 @@ pub(crate) fn prefill(args: &PrefillArgs) -> anyhow::Result<()> {
     let model = args.worker.model.source().load()?;
     let config = tandem_prefill_server::Config {
         node: args.worker.node(
-            model,
-            args.worker.engine(args.prefix_cache_mb << 20),
+            model.clone(),
+            args.worker.engine(&model, args.prefix_cache_mb << 20),
             Role::Prefill,
         )?,
         max_queue: args.max_queue,
@@ -512,7 +516,7 @@ pub(crate) fn decode(args: &DecodeArgs) -> anyhow::Result<()> {
     // The session cache may use the whole pool: running sequences evict it as they need.
     let engine = EngineConfig {
         speculate: args.speculate.speculate(),
-        ..args.worker.engine(usize::MAX)
+        ..args.worker.engine(&model, usize::MAX)
     };
     let config = tandem_decode_server::Config {
         node: args.worker.node(model, engine, Role::Decode)?,

@@ -78,9 +78,10 @@ pub(crate) struct UpArgs {
     /// Each prefill node's prefix cache in MiB.
     #[arg(long, env = "TANDEM_PREFIX_CACHE_MB", default_value_t = tandem_prefill_server::DEFAULT_PREFIX_CACHE_BYTES >> 20)]
     prefix_cache_mb: usize,
-    /// Each worker's KV pool in MiB.
-    #[arg(long, env = "TANDEM_KV_BUDGET_MB", default_value_t = crate::serve::DEFAULT_KV_BUDGET_MB)]
-    kv_budget_mb: usize,
+    /// Each worker's KV pool in MiB [default: 512, or one sequence of the model's whole
+    /// context where that is more] (`tandem decode --kv-budget-mb`).
+    #[arg(long, env = "TANDEM_KV_BUDGET_MB")]
+    kv_budget_mb: Option<usize>,
     /// The caches' disk tier: each worker spills the blocks its pool evicts (and the KV of
     /// agent sessions gone idle) to a directory of its own under this one (`prefill-0`,
     /// `decode-0`, ...) and reads them back on a later hit (`tandem prefill --kv-spill-dir`).
@@ -302,7 +303,9 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
         common.extend(["--threads".into(), threads.to_string()]);
         common.extend(["--prefix-cache".into(), args.prefix_cache.name().into()]);
         common.extend(["--kv-dtype".into(), args.kv_dtype.dtype().name().into()]);
-        common.extend(["--kv-budget-mb".into(), args.kv_budget_mb.to_string()]);
+        if let Some(mb) = args.kv_budget_mb {
+            common.extend(["--kv-budget-mb".into(), mb.to_string()]);
+        }
         let mut workers = Vec::new();
         for (m, (spec, _)) in models.iter().enumerate() {
             for (role, n) in [("prefill", args.prefill), ("decode", args.decode)] {

@@ -1,6 +1,9 @@
 //! Admission: a request gets a place and its worst-case KV blocks (prompt + max_tokens) up
 //! front, or RESOURCE_EXHAUSTED. Because every admitted sequence's blocks are reserved, the
 //! scheduler's engine can never run out of KV mid-generation. [`Admitted`] returns both on drop.
+//! A request never asks for more than [`Admission::most_blocks`] of its class: the request
+//! task cuts its max_tokens to that first, so RESOURCE_EXHAUSTED always means "not now" and
+//! an empty node admits every request it was sent.
 //!
 //! Places are not batch slots: an admitted request may still be waiting for its KV (a prefill
 //! node's queue) or for a slot (the scheduler's), so a node admits [`PLACES_PER_SLOT`] times
@@ -109,6 +112,16 @@ impl Admission {
             batch,
             admission: self.clone(),
         })
+    }
+
+    /// The most KV blocks one request of `class` may ever hold here: the whole pool, or the
+    /// batch class's share of it.
+    pub fn most_blocks(&self, class: u8) -> usize {
+        if class >= BATCH {
+            self.batch_blocks
+        } else {
+            self.total_blocks
+        }
     }
 
     /// (places, blocks) taken now.

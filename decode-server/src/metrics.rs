@@ -27,6 +27,7 @@ pub const PARKED_DISK_BYTES: &str = "tandem_decode_parked_disk_bytes";
 pub const RESUME_SECONDS: &str = "tandem_decode_resume_seconds";
 pub const PAUSED_SECONDS: &str = "tandem_decode_paused_seconds";
 pub const RECOMPUTED_TOKENS: &str = "tandem_decode_recomputed_tokens";
+pub const MAX_TOKENS_CUT: &str = "tandem_decode_max_tokens_cut";
 
 #[derive(Clone, Debug)]
 pub struct DecodeMetrics {
@@ -64,6 +65,8 @@ pub struct DecodeMetrics {
     pub paused_seconds: Histogram,
     /// Tokens of paused streams computed again because the disk tier no longer had them.
     pub recomputed_tokens: Counter,
+    /// Requests admitted with their max_tokens cut to what the KV pool holds.
+    pub max_tokens_cut: Counter,
 }
 
 impl DecodeMetrics {
@@ -91,6 +94,7 @@ impl DecodeMetrics {
             resume_seconds: Histogram::new(exponential_buckets(0.0001, 2.0, 16)),
             paused_seconds: Histogram::new(exponential_buckets(0.01, 2.0, 14)),
             recomputed_tokens: Counter::default(),
+            max_tokens_cut: Counter::default(),
         };
         registry.register(
             ACTIVE_SLOTS,
@@ -197,6 +201,12 @@ impl DecodeMetrics {
             RECOMPUTED_TOKENS,
             "Tokens of paused streams computed again because the disk tier no longer held them",
             m.recomputed_tokens.clone(),
+        );
+        registry.register(
+            MAX_TOKENS_CUT,
+            "Requests whose prompt plus max_tokens the KV pool could never hold, admitted with \
+             max_tokens cut to what it holds",
+            m.max_tokens_cut.clone(),
         );
         m
     }

@@ -142,7 +142,7 @@ impl RequestContext {
     /// Validates and admits `plan`, then starts its task; returns the response stream.
     pub(crate) fn start(
         &self,
-        plan: Plan,
+        mut plan: Plan,
     ) -> Result<ReceiverStream<Result<pb::DecodeResponse, Status>>> {
         if self.moves.draining.is_cancelled() && !plan.last_resort {
             return Err(Error::HandedOff { tokens: 0 });
@@ -170,6 +170,7 @@ impl RequestContext {
         // max_tokens counts the resumed tokens, which the prompt already holds.
         let original = plan.prompt.len() - plan.resumed;
         config.check_fits(original, plan.params.max_tokens)?;
+        let asked = self.fit_pool(&mut plan, original)?;
         let total = original + plan.params.max_tokens;
         let generated = &plan.prompt[original..];
         let stream = Stream::resume(
@@ -181,6 +182,16 @@ impl RequestContext {
         let admitted = self
             .admission
             .try_admit(total.div_ceil(tandem_engine::BLOCK_TOKENS), plan.class)?;
+        if let Some(asked) = asked {
+            tracing::info!(
+                asked,
+                cut = plan.params.max_tokens,
+                pool_tokens = total,
+                class = plan.class,
+                "max_tokens cut to what the KV pool holds for one request"
+            );
+            self.shared.metrics.max_tokens_cut.inc();
+        }
         let (tx, rx) = mpsc::channel(FRAME_BUFFER);
         let ctx = self.clone();
         // The generation logs under the request's span (its request_id).
@@ -194,6 +205,40 @@ impl RequestContext {
             .instrument(tracing::Span::current()),
         );
         Ok(ReceiverStream::new(rx))
+    }
+
+    /// Holds `plan`'s reservation (its prompt of `original` tokens plus max_tokens) to what
+    /// this node's pool can ever give one request of its class ([`Admission::most_blocks`]):
+    /// max_tokens is cut to what fits, and the generation stops at the pool's end with finish
+    /// reason `length`, as llama-server's stops at its context's end, instead of waiting for
+    /// room that never comes. The admitted frame tells the router the max_tokens admitted, so
+    /// that a failover asks for no more. A prompt that leaves no room for one token is refused.
+    /// Returns the max_tokens asked where it was cut.
+    fn fit_pool(&self, plan: &mut Plan, original: usize) -> Result<Option<usize>> {
+        let most = self.admission.most_blocks(plan.class) * tandem_engine::BLOCK_TOKENS;
+        if original + plan.params.max_tokens <= most {
+            return Ok(None);
+        }
+        let of_class = if plan.class >= crate::classes::BATCH {
+            " of the batch class"
+        } else {
+            ""
+        };
+        if plan.prompt.len() >= most {
+            return Err(Error::InvalidArgument {
+                field: "prompt_token_ids",
+                reason: format!(
+                    "a prompt of {} tokens leaves no room to generate in the {most} tokens of KV \
+                     this decode node holds for one request{of_class}",
+                    plan.prompt.len()
+                ),
+            });
+        }
+        // The prompt holds the resumed tokens, so the cut leaves room for one more.
+        let cut = most - original;
+        let asked = std::mem::replace(&mut plan.params.max_tokens, cut);
+        plan.params.min_tokens = plan.params.min_tokens.min(cut);
+        Ok(Some(asked))
     }
 
     async fn run(
@@ -284,6 +329,7 @@ impl RequestContext {
                 fetch_ms: if plan.fetch.is_some() { fetch_ms } else { 0.0 },
                 fetched_bytes,
                 restored_tokens: reused.restored as u32,
+                max_tokens: plan.params.max_tokens as u32,
             })),
         };
         if tx.send(Ok(frame)).await.is_err() {

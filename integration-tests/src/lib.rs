@@ -107,6 +107,8 @@ pub struct ClusterConfig {
     pub grace: Duration,
     /// Requests the router holds at once, running or queued; more are refused at once.
     pub max_inflight: usize,
+    /// The router's bound on a request whose client sets no deadline (`--timeout-ms`).
+    pub timeout: Duration,
     /// The router's API keys and per-key limits.
     pub auth: tandem_router::AuthConfig,
     /// The router's hard limits on requests.
@@ -141,6 +143,7 @@ impl ClusterConfig {
             decode_slots: 16,
             park_pinned_bytes: tandem_decode_server::DEFAULT_PARK_PINNED_BYTES,
             max_inflight: tandem_router::Config::default().max_inflight,
+            timeout: tandem_router::Config::default().default_timeout,
             kv_wait: Duration::from_secs(10),
             token_gap: tandem_router::Config::default().token_gap,
             max_kv_wait: Duration::from_secs(60),
@@ -336,6 +339,7 @@ impl Cluster {
             kv_wait: config.kv_wait,
             token_gap: config.token_gap,
             max_inflight: config.max_inflight,
+            default_timeout: config.timeout,
             grace: config.grace,
             load_poll: Duration::from_millis(50),
             policy: config.policy,

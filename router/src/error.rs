@@ -59,6 +59,16 @@ pub enum Error {
     #[error("deadline exceeded")]
     Deadline,
 
+    /// The deadline passed while the request waited in the router's queue.
+    #[error(
+        "deadline exceeded after {} ms in the router's queue, waiting for {waiting_for}",
+        waited.as_millis()
+    )]
+    QueueTimeout {
+        waited: std::time::Duration,
+        waiting_for: &'static str,
+    },
+
     #[error("the router is shutting down")]
     ShuttingDown,
 
@@ -118,7 +128,7 @@ impl Error {
             | Error::ShuttingDown
             | Error::Draining
             | Error::Serve(_) => Code::Unavailable,
-            Error::Deadline => Code::DeadlineExceeded,
+            Error::Deadline | Error::QueueTimeout { .. } => Code::DeadlineExceeded,
             Error::Downstream { code, .. } => *code,
         }
     }

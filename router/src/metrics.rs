@@ -26,6 +26,7 @@ pub const LAST_RESORT: &str = "tandem_router_last_resort";
 pub const DECODE_STALLS: &str = "tandem_router_decode_stalls";
 pub const QUEUED: &str = "tandem_router_queued_requests";
 pub const REFUSED: &str = "tandem_router_refused_requests";
+pub const QUEUE_TIMEOUTS: &str = "tandem_router_queue_timeouts";
 pub const TENANT_TOKENS: &str = "tandem_router_tenant_tokens";
 pub const TTFT_FAIL_OPEN: &str = "tandem_router_ttft_fail_open";
 pub const PROMPT_TOKENS: &str = "tandem_router_prompt_tokens";
@@ -174,6 +175,8 @@ pub struct RouterMetrics {
     pub queued: Gauge,
     /// Requests refused at once for want of room, by reason.
     pub refused: Family<RefusalLabel, Counter>,
+    /// Requests whose deadline passed while they waited in the router's queue.
+    pub queue_timeouts: Counter,
     /// Tokens served per tenant: what the admission order's fair shares divide.
     pub tenant_tokens: Family<TenantLabel, Counter>,
     /// 1 while the TTFT targets go unchecked because the load figures they would be checked
@@ -247,6 +250,7 @@ impl RouterMetrics {
             queue: Histogram::new(exponential_buckets(0.0001, 2.0, 18)),
             queued: Gauge::default(),
             refused: Family::default(),
+            queue_timeouts: Counter::default(),
             tenant_tokens: Family::default(),
             ttft_fail_open: Gauge::default(),
             requests: Family::default(),
@@ -314,6 +318,11 @@ impl RouterMetrics {
             REFUSED,
             "Requests refused at once for want of room: the queue was full (queue_full), its wait would outlast the request's deadline (deadline), or the predicted time to first token misses the request's target (ttft_target)",
             m.refused.clone(),
+        );
+        registry.register(
+            QUEUE_TIMEOUTS,
+            "Requests whose deadline passed while they waited in the router's queue (DEADLINE_EXCEEDED naming the queue)",
+            m.queue_timeouts.clone(),
         );
         registry.register(
             TTFT_FAIL_OPEN,

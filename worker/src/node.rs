@@ -12,7 +12,7 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
-use tandem_engine::{Engine, EngineConfig, KvLayout, Model, SpillStats};
+use tandem_engine::{BLOCK_TOKENS, Engine, EngineConfig, KvDtype, KvLayout, Model, SpillStats};
 use tandem_net::tls::Tls;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -27,6 +27,24 @@ pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
 pub const DEFAULT_DRAIN_HANDOFF: Duration = Duration::from_secs(5);
 /// Bytes of KV a drain keeps for hand-offs at most, unless configured.
 pub const DEFAULT_DRAIN_HANDOFF_BYTES: u64 = 1 << 30;
+
+/// A worker's KV pool in MiB, unless configured or the model's context needs more
+/// ([`kv_budget_bytes`]).
+pub const DEFAULT_KV_BUDGET_MB: usize = 512;
+
+/// A worker's KV pool in bytes: `configured_mb` MiB, or else [`DEFAULT_KV_BUDGET_MB`] or one
+/// sequence of `model`'s whole context in `dtype`, whichever is more, so that a node serves
+/// every request the context allows.
+pub fn kv_budget_bytes(model: &Model, dtype: KvDtype, configured_mb: Option<usize>) -> usize {
+    configured_mb.map_or_else(
+        || {
+            let block_bytes = model.config.kv_layout(dtype).block_bytes();
+            let context_blocks = model.config.context_len.div_ceil(BLOCK_TOKENS);
+            (context_blocks * block_bytes).max(DEFAULT_KV_BUDGET_MB << 20)
+        },
+        |mb| mb << 20,
+    )
+}
 
 /// What every worker node is configured with.
 #[derive(Debug, Clone)]
@@ -137,6 +155,22 @@ impl Node {
     /// The node's engine, as configured; its disk tier's figures join the node's metrics.
     pub fn engine(&mut self) -> Result<Engine, NodeError> {
         let engine = Engine::new(self.config.model.clone(), self.config.engine.clone())?;
+        let pool_tokens = engine.kv_blocks_total() * BLOCK_TOKENS;
+        let context_tokens = self.config.model.config.context_len;
+        if pool_tokens >= context_tokens {
+            tracing::info!(
+                pool_tokens,
+                context_tokens,
+                "the KV pool holds a sequence of the model's whole context"
+            );
+        } else {
+            tracing::warn!(
+                pool_tokens,
+                context_tokens,
+                "the KV pool holds less than the model's context: the longest sequence served \
+                 (prompt + max_tokens) is pool_tokens; --kv-budget-mb sets the pool"
+            );
+        }
         if self.config.engine.spill.is_some() {
             self.registry.register_collector(Box::new(SpillMetrics {
                 role: self.role,

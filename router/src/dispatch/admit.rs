@@ -63,16 +63,20 @@ impl Dispatcher {
     /// request not yet started whose deadline the predicted wait would outlast is refused
     /// instead, at once (RESOURCE_EXHAUSTED, with that wait as its retry pushback), and so is
     /// one whose TTFT target ([`Target`]) the wait alone would miss; a failover is never
-    /// refused, its stream has begun.
+    /// refused, its stream has begun. `progress` says from then on since when the request
+    /// waits and for what (`waiting_for`): a deadline that passes before its admission is the
+    /// queue's ([`crate::dispatch::progress::deadline_error`]).
     fn enqueue(
         &self,
         queued: &mut Option<Queued>,
-        progress: &Progress,
+        progress: &mut Progress,
         deadline: TokioInstant,
         target: Option<Target>,
         asker: &Asker,
+        waiting_for: &'static str,
     ) -> Result<(), Failure> {
-        if queued.is_some() {
+        if let Some(q) = queued {
+            progress.queued = Some((q.since, waiting_for));
             return Ok(());
         }
         let ahead = self.metrics.queued.get().max(0) as usize;
@@ -89,12 +93,14 @@ impl Dispatcher {
             }
         }
         self.metrics.queued.inc();
+        let since = TokioInstant::now();
         *queued = Some(Queued {
             gauge: self.metrics.queued.clone(),
             ahead,
-            since: TokioInstant::now(),
+            since,
             ticket: (progress.attempts == 1).then(|| self.order.join(asker.clone())),
         });
+        progress.queued = Some((since, waiting_for));
         Ok(())
     }
 
@@ -231,7 +237,7 @@ impl Dispatcher {
         p: &Prepared,
         tokens: &[u32],
         hashes: &[u64],
-        progress: &Progress,
+        progress: &mut Progress,
         accepted: Instant,
         deadline: TokioInstant,
     ) -> Result<Admission, Failure> {
@@ -242,6 +248,7 @@ impl Dispatcher {
         };
         let target = p.ttft_target.map(|target| Target { target, accepted });
         let mut queued: Option<Queued> = None;
+        progress.queued = None;
         loop {
             let change = self.replicas.changed();
             tokio::pin!(change);
@@ -264,7 +271,12 @@ impl Dispatcher {
             let turn = progress.attempts > 1 || self.order.is_first(&asker, ticket);
             // With none up, the policy answers at once.
             if !turn || (!decodes.is_empty() && !decodes.iter().any(|r| r.has_room())) {
-                self.enqueue(&mut queued, progress, deadline, target, &asker)?;
+                let waiting_for = if turn {
+                    "a decode replica with room"
+                } else {
+                    "its turn in the admission order"
+                };
+                self.enqueue(&mut queued, progress, deadline, target, &asker, waiting_for)?;
                 tokio::select! {
                     () = change => {}
                     () = left => {}
@@ -281,7 +293,8 @@ impl Dispatcher {
             if choice.prefill.as_ref().is_some_and(|p| !p.fits()) {
                 // The prefill node's queue is full: wait here rather than be refused there.
                 drop(choice);
-                self.enqueue(&mut queued, progress, deadline, target, &asker)?;
+                let waiting_for = "room in a prefill replica's queue";
+                self.enqueue(&mut queued, progress, deadline, target, &asker, waiting_for)?;
                 self.replicas.changed_or_polled().await;
                 continue;
             }
@@ -313,7 +326,7 @@ impl Dispatcher {
                 request_id: p.request_id.clone(),
                 transfer_id: transfer_id.clone(),
                 prompt_token_ids: tokens.to_vec(),
-                sampling: Some(p.sampling_of(progress.choice)),
+                sampling: Some(p.sampling_of(progress.choice, progress.max_tokens)),
                 // A prompt queued on the prefill node is not silence: its push sends keepalives.
                 kv_wait_ms: u32::try_from(self.kv_wait.as_millis()).unwrap_or(u32::MAX),
                 local_prefill: local,
@@ -334,7 +347,8 @@ impl Dispatcher {
                 Err(s) if s.code() == tonic::Code::ResourceExhausted => {
                     tracing::debug!(decode = %decode.addr, status = %s.message(), "decode node full; back to the queue");
                     drop(choice);
-                    self.enqueue(&mut queued, progress, deadline, target, &asker)?;
+                    let waiting_for = "room on a decode node (its places or KV blocks)";
+                    self.enqueue(&mut queued, progress, deadline, target, &asker, waiting_for)?;
                     self.replicas.changed_or_polled().await;
                     continue;
                 }
@@ -353,6 +367,7 @@ impl Dispatcher {
             if let Some(queued) = queued {
                 self.pace.record(&queued);
             }
+            progress.queued = None;
             self.charge(&p.tenant, p.weight, tokens.len() as u64);
             if choice.fetch.is_some() {
                 self.policy.record_fetch(a.fetched_bytes, a.fetch_ms);

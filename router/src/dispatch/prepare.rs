@@ -316,10 +316,17 @@ impl Prepared {
         (tokens, hashes)
     }
 
-    /// The sampling of choice `choice`: the request's, with the choice's own seed.
-    pub(crate) fn sampling_of(&self, choice: u32) -> pb::SamplingParams {
+    /// The sampling of choice `choice`: the request's, with the choice's own seed, and its
+    /// max_tokens held to `admitted`, what a decode node admitted the choice with where its KV
+    /// pool holds less (min_tokens with it).
+    pub(crate) fn sampling_of(&self, choice: u32, admitted: Option<u32>) -> pb::SamplingParams {
+        let max_tokens = admitted.map_or(self.sampling.max_tokens, |m| {
+            m.min(self.sampling.max_tokens)
+        });
         pb::SamplingParams {
             seed: tandem_proto::choice_seed(self.sampling.seed, choice),
+            max_tokens,
+            min_tokens: self.sampling.min_tokens.min(max_tokens),
             ..self.sampling.clone()
         }
     }
@@ -430,11 +437,23 @@ mod tests {
     #[test]
     fn each_choice_samples_with_its_own_seed() {
         let p = Prepared::example();
-        assert_eq!(p.sampling_of(0), p.sampling);
+        assert_eq!(p.sampling_of(0, None), p.sampling);
         let seeds: HashSet<u64> = (0..tandem_proto::MAX_CHOICES)
-            .map(|i| p.sampling_of(i).seed)
+            .map(|i| p.sampling_of(i, None).seed)
             .collect();
         assert_eq!(seeds.len(), tandem_proto::MAX_CHOICES as usize);
-        assert_eq!(p.sampling_of(3).max_tokens, 8);
+        assert_eq!(p.sampling_of(3, None).max_tokens, 8);
+    }
+
+    /// A choice a decode node admitted with less max_tokens than asked (its KV pool's end)
+    /// asks for no more on a later attempt, and never for more than the request asked.
+    #[test]
+    fn a_choice_asks_for_no_more_than_it_was_admitted_with() {
+        let mut p = Prepared::example();
+        p.sampling.min_tokens = 6;
+        let cut = p.sampling_of(1, Some(5));
+        assert_eq!((cut.max_tokens, cut.min_tokens), (5, 5));
+        assert_eq!(cut.seed, p.sampling_of(1, None).seed);
+        assert_eq!(p.sampling_of(1, Some(100)).max_tokens, 8);
     }
 }

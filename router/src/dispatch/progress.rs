@@ -43,6 +43,13 @@ pub(crate) struct Progress {
     pub(crate) holder: Option<(String, usize)>,
     pub(crate) first_token_ms: Option<f64>,
     pub(crate) last_frame_at: Option<Instant>,
+    /// The max_tokens a decode node admitted the choice with, where its KV pool held less
+    /// than the request asked: later attempts ask for no more, so a failover ends where the
+    /// first attempt would have.
+    pub(crate) max_tokens: Option<u32>,
+    /// From the attempt's first wait in the router's queue to its admission: since when it
+    /// waits, and for what.
+    pub(crate) queued: Option<(tokio::time::Instant, &'static str)>,
 }
 
 /// How a relayed frame arrived in its choice's stream, for the latency metrics.
@@ -224,6 +231,18 @@ impl From<Error> for Failure {
             suspects: Vec::new(),
             handoff: None,
         }
+    }
+}
+
+/// What a request whose deadline passed ends with: [`Error::QueueTimeout`] where one of its
+/// choices was waiting in the router's queue then (`progress`), else [`Error::Deadline`].
+pub(crate) fn deadline_error(progress: &[Progress]) -> Error {
+    match progress.iter().find_map(|p| p.queued) {
+        Some((since, waiting_for)) => Error::QueueTimeout {
+            waited: since.elapsed(),
+            waiting_for,
+        },
+        None => Error::Deadline,
     }
 }
 

@@ -25,7 +25,7 @@ use crate::dispatch::admit::Admission;
 use crate::dispatch::dispatcher::{Dispatcher, Outcome};
 use crate::dispatch::log::LogWriter;
 use crate::dispatch::prepare::Prepared;
-use crate::dispatch::progress::{Arrival, Ending, Failure, Progress, ms};
+use crate::dispatch::progress::{Arrival, Ending, Failure, Progress, deadline_error, ms};
 use crate::error::{Error, Result};
 
 impl Dispatcher {
@@ -64,6 +64,26 @@ impl Dispatcher {
                 code: tonic::Code::Cancelled,
                 message: "the client went away".into(),
             }),
+        };
+        // Where the request waited when its deadline passed is known once the dispatch is over.
+        let outcome = match outcome {
+            Err(Error::Deadline) => {
+                let e = deadline_error(&progress);
+                if let Error::QueueTimeout {
+                    waited,
+                    waiting_for,
+                } = &e
+                {
+                    self.metrics.queue_timeouts.inc();
+                    tracing::info!(
+                        waited_ms = waited.as_millis() as u64,
+                        waiting_for,
+                        "deadline passed in the router's queue"
+                    );
+                }
+                Err(e)
+            }
+            outcome => outcome,
         };
         let generated = progress.iter().map(|p| p.generated.len()).sum();
         let code = match outcome {
@@ -204,6 +224,10 @@ impl Dispatcher {
             borrowed_ms,
         } = choice;
         let decode_cached = admitted.cached_tokens;
+        // A node that does not say (0) admitted what was asked.
+        if (1..p.sampling.max_tokens).contains(&admitted.max_tokens) {
+            progress.max_tokens = Some(admitted.max_tokens);
+        }
         let local = prefill.is_none();
         let d_addr = decode.replica().addr.clone();
         let on_decode = |s: &Status| Failure::on_decode(&d_addr, s);
@@ -218,7 +242,7 @@ impl Dispatcher {
                 token_ids: tokens.clone(),
                 cached_tokens: decode_cached,
                 decode_addr: d_addr.clone(),
-                sampling: Some(p.sampling_of(progress.choice)),
+                sampling: Some(p.sampling_of(progress.choice, progress.max_tokens)),
                 resumed_tokens: progress.generated.len() as u32,
                 cache_salt: p.cache_salt.clone(),
                 priority: p.class.to_pb() as i32,
