@@ -8,8 +8,9 @@
 //!                                           ─▶ scheduler.start ─▶ events ─▶ frames
 //! ```
 //!
-//! Admission reserves the worst case (prompt + max_tokens blocks) whatever the cache holds, so
-//! running sequences can never run out of KV; cached blocks nobody uses are evicted as needed.
+//! Admission reserves the worst case (prompt + max_tokens blocks, max_tokens cut to what the
+//! pool can hold for one request) whatever the cache holds, so running sequences can never run
+//! out of KV; cached blocks nobody uses are evicted as needed.
 //! Everything the request holds is RAII: dropping the task (client gone, deadline, shutdown)
 //! releases the admission, the reservation and the scheduler's sequence.
 
@@ -210,7 +211,7 @@ impl RequestContext {
     /// Holds `plan`'s reservation (its prompt of `original` tokens plus max_tokens) to what
     /// this node's pool can ever give one request of its class ([`Admission::most_blocks`]):
     /// max_tokens is cut to what fits, and the generation stops at the pool's end with finish
-    /// reason `length`, as llama-server's stops at its context's end, instead of waiting for
+    /// reason `length`, as llama-server stops at its context's end, instead of waiting for
     /// room that never comes. The admitted frame tells the router the max_tokens admitted, so
     /// that a failover asks for no more. A prompt that leaves no room for one token is refused.
     /// Returns the max_tokens asked where it was cut.

@@ -159,12 +159,14 @@ impl Node {
         let context_tokens = self.config.model.config.context_len;
         if pool_tokens >= context_tokens {
             tracing::info!(
+                role = self.role,
                 pool_tokens,
                 context_tokens,
                 "the KV pool holds a sequence of the model's whole context"
             );
         } else {
             tracing::warn!(
+                role = self.role,
                 pool_tokens,
                 context_tokens,
                 "the KV pool holds less than the model's context: the longest sequence served \

@@ -226,12 +226,14 @@ impl Dispatcher {
     /// Waits in the router's queue until a decode replica this request may use has room
     /// ([`crate::cluster::replica::Replica::has_room`]), and the chosen prefill replica too when
     /// the prompt goes to one, then chooses replicas and has the decode node admit the request.
-    /// A node that refuses for capacity after all (other routers' requests,
-    /// its KV blocks) sends the request back to the queue until something changes, never to
-    /// the client; the request's deadline bounds the wait, and a request whose deadline the
-    /// queue's predicted wait would outlast is refused at once ([`Dispatcher::enqueue`]). The
-    /// queue itself is bounded by the router's `max_inflight`, past which requests are refused
-    /// at once.
+    /// A node that refuses for capacity after all (other routers' requests, its KV blocks)
+    /// sends the request back to the queue until something changes, never to the client (an
+    /// empty decode node admits any request: it cuts a max_tokens its pool could never hold).
+    /// The request's deadline bounds the wait (past it the request ends naming the queue:
+    /// [`crate::dispatch::progress::deadline_error`]), and a request whose deadline the queue's
+    /// predicted wait would outlast is refused at once ([`Dispatcher::enqueue`]). The queue
+    /// itself is bounded by the router's `max_inflight`, past which requests are refused at
+    /// once.
     pub(crate) async fn admit(
         &self,
         p: &Prepared,
