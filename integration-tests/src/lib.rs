@@ -772,6 +772,15 @@ pub async fn stray_push(channel: Channel, transfer_id: &str) -> tandem_transfer:
     }
 }
 
+/// POSTs `body` as JSON to `url` and reads the answer as JSON, whatever its status.
+pub async fn post_json(
+    client: &reqwest::Client,
+    url: &str,
+    body: &serde_json::Value,
+) -> anyhow::Result<serde_json::Value> {
+    Ok(client.post(url).json(body).send().await?.json().await?)
+}
+
 /// The model id an OpenAI HTTP API at `base` (`http://HOST:PORT/v1`) serves.
 pub async fn http_model(client: &reqwest::Client, base: &str) -> anyhow::Result<String> {
     let models: serde_json::Value = client

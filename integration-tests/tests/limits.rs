@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use tandem_integration_tests::{Cluster, ClusterConfig, collect, greedy, stray_push};
+use tandem_integration_tests::{Cluster, ClusterConfig, collect, greedy, post_json, stray_push};
 use tandem_proto::v1 as pb;
 use tonic::Code;
 
@@ -93,15 +93,8 @@ async fn the_routers_limits_refuse_before_the_work() {
     // HTTP: an unset max_tokens is capped by the limit, and a body over 8 KiB gets 413.
     let http = reqwest::Client::new();
     let url = format!("http://{}/v1/completions", cluster.http);
-    let reply: serde_json::Value = http
-        .post(&url)
-        .json(&serde_json::json!({"model": "tiny", "prompt": [5, 6, 7]}))
-        .send()
-        .await
-        .expect("http")
-        .json()
-        .await
-        .expect("json");
+    let body = serde_json::json!({"model": "tiny", "prompt": [5, 6, 7]});
+    let reply = post_json(&http, &url, &body).await.expect("http");
     let completion = reply["usage"]["completion_tokens"].as_u64().expect("usage");
     assert!((1..=20).contains(&completion), "{reply}");
     let r = http

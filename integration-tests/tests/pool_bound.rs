@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use tandem_integration_tests::{
-    Cluster, ClusterConfig, collect, greedy, http_model, metrics, sample, smollm2_model,
+    Cluster, ClusterConfig, collect, greedy, http_model, metrics, post_json, sample, smollm2_model,
 };
 use tandem_proto::v1 as pb;
 use tonic::Code;
@@ -99,18 +99,12 @@ async fn a_request_longer_than_the_pool_is_served_to_the_pools_end() {
     let base = format!("http://{}/v1", cluster.http);
     let model = http_model(&http, &base).await.expect("model");
     let prompt = ids(40);
-    let reply: serde_json::Value = http
-        .post(format!("{base}/completions"))
-        .json(&serde_json::json!({
-            "model": model, "prompt": prompt, "max_tokens": 900, "temperature": 0,
-            "ignore_eos": true,
-        }))
-        .send()
+    let body = serde_json::json!({
+        "model": model, "prompt": prompt, "max_tokens": 900, "temperature": 0, "ignore_eos": true,
+    });
+    let reply = post_json(&http, &format!("{base}/completions"), &body)
         .await
-        .expect("http")
-        .json()
-        .await
-        .expect("json");
+        .expect("http");
     assert_eq!(reply["choices"][0]["finish_reason"], "length", "{reply}");
     assert_eq!(reply["usage"]["completion_tokens"], POOL - 40, "{reply}");
     let r = http

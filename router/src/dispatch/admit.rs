@@ -250,7 +250,6 @@ impl Dispatcher {
         };
         let target = p.ttft_target.map(|target| Target { target, accepted });
         let mut queued: Option<Queued> = None;
-        progress.queued = None;
         loop {
             let change = self.replicas.changed();
             tokio::pin!(change);

@@ -47,8 +47,9 @@ pub(crate) struct Progress {
     /// than the request asked: later attempts ask for no more, so a failover ends where the
     /// first attempt would have.
     pub(crate) max_tokens: Option<u32>,
-    /// From the attempt's first wait in the router's queue to its admission: since when it
-    /// waits, and for what.
+    /// From the choice's first wait in the router's queue to an attempt's admission (a failover
+    /// of a request not yet admitted, e.g. after a decode call cut short by the deadline, still
+    /// waits): since when it waits, and for what.
     pub(crate) queued: Option<(tokio::time::Instant, &'static str)>,
 }
 
