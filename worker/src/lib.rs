@@ -24,8 +24,8 @@ use tandem_transfer::{Chunk, KvKind, ReceivedKv, WireLayout};
 pub use cache::CacheHub;
 pub use moves::KvMoves;
 pub use node::{
-    DEFAULT_DRAIN_HANDOFF, DEFAULT_DRAIN_HANDOFF_BYTES, DEFAULT_GRACE, DEFAULT_KV_BUDGET_MB, Node,
-    NodeConfig, NodeError, kv_budget_bytes,
+    DEFAULT_DRAIN_HANDOFF, DEFAULT_DRAIN_HANDOFF_BYTES, DEFAULT_GRACE, Node, NodeConfig, NodeError,
+    kv_budget_bytes,
 };
 pub use service::{LoadSource, WorkerService};
 
