@@ -29,6 +29,13 @@ fn ids(n: usize) -> Vec<u32> {
     (0..n as u32).map(|i| 100 + i % 150).collect()
 }
 
+/// `r` with a deadline `t` away.
+fn within(r: pb::GenerateRequest, t: Duration) -> tonic::Request<pb::GenerateRequest> {
+    let mut r = tonic::Request::new(r);
+    r.set_timeout(t);
+    r
+}
+
 /// A cluster of `config` whose decode pool holds `pool_tokens` tokens.
 async fn with_pool(config: ClusterConfig, pool_tokens: usize) -> Cluster {
     let layout = config.model.config.kv_layout(config.engine.kv_dtype);
@@ -59,11 +66,7 @@ async fn a_request_longer_than_the_pool_is_served_to_the_pools_end() {
     const POOL: usize = 512;
     let model = tandem_engine::ModelSource::TINY.load().expect("tiny");
     let cluster = with_pool(ClusterConfig::new(model), POOL).await;
-    let deadline = |r: pb::GenerateRequest| {
-        let mut r = tonic::Request::new(r);
-        r.set_timeout(Duration::from_secs(60));
-        r
-    };
+    let deadline = |r| within(r, Duration::from_secs(60));
 
     // 40 + 900 fits the context but not the pool: served to the pool's end, exactly the tokens
     // of the same request asking for what fits.
@@ -167,11 +170,6 @@ async fn requests_queued_behind_a_full_pool_end_at_their_deadline() {
         ..ClusterConfig::new(model)
     };
     let cluster = with_pool(config, POOL).await;
-    let within = |r: pb::GenerateRequest, t: Duration| {
-        let mut r = tonic::Request::new(r);
-        r.set_timeout(t);
-        r
-    };
     let mut client = cluster.client();
     let mut holder = client
         .generate(within(unstoppable(64, 4000), Duration::from_secs(120)))

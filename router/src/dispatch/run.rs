@@ -224,8 +224,9 @@ impl Dispatcher {
             borrowed_ms,
         } = choice;
         let decode_cached = admitted.cached_tokens;
-        // A node that does not say (0) admitted what was asked.
-        if (1..p.sampling.max_tokens).contains(&admitted.max_tokens) {
+        // A node that does not say (0) admitted what was asked; `sampling_of` holds a later
+        // attempt to the smaller of the two.
+        if admitted.max_tokens > 0 {
             progress.max_tokens = Some(admitted.max_tokens);
         }
         let local = prefill.is_none();
