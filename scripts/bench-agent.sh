@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The agent benchmark: `tandem bench agent` (coding-agent sessions, identical prompts on every
+# The agent benchmark: `tandem-bench agent` (coding-agent sessions, identical prompts on every
 # system) against each system, back to back on this machine, on the default model (the 0.5B
 # Qwen2.5-Coder), for each API ROUNDS times:
 #   tandem-1p1d   tandem up                          (one prefill and one decode node)
@@ -10,7 +10,7 @@
 # target/bench-agent/ as JSON, one file per API, system and round; the script prints a table of
 # the medians and plots the last round's TTFT by turn (target/bench-agent/plots/).
 #
-# Usage: scripts/bench-agent.sh [ROUNDS] [extra `tandem bench agent` flags...]
+# Usage: scripts/bench-agent.sh [ROUNDS] [extra `tandem-bench agent` flags...]
 # Env: TANDEM (the binary, default target/release/tandem), LLAMA_SERVER, GGUF, APIS (default
 # "messages responses").
 set -euo pipefail
@@ -19,6 +19,8 @@ rounds=${1:-3}
 shift || true
 tandem=${TANDEM:-target/release/tandem}
 [ -x "$tandem" ] || cargo build --release
+bench=${TANDEM_BENCH:-target/release/tandem-bench}
+[ -x "$bench" ] || cargo build --release -p tandem-bench
 gguf=${GGUF:-${TANDEM_MODEL_DIR:-$HOME/.cache/tandem/models}/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf}
 llama=${LLAMA_SERVER:-$HOME/.cache/tandem-peer/build/bin/llama-server}
 out=target/bench-agent
@@ -36,16 +38,16 @@ for r in $(seq "$rounds"); do
   for api in ${APIS:-messages responses}; do
     echo "== round $r of $rounds, $api" >&2
     up
-    "$tandem" bench agent --openai "http://127.0.0.1:$http_port" --api "$api" "${flags[@]}" --label tandem-1p1d --json >"$out/$api.tandem-1p1d.$r.json"
+    "$bench" agent --openai "http://127.0.0.1:$http_port" --api "$api" "${flags[@]}" --label tandem-1p1d --json >"$out/$api.tandem-1p1d.$r.json"
     stop
     up --prefill 2 --decode 2
-    "$tandem" bench agent --openai "http://127.0.0.1:$http_port" --api "$api" "${flags[@]}" --label tandem-2p2d --json >"$out/$api.tandem-2p2d.$r.json"
+    "$bench" agent --openai "http://127.0.0.1:$http_port" --api "$api" "${flags[@]}" --label tandem-2p2d --json >"$out/$api.tandem-2p2d.$r.json"
     stop
     if [ -x "$llama" ]; then
       "$llama" -m "$gguf" -t 2 --parallel 2 -c 32768 --jinja --port "$lport" >"$out/llama-server.log" 2>&1 &
       pid=$!
       for _ in $(seq 600); do curl -sf "127.0.0.1:$lport/health" >/dev/null && break; sleep 0.1; done
-      "$tandem" bench agent --openai "http://127.0.0.1:$lport" --api "$api" "${flags[@]}" --label llama-server --json >"$out/$api.llama-server.$r.json" \
+      "$bench" agent --openai "http://127.0.0.1:$lport" --api "$api" "${flags[@]}" --label llama-server --json >"$out/$api.llama-server.$r.json" \
         || { echo "llama-server $api round $r failed (see $out/llama-server.log)" >&2; rm -f "$out/$api.llama-server.$r.json"; }
       stop
     fi
@@ -53,7 +55,7 @@ for r in $(seq "$rounds"); do
 done
 
 for api in ${APIS:-messages responses}; do
-  "$tandem" bench plot $(for s in tandem-1p1d tandem-2p2d llama-server; do
+  "$bench" plot $(for s in tandem-1p1d tandem-2p2d llama-server; do
     [ -f "$out/$api.$s.$rounds.json" ] && echo "$out/$api.$s.$rounds.json"; done) --out "$out/plots/$api" >/dev/null
 done
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The engine table of docs/benchmarks.md: `tandem bench engine` against llama.cpp's `llama-bench`
+# The engine table of docs/benchmarks.md: `tandem-bench engine` against llama.cpp's `llama-bench`
 # on the same GGUF file, 2 threads each, the two alternated round by round on this machine.
 # Prefill is 512 tokens (llama-bench's pp512), decode 128 tokens at batch 1 (its tg128); Tandem's
 # batch-16 aggregate is reported beside them.
@@ -17,6 +17,8 @@ models=("$@")
 [ ${#models[@]} -gt 0 ] || models=(qwen2.5-coder-0.5b)
 tandem=${TANDEM:-target/release/tandem}
 [ -x "$tandem" ] || cargo build --release -p tandem-cli
+bench=${TANDEM_BENCH:-target/release/tandem-bench}
+[ -x "$bench" ] || cargo build --release -p tandem-bench
 llama=${LLAMA_BENCH:-$HOME/.cache/tandem-peer/build/bin/llama-bench}
 [ -x "$llama" ] || { echo "no llama-bench at $llama (run ../shared/tools/build-llamacpp.sh)" >&2; exit 1; }
 out=target/bench-engine
@@ -26,7 +28,7 @@ for model in "${models[@]}"; do
   gguf=$("$tandem" model fetch "$model")
   for round in $(seq 1 "$rounds"); do
     echo "[$model round $round/$rounds] tandem" >&2
-    "$tandem" bench engine --model "$gguf" --threads 2 --runs 1 --batch 1,16 --json \
+    "$bench" engine --model "$gguf" --threads 2 --runs 1 --batch 1,16 --json \
       > "$out/$model.tandem.$round.json"
     echo "[$model round $round/$rounds] llama-bench" >&2
     "$llama" -m "$gguf" -t 2 -p 512 -n 128 -r 1 -o json > "$out/$model.llama.$round.json" 2>/dev/null

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The caches' disk tier under more conversations than the KV pools hold: the same multi-turn
-# workload (`tandem bench multiturn`, 16 conversations) against, back to back on this machine,
+# workload (`tandem-bench multiturn`, 16 conversations) against, back to back on this machine,
 # ROUNDS times:
 #   caches-off    tandem up --prefix-cache off                      (the cold baseline)
 #   pool-only     tandem up --kv-budget-mb MB                       (caches, no disk tier)
@@ -13,7 +13,7 @@
 # Results go to target/bench-kv-spill/ as JSON, one file per system and round; the script
 # prints a table of the medians.
 #
-# Usage: scripts/bench-kv-spill.sh [ROUNDS] [extra `tandem bench multiturn` flags...]
+# Usage: scripts/bench-kv-spill.sh [ROUNDS] [extra `tandem-bench multiturn` flags...]
 # Env: TANDEM (the binary, default target/release/tandem), LLAMA_SERVER, GGUF, POOL_MB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +21,8 @@ rounds=${1:-3}
 shift || true
 tandem=${TANDEM:-target/release/tandem}
 [ -x "$tandem" ] || cargo build --release -p tandem-cli
+bench=${TANDEM_BENCH:-target/release/tandem-bench}
+[ -x "$bench" ] || cargo build --release -p tandem-bench
 gguf=${GGUF:-${TANDEM_MODEL_DIR:-$HOME/.cache/tandem/models}/SmolLM2-135M-Instruct.Q4_1.gguf}
 [ -f "$gguf" ] || "$tandem" model fetch smollm2
 llama=${LLAMA_SERVER:-$HOME/.cache/tandem-peer/build/bin/llama-server}
@@ -41,7 +43,7 @@ cluster=(--prefill 1 --decode 1 --insecure)
 run() { # label, then bench flags
   local label=$1 r=$2
   shift 2
-  "$tandem" bench multiturn "$@" "${flags[@]}" --label "$label" --json >"$out/$label.$r.json"
+  "$bench" multiturn "$@" "${flags[@]}" --label "$label" --json >"$out/$label.$r.json"
 }
 
 for r in $(seq "$rounds"); do

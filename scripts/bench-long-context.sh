@@ -3,7 +3,7 @@
 # of a whole N-token prompt and 64 decode steps at depth N, for each N, by Tandem, llama.cpp
 # (flash attention on) and, when IK_LLAMA_BENCH names its llama-bench, ik_llama.cpp (flash
 # attention and its run-time repacking on), one after the other in each round:
-#   Tandem:       tandem bench engine --prompt-tokens N --context-tokens N --batch 1 --gen-tokens 64
+#   Tandem:       tandem-bench engine --prompt-tokens N --context-tokens N --batch 1 --gen-tokens 64
 #   llama.cpp:    llama-bench -fa 1 -p N -n 0   and   llama-bench -fa 1 -p 0 -n 64 -d N
 #   ik_llama.cpp: llama-bench -fa 1 -rtr 1 -p N -n 0   and   llama-bench -fa 1 -rtr 1 -gp N,64
 # Each measures one run per round (a 32k prompt takes minutes); llama.cpp's warm-up, a whole
@@ -23,6 +23,8 @@ rounds=${1:-1}
 lengths=${2:-4096,16384,32704}
 tandem=${TANDEM:-target/release/tandem}
 [ -x "$tandem" ] || cargo build --release -p tandem-cli
+bench=${TANDEM_BENCH:-target/release/tandem-bench}
+[ -x "$bench" ] || cargo build --release -p tandem-bench
 llama=${LLAMA_BENCH:-$HOME/.cache/tandem-peer/build/bin/llama-bench}
 [ -x "$llama" ] || { echo "no llama-bench at $llama (run ../shared/tools/build-llamacpp.sh)" >&2; exit 1; }
 ik=${IK_LLAMA_BENCH:-}
@@ -33,7 +35,7 @@ echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-)" >&2
 for round in $(seq 1 "$rounds"); do
   for n in ${lengths//,/ }; do
     echo "[round $round/$rounds, $n tokens] tandem" >&2
-    "$tandem" bench engine --model "$gguf" --threads 2 --runs 1 --batch 1 --gen-tokens 64 \
+    "$bench" engine --model "$gguf" --threads 2 --runs 1 --batch 1 --gen-tokens 64 \
       --prompt-tokens "$n" --context-tokens "$n" --json > "$out/$n.tandem.$round.json"
     echo "[round $round/$rounds, $n tokens] llama.cpp" >&2
     { "$llama" -m "$gguf" -t 2 -fa 1 -r 1 --no-warmup -p "$n" -n 0 -o json

@@ -10,7 +10,7 @@
 # as JSON, one file per system and round, and the script prints a table of the medians and
 # plots the last round's TTFT by turn (target/bench-multiturn/plots/multiturn_ttft.png).
 #
-# Usage: scripts/bench-multiturn.sh [ROUNDS] [extra `tandem bench multiturn` flags...]
+# Usage: scripts/bench-multiturn.sh [ROUNDS] [extra `tandem-bench multiturn` flags...]
 # Env: TANDEM (the binary, default target/release/tandem), LLAMA_SERVER, GGUF.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +18,8 @@ rounds=${1:-3}
 shift || true
 tandem=${TANDEM:-target/release/tandem}
 [ -x "$tandem" ] || cargo build --release
+bench=${TANDEM_BENCH:-target/release/tandem-bench}
+[ -x "$bench" ] || cargo build --release -p tandem-bench
 gguf=${GGUF:-${TANDEM_MODEL_DIR:-$HOME/.cache/tandem/models}/SmolLM2-135M-Instruct.Q4_1.gguf}
 llama=${LLAMA_SERVER:-$HOME/.cache/tandem-peer/build/bin/llama-server}
 out=target/bench-multiturn
@@ -32,27 +34,27 @@ trap stop EXIT
 for r in $(seq "$rounds"); do
   echo "== round $r of $rounds" >&2
   up --prefill 2 --decode 2 --prefix-cache off
-  "$tandem" bench multiturn --server "127.0.0.1:$port" "${flags[@]}" --label caches-off --json >"$out/caches-off.$r.json"
+  "$bench" multiturn --server "127.0.0.1:$port" "${flags[@]}" --label caches-off --json >"$out/caches-off.$r.json"
   stop
   cold="$out/caches-off.$r.json"
   up --prefill 2 --decode 2
-  "$tandem" bench multiturn --server "127.0.0.1:$port" "${flags[@]}" --label affinity --cold "$cold" --json >"$out/affinity.$r.json"
+  "$bench" multiturn --server "127.0.0.1:$port" "${flags[@]}" --label affinity --cold "$cold" --json >"$out/affinity.$r.json"
   stop
   up --prefill 2 --decode 2 --policy round-robin
-  "$tandem" bench multiturn --server "127.0.0.1:$port" "${flags[@]}" --label round-robin --cold "$cold" --json >"$out/round-robin.$r.json"
+  "$bench" multiturn --server "127.0.0.1:$port" "${flags[@]}" --label round-robin --cold "$cold" --json >"$out/round-robin.$r.json"
   stop
   if [ -x "$llama" ]; then
     "$llama" -m "$gguf" -t 2 --parallel 4 -c 32768 --port "$lport" >"$out/llama-server.log" 2>&1 &
     pid=$!
     for _ in $(seq 600); do curl -sf "127.0.0.1:$lport/health" >/dev/null && break; sleep 0.1; done
-    "$tandem" bench multiturn --openai "http://127.0.0.1:$lport" "${flags[@]}" --label llama-server --cold "$cold" --json >"$out/llama-server.$r.json" \
+    "$bench" multiturn --openai "http://127.0.0.1:$lport" "${flags[@]}" --label llama-server --cold "$cold" --json >"$out/llama-server.$r.json" \
       || { echo "llama-server round $r failed (see $out/llama-server.log)" >&2; rm -f "$out/llama-server.$r.json"; }
     stop
   fi
 done
 
 # Per-turn TTFT of the last round, every system on one plot.
-"$tandem" bench plot $(for s in caches-off affinity round-robin llama-server; do
+"$bench" plot $(for s in caches-off affinity round-robin llama-server; do
   [ -f "$out/$s.$rounds.json" ] && echo "$out/$s.$rounds.json"; done) --out "$out/plots" >/dev/null
 
 python3 - "$out" "$rounds" <<'EOF'

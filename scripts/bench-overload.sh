@@ -18,7 +18,7 @@
 #   (default the one ../shared/tools/build-llamacpp.sh builds), RUNS (default
 #   "affinity round-robin bounded 1p2d-kill llama-server": a subset reruns those alone, and the
 #   exactness check then compares with the last affinity run of the same load).
-# Load: `tandem bench serve --rate RATE --burstiness 0.25 --prompt-words 230 --prompt-sigma 1
+# Load: `tandem-bench serve --rate RATE --burstiness 0.25 --prompt-words 230 --prompt-sigma 1
 #   --max-tokens 64 --max-inflight 1024`.
 # Results: target/bench-overload/<run>.json, a line per run on stdout (completed, failures by
 #   code and how fast they came, achieved rate, TTFT and ITL p50/p99), then the exactness check.
@@ -58,7 +58,7 @@ wants() { [[ " $todo " == *" $1 "* ]]; }
 for policy in affinity round-robin; do
   wants "$policy" || continue
   up "$out/up-$policy.log" --prefill 1 --decode 1 --policy "$policy"
-  "$tandem" bench serve --server "$up_addr" "${load[@]}" --label "tandem-$policy" \
+  "$bench" serve --server "$up_addr" "${load[@]}" --label "tandem-$policy" \
     --out "$out/$policy.json" >"$out/$policy.txt"
   down
   report "$policy"
@@ -67,7 +67,7 @@ done
 # refused at once.
 if wants bounded; then
   TANDEM_MAX_INFLIGHT=32 up "$out/up-bounded.log" --prefill 1 --decode 1
-  "$tandem" bench serve --server "$up_addr" "${load[@]}" --label tandem-bounded \
+  "$bench" serve --server "$up_addr" "${load[@]}" --label tandem-bounded \
     --out "$out/bounded.json" >"$out/bounded.txt"
   down
   report bounded
@@ -101,7 +101,7 @@ for _ in $(seq 1 120); do
 done
 half=$(python3 -c "print($requests / $rate / 2)")
 ( sleep "$half"; kill -KILL "$victim"; echo "SIGKILLed decode-0 ($d0) after ${half} s" >&2 ) &
-"$tandem" bench serve --server "$router" "${load[@]}" --label "tandem-1p2d-kill" \
+"$bench" serve --server "$router" "${load[@]}" --label "tandem-1p2d-kill" \
   --out "$out/1p2d-kill.json" >"$out/1p2d-kill.txt"
 grep -c "attempt failed; resuming" "$out/kill-router.log" | sed 's/^/failovers in the router log: /'
 report 1p2d-kill
@@ -116,7 +116,7 @@ if wants llama-server; then
   "$llama" -m "$gguf" -t 2 --parallel 16 -c 65536 --port 8093 >"$out/llama-server.log" 2>&1 &
   pids+=($!)
   for _ in $(seq 600); do curl -sf 127.0.0.1:8093/health >/dev/null && break; sleep 0.1; done
-  "$tandem" bench serve --openai http://127.0.0.1:8093/v1 "${load[@]}" --label llama-server \
+  "$bench" serve --openai http://127.0.0.1:8093/v1 "${load[@]}" --label llama-server \
     --out "$out/llama-server.json" >"$out/llama-server.txt"
   report llama-server
 fi

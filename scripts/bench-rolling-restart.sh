@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A rolling restart of every decode node during `tandem bench multiturn`, against the same
+# A rolling restart of every decode node during `tandem-bench multiturn`, against the same
 # workload undisturbed, back to back on this machine, ROUNDS times. The cluster is one prefill
 # and two decode nodes behind one router, each its own process (so that one can be restarted),
 # started fresh for each run:
@@ -14,7 +14,7 @@
 # undisturbed run's (greedy decoding: each must be exact), and what moved: streams handed off
 # (from the drained nodes' logs), sessions moved and tokens fetched (the router's counters).
 #
-# Usage: scripts/bench-rolling-restart.sh [ROUNDS] [`tandem bench multiturn` flags...]
+# Usage: scripts/bench-rolling-restart.sh [ROUNDS] [`tandem-bench multiturn` flags...]
 #   (the flags replace the default workload: --sessions 16 --turns 6 --max-tokens 48
 #   --concurrency 4)
 # Env: TANDEM (the binary, default target/release/tandem), MODEL (default smollm2).
@@ -25,6 +25,8 @@ rounds=${1:-3}
 shift || true
 tandem=${TANDEM:-target/release/tandem}
 [ -x "$tandem" ] || cargo build --release -p tandem-cli
+bench=${TANDEM_BENCH:-target/release/tandem-bench}
+[ -x "$bench" ] || cargo build --release -p tandem-bench
 model=${MODEL:-smollm2}
 "$tandem" model fetch "$model" >/dev/null
 out=target/bench-rolling-restart
@@ -130,7 +132,7 @@ restarts() {
 run() { # label round, then bench flags
   local label=$1 r=$2
   shift 2
-  "$tandem" bench multiturn --server "$router" "${flags[@]}" --label "$label" --json "$@" \
+  "$bench" multiturn --server "$router" "${flags[@]}" --label "$label" --json "$@" \
     >"$out/$label.$r.json"
 }
 

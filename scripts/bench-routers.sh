@@ -12,7 +12,7 @@
 # and how many replies differ from the one-router run's (greedy: none should).
 # Results go to target/bench-routers/ as JSON.
 #
-# Usage: scripts/bench-routers.sh [ROUNDS] [extra `tandem bench multiturn` flags...]
+# Usage: scripts/bench-routers.sh [ROUNDS] [extra `tandem-bench multiturn` flags...]
 # Env: TANDEM (the binary, default target/release/tandem), model (default smollm2), KILL_AFTER
 # (seconds into the killed round's run before the SIGKILL, default 5).
 set -euo pipefail
@@ -21,6 +21,8 @@ rounds=${1:-3}
 shift || true
 tandem=${TANDEM:-target/release/tandem}
 [ -x "$tandem" ] || cargo build --release
+bench=${TANDEM_BENCH:-target/release/tandem-bench}
+[ -x "$bench" ] || cargo build --release -p tandem-bench
 out=target/bench-routers
 mkdir -p "$out"
 port=50081
@@ -120,12 +122,12 @@ kill_round() {
   done
   serving "127.0.0.1:$((port + 20))"; serving "127.0.0.1:$((port + 21))"
   envoy_rr $((port + 10)) "127.0.0.1:$((port + 20))" "127.0.0.1:$((port + 21))"
-  "$tandem" bench multiturn --server "127.0.0.1:$((port + 10))" "${flags[@]}" --retries 20 \
+  "$bench" multiturn --server "127.0.0.1:$((port + 10))" "${flags[@]}" --retries 20 \
     --label router-killed --json >"$out/router-killed.$r.json" &
-  local bench=$!
+  local load=$!
   sleep "${KILL_AFTER:-5}"
   kill -9 "${routers[0]}"
-  wait "$bench"
+  wait "$load"
   kill "$envoy_pid"; wait "$envoy_pid" 2>/dev/null || true; envoy_pid=""
   kill -9 "${routers[1]}" 2>/dev/null || true
   routers=()
@@ -148,13 +150,13 @@ for r in $(seq "$rounds"); do
   up --prefill 1 --decode 2 --routers 2
   grpc=$(sed -n 's/^router[-0-9]* (gRPC tandem.v1.Generation): //p' "$out/up.log")
   # One router: the first, directly.
-  "$tandem" bench multiturn --server "127.0.0.1:$port" "${flags[@]}" --label one-router --json >"$out/one-router.$r.json"
+  "$bench" multiturn --server "127.0.0.1:$port" "${flags[@]}" --label one-router --json >"$out/one-router.$r.json"
   stop
   up --prefill 1 --decode 2 --routers 2
   grpc=$(sed -n 's/^router[-0-9]* (gRPC tandem.v1.Generation): //p' "$out/up.log")
   # shellcheck disable=SC2086
   envoy_rr $((port + 10)) $grpc
-  "$tandem" bench multiturn --server "127.0.0.1:$((port + 10))" "${flags[@]}" --label two-routers --json >"$out/two-routers.$r.json"
+  "$bench" multiturn --server "127.0.0.1:$((port + 10))" "${flags[@]}" --label two-routers --json >"$out/two-routers.$r.json"
   kill "$envoy_pid"; wait "$envoy_pid" 2>/dev/null || true; envoy_pid=""
   stop
   echo "round $r: one router (on prefix, cached share): $(share "$out/one-router.$r.json"); two routers: $(share "$out/two-routers.$r.json")"

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The serving benchmark of docs/benchmarks.md: Tandem (`tandem up`, one prefill and one decode
 # node, measured through its OpenAI HTTP API and its gRPC API) and llama-server (same GGUF, both
-# cores, continuous batching), driven by the same `tandem bench serve` load on the same prompts,
+# cores, continuous batching), driven by the same `tandem-bench serve` load on the same prompts,
 # alternated round by round on this machine, ROUNDS times. Each round uses its own prompts (seed
 # = round), so no server answers from a cache what it saw before.
 #
-# Usage: scripts/bench-serve.sh [ROUNDS] [extra `tandem bench serve` flags...]
+# Usage: scripts/bench-serve.sh [ROUNDS] [extra `tandem-bench serve` flags...]
 #   (default 3 rounds; default load --concurrency 1,4,16 --requests 48 --max-tokens 64)
 # Env: TANDEM (the binary, default target/release/tandem), LLAMA_SERVER (default the one
 #   ../shared/tools/build-llamacpp.sh builds), MODEL (a catalog name, default `smollm2`; fetched
@@ -18,6 +18,8 @@ rounds=${1:-3}
 shift || true
 tandem=${TANDEM:-target/release/tandem}
 [ -x "$tandem" ] || cargo build --release -p tandem-cli
+bench=${TANDEM_BENCH:-target/release/tandem-bench}
+[ -x "$bench" ] || cargo build --release -p tandem-bench
 gguf=${GGUF:-$("$tandem" model fetch "${MODEL:-smollm2}")}
 llama=${LLAMA_SERVER:-$HOME/.cache/tandem-peer/build/bin/llama-server}
 [ -x "$llama" ] || { echo "no llama-server at $llama (run ../shared/tools/build-llamacpp.sh)" >&2; exit 1; }
@@ -34,14 +36,14 @@ start_peers "$gguf" "$port" "$hport" "$lport" 16
 
 for r in $(seq "$rounds"); do
   echo "== round $r of $rounds" >&2
-  "$tandem" bench serve --openai "http://127.0.0.1:$hport/v1" "${load[@]}" --seed "$r" \
+  "$bench" serve --openai "http://127.0.0.1:$hport/v1" "${load[@]}" --seed "$r" \
     --label tandem --out "$out/tandem.$r.json" >/dev/null
-  "$tandem" bench serve --openai "http://127.0.0.1:$lport/v1" "${load[@]}" --seed "$r" \
+  "$bench" serve --openai "http://127.0.0.1:$lport/v1" "${load[@]}" --seed "$r" \
     --label llama-server --out "$out/llama-server.$r.json" >/dev/null
-  "$tandem" bench serve --server "127.0.0.1:$port" "${load[@]}" --seed "$((r + 1000))" \
+  "$bench" serve --server "127.0.0.1:$port" "${load[@]}" --seed "$((r + 1000))" \
     --label tandem-grpc --out "$out/tandem-grpc.$r.json" >/dev/null
 done
-"$tandem" bench plot "$out/tandem.$rounds.json" "$out/llama-server.$rounds.json" --out "$out/plots" >/dev/null
+"$bench" plot "$out/tandem.$rounds.json" "$out/llama-server.$rounds.json" --out "$out/plots" >/dev/null
 
 python3 - "$out" "$rounds" <<'EOF'
 import json, statistics, sys

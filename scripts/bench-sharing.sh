@@ -69,11 +69,11 @@ PY
 mixed() {
   local name=$1
   shift
-  "$tandem" bench serve "$@" "${batch[@]}" "${extra_b[@]}" --label "$name-batch" \
+  "$bench" serve "$@" "${batch[@]}" "${extra_b[@]}" --label "$name-batch" \
     --out "$out/$name.batch.json" >"$out/$name.batch.txt" &
   local bpid=$!
   sleep "$lead"
-  "$tandem" bench serve "$@" "${interactive[@]}" "${extra_i[@]}" --label "$name-interactive" \
+  "$bench" serve "$@" "${interactive[@]}" "${extra_i[@]}" --label "$name-interactive" \
     --out "$out/$name.interactive.json" >"$out/$name.interactive.txt"
   wait "$bpid"
 }
@@ -82,7 +82,7 @@ todo=${RUNS:-alone classes fifo llama-server slo keys}
 wants() { [[ " $todo " == *" $1 "* ]]; }
 if wants alone; then
   up "$out/up-alone.log" --prefill 1 --decode 1
-  "$tandem" bench serve --server "$up_addr" "${interactive[@]}" --priority interactive \
+  "$bench" serve --server "$up_addr" "${interactive[@]}" --priority interactive \
     --label alone --out "$out/alone.interactive.json" >"$out/alone.interactive.txt"
   down
   line alone
@@ -160,14 +160,14 @@ if wants keys; then
   heavy=$("$tandem" keys new --file "$keys" --tenant heavy --rpm 0 --tpm 0 --streams 0)
   light=$("$tandem" keys new --file "$keys" --tenant light --rpm 0 --tpm 0 --streams 0)
   TANDEM_MAX_SLOTS=2 up "$out/up-keys.log" --prefill 1 --decode 1 --api-keys "$keys"
-  "$tandem" bench serve --server "$up_addr" --api-key "$heavy" --concurrency 6 --requests 400 \
+  "$bench" serve --server "$up_addr" --api-key "$heavy" --concurrency 6 --requests 400 \
     --prompt-words 1000 --max-tokens 100 --warmup 0 --seed 9 --label heavy \
     --out "$out/keys.heavy.json" >"$out/keys.heavy.txt" 2>&1 &
   hpid=$!
   pids+=("$hpid")
   # The counters once both loads have settled (the first places go to whoever asks first).
   ( sleep "${KEYS_SETTLE:-30}"; curl -sf "http://$up_addr/metrics" >"$out/keys.start.txt" ) &
-  "$tandem" bench serve --server "$up_addr" --api-key "$light" --concurrency 16 --requests 160 \
+  "$bench" serve --server "$up_addr" --api-key "$light" --concurrency 16 --requests 160 \
     --prompt-words 100 --max-tokens 10 --warmup 0 --seed 10 --label light \
     --out "$out/keys.light.json" >"$out/keys.light.txt"
   curl -sf "http://$up_addr/metrics" >"$out/keys.metrics.txt"

@@ -2,8 +2,8 @@
 # Speculative decoding through the cluster (docs/speculative.md): `tandem up` (one prefill and
 # one decode node, SmolLM2) with --speculate off, then on, alternated round by round on
 # this machine, ROUNDS times. Each cluster serves, one at a time, the prompts of
-# cli/src/bench/speculate-prompts.jsonl (greedy, 256 tokens at most, through `tandem generate
-# --server`: single-stream decode tokens/s from the reply's timings), then `tandem bench serve` at
+# bench/src/speculate-prompts.jsonl (greedy, 256 tokens at most, through `tandem generate
+# --server`: single-stream decode tokens/s from the reply's timings), then `tandem-bench serve` at
 # 16 concurrent clients (aggregate output tokens/s). The script checks that both modes generate
 # the same tokens.
 #
@@ -24,7 +24,7 @@ for round in $(seq 1 "$rounds"); do
 import json, subprocess, sys
 tandem, addr = sys.argv[1], sys.argv[2]
 results = []
-for line in open("cli/src/bench/speculate-prompts.jsonl"):
+for line in open("bench/src/speculate-prompts.jsonl"):
     p = json.loads(line)
     messages = json.dumps([{"role": "user", "content": p["text"]}])
     out = subprocess.run(
@@ -39,7 +39,7 @@ for line in open("cli/src/bench/speculate-prompts.jsonl"):
                     "accepted_draft_tokens": r["accepted_draft_tokens"]})
 json.dump(results, sys.stdout)
 PY
-    "$tandem" bench serve --server "$up_addr" --concurrency 16 --requests 32 --prompt-words 100 \
+    "$bench" serve --server "$up_addr" --concurrency 16 --requests 32 --prompt-words 100 \
       --max-tokens 64 --warmup 2 --seed "$round" --label "$mode" --json \
       >"$out/$mode.$round.serve.json" 2>/dev/null
     down

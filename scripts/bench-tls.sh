@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What mutual TLS between the nodes costs (docs/benchmarks.md): `tandem up` (one prefill and one
 # decode node, SmolLM2) with TLS, then with --insecure, each driven by the same
-# `tandem bench serve` over gRPC, alternated round by round on this machine, ROUNDS times. Each
+# `tandem-bench serve` over gRPC, alternated round by round on this machine, ROUNDS times. Each
 # round uses its own prompts (seed = round) and fresh clusters, so no cache holds them.
 #
 # Usage: scripts/bench-tls.sh [ROUNDS]   (default 3)
@@ -19,7 +19,7 @@ for round in $(seq 1 "$rounds"); do
     [ "$mode" = insecure ] && flags=(--insecure)
     up "$out/up-$mode.log" "${flags[@]}"
     echo "round $round: $mode at $up_addr" >&2
-    "$tandem" bench serve --server "$up_addr" --concurrency 1,4 --requests 24 --prompt-words 100 \
+    "$bench" serve --server "$up_addr" --concurrency 1,4 --requests 24 --prompt-words 100 \
       --max-tokens 64 --warmup 2 --seed "$round" --label "$mode" --json \
       >"$out/$mode.$round.json" 2>/dev/null
     down

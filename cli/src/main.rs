@@ -1,17 +1,16 @@
 //! `tandem`: the command-line front of the engine (and, later, of the cluster). This file only
 //! parses arguments, sets up tracing and dispatches; each command lives in its own module.
 
-mod bench;
 mod certs;
-mod client;
+mod chat;
 mod fault_proxy;
 mod fetch;
 mod generate;
 mod healthcheck;
 mod keys;
-mod local;
 mod sampling;
 mod serve;
+mod tokenize;
 mod up;
 
 use std::path::PathBuf;
@@ -40,7 +39,7 @@ enum Command {
         command: ModelCommand,
     },
     /// Print the token ids of a text.
-    Tokenize(local::TokenizeArgs),
+    Tokenize(tokenize::TokenizeArgs),
     /// Generate text, in-process with the engine or through a cluster (--server).
     Generate(generate::GenerateArgs),
     /// Run a router: the client API, dispatching to prefill and decode nodes.
@@ -52,7 +51,7 @@ enum Command {
     /// Start a whole cluster on loopback (router, prefill and decode nodes as child processes).
     Up(up::UpArgs),
     /// Chat interactively with a cluster.
-    Chat(client::ChatArgs),
+    Chat(chat::ChatArgs),
     /// Ask a server whether it is SERVING (grpc.health.v1, 1 s deadline): exit 0 if so.
     Healthcheck(healthcheck::HealthcheckArgs),
     /// A TCP relay that adds latency, jitter, a bandwidth cap, a blackhole or resets, for fault
@@ -67,11 +66,6 @@ enum Command {
     Keys {
         #[command(subcommand)]
         command: keys::KeysCommand,
-    },
-    /// Benchmarks.
-    Bench {
-        #[command(subcommand)]
-        command: bench::BenchCommand,
     },
 }
 
@@ -94,29 +88,6 @@ struct ListArgs {
     /// Directory holding fetched models.
     #[arg(long, env = "TANDEM_MODEL_DIR")]
     model_dir: Option<PathBuf>,
-}
-
-/// Where the model comes from; shared by every command that loads one.
-#[derive(Args, Debug, Clone)]
-struct ModelArgs {
-    /// A model of the catalog by name (`default` is Qwen2.5-Coder-0.5B-Instruct; `tandem model
-    /// list` lists the rest), `tiny` (built-in random weights; `tiny-qwen2` and `tiny-gemma3`
-    /// for those architectures) or a GGUF path.
-    #[arg(long, env = "TANDEM_MODEL", default_value = "default")]
-    model: String,
-    /// Directory holding fetched models.
-    #[arg(long, env = "TANDEM_MODEL_DIR")]
-    model_dir: Option<PathBuf>,
-}
-
-impl ModelArgs {
-    fn source(&self) -> tandem_engine::ModelSource {
-        let dir = self
-            .model_dir
-            .clone()
-            .unwrap_or_else(tandem_engine::model_dir_from_env);
-        tandem_engine::ModelSource::parse(&self.model, &dir)
-    }
 }
 
 /// Logs to stderr (as JSON with `json`) and, when the `OTEL_*` environment asks for it, spans
@@ -144,22 +115,8 @@ fn init_tracing(json: bool, service: &str) -> Option<tandem_net::otel::Guard> {
     guard
 }
 
-/// glibc's malloc raises its mmap threshold to the largest block freed so far (up to 32 MB), so
-/// after one prefill the multi-megabyte buffers of later passes come from the heap, and what they
-/// leave free there stays resident: 30-40 MB on Gemma 3 270M, above its weights and KV. A fixed
-/// threshold (which fixes the trim threshold too) maps such buffers and hands them back when
-/// freed; below it stay the per-step ones (a batch-1 step's logits, up to 1 MB).
-#[cfg(target_env = "gnu")]
-fn bound_freed_memory() {
-    // SAFETY: mallopt only sets the allocator's parameters; no other thread runs yet.
-    unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 2 << 20) };
-}
-
-#[cfg(not(target_env = "gnu"))]
-fn bound_freed_memory() {}
-
 fn main() -> anyhow::Result<()> {
-    bound_freed_memory();
+    tandem_engine::bound_freed_memory();
     let cli = Cli::parse();
     let service = match &cli.command {
         Command::Router(_) => "tandem-router",
@@ -191,19 +148,18 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Tokenize(args) => local::tokenize(&args),
+        Command::Tokenize(args) => tokenize::tokenize(&args),
         Command::Generate(args) => generate::run(&args),
         Command::Router(args) => serve::router(&args),
         Command::Prefill(args) => serve::prefill(&args),
         Command::Decode(args) => serve::decode(&args),
         Command::Up(args) => up::up(&args),
-        Command::Chat(args) => client::chat(&args),
+        Command::Chat(args) => chat::chat(&args),
         Command::Healthcheck(args) => healthcheck::run(&args),
         Command::FaultProxy(args) => fault_proxy::run(&args),
         Command::Certs {
             command: CertsCommand::Init(args),
         } => certs::init(&args),
         Command::Keys { command } => keys::run(&command),
-        Command::Bench { command } => bench::run(&command),
     }
 }

@@ -7,12 +7,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
+use tandem_client::{KvDtype, ModelArgs};
 use tandem_engine::{EngineConfig, Model};
 use tandem_net::tls::{Role, Tls};
 use tandem_worker::NodeConfig;
 use tokio::net::TcpListener;
-
-use crate::ModelArgs;
 
 /// On or off.
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,24 +33,6 @@ impl Switch {
         match self {
             Switch::On => tandem_engine::SpeculateConfig::on(),
             Switch::Off => tandem_engine::SpeculateConfig::off(),
-        }
-    }
-}
-
-/// How the KV cache stores keys and values (`--kv-dtype`).
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum KvDtype {
-    /// f16, as llama.cpp keeps it.
-    F16,
-    /// int8 with one f16 scale per token and KV head: 52% of f16's bytes (docs/kv-cache.md).
-    Q8,
-}
-
-impl KvDtype {
-    pub(crate) fn dtype(self) -> tandem_engine::KvDtype {
-        match self {
-            KvDtype::F16 => tandem_engine::KvDtype::F16,
-            KvDtype::Q8 => tandem_engine::KvDtype::Q8,
         }
     }
 }

@@ -18,7 +18,9 @@ use tandem_net::tls::{Role, Tls};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-use crate::serve::{KvDtype, Policy, Switch, shutdown_signal};
+use tandem_client::KvDtype;
+
+use crate::serve::{Policy, Switch, shutdown_signal};
 
 #[derive(Args, Debug)]
 pub(crate) struct UpArgs {
@@ -341,31 +343,9 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
                 .collect::<Vec<_>>()
                 .join(",")
         };
-        let mut router_args = vec![
-            "router".to_string(),
-            "--prefill".into(),
-            list("prefill"),
-            "--decode".into(),
-            list("decode"),
-            "--policy".into(),
-            args.policy.name().into(),
-            "--default-model".into(),
-            default_model.clone(),
-        ];
-        if let Some(keys) = &args.api_keys {
-            router_args.extend(["--api-keys".into(), keys.display().to_string()]);
-        }
-        router_args.extend(args.sampling_defaults.to_args());
-        router_args.extend(tls_args.iter().cloned());
-        if let (Some(c), true) = (&certs, args.api_tls) {
-            let [cert, key] = Role::Router.files();
-            router_args.extend([
-                "--api-tls-cert".into(),
-                c.dir.join(cert).display().to_string(),
-                "--api-tls-key".into(),
-                c.dir.join(key).display().to_string(),
-            ]);
-        }
+        let workers_args = [list("prefill"), list("decode")];
+        let mut router_args =
+            router_args(args, certs.as_ref(), &tls_args, workers_args, default_model);
         // Several routers are each other's peers: their peer ports are picked before they
         // start, so that each can be told all of them.
         let mut peer_ports = Vec::new();
@@ -397,7 +377,6 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
             };
             nodes.push(start(name, &a).await?);
         }
-        let router_addr = nodes[0].addr.clone();
         nodes.extend(workers);
         let ready_timeout = Duration::from_millis(args.ready_timeout_ms);
         let api_tls = client_tls.as_ref().filter(|_| args.api_tls);
@@ -405,41 +384,7 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
             stop(&mut nodes).await;
             return Err(e);
         }
-        let ids: Vec<&str> = models.iter().map(|(_, id)| id.as_str()).collect();
-        println!("tandem cluster is up, serving {}", ids.join(", "));
-        for n in &nodes {
-            println!("  {:<14} {}", n.name, n.addr);
-        }
-        // Plaintext addresses print bare (host:port), as every client takes them.
-        let (scheme, ca_flag) = match (api_tls, &certs) {
-            (Some(_), Some(c)) => (
-                "https",
-                format!(" --ca-cert {}", c.dir.join("ca.pem").display()),
-            ),
-            _ => ("http", String::new()),
-        };
-        let grpc_of = |addr: &str| match scheme {
-            "https" => format!("https://{addr}"),
-            _ => addr.to_string(),
-        };
-        for n in nodes.iter().filter(|n| n.name.starts_with("router")) {
-            let http = n.http.as_deref().unwrap_or_default();
-            println!(
-                "{} (gRPC tandem.v1.Generation): {}",
-                n.name,
-                grpc_of(&n.addr)
-            );
-            println!("{} (OpenAI HTTP): {scheme}://{http}/v1", n.name);
-        }
-        println!(
-            "try: tandem chat --server {}{ca_flag}",
-            grpc_of(&router_addr)
-        );
-        println!("metrics: {scheme}://{router_addr}/metrics; Ctrl-C stops the cluster");
-        println!(
-            "stopping drains the router first: streams in flight finish (up to 10 s), and \
-             requests sent meanwhile are refused at once (UNAVAILABLE; HTTP 503 with Retry-After)"
-        );
+        print_addresses(&nodes, &models, api_tls.is_some(), certs.as_ref());
 
         let result = {
             let names: Vec<String> = nodes.iter().map(|n| n.name.clone()).collect();
@@ -461,6 +406,89 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
         stop(&mut nodes).await;
         result
     })
+}
+
+/// The flags every router of the cluster takes: the workers (`[prefill, decode]`, each a
+/// comma-separated list of addresses), the policy, keys, sampling defaults and TLS.
+fn router_args(
+    args: &UpArgs,
+    certs: Option<&Dir>,
+    tls_args: &[String],
+    [prefill, decode]: [String; 2],
+    default_model: &str,
+) -> Vec<String> {
+    let mut router_args = vec![
+        "router".to_string(),
+        "--prefill".into(),
+        prefill,
+        "--decode".into(),
+        decode,
+        "--policy".into(),
+        args.policy.name().into(),
+        "--default-model".into(),
+        default_model.to_string(),
+    ];
+    if let Some(keys) = &args.api_keys {
+        router_args.extend(["--api-keys".into(), keys.display().to_string()]);
+    }
+    router_args.extend(args.sampling_defaults.to_args());
+    router_args.extend(tls_args.iter().cloned());
+    if let (Some(c), true) = (certs, args.api_tls) {
+        let [cert, key] = Role::Router.files();
+        router_args.extend([
+            "--api-tls-cert".into(),
+            c.dir.join(cert).display().to_string(),
+            "--api-tls-key".into(),
+            c.dir.join(key).display().to_string(),
+        ]);
+    }
+    router_args
+}
+
+/// What `up` prints once the cluster serves: the models, every node, each router's two APIs
+/// (over TLS with `api_tls`), and how to talk to it.
+fn print_addresses(
+    nodes: &[Node],
+    models: &[(String, String)],
+    api_tls: bool,
+    certs: Option<&Dir>,
+) {
+    let router_addr = &nodes[0].addr;
+    let ids: Vec<&str> = models.iter().map(|(_, id)| id.as_str()).collect();
+    println!("tandem cluster is up, serving {}", ids.join(", "));
+    for n in nodes {
+        println!("  {:<14} {}", n.name, n.addr);
+    }
+    // Plaintext addresses print bare (host:port), as every client takes them.
+    let (scheme, ca_flag) = match (api_tls, certs) {
+        (true, Some(c)) => (
+            "https",
+            format!(" --ca-cert {}", c.dir.join("ca.pem").display()),
+        ),
+        _ => ("http", String::new()),
+    };
+    let grpc_of = |addr: &str| match scheme {
+        "https" => format!("https://{addr}"),
+        _ => addr.to_string(),
+    };
+    for n in nodes.iter().filter(|n| n.name.starts_with("router")) {
+        let http = n.http.as_deref().unwrap_or_default();
+        println!(
+            "{} (gRPC tandem.v1.Generation): {}",
+            n.name,
+            grpc_of(&n.addr)
+        );
+        println!("{} (OpenAI HTTP): {scheme}://{http}/v1", n.name);
+    }
+    println!(
+        "try: tandem chat --server {}{ca_flag}",
+        grpc_of(router_addr)
+    );
+    println!("metrics: {scheme}://{router_addr}/metrics; Ctrl-C stops the cluster");
+    println!(
+        "stopping drains the router first: streams in flight finish (up to 10 s), and \
+         requests sent meanwhile are refused at once (UNAVAILABLE; HTTP 503 with Retry-After)"
+    );
 }
 
 /// The HTTP port: the one given, else 8000 beside the default gRPC port 50051, else the gRPC

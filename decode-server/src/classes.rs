@@ -25,7 +25,7 @@
 
 use tokio::time::Instant;
 
-use crate::scheduler::Ticket;
+use crate::ticket::Ticket;
 
 /// The classes' numbers ([`tandem_worker::class_of`]).
 pub const INTERACTIVE: u8 = 0;

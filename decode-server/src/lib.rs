@@ -13,6 +13,7 @@ mod park;
 mod request;
 mod scheduler;
 mod service;
+mod ticket;
 
 use std::future::Future;
 use std::sync::Arc;

@@ -18,9 +18,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tandem_engine::{FinishReason, GenerateParams, Model, Stream};
+use tandem_engine::{Emission, FinishReason, GenerateParams, Model, Stream};
 use tandem_proto::v1 as pb;
-use tandem_transfer::{Expectation, Reservations};
+use tandem_transfer::reservation::Delivery;
+use tandem_transfer::{Expectation, ReceivedKv, ReservationGuard, Reservations};
 use tandem_worker::KvMoves;
 use tokio::sync::mpsc;
 use tokio::time::Instant as TokioInstant;
@@ -32,7 +33,8 @@ use tracing::Instrument;
 
 use crate::admission::{Admission, Admitted};
 use crate::error::{Error, Result};
-use crate::scheduler::{Event, Input, Joining, SchedulerHandle, Shared, Start, Ticket};
+use crate::scheduler::{Event, Input, Joining, SchedulerHandle, Shared, Start};
+use crate::ticket::Ticket;
 
 /// Frames buffered towards the client before the request task waits.
 const FRAME_BUFFER: usize = 16;
@@ -242,6 +244,43 @@ impl RequestContext {
         Ok(Some(asked))
     }
 
+    /// Reserves `transfer_id`'s push of the KV of `prompt[cached..]`: what a prefill node must
+    /// bring.
+    fn reserve_push(
+        &self,
+        transfer_id: &str,
+        prompt: &[u32],
+        cached: usize,
+    ) -> Result<(ReservationGuard, Delivery)> {
+        let n = prompt.len();
+        let layout = tandem_worker::wire_layout(self.kv_layout);
+        let want = Expectation {
+            fingerprint: self.model.fingerprint.0,
+            layout,
+            tokens: cached as u32..n as u32,
+            token_ids: prompt[cached..].to_vec(),
+            max_bytes: layout.total_bytes(n - cached),
+        };
+        Ok(self.reservations.reserve(transfer_id, want)?)
+    }
+
+    /// The pushed KV as the scheduler's input, its first token checked.
+    fn pushed_input(&self, received: ReceivedKv) -> Result<Input> {
+        let first_token = received.first_token;
+        self.model
+            .config
+            .check_token_ids("first_token", &[first_token])?;
+        let first_logprobs = received
+            .first_logprobs
+            .as_ref()
+            .map(tandem_worker::logprobs_from_pb);
+        Ok(Input::Kv {
+            kv: tandem_worker::kv_export(self.kv_layout, received),
+            first_token,
+            first_logprobs,
+        })
+    }
+
     async fn run(
         &self,
         plan: Plan,
@@ -308,20 +347,11 @@ impl RequestContext {
         let m = &self.shared.metrics;
         m.cached_tokens.inc_by((cached - fetched_tokens) as u64);
         m.fetched_tokens.inc_by(fetched_tokens as u64);
-        let n = plan.prompt.len();
         // With a local prefill nothing is pushed; otherwise the push must bring [cached, n).
         let reservation = if plan.local_prefill {
             None
         } else {
-            let layout = tandem_worker::wire_layout(self.kv_layout);
-            let want = Expectation {
-                fingerprint: self.model.fingerprint.0,
-                layout,
-                tokens: cached as u32..n as u32,
-                token_ids: plan.prompt[cached..].to_vec(),
-                max_bytes: layout.total_bytes(n - cached),
-            };
-            Some(self.reservations.reserve(&plan.transfer_id, want)?)
+            Some(self.reserve_push(&plan.transfer_id, &plan.prompt, cached)?)
         };
         let frame = pb::DecodeResponse {
             event: Some(pb::decode_response::Event::Admitted(pb::DecodeAdmitted {
@@ -349,19 +379,7 @@ impl RequestContext {
                     () = &mut draining => return Err(Error::HandedOff { tokens: 0 }),
                 };
                 drop(lease);
-                let first_token = received.first_token;
-                self.model
-                    .config
-                    .check_token_ids("first_token", &[first_token])?;
-                let first_logprobs = received
-                    .first_logprobs
-                    .as_ref()
-                    .map(tandem_worker::logprobs_from_pb);
-                Input::Kv {
-                    kv: tandem_worker::kv_export(self.kv_layout, received),
-                    first_token,
-                    first_logprobs,
-                }
+                self.pushed_input(received)?
             }
         };
         let kv_wait_ms = admitted_at.elapsed().as_secs_f64() * 1e3;
@@ -423,35 +441,11 @@ impl RequestContext {
                     });
                 }
             };
-            let index = completion_tokens;
             let last = emissions.last().and_then(|e| e.finished);
-            let mut token_ids = Vec::with_capacity(emissions.len());
-            let mut logprobs = Vec::new();
-            let mut text = String::new();
-            for e in emissions {
-                token_ids.extend(e.token);
-                if e.token.is_some() {
-                    logprobs.extend(e.logprobs.as_ref().map(tandem_worker::logprobs_to_pb));
-                }
-                text.push_str(&e.text);
-            }
-            completion_tokens += token_ids.len() as u32;
-            let frame = pb::DecodeTokens {
-                index,
-                token_ids,
-                text,
-                finish_reason: last.map_or(pb::FinishReason::Unspecified, finish_reason) as i32,
-                completion_tokens: if last.is_some() { completion_tokens } else { 0 },
-                kv_wait_ms: if first { kv_wait_ms } else { 0.0 },
-                local_prefill_ms: if first { local_prefill_ms } else { 0.0 },
-                draft_tokens: if last.is_some() { drafted as u32 } else { 0 },
-                accepted_draft_tokens: if last.is_some() { accepted as u32 } else { 0 },
-                logprobs,
-            };
+            let timings = first.then_some((kv_wait_ms, local_prefill_ms));
+            let speculation = last.map(|_| (drafted, accepted));
+            let frame = tokens_frame(emissions, &mut completion_tokens, timings, speculation);
             first = false;
-            let frame = pb::DecodeResponse {
-                event: Some(pb::decode_response::Event::Tokens(frame)),
-            };
             if tx.send(Ok(frame)).await.is_err() {
                 return Ok(());
             }
@@ -461,5 +455,50 @@ impl RequestContext {
                 return Ok(());
             }
         }
+    }
+}
+
+/// One step's emissions as a `DecodeTokens` frame, at the index `completion_tokens` counts to
+/// (which it then counts on): with the first frame's `timings` (KV wait, local prefill ms),
+/// and the last's `speculation` totals (drafted, accepted).
+fn tokens_frame(
+    emissions: Vec<Emission>,
+    completion_tokens: &mut u32,
+    timings: Option<(f64, f64)>,
+    speculation: Option<(u64, u64)>,
+) -> pb::DecodeResponse {
+    let index = *completion_tokens;
+    let last = emissions.last().and_then(|e| e.finished);
+    let mut token_ids = Vec::with_capacity(emissions.len());
+    let mut logprobs = Vec::new();
+    let mut text = String::new();
+    for e in emissions {
+        token_ids.extend(e.token);
+        if e.token.is_some() {
+            logprobs.extend(e.logprobs.as_ref().map(tandem_worker::logprobs_to_pb));
+        }
+        text.push_str(&e.text);
+    }
+    *completion_tokens += token_ids.len() as u32;
+    let (kv_wait_ms, local_prefill_ms) = timings.unwrap_or_default();
+    let (drafted, accepted) = speculation.unwrap_or_default();
+    let frame = pb::DecodeTokens {
+        index,
+        token_ids,
+        text,
+        finish_reason: last.map_or(pb::FinishReason::Unspecified, finish_reason) as i32,
+        completion_tokens: if last.is_some() {
+            *completion_tokens
+        } else {
+            0
+        },
+        kv_wait_ms,
+        local_prefill_ms,
+        draft_tokens: drafted as u32,
+        accepted_draft_tokens: accepted as u32,
+        logprobs,
+    };
+    pb::DecodeResponse {
+        event: Some(pb::decode_response::Event::Tokens(frame)),
     }
 }

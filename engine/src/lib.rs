@@ -4,8 +4,15 @@
 //!
 //! No networking lives here; the servers drive an [`Engine`] from their own threads.
 
+// The one crate with unsafe code (the workspace denies it elsewhere): the SIMD kernels
+// (`kernels`, `attention`, `math`, `quant`; each instruction set in a module of its own, chosen
+// by `cpu`), the huge-page mappings and prefetches (`memory`), and the allocator's threshold.
+// Every `unsafe fn` has a `# Safety` section and every `unsafe` block a `SAFETY` comment.
+#![allow(unsafe_code)]
+
 mod attention;
 pub mod catalog;
+mod cpu;
 mod engine;
 mod error;
 mod generate;
@@ -36,6 +43,7 @@ pub use generate::{GenerateOutput, GenerateRequest};
 pub use grammar::Grammar;
 pub use kv::{BLOCK_TOKENS, KvDtype, KvKind, KvLayout};
 pub use loader::ModelFingerprint;
+pub use memory::bound_freed_memory;
 pub use model::{Arch, Logits, ModelConfig};
 pub use prefix_cache::CacheEvent;
 pub use sampling::{

@@ -95,7 +95,7 @@ pub fn exp(x: f32) -> f32 {
 /// `x = e^x` for every element.
 pub fn exp_in_place(x: &mut [f32]) {
     #[cfg(x86_v3)]
-    if std::arch::is_x86_feature_detected!("avx512f") {
+    if crate::cpu::has_avx512f() {
         // SAFETY: AVX-512F was detected; AVX2 and FMA are compiled in.
         return unsafe { exp_in_place_512(x) };
     }
@@ -145,6 +145,10 @@ fn exp4(x: [f32; 4]) -> [f32; 4] {
 /// [`exp_in_place`] eight lanes at a time in 512-bit registers, with the table in four of them
 /// (two two-source permutes and a blend pick an entry) instead of `exp4`'s gather, which is slow
 /// on AMD's cores. The steps are `exp4`'s, so the results are the same bits.
+///
+/// # Safety
+///
+/// The CPU must have AVX-512F ([`crate::cpu::has_avx512f`]).
 #[cfg(x86_v3)]
 #[target_feature(enable = "avx512f")]
 unsafe fn exp_in_place_512(x: &mut [f32]) {

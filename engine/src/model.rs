@@ -16,206 +16,12 @@ use rayon::prelude::*;
 
 use crate::attention::{Query, attend, tile_rows};
 use crate::kernels::QMatrix;
-use crate::kv::{KvDtype, KvKind, KvLayout, KvPool};
+use crate::kv::{KvKind, KvPool};
 use crate::quant::{BlockQ8_1, QK, quantize_row_q8_1};
 
-/// The model families the engine runs. They share one forward pass; what differs is data here
-/// and in [`ModelConfig`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Arch {
-    Llama,
-    Qwen2,
-    Gemma3,
-}
+mod config;
 
-impl Arch {
-    /// Every supported architecture.
-    pub const ALL: &[Arch] = &[Arch::Llama, Arch::Qwen2, Arch::Gemma3];
-
-    pub fn from_gguf(name: &str) -> Option<Arch> {
-        Arch::ALL.iter().copied().find(|a| a.gguf_name() == name)
-    }
-
-    /// The architecture's name in GGUF metadata, and the prefix of its hyperparameter keys.
-    pub fn gguf_name(self) -> &'static str {
-        match self {
-            Arch::Llama => "llama",
-            Arch::Qwen2 => "qwen2",
-            Arch::Gemma3 => "gemma3",
-        }
-    }
-
-    /// Gemma's extra norms: of each Q and K head before rotary embedding, and of the attention
-    /// and FFN outputs before they join the residual.
-    pub fn gemma_norms(self) -> bool {
-        matches!(self, Arch::Gemma3)
-    }
-
-    /// Whether Q, K and V carry biases.
-    pub fn qkv_bias(self) -> bool {
-        matches!(self, Arch::Qwen2)
-    }
-
-    /// How rotary embedding pairs the dimensions of a head: llama's GGUF weights are permuted
-    /// for adjacent pairs `(2i, 2i+1)`; the others rotate `(i, i + d/2)` (llama.cpp's NEOX).
-    pub fn rope(self) -> Rope {
-        match self {
-            Arch::Llama => Rope::Adjacent,
-            Arch::Qwen2 | Arch::Gemma3 => Rope::Halves,
-        }
-    }
-
-    /// The gated FFN's activation: GELU (tanh approximation) for Gemma, SiLU for the others.
-    fn gelu(self) -> bool {
-        matches!(self, Arch::Gemma3)
-    }
-}
-
-/// Sliding-window attention on some layers (Gemma 3's local layers).
-#[derive(Clone, Debug, PartialEq)]
-pub struct SlidingWindow {
-    /// Positions a query sees, its own included.
-    pub window: usize,
-    /// Every `pattern`-th layer (the last of each run) attends to the whole context; the others
-    /// to the window.
-    pub pattern: usize,
-    /// The rotary base of the windowed layers.
-    pub rope_theta: f32,
-}
-
-/// Which dimensions of a head rotary embedding rotates together.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Rope {
-    /// `(2i, 2i + 1)`.
-    Adjacent,
-    /// `(i, i + head_dim / 2)`.
-    Halves,
-}
-
-/// Hyperparameters of a model.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ModelConfig {
-    pub arch: Arch,
-    pub n_layers: usize,
-    pub hidden: usize,
-    pub n_heads: usize,
-    pub n_kv_heads: usize,
-    pub head_dim: usize,
-    pub ffn: usize,
-    pub vocab: usize,
-    pub rope_theta: f32,
-    pub context_len: usize,
-    pub rms_eps: f32,
-    /// Token embeddings are scaled by `sqrt(hidden)` (Gemma).
-    pub embed_scale: Option<f32>,
-    pub sliding_window: Option<SlidingWindow>,
-}
-
-impl ModelConfig {
-    /// Checks that `tokens`, the request's `field`, are within the vocabulary: the one check
-    /// every node that takes token ids off the network makes.
-    pub fn check_token_ids(&self, field: &'static str, tokens: &[u32]) -> crate::Result<()> {
-        match tokens.iter().find(|&&t| t as usize >= self.vocab) {
-            Some(t) => Err(crate::Error::InvalidArgument {
-                field,
-                reason: format!("token id {t} is outside the vocabulary of {}", self.vocab),
-            }),
-            None => Ok(()),
-        }
-    }
-
-    /// Checks that a prompt of `prompt` tokens and a reply of up to `max_tokens` fit the
-    /// context.
-    pub fn check_fits(&self, prompt: usize, max_tokens: usize) -> crate::Result<()> {
-        if prompt + max_tokens > self.context_len {
-            return Err(crate::Error::InvalidArgument {
-                field: "max_tokens",
-                reason: format!(
-                    "prompt of {prompt} tokens plus max_tokens {max_tokens} exceeds the context \
-                     of {}",
-                    self.context_len
-                ),
-            });
-        }
-        Ok(())
-    }
-
-    /// Checks the shape constraints the kernels rely on.
-    pub fn validate(&self) -> Result<(), String> {
-        let positive = [
-            ("block_count", self.n_layers),
-            ("embedding_length", self.hidden),
-            ("head_count", self.n_heads),
-            ("head_count_kv", self.n_kv_heads),
-            ("feed_forward_length", self.ffn),
-            ("vocab", self.vocab),
-            ("context_length", self.context_len),
-        ];
-        if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
-            return Err(format!("{name} is 0"));
-        }
-        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
-            return Err(format!(
-                "{} KV heads do not divide {} heads",
-                self.n_kv_heads, self.n_heads
-            ));
-        }
-        if !self.hidden.is_multiple_of(QK)
-            || !self.ffn.is_multiple_of(QK)
-            || !self.q_dim().is_multiple_of(QK)
-            || !self.head_dim.is_multiple_of(2)
-            || self.head_dim == 0
-        {
-            return Err(format!(
-                "hidden {}, ffn {} and heads × head_dim {} must be multiples of {QK} (head_dim {} even)",
-                self.hidden,
-                self.ffn,
-                self.q_dim(),
-                self.head_dim
-            ));
-        }
-        if self
-            .sliding_window
-            .as_ref()
-            .is_some_and(|w| w.window == 0 || w.pattern == 0)
-        {
-            return Err("the sliding window and its layer pattern must be positive".into());
-        }
-        Ok(())
-    }
-
-    /// The KV cache's shape, with rows stored as `dtype`.
-    pub fn kv_layout(&self, dtype: KvDtype) -> KvLayout {
-        KvLayout {
-            n_layers: self.n_layers,
-            n_kv_heads: self.n_kv_heads,
-            head_dim: self.head_dim,
-            dtype,
-        }
-    }
-
-    /// The first key a query at `pos` sees in layer `layer`.
-    fn first_key(&self, layer: usize, pos: usize) -> usize {
-        match &self.sliding_window {
-            Some(w) if self.is_local(layer) => (pos + 1).saturating_sub(w.window),
-            _ => 0,
-        }
-    }
-
-    fn is_local(&self, layer: usize) -> bool {
-        self.sliding_window
-            .as_ref()
-            .is_some_and(|w| !(layer + 1).is_multiple_of(w.pattern))
-    }
-
-    pub(crate) fn q_dim(&self) -> usize {
-        self.n_heads * self.head_dim
-    }
-
-    pub(crate) fn kv_dim(&self) -> usize {
-        self.n_kv_heads * self.head_dim
-    }
-}
+pub use config::{Arch, ModelConfig, Rope, SlidingWindow};
 
 #[derive(Debug)]
 pub struct LayerWeights {
@@ -319,7 +125,7 @@ pub fn forward(
     w: &Weights,
     pool: &mut KvPool,
     rows: &[Row<'_>],
-    mut buffer: Vec<f32>,
+    buffer: Vec<f32>,
 ) -> Logits {
     let n = rows.len();
     let (h, qd, kvd, hd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
@@ -371,31 +177,11 @@ pub fn forward(
     }
     for (li, lw) in w.layers.iter().enumerate() {
         lw.wqkv.matmul(&acts_h, n, &mut qkv);
-        let style = cfg.arch.rope();
         let rope = match &rope_local {
             Some(local) if cfg.is_local(li) => local,
             _ => &rope_global,
         };
-        qkv.par_chunks_mut(qkv_w)
-            .zip(rope)
-            .with_min_len(ROWS_PER_TASK)
-            .for_each(|(row, (cos, sin))| {
-                if let Some(bias) = &lw.qkv_bias {
-                    add_in_place(row, bias);
-                }
-                if let Some(g) = &lw.gemma {
-                    let (q, k) = row[..qd + kvd].split_at_mut(qd);
-                    for head in q.chunks_exact_mut(hd) {
-                        rms_norm_in_place(head, &g.q, cfg.rms_eps);
-                    }
-                    for head in k.chunks_exact_mut(hd) {
-                        rms_norm_in_place(head, &g.k, cfg.rms_eps);
-                    }
-                }
-                for head in row[..qd + kvd].chunks_exact_mut(hd) {
-                    apply_rope(style, head, cos, sin);
-                }
-            });
+        bias_norm_rope(cfg, lw, rope, &mut qkv);
         for (r, row) in rows.iter().zip(qkv.chunks_exact(qkv_w)) {
             for g in 0..cfg.n_kv_heads {
                 let k = &row[qd + g * hd..qd + (g + 1) * hd];
@@ -450,30 +236,7 @@ pub fn forward(
         );
 
         lw.w_gate_up.matmul(&acts_h, n, &mut gate_up);
-        let gelu = cfg.arch.gelu();
-        gate_up
-            .par_chunks(2 * cfg.ffn)
-            .zip(ffn_act.par_chunks_mut(cfg.ffn))
-            .zip(acts_f.par_chunks_mut(cfg.ffn / QK))
-            .with_min_len(ROWS_PER_TASK)
-            .for_each(|((gu, out), q)| {
-                let (gate, up) = gu.split_at(cfg.ffn);
-                // silu(g) = g / (1 + e^-g); GELU's tanh form is the same sigmoid of another
-                // argument: 0.5·g·(1 + tanh(u)) = g / (1 + e^(-2u)), u = √(2/π)·(g + 0.044715·g³).
-                // The exponentials are computed four lanes at a time.
-                for (o, &g) in out.iter_mut().zip(gate) {
-                    *o = if gelu {
-                        -2.0 * SQRT_2_OVER_PI * g * (1.0 + 0.044_715 * g * g)
-                    } else {
-                        -g
-                    };
-                }
-                crate::math::exp_in_place(out);
-                for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
-                    *o = g / (1.0 + *o) * u;
-                }
-                quantize_row_q8_1(out, q);
-            });
+        gated_activation(cfg, &gate_up, &mut ffn_act, &mut acts_f);
         lw.w_down.matmul(&acts_f, n, &mut proj);
         if let Some(g) = &lw.gemma {
             norm_rows(&mut proj, &g.post_ffn, cfg.rms_eps);
@@ -487,6 +250,85 @@ pub fn forward(
         }
     }
 
+    logits(cfg, w, rows, &x, buffer)
+}
+
+/// Per row of `qkv`, in parallel: the q, k and v biases added (where the architecture has
+/// them), Gemma's per-head q and k norms, and the rotary embedding of the q and k heads.
+fn bias_norm_rope(
+    cfg: &ModelConfig,
+    lw: &LayerWeights,
+    rope: &[(Vec<f32>, Vec<f32>)],
+    qkv: &mut [f32],
+) {
+    let (qd, kvd, hd) = (cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+    let style = cfg.arch.rope();
+    qkv.par_chunks_mut(qd + 2 * kvd)
+        .zip(rope)
+        .with_min_len(ROWS_PER_TASK)
+        .for_each(|(row, (cos, sin))| {
+            if let Some(bias) = &lw.qkv_bias {
+                add_in_place(row, bias);
+            }
+            if let Some(g) = &lw.gemma {
+                let (q, k) = row[..qd + kvd].split_at_mut(qd);
+                for head in q.chunks_exact_mut(hd) {
+                    rms_norm_in_place(head, &g.q, cfg.rms_eps);
+                }
+                for head in k.chunks_exact_mut(hd) {
+                    rms_norm_in_place(head, &g.k, cfg.rms_eps);
+                }
+            }
+            for head in row[..qd + kvd].chunks_exact_mut(hd) {
+                apply_rope(style, head, cos, sin);
+            }
+        });
+}
+
+/// Per row, in parallel: `act(gate) · up` from the stacked gate and up projections, into
+/// `ffn_act`, and quantized into `acts_f`.
+fn gated_activation(
+    cfg: &ModelConfig,
+    gate_up: &[f32],
+    ffn_act: &mut [f32],
+    acts_f: &mut [BlockQ8_1],
+) {
+    let gelu = cfg.arch.gelu();
+    gate_up
+        .par_chunks(2 * cfg.ffn)
+        .zip(ffn_act.par_chunks_mut(cfg.ffn))
+        .zip(acts_f.par_chunks_mut(cfg.ffn / QK))
+        .with_min_len(ROWS_PER_TASK)
+        .for_each(|((gu, out), q)| {
+            let (gate, up) = gu.split_at(cfg.ffn);
+            // silu(g) = g / (1 + e^-g); GELU's tanh form is the same sigmoid of another
+            // argument: 0.5·g·(1 + tanh(u)) = g / (1 + e^(-2u)), u = √(2/π)·(g + 0.044715·g³).
+            // The exponentials are computed four lanes at a time.
+            for (o, &g) in out.iter_mut().zip(gate) {
+                *o = if gelu {
+                    -2.0 * SQRT_2_OVER_PI * g * (1.0 + 0.044_715 * g * g)
+                } else {
+                    -g
+                };
+            }
+            crate::math::exp_in_place(out);
+            for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+                *o = g / (1.0 + *o) * u;
+            }
+            quantize_row_q8_1(out, q);
+        });
+}
+
+/// The logits of the rows that asked for them, from the last layer's hidden states `x`,
+/// written over `buffer`.
+fn logits(
+    cfg: &ModelConfig,
+    w: &Weights,
+    rows: &[Row<'_>],
+    x: &[f32],
+    mut buffer: Vec<f32>,
+) -> Logits {
+    let (n, h) = (rows.len(), cfg.hidden);
     let wanted: Vec<usize> = (0..n).filter(|&i| rows[i].want_logits).collect();
     if wanted.is_empty() {
         // The buffer goes back empty rather than dropped, so a caller can still recycle it.

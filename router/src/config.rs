@@ -115,6 +115,44 @@ pub struct Config {
     pub peers: Vec<String>,
 }
 
+impl Config {
+    /// What `run` needs of the configuration before it starts anything: a decode replica,
+    /// a prefill replica for round-robin, non-zero bounds, a peer port of its own when it
+    /// follows peers (`serves_peers`), and sampling defaults a request could set.
+    pub fn validate(&self, serves_peers: bool) -> crate::error::Result<()> {
+        let invalid = |field, reason: &str| {
+            Err(crate::error::Error::InvalidArgument {
+                field,
+                reason: reason.into(),
+            })
+        };
+        // Without prefill replicas the decode nodes prefill every prompt themselves, which the
+        // affinity policy does whenever no prefill replica is up; round-robin always wants one.
+        if self.decode.is_empty() {
+            return invalid("replicas", "at least one decode replica is required");
+        }
+        if self.prefill.is_empty() && self.policy == PolicyKind::RoundRobin {
+            return invalid(
+                "policy",
+                "round-robin always prefills remotely: it needs a prefill replica",
+            );
+        }
+        if self.token_gap.is_zero() {
+            return invalid("token_gap", "must be more than 0");
+        }
+        if self.max_inflight == 0 {
+            return invalid("max_inflight", "must be at least 1");
+        }
+        if !self.peers.is_empty() && !serves_peers {
+            return invalid(
+                "peers",
+                "a router that asks peers for their state must serve its own: give it a peer port",
+            );
+        }
+        self.sampling_defaults.validate()
+    }
+}
+
 /// The sampling an OpenAI HTTP request gets for what it leaves unset, as llama-server's flags
 /// and vLLM's generation config give it; `None` is OpenAI's own default (temperature 1, no
 /// cut). gRPC requests state their sampling (proto3 cannot tell an unset temperature from 0,

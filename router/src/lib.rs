@@ -86,41 +86,7 @@ pub async fn run(
         http,
         peer: peer_listener,
     } = listeners;
-    // Without prefill replicas the decode nodes prefill every prompt themselves, which the
-    // affinity policy does whenever no prefill replica is up; round-robin always wants one.
-    if config.decode.is_empty() {
-        return Err(Error::InvalidArgument {
-            field: "replicas",
-            reason: "at least one decode replica is required".into(),
-        });
-    }
-    if config.prefill.is_empty() && config.policy == PolicyKind::RoundRobin {
-        return Err(Error::InvalidArgument {
-            field: "policy",
-            reason: "round-robin always prefills remotely: it needs a prefill replica".into(),
-        });
-    }
-    if config.token_gap.is_zero() {
-        return Err(Error::InvalidArgument {
-            field: "token_gap",
-            reason: "must be more than 0".into(),
-        });
-    }
-    if config.max_inflight == 0 {
-        return Err(Error::InvalidArgument {
-            field: "max_inflight",
-            reason: "must be at least 1".into(),
-        });
-    }
-    if !config.peers.is_empty() && peer_listener.is_none() {
-        return Err(Error::InvalidArgument {
-            field: "peers",
-            reason:
-                "a router that asks peers for their state must serve its own: give it a peer port"
-                    .into(),
-        });
-    }
-    config.sampling_defaults.validate()?;
+    config.validate(peer_listener.is_some())?;
     let keys = auth::KeyStore::open(config.auth.clone())?;
     if keys.required() {
         tracing::info!(keys = keys.key_count(), "API keys required");
@@ -183,33 +149,7 @@ pub async fn run(
         shutdown: root.child_token(),
         generations: generations.clone(),
     };
-    // The router's own Generation service is SERVING only while it can route (it knows the
-    // model and a decode replica is healthy) and does not drain.
-    {
-        let (health, replicas, cancel) = (health.clone(), replicas.clone(), root.child_token());
-        let draining = draining.clone();
-        tracker.spawn(async move {
-            let mut last = None;
-            loop {
-                let changed = replicas.changed();
-                let ready = replicas.ready() && !draining.is_cancelled();
-                if last != Some(ready) {
-                    let status = if ready {
-                        ServingStatus::Serving
-                    } else {
-                        ServingStatus::NotServing
-                    };
-                    health.set_service_status(SERVICE_NAME, status).await;
-                    last = Some(ready);
-                }
-                tokio::select! {
-                    () = changed => {}
-                    () = draining.cancelled(), if !draining.is_cancelled() => {}
-                    () = cancel.cancelled() => return,
-                }
-            }
-        });
-    }
+    watch_health(&health, &replicas, &draining, &tracker, root.child_token());
     // Both APIs go on accepting through the drain, so that a request arriving meanwhile is
     // refused at once (UNAVAILABLE; HTTP 503 with Retry-After) instead of finding the port
     // closed. HTTP stops once the drain is over, gRPC as `serve` ends it.
@@ -230,26 +170,7 @@ pub async fn run(
     if let Some(cert) = &config.api_tls {
         tracker.spawn(cert.clone().watch(root.child_token()));
     }
-    let peer_task = peer_listener.map(|l| {
-        tracing::info!(addr = ?l.local_addr().ok(), peers = ?config.peers, "peer port serving");
-        let peer = api::peer::PeerService {
-            service: generation.clone(),
-        };
-        let (health, health_service) = tonic_health::server::health_reporter();
-        let routes = Routes::new(health_service).add_service(tandem_proto::limits!(
-            pb::peer_server::PeerServer::new(peer)
-        ));
-        let options = tandem_net::ServeOptions {
-            service_names: vec!["tandem.v1.Peer"],
-            health,
-            metrics: Arc::new(Registry::default()),
-            grace: config.grace,
-            tls: config.tls.clone().map(ServerTls::Mutual),
-        };
-        // It serves until the router has drained: a peer may attach to a stream still running.
-        let stop = root.clone().cancelled_owned();
-        tokio::spawn(tandem_net::serve(l, routes, options, stop, async {}))
-    });
+    let peer_task = peer_listener.map(|l| serve_peer_port(l, &generation, &config, &root));
     let interceptor = crate::api::grpc::interceptor(&generation);
     let picker = match config.picker_endpoints.as_slice() {
         [] => None,
@@ -319,6 +240,66 @@ pub async fn run(
     }
     served?;
     Ok(())
+}
+
+/// Keeps the router's own Generation service SERVING only while it can route (it knows the
+/// model and a decode replica is healthy) and does not drain.
+fn watch_health(
+    health: &tonic_health::server::HealthReporter,
+    replicas: &Arc<Replicas>,
+    draining: &CancellationToken,
+    tracker: &TaskTracker,
+    cancel: CancellationToken,
+) {
+    let (health, replicas, draining) = (health.clone(), replicas.clone(), draining.clone());
+    tracker.spawn(async move {
+        let mut last = None;
+        loop {
+            let changed = replicas.changed();
+            let ready = replicas.ready() && !draining.is_cancelled();
+            if last != Some(ready) {
+                let status = if ready {
+                    ServingStatus::Serving
+                } else {
+                    ServingStatus::NotServing
+                };
+                health.set_service_status(SERVICE_NAME, status).await;
+                last = Some(ready);
+            }
+            tokio::select! {
+                () = changed => {}
+                () = draining.cancelled(), if !draining.is_cancelled() => {}
+                () = cancel.cancelled() => return,
+            }
+        }
+    });
+}
+
+/// Serves `tandem.v1.Peer` for the other routers on `listener` until the router has drained
+/// (`root` cancelled): a peer may attach to a stream still running.
+fn serve_peer_port(
+    listener: TcpListener,
+    generation: &GenerationService,
+    config: &Config,
+    root: &CancellationToken,
+) -> tokio::task::JoinHandle<std::result::Result<(), tonic::transport::Error>> {
+    tracing::info!(addr = ?listener.local_addr().ok(), peers = ?config.peers, "peer port serving");
+    let peer = api::peer::PeerService {
+        service: generation.clone(),
+    };
+    let (health, health_service) = tonic_health::server::health_reporter();
+    let routes = Routes::new(health_service).add_service(tandem_proto::limits!(
+        pb::peer_server::PeerServer::new(peer)
+    ));
+    let options = tandem_net::ServeOptions {
+        service_names: vec!["tandem.v1.Peer"],
+        health,
+        metrics: Arc::new(Registry::default()),
+        grace: config.grace,
+        tls: config.tls.clone().map(ServerTls::Mutual),
+    };
+    let stop = root.clone().cancelled_owned();
+    tokio::spawn(tandem_net::serve(listener, routes, options, stop, async {}))
 }
 
 /// The router's drain, once new requests are refused: waits for the running generations (gRPC

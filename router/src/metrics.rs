@@ -244,6 +244,14 @@ pub struct RouterMetrics {
 
 impl RouterMetrics {
     pub fn register(registry: &mut Registry) -> Self {
+        let m = Self::new();
+        m.register_requests(registry);
+        m.register_cluster(registry);
+        m
+    }
+
+    /// Every metric at zero, and the series a dashboard queries made before their first event.
+    fn new() -> Self {
         let m = Self {
             ttft: ttft_histogram(),
             inter_token: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
@@ -298,199 +306,207 @@ impl RouterMetrics {
                 code: format!("{code:?}"),
             });
         }
-        registry.register(TTFT, "Time from request to first token", m.ttft.clone());
+        m
+    }
+
+    /// The requests' metrics: latencies, queue, outcomes, attempts and prompt tokens.
+    fn register_requests(&self, registry: &mut Registry) {
+        registry.register(TTFT, "Time from request to first token", self.ttft.clone());
         registry.register(
             INTER_TOKEN,
             "Time between token frames",
-            m.inter_token.clone(),
+            self.inter_token.clone(),
         );
         registry.register(
             QUEUE,
             "Time from request to admission on a decode node (the router's queue included)",
-            m.queue.clone(),
+            self.queue.clone(),
         );
         registry.register(
             QUEUED,
             "Requests waiting in the router's queue for room on a decode replica",
-            m.queued.clone(),
+            self.queued.clone(),
         );
         registry.register(
             REFUSED,
             "Requests refused at once for want of room: the queue was full (queue_full), its wait would outlast the request's deadline (deadline), or the predicted time to first token misses the request's target (ttft_target)",
-            m.refused.clone(),
+            self.refused.clone(),
         );
         registry.register(
             QUEUE_TIMEOUTS,
             "Requests whose deadline passed while they waited in the router's queue (DEADLINE_EXCEEDED naming the queue)",
-            m.queue_timeouts.clone(),
+            self.queue_timeouts.clone(),
         );
         registry.register(
             TTFT_FAIL_OPEN,
             "1 while requests with a TTFT target are admitted unchecked because the chosen workers' load reports are stale (fail open), else 0",
-            m.ttft_fail_open.clone(),
+            self.ttft_fail_open.clone(),
         );
         registry.register(
             TENANT_TOKENS,
             "Tokens served per tenant (prompt tokens at admission, generated tokens at the end): what the fair shares within a priority class divide",
-            m.tenant_tokens.clone(),
+            self.tenant_tokens.clone(),
         );
-        registry.register(REQUESTS, "Requests by final status", m.requests.clone());
+        registry.register(REQUESTS, "Requests by final status", self.requests.clone());
         registry.register(
             DISAGG_DECISIONS,
             "Routing decisions: remote prefill with a KV transfer, or local prefill on decode",
-            m.disagg_decisions.clone(),
+            self.disagg_decisions.clone(),
         );
         registry.register(
             REPLICA_UP,
             "1 while the replica is healthy and serves the router's model",
-            m.replica_up.clone(),
+            self.replica_up.clone(),
         );
         registry.register(
             INDEX_EVENTS_BEHIND,
             "Cache events a replica reported that the router's index has not applied",
-            m.index_events_behind.clone(),
+            self.index_events_behind.clone(),
         );
         registry.register(
             INDEX_SECONDS_SINCE_SYNC,
             "Seconds since the router's index of a replica's cache was last known current",
-            m.index_seconds_since_sync.clone(),
+            self.index_seconds_since_sync.clone(),
         );
         registry.register(
             INDEX_MODE,
             "The index's mode per replica (exact, resyncing, fallback): 1 for the current one",
-            m.index_mode.clone(),
+            self.index_mode.clone(),
         );
         registry.register(
             INDEX_BLOCKS,
             "Block hashes the router's index holds per replica",
-            m.index_blocks.clone(),
+            self.index_blocks.clone(),
         );
         registry.register(
             ATTEMPTS,
             "Dispatch attempts (a request's first, and each failover)",
-            m.attempts.clone(),
+            self.attempts.clone(),
         );
         registry.register(
             FAILOVERS,
             "Generations resumed on other replicas after a replica failed, by failed hop",
-            m.failovers.clone(),
+            self.failovers.clone(),
         );
         registry.register(
             HANDOFFS,
             "Generations continued on another decode replica because theirs drained (it handed the stream off, or refused it as it began to drain)",
-            m.handoffs.clone(),
+            self.handoffs.clone(),
         );
         registry.register(
             LAST_RESORT,
             "Handed-off streams sent back to a draining decode node to finish, as no decode node outside a drain could take them",
-            m.last_resort.clone(),
+            self.last_resort.clone(),
         );
         registry.register(
             DECODE_STALLS,
             "Decode streams silent past the token gap on a node that still served: waited, not failed over",
-            m.decode_stalls.clone(),
+            self.decode_stalls.clone(),
         );
+    }
+
+    /// The cluster's metrics: replicas, the cache index, sessions, models, the picker, peers.
+    fn register_cluster(&self, registry: &mut Registry) {
         registry.register(
             PROMPT_TOKENS,
             "Prompt tokens of completed requests",
-            m.prompt_tokens.clone(),
+            self.prompt_tokens.clone(),
         );
         registry.register(
             CACHED_PROMPT_TOKENS,
             "Prompt tokens of completed requests that a prefix or session cache supplied",
-            m.cached_prompt_tokens.clone(),
+            self.cached_prompt_tokens.clone(),
         );
         registry.register(
             FETCHED_TOKENS,
             "Prompt tokens whose KV a decode node fetched from a peer's cache instead of computing it",
-            m.fetched_tokens.clone(),
+            self.fetched_tokens.clone(),
         );
         registry.register(
             COMPUTED_TOKENS,
             "Prompt tokens computed (neither cached nor fetched), over every attempt",
-            m.computed_tokens.clone(),
+            self.computed_tokens.clone(),
         );
         registry.register(
             MOVED_SESSIONS,
             "Cached sequences of draining workers (decode: sessions; prefill: prompts) moved to a peer of their role, with their KV",
-            m.moved_sessions.clone(),
+            self.moved_sessions.clone(),
         );
         registry.register(
             MOVED_SESSION_TOKENS,
             "Tokens of KV fetched by peers for sequences moved off draining workers",
-            m.moved_session_tokens.clone(),
+            self.moved_session_tokens.clone(),
         );
         registry.register(
             SESSIONS_OPEN,
             "Agent sessions open: seen within the session TTL and not ended",
-            m.sessions_open.clone(),
+            self.sessions_open.clone(),
         );
         registry.register(
             SESSION_RELEASES,
             "Sessions whose KV left the pools, by reason: idle_to_disk (moved to the disk tier, still open), expired, ended by the client, key_limit (the key opened more sessions than it may)",
-            m.session_releases.clone(),
+            self.session_releases.clone(),
         );
         registry.register(
             SESSION_TURN_TOKENS,
             "Per session turn, prompt tokens by source: pool (a KV pool's cache), disk (read back from a disk tier), recomputed (the previous turn had them, no cache did)",
-            m.session_turn_tokens.clone(),
+            self.session_turn_tokens.clone(),
         );
         registry.register(
             MODEL_REQUESTS,
             "Accepted requests by model and final status",
-            m.model_requests.clone(),
+            self.model_requests.clone(),
         );
         registry.register(
             MODEL_TTFT,
             "Time from request to first token, by model",
-            m.model_ttft.clone(),
+            self.model_ttft.clone(),
         );
         registry.register(
             MODEL_PROMPT_TOKENS,
             "Prompt tokens of completed requests, by model",
-            m.model_prompt_tokens.clone(),
+            self.model_prompt_tokens.clone(),
         );
         registry.register(
             MODEL_CACHED_PROMPT_TOKENS,
             "Prompt tokens of completed requests that a cache supplied, by model",
-            m.model_cached_prompt_tokens.clone(),
+            self.model_cached_prompt_tokens.clone(),
         );
         registry.register(
             MODEL_GENERATED_TOKENS,
             "Tokens generated, by model",
-            m.model_generated_tokens.clone(),
+            self.model_generated_tokens.clone(),
         );
         registry.register(
             MODEL_REPLICAS,
             "Replicas up (healthy, serving the model) by model and role",
-            m.model_replicas.clone(),
+            self.model_replicas.clone(),
         );
         registry.register(
             DESIRED_REPLICAS,
             "Replicas each model's role needs, from its load and queue against its measured capacity (for KEDA or an HPA)",
-            m.desired_replicas.clone(),
+            self.desired_replicas.clone(),
         );
         registry.register(
             PICKS,
             "Requests the endpoint picker sent to each endpoint",
-            m.picks.clone(),
+            self.picks.clone(),
         );
         registry.register(
             PICKER_SHED,
             "Requests the endpoint picker shed, by HTTP status (429, 503)",
-            m.picker_shed.clone(),
+            self.picker_shed.clone(),
         );
         registry.register(
             PEER_STALENESS,
             "Seconds since this router last heard a peer router's state (sessions, load, running generations)",
-            m.peer_staleness.clone(),
+            self.peer_staleness.clone(),
         );
         registry.register(
             PEER_ATTACHES,
             "Requests whose id was running on a peer router and that attached to it there",
-            m.peer_attaches.clone(),
+            self.peer_attaches.clone(),
         );
-        m
     }
 
     /// The histogram of a session turn's tokens from `source`.

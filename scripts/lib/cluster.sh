@@ -1,8 +1,11 @@
 # Sourced by the benchmark scripts that compare `tandem up` clusters one after another
-# (bench-tls.sh, bench-speculate.sh). Sets $tandem: $TANDEM, or target/release/tandem, built if
-# missing.
+# (bench-tls.sh, bench-speculate.sh, bench-overload.sh, bench-sharing.sh). Sets $tandem: $TANDEM,
+# or target/release/tandem, and $bench: $TANDEM_BENCH, or target/release/tandem-bench, each built
+# if missing.
 tandem=${TANDEM:-target/release/tandem}
 [ -x "$tandem" ] || cargo build --release -p tandem-cli
+bench=${TANDEM_BENCH:-target/release/tandem-bench}
+[ -x "$bench" ] || cargo build --release -p tandem-bench
 
 # up LOG [FLAG...]: starts `tandem up --model smollm2` on free ports with the FLAGs, its output
 # in LOG, and waits until it prints the router's address; sets $up_pid and $up_addr (gRPC). Its

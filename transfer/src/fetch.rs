@@ -21,8 +21,7 @@ use tonic::{Status, Streaming};
 
 use crate::client::chunk_frames;
 use crate::error::{Error, Result};
-use crate::format::{Assembler, Chunk, Expectation, Header, ReceivedKv, WireLayout};
-use crate::service::next_frame;
+use crate::format::{Assembler, Chunk, Expectation, Header, ReceivedKv, WireLayout, next_frame};
 
 /// What a holder's cache has of a fetch's tokens.
 #[derive(Debug, Default)]

@@ -13,6 +13,8 @@ use std::ops::Range;
 
 use bytes::Bytes;
 use tandem_proto::v1 as pb;
+use tandem_proto::v1::push_frame::Frame;
+use tonic::{Code, Streaming};
 
 use crate::error::{Error, Result};
 
@@ -397,5 +399,37 @@ impl Assembler {
             first_token: t.first_token,
             first_logprobs: t.first_logprobs.clone(),
         })
+    }
+}
+
+/// A sender's next frame (a push's, or a fetch holder's): an abort's reason cut to a bounded
+/// prefix, and the codec's verdicts on the sender's bytes as the sender's fault.
+pub(crate) async fn next_frame(frames: &mut Streaming<pb::PushFrame>) -> Result<Frame> {
+    match frames.message().await {
+        Ok(Some(pb::PushFrame {
+            frame: Some(Frame::Abort(mut a)),
+        })) => {
+            // The sender's words go into logs and errors: a bounded prefix of them.
+            let mut end = a.reason.len().min(tandem_proto::MAX_ID_BYTES);
+            while !a.reason.is_char_boundary(end) {
+                end -= 1;
+            }
+            a.reason.truncate(end);
+            Ok(Frame::Abort(a))
+        }
+        Ok(Some(pb::PushFrame { frame: Some(f) })) => Ok(f),
+        Ok(Some(pb::PushFrame { frame: None })) => Err(Error::Malformed {
+            detail: "an empty frame".into(),
+        }),
+        Ok(None) => Err(Error::Malformed {
+            detail: "the stream ended before the trailer".into(),
+        }),
+        // The codec's verdicts on the sender's bytes (too large, not a frame) are its fault.
+        Err(status) if matches!(status.code(), Code::OutOfRange | Code::Internal) => {
+            Err(Error::Malformed {
+                detail: status.message().to_string(),
+            })
+        }
+        Err(status) => Err(status.into()),
     }
 }

@@ -273,7 +273,7 @@ fn a_stack_of_types_computes_each_part_with_its_own_kernel() {
 #[cfg(x86_v3)]
 #[test]
 fn avx2_and_vnni_kernels_are_bit_identical() {
-    if !x86::has_vnni() {
+    if !crate::cpu::has_avx512_vnni() {
         eprintln!("no AVX-512 VNNI on this CPU: only the AVX2 path exists here");
         return;
     }
@@ -299,13 +299,13 @@ fn avx2_and_vnni_kernels_are_bit_identical() {
     let (mut a, mut b) = ([[0f32; GROUP]; TILE], [[0f32; GROUP]; TILE]);
     // SAFETY: AVX2/FMA/F16C are compiled in and VNNI was detected above.
     unsafe {
-        x86::tile_q4_1::<TILE>(&p4, &acts, &mut a);
-        x86::tile_q4_1_vnni::<TILE>(&p4, &acts, &mut b);
+        avx2::tile_q4_1::<TILE>(&p4, &acts, &mut a);
+        avx512::tile_q4_1_vnni::<TILE>(&p4, &acts, &mut b);
     }
     assert_eq!(a, b);
     unsafe {
-        x86::tile_q5_0::<TILE>(&p5, &acts, &mut a);
-        x86::tile_q5_0_vnni::<TILE>(&p5, &acts, &mut b);
+        avx2::tile_q5_0::<TILE>(&p5, &acts, &mut a);
+        avx512::tile_q5_0_vnni::<TILE>(&p5, &acts, &mut b);
     }
     assert_eq!(a, b);
     let RawWeights::Q4K(k4) = k_quant(GROUP, cols, KType::Q4K, 5).data else {
@@ -323,23 +323,23 @@ fn avx2_and_vnni_kernels_are_bit_identical() {
         crate::packed::pack_all(GROUP, cols / QK_K, &k6, crate::packed::pack_q6_k),
     );
     unsafe {
-        x86::tile_q4_k::<TILE>(&p4k, &acts, &mut a);
-        x86::tile_q4_k_vnni::<TILE>(&p4k, &acts, &mut b);
+        avx2::tile_q4_k::<TILE>(&p4k, &acts, &mut a);
+        avx512::tile_q4_k_vnni::<TILE>(&p4k, &acts, &mut b);
     }
     assert_eq!(a, b);
     unsafe {
-        x86::tile_q4_k::<TILE>(&p5k, &acts, &mut a);
-        x86::tile_q4_k_vnni::<TILE>(&p5k, &acts, &mut b);
+        avx2::tile_q4_k::<TILE>(&p5k, &acts, &mut a);
+        avx512::tile_q4_k_vnni::<TILE>(&p5k, &acts, &mut b);
     }
     assert_eq!(a, b);
     unsafe {
-        x86::tile_q6_k::<TILE>(&p6k, &acts, &mut a);
-        x86::tile_q6_k_vnni::<TILE>(&p6k, &acts, &mut b);
+        avx2::tile_q6_k::<TILE>(&p6k, &acts, &mut a);
+        avx512::tile_q6_k_vnni::<TILE>(&p6k, &acts, &mut b);
     }
     assert_eq!(a, b);
     unsafe {
-        x86::tile_q8_0::<TILE>(&p8, &acts, &mut a);
-        x86::tile_q8_0_vnni::<TILE>(&p8, &acts, &mut b);
+        avx2::tile_q8_0::<TILE>(&p8, &acts, &mut a);
+        avx512::tile_q8_0_vnni::<TILE>(&p8, &acts, &mut b);
     }
     assert_eq!(a, b);
 }

@@ -1,0 +1,246 @@
+//! Causal grouped-query attention for query rows against a sequence's paged KV.
+//!
+//! Keys and values are always read back from the pool, even for the positions the current
+//! forward pass just wrote, so the result for a position does not depend on how the prompt was
+//! chunked or on which other sequences share the batch.
+//!
+//! The pool's rows (f16, or int8 with a scale) are converted to f32 one block at a time, into a
+//! per-thread buffer of 16 rows per KV head that stays in L1, once for all the rows of a prompt
+//! taken together; nothing else of the cache is copied.
+
+use std::ops::Range;
+
+use crate::kv::{BLOCK_TOKENS, KvKind, KvPool};
+use crate::memory::prefetch;
+
+#[cfg(x86_v3)]
+mod avx2;
+/// The inner loops per instruction set, each giving the same bits as the one it stands in for:
+/// AVX-512F where the CPU has it ([`crate::cpu`]), else AVX2 where the build targets x86-64-v3,
+/// else portable loops.
+mod avx512;
+mod portable;
+#[cfg(x86_v3)]
+use avx2 as narrow;
+#[cfg(not(x86_v3))]
+use portable as narrow;
+
+/// Inputs for the query heads of one row that share the KV heads `kv_heads`.
+#[derive(Debug)]
+pub struct Query<'a> {
+    pub layer: usize,
+    pub kv_heads: Range<usize>,
+    /// The sequence's block table.
+    pub blocks: &'a [u32],
+    /// Keys `first_key..n_keys` are visible (the query's own position is `n_keys - 1`):
+    /// `first_key` is 0 but in a layer of sliding-window attention.
+    pub first_key: usize,
+    pub n_keys: usize,
+    /// `heads × head_dim` query values, already rotated: the heads of `kv_heads`, in order.
+    pub q: &'a [f32],
+}
+
+/// Per-thread buffers, so a decode step does not allocate for each (row, layer).
+#[derive(Default)]
+struct Scratch {
+    scores: Vec<f32>,
+    /// Where each query's scores start in `scores`.
+    offsets: Vec<usize>,
+    buf: Vec<f32>,
+    /// A block's keys transposed for [`avx512::scores`]: `[kv head][dimension][token]`.
+    transposed: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
+}
+
+/// Slabs (all of a block's `kv_heads`, keys or values) requested this many reads ahead.
+const PREFETCH_AHEAD: usize = 4;
+
+/// Queries per call at most ([`tile_rows`]).
+const MAX_TILE: usize = 16;
+/// The scores a call may hold: 16 MB of f32 per thread, so that a long prompt's rows still
+/// share their keys' and values' reads (the 0.5B Qwen's 14 heads: tiles of 16 rows up to 18k
+/// keys, 9 at 32k).
+const SCORES_BUDGET: usize = 1 << 22;
+
+/// How many consecutive positions of one sequence [`attend`] should take at once, for queries
+/// of `heads` heads that see up to `n_keys` keys: up to [`MAX_TILE`], within [`SCORES_BUDGET`].
+pub fn tile_rows(heads: usize, n_keys: usize) -> usize {
+    (SCORES_BUDGET / (heads * n_keys).max(1)).clamp(1, MAX_TILE)
+}
+
+/// Writes each query's `heads × head_dim` attention outputs into `out`, one query after
+/// another. The queries share a layer, KV heads and block table (positions of one sequence),
+/// so each block's keys and values are converted to f32 once for all of them; each query's
+/// arithmetic is what it would be alone.
+pub fn attend(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32]) {
+    SCRATCH.with_borrow_mut(|s| attend_in(pool, qs, out, s));
+}
+
+/// Two passes over the blocks, keys then values. Each block's slabs for `kv_heads` are one
+/// contiguous run of memory, read in one go and asked for [`PREFETCH_AHEAD`] reads early: the
+/// KV of a decode batch does not stay in cache between steps, so this loop waits on memory
+/// unless the next reads are already under way. Each head's arithmetic is the same whatever
+/// `kv_heads` and the other queries hold (its scores, softmax and weighted sum of values in
+/// position order, a block's keys taken in the same runs).
+fn attend_in(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32], s: &mut Scratch) {
+    let Some(g) = qs.first() else { return };
+    let layout = pool.layout();
+    let (hd, row_bytes) = (layout.head_dim, layout.row_bytes());
+    let heads = g.q.len() / hd;
+    let per_kv = heads / g.kv_heads.len();
+    let slab = BLOCK_TOKENS * hd;
+    let scale = 1.0 / (hd as f32).sqrt();
+    // Each query sees whole blocks from the one holding its first visible key: `span` scores
+    // per head, the keys before `first_key` in that block masked out.
+    let first_block = |q: &Query<'_>| q.first_key / BLOCK_TOKENS;
+    let span = |q: &Query<'_>| q.n_keys - first_block(q) * BLOCK_TOKENS;
+    // Its keys in (absolute) block `b`, if it sees any there.
+    let visible = |q: &Query<'_>, b: usize| {
+        (first_block(q) <= b && b * BLOCK_TOKENS < q.n_keys)
+            .then(|| (q.n_keys - b * BLOCK_TOKENS).min(BLOCK_TOKENS))
+    };
+    let lo = qs.iter().map(first_block).min().unwrap_or(0);
+    let n_keys = qs.iter().map(|q| q.n_keys).max().unwrap_or(0);
+    let n_blocks = n_keys.div_ceil(BLOCK_TOKENS) - lo;
+    s.offsets.clear();
+    let mut total = 0;
+    for q in qs {
+        s.offsets.push(total);
+        total += heads * span(q);
+    }
+    // Every score is written below (each query's visible blocks cover its span), so what the
+    // buffer held before is not cleared.
+    s.scores.resize(total, 0.0);
+    s.buf.resize(g.kv_heads.len() * slab, 0.0);
+    // Read `i` of the 2·n_blocks: keys of every block, then values of every block.
+    let read = |i: usize| {
+        let kind = if i < n_blocks {
+            KvKind::Key
+        } else {
+            KvKind::Value
+        };
+        let block = g.blocks[lo + i % n_blocks];
+        pool.slabs(block, g.layer, kind, g.kv_heads.clone())
+    };
+    // The rows of each KV head's slab that some query sees, converted to f32 in `buf`:
+    // `[head][token][hd]`.
+    let load = |i: usize, buf: &mut [f32]| {
+        if i + PREFETCH_AHEAD < 2 * n_blocks {
+            prefetch(read(i + PREFETCH_AHEAD));
+        }
+        let n = (n_keys - (lo + i % n_blocks) * BLOCK_TOKENS).min(BLOCK_TOKENS);
+        let slab_bytes = BLOCK_TOKENS * row_bytes;
+        for (src, dst) in read(i)
+            .chunks_exact(slab_bytes)
+            .zip(buf.chunks_exact_mut(slab))
+        {
+            layout
+                .dtype
+                .decode_rows(hd, &src[..n * row_bytes], &mut dst[..n * hd]);
+        }
+    };
+    for i in 0..PREFETCH_AHEAD.min(2 * n_blocks) {
+        prefetch(read(i));
+    }
+    // A tile of rows takes each block's keys transposed, for its many queries to share.
+    let wide_scores = qs.len() >= avx512::SCORES_ROWS && avx512::scores_fit(hd);
+    s.transposed.resize(g.kv_heads.len() * slab, 0.0);
+    for bi in 0..n_blocks {
+        load(bi, &mut s.buf);
+        let b = lo + bi;
+        if wide_scores {
+            avx512::transpose(&s.buf, hd, &mut s.transposed);
+        }
+        for (q, &off) in qs.iter().zip(&s.offsets) {
+            let Some(n) = visible(q, b) else { continue };
+            let at = off + (b - first_block(q)) * BLOCK_TOKENS;
+            if wide_scores {
+                // The heads that share a KV head together, each key row read once for several.
+                for (g, qg) in q.q.chunks_exact(per_kv * hd).enumerate() {
+                    let keys = &s.transposed[g * slab..][..slab];
+                    let first = at + g * per_kv * span(q);
+                    avx512::scores(qg, keys, scale, &mut s.scores[first..], span(q), n);
+                }
+                continue;
+            }
+            for (h, qh) in q.q.chunks_exact(hd).enumerate() {
+                let at = at + h * span(q);
+                let keys = &s.buf[h / per_kv * slab..][..n * hd];
+                narrow::scores(qh, keys, scale, &mut s.scores[at..at + n]);
+            }
+        }
+    }
+    for (q, &off) in qs.iter().zip(&s.offsets) {
+        let masked = q.first_key - first_block(q) * BLOCK_TOKENS;
+        for row in s.scores[off..off + heads * span(q)].chunks_exact_mut(span(q)) {
+            row[..masked].fill(f32::NEG_INFINITY);
+            softmax(row);
+        }
+    }
+    out.fill(0.0);
+    let wide = avx512::accumulates(hd);
+    for bi in 0..n_blocks {
+        load(n_blocks + bi, &mut s.buf);
+        let b = lo + bi;
+        for ((q, &off), o) in qs
+            .iter()
+            .zip(&s.offsets)
+            .zip(out.chunks_exact_mut(heads * hd))
+        {
+            let Some(n) = visible(q, b) else { continue };
+            let at = off + (b - first_block(q)) * BLOCK_TOKENS;
+            if wide {
+                // The heads of each KV head together, so that each value is read once for all.
+                for (g, og) in o.chunks_exact_mut(per_kv * hd).enumerate() {
+                    let values = &s.buf[g * slab..][..n * hd];
+                    let first = at + g * per_kv * span(q);
+                    avx512::accumulate_heads(&s.scores[first..], span(q), n, values, og);
+                }
+                continue;
+            }
+            for (h, oh) in o.chunks_exact_mut(hd).enumerate() {
+                let values = &s.buf[h / per_kv * slab..][..n * hd];
+                let at = at + h * span(q);
+                narrow::accumulate(&s.scores[at..at + n], values, oh);
+            }
+        }
+    }
+}
+
+/// Dot product with 8 independent partial sums, which the compiler turns into SIMD.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    for v in x.iter_mut() {
+        *v -= max;
+    }
+    crate::math::exp_in_place(x);
+    let sum: f32 = x.iter().sum();
+    let inv = 1.0 / sum;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,76 @@
+//! A sequence's KV as bytes: copied out for a transfer, and copied into a sequence that
+//! receives one.
+
+use std::ops::Range;
+
+use super::{Engine, KvExport, SeqId};
+use crate::error::{Error, Result};
+use crate::kv::KvKind;
+
+impl Engine {
+    /// Copies out the KV of `tokens` (a range within the sequence).
+    pub fn export_kv(&self, seq: SeqId, tokens: Range<usize>) -> Result<KvExport> {
+        let s = self.seq(seq)?;
+        if tokens.start > tokens.end || tokens.end > s.len {
+            return Err(Error::InvalidArgument {
+                field: "tokens",
+                reason: format!(
+                    "range {tokens:?} is outside the sequence of {} tokens",
+                    s.len
+                ),
+            });
+        }
+        let layers = (0..self.model.config.n_layers)
+            .map(|l| {
+                [KvKind::Key, KvKind::Value]
+                    .map(|kind| self.pool.export(&s.blocks, tokens.clone(), l, kind))
+            })
+            .collect();
+        Ok(KvExport {
+            layout: self.pool.layout(),
+            tokens,
+            layers,
+        })
+    }
+
+    /// Appends imported KV to `seq`, which must hold exactly the tokens before the export's
+    /// range. Everything is checked before the sequence changes.
+    pub fn import_kv(&mut self, seq: SeqId, kv: &KvExport) -> Result<()> {
+        let reject = |reason: String| Err(Error::KvImport { reason });
+        if kv.layout != self.pool.layout() {
+            return reject(format!(
+                "layout {:?} differs from this model's {:?}",
+                kv.layout,
+                self.pool.layout()
+            ));
+        }
+        let len = self.seq_len(seq)?;
+        if kv.tokens.start != len || kv.tokens.end < kv.tokens.start {
+            return reject(format!(
+                "range {:?} does not extend a sequence of {len} tokens",
+                kv.tokens
+            ));
+        }
+        let want = kv.tokens.len() * kv.layout.n_kv_heads * kv.layout.row_bytes();
+        if kv.layers.len() != kv.layout.n_layers
+            || kv.layers.iter().flatten().any(|b| b.len() != want)
+        {
+            return reject(format!(
+                "expected {} layers of {want} bytes each for K and V",
+                kv.layout.n_layers
+            ));
+        }
+        self.reserve(seq, kv.tokens.end)?;
+        let blocks = self.seq(seq)?.blocks.clone();
+        for (l, [k, v]) in kv.layers.iter().enumerate() {
+            self.pool
+                .import(&blocks, kv.tokens.clone(), l, KvKind::Key, k)?;
+            self.pool
+                .import(&blocks, kv.tokens.clone(), l, KvKind::Value, v)?;
+        }
+        if let Some(s) = self.seqs.get_mut(&seq) {
+            s.len = kv.tokens.end;
+        }
+        Ok(())
+    }
+}
