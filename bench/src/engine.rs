@@ -300,59 +300,65 @@ pub(crate) fn engine(args: &EngineBenchArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&result)?);
         eprintln!("peak resident memory: {rss:.0} MB");
     } else {
-        println!(
-            "model {}  threads {}  KV pool {} MiB",
-            model.name, result.threads, args.kv_budget_mb
-        );
-        for kv in &result.kv {
-            println!(
-                "kv {}: {} bytes/token, the pool holds {} sequences of {} tokens",
-                kv.kv_dtype,
-                kv.kv_bytes_per_token,
-                kv.pool_sequences,
-                result.context_tokens + args.gen_tokens
-            );
-            println!(
-                "  prefill {:>5} tokens  {:>9.1} tok/s",
-                args.prompt_tokens, kv.prefill_tok_s
-            );
-            for d in &kv.decode {
-                println!(
-                    "  decode  batch {:>5}  {:>9.1} tok/s  (context {})",
-                    d.batch, d.tok_s, result.context_tokens
-                );
-            }
-        }
-        if let Some(s) = &result.speculation {
-            println!(
-                "speculation {:<18} {:>5} {:>6} {:>8} {:>8} {:>7} {:>6} {:>6}",
-                "(greedy)", "batch", "tokens", "off", "on", "speedup", "accept", "tok/pass"
-            );
-            for r in s.prompts.iter().chain([&s.batch]) {
-                println!(
-                    "  {:<16} {:>6} {:>5} {:>6} {:>8.1} {:>8.1} {:>6.2}x {:>6.2} {:>6.2}",
-                    r.name,
-                    r.kind,
-                    r.batch,
-                    r.tokens,
-                    r.off_tok_s,
-                    r.on_tok_s,
-                    r.speedup,
-                    r.acceptance,
-                    r.tokens_per_step
-                );
-            }
-        }
-        if let Some(g) = &result.grammar {
-            println!(
-                "constrained decoding, batch {}: inter-token {:.2} ms free, {:.2} ms constrained \
-                 ({:.3}x); {} of {} constrained sequences ran every token",
-                g.batch, g.free_itl_ms, g.constrained_itl_ms, g.ratio, g.full_length, g.batch
-            );
-        }
-        println!("peak resident memory {rss:.0} MB");
+        print_table(&result, &model.name, args);
     }
     Ok(())
+}
+
+/// The results as text, one line a measurement.
+fn print_table(result: &BenchResult, model: &str, args: &EngineBenchArgs) {
+    let rss = result.peak_rss_mb;
+    println!(
+        "model {}  threads {}  KV pool {} MiB",
+        model, result.threads, args.kv_budget_mb
+    );
+    for kv in &result.kv {
+        println!(
+            "kv {}: {} bytes/token, the pool holds {} sequences of {} tokens",
+            kv.kv_dtype,
+            kv.kv_bytes_per_token,
+            kv.pool_sequences,
+            result.context_tokens + args.gen_tokens
+        );
+        println!(
+            "  prefill {:>5} tokens  {:>9.1} tok/s",
+            args.prompt_tokens, kv.prefill_tok_s
+        );
+        for d in &kv.decode {
+            println!(
+                "  decode  batch {:>5}  {:>9.1} tok/s  (context {})",
+                d.batch, d.tok_s, result.context_tokens
+            );
+        }
+    }
+    if let Some(s) = &result.speculation {
+        println!(
+            "speculation {:<18} {:>5} {:>6} {:>8} {:>8} {:>7} {:>6} {:>6}",
+            "(greedy)", "batch", "tokens", "off", "on", "speedup", "accept", "tok/pass"
+        );
+        for r in s.prompts.iter().chain([&s.batch]) {
+            println!(
+                "  {:<16} {:>6} {:>5} {:>6} {:>8.1} {:>8.1} {:>6.2}x {:>6.2} {:>6.2}",
+                r.name,
+                r.kind,
+                r.batch,
+                r.tokens,
+                r.off_tok_s,
+                r.on_tok_s,
+                r.speedup,
+                r.acceptance,
+                r.tokens_per_step
+            );
+        }
+    }
+    if let Some(g) = &result.grammar {
+        println!(
+            "constrained decoding, batch {}: inter-token {:.2} ms free, {:.2} ms constrained \
+             ({:.3}x); {} of {} constrained sequences ran every token",
+            g.batch, g.free_itl_ms, g.constrained_itl_ms, g.ratio, g.full_length, g.batch
+        );
+    }
+    println!("peak resident memory {rss:.0} MB");
 }
 
 /// Decodes `steps` tokens for `batch` sequences, each starting from its own copy of the context

@@ -95,8 +95,10 @@ fn load_label(l: &serve::Level) -> String {
     }
 }
 
-pub(crate) fn plot(args: &PlotArgs) -> anyhow::Result<()> {
-    let font = match &args.font {
+/// Registers the TrueType font `font` (else the first of [`FONTS`] found) as plotters'
+/// sans-serif.
+fn register_font(font: Option<&PathBuf>) -> anyhow::Result<()> {
+    let font = match font {
         Some(f) => f.clone(),
         None => FONTS
             .iter()
@@ -108,7 +110,11 @@ pub(crate) fn plot(args: &PlotArgs) -> anyhow::Result<()> {
     // plotters keeps registered fonts for the life of the process.
     let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
     plotters::style::register_font("sans-serif", FontStyle::Normal, bytes)
-        .map_err(|_| anyhow::anyhow!("{} is not a usable TrueType font", font.display()))?;
+        .map_err(|_| anyhow::anyhow!("{} is not a usable TrueType font", font.display()))
+}
+
+pub(crate) fn plot(args: &PlotArgs) -> anyhow::Result<()> {
+    register_font(args.font.as_ref())?;
 
     let mut serves = Vec::new();
     let mut multiturns = Vec::new();

@@ -244,6 +244,27 @@ impl RequestContext {
         Ok(Some(asked))
     }
 
+    /// A fresh ticket for the scheduler, whose sequence the guard cancels unless it finished.
+    fn sequence(&self) -> SequenceGuard {
+        SequenceGuard {
+            scheduler: self.scheduler.clone(),
+            ticket: Ticket(self.next_ticket.fetch_add(1, Ordering::Relaxed)),
+            finished: false,
+        }
+    }
+
+    /// The KV of the prompt's first tokens from the peer the router named
+    /// (`DecodeRequest.fetch_addr`), where the cache is on; `None` when there is none to fetch
+    /// or the fetch failed (its tokens are then computed).
+    async fn fetch_history(&self, plan: &Plan) -> Option<tandem_engine::KvExport> {
+        let (addr, tokens) = plan.fetch.as_ref().filter(|_| self.prefix_cache)?;
+        let asked = (*tokens).min(plan.hashes.len() * tandem_engine::BLOCK_TOKENS);
+        let prompt = &plan.prompt[..asked];
+        (self.moves)
+            .fetch(addr, &plan.request_id, &plan.cache_salt, prompt)
+            .await
+    }
+
     /// Reserves `transfer_id`'s push of the KV of `prompt[cached..]`: what a prefill node must
     /// bring.
     fn reserve_push(
@@ -290,47 +311,27 @@ impl RequestContext {
     ) -> Result<()> {
         let admitted_at = Instant::now();
         let deadline = plan.deadline;
-        let until_deadline = async {
-            match deadline {
-                Some(d) => tokio::time::sleep_until(d).await,
-                None => std::future::pending().await,
-            }
-        };
+        let until_deadline = until(deadline);
         tokio::pin!(until_deadline);
         // A last-resort stream is finished here whatever the drain; any other hands off.
-        let (last_resort, token) = (plan.last_resort, self.moves.draining.clone());
-        let draining = async move {
-            if last_resort {
-                std::future::pending().await
-            } else {
-                token.cancelled().await
-            }
-        };
+        let draining = until_drain(plan.last_resort, self.moves.draining.clone());
         tokio::pin!(draining);
-        let ticket = Ticket(self.next_ticket.fetch_add(1, Ordering::Relaxed));
-        let mut guard = SequenceGuard {
-            scheduler: self.scheduler.clone(),
-            ticket,
-            finished: false,
-        };
+        let mut guard = self.sequence();
+        let ticket = guard.ticket;
         let fetch_started = Instant::now();
-        let fetched = match &plan.fetch {
-            Some((addr, tokens)) if self.prefix_cache => {
-                let asked = (*tokens).min(plan.hashes.len() * tandem_engine::BLOCK_TOKENS);
-                tokio::select! {
-                    kv = self.moves.fetch(addr, &plan.request_id, &plan.cache_salt, &plan.prompt[..asked]) => kv,
-                    () = tx.closed() => return Ok(()),
-                    () = &mut until_deadline => return Err(Error::Deadline),
-                    () = &mut draining => return Err(Error::HandedOff { tokens: 0 }),
-                }
-            }
-            _ => None,
+        let fetched = tokio::select! {
+            // A request that fetches nothing goes on at once.
+            biased;
+            kv = self.fetch_history(&plan) => kv,
+            () = tx.closed() => return Ok(()),
+            () = &mut until_deadline => return Err(Error::Deadline),
+            () = &mut draining => return Err(Error::HandedOff { tokens: 0 }),
         };
         let fetch_ms = fetch_started.elapsed().as_secs_f64() * 1e3;
         let fetched_tokens = fetched.as_ref().map_or(0, |kv| kv.tokens.end);
-        let fetched_bytes = fetched.as_ref().map_or(0, |kv| {
-            kv.layers.iter().flatten().map(|b| b.len() as u64).sum()
-        });
+        let fetched_bytes = fetched
+            .as_ref()
+            .map_or(0, tandem_engine::KvExport::byte_len);
         if plan.last_resort {
             // What this node kept of the stream when it handed it off is used here again: the
             // drain no longer waits for a peer to fetch it.
@@ -353,16 +354,16 @@ impl RequestContext {
         } else {
             Some(self.reserve_push(&plan.transfer_id, &plan.prompt, cached)?)
         };
-        let frame = pb::DecodeResponse {
-            event: Some(pb::decode_response::Event::Admitted(pb::DecodeAdmitted {
-                cached_tokens: cached as u32,
-                fetched_tokens: fetched_tokens as u32,
-                fetch_ms: if plan.fetch.is_some() { fetch_ms } else { 0.0 },
-                fetched_bytes,
-                restored_tokens: reused.restored as u32,
-                max_tokens: plan.params.max_tokens as u32,
-            })),
+        let admitted = pb::DecodeAdmitted {
+            cached_tokens: cached as u32,
+            fetched_tokens: fetched_tokens as u32,
+            fetch_ms: if plan.fetch.is_some() { fetch_ms } else { 0.0 },
+            fetched_bytes,
+            restored_tokens: reused.restored as u32,
+            max_tokens: plan.params.max_tokens as u32,
         };
+        let event = pb::decode_response::Event::Admitted(admitted);
+        let frame = pb::DecodeResponse { event: Some(event) };
         if tx.send(Ok(frame)).await.is_err() {
             return Ok(());
         }
@@ -383,19 +384,18 @@ impl RequestContext {
             }
         };
         let kv_wait_ms = admitted_at.elapsed().as_secs_f64() * 1e3;
-        let (events_tx, mut events) = mpsc::channel(plan.params.max_tokens + 3);
-        let started = self.scheduler.start(Start {
-            input,
-            joining: Joining {
-                ticket,
-                prompt: plan.prompt,
-                cache_salt: plan.cache_salt,
-                class: plan.class,
-                stream,
-                events: events_tx,
-            },
-        });
-        if !started {
+        // The channel holds a whole generation, so a slow client never blocks a step.
+        let (events, mut events_rx) = mpsc::channel(plan.params.max_tokens + 3);
+        let (prompt, cache_salt, class) = (plan.prompt, plan.cache_salt, plan.class);
+        let joining = Joining {
+            ticket,
+            prompt,
+            cache_salt,
+            class,
+            stream,
+            events,
+        };
+        if !self.scheduler.start(Start { input, joining }) {
             return Err(Error::ShuttingDown);
         }
 
@@ -406,7 +406,7 @@ impl RequestContext {
         let mut handoff = None;
         loop {
             let event = tokio::select! {
-                e = events.recv() => e,
+                e = events_rx.recv() => e,
                 () = tx.closed() => return Ok(()),
                 () = &mut until_deadline => return Err(Error::Deadline),
                 () = self.shutdown.cancelled() => return Err(Error::ShuttingDown),
@@ -431,15 +431,7 @@ impl RequestContext {
                     guard.finished = true;
                     return Err(Error::Step(e));
                 }
-                None => {
-                    // The scheduler answers a hand-off before it closes the channel.
-                    let kept = handoff.and_then(|mut r| r.try_recv().ok()).unwrap_or(0);
-                    return Err(if kept > 0 {
-                        Error::HandedOff { tokens: kept }
-                    } else {
-                        Error::ShuttingDown
-                    });
-                }
+                None => return Err(closed(handoff)),
             };
             let last = emissions.last().and_then(|e| e.finished);
             let timings = first.then_some((kv_wait_ms, local_prefill_ms));
@@ -500,5 +492,35 @@ fn tokens_frame(
     };
     pb::DecodeResponse {
         event: Some(pb::decode_response::Event::Tokens(frame)),
+    }
+}
+
+/// Completes at `deadline`, or never without one.
+async fn until(deadline: Option<TokioInstant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Completes when the node's drain begins (`draining`), or never for a `last_resort` stream,
+/// which is finished here whatever the drain.
+async fn until_drain(last_resort: bool, draining: CancellationToken) {
+    if last_resort {
+        std::future::pending().await
+    } else {
+        draining.cancelled().await
+    }
+}
+
+/// Why a sequence's events ended before its last token: handed off, if the scheduler kept KV
+/// for a peer when the drain asked (`handoff`; it answers before it closes the channel), else
+/// shut down.
+fn closed(handoff: Option<tokio::sync::oneshot::Receiver<usize>>) -> Error {
+    let kept = handoff.and_then(|mut r| r.try_recv().ok()).unwrap_or(0);
+    if kept > 0 {
+        Error::HandedOff { tokens: kept }
+    } else {
+        Error::ShuttingDown
     }
 }

@@ -123,20 +123,21 @@ pub async fn run(
         &tracker,
         root.child_token(),
     );
+    let dispatcher = Dispatcher {
+        replicas: replicas.clone(),
+        policy: Arc::new(Policy::new(config.policy)),
+        sessions,
+        peers,
+        metrics,
+        kv_wait: config.kv_wait,
+        token_gap: config.token_gap,
+        budget: Arc::default(),
+        pace: Arc::default(),
+        calibration: Arc::default(),
+        order: Arc::default(),
+    };
     let generation = GenerationService {
-        dispatcher: Dispatcher {
-            replicas: replicas.clone(),
-            policy: Arc::new(Policy::new(config.policy)),
-            sessions,
-            peers,
-            metrics,
-            kv_wait: config.kv_wait,
-            token_gap: config.token_gap,
-            budget: Arc::default(),
-            pace: Arc::default(),
-            calibration: Arc::default(),
-            order: Arc::default(),
-        },
+        dispatcher,
         admission: Arc::new(Semaphore::new(config.max_inflight)),
         max_inflight: config.max_inflight,
         limits: Arc::new(config.limits.clone()),
@@ -154,24 +155,12 @@ pub async fn run(
     // refused at once (UNAVAILABLE; HTTP 503 with Retry-After) instead of finding the port
     // closed. HTTP stops once the drain is over, gRPC as `serve` ends it.
     let http_stop = CancellationToken::new();
-    let http_task = match http {
-        Some(l) => {
-            tracing::info!(addr = ?l.local_addr().ok(), tls = config.api_tls.is_some(), "OpenAI HTTP API serving");
-            let app = api::routes(generation.clone());
-            let stop = http_stop.clone().cancelled_owned();
-            Some(match &config.api_tls {
-                Some(cert) => spawn_http(TlsListener::new(l, cert.acceptor()), app, stop),
-                None => spawn_http(l, app, stop),
-            })
-        }
-        None => None,
-    };
+    let http_task = http.map(|l| serve_http(l, &generation, &config, &http_stop));
     tracker.spawn(keys.clone().watch(root.child_token()));
     if let Some(cert) = &config.api_tls {
         tracker.spawn(cert.clone().watch(root.child_token()));
     }
     let peer_task = peer_listener.map(|l| serve_peer_port(l, &generation, &config, &root));
-    let interceptor = crate::api::grpc::interceptor(&generation);
     let picker = match config.picker_endpoints.as_slice() {
         [] => None,
         specs => {
@@ -188,16 +177,7 @@ pub async fn run(
         }
     };
     let cut = generation.shutdown.clone();
-    let server = pb::generation_server::GenerationServer::new(generation)
-        .max_decoding_message_size(config.limits.grpc_message_bytes)
-        .max_encoding_message_size(tandem_proto::MAX_MESSAGE_BYTES);
-    let mut routes = Routes::new(health_service).add_service(
-        tonic::service::interceptor::InterceptedService::new(server, interceptor),
-    );
-    if let Some(picker) = picker {
-        use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
-        routes = routes.add_service(ExternalProcessorServer::new(picker));
-    }
+    let routes = grpc_routes(generation, health_service, picker, &config);
     let shutdown = async {
         shutdown.await;
         draining.cancel();
@@ -240,6 +220,47 @@ pub async fn run(
     }
     served?;
     Ok(())
+}
+
+/// Serves the OpenAI-compatible HTTP API on `listener` (over TLS with the config's API
+/// certificate) until `stop` is cancelled.
+fn serve_http(
+    listener: TcpListener,
+    generation: &GenerationService,
+    config: &Config,
+    stop: &CancellationToken,
+) -> tokio::task::JoinHandle<std::io::Result<()>> {
+    tracing::info!(addr = ?listener.local_addr().ok(), tls = config.api_tls.is_some(), "OpenAI HTTP API serving");
+    let app = api::routes(generation.clone());
+    let stop = stop.clone().cancelled_owned();
+    match &config.api_tls {
+        Some(cert) => spawn_http(TlsListener::new(listener, cert.acceptor()), app, stop),
+        None => spawn_http(listener, app, stop),
+    }
+}
+
+/// The client gRPC port's services: `tandem.v1.Generation` behind its interceptor (API keys,
+/// the message limit), health, and the endpoint picker where it serves.
+fn grpc_routes(
+    generation: GenerationService,
+    health_service: tonic_health::pb::health_server::HealthServer<
+        impl tonic_health::pb::health_server::Health,
+    >,
+    picker: Option<api::picker::Picker>,
+    config: &Config,
+) -> Routes {
+    let interceptor = crate::api::grpc::interceptor(&generation);
+    let server = pb::generation_server::GenerationServer::new(generation)
+        .max_decoding_message_size(config.limits.grpc_message_bytes)
+        .max_encoding_message_size(tandem_proto::MAX_MESSAGE_BYTES);
+    let mut routes = Routes::new(health_service).add_service(
+        tonic::service::interceptor::InterceptedService::new(server, interceptor),
+    );
+    if let Some(picker) = picker {
+        use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
+        routes = routes.add_service(ExternalProcessorServer::new(picker));
+    }
+    routes
 }
 
 /// Keeps the router's own Generation service SERVING only while it can route (it knows the

@@ -7,6 +7,13 @@ use super::{Engine, KvExport, SeqId};
 use crate::error::{Error, Result};
 use crate::kv::KvKind;
 
+impl KvExport {
+    /// The bytes it holds, keys and values of every layer.
+    pub fn byte_len(&self) -> u64 {
+        self.layers.iter().flatten().map(|b| b.len() as u64).sum()
+    }
+}
+
 impl Engine {
     /// Copies out the KV of `tokens` (a range within the sequence).
     pub fn export_kv(&self, seq: SeqId, tokens: Range<usize>) -> Result<KvExport> {

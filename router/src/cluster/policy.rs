@@ -261,33 +261,7 @@ impl Policy {
             let read_ms = disk / r.restore_rate_or(DEFAULT_RESTORE_RATE) * 1e3;
             (o.blocks() * BLOCK_TOKENS, read_ms)
         };
-        // Who could serve a fetch of the prompt's first tokens, and how many: only replicas the
-        // request cannot go to in their role (failed it, over the load cap, draining), so that
-        // a session stays where its KV is while it may, and a prompt is computed where its
-        // prefix is while it may.
-        let reusable = ask.hashes.len() * BLOCK_TOKENS;
-        let holders: Vec<(&Arc<Replica>, usize, f64)> = all
-            .iter()
-            .filter(|r| {
-                let chosen = match r.role {
-                    Role::Decode => &decodes,
-                    Role::Prefill => &prefills,
-                };
-                r.can_serve_fetch()
-                    && r.serves(ask.model)
-                    && r.kv_bytes_per_token() > 0
-                    && !chosen.iter().any(|c| c.addr == r.addr)
-            })
-            .map(|r| {
-                let hinted = ask
-                    .holder
-                    .filter(|(a, _)| *a == r.addr)
-                    .map_or(0, |(_, t)| t);
-                let (h, read_ms) = held(r);
-                (r, h.max(hinted).min(reusable), read_ms)
-            })
-            .filter(|&(_, h, _)| h > 0)
-            .collect();
+        let holders = fetch_holders(&all, [&decodes, &prefills], ask, &held);
         // A draining holder's streams are leaving it: nothing holds up its fetches.
         let fetch_ms = |from: &Replica, tokens: usize, read_ms: f64| {
             let busy = if from.is_draining() { 0 } else { from.load() };
@@ -328,29 +302,7 @@ impl Policy {
             })
             .min_by(|a, b| a.0.total_cmp(&b.0));
         // The best remote option, with the best-ranked decode replica.
-        let mut p_ranked: Vec<(f64, &Arc<Replica>, usize)> = prefills
-            .iter()
-            .map(|&p| {
-                let (h, read_ms) = held(p);
-                let r = rate(p);
-                let ahead = p.queued_tokens_ahead(ask.class) as f64;
-                // Where it stands within the step is unknown: half of one, expected.
-                let step = if p.lower_class_busy(ask.class) {
-                    BATCH_YIELD_TOKENS as f64 / 2.0
-                } else {
-                    0.0
-                };
-                let ms = (ahead + step + n - h as f64) / r * 1e3 + read_ms + h_remote;
-                (ms, p, h)
-            })
-            .collect();
-        p_ranked.sort_by(|(ca, a, _), (cb, b, _)| {
-            ca.total_cmp(cb)
-                .then_with(|| rendezvous(&key, b).cmp(&rendezvous(&key, a)))
-                .then_with(|| a.load().cmp(&b.load()))
-                .then_with(|| a.addr.cmp(&b.addr))
-        });
-        let remote = p_ranked.first().copied();
+        let remote = best_prefill(&prefills, ask, &key, h_remote, &held, &rate);
 
         let go_local = match (&local, &remote) {
             (Some(l), Some(r)) => l.0 < r.0,
@@ -413,6 +365,78 @@ impl Policy {
             borrowed_ms: remote_borrowed_ms,
         })
     }
+}
+
+/// Who could serve a fetch of the prompt's first tokens, with how many and what reading them
+/// from its disk tier costs (ms): only replicas the request cannot go to in their role
+/// (`[decodes, prefills]`; failed it, over the load cap, draining), so that a session stays
+/// where its KV is while it may, and a prompt is computed where its prefix is while it may.
+fn fetch_holders<'a>(
+    all: &'a [Arc<Replica>],
+    [decodes, prefills]: [&[&Arc<Replica>]; 2],
+    ask: &Ask<'_>,
+    held: impl Fn(&Replica) -> (usize, f64),
+) -> Vec<(&'a Arc<Replica>, usize, f64)> {
+    let reusable = ask.hashes.len() * BLOCK_TOKENS;
+    all.iter()
+        .filter(|r| {
+            let chosen = match r.role {
+                Role::Decode => decodes,
+                Role::Prefill => prefills,
+            };
+            r.can_serve_fetch()
+                && r.serves(ask.model)
+                && r.kv_bytes_per_token() > 0
+                && !chosen.iter().any(|c| c.addr == r.addr)
+        })
+        .map(|r| {
+            let hinted = ask
+                .holder
+                .filter(|(a, _)| *a == r.addr)
+                .map_or(0, |(_, t)| t);
+            let (h, read_ms) = held(r);
+            (r, h.max(hinted).min(reusable), read_ms)
+        })
+        .filter(|&(_, h, _)| h > 0)
+        .collect()
+}
+
+/// The best remote option: the prefill replica with the least estimated time to the first
+/// token (its queue ahead of the request's class, half a step of a lower class where one runs,
+/// the tokens it lacks at its rate, a disk read, and the measured hand-off `h_remote`), ties
+/// broken by rendezvous on `key`, load and address; with its estimate (ms) and what it holds.
+fn best_prefill<'a>(
+    prefills: &[&'a Arc<Replica>],
+    ask: &Ask<'_>,
+    key: &[u8],
+    h_remote: f64,
+    held: impl Fn(&Replica) -> (usize, f64),
+    rate: impl Fn(&Replica) -> f64,
+) -> Option<(f64, &'a Arc<Replica>, usize)> {
+    let n = ask.tokens as f64;
+    let mut p_ranked: Vec<(f64, &Arc<Replica>, usize)> = prefills
+        .iter()
+        .map(|&p| {
+            let (h, read_ms) = held(p);
+            let r = rate(p);
+            let ahead = p.queued_tokens_ahead(ask.class) as f64;
+            // Where it stands within the step is unknown: half of one, expected.
+            let step = if p.lower_class_busy(ask.class) {
+                BATCH_YIELD_TOKENS as f64 / 2.0
+            } else {
+                0.0
+            };
+            let ms = (ahead + step + n - h as f64) / r * 1e3 + read_ms + h_remote;
+            (ms, p, h)
+        })
+        .collect();
+    p_ranked.sort_by(|(ca, a, _), (cb, b, _)| {
+        ca.total_cmp(cb)
+            .then_with(|| rendezvous(key, b).cmp(&rendezvous(key, a)))
+            .then_with(|| a.load().cmp(&b.load()))
+            .then_with(|| a.addr.cmp(&b.addr))
+    });
+    p_ranked.first().copied()
 }
 
 #[cfg(test)]

@@ -223,6 +223,63 @@ impl Dispatcher {
         checked
     }
 
+    /// The decode call of an attempt on `choice` (not yet a last resort).
+    fn decode_request(
+        &self,
+        p: &Prepared,
+        progress: &Progress,
+        tokens: &[u32],
+        choice: &Choice,
+        transfer_id: &str,
+    ) -> pb::DecodeRequest {
+        pb::DecodeRequest {
+            request_id: p.request_id.clone(),
+            transfer_id: transfer_id.to_string(),
+            prompt_token_ids: tokens.to_vec(),
+            sampling: Some(p.sampling_of(progress.choice, progress.max_tokens)),
+            // A prompt queued on the prefill node is not silence: its push sends keepalives.
+            kv_wait_ms: u32::try_from(self.kv_wait.as_millis()).unwrap_or(u32::MAX),
+            local_prefill: choice.prefill.is_none(),
+            resumed_tokens: progress.generated.len() as u32,
+            cache_salt: p.cache_salt.clone(),
+            fetch_addr: choice
+                .fetch
+                .as_ref()
+                .map_or_else(String::new, |f| f.0.clone()),
+            fetch_tokens: choice.fetch.as_ref().map_or(0, |f| f.1 as u32),
+            last_resort: false,
+            priority: p.class.to_pb() as i32,
+        }
+    }
+
+    /// What a decode node's admission of `choice` costs and teaches: the tenant's share is
+    /// charged the prompt, a peer fetch's speed is recorded, and the disaggregation decision
+    /// counted.
+    fn record_admitted(
+        &self,
+        p: &Prepared,
+        prompt_tokens: usize,
+        choice: &Choice,
+        a: &pb::DecodeAdmitted,
+    ) {
+        self.charge(&p.tenant, p.weight, prompt_tokens as u64);
+        if choice.fetch.is_some() {
+            self.policy.record_fetch(a.fetched_bytes, a.fetch_ms);
+            self.metrics
+                .fetched_tokens
+                .inc_by(u64::from(a.fetched_tokens));
+        }
+        let decision = if choice.prefill.is_none() {
+            "local"
+        } else {
+            "remote"
+        };
+        self.metrics
+            .disagg_decisions
+            .get_or_create(&DecisionLabel { decision })
+            .inc();
+    }
+
     /// Waits in the router's queue until a decode replica this request may use has room
     /// ([`crate::cluster::replica::Replica::has_room`]), and the chosen prefill replica too when
     /// the prompt goes to one, then chooses replicas and has the decode node admit the request.
@@ -323,23 +380,10 @@ impl Dispatcher {
             };
             let mut d_client =
                 tandem_proto::limits!(pb::decode_client::DecodeClient::new(decode.channel.clone()));
+            let request = self.decode_request(p, progress, tokens, &choice, &transfer_id);
             let mut d_req = tonic::Request::new(pb::DecodeRequest {
-                request_id: p.request_id.clone(),
-                transfer_id: transfer_id.clone(),
-                prompt_token_ids: tokens.to_vec(),
-                sampling: Some(p.sampling_of(progress.choice, progress.max_tokens)),
-                // A prompt queued on the prefill node is not silence: its push sends keepalives.
-                kv_wait_ms: u32::try_from(self.kv_wait.as_millis()).unwrap_or(u32::MAX),
-                local_prefill: local,
-                resumed_tokens: progress.generated.len() as u32,
-                cache_salt: p.cache_salt.clone(),
-                fetch_addr: choice
-                    .fetch
-                    .as_ref()
-                    .map_or_else(String::new, |f| f.0.clone()),
-                fetch_tokens: choice.fetch.as_ref().map_or(0, |f| f.1 as u32),
                 last_resort: is_last_resort,
-                priority: p.class.to_pb() as i32,
+                ..request
             });
             d_req.set_timeout(deadline.saturating_duration_since(TokioInstant::now()));
             tandem_net::otel::inject(d_req.metadata_mut());
@@ -369,19 +413,7 @@ impl Dispatcher {
                 self.pace.record(&queued);
             }
             progress.queued = None;
-            self.charge(&p.tenant, p.weight, tokens.len() as u64);
-            if choice.fetch.is_some() {
-                self.policy.record_fetch(a.fetched_bytes, a.fetch_ms);
-                self.metrics
-                    .fetched_tokens
-                    .inc_by(u64::from(a.fetched_tokens));
-            }
-            self.metrics
-                .disagg_decisions
-                .get_or_create(&DecisionLabel {
-                    decision: if local { "local" } else { "remote" },
-                })
-                .inc();
+            self.record_admitted(p, tokens.len(), &choice, &a);
             let queue_ms = ms(accepted);
             if progress.attempts == 1 {
                 self.metrics.queue.observe(queue_ms / 1e3);

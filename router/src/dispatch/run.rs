@@ -19,7 +19,7 @@ use tracing::Instrument;
 use tracing::field::Empty;
 
 use crate::cluster::policy::Choice;
-use crate::cluster::replica::Replica;
+use crate::cluster::replica::{InflightGuard, Replica};
 use crate::cluster::sessions::Turn;
 use crate::dispatch::admit::Admission;
 use crate::dispatch::dispatcher::{Dispatcher, Outcome};
@@ -236,40 +236,9 @@ impl Dispatcher {
         let span = tracing::Span::current();
         span.record("decode", d_addr.as_str());
         span.record("prefill", p_addr.as_deref().unwrap_or("local"));
-        let prefill_call = {
-            let request = prefill.as_ref().map(|_| pb::PrefillRequest {
-                request_id: p.request_id.clone(),
-                transfer_id,
-                token_ids: tokens.clone(),
-                cached_tokens: decode_cached,
-                decode_addr: d_addr.clone(),
-                sampling: Some(p.sampling_of(progress.choice, progress.max_tokens)),
-                resumed_tokens: progress.generated.len() as u32,
-                cache_salt: p.cache_salt.clone(),
-                priority: p.class.to_pb() as i32,
-                tenant: p.tenant.to_string(),
-                weight: p.weight,
-            });
-            // The claim on the prefill node ends with the call: what decodes afterwards is no
-            // longer in its queue.
-            async move {
-                let (Some(guard), Some(request)) = (prefill, request) else {
-                    return Ok(None);
-                };
-                let addr = guard.replica().addr.as_str();
-                prefill_on(guard.replica(), request, deadline)
-                    .instrument(
-                        tracing::info_span!("prefill", request_id = %p.request_id, replica = addr),
-                    )
-                    .await
-                    .map(Some)
-                    .map_err(|s| Failure {
-                        error: Error::downstream("prefill", &s),
-                        suspects: vec![guard.replica().addr.clone()],
-                        handoff: None,
-                    })
-            }
-        };
+        let request = (prefill.as_ref())
+            .map(|_| prefill_request(p, progress, &tokens, transfer_id, decode_cached, &d_addr));
+        let prefill_call = prefill_call(&p.request_id, prefill.zip(request), deadline);
         // Remote: the prefill call runs beside the decode stream, and ends once the KV is
         // pushed. Local: it answers `None` at once.
         tokio::pin!(prefill_call);
@@ -278,20 +247,10 @@ impl Dispatcher {
         let mut local_prefill_ms = 0.0;
         loop {
             let waiting_for_push = !local && prefilled.is_none();
-            let bound = if waiting_for_push {
-                // The decode node bounds KV silence itself (kv_wait), and the prefill call
-                // ends with the push.
-                None
-            } else if frames_here == 0 && local {
-                // The first frame follows a local prefill of the uncached suffix.
-                let uncached = tokens.len().saturating_sub(decode_cached as usize) as f64;
-                let rate = decode
-                    .replica()
-                    .prefill_rate_or(crate::cluster::policy::DEFAULT_RATE);
-                Some(self.token_gap + Duration::from_secs_f64(2.0 * uncached / rate))
-            } else {
-                Some(self.token_gap)
-            };
+            // The first frame of a local attempt follows a local prefill of the uncached suffix.
+            let prefilling = (frames_here == 0 && local)
+                .then(|| tokens.len().saturating_sub(decode_cached as usize));
+            let bound = self.frame_bound(waiting_for_push, prefilling, decode.replica());
             let next = async {
                 match bound {
                     Some(b) => self.next_frame(&mut frames, b, decode.replica()).await,
@@ -328,17 +287,7 @@ impl Dispatcher {
             let (mut frame, arrival) = progress
                 .relay(t, p.tokens.len(), accepted)
                 .map_err(|s| on_decode(&s))?;
-            match arrival {
-                // The request's time to first token is its first choice's.
-                Arrival::First(ttft_ms) if progress.choice == 0 => {
-                    self.metrics.ttft.observe(ttft_ms / 1e3);
-                    self.metrics.model_first_token(&p.model, ttft_ms / 1e3);
-                    tracing::Span::current()
-                        .record("gen_ai.server.time_to_first_token", ttft_ms / 1e3);
-                }
-                Arrival::First(_) => {}
-                Arrival::After(gap) => self.metrics.inter_token.observe(gap.as_secs_f64()),
-            }
+            self.record_arrival(p, progress.choice, arrival);
             if !crate::dispatch::log::is_last(&frame) {
                 log.push(Ok(frame));
                 continue;
@@ -380,29 +329,82 @@ impl Dispatcher {
                     fetch_ms: admitted.fetch_ms,
                 },
             );
-            let t = frame.timings.unwrap_or_default();
-            // The hand-off: what the first token took beyond the queues and the compute; and
-            // how far the choice's estimate was off.
-            if progress.attempts == 1 {
-                let waited = t.queue_ms + t.prefill_wait_ms + t.prefill_ms;
-                (self.policy).record_handoff(local, p.class as u8, t.first_token_ms - waited);
-                if let Some(est_ms) = est_ms.filter(|_| borrowed_ms == 0.0) {
-                    let actual_ms = t.first_token_ms - chosen_ms;
-                    tracing::debug!(est_ms, actual_ms, "time to first token from the choice");
-                    (self.calibration).record(p.class as u8, actual_ms, est_ms);
-                }
-            }
-            // The request's prompt counts once, as its first choice saw it.
-            if progress.choice == 0 {
-                let cached = frame.usage.map_or(0, |u| u.cached_tokens);
-                self.metrics.prompt_tokens.inc_by(p.tokens.len() as u64);
-                self.metrics.cached_prompt_tokens.inc_by(u64::from(cached));
-                (self.metrics).model_prompt(&p.model, p.tokens.len() as u64, cached.into());
-                let restored = admitted.restored_tokens + prefill_restored;
-                self.end_turn(p, &progress.generated, cached, restored);
-            }
+            // The estimate counts only where nothing was borrowed from another request's time.
+            let estimate = est_ms
+                .filter(|_| borrowed_ms == 0.0)
+                .map(|e| (e, chosen_ms));
+            let restored = admitted.restored_tokens + prefill_restored;
+            self.record_ending(p, progress, &frame, local, estimate, restored);
             log.push(Ok(frame));
             return Ok(());
+        }
+    }
+
+    /// How long the decode stream may be silent before its node is looked at: unbounded while
+    /// the KV is pushed (the decode node bounds KV silence itself, kv_wait, and the prefill
+    /// call ends with the push), the token gap plus twice the estimated time of a local prefill
+    /// of `prefilling` tokens before the first frame, else the token gap.
+    fn frame_bound(
+        &self,
+        waiting_for_push: bool,
+        prefilling: Option<usize>,
+        decode: &Replica,
+    ) -> Option<Duration> {
+        if waiting_for_push {
+            return None;
+        }
+        Some(match prefilling {
+            Some(uncached) => {
+                let rate = decode.prefill_rate_or(crate::cluster::policy::DEFAULT_RATE);
+                self.token_gap + Duration::from_secs_f64(2.0 * uncached as f64 / rate)
+            }
+            None => self.token_gap,
+        })
+    }
+
+    /// A frame's arrival in the latency metrics: the request's time to first token is its
+    /// first choice's.
+    fn record_arrival(&self, p: &Prepared, choice: u32, arrival: Arrival) {
+        match arrival {
+            Arrival::First(ttft_ms) if choice == 0 => {
+                self.metrics.ttft.observe(ttft_ms / 1e3);
+                self.metrics.model_first_token(&p.model, ttft_ms / 1e3);
+                tracing::Span::current().record("gen_ai.server.time_to_first_token", ttft_ms / 1e3);
+            }
+            Arrival::First(_) => {}
+            Arrival::After(gap) => self.metrics.inter_token.observe(gap.as_secs_f64()),
+        }
+    }
+
+    /// What a choice's last frame teaches: on a first attempt, the hand-off (what the first
+    /// token took beyond the queues and the compute) and how far the choice's `estimate` (its
+    /// estimate and when it was chosen, ms) was off; on the first choice, the request's prompt
+    /// tokens (counted once) and its session's turn.
+    fn record_ending(
+        &self,
+        p: &Prepared,
+        progress: &Progress,
+        frame: &pb::GenerateResponse,
+        local: bool,
+        estimate: Option<(f64, f64)>,
+        restored: u32,
+    ) {
+        let t = frame.timings.unwrap_or_default();
+        if progress.attempts == 1 {
+            let waited = t.queue_ms + t.prefill_wait_ms + t.prefill_ms;
+            (self.policy).record_handoff(local, p.class as u8, t.first_token_ms - waited);
+            if let Some((est_ms, chosen_ms)) = estimate {
+                let actual_ms = t.first_token_ms - chosen_ms;
+                tracing::debug!(est_ms, actual_ms, "time to first token from the choice");
+                (self.calibration).record(p.class as u8, actual_ms, est_ms);
+            }
+        }
+        if progress.choice == 0 {
+            let cached = frame.usage.map_or(0, |u| u.cached_tokens);
+            self.metrics.prompt_tokens.inc_by(p.tokens.len() as u64);
+            self.metrics.cached_prompt_tokens.inc_by(u64::from(cached));
+            (self.metrics).model_prompt(&p.model, p.tokens.len() as u64, cached.into());
+            self.end_turn(p, &progress.generated, cached, restored);
         }
     }
 
@@ -428,6 +430,29 @@ impl Dispatcher {
     }
 }
 
+/// The prefill call of an attempt, where it has one (`None`: the decode node prefills
+/// locally, and this answers `None` at once). The claim on the prefill node ends with the call:
+/// what decodes afterwards is no longer in its queue.
+async fn prefill_call(
+    request_id: &str,
+    prefill: Option<(InflightGuard, pb::PrefillRequest)>,
+    deadline: TokioInstant,
+) -> Result<Option<pb::PrefillResponse>, Failure> {
+    let Some((guard, request)) = prefill else {
+        return Ok(None);
+    };
+    let addr = guard.replica().addr.as_str();
+    prefill_on(guard.replica(), request, deadline)
+        .instrument(tracing::info_span!("prefill", request_id = %request_id, replica = addr))
+        .await
+        .map(Some)
+        .map_err(|s| Failure {
+            error: Error::downstream("prefill", &s),
+            suspects: vec![guard.replica().addr.clone()],
+            handoff: None,
+        })
+}
+
 /// Asks `replica` to prefill `request` and push its KV, within `deadline`.
 async fn prefill_on(
     replica: &Replica,
@@ -441,4 +466,29 @@ async fn prefill_on(
     request.set_timeout(deadline.saturating_duration_since(TokioInstant::now()));
     tandem_net::otel::inject(request.metadata_mut());
     Ok(client.prefill(request).await?.into_inner())
+}
+
+/// The prefill call of an attempt: the prompt `tokens` past what the decode node holds
+/// (`decode_cached`), pushed to `decode_addr` under `transfer_id`.
+fn prefill_request(
+    p: &Prepared,
+    progress: &Progress,
+    tokens: &[u32],
+    transfer_id: String,
+    decode_cached: u32,
+    decode_addr: &str,
+) -> pb::PrefillRequest {
+    pb::PrefillRequest {
+        request_id: p.request_id.clone(),
+        transfer_id,
+        token_ids: tokens.to_vec(),
+        cached_tokens: decode_cached,
+        decode_addr: decode_addr.to_string(),
+        sampling: Some(p.sampling_of(progress.choice, progress.max_tokens)),
+        resumed_tokens: progress.generated.len() as u32,
+        cache_salt: p.cache_salt.clone(),
+        priority: p.class.to_pb() as i32,
+        tenant: p.tenant.to_string(),
+        weight: p.weight,
+    }
 }

@@ -133,6 +133,102 @@ fn logprobs(kind: Kind, body: &Map<String, Value>) -> Result<Option<u32>, ApiErr
     }
 }
 
+/// `stream_options` (only with `stream`): whether the usage comes on the last chunk, on every
+/// chunk (vLLM's `continuous_usage_stats`), or not at all.
+fn stream_usage(body: &Map<String, Value>, stream: bool) -> Result<StreamUsage, ApiError> {
+    Ok(match body.get("stream_options") {
+        None | Some(Value::Null) => StreamUsage::None,
+        Some(Value::Object(o)) => {
+            if let Some(k) = o
+                .keys()
+                .find(|k| *k != "include_usage" && *k != "continuous_usage_stats")
+            {
+                return Err(ApiError::unsupported(
+                    &format!("stream_options.{k}"),
+                    "only include_usage and continuous_usage_stats are served",
+                ));
+            }
+            if !stream {
+                return Err(ApiError::invalid(
+                    "stream_options",
+                    "stream_options is only allowed with stream: true",
+                ));
+            }
+            // vLLM's extension: the usage so far on every chunk, with include_usage only.
+            match (
+                flag(o, "include_usage")?,
+                flag(o, "continuous_usage_stats")?,
+            ) {
+                (false, _) => StreamUsage::None,
+                (true, false) => StreamUsage::Last,
+                (true, true) => StreamUsage::Continuous,
+            }
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "stream_options",
+                "'stream_options' must be an object",
+            ));
+        }
+    })
+}
+
+/// `max_completion_tokens`, else `max_tokens`; 0 when neither is set (the router's default,
+/// see DEFAULT_MAX_TOKENS).
+fn max_tokens(body: &Map<String, Value>) -> Result<u32, ApiError> {
+    Ok(
+        match (
+            unsigned(&body, "max_completion_tokens")?,
+            unsigned(&body, "max_tokens")?,
+        ) {
+            (Some(m), _) | (None, Some(m)) => {
+                if m == 0 {
+                    return Err(ApiError::invalid(
+                        "max_tokens",
+                        "'max_tokens' must be at least 1",
+                    ));
+                }
+                u32::try_from(m).unwrap_or(u32::MAX)
+            }
+            // 0: the router's default (see DEFAULT_MAX_TOKENS).
+            (None, None) => 0,
+        },
+    )
+}
+
+/// A completion's `prompt`: a string, a one-string array, or token ids.
+fn completion_prompt(
+    body: &Map<String, Value>,
+    request: &mut pb::GenerateRequest,
+) -> Result<(), ApiError> {
+    match body.get("prompt") {
+        Some(Value::String(p)) => request.prompt = Some(p.clone()),
+        Some(Value::Array(a)) if a.iter().all(Value::is_u64) && !a.is_empty() => {
+            request.token_ids = a
+                .iter()
+                .filter_map(Value::as_u64)
+                .map(|t| u32::try_from(t).unwrap_or(u32::MAX))
+                .collect();
+        }
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+            request.prompt = a[0].as_str().map(str::to_string);
+        }
+        Some(Value::Array(_)) => {
+            return Err(ApiError::unsupported(
+                "prompt",
+                "one prompt per request (a string, a one-string array, or token ids)",
+            ));
+        }
+        _ => {
+            return Err(ApiError::invalid(
+                "prompt",
+                "'prompt' must be a string or an array of token ids",
+            ));
+        }
+    };
+    Ok(())
+}
+
 pub(crate) fn parse(
     kind: Kind,
     model: &str,
@@ -189,57 +285,8 @@ pub(crate) fn parse(
     let grammar = response_format(&body)?;
     check_model(&body, model)?;
     let stream = flag(&body, "stream")?;
-    let stream_usage = match body.get("stream_options") {
-        None | Some(Value::Null) => StreamUsage::None,
-        Some(Value::Object(o)) => {
-            if let Some(k) = o
-                .keys()
-                .find(|k| *k != "include_usage" && *k != "continuous_usage_stats")
-            {
-                return Err(ApiError::unsupported(
-                    &format!("stream_options.{k}"),
-                    "only include_usage and continuous_usage_stats are served",
-                ));
-            }
-            if !stream {
-                return Err(ApiError::invalid(
-                    "stream_options",
-                    "stream_options is only allowed with stream: true",
-                ));
-            }
-            // vLLM's extension: the usage so far on every chunk, with include_usage only.
-            match (
-                flag(o, "include_usage")?,
-                flag(o, "continuous_usage_stats")?,
-            ) {
-                (false, _) => StreamUsage::None,
-                (true, false) => StreamUsage::Last,
-                (true, true) => StreamUsage::Continuous,
-            }
-        }
-        Some(_) => {
-            return Err(ApiError::invalid(
-                "stream_options",
-                "'stream_options' must be an object",
-            ));
-        }
-    };
-    let max_tokens = match (
-        unsigned(&body, "max_completion_tokens")?,
-        unsigned(&body, "max_tokens")?,
-    ) {
-        (Some(m), _) | (None, Some(m)) => {
-            if m == 0 {
-                return Err(ApiError::invalid(
-                    "max_tokens",
-                    "'max_tokens' must be at least 1",
-                ));
-            }
-            u32::try_from(m).unwrap_or(u32::MAX)
-        }
-        // 0: the router's default (see DEFAULT_MAX_TOKENS).
-        (None, None) => 0,
-    };
+    let stream_usage = stream_usage(&body, stream)?;
+    let max_tokens = max_tokens(&body)?;
     let seed = match body.get("seed") {
         None | Some(Value::Null) => 0,
         // OpenAI's seed is any integer; a negative one keeps its bits.
@@ -292,31 +339,7 @@ pub(crate) fn parse(
             request.tool_choice = choice as i32;
             request.tool_choice_function = function;
         }
-        Kind::Completion => match body.get("prompt") {
-            Some(Value::String(p)) => request.prompt = Some(p.clone()),
-            Some(Value::Array(a)) if a.iter().all(Value::is_u64) && !a.is_empty() => {
-                request.token_ids = a
-                    .iter()
-                    .filter_map(Value::as_u64)
-                    .map(|t| u32::try_from(t).unwrap_or(u32::MAX))
-                    .collect();
-            }
-            Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-                request.prompt = a[0].as_str().map(str::to_string);
-            }
-            Some(Value::Array(_)) => {
-                return Err(ApiError::unsupported(
-                    "prompt",
-                    "one prompt per request (a string, a one-string array, or token ids)",
-                ));
-            }
-            _ => {
-                return Err(ApiError::invalid(
-                    "prompt",
-                    "'prompt' must be a string or an array of token ids",
-                ));
-            }
-        },
+        Kind::Completion => completion_prompt(&body, &mut request)?,
     }
     Ok(Parsed {
         call: Call::new(headers, request)?,
