@@ -261,7 +261,7 @@ impl Policy {
             let read_ms = disk / r.restore_rate_or(DEFAULT_RESTORE_RATE) * 1e3;
             (o.blocks() * BLOCK_TOKENS, read_ms)
         };
-        let holders = fetch_holders(&all, [&decodes, &prefills], ask, &held);
+        let holders = fetch_holders(&all, [&decodes, &prefills], ask, held);
         // A draining holder's streams are leaving it: nothing holds up its fetches.
         let fetch_ms = |from: &Replica, tokens: usize, read_ms: f64| {
             let busy = if from.is_draining() { 0 } else { from.load() };
@@ -302,7 +302,7 @@ impl Policy {
             })
             .min_by(|a, b| a.0.total_cmp(&b.0));
         // The best remote option, with the best-ranked decode replica.
-        let remote = best_prefill(&prefills, ask, &key, h_remote, &held, &rate);
+        let remote = best_prefill(&prefills, ask, &key, h_remote, held, rate);
 
         let go_local = match (&local, &remote) {
             (Some(l), Some(r)) => l.0 < r.0,

@@ -178,8 +178,8 @@ fn stream_usage(body: &Map<String, Value>, stream: bool) -> Result<StreamUsage, 
 fn max_tokens(body: &Map<String, Value>) -> Result<u32, ApiError> {
     Ok(
         match (
-            unsigned(&body, "max_completion_tokens")?,
-            unsigned(&body, "max_tokens")?,
+            unsigned(body, "max_completion_tokens")?,
+            unsigned(body, "max_tokens")?,
         ) {
             (Some(m), _) | (None, Some(m)) => {
                 if m == 0 {
