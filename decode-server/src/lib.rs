@@ -21,7 +21,7 @@ use std::sync::Arc;
 use tandem_proto::v1 as pb;
 use tandem_transfer::{KvTransferService, Reservations, TransferMetrics};
 use tandem_worker::moves::Handoffs;
-use tandem_worker::{Node, NodeError};
+use tandem_worker::{Node, NodeError, Serving};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -98,12 +98,16 @@ pub async fn run(
         tracker: tracker.clone(),
         next_ticket: Arc::default(),
     };
+    let serving = Serving {
+        listener,
+        kv_layout,
+        load: Arc::new(DecodeLoad { ctx: ctx.clone() }),
+        moves: moves.clone(),
+        services: &["tandem.v1.Decode", "tandem.v1.KvTransfer"],
+    };
     let served = node
         .serve(
-            listener,
-            kv_layout,
-            Arc::new(DecodeLoad { ctx: ctx.clone() }),
-            moves.clone(),
+            serving,
             |routes| {
                 routes
                     .add_service(tandem_proto::limits!(pb::decode_server::DecodeServer::new(
@@ -115,7 +119,6 @@ pub async fn run(
                             .into_server(),
                     )
             },
-            &["tandem.v1.Decode", "tandem.v1.KvTransfer"],
             shutdown,
             ctx.hand_off(drain_handoff),
         )

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use tandem_proto::v1 as pb;
 use tandem_transfer::{KvTransferService, Reservations, TransferMetrics};
-use tandem_worker::{KvMoves, Node, NodeError};
+use tandem_worker::{KvMoves, Node, NodeError, Serving};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
@@ -75,12 +75,16 @@ pub async fn run(
         prefix_cache,
         tls: node.config.tls.clone(),
     };
+    let serving = Serving {
+        listener,
+        kv_layout,
+        load: Arc::new(PrefillLoad { shared, max_queue }),
+        moves: moves.clone(),
+        services: &["tandem.v1.Prefill", "tandem.v1.KvTransfer"],
+    };
     let served = node
         .serve(
-            listener,
-            kv_layout,
-            Arc::new(PrefillLoad { shared, max_queue }),
-            moves.clone(),
+            serving,
             |routes| {
                 routes
                     .add_service(tandem_proto::limits!(
@@ -88,7 +92,6 @@ pub async fn run(
                     ))
                     .add_service(fetches.into_server())
             },
-            &["tandem.v1.Prefill", "tandem.v1.KvTransfer"],
             shutdown,
             hand_off(&moves, drain_handoff),
         )

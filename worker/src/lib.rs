@@ -25,7 +25,7 @@ pub use cache::CacheHub;
 pub use moves::KvMoves;
 pub use node::{
     DEFAULT_DRAIN_HANDOFF, DEFAULT_DRAIN_HANDOFF_BYTES, DEFAULT_GRACE, Node, NodeConfig, NodeError,
-    kv_budget_bytes,
+    Serving, kv_budget_bytes,
 };
 pub use service::{LoadSource, WorkerService};
 

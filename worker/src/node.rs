@@ -204,25 +204,27 @@ impl Node {
         )
     }
 
-    /// Serves `routes` (the node's own services, named `services`) with the `Worker` service
-    /// (answering `Worker.Load` from `load`, and the drain's moves through `moves`), health,
-    /// reflection and `/metrics`, on `listener` until `shutdown` completes. Then the node reports NOT_SERVING and runs `handoff` (still
+    /// Serves `routes` (the node's own services, named in [`Serving::services`]) with the
+    /// `Worker` service (answering from `serving`), health, reflection and `/metrics`, on
+    /// `serving`'s listener until `shutdown` completes. Then the node reports NOT_SERVING and runs `handoff` (still
     /// accepting calls, so that peers can fetch what it hands off); then the root token is
     /// cancelled, so that long streams do not hold up the drain, the listener closes and
     /// in-flight calls get the grace period. The node's own threads are its to stop once this
     /// returns.
-    #[allow(clippy::too_many_arguments)]
     pub async fn serve(
         self,
-        listener: TcpListener,
-        kv_layout: KvLayout,
-        load: Arc<dyn LoadSource>,
-        moves: KvMoves,
+        serving: Serving,
         routes: impl FnOnce(Routes) -> Routes,
-        services: &[&'static str],
         shutdown: impl Future<Output = ()>,
         handoff: impl Future<Output = ()>,
     ) -> Result<(), NodeError> {
+        let Serving {
+            listener,
+            kv_layout,
+            load,
+            moves,
+            services,
+        } = serving;
         let Self {
             config,
             mut registry,
@@ -264,6 +266,29 @@ impl Node {
         .await;
         root.cancel();
         Ok(served?)
+    }
+}
+
+/// What a node serves on besides the scaffold's own: its listener, what the `Worker` service
+/// answers from, and its own services' names.
+pub struct Serving {
+    pub listener: TcpListener,
+    /// The KV layout `Worker.Info` reports.
+    pub kv_layout: KvLayout,
+    /// What `Worker.Load` (and the model-server metrics) answer.
+    pub load: Arc<dyn LoadSource>,
+    /// The KV moves `Worker.Sessions`, `Adopt` and `Release` make.
+    pub moves: KvMoves,
+    /// The node's own services, by their gRPC names (health and reflection list them).
+    pub services: &'static [&'static str],
+}
+
+impl std::fmt::Debug for Serving {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Serving")
+            .field("listener", &self.listener)
+            .field("services", &self.services)
+            .finish_non_exhaustive()
     }
 }
 
