@@ -2,7 +2,8 @@
 //! shipped code names (by `crate::`, `super::`, `self::` or a child module's path, in code and in
 //! macro bodies alike) form no cycle; no shipped file is over [`MAX_FILE_LINES`] lines and no
 //! shipped function over [`MAX_FN_LINES`]. Test code (`#[cfg(test)]` items and the modules they
-//! declare) is not shipped, and neither is this crate.
+//! declare) is not shipped, and neither is this crate. The router's modules, besides, sit in
+//! layers that only use their own and those below.
 //!
 //! `cargo test -p tandem-integration-tests --test layout -- --nocapture` prints each crate's
 //! module graph.
@@ -318,75 +319,137 @@ fn cycles(graph: &BTreeMap<String, BTreeSet<String>>) -> BTreeMap<&str, Vec<&str
     }
 }
 
+/// One crate's shipped modules: each one's file and what it names.
+struct Crate {
+    modules: BTreeMap<String, Module>,
+    /// The modules' scans, test code left out.
+    scans: BTreeMap<String, Scan>,
+    /// Each module's edges to the crate's other modules ([`edges`]).
+    graph: BTreeMap<String, BTreeSet<String>>,
+}
+
+fn read_crate(src: &Path) -> Crate {
+    let modules = modules(src);
+    let mut scans: BTreeMap<String, Scan> = BTreeMap::new();
+    for (module, m) in &modules {
+        let mut scan = Scan::default();
+        scan.visit_file(&m.ast);
+        scans.insert(module.clone(), scan);
+    }
+    // Files declared by `#[cfg(test)] mod x;`, and everything under them, are test code.
+    let tests: Vec<String> = scans
+        .iter()
+        .flat_map(|(module, scan)| {
+            scan.test_children.iter().map(move |c| {
+                if module.is_empty() {
+                    c.clone()
+                } else {
+                    format!("{module}::{c}")
+                }
+            })
+        })
+        .collect();
+    let is_test = |m: &str| {
+        tests
+            .iter()
+            .any(|t| m == t || m.starts_with(&format!("{t}::")))
+    };
+    scans.retain(|module, _| !is_test(module));
+    let graph = scans
+        .iter()
+        .map(|(module, scan)| {
+            let e = edges(module, scan, &modules)
+                .into_iter()
+                .filter(|u| !is_test(u))
+                .collect();
+            (module.clone(), e)
+        })
+        .collect();
+    Crate {
+        modules,
+        scans,
+        graph,
+    }
+}
+
 #[test]
 fn every_crate_is_free_of_module_cycles_long_files_and_long_functions() {
     let mut wrong = Vec::new();
     for (name, src) in crates() {
-        let modules = modules(&src);
-        let mut scans: BTreeMap<&str, Scan> = BTreeMap::new();
-        for (module, m) in &modules {
-            let mut scan = Scan::default();
-            scan.visit_file(&m.ast);
-            scans.insert(module, scan);
-        }
-        // Files declared by `#[cfg(test)] mod x;`, and everything under them, are test code.
-        let tests: Vec<String> = scans
-            .iter()
-            .flat_map(|(module, scan)| {
-                scan.test_children.iter().map(move |c| {
-                    if module.is_empty() {
-                        c.clone()
-                    } else {
-                        format!("{module}::{c}")
-                    }
-                })
-            })
-            .collect();
-        let is_test = |m: &str| {
-            tests
-                .iter()
-                .any(|t| m == t || m.starts_with(&format!("{t}::")))
-        };
+        let c = read_crate(&src);
         let shipped = !NOT_SHIPPED.contains(&name.as_str());
-
-        let mut graph = BTreeMap::new();
-        for (module, scan) in &scans {
-            if is_test(module) {
-                continue;
-            }
-            let m = &modules[*module];
+        for (module, scan) in c.scans.iter().filter(|_| shipped) {
+            let m = &c.modules[module];
             let relative = m.path.strip_prefix(workspace()).unwrap_or(&m.path);
             let lines = m.text.lines().count();
-            if shipped && lines > MAX_FILE_LINES {
+            if lines > MAX_FILE_LINES {
                 wrong.push(format!(
                     "{}: {lines} lines (at most {MAX_FILE_LINES})",
                     relative.display()
                 ));
             }
             for (function, line, length) in &scan.functions {
-                if shipped && *length > MAX_FN_LINES {
+                if *length > MAX_FN_LINES {
                     wrong.push(format!(
                         "{}:{line}: fn {function} is {length} lines (at most {MAX_FN_LINES})",
                         relative.display()
                     ));
                 }
             }
-            let e: BTreeSet<String> = edges(module, scan, &modules)
-                .into_iter()
-                .filter(|u| !is_test(u))
-                .collect();
-            graph.insert(module.to_string(), e);
         }
         println!("{name}:");
-        for (module, e) in &graph {
+        for (module, e) in &c.graph {
             let shown: Vec<&str> = e.iter().map(String::as_str).collect();
             let module = if module.is_empty() { "(root)" } else { module };
             println!("  {module:<28} -> {}", shown.join(", "));
         }
-        let left = cycles(&graph);
+        let left = cycles(&c.graph);
         if !left.is_empty() {
             wrong.push(format!("{name}: a module cycle among {left:?}"));
         }
     }
+    assert!(wrong.is_empty(), "\n{}", wrong.join("\n"));
+}
+
+/// The router's layers, from the top: a module's layer is that of the first prefix it starts
+/// with (docs/architecture.md, "The router's layers").
+const ROUTER_LAYERS: [(&str, &[&str]); 5] = [
+    ("the crate root", &["", "simulation", "fuzzing"]),
+    ("api", &["api"]),
+    ("dispatch", &["dispatch"]),
+    ("cluster", &["cluster"]),
+    ("shared", &["auth", "config", "error", "ids", "metrics"]),
+];
+
+fn router_layer(module: &str) -> usize {
+    let top = module.split("::").next().unwrap_or("");
+    ROUTER_LAYERS
+        .iter()
+        .position(|(_, prefixes)| prefixes.contains(&top))
+        .unwrap_or_else(|| panic!("module {module} is in no layer: add it to ROUTER_LAYERS"))
+}
+
+/// The router's modules sit in layers (the API front, dispatch, the cluster view, over shared
+/// modules): no module names one of a layer above its own.
+#[test]
+fn the_routers_modules_use_their_own_layer_and_those_below() {
+    let c = read_crate(&workspace().join("router").join("src"));
+    let wrong: Vec<String> = c
+        .graph
+        .iter()
+        .filter(|(module, _)| !module.is_empty())
+        .flat_map(|(module, edges)| {
+            edges
+                .iter()
+                .filter(|used| router_layer(used) < router_layer(module))
+                .map(move |used| {
+                    format!(
+                        "{module} ({}) uses {used} ({}), a layer up",
+                        ROUTER_LAYERS[router_layer(module)].0,
+                        ROUTER_LAYERS[router_layer(used)].0
+                    )
+                })
+        })
+        .collect();
     assert!(wrong.is_empty(), "\n{}", wrong.join("\n"));
 }

@@ -13,8 +13,8 @@
 //! auth, config, error, ids, metrics   shared by all
 //! ```
 //!
-//! `router/tests/layers.rs` checks it: no `use` runs up a layer, or round in a cycle inside
-//! one, and no file is over 600 lines.
+//! The workspace's layout test (`integration-tests/tests/layout.rs`) checks it: no module names
+//! one of a layer above its own, no modules form a cycle, and no file is over 600 lines.
 
 pub mod api;
 pub mod auth;
