@@ -67,6 +67,12 @@ enum Command {
         #[command(subcommand)]
         command: keys::KeysCommand,
     },
+    /// The benchmarks' old name: they are the `tandem-bench` binary now, and this says so.
+    #[command(hide = true)]
+    Bench {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -161,5 +167,10 @@ fn main() -> anyhow::Result<()> {
             command: CertsCommand::Init(args),
         } => certs::init(&args),
         Command::Keys { command } => keys::run(&command),
+        Command::Bench { args } => anyhow::bail!(
+            "the benchmarks are a binary of their own: run `tandem-bench {}` (built by `cargo \
+             build --release -p tandem-bench`)",
+            args.join(" ")
+        ),
     }
 }

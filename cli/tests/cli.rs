@@ -268,6 +268,12 @@ fn bad_input_fails_with_a_clear_message() {
         assert!(!ok, "{args:?} must fail");
         assert!(err.contains(needle), "{args:?}: {err}");
     }
+    // The benchmarks' old command names their binary.
+    let (ok, _, err) = tandem(&["bench", "engine", "--model", "tiny"]);
+    assert!(
+        !ok && err.contains("`tandem-bench engine --model tiny`"),
+        "{err}"
+    );
 }
 
 /// `tandem chat --server ROUTER` with `flags`, given `turns` on stdin, run to its end.
