@@ -1,11 +1,11 @@
 //! The client side of a Tandem cluster, shared by the `tandem` binary (`chat`, `generate
 //! --server`) and `tandem-bench`: a connection to a router's gRPC API with its TLS and API key
-//! ([`connect`]), one streamed generation read frame by frame ([`stream`]), and the model
-//! arguments both binaries take ([`args`]).
+//! ([`client`]), one streamed generation read frame by frame ([`stream()`]), and the model
+//! arguments both binaries take ([`ModelArgs`], [`KvDtype`]).
 
-pub mod args;
-pub mod connect;
-pub mod stream;
+mod args;
+mod connect;
+mod stream;
 
 pub use args::{KvDtype, ModelArgs};
 pub use connect::{ApiKey, Client, ServerTlsArgs, client, explain};

@@ -386,12 +386,11 @@ impl RequestContext {
         let kv_wait_ms = admitted_at.elapsed().as_secs_f64() * 1e3;
         // The channel holds a whole generation, so a slow client never blocks a step.
         let (events, mut events_rx) = mpsc::channel(plan.params.max_tokens + 3);
-        let (prompt, cache_salt, class) = (plan.prompt, plan.cache_salt, plan.class);
         let joining = Joining {
             ticket,
-            prompt,
-            cache_salt,
-            class,
+            prompt: plan.prompt,
+            cache_salt: plan.cache_salt,
+            class: plan.class,
             stream,
             events,
         };
@@ -435,8 +434,12 @@ impl RequestContext {
             };
             let last = emissions.last().and_then(|e| e.finished);
             let timings = first.then_some((kv_wait_ms, local_prefill_ms));
-            let speculation = last.map(|_| (drafted, accepted));
-            let frame = tokens_frame(emissions, &mut completion_tokens, timings, speculation);
+            let frame = tokens_frame(
+                emissions,
+                &mut completion_tokens,
+                timings,
+                (drafted, accepted),
+            );
             first = false;
             if tx.send(Ok(frame)).await.is_err() {
                 return Ok(());
@@ -452,12 +455,12 @@ impl RequestContext {
 
 /// One step's emissions as a `DecodeTokens` frame, at the index `completion_tokens` counts to
 /// (which it then counts on): with the first frame's `timings` (KV wait, local prefill ms),
-/// and the last's `speculation` totals (drafted, accepted).
+/// and, on the last, the speculation totals so far (drafted, accepted).
 fn tokens_frame(
     emissions: Vec<Emission>,
     completion_tokens: &mut u32,
     timings: Option<(f64, f64)>,
-    speculation: Option<(u64, u64)>,
+    (drafted, accepted): (u64, u64),
 ) -> pb::DecodeResponse {
     let index = *completion_tokens;
     let last = emissions.last().and_then(|e| e.finished);
@@ -473,7 +476,11 @@ fn tokens_frame(
     }
     *completion_tokens += token_ids.len() as u32;
     let (kv_wait_ms, local_prefill_ms) = timings.unwrap_or_default();
-    let (drafted, accepted) = speculation.unwrap_or_default();
+    let (drafted, accepted) = if last.is_some() {
+        (drafted, accepted)
+    } else {
+        (0, 0)
+    };
     let frame = pb::DecodeTokens {
         index,
         token_ids,

@@ -4,6 +4,8 @@ use std::time::Duration;
 
 use tandem_proto::PRIORITY_CLASSES;
 
+use crate::error::invalid;
+
 pub use crate::auth::{AuthConfig, Class, KeyLimits};
 
 /// Hard limits on what one client request may ask for, each enforced before the work or the
@@ -120,12 +122,6 @@ impl Config {
     /// a prefill replica for round-robin, non-zero bounds, a peer port of its own when it
     /// follows peers (`serves_peers`), and sampling defaults a request could set.
     pub fn validate(&self, serves_peers: bool) -> crate::error::Result<()> {
-        let invalid = |field, reason: &str| {
-            Err(crate::error::Error::InvalidArgument {
-                field,
-                reason: reason.into(),
-            })
-        };
         // Without prefill replicas the decode nodes prefill every prompt themselves, which the
         // affinity policy does whenever no prefill replica is up; round-robin always wants one.
         if self.decode.is_empty() {

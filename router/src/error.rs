@@ -91,6 +91,14 @@ pub enum Error {
     Serve(#[from] tonic::transport::Error),
 }
 
+/// `Err` of an [`Error::InvalidArgument`] naming `field`.
+pub(crate) fn invalid<T>(field: &'static str, reason: impl Into<String>) -> Result<T> {
+    Err(Error::InvalidArgument {
+        field,
+        reason: reason.into(),
+    })
+}
+
 impl Error {
     /// Wraps a downstream status, turning anything a client must not see (UNKNOWN, INTERNAL,
     /// transport and precondition failures) into UNAVAILABLE, which is retryable. CANCELLED is

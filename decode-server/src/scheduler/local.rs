@@ -16,24 +16,47 @@ pub(super) struct Prefilling {
     pub(super) done: usize,
     /// Tokens computed here, and the time of the passes that computed them (with the steps
     /// they rode on): the node's local prefill speed, as a request sees it.
-    pub(super) computed: usize,
-    pub(super) compute_secs: f64,
+    computed: usize,
+    compute_secs: f64,
     /// What a token of the last chunk added to its step: what the next one costs, at about this
     /// context (attention makes a token dearer the longer its prompt so far).
     pub(super) secs_per_token: Option<f64>,
     /// The last chunk's size: the next is at most twice it.
     pub(super) last_chunk: usize,
-    pub(super) started: Instant,
+    started: Instant,
 }
 
 /// The fewest prompt tokens a step computes while sequences decode.
-pub(super) const MIN_CHUNK_TOKENS: usize = 1;
+const MIN_CHUNK_TOKENS: usize = 1;
 /// A step's prompt chunk adds about this share of a plain step's time, so that the batch's
 /// inter-token gaps grow by less than that share while a prompt is prefilled here.
 const CHUNK_SHARE_OF_STEP: f64 = 0.6;
 /// One step in this many goes without a chunk, to measure what a plain step costs now (the
 /// batch's contexts grow as it decodes).
 pub(super) const PLAIN_STEP_EVERY: u32 = 8;
+
+impl Prefilling {
+    /// A sequence that holds the first `done` tokens of its prompt, the rest to compute here.
+    pub(super) fn new(seq: SeqId, joining: Joining, done: usize) -> Self {
+        Self {
+            seq,
+            joining,
+            done,
+            computed: 0,
+            compute_secs: 0.0,
+            secs_per_token: None,
+            last_chunk: MIN_CHUNK_TOKENS,
+            started: Instant::now(),
+        }
+    }
+
+    /// The prompt is computed up to `end`, by a pass (alone, or with a batch step) of `secs`.
+    pub(super) fn computed_to(&mut self, end: usize, secs: f64) {
+        self.compute_secs += secs;
+        self.computed += end - self.done;
+        self.done = end;
+    }
+}
 
 impl Scheduler {
     /// How many prompt tokens the next step computes of `p`: what adds
@@ -60,10 +83,7 @@ impl Scheduler {
         let end = (p.done + most).min(p.joining.prompt.len());
         let started = Instant::now();
         let result = self.engine.prefill(p.seq, &p.joining.prompt[p.done..end]);
-        let secs = started.elapsed().as_secs_f64();
-        p.compute_secs += secs;
-        p.computed += end - p.done;
-        p.done = end;
+        p.computed_to(end, started.elapsed().as_secs_f64());
         match result {
             Ok(_) if end < p.joining.prompt.len() => {}
             Ok(logits) => self.prefilled(logits),

@@ -52,7 +52,7 @@ mod slots;
 
 pub use handle::SchedulerHandle;
 
-use local::{MIN_CHUNK_TOKENS, PLAIN_STEP_EVERY, Prefilling};
+use local::{PLAIN_STEP_EVERY, Prefilling};
 use slots::Slotless;
 
 #[derive(Debug)]
@@ -336,16 +336,7 @@ impl Scheduler {
                 Err(e) => self.fail(seq, &joining.events, e),
             },
             Input::Local => match self.engine.seq_len(seq) {
-                Ok(done) => self.prefilling.push_back(Prefilling {
-                    seq,
-                    joining,
-                    done,
-                    computed: 0,
-                    compute_secs: 0.0,
-                    secs_per_token: None,
-                    last_chunk: MIN_CHUNK_TOKENS,
-                    started: Instant::now(),
-                }),
+                Ok(done) => (self.prefilling).push_back(Prefilling::new(seq, joining, done)),
                 Err(e) => self.fail(seq, &joining.events, e),
             },
         }
@@ -458,9 +449,7 @@ impl Scheduler {
                 // What the chunk added to a plain step.
                 p.secs_per_token = Some((secs - self.plain_step_secs).max(0.0) / tokens as f64);
                 p.last_chunk = tokens;
-                p.compute_secs += secs;
-                p.computed += tokens;
-                p.done = c.end;
+                p.computed_to(c.end, secs);
             }
             _ => {
                 self.fused_steps = 0;

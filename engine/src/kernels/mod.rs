@@ -304,8 +304,9 @@ impl SendPtr {
 /// Per activation row of a tile, the outputs of one row group.
 type TileOut = [[f32; GROUP]];
 
-/// The x86 kernels, in two instruction sets that give bit-identical results: the per-block
-/// integer sums are exact either way, and the float steps after them are the same, lane by lane.
+// The kernels, a module per instruction set. The two x86 sets give bit-identical results: the
+// per-block integer sums are exact either way, and the float steps after them are the same,
+// lane by lane.
 #[cfg(x86_v3)]
 mod avx2;
 #[cfg(x86_v3)]

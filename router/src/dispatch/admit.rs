@@ -223,7 +223,8 @@ impl Dispatcher {
         checked
     }
 
-    /// The decode call of an attempt on `choice` (not yet a last resort).
+    /// The decode call of an attempt on `choice` (a `last_resort` one is finished there
+    /// whatever its node's drain).
     fn decode_request(
         &self,
         p: &Prepared,
@@ -231,6 +232,7 @@ impl Dispatcher {
         tokens: &[u32],
         choice: &Choice,
         transfer_id: &str,
+        last_resort: bool,
     ) -> pb::DecodeRequest {
         pb::DecodeRequest {
             request_id: p.request_id.clone(),
@@ -247,7 +249,7 @@ impl Dispatcher {
                 .as_ref()
                 .map_or_else(String::new, |f| f.0.clone()),
             fetch_tokens: choice.fetch.as_ref().map_or(0, |f| f.1 as u32),
-            last_resort: false,
+            last_resort,
             priority: p.class.to_pb() as i32,
         }
     }
@@ -380,11 +382,9 @@ impl Dispatcher {
             };
             let mut d_client =
                 tandem_proto::limits!(pb::decode_client::DecodeClient::new(decode.channel.clone()));
-            let request = self.decode_request(p, progress, tokens, &choice, &transfer_id);
-            let mut d_req = tonic::Request::new(pb::DecodeRequest {
-                last_resort: is_last_resort,
-                ..request
-            });
+            let request =
+                self.decode_request(p, progress, tokens, &choice, &transfer_id, is_last_resort);
+            let mut d_req = tonic::Request::new(request);
             d_req.set_timeout(deadline.saturating_duration_since(TokioInstant::now()));
             tandem_net::otel::inject(d_req.metadata_mut());
             let mut frames = match d_client.generate(d_req).await {

@@ -5,14 +5,10 @@ use serde_json::{Value, json};
 use tandem_proto::v1 as pb;
 use tandem_tokenizer::{ChatMessage, FunctionCall, Tokenizer, ToolCall, ToolFormat};
 
-use crate::error::{Error, Result};
+use crate::error::{Result, invalid};
 
 /// Most tools a request may offer.
 pub const MAX_TOOLS: usize = 128;
-
-fn invalid<T>(field: &'static str, reason: String) -> Result<T> {
-    Err(Error::InvalidArgument { field, reason })
-}
 
 /// The bytes of a chat request's text: messages, their calls and the tools offered (bounded
 /// by the router's prompt limit before anything is parsed or rendered).
@@ -75,15 +71,12 @@ pub fn render(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Result<Rendered
     };
     if r.tools.is_empty() {
         if !matches!(choice, pb::ToolChoice::Auto | pb::ToolChoice::None) {
-            return invalid(
-                "tool_choice",
-                "a call is forced, but no tools are given".into(),
-            );
+            return invalid("tool_choice", "a call is forced, but no tools are given");
         }
         return free(&messages);
     }
     let Some(format) = tokenizer.tool_format() else {
-        return invalid("tools", "the model's chat template takes no tools".into());
+        return invalid("tools", "the model's chat template takes no tools");
     };
     if r.tools.len() > MAX_TOOLS {
         return invalid("tools", format!("at most {MAX_TOOLS} tools"));

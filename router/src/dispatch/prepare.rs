@@ -7,7 +7,7 @@ use tandem_proto::v1 as pb;
 use crate::auth::{Class, Principal};
 use crate::cluster::frontend::Frontend;
 use crate::config::Limits;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, invalid};
 
 /// A request after validation: prompt token ids, their block hashes, and sampling.
 #[derive(Debug)]
@@ -81,12 +81,6 @@ pub fn prepare(
         })?),
     };
     let (class, weight) = principal.standing(asked);
-    let invalid = |field, reason: &str| {
-        Err(Error::InvalidArgument {
-            field,
-            reason: reason.to_string(),
-        })
-    };
     let given = usize::from(r.prompt.is_some())
         + usize::from(!r.messages.is_empty())
         + usize::from(!r.token_ids.is_empty());
@@ -197,12 +191,6 @@ pub fn prepare(
 /// A request's sampling within its bounds: temperature, penalties, top-p, min-p, stop
 /// strings, the log-probabilities asked for, and token ids within the vocabulary of `vocab`.
 fn check_sampling(sampling: &pb::SamplingParams, vocab: usize) -> Result<()> {
-    let invalid = |field, reason: &str| {
-        Err(Error::InvalidArgument {
-            field,
-            reason: reason.to_string(),
-        })
-    };
     if !(sampling.temperature.is_finite() && sampling.temperature >= 0.0) {
         return invalid("sampling.temperature", "must be a finite number at least 0");
     }
@@ -254,12 +242,6 @@ pub fn tokenize(
     r: &mut pb::GenerateRequest,
     limits: &Limits,
 ) -> Result<(Vec<u32>, Option<pb::Grammar>)> {
-    let invalid = |field, reason: &str| {
-        Err(Error::InvalidArgument {
-            field,
-            reason: reason.to_string(),
-        })
-    };
     let (field, text_bytes) = match &r.prompt {
         Some(p) => ("prompt", p.len()),
         None => ("messages", crate::dispatch::chat::text_bytes(r)),
@@ -352,7 +334,6 @@ pub const MAX_STOP_TOKEN_IDS: usize = 64;
 /// The token ids a request names besides its prompt (`logit_bias`, `stop_token_ids`): within
 /// the vocabulary and their bounds.
 fn check_token_ids(s: &pb::SamplingParams, vocab: usize) -> Result<()> {
-    let invalid = |field, reason: String| Err(Error::InvalidArgument { field, reason });
     if s.logit_bias.len() > MAX_LOGIT_BIAS {
         return invalid(
             "sampling.logit_bias",

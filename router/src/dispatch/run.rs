@@ -236,9 +236,12 @@ impl Dispatcher {
         let span = tracing::Span::current();
         span.record("decode", d_addr.as_str());
         span.record("prefill", p_addr.as_deref().unwrap_or("local"));
-        let request = (prefill.as_ref())
-            .map(|_| prefill_request(p, progress, &tokens, transfer_id, decode_cached, &d_addr));
-        let prefill_call = prefill_call(&p.request_id, prefill.zip(request), deadline);
+        let prefill = prefill.map(|guard| {
+            let request =
+                prefill_request(p, progress, &tokens, transfer_id, decode_cached, &d_addr);
+            (guard, request)
+        });
+        let prefill_call = prefill_call(&p.request_id, prefill, deadline);
         // Remote: the prefill call runs beside the decode stream, and ends once the KV is
         // pushed. Local: it answers `None` at once.
         tokio::pin!(prefill_call);
