@@ -245,14 +245,14 @@ impl Dispatcher {
         // Remote: the prefill call runs beside the decode stream, and ends once the KV is
         // pushed. Local: it answers `None` at once.
         tokio::pin!(prefill_call);
+        let uncached = tokens.len().saturating_sub(decode_cached as usize);
         let mut prefilled: Option<Option<pb::PrefillResponse>> = None;
         let mut frames_here = 0usize;
         let mut local_prefill_ms = 0.0;
         loop {
             let waiting_for_push = !local && prefilled.is_none();
             // The first frame of a local attempt follows a local prefill of the uncached suffix.
-            let prefilling = (frames_here == 0 && local)
-                .then(|| tokens.len().saturating_sub(decode_cached as usize));
+            let prefilling = (frames_here == 0 && local).then_some(uncached);
             let bound = self.frame_bound(waiting_for_push, prefilling, decode.replica());
             let next = async {
                 match bound {
@@ -299,22 +299,21 @@ impl Dispatcher {
             if prefilled.is_none() {
                 prefilled = Some((&mut prefill_call).await?);
             }
+            let prefill = prefilled.flatten();
             // What the attempt's prompt cost in compute: neither cached nor fetched.
-            let computed = match prefilled.as_ref().and_then(Option::as_ref) {
+            let computed = match &prefill {
                 Some(r) => r.computed_tokens as usize,
-                None => tokens.len().saturating_sub(decode_cached as usize),
+                None => uncached,
             };
             self.metrics.computed_tokens.inc_by(computed as u64);
-            let prefill_restored = prefilled
-                .as_ref()
-                .and_then(Option::as_ref)
-                .map_or(0, |r| r.restored_tokens);
+            let restored =
+                admitted.restored_tokens + prefill.as_ref().map_or(0, |r| r.restored_tokens);
             progress.finish(
                 &mut frame,
                 &p.tokens,
                 Ending {
                     decode_cached,
-                    prefill: prefilled.flatten(),
+                    prefill,
                     local_prefill_ms,
                     queue_ms,
                     total_ms: ms(accepted),
@@ -332,11 +331,9 @@ impl Dispatcher {
                     fetch_ms: admitted.fetch_ms,
                 },
             );
-            // The estimate counts only where nothing was borrowed from another request's time.
             let estimate = est_ms
                 .filter(|_| borrowed_ms == 0.0)
                 .map(|e| (e, chosen_ms));
-            let restored = admitted.restored_tokens + prefill_restored;
             self.record_ending(p, progress, &frame, local, estimate, restored);
             log.push(Ok(frame));
             return Ok(());
@@ -381,7 +378,8 @@ impl Dispatcher {
 
     /// What a choice's last frame teaches: on a first attempt, the hand-off (what the first
     /// token took beyond the queues and the compute) and how far the choice's `estimate` (its
-    /// estimate and when it was chosen, ms) was off; on the first choice, the request's prompt
+    /// estimate and when it was chosen, ms; none where it borrowed from another request's time)
+    /// was off; on the first choice, the request's prompt
     /// tokens (counted once) and its session's turn.
     fn record_ending(
         &self,
