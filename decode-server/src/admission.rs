@@ -17,8 +17,8 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::classes::BATCH;
 use crate::error::{Error, Result};
+use tandem_proto::policy::Class;
 
 /// Admitted requests per batch slot: the batch, and three more batches waiting for their KV or
 /// for a slot.
@@ -64,7 +64,7 @@ impl Admission {
     }
 
     /// A place and `blocks` KV blocks for a request of `class`.
-    pub fn try_admit(&self, blocks: usize, class: u8) -> Result<Admitted> {
+    pub fn try_admit(&self, blocks: usize, class: Class) -> Result<Admitted> {
         let mut used = self.lock();
         if used.places >= self.max_places {
             return Err(Error::Capacity {
@@ -83,7 +83,7 @@ impl Admission {
                 ),
             });
         }
-        let batch = class >= BATCH;
+        let batch = class == Class::Batch;
         if batch && used.batch_places >= self.batch_places {
             return Err(Error::Capacity {
                 detail: format!(
@@ -116,8 +116,8 @@ impl Admission {
 
     /// The most KV blocks one request of `class` may ever hold here: the whole pool, or the
     /// batch class's share of it.
-    pub fn most_blocks(&self, class: u8) -> usize {
-        if class >= BATCH {
+    pub fn most_blocks(&self, class: Class) -> usize {
+        if class == Class::Batch {
             self.batch_blocks
         } else {
             self.total_blocks
@@ -159,7 +159,8 @@ impl Drop for Admitted {
 mod tests {
     use super::*;
 
-    const STANDARD: u8 = 1;
+    const STANDARD: Class = Class::Standard;
+    const BATCH: Class = Class::Batch;
 
     #[test]
     fn places_and_blocks_are_bounded_and_returned() {
@@ -198,7 +199,9 @@ mod tests {
         let refused = a.try_admit(1, BATCH).expect_err("past the places' share");
         assert!(refused.to_string().contains("batch class"), "{refused}");
         let standard = a.try_admit(10, STANDARD).expect("kept for higher classes");
-        let interactive = a.try_admit(10, 0).expect("kept for higher classes");
+        let interactive = a
+            .try_admit(10, Class::Interactive)
+            .expect("kept for higher classes");
         drop(batch);
         let big = a.try_admit(70, BATCH).expect("70 of 75 blocks");
         let refused = a.try_admit(6, BATCH).expect_err("past the blocks' share");

@@ -1,13 +1,15 @@
 //! Priority classes in the decode batch: which ready sequence takes a free batch slot, and which
 //! running one a ready sequence of a higher class pauses (preemption).
 //!
-//! - A sequence's class is its request's (`DecodeRequest.priority`, [`tandem_worker::class_of`]):
-//!   0 interactive, 1 standard (also when unset), 2 batch.
-//! - **Slots**: a free slot goes to the ready sequence of the best rank. A ready sequence's rank
-//!   is its class, one class higher for each [`tandem_proto::PRIORITY_AGE_STEP`] it has waited
-//!   for a slot (the router's queue ages the same way), so no class waits for good: a free slot
-//!   goes to a batch stream paused for 20 s before a fresh interactive one. At equal rank a
-//!   paused stream goes first (its client has begun reading it), then the longest waiting.
+//! - A sequence's class is its request's (`DecodeRequest.priority`, [`Class::from_pb`]):
+//!   interactive, standard (also when unset) or batch.
+//! - **Slots**: a free slot goes to the ready sequence of the best rank, in the order of a
+//!   [`FairQueue`] (the router's admission order's): its class, one class higher for each
+//!   [`tandem_proto::policy::AGE_STEP`] it has waited for a slot, so no class waits for good: a
+//!   free slot goes to a batch stream paused for 20 s before a fresh interactive one. At equal
+//!   rank a paused stream goes first (its client has begun reading it), then the longest
+//!   waiting. (Decode requests carry no tenant: the tenants' shares are kept where requests
+//!   queue for a place, at the router and the prefill node.)
 //! - **Preemption**: with every slot taken, a ready sequence whose class is higher than a running
 //!   sequence's pauses the running one of the lowest class (of those, the latest to join), and
 //!   takes its slot. Preemption goes by the classes themselves, not aged: aging orders the free
@@ -23,13 +25,10 @@
 //! The policy is kept apart from the engine so its rules can be tested on their own, on paused
 //! time.
 
+use tandem_proto::policy::{Claim, Class, FairQueue};
 use tokio::time::Instant;
 
 use crate::ticket::Ticket;
-
-/// The classes' numbers ([`tandem_worker::class_of`]).
-pub const INTERACTIVE: u8 = 0;
-pub const BATCH: u8 = 2;
 
 /// Tokens a resumed stream generates before it may be paused again.
 pub const SHIELD_TOKENS: usize = 16;
@@ -37,14 +36,13 @@ pub const SHIELD_TOKENS: usize = 16;
 /// Where a sequence stands in the batch's order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Standing {
-    /// 0 the highest ([`tandem_worker::class_of`]).
-    pub class: u8,
+    pub class: Class,
     /// Tokens it generates before it may be paused again.
     pub shield: usize,
 }
 
 impl Standing {
-    pub fn new(class: u8) -> Self {
+    pub fn new(class: Class) -> Self {
         Self { class, shield: 0 }
     }
 
@@ -67,33 +65,35 @@ pub struct Ready<T> {
 }
 
 impl<T> Ready<T> {
-    /// Lower goes first: (aged class, fresh after paused, waiting since, arrival).
-    fn rank(&self, now: Instant) -> (u8, bool, Instant, u64) {
-        (self.class_now(now), !self.paused, self.since, self.ticket.0)
-    }
-
     /// Its class, aged by its wait.
-    pub fn class_now(&self, now: Instant) -> u8 {
-        let waited = now.saturating_duration_since(self.since);
-        tandem_proto::aged_class(self.standing.class, waited)
+    pub fn class_now(&self, now: Instant) -> Class {
+        (self.standing.class).aged(now.saturating_duration_since(self.since))
     }
 }
 
-/// The ready sequences without a slot, in no order: [`Queue::pop_best`] ranks them.
+/// The ready sequences without a slot: [`Queue::pop_best`] takes them in the fair queue's
+/// order.
 #[derive(Debug)]
 pub struct Queue<T> {
-    ready: Vec<Ready<T>>,
+    ready: FairQueue<Ready<T>>,
 }
 
 impl<T> Default for Queue<T> {
     fn default() -> Self {
-        Self { ready: Vec::new() }
+        Self {
+            ready: FairQueue::default(),
+        }
     }
 }
 
 impl<T> Queue<T> {
     pub fn push(&mut self, ready: Ready<T>) {
-        self.ready.push(ready);
+        let claim = Claim {
+            class: ready.standing.class,
+            tenant: Default::default(),
+            begun: ready.paused,
+        };
+        self.ready.push_since(claim, ready.since, ready);
     }
 
     pub fn len(&self) -> usize {
@@ -104,30 +104,24 @@ impl<T> Queue<T> {
         self.ready.is_empty()
     }
 
+    /// The ready sequences, in no order.
     pub fn iter(&self) -> impl Iterator<Item = &Ready<T>> {
-        self.ready.iter()
+        self.ready.iter().map(|e| &e.item)
     }
 
     pub fn get(&self, ticket: Ticket) -> Option<&Ready<T>> {
-        self.ready.iter().find(|r| r.ticket == ticket)
+        self.iter().find(|r| r.ticket == ticket)
     }
 
     pub fn remove(&mut self, ticket: Ticket) -> Option<Ready<T>> {
-        let i = self.ready.iter().position(|r| r.ticket == ticket)?;
-        Some(self.ready.swap_remove(i))
-    }
-
-    /// The sequence that goes next of those `may_go` lets.
-    fn best(&self, now: Instant, may_go: impl Fn(&Ready<T>) -> bool) -> Option<usize> {
-        (0..self.ready.len())
-            .filter(|&i| may_go(&self.ready[i]))
-            .min_by_key(|&i| self.ready[i].rank(now))
+        let id = self.ready.iter().find(|e| e.item.ticket == ticket)?.id();
+        self.ready.remove(id).map(|e| e.item)
     }
 
     /// The sequence of the highest class (not aged) of those `may_go` lets, the longest waiting
     /// of that class: the one a preemption is for.
-    pub fn highest_class(&self, may_go: impl Fn(&Ready<T>) -> bool) -> Option<(Ticket, u8)> {
-        (self.ready.iter().filter(|r| may_go(r)))
+    pub fn highest_class(&self, may_go: impl Fn(&Ready<T>) -> bool) -> Option<(Ticket, Class)> {
+        (self.iter().filter(|r| may_go(r)))
             .min_by_key(|r| (r.standing.class, !r.paused, r.since, r.ticket.0))
             .map(|r| (r.ticket, r.standing.class))
     }
@@ -138,15 +132,14 @@ impl<T> Queue<T> {
         now: Instant,
         may_go: impl Fn(&Ready<T>) -> bool,
     ) -> Option<Ready<T>> {
-        let i = self.best(now, may_go)?;
-        Some(self.ready.swap_remove(i))
+        (self.ready.pop_first(now, |e| may_go(&e.item))).map(|e| e.item)
     }
 }
 
 /// The running sequence that a ready sequence of class `class` pauses: the lowest class below
 /// it (of those, the latest to join, the highest ticket), not shielded; `None` if no running
 /// sequence is below it.
-pub fn victim(running: impl Iterator<Item = (Ticket, Standing)>, class: u8) -> Option<Ticket> {
+pub fn victim(running: impl Iterator<Item = (Ticket, Standing)>, class: Class) -> Option<Ticket> {
     running
         .filter(|(_, s)| s.class > class && s.shield == 0)
         .max_by_key(|(t, s)| (s.class, t.0))
@@ -160,7 +153,7 @@ pub fn batch_excess(
     interactive: bool,
     beside: usize,
 ) -> Option<Ticket> {
-    let batch = |(_, s): &(Ticket, Standing)| s.class >= BATCH;
+    let batch = |(_, s): &(Ticket, Standing)| s.class == Class::Batch;
     if !interactive || running.clone().filter(batch).count() <= beside {
         return None;
     }
@@ -174,13 +167,15 @@ pub fn batch_excess(
 mod tests {
     use std::time::Duration;
 
-    use tandem_proto::PRIORITY_AGE_STEP as AGE_STEP;
+    use tandem_proto::policy::AGE_STEP;
 
     use super::*;
 
-    const STANDARD: u8 = 1;
+    const INTERACTIVE: Class = Class::Interactive;
+    const STANDARD: Class = Class::Standard;
+    const BATCH: Class = Class::Batch;
 
-    fn ready(ticket: u64, class: u8, paused: bool) -> Ready<()> {
+    fn ready(ticket: u64, class: Class, paused: bool) -> Ready<()> {
         Ready {
             ticket: Ticket(ticket),
             standing: Standing::new(class),

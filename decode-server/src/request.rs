@@ -58,8 +58,7 @@ pub(crate) struct Plan {
     /// Peer fetch: the KV of the prompt's first tokens comes from this holder (its address and
     /// the tokens asked) before the cache lookup.
     pub fetch: Option<(String, usize)>,
-    /// Its priority class ([`tandem_worker::class_of`]).
-    pub class: u8,
+    pub class: tandem_proto::policy::Class,
     pub params: GenerateParams,
     pub kv_wait: Option<Duration>,
     pub deadline: Option<TokioInstant>,
@@ -190,7 +189,7 @@ impl RequestContext {
                 asked,
                 cut = plan.params.max_tokens,
                 pool_tokens = total,
-                class = plan.class,
+                class = %plan.class,
                 "max_tokens cut to what the KV pool holds for one request"
             );
             self.shared.metrics.max_tokens_cut.inc();
@@ -222,7 +221,7 @@ impl RequestContext {
         if original + plan.params.max_tokens <= most {
             return Ok(None);
         }
-        let of_class = if plan.class >= crate::classes::BATCH {
+        let of_class = if plan.class == tandem_proto::policy::Class::Batch {
             " of the batch class"
         } else {
             ""

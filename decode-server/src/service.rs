@@ -64,10 +64,11 @@ impl DecodeService {
             }
             .into());
         }
-        let class = tandem_worker::class_of(r.priority).ok_or(Error::InvalidArgument {
-            field: "priority",
-            reason: format!("{} names no priority class", r.priority),
-        })?;
+        let class =
+            tandem_proto::policy::Class::from_pb(r.priority).ok_or(Error::InvalidArgument {
+                field: "priority",
+                reason: format!("{} names no priority class", r.priority),
+            })?;
         let hashes = if self.ctx.prefix_cache {
             let fingerprint = &self.ctx.model.fingerprint.0;
             tandem_proto::block_hash::prompt_hashes(fingerprint, &r.cache_salt, &r.prompt_token_ids)
@@ -86,7 +87,7 @@ impl DecodeService {
             fetch: (!r.fetch_addr.is_empty() && r.fetch_tokens > 0)
                 .then_some((r.fetch_addr, r.fetch_tokens as usize)),
             class,
-            params: tandem_worker::params_from_pb(r.sampling),
+            params: tandem_worker::params_from_pb(r.sampling).map_err(Error::from)?,
             // A caller may ask for less patience than the node's ceiling, never more: an idle
             // reservation holds KV blocks that other requests need.
             kv_wait: (r.kv_wait_ms > 0).then(|| {

@@ -1,6 +1,6 @@
 //! The compute thread: one prefill at a time (prefill is compute-bound; batch 1 as soon as a
 //! request arrives), the queued ones by priority class: the highest first, aged one class higher
-//! per [`tandem_proto::PRIORITY_AGE_STEP`] waited as the router's queue is, then the oldest. A
+//! per [`tandem_proto::policy::AGE_STEP`] waited as the router's queue is, then the oldest. A
 //! prompt being computed yields between its chunks to a queued prompt of a higher class, which
 //! runs to its end (its push included) before the first goes on where it stood: a long batch
 //! prompt delays an interactive one by one chunk at most. It starts from the longest prefix its cache holds, computes the rest in
@@ -30,14 +30,14 @@
 //! draining peer): before the next job, and between the chunks of a running one, so a fetch
 //! waits for one chunk at most, never for the queue.
 
-use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tandem_engine::{Engine, GenerateParams, SeqId, TokenLogprobs};
-use tandem_proto::{BATCH_YIELD_TOKENS, PRIORITY_CLASSES, class_slot};
+use tandem_proto::BATCH_YIELD_TOKENS;
+use tandem_proto::policy::{Claim, Class, FairQueue};
 use tandem_transfer::KvPush;
 use tandem_transfer::client::PUSH_STALL;
 use tandem_worker::moves::{CacheCommand, EngineCache, Recent};
@@ -60,7 +60,7 @@ pub(crate) struct Work {
     pub tokens: Vec<u32>,
     /// The cache partition the hashes are seeded with.
     pub cache_salt: String,
-    /// Its priority class ([`tandem_worker::class_of`]), tenant and weight.
+    /// Its priority class, tenant and weight.
     pub share: Share,
     /// Block hashes of the prompt's full blocks (empty with the cache off).
     pub hashes: Vec<u64>,
@@ -87,9 +87,6 @@ pub(crate) struct Done {
     pub cached_tokens: usize,
     pub restored_tokens: usize,
 }
-
-/// The batch class's number ([`tandem_worker::class_of`]).
-const BATCH_CLASS: u8 = 2;
 
 /// How long the compute thread may go without moving (a job taken, a chunk computed, a chunk
 /// taken by its push) before the queued pushes' heartbeats stop: longer than a prompt chunk
@@ -136,92 +133,82 @@ impl Default for Pulse {
     }
 }
 
-/// The jobs waiting for the compute thread. [`Waiting::pop`] takes the highest class, aged one
-/// class higher per [`tandem_proto::PRIORITY_AGE_STEP`] waited; within a class the tenant served
-/// the fewest prompt tokens (divided by its weight) so far, as the router's admission order
-/// shares a class (a virtual token counter: a tenant that starts waiting again is lifted to the
-/// least counter of those waiting, so idling earns no credit); then the oldest. The prefill node
-/// is where a flood of long prompts costs the most, so the shares are kept here too.
+/// The jobs waiting for the compute thread, in the order of a [`FairQueue`] (the router's
+/// admission order's): the highest class, aged by the wait; within a class the tenant served
+/// the fewest prompt tokens per weight (each job's prompt tokens charged as it is taken); then
+/// the oldest. The prefill node is where a flood of long prompts costs the most, so the shares
+/// are kept here too.
 #[derive(Debug)]
 struct Waiting<T> {
-    jobs: Vec<Queued<T>>,
-    /// Prompt tokens taken per tenant, divided by its weight.
-    served: HashMap<String, f64>,
+    queue: FairQueue<Queued<T>>,
 }
 
 #[derive(Debug)]
 struct Queued<T> {
     job: T,
-    class: u8,
-    tenant: String,
-    /// Its prompt tokens, divided by its tenant's weight.
-    cost: f64,
-    since: tokio::time::Instant,
+    tokens: u64,
+    weight: u32,
 }
 
-/// Who a job is for, and its share: its priority class ([`tandem_worker::class_of`]), its
-/// tenant and the tenant's weight within the class.
+/// Who a job is for, and its share: its priority class, its tenant and the tenant's weight
+/// within the class.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Share {
-    pub class: u8,
-    pub tenant: String,
+    pub class: Class,
+    pub tenant: Arc<str>,
     pub weight: u32,
 }
 
 impl<T> Default for Waiting<T> {
     fn default() -> Self {
         Self {
-            jobs: Vec::new(),
-            served: HashMap::new(),
+            queue: FairQueue::default(),
         }
     }
 }
 
 impl<T> Waiting<T> {
     fn push(&mut self, share: &Share, tokens: usize, job: T) {
-        let in_class = |q: &&Queued<T>| q.class == share.class;
-        if !(self.jobs.iter().filter(in_class)).any(|q| q.tenant == share.tenant) {
-            let floor = (self.jobs.iter().filter(in_class))
-                .map(|q| self.served.get(&q.tenant).copied().unwrap_or(0.0))
-                .min_by(f64::total_cmp);
-            let own = self.served.entry(share.tenant.clone()).or_insert(0.0);
-            if let Some(floor) = floor {
-                *own = own.max(floor);
-            }
-        }
-        self.jobs.push(Queued {
-            job,
+        let claim = Claim {
             class: share.class,
             tenant: share.tenant.clone(),
-            cost: tokens as f64 / f64::from(share.weight.max(1)),
-            since: tokio::time::Instant::now(),
-        });
+            begun: false,
+        };
+        let (tokens, weight) = (tokens as u64, share.weight);
+        self.queue.push(
+            claim,
+            Queued {
+                job,
+                tokens,
+                weight,
+            },
+        );
     }
 
     fn pop(&mut self, now: tokio::time::Instant) -> Option<T> {
-        self.pop_above(u8::MAX, now)
+        self.take(None, now)
     }
 
-    /// Takes the job that goes next if its class, aged, is higher than `class` (below it).
-    fn pop_above(&mut self, class: u8, now: tokio::time::Instant) -> Option<T> {
-        let served = |t: &str| self.served.get(t).copied().unwrap_or(0.0);
-        let rank = |q: &Queued<T>| {
-            let waited = now.saturating_duration_since(q.since);
-            let class = tandem_proto::aged_class(q.class, waited);
-            (class, served(&q.tenant), q.since)
-        };
-        let i = (0..self.jobs.len()).min_by(|&a, &b| {
-            let (ra, rb) = (rank(&self.jobs[a]), rank(&self.jobs[b]));
-            (ra.0.cmp(&rb.0))
-                .then(ra.1.total_cmp(&rb.1))
-                .then(ra.2.cmp(&rb.2))
-        })?;
-        if rank(&self.jobs[i]).0 >= class {
+    /// Takes the job that goes next if its class, aged, is higher than `class`.
+    fn pop_above(&mut self, class: Class, now: tokio::time::Instant) -> Option<T> {
+        self.take(Some(class), now)
+    }
+
+    /// Takes the job that goes next (if its aged class is higher than `above`), charging its
+    /// tenant its prompt tokens.
+    fn take(&mut self, above: Option<Class>, now: tokio::time::Instant) -> Option<T> {
+        let first = self.queue.first(now, |_| true)?;
+        if above.is_some_and(|class| self.queue.rank(first, now).class >= class) {
             return None;
         }
-        let q = self.jobs.remove(i);
-        *self.served.entry(q.tenant).or_insert(0.0) += q.cost;
-        Some(q.job)
+        let entry = self.queue.remove(first.id())?;
+        let Queued {
+            job,
+            tokens,
+            weight,
+        } = entry.item;
+        (self.queue).charge(&entry.claim.tenant, f64::from(weight.max(1)), tokens);
+        Some(job)
     }
 }
 
@@ -230,7 +217,7 @@ struct Prompt<'a> {
     seq: SeqId,
     cached: usize,
     tokens: &'a [u32],
-    class: u8,
+    class: Class,
 }
 
 /// What the compute thread shares with the service.
@@ -242,15 +229,15 @@ pub(crate) struct Shared {
     pub pulse: Pulse,
     /// Prompt tokens waiting or being computed, by priority class (the load report's
     /// `queued_class_tokens`).
-    pub class_tokens: [AtomicI64; PRIORITY_CLASSES],
+    pub class_tokens: [AtomicI64; Class::COUNT],
 }
 
 impl Shared {
     /// Counts a prompt of `n` tokens of `class` as queued (`joins`) or no longer.
-    pub fn queued(&self, class: u8, n: usize, joins: bool) {
+    pub fn queued(&self, class: Class, n: usize, joins: bool) {
         let n = if joins { n as i64 } else { -(n as i64) };
         self.metrics.queued_tokens.inc_by(n);
-        self.class_tokens[class_slot(class)].fetch_add(n, Ordering::Relaxed);
+        self.class_tokens[class.slot()].fetch_add(n, Ordering::Relaxed);
     }
 }
 
@@ -338,12 +325,12 @@ impl Compute {
 
     /// Runs the waiting jobs of a class higher than `class` (aged), each to its end: what a
     /// job of `class` does between its chunks.
-    fn yield_above(&mut self, class: u8) {
+    fn yield_above(&mut self, class: Class) {
         self.take_queued();
         while let Some(job) = self.waiting.pop_above(class, tokio::time::Instant::now()) {
             tracing::debug!(
-                class,
-                to = job.work.share.class,
+                %class,
+                to = %job.work.share.class,
                 "a prompt yields to one of a higher class"
             );
             self.shared.metrics.yields.inc();
@@ -477,7 +464,7 @@ impl Compute {
         let grid = self.engine.prefill_chunk_tokens();
         // A batch prompt is computed in smaller steps (a divisor of the grid, so the push cells
         // still end on them): it yields sooner to a higher class.
-        let step = if class >= BATCH_CLASS {
+        let step = if class == Class::Batch {
             grid.min(BATCH_YIELD_TOKENS)
         } else {
             grid

@@ -29,8 +29,8 @@ pub struct PrefillService {
     pub(crate) chunk_tokens: usize,
     pub(crate) keepalive: std::time::Duration,
     pub(crate) prefix_cache: bool,
-    /// Mutual TLS to the decode nodes, as a prefill node.
-    pub(crate) tls: Option<tandem_net::tls::Tls>,
+    /// The connections to the decode nodes (over mutual TLS, as a prefill node, where set).
+    pub(crate) decode_nodes: tandem_net::Channels,
 }
 
 impl PrefillService {
@@ -87,12 +87,13 @@ impl PrefillService {
 
     async fn prefill(&self, mut r: pb::PrefillRequest) -> Result<pb::PrefillResponse> {
         self.validate(&r)?;
-        let params = tandem_worker::params_from_pb(r.sampling.take());
+        let params = tandem_worker::params_from_pb(r.sampling.take())?;
         params.validate()?;
-        let class = tandem_worker::class_of(r.priority).ok_or(Error::InvalidArgument {
-            field: "priority",
-            reason: format!("{} names no priority class", r.priority),
-        })?;
+        let class =
+            tandem_proto::policy::Class::from_pb(r.priority).ok_or(Error::InvalidArgument {
+                field: "priority",
+                reason: format!("{} names no priority class", r.priority),
+            })?;
         if self.shutdown.is_cancelled() {
             return Err(Error::ShuttingDown);
         }
@@ -109,14 +110,11 @@ impl PrefillService {
             chunk_count: tandem_worker::chunk_count(&layout, push.clone(), self.chunk_tokens),
             total_bytes: layout.total_bytes(push.len()),
         };
-        let channel = tandem_net::channel(
-            &r.decode_addr,
-            self.tls.as_ref().map(tandem_net::tls::Tls::client_config),
-        )
-        .map_err(|e| Error::InvalidArgument {
-            field: "decode_addr",
-            reason: e.to_string(),
-        })?;
+        let channel =
+            (self.decode_nodes.get(&r.decode_addr)).map_err(|e| Error::InvalidArgument {
+                field: "decode_addr",
+                reason: e.to_string(),
+            })?;
         let kv = KvPush::start(channel, &header);
         // While the prompt waits in the queue the decode node hears from this push all the same.
         let heartbeat = kv.heartbeat();
@@ -135,7 +133,7 @@ impl PrefillService {
                 cache_salt: r.cache_salt,
                 share: Share {
                     class,
-                    tenant: r.tenant,
+                    tenant: r.tenant.into(),
                     weight: r.weight,
                 },
                 hashes,

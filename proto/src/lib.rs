@@ -2,11 +2,13 @@
 //! (client API, worker services, KV wire format v1), generated at build time from
 //! `tandem/v1/*.proto`.
 //!
-//! Only generated code, constants and the block-hash spec ([`block_hash`]) live here: the
-//! transport and TLS every process shares are `tandem-net`'s, and conversions to domain types
-//! belong to the crate that owns each domain type.
+//! Only generated code, constants, the block-hash spec ([`block_hash`]) and the request policy
+//! every process applies alike ([`policy`]: priority classes, the fair queue, sampling bounds)
+//! live here: the transport and TLS every process shares are `tandem-net`'s, and conversions to
+//! domain types belong to the crate that owns each domain type.
 
 pub mod block_hash;
+pub mod policy;
 
 pub mod v1 {
     #![allow(missing_debug_implementations, clippy::all)]
@@ -41,32 +43,11 @@ pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// tokens of KV it keeps for the peer that continues the stream to fetch (`Decode.Generate`).
 pub const HANDOFF_METADATA: &str = "tandem-kv-handoff";
 
-/// How many priority classes there are: 0 interactive (the highest), 1 standard, 2 batch.
-pub const PRIORITY_CLASSES: usize = 3;
-
-/// The index of class `class` in an array by class: a number past the lowest class counts as
-/// the lowest.
-pub fn class_slot(class: u8) -> usize {
-    usize::from(class).min(PRIORITY_CLASSES - 1)
-}
-
 /// The most tokens a prefill node computes of a batch prompt between two chances to yield to
 /// a higher class (other prompts yield between whole chunks): a quarter of the default chunk,
 /// which costs it a few percent of its speed and keeps an interactive prompt's wait behind it
 /// to a fraction of a second. The router's TTFT estimate charges half of it, the expected wait.
 pub const BATCH_YIELD_TOKENS: usize = 64;
-
-/// How long a request waits for its turn before it ranks one priority class higher: the
-/// router's admission order and the decode nodes' batch slots both age by it, so that no class
-/// is starved for good.
-pub const PRIORITY_AGE_STEP: std::time::Duration = std::time::Duration::from_secs(10);
-
-/// The class a request of class `class` (0 the highest) ranks as after waiting `waited`: one
-/// higher per [`PRIORITY_AGE_STEP`], up to the highest.
-pub fn aged_class(class: u8, waited: std::time::Duration) -> u8 {
-    let steps = waited.as_secs_f64() / PRIORITY_AGE_STEP.as_secs_f64();
-    class.saturating_sub(steps.min(f64::from(u8::MAX)) as u8)
-}
 
 /// Most choices a request may ask for (`GenerateRequest.n`).
 pub const MAX_CHOICES: u32 = 16;

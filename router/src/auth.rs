@@ -37,43 +37,7 @@ mod keyfile;
 
 pub use keyfile::{KeyEntry, cache_partition, hash_key, key_line, parse_key_file, valid_tenant};
 
-/// A request's priority class: the router's admission order serves them in this order
-/// ([`crate::dispatch::order`]). A key's class (its line's `class=`; `standard` without one) is
-/// the highest its requests may ask for with `x-priority`, which may only lower it; without a
-/// key file the header alone decides.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Class {
-    Interactive = 0,
-    #[default]
-    Standard = 1,
-    Batch = 2,
-}
-
-impl Class {
-    pub const ALL: [Class; 3] = [Class::Interactive, Class::Standard, Class::Batch];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Class::Interactive => "interactive",
-            Class::Standard => "standard",
-            Class::Batch => "batch",
-        }
-    }
-
-    pub fn parse(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|c| c.name() == name)
-    }
-
-    /// The class as the worker contract names it (`DecodeRequest.priority`).
-    pub fn to_pb(self) -> tandem_proto::v1::Priority {
-        use tandem_proto::v1::Priority;
-        match self {
-            Class::Interactive => Priority::Interactive,
-            Class::Standard => Priority::Standard,
-            Class::Batch => Priority::Batch,
-        }
-    }
-}
+pub use tandem_proto::policy::Class;
 
 /// Per-key limits (`None` is unlimited), and the key's standing among the others: its priority
 /// class (the highest its requests may ask for; `standard` when unset) and its weight within the

@@ -2,8 +2,6 @@
 
 use std::time::Duration;
 
-use tandem_proto::PRIORITY_CLASSES;
-
 use crate::error::invalid;
 
 pub use crate::auth::{AuthConfig, Class, KeyLimits};
@@ -25,15 +23,15 @@ pub struct Limits {
     pub http_body_bytes: usize,
     /// The time to first token each priority class is held to when a request names none
     /// (`--ttft-target`), by class (interactive, standard, batch); `None`: no target.
-    pub ttft_targets: [Option<Duration>; PRIORITY_CLASSES],
+    pub ttft_targets: [Option<Duration>; Class::COUNT],
 }
 
 /// Parses `--ttft-target`: `CLASS=MS` pairs, comma-separated (`interactive=800,standard=5000`);
 /// a class not named has no target.
 pub fn parse_ttft_targets(
     s: &str,
-) -> std::result::Result<[Option<Duration>; PRIORITY_CLASSES], String> {
-    let mut targets = [None; PRIORITY_CLASSES];
+) -> std::result::Result<[Option<Duration>; Class::COUNT], String> {
+    let mut targets = [None; Class::COUNT];
     for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let (class, ms) = pair
             .split_once('=')
@@ -43,7 +41,7 @@ pub fn parse_ttft_targets(
         let ms: u64 = (ms.trim().parse().ok())
             .filter(|&ms| ms > 0)
             .ok_or_else(|| format!("{ms:?}: expected a positive whole number of milliseconds"))?;
-        targets[class as usize] = Some(Duration::from_millis(ms));
+        targets[class.slot()] = Some(Duration::from_millis(ms));
     }
     Ok(targets)
 }
@@ -56,7 +54,7 @@ impl Default for Limits {
             max_tokens: u32::MAX,
             grpc_message_bytes: 4 << 20,
             http_body_bytes: 4 << 20,
-            ttft_targets: [None; PRIORITY_CLASSES],
+            ttft_targets: [None; Class::COUNT],
         }
     }
 }
@@ -162,33 +160,23 @@ pub struct SamplingDefaults {
 }
 
 impl SamplingDefaults {
-    /// Each default within what a request may set.
+    /// Each default within what a request may set ([`tandem_proto::policy`]'s bounds; the
+    /// temperature within OpenAI's range).
     pub fn validate(&self) -> crate::error::Result<()> {
-        let out = |field, v: Option<f32>, ok: fn(f32) -> bool, range: &str| match v {
-            Some(v) if !ok(v) => Err(crate::error::Error::InvalidArgument {
-                field,
-                reason: format!("must be in {range}, got {v}"),
-            }),
-            _ => Ok(()),
-        };
-        out(
-            "default_temperature",
-            self.temperature,
-            |t| (0.0..=2.0).contains(&t),
-            "[0, 2]",
-        )?;
-        out(
-            "default_top_p",
-            self.top_p,
-            |p| p > 0.0 && p <= 1.0,
-            "(0, 1]",
-        )?;
-        out(
-            "default_min_p",
-            self.min_p,
-            |p| (0.0..=1.0).contains(&p),
-            "[0, 1]",
-        )
+        use tandem_proto::policy::{MIN_P, OPENAI_TEMPERATURE, TOP_P};
+        for (field, value, bound) in [
+            ("default_temperature", self.temperature, OPENAI_TEMPERATURE),
+            ("default_top_p", self.top_p, TOP_P),
+            ("default_min_p", self.min_p, MIN_P),
+        ] {
+            if let Some(v) = value.filter(|&v| !bound.contains(v)) {
+                return Err(crate::error::Error::InvalidArgument {
+                    field,
+                    reason: bound.refusal(v),
+                });
+            }
+        }
+        Ok(())
     }
 }
 

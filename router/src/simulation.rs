@@ -84,7 +84,7 @@ impl Simulation {
                     session_id: session,
                     exclude: &[],
                     holder: None,
-                    class: crate::auth::Class::Standard as u8,
+                    class: crate::auth::Class::Standard,
                 },
             )
             .ok()?;

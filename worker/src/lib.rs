@@ -7,6 +7,7 @@
 //! ([`Node`], [`NodeConfig`], [`NodeError`]).
 
 mod cache;
+mod error;
 pub mod moves;
 mod node;
 mod service;
@@ -22,6 +23,7 @@ use tandem_proto::v1 as pb;
 use tandem_transfer::{Chunk, KvKind, ReceivedKv, WireLayout};
 
 pub use cache::CacheHub;
+pub use error::Error;
 pub use moves::KvMoves;
 pub use node::{
     DEFAULT_DRAIN_HANDOFF, DEFAULT_DRAIN_HANDOFF_BYTES, DEFAULT_GRACE, Node, NodeConfig, NodeError,
@@ -43,11 +45,9 @@ pub fn wire_layout(l: KvLayout) -> WireLayout {
     }
 }
 
-/// The engine's sampling from the wire's (an absent message is the default: greedy). The logit
-/// biases come out sorted by id, as the engine wants them.
-fn sampling_from_pb(s: Option<&pb::SamplingParams>) -> SamplingParams {
-    let default = pb::SamplingParams::default();
-    let s = s.unwrap_or(&default);
+/// The engine's sampling from the wire's. The logit biases come out sorted by id, as the
+/// engine wants them.
+fn sampling_from_pb(s: &pb::SamplingParams) -> SamplingParams {
     let mut logit_bias: Vec<(u32, f32)> = s.logit_bias.iter().map(|(&t, &b)| (t, b)).collect();
     logit_bias.sort_unstable_by_key(|&(t, _)| t);
     SamplingParams {
@@ -86,11 +86,15 @@ pub fn params_to_pb(p: &GenerateParams) -> pb::SamplingParams {
     }
 }
 
-/// The engine's generation parameters from the wire's sampling message.
-pub fn params_from_pb(s: Option<pb::SamplingParams>) -> GenerateParams {
-    let sampling = sampling_from_pb(s.as_ref());
+/// The engine's generation parameters from the wire's sampling message (an absent message is
+/// the default: greedy), within the bounds
+/// every Tandem process applies ([`tandem_proto::policy::check_sampling`]).
+pub fn params_from_pb(s: Option<pb::SamplingParams>) -> tandem_engine::Result<GenerateParams> {
     let s = s.unwrap_or_default();
-    GenerateParams {
+    tandem_proto::policy::check_sampling(&s)
+        .map_err(|(field, reason)| tandem_engine::Error::InvalidArgument { field, reason })?;
+    let sampling = sampling_from_pb(&s);
+    Ok(GenerateParams {
         sampling,
         max_tokens: s.max_tokens as usize,
         stop: s.stop,
@@ -99,7 +103,7 @@ pub fn params_from_pb(s: Option<pb::SamplingParams>) -> GenerateParams {
         min_tokens: s.min_tokens as usize,
         logprobs: s.logprobs.map(|k| k as usize),
         grammar: s.grammar.and_then(|g| g.kind).map(grammar_from_pb),
-    }
+    })
 }
 
 fn grammar_to_pb(g: &Grammar) -> pb::Grammar {
@@ -143,16 +147,6 @@ pub fn logprobs_from_pb(l: &pb::TokenLogprobs) -> TokenLogprobs {
             .copied()
             .zip(l.top_logprobs.iter().copied())
             .collect(),
-    }
-}
-
-/// A request's priority class as a worker ranks it (`Priority` in the worker contract): 0
-/// interactive, 1 standard (also when unset), 2 batch. `None` for a value no class has.
-pub fn class_of(priority: i32) -> Option<u8> {
-    match pb::Priority::try_from(priority).ok()? {
-        pb::Priority::Interactive => Some(0),
-        pb::Priority::Unspecified | pb::Priority::Standard => Some(1),
-        pb::Priority::Batch => Some(2),
     }
 }
 
@@ -256,13 +250,47 @@ impl Throughput {
 mod tests {
     use super::*;
 
+    /// The engine's own validation refuses exactly what the wire's bounds do: for values at
+    /// and just past each bound, both accept or both refuse.
     #[test]
-    fn classes_map_from_the_contract() {
-        assert_eq!(class_of(pb::Priority::Interactive as i32), Some(0));
-        assert_eq!(class_of(pb::Priority::Unspecified as i32), Some(1));
-        assert_eq!(class_of(pb::Priority::Standard as i32), Some(1));
-        assert_eq!(class_of(pb::Priority::Batch as i32), Some(2));
-        assert_eq!(class_of(17), None);
+    fn the_engines_sampling_validation_is_the_wires() {
+        type Edit = fn(&mut pb::SamplingParams, f32);
+        let fields: [(Edit, &[f32]); 7] = [
+            (
+                |s, v| s.temperature = v,
+                &[-0.01, 0.0, 2.5, f32::MAX, f32::INFINITY, f32::NAN],
+            ),
+            (
+                |s, v| s.top_p = Some(v),
+                &[-0.1, 0.0, 1e-6, 1.0, 1.001, f32::NAN],
+            ),
+            (|s, v| s.min_p = Some(v), &[-0.01, 0.0, 1.0, 1.01, f32::NAN]),
+            (
+                |s, v| s.frequency_penalty = Some(v),
+                &[-2.01, -2.0, 2.0, 2.01],
+            ),
+            (
+                |s, v| s.presence_penalty = Some(v),
+                &[-2.01, -2.0, 2.0, 2.01, f32::NAN],
+            ),
+            (
+                |s, v| s.repetition_penalty = Some(v),
+                &[0.0, 0.01, 10.0, 10.01, f32::NAN],
+            ),
+            (
+                |s, v| s.logit_bias = [(3, v)].into(),
+                &[-100.01, -100.0, 100.0, 100.01],
+            ),
+        ];
+        for (i, (edit, values)) in fields.iter().enumerate() {
+            for &v in *values {
+                let mut s = pb::SamplingParams::default();
+                edit(&mut s, v);
+                let wire = tandem_proto::policy::check_sampling(&s).is_ok();
+                let engine = sampling_from_pb(&s).validate().is_ok();
+                assert_eq!(wire, engine, "field {i}, value {v}");
+            }
+        }
     }
 
     #[test]

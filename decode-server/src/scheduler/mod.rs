@@ -97,8 +97,7 @@ pub struct Joining {
     pub prompt: Vec<u32>,
     /// The request's cache partition: the finished sequence is kept under it.
     pub cache_salt: String,
-    /// Its priority class ([`tandem_worker::class_of`]).
-    pub class: u8,
+    pub class: tandem_proto::policy::Class,
     /// The generation's state: fresh, or resumed after tokens an earlier attempt delivered.
     pub stream: Stream,
     pub events: tmpsc::Sender<Event>,

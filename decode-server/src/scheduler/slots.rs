@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_engine::Engine;
+use tandem_proto::policy::Class;
 
 use super::{Active, Event, Scheduler};
 use crate::classes::{self, Ready, SHIELD_TOKENS};
@@ -38,18 +39,18 @@ impl Scheduler {
         loop {
             let interactive = (self.active.values().map(|a| a.standing.class))
                 .chain(self.ready.iter().map(|r| r.standing.class))
-                .any(|c| c == classes::INTERACTIVE);
+                .any(|c| c == Class::Interactive);
             let running = self.active.iter().map(|(t, a)| (*t, a.standing));
             if let Some(excess) = classes::batch_excess(running, interactive, self.batch_beside) {
                 self.pause(excess, now);
                 continue;
             }
             let batch_running = (self.active.values())
-                .filter(|a| a.standing.class >= classes::BATCH)
+                .filter(|a| a.standing.class == Class::Batch)
                 .count();
             // Beside an interactive stream, no more batch-ranked streams than their slots.
             let full = interactive && batch_running >= self.batch_beside;
-            let held_back = |r: &Ready<Slotless>| full && r.class_now(now) >= classes::BATCH;
+            let held_back = |r: &Ready<Slotless>| full && r.class_now(now) == Class::Batch;
             let may_go = |r: &Ready<Slotless>| r.item.may_go(&self.engine) && !held_back(r);
             if self.active.len() >= self.max_slots {
                 // Preemption goes by the classes themselves: aging orders free slots only.
@@ -92,7 +93,7 @@ impl Scheduler {
         m.parked_disk_bytes.inc_by(parking.to_disk);
         tracing::debug!(
             ticket = ticket.0,
-            class = active.standing.class,
+            class = %active.standing.class,
             bytes = parking.bytes,
             to_disk = parking.to_disk,
             "paused a stream for a higher class"

@@ -7,11 +7,13 @@ use tandem_engine::{
     EngineConfig, GenerateParams, Model, ModelSource, SamplingParams, SpillConfig,
 };
 
+use tandem_proto::policy::Class;
+
 use super::*;
 
-const INTERACTIVE: u8 = 0;
-const STANDARD: u8 = 1;
-const BATCH: u8 = 2;
+const INTERACTIVE: Class = Class::Interactive;
+const STANDARD: Class = Class::Standard;
+const BATCH: Class = Class::Batch;
 
 struct Bench {
     handle: SchedulerHandle,
@@ -82,7 +84,7 @@ impl Bench {
         &mut self,
         prompt: Vec<u32>,
         max_tokens: usize,
-        class: u8,
+        class: Class,
     ) -> tmpsc::Receiver<Event> {
         let params = GenerateParams {
             sampling: SamplingParams {

@@ -1,9 +1,9 @@
 use super::*;
 
-fn share(class: u8) -> Share {
+fn share(class: Class) -> Share {
     Share {
         class,
-        tenant: String::new(),
+        tenant: "".into(),
         weight: 1,
     }
 }
@@ -14,7 +14,7 @@ fn share(class: u8) -> Share {
 async fn tenants_share_a_class_by_prompt_tokens() {
     let mut w = Waiting::default();
     let tenant = |t: &str, weight| Share {
-        class: 1,
+        class: Class::Standard,
         tenant: t.into(),
         weight,
     };
@@ -48,10 +48,10 @@ async fn tenants_share_a_class_by_prompt_tokens() {
 async fn queued_prompts_go_by_class_aged_then_arrival() {
     let mut w = Waiting::default();
     for (job, class) in [
-        ("batch", 2),
-        ("standard-1", 1),
-        ("interactive", 0),
-        ("standard-2", 1),
+        ("batch", Class::Batch),
+        ("standard-1", Class::Standard),
+        ("interactive", Class::Interactive),
+        ("standard-2", Class::Standard),
     ] {
         w.push(&share(class), 1, job);
     }
@@ -59,28 +59,28 @@ async fn queued_prompts_go_by_class_aged_then_arrival() {
     let order: Vec<_> = std::iter::from_fn(|| w.pop(now)).collect();
     assert_eq!(order, ["interactive", "standard-1", "standard-2", "batch"]);
 
-    w.push(&share(2), 1, "batch");
-    tokio::time::advance(tandem_proto::PRIORITY_AGE_STEP).await;
-    w.push(&share(1), 1, "standard");
-    w.push(&share(0), 1, "interactive");
+    w.push(&share(Class::Batch), 1, "batch");
+    tokio::time::advance(tandem_proto::policy::AGE_STEP).await;
+    w.push(&share(Class::Standard), 1, "standard");
+    w.push(&share(Class::Interactive), 1, "interactive");
     assert_eq!(w.pop(tokio::time::Instant::now()), Some("interactive"));
     assert_eq!(w.pop(tokio::time::Instant::now()), Some("batch"));
-    w.push(&share(2), 1, "batch");
-    tokio::time::advance(2 * tandem_proto::PRIORITY_AGE_STEP).await;
-    w.push(&share(0), 1, "interactive");
+    w.push(&share(Class::Batch), 1, "batch");
+    tokio::time::advance(2 * tandem_proto::policy::AGE_STEP).await;
+    w.push(&share(Class::Interactive), 1, "interactive");
     assert_eq!(w.pop(tokio::time::Instant::now()), Some("standard"));
     assert_eq!(w.pop(tokio::time::Instant::now()), Some("batch"));
     assert_eq!(w.pop(tokio::time::Instant::now()), Some("interactive"));
     assert_eq!(w.pop(tokio::time::Instant::now()), None);
 
     // Between its chunks, a standard prompt yields to a higher class only.
-    w.push(&share(1), 1, "standard");
-    w.push(&share(2), 1, "batch");
+    w.push(&share(Class::Standard), 1, "standard");
+    w.push(&share(Class::Batch), 1, "batch");
     let now = tokio::time::Instant::now();
-    assert_eq!(w.pop_above(1, now), None);
-    w.push(&share(0), 1, "interactive");
-    assert_eq!(w.pop_above(1, now), Some("interactive"));
-    assert_eq!(w.pop_above(1, now), None);
+    assert_eq!(w.pop_above(Class::Standard, now), None);
+    w.push(&share(Class::Interactive), 1, "interactive");
+    assert_eq!(w.pop_above(Class::Standard, now), Some("interactive"));
+    assert_eq!(w.pop_above(Class::Standard, now), None);
 }
 
 /// The rule the queued pushes' heartbeats follow: they beat while the compute thread

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use tandem_proto::{PRIORITY_CLASSES, class_slot};
+use tandem_proto::policy::Class;
 use tokio::time::Instant;
 
 /// How long a measured hand-off describes the cluster: one sampled under a load that has
@@ -24,19 +24,19 @@ struct Handoff {
 /// average of fetch throughput, in bytes per ms (0 before the first).
 #[derive(Debug, Default)]
 pub struct Handoffs {
-    remote: [Option<Handoff>; PRIORITY_CLASSES],
-    local: [Option<Handoff>; PRIORITY_CLASSES],
+    remote: [Option<Handoff>; Class::COUNT],
+    local: [Option<Handoff>; Class::COUNT],
     pub link: f64,
 }
 
 impl Handoffs {
     /// Folds in a measured hand-off of a request of `class`, in ms.
-    pub fn record(&mut self, local: bool, class: u8, ms: f64) {
+    pub fn record(&mut self, local: bool, class: Class, ms: f64) {
         let ms = ms.max(0.0);
         let slot = if local {
-            &mut self.local[class_slot(class)]
+            &mut self.local[class.slot()]
         } else {
-            &mut self.remote[class_slot(class)]
+            &mut self.remote[class.slot()]
         };
         // A stale average starts over: the load it measured has passed.
         let old = slot.filter(|h| h.at.elapsed() <= HANDOFF_TTL);
@@ -60,10 +60,10 @@ impl Handoffs {
     /// for as long as they last, and it would never be admitted to measure its own; see
     /// [`crate::cluster::policy::Choice::borrowed_ms`]); else 0 (the cluster has been idle,
     /// or nothing was measured yet: the next requests measure it).
-    pub fn of(&self, local: bool, class: u8) -> (f64, f64) {
+    pub fn of(&self, local: bool, class: Class) -> (f64, f64) {
         let by_class = if local { &self.local } else { &self.remote };
         let fresh = |h: &&Handoff| h.at.elapsed() <= HANDOFF_TTL;
-        if let Some(own) = by_class[class_slot(class)].as_ref().filter(fresh) {
+        if let Some(own) = by_class[class.slot()].as_ref().filter(fresh) {
             return (own.ms, 0.0);
         }
         let (sum, n) = (by_class.iter().flatten())
@@ -101,36 +101,48 @@ mod tests {
         let is = |got: (f64, f64), want: (f64, f64)| {
             (got.0 - want.0).abs() < 1e-9 && (got.1 - want.1).abs() < 1e-9
         };
-        assert!(is(h.of(false, 0), (0.0, 0.0)), "nothing measured");
-        h.record(false, 2, 100.0);
         assert!(
-            is(h.of(false, 0), (100.0, 100.0)),
+            is(h.of(false, Class::Interactive), (0.0, 0.0)),
+            "nothing measured"
+        );
+        h.record(false, Class::Batch, 100.0);
+        assert!(
+            is(h.of(false, Class::Interactive), (100.0, 100.0)),
             "the batch class's, borrowed"
         );
-        h.record(false, 1, 50.0);
-        assert!(is(h.of(false, 0), (75.0, 75.0)), "the classes measured");
-        h.record(false, 0, 10.0);
-        h.record(false, 0, 20.0);
+        h.record(false, Class::Standard, 50.0);
         assert!(
-            is(h.of(false, 0), (12.0, 0.0)),
+            is(h.of(false, Class::Interactive), (75.0, 75.0)),
+            "the classes measured"
+        );
+        h.record(false, Class::Interactive, 10.0);
+        h.record(false, Class::Interactive, 20.0);
+        assert!(
+            is(h.of(false, Class::Interactive), (12.0, 0.0)),
             "its own: 10 + (20 - 10) / 5"
         );
-        assert!(is(h.of(false, 2), (100.0, 0.0)));
-        assert!(is(h.of(true, 0), (0.0, 0.0)), "local apart");
+        assert!(is(h.of(false, Class::Batch), (100.0, 0.0)));
+        assert!(
+            is(h.of(true, Class::Interactive), (0.0, 0.0)),
+            "local apart"
+        );
         // The interactive class goes on being measured; the others fall silent.
         tokio::time::advance(HANDOFF_TTL / 2).await;
-        h.record(false, 0, 12.0);
+        h.record(false, Class::Interactive, 12.0);
         tokio::time::advance(HANDOFF_TTL / 2 + Duration::from_millis(1)).await;
         assert!(
-            is(h.of(false, 2), (12.0, 12.0)),
+            is(h.of(false, Class::Batch), (12.0, 12.0)),
             "its own went stale: the class sampled lately"
         );
-        assert!(is(h.of(false, 0), (12.0, 0.0)));
+        assert!(is(h.of(false, Class::Interactive), (12.0, 0.0)));
         tokio::time::advance(HANDOFF_TTL).await;
-        assert!(is(h.of(false, 0), (0.0, 0.0)), "nothing sampled lately");
-        h.record(false, 0, 30.0);
         assert!(
-            is(h.of(false, 0), (30.0, 0.0)),
+            is(h.of(false, Class::Interactive), (0.0, 0.0)),
+            "nothing sampled lately"
+        );
+        h.record(false, Class::Interactive, 30.0);
+        assert!(
+            is(h.of(false, Class::Interactive), (30.0, 0.0)),
             "a stale average starts over"
         );
     }

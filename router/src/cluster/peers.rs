@@ -368,7 +368,7 @@ mod tests {
         peers.apply_load(&replicas);
         let all = replicas.all();
         let busy = all.iter().find(|r| r.addr == "10.0.0.9:1").expect("busy");
-        let _own = busy.claim(10, 1);
+        let _own = busy.claim(10, tandem_proto::policy::Class::Standard);
         assert_eq!(
             busy.load(),
             6,

@@ -65,6 +65,7 @@ use std::time::Duration;
 
 use tandem_proto::BATCH_YIELD_TOKENS;
 use tandem_proto::block_hash::BLOCK_TOKENS;
+use tandem_proto::policy::Class;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::cluster::handoffs::Handoffs;
@@ -97,9 +98,9 @@ pub struct Ask<'a> {
     /// A replica that holds the prompt's first tokens whatever the index says (a draining node
     /// that handed this request's stream off): its address and the tokens.
     pub holder: Option<(&'a str, usize)>,
-    /// Its priority class (0 the highest): a prefill node's prompts of lower classes yield to
+    /// Its priority class: a prefill node's prompts of lower classes yield to
     /// it, so only those of its class and above are ahead of it.
-    pub class: u8,
+    pub class: Class,
 }
 
 /// The replicas chosen for one request, each counted as in flight while the guard lives.
@@ -188,7 +189,7 @@ impl Policy {
 
     /// Folds in a measured handoff of a request of `class`: first-token time minus queue and
     /// compute, in ms.
-    pub fn record_handoff(&self, local: bool, class: u8, ms: f64) {
+    pub fn record_handoff(&self, local: bool, class: Class, ms: f64) {
         self.handoffs().record(local, class, ms);
     }
 
@@ -478,7 +479,7 @@ mod tests {
             session_id: "s",
             exclude: &[],
             holder: None,
-            class: 1,
+            class: Class::Standard,
         };
         let policy = Policy::new(PolicyKind::Affinity);
         let choice = policy.choose(&replicas, &ask).expect("a choice");
@@ -530,7 +531,7 @@ mod tests {
             slot.store(t, Ordering::Relaxed);
         }
         let policy = Policy::new(PolicyKind::Affinity);
-        let ask = |class: u8| Ask {
+        let ask = |class: Class| Ask {
             model: "",
             tokens: 100,
             hashes: &[],
@@ -539,7 +540,7 @@ mod tests {
             holder: None,
             class,
         };
-        let est = |class: u8| {
+        let est = |class: Class| {
             let choice = policy.choose(&replicas, &ask(class)).expect("a choice");
             assert!(choice.prefill.is_some(), "{}", choice.reason);
             choice.est_ms.expect("an estimate")
@@ -549,27 +550,47 @@ mod tests {
         for r in replicas.all() {
             r.record_load(0, 64);
         }
-        for (class, ms) in [(0, 232.0), (1, 1_132.0), (2, 10_100.0)] {
+        for (class, ms) in [
+            (Class::Interactive, 232.0),
+            (Class::Standard, 1_132.0),
+            (Class::Batch, 10_100.0),
+        ] {
             let e = est(class);
             assert!((e - ms).abs() < 1e-6, "class {class}: {e} ms");
         }
         // The router's own tokens in flight there count by their class too, where they exceed
         // the report's: 12,000 batch tokens are behind an interactive prompt, 500 interactive
         // ones ahead of it.
-        let batch = replicas.all()[0].claim(12_000, 2);
-        assert!((est(0) - 232.0).abs() < 1e-6, "{}", est(0));
-        assert!((est(2) - 12_100.0).abs() < 1e-6, "{}", est(2));
-        let interactive = replicas.all()[0].claim(500, 0);
-        assert!((est(0) - 632.0).abs() < 1e-6, "{}", est(0));
+        let batch = replicas.all()[0].claim(12_000, Class::Batch);
+        assert!(
+            (est(Class::Interactive) - 232.0).abs() < 1e-6,
+            "{}",
+            est(Class::Interactive)
+        );
+        assert!(
+            (est(Class::Batch) - 12_100.0).abs() < 1e-6,
+            "{}",
+            est(Class::Batch)
+        );
+        let interactive = replicas.all()[0].claim(500, Class::Interactive);
+        assert!(
+            (est(Class::Interactive) - 632.0).abs() < 1e-6,
+            "{}",
+            est(Class::Interactive)
+        );
         drop((batch, interactive));
         // A worker that does not report by class: its whole queue is ahead, and no step.
         for slot in &prefill.queued_class_tokens {
             slot.store(0, Ordering::Relaxed);
         }
-        assert!((est(0) - 10_100.0).abs() < 1e-6, "{}", est(0));
+        assert!(
+            (est(Class::Interactive) - 10_100.0).abs() < 1e-6,
+            "{}",
+            est(Class::Interactive)
+        );
 
         // Figures whose report is older than the bound are stale (the router then fails open).
-        let choice = (policy.choose(&replicas, &ask(0))).expect("a choice");
+        let choice = (policy.choose(&replicas, &ask(Class::Interactive))).expect("a choice");
         assert!(choice.reported_within(Duration::from_secs(2)));
         tokio::time::advance(Duration::from_secs(3)).await;
         assert!(!choice.reported_within(Duration::from_secs(2)));

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use tandem_proto::{PRIORITY_CLASSES, class_slot};
+use tandem_proto::policy::Class;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
@@ -75,7 +75,7 @@ pub struct Replica {
     pub(super) capacity: AtomicU32,
     /// Prompt tokens queued there (prefill), as last reported: in all, and by priority class.
     pub(super) queued_tokens: AtomicU64,
-    pub(super) queued_class_tokens: [AtomicU64; PRIORITY_CLASSES],
+    pub(super) queued_class_tokens: [AtomicU64; Class::COUNT],
     /// When the last load report came; `None` before the first.
     pub(super) reported_at: Mutex<Option<tokio::time::Instant>>,
     /// Measured prompt throughput (f64 bits), as last reported; 0 until measured.
@@ -86,7 +86,7 @@ pub struct Replica {
     pub(super) inflight: AtomicU32,
     pub(super) inflight_tokens: AtomicU64,
     /// Of those tokens, each priority class's.
-    pub(super) inflight_class_tokens: [AtomicU64; PRIORITY_CLASSES],
+    pub(super) inflight_class_tokens: [AtomicU64; Class::COUNT],
     /// Requests and prompt tokens the peer routers said they have there
     /// ([`crate::cluster::peers`]).
     pub(super) peer_inflight: AtomicU32,
@@ -177,9 +177,9 @@ impl Replica {
     /// the routers' in flight, as for [`Replica::queued_tokens`]. The peers' tokens count
     /// whatever their class (their answers do not say), and so does the whole report of a
     /// worker that does not report by class.
-    pub fn queued_tokens_ahead(&self, class: u8) -> u64 {
-        let ahead = |t: &[AtomicU64; PRIORITY_CLASSES]| -> u64 {
-            (t.iter().take(usize::from(class) + 1))
+    pub fn queued_tokens_ahead(&self, class: Class) -> u64 {
+        let ahead = |t: &[AtomicU64; Class::COUNT]| -> u64 {
+            (t.iter().take(class.slot() + 1))
                 .map(|t| t.load(Ordering::Relaxed))
                 .sum()
         };
@@ -197,9 +197,9 @@ impl Replica {
     /// Whether prompts of a class lower than `class` are queued or computing there, by the last
     /// report or the routers' in flight: one of them may be in the middle of a step that a
     /// prompt of `class` waits for.
-    pub fn lower_class_busy(&self, class: u8) -> bool {
-        let lower = |t: &[AtomicU64; PRIORITY_CLASSES]| {
-            (t.iter().skip(usize::from(class) + 1)).any(|t| t.load(Ordering::Relaxed) > 0)
+    pub fn lower_class_busy(&self, class: Class) -> bool {
+        let lower = |t: &[AtomicU64; Class::COUNT]| {
+            (t.iter().skip(class.slot() + 1)).any(|t| t.load(Ordering::Relaxed) > 0)
         };
         lower(&self.queued_class_tokens) || lower(&self.inflight_class_tokens)
     }
@@ -260,8 +260,8 @@ impl Replica {
 
     /// Counts a request of `tokens` prompt tokens of priority class `class` against this
     /// replica while the guard lives.
-    pub fn claim(self: &Arc<Self>, tokens: u64, class: u8) -> InflightGuard {
-        let class = class_slot(class);
+    pub fn claim(self: &Arc<Self>, tokens: u64, class: Class) -> InflightGuard {
+        let class = class.slot();
         self.inflight.fetch_add(1, Ordering::Relaxed);
         self.inflight_tokens.fetch_add(tokens, Ordering::Relaxed);
         self.inflight_class_tokens[class].fetch_add(tokens, Ordering::Relaxed);

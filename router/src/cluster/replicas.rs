@@ -518,10 +518,10 @@ mod tests {
             .add(Role::Decode, "127.0.0.1:1", "127.0.0.1:1")
             .expect("add");
         let r = replicas.all().remove(0);
-        let counted = r.claim(10, 1);
+        let counted = r.claim(10, tandem_proto::policy::Class::Standard);
         // A report taken while the request ran counts it (and one of another router's).
         assert!(r.record_load(2, 8));
-        let uncounted = r.claim(10, 1);
+        let uncounted = r.claim(10, tandem_proto::policy::Class::Standard);
         assert_eq!(r.load(), 2);
         drop(counted);
         assert_eq!(

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tandem_proto::policy::Class;
 use tandem_proto::v1 as pb;
 use tokio::time::Instant as TokioInstant;
 use tonic::Status;
@@ -151,7 +152,7 @@ impl Dispatcher {
         progress: &Progress,
         model: &str,
         tokens: usize,
-        class: u8,
+        class: Class,
     ) -> Option<Choice> {
         if !decodes.is_empty() {
             return None;
@@ -193,7 +194,7 @@ impl Dispatcher {
     /// through to measure their class's own. Where the chosen workers' load reports are stale
     /// the estimate is not trusted: the request is admitted (fail open) and
     /// [`crate::metrics::TTFT_FAIL_OPEN`] says so.
-    fn meets_target(&self, choice: &Choice, class: u8, target: Target) -> Result<(), Failure> {
+    fn meets_target(&self, choice: &Choice, class: Class, target: Target) -> Result<(), Failure> {
         let Some(est_ms) = choice.est_ms else {
             return Ok(());
         };
@@ -323,7 +324,7 @@ impl Dispatcher {
                 session_id: &p.session_id,
                 exclude: &progress.exclude,
                 holder: progress.holder.as_ref().map(|(a, t)| (a.as_str(), *t)),
-                class: p.class as u8,
+                class: p.class,
             };
             let decodes = crate::cluster::policy::candidates(&self.replicas, Role::Decode, &ask);
             // A first attempt waits its turn in the admission order; a failover does not.
@@ -343,8 +344,7 @@ impl Dispatcher {
                 }
                 continue;
             }
-            let last_resort =
-                self.last_resort(&decodes, progress, &p.model, tokens.len(), p.class as u8);
+            let last_resort = self.last_resort(&decodes, progress, &p.model, tokens.len(), p.class);
             let is_last_resort = last_resort.is_some();
             let choice = match last_resort {
                 Some(choice) => choice,
@@ -363,7 +363,7 @@ impl Dispatcher {
                 && progress.attempts == 1
                 && let Some(target) = target
             {
-                self.meets_target(&choice, p.class as u8, target)?;
+                self.meets_target(&choice, p.class, target)?;
             }
             let local = choice.prefill.is_none();
             let decode = choice.decode.replica();

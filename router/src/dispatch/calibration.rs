@@ -17,12 +17,12 @@ use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use tandem_proto::{PRIORITY_CLASSES, class_slot};
+use tandem_proto::policy::Class;
 use tokio::time::Instant;
 
 /// Recent residuals of the TTFT estimate (actual − estimated, ms), by priority class.
 #[derive(Debug, Default)]
-pub struct Calibration(Mutex<[VecDeque<(Instant, f64)>; PRIORITY_CLASSES]>);
+pub struct Calibration(Mutex<[VecDeque<(Instant, f64)>; Class::COUNT]>);
 
 impl Calibration {
     /// How long a residual counts.
@@ -32,16 +32,16 @@ impl Calibration {
     /// Fewest recent residuals a correction is made of.
     pub const MIN_SAMPLES: usize = 5;
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, [VecDeque<(Instant, f64)>; PRIORITY_CLASSES]> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, [VecDeque<(Instant, f64)>; Class::COUNT]> {
         // Whole pushes and pops: a panic elsewhere cannot leave a queue half-written.
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Records a request of `class` whose first token came `actual_ms` after its choice, which
     /// estimated `est_ms`.
-    pub fn record(&self, class: u8, actual_ms: f64, est_ms: f64) {
+    pub fn record(&self, class: Class, actual_ms: f64, est_ms: f64) {
         let mut all = self.lock();
-        let kept = &mut all[class_slot(class)];
+        let kept = &mut all[class.slot()];
         if kept.len() == Self::KEPT {
             kept.pop_front();
         }
@@ -51,9 +51,9 @@ impl Calibration {
     /// What to add to an estimate for `class`, in ms (negative where estimates ran high): the
     /// 90th percentile of its residuals of the last [`Self::TTL`], by the nearest rank; 0 with
     /// fewer than [`Self::MIN_SAMPLES`] of them.
-    pub fn correction_ms(&self, class: u8) -> f64 {
+    pub fn correction_ms(&self, class: Class) -> f64 {
         let mut all = self.lock();
-        let kept = &mut all[class_slot(class)];
+        let kept = &mut all[class.slot()];
         while kept.front().is_some_and(|(at, _)| at.elapsed() > Self::TTL) {
             kept.pop_front();
         }
@@ -79,31 +79,35 @@ mod tests {
     async fn the_correction_is_the_recent_residuals_90th_percentile_by_class() {
         let c = Calibration::default();
         for _ in 0..Calibration::MIN_SAMPLES - 1 {
-            c.record(1, 500.0, 100.0);
+            c.record(Class::Standard, 500.0, 100.0);
         }
-        assert_eq!(c.correction_ms(1), 0.0, "too few residuals");
+        assert_eq!(c.correction_ms(Class::Standard), 0.0, "too few residuals");
         // Residuals 30 20 10 6 5 4 3 2 1 0 ms: the 9th of 10, sorted, is 20.
         for actual in [
             130.0, 120.0, 110.0, 106.0, 105.0, 104.0, 103.0, 102.0, 101.0, 100.0,
         ] {
-            c.record(0, actual, 100.0);
+            c.record(Class::Interactive, actual, 100.0);
         }
-        assert_eq!(c.correction_ms(0), 20.0);
-        assert_eq!(c.correction_ms(2), 0.0, "another class has none");
+        assert_eq!(c.correction_ms(Class::Interactive), 20.0);
+        assert_eq!(c.correction_ms(Class::Batch), 0.0, "another class has none");
         // Estimates that ran high give a negative correction.
         for _ in 0..Calibration::MIN_SAMPLES {
-            c.record(2, 50.0, 80.0);
+            c.record(Class::Batch, 50.0, 80.0);
         }
-        assert_eq!(c.correction_ms(2), -30.0);
+        assert_eq!(c.correction_ms(Class::Batch), -30.0);
         // A full window keeps the newest: 64 residuals of 5 ms push the rest out.
         for _ in 0..Calibration::KEPT {
-            c.record(0, 105.0, 100.0);
+            c.record(Class::Interactive, 105.0, 100.0);
         }
-        assert_eq!(c.correction_ms(0), 5.0);
+        assert_eq!(c.correction_ms(Class::Interactive), 5.0);
         // Past the TTL, nothing is left: back to the bare estimate.
         tokio::time::advance(Calibration::TTL + Duration::from_millis(1)).await;
-        assert_eq!(c.correction_ms(0), 0.0);
-        c.record(0, 400.0, 100.0);
-        assert_eq!(c.correction_ms(0), 0.0, "one fresh residual is too few");
+        assert_eq!(c.correction_ms(Class::Interactive), 0.0);
+        c.record(Class::Interactive, 400.0, 100.0);
+        assert_eq!(
+            c.correction_ms(Class::Interactive),
+            0.0,
+            "one fresh residual is too few"
+        );
     }
 }

@@ -2,32 +2,17 @@
 //! the next place. Without it every waiting request raced for each place that came free, first
 //! come or not.
 //!
-//! ```text
-//! rank = (class, less the classes it has aged; tokens its tenant was served ÷ its weight; arrival)
-//! ```
-//!
-//! - **Classes in strict order**: `interactive`, then `standard`, then `batch`
-//!   ([`crate::auth::Class`]). **Aging**: a request that has waited [`tandem_proto::PRIORITY_AGE_STEP`] (10 s) is ranked one
-//!   class higher, and one more for each further step, so a class is never starved for good.
-//! - **Within a class, fairness between keys by tokens served** (a virtual token counter, after
-//!   Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024): each tenant is
-//!   charged the prompt tokens of each request admitted and the tokens generated when it ends,
-//!   divided by its key's weight, and the tenant charged least goes first. A tenant that starts
-//!   waiting again is lifted to the least counter among those waiting, so that idling earns no
-//!   credit: a key that floods gets its weighted share, not the whole cluster, and one that
-//!   comes back is not starved by a history it did not use.
-//! - Then arrival.
-//!
-//! A failover (an attempt after the first) is not ranked: its stream has begun, and it takes
-//! the next place it finds.
+//! The order is a [`FairQueue`]: classes in strict order, aged by the wait; within a class the
+//! tenant served the fewest tokens per weight first (each tenant is charged the prompt tokens
+//! of each request admitted and the tokens generated when it ends); then arrival. A failover
+//! (an attempt after the first) is not ranked: its stream has begun, and it takes the next
+//! place it finds.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use tandem_proto::policy::{Claim, Class, FairQueue};
 use tokio::sync::Notify;
 use tokio::time::Instant;
-
-use crate::auth::Class;
 
 /// Who asks for a place.
 #[derive(Clone, Debug)]
@@ -37,57 +22,20 @@ pub struct Asker {
     pub tenant: Arc<str>,
 }
 
-#[derive(Debug)]
-struct Waiter {
-    asker: Asker,
-    since: Instant,
-}
-
-#[derive(Debug, Default)]
-struct State {
-    next: u64,
-    waiting: HashMap<u64, Waiter>,
-    /// Tokens served per tenant, divided by its weight.
-    served: HashMap<Arc<str>, f64>,
-}
-
-impl State {
-    fn served(&self, tenant: &str) -> f64 {
-        self.served.get(tenant).copied().unwrap_or(0.0)
-    }
-
-    /// `asker`'s counter as it starts waiting: idling earns no credit, so a tenant that had
-    /// nothing waiting in the class starts at least at the least counter of those that have.
-    fn joining(&self, asker: &Asker) -> f64 {
-        let own = self.served(&asker.tenant);
-        let in_class = |w: &&Waiter| w.asker.class == asker.class;
-        if (self.waiting.values().filter(in_class)).any(|w| w.asker.tenant == asker.tenant) {
-            return own;
+impl Asker {
+    fn claim(&self) -> Claim {
+        Claim {
+            class: self.class,
+            tenant: self.tenant.clone(),
+            begun: false,
         }
-        let floor = (self.waiting.values().filter(in_class))
-            .map(|w| self.served(&w.asker.tenant))
-            .min_by(f64::total_cmp);
-        floor.map_or(own, |floor| own.max(floor))
-    }
-
-    /// The rank of `asker`, of counter `served`, waiting since `since`: lower goes first.
-    fn rank(
-        asker: &Asker,
-        served: f64,
-        since: Instant,
-        id: u64,
-        now: Instant,
-    ) -> (u8, f64, Instant, u64) {
-        let class =
-            tandem_proto::aged_class(asker.class as u8, now.saturating_duration_since(since));
-        (class, served, since, id)
     }
 }
 
-/// The admission order of the router's requests.
+/// The admission order of the router's requests: the waiting ones, each with its model.
 #[derive(Debug, Default)]
 pub struct Order {
-    state: Mutex<State>,
+    queue: Mutex<FairQueue<Arc<str>>>,
     /// Woken when a waiting request leaves (admitted, refused or gone): the next may go.
     left: Notify,
 }
@@ -101,15 +49,15 @@ pub struct Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        self.order.lock().waiting.remove(&self.id);
+        self.order.lock().remove(self.id);
         self.order.left.notify_waiters();
     }
 }
 
 impl Order {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        // Single inserts, removes and sums; a poisoned lock is still consistent.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> MutexGuard<'_, FairQueue<Arc<str>>> {
+        // Single inserts, removes and passes; a poisoned lock is still consistent.
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Resolves when a waiting request leaves the order.
@@ -119,13 +67,7 @@ impl Order {
 
     /// A place for `asker`, waiting from now.
     pub fn join(self: &Arc<Self>, asker: Asker) -> Ticket {
-        let mut s = self.lock();
-        let served = s.joining(&asker);
-        s.served.insert(asker.tenant.clone(), served);
-        let id = s.next;
-        s.next += 1;
-        let since = Instant::now();
-        s.waiting.insert(id, Waiter { asker, since });
+        let id = self.lock().push(asker.claim(), asker.model);
         Ticket {
             order: self.clone(),
             id,
@@ -135,32 +77,26 @@ impl Order {
     /// Whether `asker` (waiting under `ticket`, or a newcomer without one) goes before every
     /// other request waiting for its model.
     pub fn is_first(&self, asker: &Asker, ticket: Option<&Ticket>) -> bool {
-        let s = self.lock();
+        let q = self.lock();
         let now = Instant::now();
-        let mine = match ticket.and_then(|t| Some((t.id, s.waiting.get(&t.id)?))) {
-            Some((id, w)) => State::rank(asker, s.served(&asker.tenant), w.since, id, now),
-            None => State::rank(asker, s.joining(asker), now, u64::MAX, now),
+        let own = ticket.and_then(|t| q.get(t.id));
+        let rank = match own {
+            Some(entry) => q.rank(entry, now),
+            None => q.newcomer(&asker.claim(), now),
         };
-        let ahead = (s.waiting.iter())
-            .filter(|(id, w)| Some(**id) != ticket.map(|t| t.id) && w.asker.model == asker.model)
-            .any(|(id, w)| {
-                State::rank(&w.asker, s.served(&w.asker.tenant), w.since, *id, now) < mine
-            });
-        !ahead
+        let same_model = |e: &tandem_proto::policy::Entry<Arc<str>>| e.item == asker.model;
+        !q.any_ahead(rank, own.map(|e| e.id()), now, same_model)
     }
 
     /// Charges `tenant` for `tokens` served, at its `weight`.
     pub fn charge(&self, tenant: &Arc<str>, weight: f64, tokens: u64) {
-        let mut s = self.lock();
-        *s.served.entry(tenant.clone()).or_insert(0.0) += tokens as f64 / weight.max(1e-3);
+        self.lock().charge(tenant, weight, tokens);
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
-    use tandem_proto::PRIORITY_AGE_STEP as AGE_STEP;
+    use tandem_proto::policy::AGE_STEP;
 
     use super::*;
 
@@ -171,6 +107,9 @@ mod tests {
             tenant: tenant.into(),
         }
     }
+
+    // The ranking itself (classes, aging, tenants' shares) is the fair queue's, tested in
+    // `tandem_proto::policy`; these test the order's tickets and its models apart.
 
     /// Classes go in strict order; a newcomer of a higher class goes before those waiting, one
     /// of the same class after them; another model's requests are not in the way.
@@ -217,81 +156,5 @@ mod tests {
         tokio::time::advance(AGE_STEP).await;
         assert!(!order.is_first(&asker(Class::Interactive, "b"), None));
         assert!(order.is_first(&batch, Some(&waiting)));
-    }
-
-    /// Within a class the tenant served fewer tokens per weight goes first, whatever the
-    /// arrival order; one that comes back after idling starts at the least counter waiting.
-    #[tokio::test(start_paused = true)]
-    async fn tenants_share_by_tokens_served_over_their_weight() {
-        let order = Arc::new(Order::default());
-        let (flood, light) = (
-            asker(Class::Standard, "flood"),
-            asker(Class::Standard, "light"),
-        );
-        let first = order.join(flood.clone());
-        tokio::time::advance(Duration::from_millis(1)).await;
-        let second = order.join(light.clone());
-        order.charge(&flood.tenant, 1.0, 10_000);
-        order.charge(&light.tenant, 1.0, 1_000);
-        assert!(order.is_first(&light, Some(&second)), "served less: first");
-        assert!(!order.is_first(&flood, Some(&first)));
-        // Weighted: 20000 tokens at weight 20 count 1000, under flood's 10000.
-        let heavy = asker(Class::Standard, "heavy");
-        let third = order.join(heavy.clone());
-        order.charge(&heavy.tenant, 20.0, 20_000);
-        drop(second);
-        assert!(order.is_first(&heavy, Some(&third)));
-        // A tenant never served starts at the least counter waiting (heavy's: it joined at
-        // light's 1000 and was charged 1000 more), not at 0: no first place for having been
-        // away.
-        let idle = asker(Class::Standard, "idle");
-        assert!(
-            !order.is_first(&idle, None),
-            "ranked after heavy, who waited longer"
-        );
-        let _fourth = order.join(idle.clone());
-        assert_eq!(order.lock().served("idle"), 2_000.0);
-    }
-
-    /// Simulated: two keys of equal weight keep requests waiting, one with ten times the
-    /// other's tokens per request. Taking the first of the order for each free place, each is
-    /// served about half the tokens.
-    #[tokio::test(start_paused = true)]
-    async fn a_key_that_floods_gets_its_share() {
-        let order = Arc::new(Order::default());
-        let (big, small) = (
-            asker(Class::Standard, "big"),
-            asker(Class::Standard, "small"),
-        );
-        let mut served: HashMap<&str, u64> = HashMap::new();
-        let mut tickets: Vec<(Asker, u64, Ticket)> = Vec::new();
-        for _ in 0..2000 {
-            for (a, cost) in [(&big, 1000u64), (&small, 100)] {
-                while tickets
-                    .iter()
-                    .filter(|(w, ..)| w.tenant == a.tenant)
-                    .count()
-                    < 4
-                {
-                    tickets.push((a.clone(), cost, order.join(a.clone())));
-                }
-            }
-            let next = (0..tickets.len())
-                .find(|&i| order.is_first(&tickets[i].0, Some(&tickets[i].2)))
-                .expect("someone goes first");
-            let (a, cost, ticket) = tickets.remove(next);
-            order.charge(&a.tenant, 1.0, cost);
-            *served
-                .entry(if &*a.tenant == "big" { "big" } else { "small" })
-                .or_default() += cost;
-            drop(ticket);
-        }
-        let total = (served["big"] + served["small"]) as f64;
-        let small_share = served["small"] as f64 / total;
-        eprintln!("the small key's share of the tokens served: {small_share:.3}");
-        assert!(
-            small_share >= 0.4,
-            "small got {small_share:.3} of the tokens"
-        );
     }
 }

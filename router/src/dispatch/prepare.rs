@@ -182,54 +182,17 @@ pub fn prepare(
         class,
         weight,
         ttft_target: match r.ttft_target_ms {
-            0 => limits.ttft_targets[class as usize],
+            0 => limits.ttft_targets[class.slot()],
             ms => Some(std::time::Duration::from_millis(u64::from(ms))),
         },
     })
 }
 
-/// A request's sampling within its bounds: temperature, penalties, top-p, min-p, stop
-/// strings, the log-probabilities asked for, and token ids within the vocabulary of `vocab`.
+/// A request's sampling within its bounds ([`tandem_proto::policy::check_sampling`]), and its
+/// token ids within the vocabulary of `vocab`.
 fn check_sampling(sampling: &pb::SamplingParams, vocab: usize) -> Result<()> {
-    if !(sampling.temperature.is_finite() && sampling.temperature >= 0.0) {
-        return invalid("sampling.temperature", "must be a finite number at least 0");
-    }
-    for (field, value) in [
-        ("sampling.frequency_penalty", sampling.frequency_penalty),
-        ("sampling.presence_penalty", sampling.presence_penalty),
-    ] {
-        if value.is_some_and(|v| !(-2.0..=2.0).contains(&v)) {
-            return invalid(field, "must be in [-2, 2]");
-        }
-    }
-    if sampling
-        .repetition_penalty
-        .is_some_and(|r| !(r > 0.0 && r <= 10.0))
-    {
-        return invalid("sampling.repetition_penalty", "must be in (0, 10]");
-    }
-    if let Some(p) = sampling.top_p
-        && (p.is_nan() || p <= 0.0 || p > 1.0)
-    {
-        return invalid("sampling.top_p", "must be in (0, 1]");
-    }
-    if sampling.stop.iter().any(String::is_empty) {
-        return invalid("sampling.stop", "stop strings must not be empty");
-    }
-    if let Some(p) = sampling.min_p
-        && !(0.0..=1.0).contains(&p)
-    {
-        return invalid("sampling.min_p", "must be in [0, 1]");
-    }
-    if sampling
-        .logprobs
-        .is_some_and(|k| k > tandem_proto::MAX_TOP_LOGPROBS)
-    {
-        return Err(Error::InvalidArgument {
-            field: "sampling.logprobs",
-            reason: format!("at most {} alternatives", tandem_proto::MAX_TOP_LOGPROBS),
-        });
-    }
+    tandem_proto::policy::check_sampling(sampling)
+        .map_err(|(field, reason)| Error::InvalidArgument { field, reason })?;
     check_token_ids(sampling, vocab)
 }
 

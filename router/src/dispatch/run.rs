@@ -393,11 +393,11 @@ impl Dispatcher {
         let t = frame.timings.unwrap_or_default();
         if progress.attempts == 1 {
             let waited = t.queue_ms + t.prefill_wait_ms + t.prefill_ms;
-            (self.policy).record_handoff(local, p.class as u8, t.first_token_ms - waited);
+            (self.policy).record_handoff(local, p.class, t.first_token_ms - waited);
             if let Some((est_ms, chosen_ms)) = estimate {
                 let actual_ms = t.first_token_ms - chosen_ms;
                 tracing::debug!(est_ms, actual_ms, "time to first token from the choice");
-                (self.calibration).record(p.class as u8, actual_ms, est_ms);
+                (self.calibration).record(p.class, actual_ms, est_ms);
             }
         }
         if progress.choice == 0 {

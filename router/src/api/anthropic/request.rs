@@ -40,6 +40,13 @@ use crate::api::http::{Call, base_sampling, json_object, string, unknown_key};
 use crate::api::session::{BodySession, session};
 use crate::config::SamplingDefaults;
 
+/// The Messages API's temperature: 0 to 1.
+const TEMPERATURE: tandem_proto::policy::Bound = tandem_proto::policy::Bound {
+    low: 0.0,
+    low_open: false,
+    high: 1.0,
+};
+
 /// The keys both endpoints take.
 const COMMON_KEYS: &[&str] = &[
     "model",
@@ -231,7 +238,7 @@ fn sampling(
     };
     let sampling = pb::SamplingParams {
         stop,
-        ..base_sampling(body, defaults, 1.0)?
+        ..base_sampling(body, defaults, TEMPERATURE)?
     };
     Ok((sampling, max_tokens))
 }

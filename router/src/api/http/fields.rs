@@ -5,6 +5,7 @@ use std::collections::HashMap;
 
 use axum::http::HeaderMap;
 use serde_json::{Map, Value};
+use tandem_proto::policy::{Bound, LOGIT_BIAS};
 use tandem_proto::v1 as pb;
 
 use crate::api::http::error::ApiError;
@@ -54,21 +55,18 @@ pub(crate) fn number(body: &Map<String, Value>, key: &str) -> Result<Option<f64>
     }
 }
 
-pub(crate) fn in_range(
+/// A number field within `bound` ([`tandem_proto::policy`]'s), if present and not null.
+pub(crate) fn in_bound(
     body: &Map<String, Value>,
     key: &str,
-    range: std::ops::RangeInclusive<f64>,
+    bound: Bound,
 ) -> Result<Option<f32>, ApiError> {
-    match number(body, key)? {
-        Some(v) if !range.contains(&v) => Err(ApiError::invalid(
+    match number(body, key)?.map(|v| v as f32) {
+        Some(v) if !bound.contains(v) => Err(ApiError::invalid(
             key,
-            format!(
-                "'{key}' must be between {} and {}, got {v}",
-                range.start(),
-                range.end()
-            ),
+            format!("'{key}' {}", bound.refusal(v)),
         )),
-        v => Ok(v.map(|v| v as f32)),
+        v => Ok(v),
     }
 }
 
@@ -147,11 +145,11 @@ pub(crate) fn logit_bias(body: &Map<String, Value>) -> Result<HashMap<u32, f32>,
             let id = k
                 .parse::<u32>()
                 .map_err(|_| ApiError::invalid("logit_bias", format!("'{k}' is not a token id")))?;
-            match v.as_f64() {
-                Some(b) if (-100.0..=100.0).contains(&b) => Ok((id, b as f32)),
+            match v.as_f64().map(|b| b as f32) {
+                Some(b) if LOGIT_BIAS.contains(b) => Ok((id, b)),
                 _ => Err(ApiError::invalid(
                     "logit_bias",
-                    format!("logit_bias['{k}'] must be a number from -100 to 100"),
+                    format!("logit_bias['{k}'] must be a number {LOGIT_BIAS}"),
                 )),
             }
         })

@@ -19,10 +19,11 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use serde_json::{Map, Value};
+use tandem_proto::policy::{self, Bound};
 use tandem_proto::v1 as pb;
 
 use crate::api::http::error::ApiError;
-use crate::api::http::fields::{header_str, in_range, unsigned};
+use crate::api::http::fields::{header_str, in_bound, unsigned};
 use crate::api::http::reply::next_frame;
 use crate::auth::Principal;
 use crate::config::SamplingDefaults;
@@ -175,28 +176,27 @@ pub(crate) fn check_model(body: &Map<String, Value>, model: &str) -> Result<(), 
     }
 }
 
-/// The sampling fields the HTTP APIs share (`temperature` up to `max_temperature`, `top_p`,
-/// `top_k`), each unset one the server's default, else the APIs' own (temperature and top_p
-/// 1, no top-k).
+/// The sampling fields the HTTP APIs share (`temperature` within the API's `temperature`
+/// bound, `top_p`, `top_k`), each unset one the server's default, else the APIs' own
+/// (temperature and top_p 1, no top-k).
 pub(crate) fn base_sampling(
     body: &Map<String, Value>,
     defaults: &SamplingDefaults,
-    max_temperature: f64,
+    temperature: Bound,
 ) -> Result<pb::SamplingParams, ApiError> {
     Ok(pb::SamplingParams {
-        temperature: in_range(body, "temperature", 0.0..=max_temperature)?
+        temperature: in_bound(body, "temperature", temperature)?
             .or(defaults.temperature)
             .unwrap_or(1.0),
         top_k: unsigned(body, "top_k")?
             .map(|k| u32::try_from(k).unwrap_or(u32::MAX))
             .or(defaults.top_k)
             .unwrap_or(0),
-        top_p: match in_range(body, "top_p", 0.0..=1.0)? {
-            Some(0.0) => {
-                return Err(ApiError::invalid("top_p", "'top_p' must be above 0"));
-            }
-            p => Some(p.or(defaults.top_p).unwrap_or(1.0)),
-        },
+        top_p: Some(
+            (in_bound(body, "top_p", policy::TOP_P)?)
+                .or(defaults.top_p)
+                .unwrap_or(1.0),
+        ),
         min_p: defaults.min_p,
         ..Default::default()
     })

@@ -6,11 +6,12 @@
 
 use axum::http::HeaderMap;
 use serde_json::{Map, Value};
+use tandem_proto::policy;
 use tandem_proto::v1 as pb;
 
 use crate::api::http::error::ApiError;
 use crate::api::http::fields::{
-    check_metadata, flag, in_range, logit_bias, number, parallel_tool_calls, present, stop,
+    check_metadata, flag, in_bound, logit_bias, number, parallel_tool_calls, present, stop,
     token_ids, unsigned,
 };
 use crate::api::http::{Call, base_sampling, check_model, json_object, string, unknown_key};
@@ -302,10 +303,10 @@ pub(crate) fn parse(
         seed,
         max_tokens,
         stop: stop(&body)?,
-        frequency_penalty: in_range(&body, "frequency_penalty", -2.0..=2.0)?,
-        presence_penalty: in_range(&body, "presence_penalty", -2.0..=2.0)?,
+        frequency_penalty: in_bound(&body, "frequency_penalty", policy::PENALTY)?,
+        presence_penalty: in_bound(&body, "presence_penalty", policy::PENALTY)?,
         repetition_penalty: number(&body, "repetition_penalty")?.map(|r| r as f32),
-        min_p: in_range(&body, "min_p", 0.0..=1.0)?.or(defaults.min_p),
+        min_p: in_bound(&body, "min_p", policy::MIN_P)?.or(defaults.min_p),
         logit_bias: logit_bias(&body)?,
         ignore_eos: flag(&body, "ignore_eos")?,
         min_tokens: unsigned(&body, "min_tokens")?
@@ -313,7 +314,7 @@ pub(crate) fn parse(
         stop_token_ids: token_ids(&body, "stop_token_ids")?,
         logprobs,
         grammar,
-        ..base_sampling(&body, defaults, 2.0)?
+        ..base_sampling(&body, defaults, policy::OPENAI_TEMPERATURE)?
     };
     let mut request = pb::GenerateRequest {
         session_id: session(

@@ -132,7 +132,7 @@ pub(crate) fn parse(
     let sampling = pb::SamplingParams {
         max_tokens,
         grammar,
-        ..base_sampling(&body, defaults, 2.0)?
+        ..base_sampling(&body, defaults, tandem_proto::policy::OPENAI_TEMPERATURE)?
     };
     let request = pb::GenerateRequest {
         session_id: session(
