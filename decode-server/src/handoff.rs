@@ -16,7 +16,10 @@
 //!            hand-off bound passed): the listener closes and the grace period begins
 //! ```
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tandem_worker::moves::Busy;
+use tokio::time::Instant;
 
 use crate::request::RequestContext;
 
@@ -32,13 +35,21 @@ impl RequestContext {
     /// kept KV was fetched or taken back, and the offered sessions were fetched (or nobody
     /// fetched any for [`tandem_worker::moves::OFFER_IDLE`]), or `bound` passed.
     pub(crate) async fn hand_off(&self, bound: Duration) {
-        let (began, had_streams) = (Instant::now(), !self.tracker.is_empty());
-        let done = self
-            .moves
-            .hand_off(bound, || {
-                !self.tracker.is_empty() || (had_streams && began.elapsed() < RETURN_WINDOW)
-            })
-            .await;
+        let (returns_until, had_streams) =
+            (Instant::now() + RETURN_WINDOW, !self.tracker.is_empty());
+        // Closed, the tracker's wait resolves once no stream runs (it still tracks those that
+        // come back, and the node closes it at the end anyway).
+        self.tracker.close();
+        let busy = || -> Option<Busy<'_>> {
+            if !self.tracker.is_empty() {
+                Some(Box::pin(self.tracker.wait()))
+            } else if had_streams && Instant::now() < returns_until {
+                Some(Box::pin(tokio::time::sleep_until(returns_until)))
+            } else {
+                None
+            }
+        };
+        let done = self.moves.hand_off(bound, busy).await;
         let m = &self.shared.metrics;
         tracing::info!(
             ms = done.ms,

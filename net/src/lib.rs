@@ -11,8 +11,11 @@
 //! ([`api_tls`]).
 
 pub mod api_tls;
+mod channels;
 pub mod otel;
 pub mod tls;
+
+pub use channels::Channels;
 
 use std::future::Future;
 use std::net::SocketAddr;

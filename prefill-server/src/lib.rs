@@ -73,7 +73,7 @@ pub async fn run(
         chunk_tokens,
         keepalive,
         prefix_cache,
-        tls: node.config.tls.clone(),
+        decode_nodes: tandem_net::Channels::new(node.config.tls.as_ref()),
     };
     let serving = Serving {
         listener,
@@ -106,7 +106,7 @@ pub async fn run(
 /// until they were fetched, or nobody fetched any for a moment, or `bound` passed. The prompts
 /// being computed finish as they would (the grace period covers them).
 async fn hand_off(moves: &KvMoves, bound: std::time::Duration) {
-    let done = moves.hand_off(bound, || false).await;
+    let done = moves.hand_off(bound, || None).await;
     tracing::info!(
         ms = done.ms,
         prompts_offered = done.sessions_offered,

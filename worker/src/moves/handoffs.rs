@@ -26,6 +26,20 @@ pub struct Handoffs {
     state: Mutex<State>,
     /// Whether the drain has made its offer: the health watch says NOT_SERVING a moment before.
     offered: tokio::sync::watch::Sender<bool>,
+    /// Woken when what the drain waits for changes: the offer taken, a sequence fetched or a
+    /// stream taken back.
+    changed: tokio::sync::Notify,
+}
+
+/// What a drain still waits for ([`Handoffs::pending`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Pending {
+    /// Nothing: every kept stream was fetched, and the offer was fetched or idles.
+    Nothing,
+    /// A kept stream's fetch.
+    Fetches,
+    /// An offered sequence's fetch, until the offer idles at `idle_at`.
+    Offer { idle_at: Instant },
 }
 
 impl Default for Handoffs {
@@ -38,6 +52,7 @@ impl Default for Handoffs {
                 active: Instant::now(),
             }),
             offered: tokio::sync::watch::Sender::new(false),
+            changed: tokio::sync::Notify::new(),
         }
     }
 }
@@ -61,6 +76,13 @@ impl Handoffs {
             s.active = Instant::now();
         }
         self.offered.send_replace(true);
+        self.changed.notify_waiters();
+    }
+
+    /// Resolves when what the drain waits for may have changed; enable it before reading
+    /// [`Handoffs::pending`], so that no change between the two is missed.
+    pub(super) fn changed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.changed.notified()
     }
 
     /// The offer, to the first caller only, once the drain has made it (waiting at most
@@ -73,9 +95,13 @@ impl Handoffs {
         {
             return Vec::new();
         }
-        let mut s = self.lock();
-        s.active = Instant::now();
-        std::mem::take(&mut s.offer)
+        let offer = {
+            let mut s = self.lock();
+            s.active = Instant::now();
+            std::mem::take(&mut s.offer)
+        };
+        self.changed.notify_waiters();
+        offer
     }
 
     /// A peer fetched the prefix whose last block is `last_block`.
@@ -85,6 +111,8 @@ impl Handoffs {
             s.active = Instant::now();
         }
         s.streams.remove(&last_block);
+        drop(s);
+        self.changed.notify_waiters();
     }
 
     /// A stream kept for a peer came back to this node: its blocks, by hash, are in use here.
@@ -93,6 +121,8 @@ impl Handoffs {
         for h in hashes {
             s.streams.remove(h);
         }
+        drop(s);
+        self.changed.notify_waiters();
     }
 
     /// Kept streams and offered sequences not fetched yet.
@@ -101,10 +131,17 @@ impl Handoffs {
         (s.streams.len(), s.sessions.len())
     }
 
-    /// Whether the drain should wait on: a kept stream is not fetched, or an offered sequence
-    /// is not and the offer saw activity within `idle`.
-    pub(super) fn waiting(&self, idle: Duration) -> bool {
+    /// What the drain should wait on: a kept stream not fetched, or an offered sequence not
+    /// fetched while the offer saw activity within `idle`.
+    pub(super) fn pending(&self, idle: Duration) -> Pending {
         let s = self.lock();
-        !s.streams.is_empty() || (!s.sessions.is_empty() && s.active.elapsed() < idle)
+        let idle_at = s.active + idle;
+        if !s.streams.is_empty() {
+            Pending::Fetches
+        } else if !s.sessions.is_empty() && Instant::now() < idle_at {
+            Pending::Offer { idle_at }
+        } else {
+            Pending::Nothing
+        }
     }
 }

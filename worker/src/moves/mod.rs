@@ -38,6 +38,12 @@ mod engine_cache;
 mod handoffs;
 
 pub use engine_cache::{CacheCommand, EngineCache, Recent, Session, keep_fetched};
+use handoffs::Pending;
+
+/// What resolves once a draining role's own work may be done ([`KvMoves::hand_off`]).
+pub type Busy<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + 'a>>;
+
+use crate::error::Error;
 pub use handoffs::Handoffs;
 
 /// The longest a fetch may go without a frame before it is dropped (and its tokens computed).
@@ -107,8 +113,8 @@ pub struct HandOff {
 pub struct KvMoves {
     model: Arc<Model>,
     kv_layout: KvLayout,
-    /// Mutual TLS to the peers it fetches from.
-    tls: Option<tandem_net::tls::Tls>,
+    /// The connections to the peers it fetches from (over mutual TLS where set).
+    peers: tandem_net::Channels,
     cache: EngineCache,
     /// Whether the cache keeps sequences at all (the prefix or session cache is on).
     enabled: bool,
@@ -133,7 +139,7 @@ impl KvMoves {
         Self {
             model,
             kv_layout,
-            tls,
+            peers: tandem_net::Channels::new(tls.as_ref()),
             cache,
             enabled,
             handoffs,
@@ -163,10 +169,7 @@ impl KvMoves {
         if tokens.is_empty() {
             return None;
         }
-        let channel = tandem_net::channel(
-            addr,
-            self.tls.as_ref().map(tandem_net::tls::Tls::client_config),
-        );
+        let channel = self.peers.get(addr);
         let want = FetchWant {
             fingerprint: self.model.fingerprint.0,
             layout: crate::wire_layout(self.kv_layout),
@@ -217,22 +220,22 @@ impl KvMoves {
 
     /// `Worker.Adopt`: fetches what this node lacks of the session from the draining peer at
     /// `holder_addr` and keeps it in the cache.
-    pub async fn adopt(&self, r: pb::AdoptRequest) -> Result<pb::AdoptResponse, Status> {
-        let invalid = |field: &str, reason: &str| {
-            Status::invalid_argument(format!("invalid {field}: {reason}"))
-        };
-        let session = r.session.ok_or_else(|| invalid("session", "missing"))?;
+    pub async fn adopt(&self, r: pb::AdoptRequest) -> Result<pb::AdoptResponse, Error> {
+        let session = r.session.ok_or(Error::InvalidArgument {
+            field: "session",
+            reason: "missing".into(),
+        })?;
         tandem_proto::check_ids(&[
             ("request_id", &r.request_id),
             ("cache_salt", &session.cache_salt),
             ("holder_addr", &r.holder_addr),
         ])
-        .map_err(|(field, reason)| invalid(field, &reason))?;
+        .map_err(Error::id)?;
         if self.draining.is_cancelled() {
-            return Err(Status::unavailable("the node is draining"));
+            return Err(Error::Draining);
         }
         if !self.enabled {
-            return Err(Status::failed_precondition("the cache is off"));
+            return Err(Error::CacheOff);
         }
         let hashes = self.session_hashes(&session)?;
         let answer = |held: usize, fetched: usize| pb::AdoptResponse {
@@ -250,7 +253,7 @@ impl KvMoves {
         let tokens = &session.token_ids[..whole];
         let kv = tokio::select! {
             kv = self.fetch(&r.holder_addr, &r.request_id, &session.cache_salt, tokens) => kv,
-            () = self.draining.cancelled() => return Err(Status::unavailable("the node is draining")),
+            () = self.draining.cancelled() => return Err(Error::Draining),
         };
         let Some(kv) = kv else {
             return Ok(answer(held, 0));
@@ -261,19 +264,11 @@ impl KvMoves {
             tokens: tokens.to_vec(),
             last,
         };
-        let now = self
-            .cache
-            .adopt(session, hashes, kv)
-            .await
-            .ok_or_else(|| Status::unavailable("the node is shutting down"))?
+        let now = (self.cache.adopt(session, hashes, kv).await)
+            .ok_or(Error::ShuttingDown)?
             .map_err(|e| match e {
-                tandem_engine::Error::KvExhausted { .. } => {
-                    Status::resource_exhausted(format!("no room for a session of {whole} tokens"))
-                }
-                e => {
-                    tracing::error!(error = %e, "could not keep an adopted session");
-                    Status::internal("adopt failed")
-                }
+                tandem_engine::Error::KvExhausted { .. } => Error::NoRoom { tokens: whole },
+                e => Error::Engine(e),
             })?;
         self.metrics.adopted_sessions.inc();
         self.metrics.adopted_tokens.inc_by(fetched.min(now) as u64);
@@ -281,11 +276,8 @@ impl KvMoves {
     }
 
     /// The block hashes of a session a caller named, once its token ids are checked.
-    fn session_hashes(&self, session: &pb::CachedSession) -> Result<Vec<u64>, Status> {
-        self.model
-            .config
-            .check_token_ids("session.token_ids", &session.token_ids)
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+    fn session_hashes(&self, session: &pb::CachedSession) -> Result<Vec<u64>, Error> {
+        (self.model.config).check_token_ids("session.token_ids", &session.token_ids)?;
         Ok(crate::block_hashes(
             &self.model,
             &session.cache_salt,
@@ -294,19 +286,14 @@ impl KvMoves {
     }
 
     /// `Worker.Release`: ends what the cache keeps of a session (see the proto).
-    pub async fn release(&self, r: pb::ReleaseRequest) -> Result<pb::ReleaseResponse, Status> {
-        let session = r
-            .session
-            .ok_or_else(|| Status::invalid_argument("invalid session: missing"))?;
-        tandem_proto::check_ids(&[("cache_salt", &session.cache_salt)]).map_err(
-            |(field, reason)| Status::invalid_argument(format!("invalid {field}: {reason}")),
-        )?;
+    pub async fn release(&self, r: pb::ReleaseRequest) -> Result<pb::ReleaseResponse, Error> {
+        let session = r.session.ok_or(Error::InvalidArgument {
+            field: "session",
+            reason: "missing".into(),
+        })?;
+        tandem_proto::check_ids(&[("cache_salt", &session.cache_salt)]).map_err(Error::id)?;
         let hashes = self.session_hashes(&session)?;
-        let blocks = self
-            .cache
-            .release(hashes, r.to_disk)
-            .await
-            .ok_or_else(|| Status::unavailable("the node is shutting down"))?;
+        let blocks = (self.cache.release(hashes, r.to_disk).await).ok_or(Error::ShuttingDown)?;
         Ok(pb::ReleaseResponse {
             released_tokens: (blocks * BLOCK_TOKENS) as u32,
         })
@@ -314,16 +301,48 @@ impl KvMoves {
 
     /// The drain's hand-off: stops adoptions, makes the offer, and waits until the offered
     /// sequences were fetched (or nobody fetched any for [`OFFER_IDLE`]), the kept streams'
-    /// KV was fetched and `busy` (the role's own running work) says no more, or `bound` passed.
-    pub async fn hand_off(&self, bound: Duration, busy: impl Fn() -> bool) -> HandOff {
+    /// KV was fetched and the role's own running work is done, or `bound` passed. `busy` says
+    /// whether that work goes on, with what resolves once it may be done (`None`: done). The
+    /// wait wakes on those changes, not on a timer.
+    pub async fn hand_off<'b>(
+        &self,
+        bound: Duration,
+        busy: impl Fn() -> Option<Busy<'b>>,
+    ) -> HandOff {
         self.draining.cancel();
         let started = Instant::now();
         let offer = self.cache.offer().await;
         let offered = offer.len();
         self.metrics.offered_sessions.inc_by(offered as u64);
         self.handoffs.offer(offer);
-        while started.elapsed() < bound && (busy() || self.handoffs.waiting(OFFER_IDLE)) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
+        let end = started + bound;
+        loop {
+            let changed = self.handoffs.changed();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            let pending = self.handoffs.pending(OFFER_IDLE);
+            let role = busy();
+            if role.is_none() && pending == Pending::Nothing {
+                break;
+            }
+            let recheck = match pending {
+                Pending::Offer { idle_at } => idle_at.min(end),
+                Pending::Nothing | Pending::Fetches => end,
+            };
+            let role = async {
+                match role {
+                    Some(done) => done.await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                () = changed => {}
+                () = role => {}
+                () = tokio::time::sleep_until(recheck) => {}
+            }
+            if Instant::now() >= end {
+                break;
+            }
         }
         let (unfetched, sessions_left) = self.handoffs.unfetched();
         HandOff {
@@ -338,12 +357,10 @@ impl KvMoves {
 #[tonic::async_trait]
 impl KvSource for KvMoves {
     async fn cached(&self, token_ids: &[u32], cache_salt: &str) -> Result<Cached, Status> {
-        tandem_proto::check_ids(&[("cache_salt", cache_salt)])
-            .map_err(|(field, reason)| Status::invalid_argument(format!("{field}: {reason}")))?;
-        self.model
-            .config
+        tandem_proto::check_ids(&[("cache_salt", cache_salt)]).map_err(Error::id)?;
+        (self.model.config)
             .check_token_ids("token_ids", token_ids)
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+            .map_err(Error::from)?;
         let hashes = crate::block_hashes(&self.model, cache_salt, token_ids);
         let cells = self.cache.export(hashes.clone()).await;
         let tokens = cells.last().map_or(0, |kv| kv.tokens.end);
@@ -374,27 +391,41 @@ mod tests {
     }
 
     /// With time paused: a kept stream holds the drain until a peer fetches it; an offer holds
-    /// it while peers fetch from it, and lets it go once nobody has for [`OFFER_IDLE`].
+    /// it while peers fetch from it, and lets it go once nobody has for [`OFFER_IDLE`]. Each
+    /// fetch wakes the drain's wait.
     #[tokio::test(start_paused = true)]
     async fn the_drain_waits_for_its_kept_streams_and_a_live_offer() {
         let h = Handoffs::default();
-        assert!(!h.waiting(OFFER_IDLE), "nothing kept, nothing offered");
+        assert_eq!(
+            h.pending(OFFER_IDLE),
+            Pending::Nothing,
+            "nothing kept or offered"
+        );
         h.kept(7);
         tokio::time::advance(OFFER_IDLE * 10).await;
-        assert!(h.waiting(OFFER_IDLE), "a kept stream waits however long");
+        assert_eq!(h.pending(OFFER_IDLE), Pending::Fetches, "however long");
+        let changed = h.changed();
+        tokio::pin!(changed);
+        changed.as_mut().enable();
         h.fetched(7);
-        assert!(!h.waiting(OFFER_IDLE));
+        changed.await;
+        assert_eq!(h.pending(OFFER_IDLE), Pending::Nothing);
 
         h.offer(vec![session(1), session(2)]);
         tokio::time::advance(OFFER_IDLE - Duration::from_millis(1)).await;
-        assert!(h.waiting(OFFER_IDLE), "the offer is fresh");
+        let fresh = Instant::now() + Duration::from_millis(1);
+        assert_eq!(h.pending(OFFER_IDLE), Pending::Offer { idle_at: fresh });
         // A fetch is activity: the idle clock starts again.
         h.fetched(1);
         tokio::time::advance(OFFER_IDLE - Duration::from_millis(1)).await;
-        assert!(h.waiting(OFFER_IDLE));
+        assert!(matches!(h.pending(OFFER_IDLE), Pending::Offer { .. }));
         assert_eq!(h.unfetched(), (0, 1));
         tokio::time::advance(Duration::from_millis(2)).await;
-        assert!(!h.waiting(OFFER_IDLE), "nobody fetched for OFFER_IDLE");
+        assert_eq!(
+            h.pending(OFFER_IDLE),
+            Pending::Nothing,
+            "idle for OFFER_IDLE"
+        );
     }
 
     /// The offer goes to the first caller once the drain has made it; a caller before that

@@ -1,0 +1,56 @@
+//! The errors of the services every worker serves alike (`Worker.Adopt`, `Worker.Release`, a
+//! peer's `KvTransfer.Fetch` of its cache), and their one mapping to gRPC statuses. Each role's
+//! own requests (`Prefill`, `Decode`) have their role's error type; starting and serving a node
+//! fail with [`crate::NodeError`].
+
+use tonic::Status;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid {field}: {reason}")]
+    InvalidArgument { field: &'static str, reason: String },
+
+    #[error("the node is draining")]
+    Draining,
+
+    #[error("the node is shutting down")]
+    ShuttingDown,
+
+    #[error("the cache is off")]
+    CacheOff,
+
+    #[error("no room for a session of {tokens} tokens")]
+    NoRoom { tokens: usize },
+
+    #[error(transparent)]
+    Engine(#[from] tandem_engine::Error),
+}
+
+impl Error {
+    /// An id over its bound ([`tandem_proto::check_ids`]'s answer).
+    pub fn id((field, reason): (&'static str, String)) -> Self {
+        Self::InvalidArgument { field, reason }
+    }
+}
+
+impl From<Error> for Status {
+    fn from(e: Error) -> Self {
+        let status = match &e {
+            Error::InvalidArgument { .. }
+            | Error::Engine(tandem_engine::Error::InvalidArgument { .. }) => {
+                Status::invalid_argument(e.to_string())
+            }
+            Error::Draining | Error::ShuttingDown => Status::unavailable(e.to_string()),
+            Error::CacheOff => Status::failed_precondition(e.to_string()),
+            Error::NoRoom { .. } => Status::resource_exhausted(e.to_string()),
+            Error::Engine(_) => Status::internal("the worker's engine failed"),
+        };
+        // The node's own failures; a request's bad input is the caller's to see.
+        if status.code() == tonic::Code::Internal {
+            tracing::error!(error = %e, "a worker request failed");
+        } else {
+            tracing::debug!(error = %e, code = ?status.code(), "a worker request ended with an error");
+        }
+        status
+    }
+}
