@@ -255,38 +255,38 @@ pub(crate) struct RouterArgs {
     #[arg(long, env = "TANDEM_DECODE", value_delimiter = ',', required = true)]
     decode: Vec<String>,
     /// Requests in flight at most; more get RESOURCE_EXHAUSTED.
-    #[arg(long, env = "TANDEM_MAX_INFLIGHT", default_value_t = 256)]
+    #[arg(long, env = "TANDEM_MAX_INFLIGHT", default_value_t = router_defaults().max_inflight)]
     max_inflight: usize,
     /// Whole-request bound in ms when the client sets no deadline.
-    #[arg(long, env = "TANDEM_TIMEOUT_MS", default_value_t = 300_000)]
+    #[arg(long, env = "TANDEM_TIMEOUT_MS", default_value_t = ms(router_defaults().default_timeout))]
     timeout_ms: u64,
     /// Longest wait without KV progress (before the push, or between its frames) on the
     /// decode node, in ms. A prefill node's push sends keepalives while the prompt waits in its
     /// queue, so this finds a dead sender, not a long queue.
-    #[arg(long, env = "TANDEM_KV_WAIT_MS", default_value_t = 10_000)]
+    #[arg(long, env = "TANDEM_KV_WAIT_MS", default_value_t = ms(router_defaults().kv_wait))]
     kv_wait_ms: u64,
     /// How long a decode node's token stream may be silent once it has its KV, in ms (after a
     /// local prefill, plus twice its estimated time), before the router checks the node. One
     /// that still answers its health checks is busy and the stream waits on (up to the
     /// request's deadline); one that does not counts as failed, and the generation resumes on
     /// another.
-    #[arg(long, env = "TANDEM_TOKEN_GAP_MS", default_value_t = 5_000)]
+    #[arg(long, env = "TANDEM_TOKEN_GAP_MS", default_value_t = ms(router_defaults().token_gap))]
     token_gap_ms: u64,
     /// How often replicas are asked for their load, in ms.
-    #[arg(long, env = "TANDEM_LOAD_POLL_MS", default_value_t = 250)]
+    #[arg(long, env = "TANDEM_LOAD_POLL_MS", default_value_t = ms(router_defaults().load_poll))]
     load_poll_ms: u64,
     /// How long in-flight streams (gRPC and HTTP) may run after shutdown (SIGTERM) begins, in
     /// ms. Meanwhile the router goes on accepting and refuses new requests at once
     /// (UNAVAILABLE; HTTP 503 with `Retry-After: 1`); streams still running at the end fail
     /// with UNAVAILABLE.
-    #[arg(long, env = "TANDEM_GRACE_MS", default_value_t = 10_000)]
+    #[arg(long, env = "TANDEM_GRACE_MS", default_value_t = ms(router_defaults().grace))]
     grace_ms: u64,
     /// How replicas are chosen.
     #[arg(long, env = "TANDEM_POLICY", value_enum, default_value_t = Policy::Affinity)]
     policy: Policy,
     /// Most block hashes the router's cache index keeps per replica (10-21 bytes each); a
     /// replica whose cache is larger is routed to as if it held nothing.
-    #[arg(long, env = "TANDEM_INDEX_MAX_BLOCKS", default_value_t = 1 << 20)]
+    #[arg(long, env = "TANDEM_INDEX_MAX_BLOCKS", default_value_t = router_defaults().index_max_blocks)]
     index_max_blocks: usize,
     /// API key file (`TENANT sha256:HEX [rpm=N] [tpm=N] [streams=N] [class=C] [weight=N]` per
     /// line, docs/api.md "Priority classes and fair shares" for the last two; `tandem keys new`
@@ -307,7 +307,7 @@ pub(crate) struct RouterArgs {
     max_streams_per_key: u32,
     /// Longest prompt text in bytes (the prompt, or all messages together), checked before
     /// tokenizing.
-    #[arg(long, env = "TANDEM_MAX_PROMPT_BYTES", default_value_t = 1 << 20)]
+    #[arg(long, env = "TANDEM_MAX_PROMPT_BYTES", default_value_t = router_defaults().limits.prompt_bytes)]
     max_prompt_bytes: usize,
     /// Most prompt tokens (0 = the model's context).
     #[arg(long, env = "TANDEM_MAX_PROMPT_TOKENS", default_value_t = 0)]
@@ -316,10 +316,10 @@ pub(crate) struct RouterArgs {
     #[arg(long, env = "TANDEM_MAX_TOKENS_LIMIT", default_value_t = 0)]
     max_tokens_limit: u32,
     /// Largest gRPC request message to the router, in bytes.
-    #[arg(long, env = "TANDEM_MAX_REQUEST_BYTES", default_value_t = 4 << 20)]
+    #[arg(long, env = "TANDEM_MAX_REQUEST_BYTES", default_value_t = router_defaults().limits.grpc_message_bytes)]
     max_request_bytes: usize,
     /// Largest HTTP request body, in bytes (larger bodies get 413).
-    #[arg(long, env = "TANDEM_MAX_HTTP_BODY_BYTES", default_value_t = 4 << 20)]
+    #[arg(long, env = "TANDEM_MAX_HTTP_BODY_BYTES", default_value_t = router_defaults().limits.http_body_bytes)]
     max_http_body_bytes: usize,
     /// The time to first token each priority class is held to when a request names none
     /// (`x-slo-ttft-ms`), as `CLASS=MS` pairs: `interactive=800,standard=5000`. A request whose
@@ -330,15 +330,15 @@ pub(crate) struct RouterArgs {
     /// Seconds an agent session (docs/api.md, "Sessions") may sit idle before its KV moves from
     /// the workers' pools to their disk tier (`--kv-spill-dir`), where its next turn reads it
     /// back; workers without one keep it in the pool.
-    #[arg(long, env = "TANDEM_SESSION_IDLE_SECS", default_value_t = 300)]
+    #[arg(long, env = "TANDEM_SESSION_IDLE_SECS", default_value_t = router_defaults().sessions.idle.as_secs())]
     session_idle_secs: u64,
     /// Seconds an agent session may sit idle before it ends and its KV is released, as
     /// `DELETE /v1/sessions/{id}` does.
-    #[arg(long, env = "TANDEM_SESSION_TTL_SECS", default_value_t = 3600)]
+    #[arg(long, env = "TANDEM_SESSION_TTL_SECS", default_value_t = router_defaults().sessions.ttl.as_secs())]
     session_ttl_secs: u64,
     /// Open sessions per API key (per tenant; one for all without keys): one more ends the
     /// key's least recently used session and releases its KV.
-    #[arg(long, env = "TANDEM_SESSIONS_PER_KEY", default_value_t = 256)]
+    #[arg(long, env = "TANDEM_SESSIONS_PER_KEY", default_value_t = router_defaults().sessions.per_key)]
     sessions_per_key: usize,
     /// The model (its id, as `GET /v1/models` lists it) a request that names none runs on: a
     /// gRPC request with an empty `model`, a Messages request asking for a `claude-*` model.
@@ -372,6 +372,17 @@ pub(crate) struct RouterArgs {
     sampling_defaults: SamplingDefaultsArgs,
     #[command(flatten)]
     api_tls: ApiTlsArgs,
+}
+
+/// The router's own defaults, which its flags show and start from: written once, in
+/// `tandem_router::Config`.
+fn router_defaults() -> tandem_router::Config {
+    tandem_router::Config::default()
+}
+
+/// `d` in whole milliseconds, as the flags take durations.
+fn ms(d: Duration) -> u64 {
+    d.as_millis() as u64
 }
 
 /// The router's sampling for HTTP requests that leave it unset (`tandem up` passes them on).
