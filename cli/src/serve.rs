@@ -13,6 +13,11 @@ use tandem_net::tls::{Role, Tls};
 use tandem_worker::NodeConfig;
 use tokio::net::TcpListener;
 
+mod defaults;
+
+pub(crate) use defaults::SamplingDefaultsArgs;
+use defaults::{ms, router_defaults};
+
 /// On or off.
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Switch {
@@ -372,63 +377,6 @@ pub(crate) struct RouterArgs {
     sampling_defaults: SamplingDefaultsArgs,
     #[command(flatten)]
     api_tls: ApiTlsArgs,
-}
-
-/// The router's own defaults, which its flags show and start from: written once, in
-/// `tandem_router::Config`.
-fn router_defaults() -> tandem_router::Config {
-    tandem_router::Config::default()
-}
-
-/// `d` in whole milliseconds, as the flags take durations.
-fn ms(d: Duration) -> u64 {
-    d.as_millis() as u64
-}
-
-/// The router's sampling for HTTP requests that leave it unset (`tandem up` passes them on).
-#[derive(Args, Debug, Clone, Default)]
-pub(crate) struct SamplingDefaultsArgs {
-    /// Temperature for an HTTP request that sets none [default: OpenAI's, 1].
-    #[arg(long, env = "TANDEM_DEFAULT_TEMPERATURE")]
-    default_temperature: Option<f32>,
-    /// top_p for an HTTP request that sets none [default: 1, no cut].
-    #[arg(long, env = "TANDEM_DEFAULT_TOP_P")]
-    default_top_p: Option<f32>,
-    /// top_k for an HTTP request that sets none [default: 0, no cut].
-    #[arg(long, env = "TANDEM_DEFAULT_TOP_K")]
-    default_top_k: Option<u32>,
-    /// min_p for an HTTP request that sets none [default: 0, no cut].
-    #[arg(long, env = "TANDEM_DEFAULT_MIN_P")]
-    default_min_p: Option<f32>,
-}
-
-impl SamplingDefaultsArgs {
-    pub(crate) fn resolve(&self) -> tandem_router::SamplingDefaults {
-        tandem_router::SamplingDefaults {
-            temperature: self.default_temperature,
-            top_p: self.default_top_p,
-            top_k: self.default_top_k,
-            min_p: self.default_min_p,
-        }
-    }
-
-    /// The flags again, for a router started as a child process.
-    pub(crate) fn to_args(&self) -> Vec<String> {
-        let flag = |name: &str, v: Option<String>| v.map(|v| [format!("--{name}"), v]);
-        [
-            flag(
-                "default-temperature",
-                self.default_temperature.map(|v| v.to_string()),
-            ),
-            flag("default-top-p", self.default_top_p.map(|v| v.to_string())),
-            flag("default-top-k", self.default_top_k.map(|v| v.to_string())),
-            flag("default-min-p", self.default_min_p.map(|v| v.to_string())),
-        ]
-        .into_iter()
-        .flatten()
-        .flatten()
-        .collect()
-    }
 }
 
 /// TLS on the router's client ports.
