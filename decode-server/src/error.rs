@@ -57,12 +57,6 @@ impl From<Error> for Status {
                 s
             }
         };
-        // The node's own failures; a request's bad input is the caller's to see.
-        if status.code() == tonic::Code::Internal {
-            tracing::error!(error = %e, "decode request failed");
-        } else {
-            tracing::debug!(error = %e, code = ?status.code(), "decode request ended with an error");
-        }
-        status
+        tandem_worker::logged(status, &e, "decode")
     }
 }

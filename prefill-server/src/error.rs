@@ -40,12 +40,6 @@ impl From<Error> for Status {
             Error::ShuttingDown => Status::unavailable(e.to_string()),
             Error::Engine(_) => Status::internal("prefill failed"),
         };
-        // The node's own failures; a request's bad input is the caller's to see.
-        if status.code() == tonic::Code::Internal {
-            tracing::error!(error = %e, "prefill request failed");
-        } else {
-            tracing::debug!(error = %e, code = ?status.code(), "prefill request ended with an error");
-        }
-        status
+        tandem_worker::logged(status, &e, "prefill")
     }
 }

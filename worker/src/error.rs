@@ -45,12 +45,19 @@ impl From<Error> for Status {
             Error::NoRoom { .. } => Status::resource_exhausted(e.to_string()),
             Error::Engine(_) => Status::internal("the worker's engine failed"),
         };
-        // The node's own failures; a request's bad input is the caller's to see.
-        if status.code() == tonic::Code::Internal {
-            tracing::error!(error = %e, "a worker request failed");
-        } else {
-            tracing::debug!(error = %e, code = ?status.code(), "a worker request ended with an error");
-        }
-        status
+        logged(status, &e, "worker")
     }
+}
+
+/// `status`, the answer to a `service` request (`prefill`, `decode`, `worker`) that failed
+/// with `e`, logged: at ERROR when it is the node's own failure (INTERNAL), else at DEBUG (a
+/// request's bad input is the caller's to see). Every worker error type's mapping to a status
+/// ends here.
+pub fn logged(status: Status, e: &dyn std::fmt::Display, service: &str) -> Status {
+    if status.code() == tonic::Code::Internal {
+        tracing::error!(error = %e, service, "a request failed");
+    } else {
+        tracing::debug!(error = %e, code = ?status.code(), service, "a request ended with an error");
+    }
+    status
 }
