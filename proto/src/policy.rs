@@ -337,7 +337,8 @@ impl fmt::Display for Bound {
     }
 }
 
-const fn closed(low: f32, high: f32) -> Bound {
+/// The range from `low` to `high`, both included.
+pub const fn closed(low: f32, high: f32) -> Bound {
     Bound {
         low,
         low_open: false,

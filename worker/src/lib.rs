@@ -87,8 +87,8 @@ pub fn params_to_pb(p: &GenerateParams) -> pb::SamplingParams {
 }
 
 /// The engine's generation parameters from the wire's sampling message (an absent message is
-/// the default: greedy), within the bounds
-/// every Tandem process applies ([`tandem_proto::policy::check_sampling`]).
+/// the default: greedy), within the bounds every Tandem process applies
+/// ([`tandem_proto::policy::check_sampling`]).
 pub fn params_from_pb(s: Option<pb::SamplingParams>) -> tandem_engine::Result<GenerateParams> {
     let s = s.unwrap_or_default();
     tandem_proto::policy::check_sampling(&s)

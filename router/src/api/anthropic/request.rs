@@ -41,11 +41,7 @@ use crate::api::session::{BodySession, session};
 use crate::config::SamplingDefaults;
 
 /// The Messages API's temperature: 0 to 1.
-const TEMPERATURE: tandem_proto::policy::Bound = tandem_proto::policy::Bound {
-    low: 0.0,
-    low_open: false,
-    high: 1.0,
-};
+const TEMPERATURE: tandem_proto::policy::Bound = tandem_proto::policy::closed(0.0, 1.0);
 
 /// The keys both endpoints take.
 const COMMON_KEYS: &[&str] = &[
