@@ -101,9 +101,34 @@ pub fn find(name: &str) -> Option<KnownModel> {
     }
 }
 
+/// The catalog's names of the file `file_name`: its own name and, for [`DEFAULT`]'s file,
+/// `default`; none for a file the catalog does not list.
+pub fn names_of_file(file_name: &str) -> Vec<&'static str> {
+    let mut names = Vec::new();
+    if let Some(m) = ALL.iter().find(|m| m.file_name == file_name) {
+        names.push(m.name);
+        if m.file_name == DEFAULT.file_name {
+            names.push("default");
+        }
+    }
+    names
+}
+
 /// The names of the catalog, `default` first, for help texts and errors.
 pub fn names() -> String {
     let mut names = vec!["default"];
     names.extend(ALL.iter().map(|m| m.name));
     names.join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_catalog_file_answers_to_its_names() {
+        assert_eq!(names_of_file(DEFAULT.file_name), [DEFAULT.name, "default"]);
+        assert_eq!(names_of_file(SMOLLM2.file_name), [SMOLLM2.name]);
+        assert!(names_of_file("mine.gguf").is_empty());
+    }
 }

@@ -32,6 +32,8 @@ mod kv_io;
 pub struct Model {
     /// `tiny`, or the GGUF file's name without `.gguf` (the OpenAI API's model id).
     pub name: String,
+    /// Other names it answers to ([`crate::ModelSource::aliases`]).
+    pub aliases: Vec<String>,
     pub config: ModelConfig,
     pub weights: Weights,
     pub tokenizer: Tokenizer,
@@ -44,6 +46,7 @@ impl Model {
     pub fn from_loaded(name: String, loaded: LoadedModel) -> Self {
         Self {
             name,
+            aliases: Vec::new(),
             tokenizer: loaded.tokenizer,
             config: loaded.config,
             weights: loaded.weights,

@@ -102,6 +102,23 @@ impl ModelSource {
         }
     }
 
+    /// The names the model answers to besides its id ([`ModelSource::name`]): a file's name,
+    /// and the catalog's names of it ([`catalog::names_of_file`]). A tiny model has none.
+    pub fn aliases(&self) -> Vec<String> {
+        let ModelSource::File { path, .. } = self else {
+            return Vec::new();
+        };
+        let Some(file_name) = path.file_name().map(|f| f.to_string_lossy().into_owned()) else {
+            return Vec::new();
+        };
+        let mut names: Vec<String> = catalog::names_of_file(&file_name)
+            .into_iter()
+            .map(str::to_string)
+            .collect();
+        names.insert(0, file_name);
+        names
+    }
+
     /// Loads the model, with a hint on how to fetch the default one if it is missing.
     pub fn load(&self) -> Result<Arc<Model>> {
         let loaded = match self {
@@ -116,7 +133,9 @@ impl ModelSource {
                 })?
             }
         };
-        Ok(Arc::new(Model::from_loaded(self.name(), loaded)))
+        let mut model = Model::from_loaded(self.name(), loaded);
+        model.aliases = self.aliases();
+        Ok(Arc::new(model))
     }
 }
 

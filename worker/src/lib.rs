@@ -161,6 +161,7 @@ pub fn worker_info(model: &Model, kv: KvLayout, role: &str) -> pb::InfoResponse 
         role: role.to_string(),
         kv_dtype: kv.dtype.name().to_string(),
         kv_bytes_per_token: wire_layout(kv).total_bytes(1),
+        model_aliases: model.aliases.clone(),
     }
 }
 

@@ -14,6 +14,8 @@ use crate::error::Error;
 pub struct Frontend {
     /// The model's name, as its workers report it (the OpenAI API's model id).
     pub model_name: String,
+    /// Other names the model answers to: its file's name, its catalog name, `default`.
+    pub aliases: Vec<String>,
     pub tokenizer: Tokenizer,
     pub context_tokens: usize,
     pub fingerprint: Vec<u8>,
@@ -31,6 +33,7 @@ impl Frontend {
             .ok()?;
         Some(Self {
             model_name: info.model_name.clone(),
+            aliases: info.model_aliases.clone(),
             tokenizer,
             context_tokens: info.context_tokens as usize,
             fingerprint: info.model_fingerprint.to_vec(),
@@ -39,20 +42,27 @@ impl Frontend {
     }
 }
 
-/// The model a request naming `asked` runs on, among those `served`: the one of that name; for
-/// an empty name, `default` when given, else the only one served. Several served and no
-/// default, an empty name is refused; an unknown name is NOT_FOUND, naming those served.
+/// The model a request naming `asked` runs on, among those `served`: the one of that name (its
+/// id, else one of its aliases); for an empty name, `default` when given, else the only one
+/// served. Several served and no default, an empty name is refused; an unknown name is
+/// NOT_FOUND, naming those served.
 pub fn pick(
     served: &[Arc<Frontend>],
     asked: &str,
     default: Option<&str>,
 ) -> Result<Arc<Frontend>, Error> {
     let names: Vec<&str> = served.iter().map(|f| f.model_name.as_str()).collect();
-    choose(&names, asked, default).map(|i| served[i].clone())
+    let aliases: Vec<&[String]> = served.iter().map(|f| f.aliases.as_slice()).collect();
+    choose(&names, &aliases, asked, default).map(|i| served[i].clone())
 }
 
-/// [`pick`] by the models' names: the index of the one chosen.
-fn choose(names: &[&str], asked: &str, default: Option<&str>) -> Result<usize, Error> {
+/// [`pick`] by the models' names and aliases: the index of the one chosen.
+fn choose(
+    names: &[&str],
+    aliases: &[&[String]],
+    asked: &str,
+    default: Option<&str>,
+) -> Result<usize, Error> {
     let name = match (asked, default, names.len()) {
         (_, _, 0) => return Err(Error::NotReady),
         ("", None, 1) => return Ok(0),
@@ -71,6 +81,7 @@ fn choose(names: &[&str], asked: &str, default: Option<&str>) -> Result<usize, E
     names
         .iter()
         .position(|n| *n == name)
+        .or_else(|| aliases.iter().position(|a| a.iter().any(|a| a == name)))
         .ok_or_else(|| Error::UnknownModel {
             asked: name.to_string(),
             served: names.join(", "),
@@ -92,9 +103,17 @@ mod tests {
     #[test]
     fn a_request_runs_on_the_model_it_names_else_the_default() {
         let two = ["gemma", "qwen"];
+        let qwen_aliases = ["qwen.gguf".to_string(), "default".to_string()];
+        let aliases: [&[String]; 2] = [&[], &qwen_aliases];
+        let choose = |names: &[&str], asked: &str, default: Option<&str>| {
+            choose(names, &aliases[..names.len()], asked, default)
+        };
         assert_eq!(choose(&two, "qwen", None).ok(), Some(1));
         assert_eq!(choose(&two, "", Some("gemma")).ok(), Some(0));
-        assert_eq!(choose(&["qwen"], "", None).ok(), Some(0));
+        assert_eq!(choose(&["gemma"], "", None).ok(), Some(0));
+        // A model answers to its aliases, and so does a default named by one.
+        assert_eq!(choose(&two, "qwen.gguf", None).ok(), Some(1));
+        assert_eq!(choose(&two, "", Some("default")).ok(), Some(1));
         // Several and no default: a request must name one.
         let unnamed = choose(&two, "", None).expect_err("unnamed");
         assert_eq!(unnamed.code(), tonic::Code::InvalidArgument);

@@ -40,6 +40,19 @@ pub fn valid_function_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
+/// A tool's name on the wire: a function name, or one qualified by a namespace that is one too
+/// (`namespace.name`: the Responses API's namespace tools, as the model is offered them).
+pub fn valid_tool_name(name: &str) -> bool {
+    match name.split_once('.') {
+        Some((namespace, name)) => valid_function_name(namespace) && valid_function_name(name),
+        None => valid_function_name(name),
+    }
+}
+
+/// The rule [`valid_tool_name`] checks, in the words of an error.
+const NAME_RULE: &str = "1 to 64 of a-z, A-Z, 0-9, _ and -, optionally after a namespace of the \
+                         same and a dot";
+
 /// A chat request rendered: the prompt text, and the grammar of the call its tool choice forces.
 #[derive(Debug)]
 pub struct Rendered {
@@ -87,7 +100,7 @@ pub fn render(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Result<Rendered
         return invalid(
             "tool_choice_function",
             format!(
-                "{:?} is not one of the tools given",
+                "'{}' is not one of the tools given",
                 function.chars().take(64).collect::<String>()
             ),
         );
@@ -158,10 +171,10 @@ fn message(i: usize, m: &pb::ChatMessage) -> Result<ChatMessage> {
         .iter()
         .enumerate()
         .map(|(j, c)| {
-            if !valid_function_name(&c.name) {
+            if !valid_tool_name(&c.name) {
                 return invalid(
                     "messages",
-                    format!("message {i}, tool call {j}: the name must be 1 to 64 of a-z, A-Z, 0-9, _ and -"),
+                    format!("message {i}, tool call {j}: the name must be {NAME_RULE}"),
                 );
             }
             let arguments: Value = match serde_json::from_str(&c.arguments) {
@@ -193,11 +206,11 @@ fn message(i: usize, m: &pb::ChatMessage) -> Result<ChatMessage> {
 
 /// A tool as OpenAI defines it and chat templates render it.
 fn tool(t: &pb::Tool) -> Result<Value> {
-    if !valid_function_name(&t.name) {
+    if !valid_tool_name(&t.name) {
         return invalid(
             "tools",
             format!(
-                "tool name {:?} must be 1 to 64 of a-z, A-Z, 0-9, _ and -",
+                "tool name '{}' must be {NAME_RULE}",
                 t.name.chars().take(64).collect::<String>()
             ),
         );

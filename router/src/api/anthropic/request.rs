@@ -23,20 +23,26 @@
 //! `output_config.format` (`{"type": "json_schema", "schema"}`) holds the reply to its schema
 //! by grammar, as the OpenAI APIs' structured outputs do.
 //!
+//! Anthropic's server tools (`web_search_*`, `web_fetch_*`, `code_execution_*`,
+//! `tool_search_tool_*`) are left out, and named in the response's header
+//! ([`crate::api::http::dropped`]).
+//!
 //! Refused by name: `max_tokens: 0` (a request that only fills the prompt cache: Tandem's cache
-//! fills on the first real turn), `image` and `document` blocks (the models read text only), server tools
-//! (a tool with a `type` other than `custom`), and any key not listed here.
+//! fills on the first real turn), `image` and `document` blocks (the models read text only),
+//! Anthropic's other typed tools (`bash_*`, `text_editor_*`, `computer_*`: define a custom tool
+//! instead), and any key not listed here.
 
 use std::collections::HashSet;
 
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 use serde_json::{Map, Value};
 use tandem_proto::v1 as pb;
 
 use crate::api::anthropic::messages::{block_type, check_effort, conversation, system};
+use crate::api::http::dropped::{Dropped, anthropic_server_tool};
 use crate::api::http::error::ApiError;
 use crate::api::http::fields::{flag, function_tool, json_grammar, tool_list, unsigned};
-use crate::api::http::{Call, base_sampling, json_object, string, unknown_key};
+use crate::api::http::{Call, base_sampling, check_model, json_object, string, unknown_key};
 use crate::api::session::{BodySession, session};
 use crate::config::SamplingDefaults;
 
@@ -78,6 +84,8 @@ pub(crate) struct Parsed {
     /// `max_tokens`, the ceiling the reply's length is held to (see [`sampling`]); 0 for
     /// `count_tokens`.
     pub(crate) max_tokens: u32,
+    /// The server tools left out.
+    pub(crate) dropped: Dropped,
 }
 
 /// Which endpoint a body came to.
@@ -98,11 +106,6 @@ pub(crate) fn requested(name: &str) -> &str {
     }
 }
 
-/// Whether `name` asks for the model `model` ([`requested`]).
-fn serves(model: &str, name: &str) -> bool {
-    name == model || requested(name).is_empty()
-}
-
 pub(crate) fn parse(
     endpoint: Endpoint,
     model: &str,
@@ -118,17 +121,7 @@ pub(crate) fn parse(
     if let Some(key) = unknown_key(&body, &known) {
         return Err(ApiError::unsupported(key, "Tandem does not implement it"));
     }
-    match body.get("model") {
-        Some(Value::String(m)) if serves(model, m) => {}
-        Some(Value::String(m)) => {
-            return Err(ApiError::new(
-                StatusCode::NOT_FOUND,
-                format!("model: '{m}' does not exist; this server has '{model}'"),
-                "not_found_error",
-            ));
-        }
-        _ => return Err(ApiError::invalid("model", "'model' must be a string")),
-    }
+    check_model(&body)?;
     check_thinking(&body)?;
     check_context_management(&body)?;
     let grammar = output_config(&body)?;
@@ -144,9 +137,10 @@ pub(crate) fn parse(
     let (choice, function, parallel_tool_calls) = tool_choice(&body)?;
     let mut messages = system(&body)?;
     messages.extend(conversation(&body)?);
+    let mut dropped = Dropped::default();
     let mut request = pb::GenerateRequest {
         messages,
-        tools: tools(&body, &referenced_tools(&body))?,
+        tools: tools(&body, &referenced_tools(&body), &mut dropped)?,
         tool_choice: choice as i32,
         tool_choice_function: function,
         model: model.to_string(),
@@ -184,6 +178,7 @@ pub(crate) fn parse(
         stream,
         parallel_tool_calls,
         max_tokens,
+        dropped,
     })
 }
 
@@ -357,14 +352,22 @@ fn referenced_tools(body: &Map<String, Value>) -> HashSet<String> {
 /// `tools`: `{"name", "description", "input_schema"}` (a custom tool; `cache_control`
 /// ignored). A tool with `defer_loading: true` is left out of the prompt, as Anthropic's tool
 /// search leaves it, until the conversation has `loaded` it.
-fn tools(body: &Map<String, Value>, loaded: &HashSet<String>) -> Result<Vec<pb::Tool>, ApiError> {
+fn tools(
+    body: &Map<String, Value>,
+    loaded: &HashSet<String>,
+    dropped: &mut Dropped,
+) -> Result<Vec<pb::Tool>, ApiError> {
     tool_list(body, |param, t| {
         match t.get("type").and_then(Value::as_str) {
             None | Some("custom") => {}
+            Some(kind) if anthropic_server_tool(kind) => {
+                dropped.push(kind);
+                return Ok(None);
+            }
             Some(kind) => {
                 return Err(ApiError::unsupported(
                     &format!("{param}.type"),
-                    &format!("server tools ('{kind}') are not served; define a custom tool"),
+                    &format!("'{kind}' tools are not served; define a custom tool"),
                 ));
             }
         }

@@ -1,4 +1,5 @@
-//! What the HTTP APIs share beneath their protocols: errors ([`error`]), readers of a JSON
+//! What the HTTP APIs share beneath their protocols: errors ([`error`]), the server tools a
+//! request is served without ([`dropped`]), readers of a JSON
 //! body's fields ([`fields`]), a reply split into text and tool calls ([`reply`]), the one way
 //! a protocol adapter starts a generation ([`Call::start`]), and the named-event stream two of
 //! them answer with ([`Events`]): each adapter (OpenAI's chat and
@@ -6,6 +7,7 @@
 //! `GenerateRequest` and starts it here, so that limits, keys, idempotency, affinity, failover
 //! and metrics are the same for all of them.
 
+pub(crate) mod dropped;
 pub(crate) mod error;
 pub(crate) mod fields;
 pub(crate) mod reply;
@@ -159,19 +161,12 @@ pub(crate) fn unknown_key<'a>(body: &'a Map<String, Value>, known: &[&str]) -> O
         .map(|(k, _)| k.as_str())
 }
 
-/// Checks that `body` asks for `model` (OpenAI's APIs: another is 404 `model_not_found`).
-pub(crate) fn check_model(body: &Map<String, Value>, model: &str) -> Result<(), ApiError> {
+/// Checks that `body` names its model with a string. The name was resolved before the body was
+/// parsed ([`asked_model`], [`GenerationService::frontend`]: one the cluster does not serve is
+/// 404 `model_not_found` there), so any name that reaches here is one the model answers to.
+pub(crate) fn check_model(body: &Map<String, Value>) -> Result<(), ApiError> {
     match body.get("model") {
-        Some(Value::String(m)) if m == model => Ok(()),
-        Some(Value::String(m)) => Err(ApiError {
-            code: Some("model_not_found"),
-            param: Some("model".into()),
-            ..ApiError::new(
-                StatusCode::NOT_FOUND,
-                format!("the model '{m}' does not exist; this server has '{model}'"),
-                "invalid_request_error",
-            )
-        }),
+        Some(Value::String(_)) => Ok(()),
         _ => Err(ApiError::invalid("model", "'model' must be a string")),
     }
 }

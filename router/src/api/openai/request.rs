@@ -284,7 +284,7 @@ pub(crate) fn parse(
         ));
     }
     let grammar = response_format(&body)?;
-    check_model(&body, model)?;
+    check_model(&body)?;
     let stream = flag(&body, "stream")?;
     let stream_usage = stream_usage(&body, stream)?;
     let max_tokens = max_tokens(&body)?;

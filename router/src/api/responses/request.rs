@@ -9,22 +9,24 @@
 //! Accepted and ignored, because ignoring them changes no output: `reasoning` (the models
 //! served have no reasoning phase, so a reply has no reasoning items), `reasoning` items in the
 //! history (output of another model's reasoning), `include: ["reasoning.encrypted_content"]`,
-//! `truncation: "disabled"`, `service_tier` `auto`/`default`, `metadata` (checked),
+//! `truncation: "disabled"`, `service_tier` (any tier: the cluster serves each request the one
+//! way it has), `metadata` (checked), `client_metadata` (Codex's turn metadata),
+//! `prompt_cache_retention` (the prefix cache keeps what it can hold, whatever is asked),
 //! `safety_identifier`, and `stream_options.include_obfuscation`.
 //!
-//! A function tool's `strict` is accepted: a call that `tool_choice` forces follows the tools'
-//! schemas by grammar; a call the model makes on its own (`auto`) is read from its markup and
-//! its arguments are a JSON object, but not held to the schema.
+//! Tools are function, custom and namespace tools; those only OpenAI's servers run are left
+//! out (`tools` says how). A function tool's `strict` is accepted: a call that `tool_choice`
+//! forces follows the tools' schemas by grammar; a call the model makes on its own (`auto`) is
+//! read from its markup and its arguments are a JSON object, but not held to the schema.
 
 use axum::http::HeaderMap;
 use serde_json::{Map, Value};
 use tandem_proto::v1 as pb;
 
 use crate::api::http::error::ApiError;
-use crate::api::http::fields::{
-    check_metadata, flag, function_tool, json_grammar, parallel_tool_calls, tool_list, unsigned,
-};
+use crate::api::http::fields::{check_metadata, flag, json_grammar, parallel_tool_calls, unsigned};
 use crate::api::http::{Call, base_sampling, check_model, json_object, string, unknown_key};
+use crate::api::responses::tools::{Tools, qualified};
 use crate::api::session::{BodySession, session};
 use crate::config::SamplingDefaults;
 
@@ -50,6 +52,8 @@ const KEYS: &[&str] = &[
     "truncation",
     "service_tier",
     "safety_identifier",
+    "client_metadata",
+    "prompt_cache_retention",
 ];
 
 /// A Responses request, read and checked, with the request fields its answer echoes.
@@ -57,6 +61,8 @@ pub(crate) struct Parsed {
     pub(crate) call: Call,
     pub(super) stream: bool,
     pub(super) parallel_tool_calls: bool,
+    /// What the tools offered to the model are (their calls' items), and those left out.
+    pub(super) tools: Tools,
     /// `instructions`, `tools`, `tool_choice`, `temperature`, `top_p`, `max_output_tokens`,
     /// `text`, `user`, `metadata`: as given, or their defaults.
     pub(super) echo: Map<String, Value>,
@@ -79,7 +85,7 @@ pub(crate) fn parse(
         };
         return Err(ApiError::unsupported(key, why));
     }
-    check_model(&body, model)?;
+    check_model(&body)?;
     if flag(&body, "store")? {
         return Err(ApiError::unsupported(
             "store",
@@ -109,6 +115,7 @@ pub(crate) fn parse(
         });
     }
     input(&body, &mut messages)?;
+    let mut tools = Tools::parse(&body)?;
     let (choice, function) = tool_choice(&body)?;
     let max_tokens = match unsigned(&body, "max_output_tokens")? {
         Some(0) => {
@@ -144,7 +151,7 @@ pub(crate) fn parse(
             },
         ),
         messages,
-        tools: tools(&body)?,
+        tools: std::mem::take(&mut tools.offered),
         tool_choice: choice as i32,
         tool_choice_function: function,
         sampling: Some(sampling),
@@ -170,6 +177,7 @@ pub(crate) fn parse(
         call: Call::new(headers, request)?,
         stream,
         parallel_tool_calls,
+        tools,
         echo,
     })
 }
@@ -190,18 +198,29 @@ fn check_accepted(body: &Map<String, Value>) -> Result<(), ApiError> {
             ));
         }
     }
-    for (key, allowed) in [
-        ("truncation", &["disabled"][..]),
-        ("service_tier", &["auto", "default"][..]),
+    if let Some(v) = string(body, "truncation")?
+        && v != "disabled"
+    {
+        return Err(ApiError::unsupported(
+            "truncation",
+            "only \"disabled\" is served: a prompt over the context is refused, not cut",
+        ));
+    }
+    for key in [
+        "service_tier",
+        "prompt_cache_retention",
+        "safety_identifier",
     ] {
-        if let Some(v) = string(body, key)?
-            && !allowed.contains(&v.as_str())
-        {
-            return Err(ApiError::unsupported(
-                key,
-                &format!("only {allowed:?} is served"),
-            ));
-        }
+        string(body, key)?;
+    }
+    if body
+        .get("client_metadata")
+        .is_some_and(|m| !m.is_null() && !m.is_object())
+    {
+        return Err(ApiError::invalid(
+            "client_metadata",
+            "'client_metadata' must be an object",
+        ));
     }
     if body
         .get("reasoning")
@@ -212,7 +231,6 @@ fn check_accepted(body: &Map<String, Value>) -> Result<(), ApiError> {
             "'reasoning' must be an object",
         ));
     }
-    string(body, "safety_identifier")?;
     Ok(())
 }
 
@@ -296,17 +314,32 @@ fn input(body: &Map<String, Value>, out: &mut Vec<pb::ChatMessage>) -> Result<()
                     ..Default::default()
                 });
             }
-            "function_call" => {
+            "function_call" | "custom_tool_call" => {
+                let custom = kind == "custom_tool_call";
                 let bad = || {
                     ApiError::invalid(
                         &param,
-                        "a function_call item has string 'call_id', 'name' and 'arguments'",
+                        format!(
+                            "a {kind} item has string 'call_id', 'name' and '{}'",
+                            if custom { "input" } else { "arguments" }
+                        ),
                     )
+                };
+                let name = text("name").ok_or_else(bad)?;
+                let name = match text("namespace") {
+                    Some(ns) => qualified(&ns, &name),
+                    None => name,
+                };
+                let arguments = match custom {
+                    true => {
+                        serde_json::json!({ "input": text("input").ok_or_else(bad)? }).to_string()
+                    }
+                    false => text("arguments").ok_or_else(bad)?,
                 };
                 let call = pb::ToolCall {
                     id: text("call_id").ok_or_else(bad)?,
-                    name: text("name").ok_or_else(bad)?,
-                    arguments: text("arguments").ok_or_else(bad)?,
+                    name,
+                    arguments,
                 };
                 match out.last_mut() {
                     Some(m) if m.role == "assistant" => m.tool_calls.push(call),
@@ -317,11 +350,11 @@ fn input(body: &Map<String, Value>, out: &mut Vec<pb::ChatMessage>) -> Result<()
                     }),
                 }
             }
-            "function_call_output" => {
+            "function_call_output" | "custom_tool_call_output" => {
                 let Some(id) = text("call_id") else {
                     return Err(ApiError::invalid(
                         &format!("{param}.call_id"),
-                        "a function_call_output names the call_id it answers",
+                        format!("a {kind} names the call_id it answers"),
                     ));
                 };
                 out.push(pb::ChatMessage {
@@ -343,38 +376,14 @@ fn input(body: &Map<String, Value>, out: &mut Vec<pb::ChatMessage>) -> Result<()
     Ok(())
 }
 
-/// `tools`: function tools, `{"type": "function", "name", "description", "parameters",
-/// "strict"}`.
-fn tools(body: &Map<String, Value>) -> Result<Vec<pb::Tool>, ApiError> {
-    tool_list(body, |param, t| {
-        match t.get("type").and_then(Value::as_str) {
-            Some("function") => {}
-            other => {
-                return Err(ApiError::unsupported(
-                    &format!("{param}.type"),
-                    &format!("{other:?} tools are not served; only function tools"),
-                ));
-            }
-        }
-        let known = ["type", "name", "description", "parameters", "strict"];
-        if let Some(k) = unknown_key(t, &known) {
-            return Err(ApiError::unsupported(
-                &format!("{param}.{k}"),
-                "not a function tool's key",
-            ));
-        }
-        flag(t, "strict")?;
-        function_tool(param, t, "parameters", false).map(Some)
-    })
-}
-
-/// `tool_choice`: `"none"`, `"auto"`, `"required"` or `{"type": "function", "name"}`.
+/// `tool_choice`: `"none"`, `"auto"`, `"required"`, `{"type": "function", "name"}` (with the
+/// `namespace` of a namespace's function) or `{"type": "custom", "name"}`.
 fn tool_choice(body: &Map<String, Value>) -> Result<(pb::ToolChoice, String), ApiError> {
     let bad = || {
         ApiError::invalid(
             "tool_choice",
-            "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \
-             \"name\": ...}",
+            "'tool_choice' must be \"none\", \"auto\", \"required\", {\"type\": \"function\", \
+             \"name\": ...} or {\"type\": \"custom\", \"name\": ...}",
         )
     };
     Ok(match body.get("tool_choice") {
@@ -385,11 +394,23 @@ fn tool_choice(body: &Map<String, Value>) -> Result<(pb::ToolChoice, String), Ap
             "required" => (pb::ToolChoice::Required, String::new()),
             _ => return Err(bad()),
         },
-        Some(c) if c.get("type").and_then(Value::as_str) == Some("function") => {
-            let name = c.get("name").and_then(Value::as_str).ok_or_else(bad)?;
-            (pb::ToolChoice::Function, name.to_string())
-        }
-        Some(_) => return Err(bad()),
+        Some(c) => match c.get("type").and_then(Value::as_str) {
+            Some("function" | "custom") => {
+                let name = c.get("name").and_then(Value::as_str).ok_or_else(bad)?;
+                let name = match c.get("namespace").and_then(Value::as_str) {
+                    Some(ns) => qualified(ns, name),
+                    None => name.to_string(),
+                };
+                (pb::ToolChoice::Function, name)
+            }
+            Some(k @ ("allowed_tools" | "mcp" | "file_search" | "web_search_preview")) => {
+                return Err(ApiError::unsupported(
+                    "tool_choice",
+                    &format!("a tool choice of type '{k}' is not served"),
+                ));
+            }
+            _ => return Err(bad()),
+        },
     })
 }
 
@@ -464,7 +485,7 @@ mod tests {
                 json!([{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]),
                 "input[0].content[0]",
             ),
-            ("tools", json!([{"type": "web_search"}]), "tools[0].type"),
+            ("tools", json!([{"type": "local_shell"}]), "tools[0].type"),
             (
                 "include",
                 json!(["message.output_text.logprobs"]),

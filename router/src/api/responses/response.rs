@@ -13,6 +13,7 @@ use tandem_proto::v1 as pb;
 use crate::api::http::Events;
 use crate::api::http::error::{ApiError, Shape};
 use crate::api::http::reply::{Part, Reply};
+use crate::api::responses::tools::{Called, Tools};
 use crate::dispatch::log::is_last;
 
 /// A reply as its frames arrive: the output items so far, the message open, and the events'
@@ -24,6 +25,8 @@ pub(super) struct Transcript {
     echo: Map<String, Value>,
     parallel_tool_calls: bool,
     reply: Reply,
+    /// What the tools the model may call are, for its calls' items.
+    tools: Tools,
     items: Vec<Value>,
     /// The message item open, at index `items.len()`: its id and text.
     text: Option<(String, String)>,
@@ -39,6 +42,7 @@ impl Transcript {
         echo: Map<String, Value>,
         parallel_tool_calls: bool,
         reply: Reply,
+        tools: Tools,
     ) -> Self {
         Self {
             id: format!("resp_{request_id}"),
@@ -49,6 +53,7 @@ impl Transcript {
             echo,
             parallel_tool_calls,
             reply,
+            tools,
             items: Vec::new(),
             text: None,
             sequence: 0,
@@ -147,34 +152,65 @@ impl Transcript {
                 ..
             } => {
                 self.close_text(events);
-                let index = self.items.len();
-                let id = format!("fc_{call_id}");
-                let item = |status: &str, arguments: &str| {
-                    json!({"type": "function_call", "id": id, "call_id": call_id, "name": name,
-                           "arguments": arguments, "status": status})
-                };
-                let (open, done) = (item("in_progress", ""), item("completed", &arguments));
-                let added = self.event(
-                    "response.output_item.added",
-                    json!({"output_index": index, "item": open}),
-                );
-                let delta = self.event(
-                    "response.function_call_arguments.delta",
-                    json!({"item_id": id, "output_index": index, "delta": arguments}),
-                );
-                let args_done = self.event(
-                    "response.function_call_arguments.done",
-                    json!({"item_id": id, "output_index": index, "name": name,
-                           "arguments": arguments}),
-                );
-                let item_done = self.event(
-                    "response.output_item.done",
-                    json!({"output_index": index, "item": done}),
-                );
-                events.extend([added, delta, args_done, item_done]);
-                self.items.push(done);
+                let called = self.tools.called(&name, arguments);
+                self.call(&call_id, called, events);
             }
         }
+    }
+
+    /// The events of a call: its item opened, its arguments (or a custom tool's input) in one
+    /// delta and then whole, and its item done.
+    fn call(&mut self, call_id: &str, called: Called, events: &mut Vec<Value>) {
+        let index = self.items.len();
+        let (id, done, field, kind, whole) = match called {
+            Called::Function {
+                name,
+                namespace,
+                arguments,
+            } => {
+                let id = format!("fc_{call_id}");
+                let mut done = json!({"type": "function_call", "id": id, "call_id": call_id,
+                                      "name": name, "arguments": arguments,
+                                      "status": "completed"});
+                if let Some(ns) = namespace {
+                    done["namespace"] = json!(ns);
+                }
+                let whole = json!({"item_id": id, "output_index": index, "name": name,
+                                   "arguments": arguments});
+                (
+                    id,
+                    done,
+                    "arguments",
+                    "response.function_call_arguments",
+                    whole,
+                )
+            }
+            Called::Custom { name, input } => {
+                let id = format!("ctc_{call_id}");
+                let done = json!({"type": "custom_tool_call", "id": id, "call_id": call_id,
+                                  "name": name, "input": input, "status": "completed"});
+                let whole = json!({"item_id": id, "output_index": index, "input": input});
+                (id, done, "input", "response.custom_tool_call_input", whole)
+            }
+        };
+        let mut open = done.clone();
+        open[field] = json!("");
+        open["status"] = json!("in_progress");
+        let added = self.event(
+            "response.output_item.added",
+            json!({"output_index": index, "item": open}),
+        );
+        let delta = self.event(
+            &format!("{kind}.delta"),
+            json!({"item_id": id, "output_index": index, "delta": done[field]}),
+        );
+        let whole = self.event(&format!("{kind}.done"), whole);
+        let item_done = self.event(
+            "response.output_item.done",
+            json!({"output_index": index, "item": done}),
+        );
+        events.extend([added, delta, whole, item_done]);
+        self.items.push(done);
     }
 
     fn close_text(&mut self, events: &mut Vec<Value>) {
