@@ -2,6 +2,13 @@
 //! a call and the grammar that holds the rest of it to the tools' schemas, and a streaming
 //! parser that splits a reply into text and calls.
 //!
+//! Small models often write a call without its tags: the whole reply is
+//! `{"name": "get_weather", "arguments": {"city": "Paris"}}`. With [`BareCalls`], such a reply
+//! is a call too, when it is one JSON object and nothing else (or alone in one Markdown code
+//! fence), names an offered tool, and its arguments pass the caller's check (the tool's schema). A reply that merely contains JSON, or
+//! whose object names no offered tool, stays text: only the reply's start is held back while it
+//! can still be such a call.
+//!
 //! Written by hand: the markup is a template's, not a grammar's, and the parser must work on
 //! text that arrives a few bytes at a time (an SSE stream) while holding back nothing but a
 //! possible tag's start.
@@ -78,6 +85,146 @@ pub enum Piece {
     Call { name: String, arguments: String },
 }
 
+/// What a reply may call without the markup's tags: the offered tools' names, and the check of
+/// a call's arguments (a JSON object) against the named tool's schema.
+pub struct BareCalls {
+    names: Vec<String>,
+    accepts: Box<dyn Fn(&str, &Value) -> bool + Send + Sync>,
+}
+
+impl BareCalls {
+    pub fn new(
+        names: Vec<String>,
+        accepts: impl Fn(&str, &Value) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            names,
+            accepts: Box::new(accepts),
+        }
+    }
+
+    /// Whether `reply` (trimmed at its start) may still become a bare call as more of it
+    /// arrives, is one whole, or cannot be one.
+    fn prefix(&self, reply: &str) -> Bare {
+        let (reply, fenced) = match open_fence(reply) {
+            Fence::Partial => return Bare::Maybe,
+            Fence::Open(rest) => (rest.trim_start(), true),
+            Fence::None => (reply, false),
+        };
+        let Some(rest) = reply.strip_prefix('{') else {
+            return if reply.is_empty() {
+                Bare::Maybe
+            } else {
+                Bare::No
+            };
+        };
+        // `{`, then `"name"`, `:` and the opening quote of an offered tool's name.
+        let rest = rest.trim_start();
+        let key = "\"name\"";
+        let Some(rest) = rest.strip_prefix(key) else {
+            return if key.starts_with(rest) {
+                Bare::Maybe
+            } else {
+                Bare::No
+            };
+        };
+        let rest = rest.trim_start();
+        let Some(rest) = rest.strip_prefix(':') else {
+            return if rest.is_empty() {
+                Bare::Maybe
+            } else {
+                Bare::No
+            };
+        };
+        let rest = rest.trim_start();
+        let Some(rest) = rest.strip_prefix('"') else {
+            return if rest.is_empty() {
+                Bare::Maybe
+            } else {
+                Bare::No
+            };
+        };
+        match rest.split_once('"') {
+            Some((name, _)) if self.names.iter().any(|n| n == name) => {}
+            Some(_) => return Bare::No,
+            None if self.names.iter().any(|n| n.starts_with(rest)) => return Bare::Maybe,
+            None => return Bare::No,
+        }
+        // The object, read to its end; after it only whitespace, and the fence's end if it
+        // opened in one.
+        let mut values = serde_json::Deserializer::from_str(reply).into_iter::<Value>();
+        match values.next() {
+            Some(Ok(_)) => {
+                let tail = reply[values.byte_offset()..].trim();
+                match tail.is_empty() || (fenced && FENCE.starts_with(tail)) {
+                    true => Bare::Whole,
+                    false => Bare::No,
+                }
+            }
+            Some(Err(e)) if e.is_eof() => Bare::Maybe,
+            _ => Bare::No,
+        }
+    }
+
+    /// The call a whole reply is, if it names an offered tool with arguments that pass.
+    fn call(&self, reply: &str) -> Option<Piece> {
+        let body = match open_fence(reply) {
+            Fence::Open(rest) => rest.trim_end().strip_suffix(FENCE).unwrap_or(rest),
+            Fence::Partial | Fence::None => reply,
+        };
+        let Some(Piece::Call { name, arguments }) = call(body) else {
+            return None;
+        };
+        let args: Value = serde_json::from_str(&arguments).ok()?;
+        (self.names.contains(&name) && (self.accepts)(&name, &args))
+            .then_some(Piece::Call { name, arguments })
+    }
+}
+
+/// A Markdown code fence, which small models often put around a bare call.
+const FENCE: &str = "```";
+
+/// How a reply's start stands to an opening code fence (```` ``` ```` or ```` ```json ````, then
+/// a line break).
+enum Fence<'a> {
+    /// The start of one, not yet whole.
+    Partial,
+    /// One, and the text after it.
+    Open(&'a str),
+    None,
+}
+
+fn open_fence(reply: &str) -> Fence<'_> {
+    for open in ["```json\n", "```\n"] {
+        if open.starts_with(reply) {
+            return Fence::Partial;
+        }
+        if let Some(rest) = reply.strip_prefix(open) {
+            return Fence::Open(rest);
+        }
+    }
+    Fence::None
+}
+
+impl std::fmt::Debug for BareCalls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BareCalls")
+            .field("names", &self.names)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a reply's start is to [`BareCalls`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Bare {
+    /// It may still be a bare call: held back.
+    Maybe,
+    /// One whole object naming an offered tool: held back until the reply ends.
+    Whole,
+    /// It cannot be one: parsed as markup and text from here on.
+    No,
+}
+
 /// Splits a reply, given in arbitrary slices, into [`Piece`]s. Text is passed on as soon as it
 /// cannot be the start of a call's tag; a call is passed on when its closing tag arrives (or at
 /// the end, if the reply stopped right after its JSON). Markup that does not hold a call
@@ -89,6 +236,8 @@ pub struct ToolCallParser {
     inside: bool,
     /// A call has been seen: whitespace around later calls is markup, not text.
     after_call: bool,
+    /// While the reply may be a bare call: what it may call ([`ToolCallParser::with_bare_calls`]).
+    bare: Option<BareCalls>,
 }
 
 impl ToolCallParser {
@@ -101,15 +250,31 @@ impl ToolCallParser {
             buf: String::new(),
             inside: false,
             after_call: false,
+            bare: None,
         };
         // The forced prefix yields nothing on its own: it ends inside a call.
         let _ = parser.push(forced);
         parser
     }
 
+    /// Also reads a reply that is one bare call, as [`BareCalls`] says (for a reply that starts
+    /// free: with no forced prefix).
+    pub fn with_bare_calls(mut self, bare: BareCalls) -> Self {
+        if self.buf.is_empty() && !self.inside {
+            self.bare = Some(bare);
+        }
+        self
+    }
+
     /// Takes the next slice of the reply; returns what it completes.
     pub fn push(&mut self, text: &str) -> Vec<Piece> {
         self.buf.push_str(text);
+        if let Some(bare) = &self.bare {
+            match bare.prefix(self.buf.trim_start()) {
+                Bare::Maybe | Bare::Whole => return Vec::new(),
+                Bare::No => self.bare = None,
+            }
+        }
         let mut out = Vec::new();
         loop {
             if self.inside {
@@ -144,6 +309,16 @@ impl ToolCallParser {
     /// Ends the reply: what is still held back, and a call left open (parsed if its JSON is
     /// whole, else as text).
     pub fn finish(mut self) -> Vec<Piece> {
+        if let Some(bare) = self.bare.take() {
+            if let Some(call) = bare.call(self.buf.trim()) {
+                return vec![call];
+            }
+            // Not a call after all: the held text, read as markup and text.
+            let held = std::mem::take(&mut self.buf);
+            let mut out = self.push(&held);
+            out.extend(self.finish());
+            return out;
+        }
         let rest = std::mem::take(&mut self.buf);
         if self.inside {
             return vec![call(&rest).unwrap_or_else(|| Piece::Text(format!("{OPEN}{rest}")))];
@@ -303,6 +478,86 @@ mod tests {
             parse_in_slices("<tool_call>\n{\"name\": \"f\", \"argu", "", 5),
             vec![Piece::Text("<tool_call>\n{\"name\": \"f\", \"argu".into())],
             "a reply cut inside a call"
+        );
+    }
+
+    fn bare_parse(reply: &str, step: usize) -> Vec<Piece> {
+        let bare = BareCalls::new(vec!["get_weather".into()], |_, args| {
+            args.get("city").is_some_and(Value::is_string)
+        });
+        let mut p = ToolCallParser::new(ToolFormat::Hermes, "").with_bare_calls(bare);
+        let mut out = Vec::new();
+        let chars: Vec<char> = reply.chars().collect();
+        for chunk in chars.chunks(step) {
+            out.extend(p.push(&chunk.iter().collect::<String>()));
+        }
+        out.extend(p.finish());
+        merge_text(out)
+    }
+
+    #[test]
+    fn a_reply_that_is_one_bare_call_is_a_call() {
+        let reply = " {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n";
+        for step in 1..=reply.len() {
+            assert_eq!(
+                bare_parse(reply, step),
+                vec![call("get_weather", r#"{"city":"Paris"}"#)],
+                "slices of {step}"
+            );
+        }
+        // Alone in a code fence, as small models often write it.
+        let fenced =
+            "```json\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}\n```";
+        for step in 1..=fenced.len() {
+            assert_eq!(
+                bare_parse(fenced, step),
+                vec![call("get_weather", r#"{"city":"Rome"}"#)],
+                "slices of {step}"
+            );
+        }
+        // Tagged calls are read as before.
+        let tagged = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \
+                      \"Oslo\"}}\n</tool_call>";
+        assert_eq!(
+            bare_parse(tagged, 3),
+            vec![call("get_weather", r#"{"city":"Oslo"}"#)]
+        );
+    }
+
+    #[test]
+    fn json_that_is_not_one_whole_valid_call_stays_text() {
+        for reply in [
+            // Text around the object.
+            "Here: {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}",
+            "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}} done",
+            "```json\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n``` done",
+            "```python\nprint(1)\n```",
+            // No offered tool named.
+            "{\"name\": \"get_time\", \"arguments\": {}}",
+            // Arguments that fail the schema.
+            "{\"name\": \"get_weather\", \"arguments\": {\"town\": \"Paris\"}}",
+            // Other JSON, and a reply cut inside the object.
+            "{\"city\": \"Paris\"}",
+            "{\"name\": \"get_weather\", \"arguments\": {\"ci",
+        ] {
+            for step in [1, 4, reply.len()] {
+                assert_eq!(
+                    bare_parse(reply, step),
+                    vec![Piece::Text(reply.into())],
+                    "{reply} in slices of {step}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn text_that_cannot_be_a_bare_call_is_not_held() {
+        let bare = BareCalls::new(vec!["get_weather".into()], |_, _| true);
+        let mut p = ToolCallParser::new(ToolFormat::Hermes, "").with_bare_calls(bare);
+        assert_eq!(p.push("{\"na"), Vec::new());
+        assert_eq!(
+            p.push("me\": \"other"),
+            vec![Piece::Text("{\"name\": \"other".into())]
         );
     }
 

@@ -2,8 +2,11 @@
 //! the model's template markup holds, as the frames arrive; and what every HTTP API asks of the
 //! frames (the next one, the stop sequence that ended a reply).
 
+use std::collections::HashMap;
+
+use serde_json::Value;
 use tandem_proto::v1 as pb;
-use tandem_tokenizer::{Piece, Tokenizer, ToolCallParser};
+use tandem_tokenizer::{BareCalls, Piece, Tokenizer, ToolCallParser};
 use tonic::Code;
 
 use crate::api::http::error::ApiError;
@@ -110,13 +113,39 @@ impl Reply {
 }
 
 /// The parser of a chat reply's tool calls: for a request that offers tools without
-/// `tool_choice: none`, in the template's markup, started on the call the choice forces.
-/// A request whose tools the model cannot take is refused before its reply.
+/// `tool_choice: none`, in the template's markup, started on the call the choice forces; with
+/// `auto`, a reply that is one bare call ([`bare_calls`]) is a call too. A request whose tools
+/// the model cannot take is refused before its reply.
 fn tool_parser(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Option<ToolCallParser> {
     let format = tokenizer.tool_format().filter(|_| !r.tools.is_empty())?;
     let choice = pb::ToolChoice::try_from(r.tool_choice).ok()?;
     let forced = crate::dispatch::chat::reply_start(format, choice, &r.tool_choice_function)?;
-    Some(ToolCallParser::new(format, &forced))
+    let parser = ToolCallParser::new(format, &forced);
+    Some(match choice {
+        pb::ToolChoice::Auto => parser.with_bare_calls(bare_calls(&r.tools)),
+        _ => parser,
+    })
+}
+
+/// The bare calls a reply may make: of `tools`, with arguments that pass the tool's JSON schema
+/// (checked only when a reply is one, so a request pays nothing otherwise). A schema the
+/// validator cannot read passes nothing: a call that cannot be checked stays text.
+fn bare_calls(tools: &[pb::Tool]) -> BareCalls {
+    let schemas: HashMap<String, String> = tools
+        .iter()
+        .map(|t| (t.name.clone(), t.parameters.clone()))
+        .collect();
+    let names = tools.iter().map(|t| t.name.clone()).collect();
+    BareCalls::new(names, move |name, args| {
+        match schemas.get(name).map(String::as_str) {
+            None => false,
+            Some("") => true,
+            Some(schema) => serde_json::from_str::<Value>(schema)
+                .ok()
+                .and_then(|s| jsonschema::validator_for(&s).ok())
+                .is_some_and(|v| v.is_valid(args)),
+        }
+    })
 }
 
 /// The next frame of a generation; a stream that ends before its final frame is UNAVAILABLE.
@@ -153,4 +182,43 @@ pub(crate) fn stop_sequence<'a>(
         .filter_map(|s| text.find(s.as_str()).map(|at| (at, s.as_str())))
         .min()
         .map(|(_, s)| s)
+}
+
+#[cfg(test)]
+mod tests {
+    use tandem_tokenizer::ToolFormat;
+
+    use super::*;
+
+    #[test]
+    fn a_bare_call_must_pass_its_tools_schema() {
+        let tools = [pb::Tool {
+            name: "get_weather".into(),
+            parameters: r#"{"type": "object", "properties": {"city": {"type": "string"}},
+                            "required": ["city"]}"#
+                .into(),
+            ..Default::default()
+        }];
+        let parse = |reply: &str| {
+            let mut p =
+                ToolCallParser::new(ToolFormat::Hermes, "").with_bare_calls(bare_calls(&tools));
+            let mut pieces = p.push(reply);
+            pieces.extend(p.finish());
+            pieces
+        };
+        let call = r#"{"name": "get_weather", "arguments": {"city": "Paris"}}"#;
+        assert_eq!(
+            parse(call),
+            vec![Piece::Call {
+                name: "get_weather".into(),
+                arguments: r#"{"city":"Paris"}"#.into()
+            }]
+        );
+        for text in [
+            r#"{"name": "get_weather", "arguments": {"city": 7}}"#,
+            r#"{"name": "get_weather", "arguments": {}}"#,
+        ] {
+            assert_eq!(parse(text), vec![Piece::Text(text.into())], "{text}");
+        }
+    }
 }
