@@ -90,8 +90,10 @@ pub(crate) struct WorkerArgs {
     #[arg(long, env = "TANDEM_KV_DTYPE", value_enum, default_value_t = KvDtype::F16)]
     pub kv_dtype: KvDtype,
     /// A directory for the cache's disk tier: blocks evicted from the KV pool are written there
-    /// and read back when a later prompt needs them, instead of being computed again. Each
-    /// node needs a directory of its own; a restarted node keeps what it holds. Off without it.
+    /// and read back when a later prompt needs them, instead of being computed again. Nodes
+    /// that share it (replicas on one volume) each take a slot of their own (`slot-0`, ...); a
+    /// restarted node takes a free slot back with what it holds, checked against the model's
+    /// fingerprint and a CRC on read. Made readable by its owner only. Off without it.
     #[arg(long, env = "TANDEM_KV_SPILL_DIR")]
     pub kv_spill_dir: Option<std::path::PathBuf>,
     /// Most MiB the disk tier holds; the least recently used blocks go beyond it.

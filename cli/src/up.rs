@@ -85,11 +85,26 @@ pub(crate) struct UpArgs {
     #[arg(long, env = "TANDEM_KV_BUDGET_MB")]
     kv_budget_mb: Option<usize>,
     /// The caches' disk tier: each worker spills the blocks its pool evicts (and the KV of
-    /// agent sessions gone idle) to a directory of its own under this one (`prefill-0`,
-    /// `decode-0`, ...) and reads them back on a later hit (`tandem prefill --kv-spill-dir`).
-    /// Unset, a temporary directory, removed when the cluster stops.
-    #[arg(long, env = "TANDEM_KV_SPILL_DIR")]
+    /// agent sessions gone idle) to a directory of its own under this one (`MODEL/prefill-0`,
+    /// `MODEL/decode-0`, ..., MODEL the model's id) and reads them back on a later hit (`tandem
+    /// prefill --kv-spill-dir`). It is kept: a cluster started again reads back what the last
+    /// one spilled (blocks are checked against the model's fingerprint and a CRC on read), so
+    /// an agent's long system prompt is computed once, not once per start. Two clusters of one
+    /// model at once each take slots of their own. Unset, `~/.cache/tandem/kv`.
+    #[arg(
+        long,
+        env = "TANDEM_KV_SPILL_DIR",
+        conflicts_with = "kv_spill_temporary"
+    )]
     kv_spill_dir: Option<PathBuf>,
+    /// A disk tier in a temporary directory, removed when the cluster stops, instead of the
+    /// kept one (benchmarks that must start cold use it).
+    #[arg(long)]
+    kv_spill_temporary: bool,
+    /// Empty the models' kept disk tier (under --kv-spill-dir) before starting. Stop other
+    /// clusters of the same models first: their spilled blocks go too.
+    #[arg(long, conflicts_with = "kv_spill_temporary")]
+    kv_spill_clear: bool,
     /// Most MiB each worker's disk tier holds; 0 turns the tier off.
     #[arg(long, env = "TANDEM_KV_SPILL_MB", default_value_t = crate::serve::DEFAULT_KV_SPILL_MB)]
     kv_spill_mb: u64,
@@ -161,15 +176,27 @@ fn certs(args: &UpArgs) -> anyhow::Result<Option<Dir>> {
     Ok(Some(dir))
 }
 
-/// The disk tier's directory, if the tier is on.
-fn spill_dir(args: &UpArgs) -> Option<Dir> {
+/// The disk tier's directory, if the tier is on: the kept one (emptied first for the models'
+/// ids with `--kv-spill-clear`), or a temporary one.
+fn spill_dir(args: &UpArgs, model_ids: &[&str]) -> anyhow::Result<Option<Dir>> {
     if args.kv_spill_mb == 0 {
-        return None;
+        return Ok(None);
     }
-    Some(match &args.kv_spill_dir {
-        Some(dir) => Dir::kept(dir),
-        None => Dir::temporary("-kv"),
-    })
+    if args.kv_spill_temporary {
+        return Ok(Some(Dir::temporary("-kv")));
+    }
+    let dir = (args.kv_spill_dir.clone()).unwrap_or_else(tandem_engine::kv_dir_default);
+    if args.kv_spill_clear {
+        for id in model_ids {
+            let models = dir.join(id);
+            match std::fs::remove_dir_all(&models) {
+                Ok(()) => eprintln!("cleared the disk tier {}", models.display()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => bail!("cannot clear {}: {e}", models.display()),
+            }
+        }
+    }
+    Ok(Some(Dir::kept(&dir)))
 }
 
 struct Node {
@@ -280,7 +307,8 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     let certs = certs(args)?;
-    let spill = spill_dir(args);
+    let ids: Vec<&str> = models.iter().map(|(_, id)| id.as_str()).collect();
+    let spill = spill_dir(args, &ids)?;
     let client_tls = certs
         .as_ref()
         .map(|c| Tls::load(&c.dir, Role::Client))
@@ -309,7 +337,7 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
             common.extend(["--kv-budget-mb".into(), mb.to_string()]);
         }
         let mut workers = Vec::new();
-        for (m, (spec, _)) in models.iter().enumerate() {
+        for (m, (spec, id)) in models.iter().enumerate() {
             for (role, n) in [("prefill", args.prefill), ("decode", args.decode)] {
                 for i in 0..n {
                     // One model keeps the names it always had; with several, each node's name
@@ -322,7 +350,7 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
                     a.extend(["--model".into(), spec.clone()]);
                     a.extend(common.iter().cloned());
                     if let Some(spill) = &spill {
-                        let dir = spill.dir.join(&name);
+                        let dir = spill.dir.join(id).join(format!("{role}-{i}"));
                         a.extend(["--kv-spill-dir".into(), dir.display().to_string()]);
                         a.extend(["--kv-spill-mb".into(), args.kv_spill_mb.to_string()]);
                     }

@@ -39,7 +39,8 @@ impl Up {
         Self::start_in(log, extra, &[])
     }
 
-    /// [`Up::start_with`], with `env` set for every node.
+    /// [`Up::start_with`], with `env` set for every node. The disk tier is a temporary one
+    /// (each test starts cold) unless `extra` names a `--kv-spill` flag.
     fn start_in(log: Option<&std::path::Path>, extra: &[&str], env: &[(&str, &str)]) -> Self {
         use std::io::BufRead;
         let mut command = Command::new(env!("CARGO_BIN_EXE_tandem"));
@@ -69,6 +70,10 @@ impl Up {
                 "1",
             ])
             .args(extra)
+            .args(
+                (!extra.iter().any(|a| a.starts_with("--kv-spill")))
+                    .then_some("--kv-spill-temporary"),
+            )
             .env_remove("TANDEM_MODEL")
             .stdout(std::process::Stdio::piped())
             .spawn()
@@ -358,6 +363,59 @@ fn up_serves_generate_server_like_local_and_stops_on_sigterm() {
     }
 
     up.stop();
+}
+
+/// `tandem up` keeps its workers' disk tier under the user's cache directory: a cluster started
+/// again reads the last one's blocks back instead of computing them, only the owner may read
+/// the files, and `--kv-spill-clear` empties it.
+#[test]
+fn up_keeps_its_disk_tier_across_a_restart() {
+    use std::os::unix::fs::PermissionsExt;
+    let home = std::env::temp_dir().join(format!("tandem-home-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&home);
+    let env = [("HOME", home.to_str().expect("utf-8"))];
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(8);
+    let cached = |up: &Up| -> u64 {
+        rt.block_on(async {
+            let body: Value = reqwest::Client::new()
+                .post(format!("{}/completions", up.http))
+                .json(&serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 1}))
+                .send()
+                .await
+                .expect("POST")
+                .json()
+                .await
+                .expect("JSON");
+            body["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("no cached_tokens: {body}"))
+        })
+    };
+    let flags = ["--kv-spill-mb", "64"];
+    let up = Up::start_in(None, &flags, &env);
+    assert_eq!(cached(&up), 0, "a first start is cold");
+    up.stop();
+    let tier = home.join(".cache/tandem/kv/tiny/prefill-0/slot-0");
+    let blocks: Vec<_> = std::fs::read_dir(&tier)
+        .expect("the prefill node's tier")
+        .flatten()
+        .filter(|e| e.path().is_dir())
+        .flat_map(|d| std::fs::read_dir(d.path()).expect("tier").flatten())
+        .filter(|f| f.path().extension().is_some_and(|x| x == "kv"))
+        .collect();
+    assert!(!blocks.is_empty(), "the cache was written out at the stop");
+    for b in &blocks {
+        let mode = b.metadata().expect("metadata").permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "{}", b.path().display());
+    }
+    let up = Up::start_in(None, &flags, &env);
+    assert!(cached(&up) > 0, "started again, the prompt is read back");
+    up.stop();
+    let up = Up::start_in(None, &[&flags[..], &["--kv-spill-clear"]].concat(), &env);
+    assert_eq!(cached(&up), 0, "--kv-spill-clear starts cold");
+    up.stop();
+    let _ = std::fs::remove_dir_all(&home);
 }
 
 /// With `--log-json`, a request's log lines on the router, the prefill node and the decode node

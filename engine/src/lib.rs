@@ -141,6 +141,12 @@ impl ModelSource {
 
 pub use tiny::gguf_image as tiny_gguf_image;
 
+/// Where `tandem up` keeps its workers' disk tiers across restarts: `~/.cache/tandem/kv`.
+pub fn kv_dir_default() -> PathBuf {
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
+    home.join(".cache/tandem/kv")
+}
+
 /// The model directory: `$TANDEM_MODEL_DIR`, else `~/.cache/tandem/models`.
 pub fn model_dir_from_env() -> PathBuf {
     if let Some(dir) = std::env::var_os("TANDEM_MODEL_DIR") {

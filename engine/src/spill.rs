@@ -2,9 +2,15 @@
 //! by its block hash, and read back when a later sequence's prefix goes on past what the pool
 //! holds, instead of being computed again.
 //!
-//! - One directory per model and KV layout under the configured one (`<fingerprint>-<dtype>`);
-//!   the other models' directories are removed at start, and the files of this one are kept, so
-//!   that a restarted node still has them. A lock on the directory keeps a second node out.
+//! - The configured directory holds slots (`slot-0`, `slot-1`, ...), one per node that uses it
+//!   at once: a node takes the first slot whose lock it can hold, so replicas that share one
+//!   volume each get their own, and a restarted node gets one back with the KV a node of the
+//!   same model left there.
+//! - One directory per model and KV layout in a slot (`<fingerprint>-<dtype>`); the other
+//!   models' directories are removed at start, and the files of this one are kept, so that a
+//!   restarted node still has them.
+//! - Only the owner may read it: directories are made 0700 and files 0600 (a block holds what a
+//!   prompt said).
 //! - A file is a header (magic, fingerprint, layout, hash), the block's bytes as the pool holds
 //!   them, and a CRC32C of both. A file whose CRC, size or header does not match is never
 //!   restored: it is deleted, and the prefix is computed from there.
@@ -32,6 +38,8 @@ pub struct SpillConfig {
 }
 
 const MAGIC: &[u8; 8] = b"TANDMKV1";
+/// Most nodes that use one directory at once, each in a slot of its own.
+pub const SLOTS: usize = 64;
 /// Bytes queued for the writer at most; a block beyond them is not spilled.
 const QUEUE_BYTES: usize = 32 << 20;
 
@@ -167,7 +175,7 @@ impl Shared {
     fn write(&self, hash: u64, file: &[u8]) {
         let path = self.path(hash);
         let tmp = path.with_extension("tmp");
-        let written = File::create(&tmp)
+        let written = private_file(&tmp)
             .and_then(|mut f| f.write_all(file))
             .and_then(|()| fs::rename(&tmp, &path));
         if let Err(e) = written {
@@ -221,23 +229,15 @@ impl Spill {
             field: "kv_spill_dir",
             reason: format!("{what} {}: {e}", path.display()),
         };
-        fs::create_dir_all(&config.dir).map_err(|e| io("cannot create", &config.dir, e))?;
-        let lock_path = config.dir.join("LOCK");
-        let lock = File::create(&lock_path).map_err(|e| io("cannot create", &lock_path, e))?;
-        lock.try_lock().map_err(|_| Error::InvalidArgument {
-            field: "kv_spill_dir",
-            reason: format!(
-                "{} is in use by another node: give each node a directory of its own",
-                config.dir.display()
-            ),
-        })?;
+        let (slot, lock) =
+            take_slot(&config.dir).map_err(|(path, e)| io("cannot use", &path, e))?;
         let fp: String = fingerprint[..8]
             .iter()
             .map(|b| format!("{b:02x}"))
             .collect();
         let name = format!("{fp}-{}", layout.dtype.name());
-        let dir = config.dir.join(&name);
-        let entries = fs::read_dir(&config.dir).map_err(|e| io("cannot read", &config.dir, e))?;
+        let dir = slot.join(&name);
+        let entries = fs::read_dir(&slot).map_err(|e| io("cannot read", &slot, e))?;
         for entry in entries.flatten() {
             let path = entry.path();
             let other = entry
@@ -249,7 +249,7 @@ impl Spill {
                 let _ = fs::remove_dir_all(&path);
             }
         }
-        fs::create_dir_all(&dir).map_err(|e| io("cannot create", &dir, e))?;
+        private_dir(&dir).map_err(|e| io("cannot create", &dir, e))?;
 
         let mut header = MAGIC.to_vec();
         header.extend_from_slice(fingerprint);
@@ -258,8 +258,10 @@ impl Spill {
         }
         header.extend_from_slice(layout.dtype.name().as_bytes());
         let block_bytes = layout.block_bytes();
+        let (index, damaged) = scan(&dir, header.len() + 8 + block_bytes + 4);
+        stats.corrupt.fetch_add(damaged, Ordering::Relaxed);
         let shared = Arc::new(Shared {
-            index: Mutex::new(scan(&dir, header.len() + 8 + block_bytes + 4)),
+            index: Mutex::new(index),
             dir,
             max_bytes: config.max_bytes,
             stats,
@@ -413,10 +415,52 @@ fn is_tier_dir(name: &str) -> bool {
     })
 }
 
+/// The first slot of `dir` whose lock this node can take (made if missing), and that lock, to
+/// hold for the node's life.
+fn take_slot(dir: &Path) -> std::result::Result<(PathBuf, File), (PathBuf, std::io::Error)> {
+    private_dir(dir).map_err(|e| (dir.to_path_buf(), e))?;
+    for n in 0..SLOTS {
+        let slot = dir.join(format!("slot-{n}"));
+        private_dir(&slot).map_err(|e| (slot.clone(), e))?;
+        let lock_path = slot.join("LOCK");
+        let lock = private_file(&lock_path).map_err(|e| (lock_path, e))?;
+        if lock.try_lock().is_ok() {
+            return Ok((slot, lock));
+        }
+    }
+    Err((
+        dir.to_path_buf(),
+        std::io::Error::other(format!(
+            "all {SLOTS} slots are in use by other nodes: give this one a directory of its own"
+        )),
+    ))
+}
+
+/// Makes `dir` and its missing parents, readable by the owner only.
+fn private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+}
+
+/// Opens `path` for writing (made, or emptied), readable by the owner only.
+fn private_file(path: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+}
+
 /// The index of the files a directory holds: whole-sized `<hash>.kv` files, oldest first by
-/// modification time. Anything else there (a torn temporary) is removed; contents are checked
-/// when read.
-fn scan(dir: &Path, file_bytes: usize) -> Index {
+/// modification time, and how many `.kv` files were damaged (the wrong size: removed, as is
+/// anything else there, such as a torn temporary); contents are checked when read.
+fn scan(dir: &Path, file_bytes: usize) -> (Index, u64) {
+    let mut damaged = 0;
     let mut found = Vec::new();
     for entry in fs::read_dir(dir).into_iter().flatten().flatten() {
         let path = entry.path();
@@ -430,7 +474,8 @@ fn scan(dir: &Path, file_bytes: usize) -> Index {
             (Some(hash), Some(meta)) if meta.len() == file_bytes as u64 => {
                 found.push((meta.modified().ok(), hash, meta.len()));
             }
-            _ => {
+            (hash, _) => {
+                damaged += u64::from(hash.is_some());
                 let _ = fs::remove_file(&path);
             }
         }
@@ -440,7 +485,7 @@ fn scan(dir: &Path, file_bytes: usize) -> Index {
     for (_, hash, size) in found {
         index.insert(hash, size);
     }
-    index
+    (index, damaged)
 }
 
 #[cfg(test)]
@@ -543,7 +588,8 @@ mod tests {
         assert!(!spill.contains(2));
         drop(spill);
 
-        let unrelated = dir.path().join("notes");
+        let slot = dir.path().join("slot-0");
+        let unrelated = slot.join("notes");
         fs::create_dir_all(&unrelated).expect("unrelated dir");
         let other = SpillConfig {
             dir: dir.path().into(),
@@ -554,7 +600,7 @@ mod tests {
             !spill.contains(1),
             "another model's blocks are not this one's"
         );
-        let dirs = fs::read_dir(dir.path())
+        let dirs = fs::read_dir(&slot)
             .expect("read dir")
             .flatten()
             .filter(|e| e.path().is_dir())
@@ -564,14 +610,59 @@ mod tests {
     }
 
     #[test]
-    fn a_directory_serves_one_node() {
+    fn nodes_that_share_a_directory_take_slots_of_their_own() {
+        use std::os::unix::fs::PermissionsExt;
         let dir = TempDir::new();
-        let _first = open(dir.path(), 1 << 20);
+        let first = open(dir.path(), 1 << 20);
+        first.store(1, &vec![1; layout().block_bytes()]);
+        let second = open(dir.path(), 1 << 20);
+        assert!(
+            !second.contains(1),
+            "the second node is in a slot of its own"
+        );
+        let file = first.shared.path(1);
+        drop(first);
+        let mode = |p: &Path| fs::metadata(p).expect("metadata").permissions().mode() & 0o777;
+        assert_eq!(mode(&file), 0o600, "a block is the owner's only");
+        assert_eq!(mode(file.parent().expect("tier dir")), 0o700);
+        assert_eq!(mode(&dir.path().join("slot-0")), 0o700);
+        let again = open(dir.path(), 1 << 20);
+        assert!(
+            again.contains(1),
+            "a restarted node takes the free slot, and its blocks"
+        );
+    }
+
+    #[test]
+    fn foreign_and_torn_files_are_skipped_and_counted() {
+        let dir = TempDir::new();
+        let other = SpillConfig {
+            dir: dir.path().join("other"),
+            max_bytes: 1 << 20,
+        };
+        let foreign = Spill::open(&other, &[8; 32], layout(), Arc::default()).expect("open");
+        foreign.store(5, &vec![5; layout().block_bytes()]);
+        let foreign_file = foreign.shared.path(5);
+        drop(foreign);
+        let spill = open(dir.path(), 1 << 20);
+        let tier = spill.shared.dir.clone();
+        drop(spill);
+        // Another model's block under this model's name, and a torn block.
+        fs::copy(&foreign_file, tier.join(format!("{:016x}.kv", 5))).expect("copy");
+        fs::write(tier.join(format!("{:016x}.kv", 6)), b"torn").expect("write");
+        let stats = Arc::new(SpillStats::default());
         let config = SpillConfig {
             dir: dir.path().into(),
             max_bytes: 1 << 20,
         };
-        let err = Spill::open(&config, &[7; 32], layout(), Arc::default()).expect_err("locked");
-        assert!(err.to_string().contains("another node"), "{err}");
+        let spill = Spill::open(&config, &[7; 32], layout(), stats.clone()).expect("open");
+        assert!(!spill.contains(6), "a torn file is not indexed");
+        let mut out = vec![0; layout().block_bytes()];
+        assert!(spill.contains(5));
+        assert!(
+            !spill.load(5, &mut out),
+            "another model's block is never served"
+        );
+        assert_eq!(stats.corrupt.load(Ordering::Relaxed), 2, "both are counted");
     }
 }

@@ -283,7 +283,34 @@ def check_agent():
     seen["agent_answer"] = result.final_output
 
 
+def check_agent_on_auto():
+    """The same agent with the SDK's defaults (tool_choice auto): the small model writes its
+    call as bare JSON, without its template's tags, and the call must still reach the tool."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool
+
+    cities = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        cities.append(city)
+        return f"It is sunny and 24 degrees Celsius in {city}."
+
+    client = openai.AsyncOpenAI(base_url=BASE + "/v1", api_key="unused", max_retries=0)
+    agent = Agent(
+        name="weather",
+        instructions="You answer questions about the weather. Use the get_weather tool.",
+        tools=[get_weather],
+        model=OpenAIResponsesModel(model=MODEL, openai_client=client),
+        model_settings=ModelSettings(temperature=0, max_tokens=128),
+    )
+    Runner.run_sync(agent, "What is the weather like in Paris today?", max_turns=6)
+    assert cities == ["Paris"], f"the agent on auto called its tool for {cities}"
+    seen["agent_on_auto_cities"] = cities
+
+
 check_anthropic()
 check_responses()
 check_agent()
+check_agent_on_auto()
 print(json.dumps(seen))

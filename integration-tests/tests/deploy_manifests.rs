@@ -113,6 +113,25 @@ fn the_compose_file_runs_healthy_workers_before_the_router() {
     assert_eq!(distinct.len(), published.len(), "{published:?}");
 }
 
+/// The disk tier's file, given after the main one: each worker role gets a named volume of its
+/// own at `/kv`, and the tier's directory there.
+#[test]
+fn the_kv_spill_file_gives_each_role_a_kept_tier() {
+    let compose = documents(&deploy().join("docker-compose.kv-spill.yml")).remove(0);
+    assert_eq!(compose["version"].as_str(), Some("2.4"));
+    for role in ["prefill", "decode"] {
+        let svc = &compose["services"][role];
+        let volume = format!("kv-{role}");
+        let volumes = format!("{:?}", svc["volumes"]);
+        assert!(volumes.contains(&format!("{volume}:/kv")), "{role}: {volumes}");
+        assert!(compose["volumes"].get(&volume).is_some(), "{volume} is declared");
+        assert_eq!(
+            s(svc, &["environment", "TANDEM_KV_SPILL_DIR"]).as_str(),
+            Some("/kv")
+        );
+    }
+}
+
 /// The second model's file, given after the main one: its nodes are checked and mounted as the
 /// first model's, and the router lists them after the first model's and waits for them.
 #[test]

@@ -13,7 +13,7 @@ bench=${TANDEM_BENCH:-target/release/tandem-bench}
 up() {
   local log=$1
   shift
-  "$tandem" up --model smollm2 --port 0 --http-port 0 "$@" >"$log" 2>"${UP_STDERR:-/dev/null}" &
+  "$tandem" up --model smollm2 --port 0 --http-port 0 --kv-spill-temporary "$@" >"$log" 2>"${UP_STDERR:-/dev/null}" &
   up_pid=$!
   for _ in $(seq 1 120); do grep -q "router (gRPC" "$log" && break; sleep 0.5; done
   up_addr=$(grep "router (gRPC" "$log" | awk '{print $NF}')

@@ -9,7 +9,7 @@ start_peers() {
   local gguf=$1 port=$2 hport=$3 lport=$4 parallel=$5
   peer_pids=()
   trap stop_peers EXIT
-  "$tandem" up --model "$gguf" --prefill 1 --decode 1 --port "$port" --http-port "$hport" >"$out/up.log" 2>&1 &
+  "$tandem" up --model "$gguf" --prefill 1 --decode 1 --port "$port" --http-port "$hport" --kv-spill-temporary >"$out/up.log" 2>&1 &
   peer_pids+=($!)
   "$llama" -m "$gguf" -t 2 --parallel "$parallel" -c 16384 --port "$lport" >"$out/llama-server.log" 2>&1 &
   peer_pids+=($!)

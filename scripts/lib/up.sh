@@ -10,9 +10,13 @@ stop() {
 }
 
 # up FLAGS...: starts `tandem up --model $model` with the router on $port (HTTP on
-# $http_port) and FLAGS, its log in $out/up.log, and waits until it says it is up.
+# $http_port) and FLAGS (a temporary disk tier unless FLAGS name one), its log in $out/up.log,
+# and waits until it says it is up.
 up() {
-  "$tandem" up --model "${model:-smollm2}" --port "$port" --http-port "${http_port:-0}" "$@" >"$out/up.log" 2>&1 &
+  # Cold unless the caller names a disk tier: no blocks kept from an earlier run.
+  local tier=(--kv-spill-temporary)
+  case " $* " in *" --kv-spill-dir "*|*" --kv-spill-mb 0 "*|*" --kv-spill-temporary "*) tier=() ;; esac
+  "$tandem" up --model "${model:-smollm2}" --port "$port" --http-port "${http_port:-0}" "${tier[@]}" "$@" >"$out/up.log" 2>&1 &
   pid=$!
   for _ in $(seq 600); do
     grep -q "tandem cluster is up" "$out/up.log" && return 0

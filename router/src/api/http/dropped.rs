@@ -66,6 +66,7 @@ impl Dropped {
     }
 
     /// The types left out.
+    #[cfg(test)]
     pub(crate) fn types(&self) -> &[String] {
         &self.0
     }
