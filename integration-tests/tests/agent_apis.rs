@@ -77,5 +77,29 @@ async fn anthropic_and_openai_agent_clients_run_against_the_cluster() {
         seen["anthropic_prompt_tokens"],
         grpc.last.usage.expect("usage").prompt_tokens
     );
+
+    // The model answers to the names it was started with, as well as its id, and the reply
+    // names the id; another name is 404.
+    let http = reqwest::Client::new();
+    for (asked, status) in [
+        ("default", 200),
+        ("qwen2.5-coder-0.5b", 200),
+        ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 200),
+        (name.as_str(), 200),
+        ("qwen2.5-coder-1.5b", 404),
+    ] {
+        let reply = http
+            .post(format!("{base}/v1/chat/completions"))
+            .json(&serde_json::json!({"model": asked, "max_tokens": 1,
+                                      "messages": [{"role": "user", "content": "Hi"}]}))
+            .send()
+            .await
+            .expect("POST");
+        assert_eq!(reply.status().as_u16(), status, "{asked}");
+        if status == 200 {
+            let body: serde_json::Value = reply.json().await.expect("JSON");
+            assert_eq!(body["model"], name.as_str(), "{asked}");
+        }
+    }
     cluster.stop().await.expect("stop");
 }

@@ -123,8 +123,14 @@ fn the_kv_spill_file_gives_each_role_a_kept_tier() {
         let svc = &compose["services"][role];
         let volume = format!("kv-{role}");
         let volumes = format!("{:?}", svc["volumes"]);
-        assert!(volumes.contains(&format!("{volume}:/kv")), "{role}: {volumes}");
-        assert!(compose["volumes"].get(&volume).is_some(), "{volume} is declared");
+        assert!(
+            volumes.contains(&format!("{volume}:/kv")),
+            "{role}: {volumes}"
+        );
+        assert!(
+            compose["volumes"].get(&volume).is_some(),
+            "{volume} is declared"
+        );
         assert_eq!(
             s(svc, &["environment", "TANDEM_KV_SPILL_DIR"]).as_str(),
             Some("/kv")
