@@ -6,7 +6,8 @@
 # output tokens). Claude Code's CLI ships inside PyPI's claude-agent-sdk wheel, installed into
 # target/claude-code-venv on first use.
 #
-# Usage: scripts/bench-claude-code.sh BASE_URL [LABEL]   (BASE_URL e.g. http://127.0.0.1:8000)
+# Usage: [CLAUDE_WORKDIR=DIR] scripts/bench-claude-code.sh BASE_URL [LABEL]
+#        (BASE_URL e.g. http://127.0.0.1:8000)
 # Prints one JSON line per turn.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,8 +19,16 @@ if ! "$venv/bin/python" -c "import claude_agent_sdk" 2>/dev/null; then
   "$venv/bin/pip" install --quiet claude-agent-sdk==0.2.189
 fi
 claude=$("$venv/bin/python" -c "import claude_agent_sdk, os; print(os.path.join(os.path.dirname(claude_agent_sdk.__file__), '_bundled', 'claude'))")
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+# CLAUDE_WORKDIR: the working directory (and HOME) to run in, kept; by default a fresh one,
+# removed at the end. Claude Code's system prompt names it, so runs that should share a prompt
+# (a project opened again) share one.
+if [ -n "${CLAUDE_WORKDIR:-}" ]; then
+  work=$CLAUDE_WORKDIR
+  mkdir -p "$work"
+else
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+fi
 "$venv/bin/python" - "$claude" "$base" "$label" "$work" <<'PY'
 import json, os, subprocess, sys, time
 claude, base, label, work = sys.argv[1:]

@@ -4,7 +4,9 @@
 # tier (`tandem up`'s default). Per round: `tandem up --model default --kv-spill-dir DIR
 # --kv-spill-clear` (cold), one Claude Code turn (scripts/bench-claude-code.sh), SIGTERM (the
 # workers write their caches out), `tandem up` again on DIR, one more turn. Prints each turn's
-# JSON line and, at the end, the median TTFTs and their ratio.
+# JSON line and, at the end, the median TTFTs and their ratio. Every turn runs Claude Code in
+# one working directory, as a user who opens the same project again would: its system prompt
+# names the directory, so a fresh one per turn would make every prompt a new one.
 #
 # Usage: scripts/bench-restart.sh [ROUNDS] [TANDEM_BINARY]   (default 3, target/release/tandem)
 set -euo pipefail
@@ -19,6 +21,7 @@ model=default
 source scripts/lib/up.sh
 trap 'stop; rm -rf "$out"' EXIT
 tier="$out/kv"
+export CLAUDE_WORKDIR="$out/project"
 for round in $(seq "$rounds"); do
   up --kv-spill-dir "$tier" --kv-spill-clear
   scripts/bench-claude-code.sh "http://127.0.0.1:$http_port" "cold-$round" | grep "\"turn\": 1," | tee -a "$out/turns"

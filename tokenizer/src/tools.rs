@@ -85,11 +85,14 @@ pub enum Piece {
     Call { name: String, arguments: String },
 }
 
+/// The check of a call's arguments (a JSON object) against the named tool's schema.
+type Accepts = Box<dyn Fn(&str, &Value) -> bool + Send + Sync>;
+
 /// What a reply may call without the markup's tags: the offered tools' names, and the check of
-/// a call's arguments (a JSON object) against the named tool's schema.
+/// its arguments.
 pub struct BareCalls {
     names: Vec<String>,
-    accepts: Box<dyn Fn(&str, &Value) -> bool + Send + Sync>,
+    accepts: Accepts,
 }
 
 impl BareCalls {
