@@ -671,9 +671,9 @@ impl SpillDir {
         Engine::new(model.clone(), config).expect("engine")
     }
 
-    /// The spilled blocks' files.
+    /// The spilled blocks' files: the tier's in the directory's first slot, where one engine's go.
     fn files(&self) -> Vec<std::path::PathBuf> {
-        let mut files: Vec<_> = std::fs::read_dir(&self.0)
+        let mut files: Vec<_> = std::fs::read_dir(self.0.join("slot-0"))
             .expect("spill dir")
             .flatten()
             .filter(|e| e.path().is_dir())

@@ -247,17 +247,10 @@ def check_responses():
         assert e.body["param"] == "previous_response_id", e.body
 
 
-def check_agent():
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIResponsesModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
+def weather_agent(settings):
+    """An agent whose get_weather tool records the cities it is asked about."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, function_tool
 
-    set_tracing_disabled(True)
     cities = []
 
     @function_tool
@@ -272,10 +265,18 @@ def check_agent():
         instructions="You answer questions about the weather. Use the get_weather tool.",
         tools=[get_weather],
         model=OpenAIResponsesModel(model=MODEL, openai_client=client),
-        # The first turn must call the tool; the SDK then resets the choice to auto, and the
-        # model answers from the tool's result.
-        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=64),
+        model_settings=ModelSettings(**settings),
     )
+    return agent, cities
+
+
+def check_agent():
+    from agents import Runner, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    # The first turn must call the tool; the SDK then resets the choice to auto, and the model
+    # answers from the tool's result.
+    agent, cities = weather_agent(dict(tool_choice="required", temperature=0, max_tokens=64))
     result = Runner.run_sync(agent, "What is the weather like in Paris today?", max_turns=6)
     assert cities, "the agent never called its tool"
     assert isinstance(result.final_output, str) and result.final_output.strip(), result
@@ -286,24 +287,9 @@ def check_agent():
 def check_agent_on_auto():
     """The same agent with the SDK's defaults (tool_choice auto): the small model writes its
     call as bare JSON, without its template's tags, and the call must still reach the tool."""
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool
+    from agents import Runner
 
-    cities = []
-
-    @function_tool
-    def get_weather(city: str) -> str:
-        """Get the current weather in a city."""
-        cities.append(city)
-        return f"It is sunny and 24 degrees Celsius in {city}."
-
-    client = openai.AsyncOpenAI(base_url=BASE + "/v1", api_key="unused", max_retries=0)
-    agent = Agent(
-        name="weather",
-        instructions="You answer questions about the weather. Use the get_weather tool.",
-        tools=[get_weather],
-        model=OpenAIResponsesModel(model=MODEL, openai_client=client),
-        model_settings=ModelSettings(temperature=0, max_tokens=128),
-    )
+    agent, cities = weather_agent(dict(temperature=0, max_tokens=128))
     Runner.run_sync(agent, "What is the weather like in Paris today?", max_turns=6)
     assert cities == ["Paris"], f"the agent on auto called its tool for {cities}"
     seen["agent_on_auto_cities"] = cities
