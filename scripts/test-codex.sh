@@ -7,10 +7,14 @@
 #                                          read from the prefix cache;
 #   3. `codex exec PROMPT`                 a turn whose model runs a shell command through
 #                                          Codex's exec_command function and reads its output
-#                                          (the function-call round trip).
+#                                          (the function-call round trip), on a cluster of
+#                                          CODEX_TOOL_MODEL (default qwen2.5-coder-1.5b, fetched
+#                                          if missing): the 0.5B default writes the call with
+#                                          arguments its schema refuses (docs/api.md).
 # Every turn must end without an error event. Prints one JSON line per turn (its seconds, the
 # usage Codex reports), and exits non-zero on a failed check. Sampling is greedy
-# (--default-temperature 0), so that the small model's choices are the same every run.
+# (--default-temperature 0), so that the models' choices are the same every run. About 4
+# minutes on 2 cores, most of it the two cold first prompts.
 #
 # Usage: scripts/test-codex.sh [TANDEM_BINARY]   (default target/release/tandem)
 set -euo pipefail
@@ -28,10 +32,11 @@ model=default
 # shellcheck source=scripts/lib/up.sh
 source scripts/lib/up.sh
 trap 'stop; rm -rf "$out"' EXIT
-up --default-temperature 0
 mkdir -p "$out/codex" "$out/work"
-cat >"$out/codex/config.toml" <<TOML
-model = "default"
+# config MODEL: Codex's config.toml, with Tandem's /v1 as its provider and MODEL as its model.
+config() {
+  cat >"$out/codex/config.toml" <<TOML
+model = "$1"
 model_provider = "tandem"
 
 [model_providers.tandem]
@@ -39,19 +44,27 @@ name = "Tandem"
 base_url = "http://127.0.0.1:$http_port/v1"
 wire_api = "responses"
 TOML
-"$venv/bin/python" - "$PWD/$venv/bin/codex" "$out" <<'PY'
+}
+# turns PHASE: runs the turns of PHASE (chat: the first and the resumed turn; tool: the tool
+# turn) and checks them.
+turns() {
+  "$venv/bin/python" - "$PWD/$venv/bin/codex" "$out" "$1" <<'PY'
 import json, os, subprocess, sys, time
-codex, out = sys.argv[1:]
+codex, out, phase = sys.argv[1:]
 env = dict(os.environ, CODEX_HOME=os.path.join(out, "codex"), HOME=out, NO_COLOR="1")
 work = os.path.join(out, "work")
 common = ["--json", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"]
-turns = [
-    ("first turn", [codex, "exec", *common, "What is 2+2? Answer with one number."]),
-    ("resumed turn", [codex, "exec", "resume", "--last", *common,
-                      "And that number times 3? Answer with one number."]),
-    ("tool turn", [codex, "exec", *common,
-                   "Run the shell command `echo tandem-ok` and tell me what it printed."]),
-]
+turns = {
+    "chat": [
+        ("first turn", [codex, "exec", *common, "What is 2+2? Answer with one number."]),
+        ("resumed turn", [codex, "exec", "resume", "--last", *common,
+                          "And that number times 3? Answer with one number."]),
+    ],
+    "tool": [
+        ("tool turn", [codex, "exec", *common,
+                       "Use the exec_command tool to run: echo tandem-ok"]),
+    ],
+}[phase]
 failed = []
 for label, cmd in turns:
     start = time.time()
@@ -85,5 +98,15 @@ for label, cmd in turns:
         failed.append("tool turn: the model did not run the command through Codex")
 if failed:
     sys.exit("FAILED\n" + "\n".join(failed))
-print("codex: every check passed")
 PY
+}
+up --default-temperature 0
+config default
+turns chat
+stop
+model=${CODEX_TOOL_MODEL:-qwen2.5-coder-1.5b}
+"$tandem" model fetch "$model" >/dev/null
+up --default-temperature 0
+config "$model"
+turns tool
+echo "codex: every check passed"

@@ -17,7 +17,8 @@
 //! Tools are function, custom and namespace tools; those only OpenAI's servers run are left
 //! out (`tools` says how). A function tool's `strict` is accepted: a call that `tool_choice`
 //! forces follows the tools' schemas by grammar; a call the model makes on its own (`auto`) is
-//! read from its markup and its arguments are a JSON object, but not held to the schema.
+//! read from its markup (its arguments a JSON object, not held to the schema), or from a reply
+//! that is one bare call whose arguments pass the schema ([`crate::api::http::reply`]).
 
 use axum::http::HeaderMap;
 use serde_json::{Map, Value};
