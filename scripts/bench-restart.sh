@@ -13,13 +13,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
 tandem=$(realpath "${2:-target/release/tandem}")
-out=$(mktemp -d)
-port=$((20000 + RANDOM % 20000))
-http_port=$((port + 1))
 model=default
 # shellcheck source=scripts/lib/up.sh
 source scripts/lib/up.sh
-trap 'stop; rm -rf "$out"' EXIT
+scratch
 tier="$out/kv"
 export CLAUDE_WORKDIR="$out/project"
 for round in $(seq "$rounds"); do

