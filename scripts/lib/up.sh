@@ -1,7 +1,6 @@
-# Sourced by the scripts that run one system at a time (bench-multiturn.sh, test-codex.sh,
-# bench-kv-spill.sh, bench-agent.sh, ...). Expects $tandem, $out and $port to be set (scratch sets
-# the last two); $model (default
-# smollm2) and $http_port (default 0, a free port) may be.
+# Sourced by the scripts that run one system at a time (bench-multiturn.sh, bench-kv-spill.sh,
+# bench-agent.sh, test-codex.sh, ...). Expects $tandem, $out and $port to be set (scratch sets
+# the last two); $model (default smollm2) and $http_port (default 0, a free port) may be.
 
 pid=""
 
