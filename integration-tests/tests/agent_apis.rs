@@ -78,6 +78,51 @@ async fn anthropic_and_openai_agent_clients_run_against_the_cluster() {
         grpc.last.usage.expect("usage").prompt_tokens
     );
 
+    // Over gRPC, the frames carry the calls a reply makes: here the bare JSON call the model
+    // writes with the tool offered and the choice left to it.
+    let mut frames = cluster
+        .client()
+        .generate(pb::GenerateRequest {
+            messages: vec![
+                pb::ChatMessage {
+                    role: "system".into(),
+                    content: "You answer questions about the weather. Use the get_weather tool."
+                        .into(),
+                    ..Default::default()
+                },
+                pb::ChatMessage {
+                    role: "user".into(),
+                    content: "What is the weather like in Paris today?".into(),
+                    ..Default::default()
+                },
+            ],
+            tools: vec![pb::Tool {
+                name: "get_weather".into(),
+                description: "Get the current weather in a city.".into(),
+                parameters: r#"{"type": "object", "properties": {"city": {"type": "string"}},
+                                "required": ["city"], "additionalProperties": false}"#
+                    .into(),
+            }],
+            sampling: Some(pb::SamplingParams {
+                max_tokens: 64,
+                temperature: 0.0,
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .expect("gRPC generation")
+        .into_inner();
+    let (mut calls, mut text) = (Vec::new(), String::new());
+    while let Some(f) = frames.message().await.expect("frame") {
+        text.push_str(&f.text);
+        calls.extend(f.tool_calls);
+    }
+    assert_eq!(calls.len(), 1, "{text}");
+    assert_eq!(calls[0].name, "get_weather");
+    let arguments: serde_json::Value = serde_json::from_str(&calls[0].arguments).expect("JSON");
+    assert_eq!(arguments["city"], "Paris", "{text}");
+
     // The model answers to the names it was started with, as well as its id, and the reply
     // names the id; another name is 404.
     let http = reqwest::Client::new();

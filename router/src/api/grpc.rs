@@ -1,9 +1,11 @@
 //! The gRPC front: `tandem.v1.Generation`, whose calls are authenticated by [`interceptor`]
 //! before their message is decoded and then started through [`GenerationService::start`].
 
+use futures::StreamExt;
 use tandem_proto::v1 as pb;
 use tonic::{Request, Response, Status};
 
+use crate::api::http::reply::{Part, Reply};
 use crate::auth::Principal;
 use crate::dispatch::{GenerateStream, GenerationService};
 use crate::error::Error;
@@ -66,7 +68,62 @@ impl GenerationService {
         if let Some(ms) = target.filter(|_| r.ttft_target_ms == 0) {
             r.ttft_target_ms = ms;
         }
+        let replies = self.tool_replies(&r)?;
         let stream = self.start(r, &principal, deadline, None).await?.frames;
-        Ok(Response::new(stream))
+        Ok(Response::new(match replies {
+            Some(replies) => with_tool_calls(stream, replies),
+            None => stream,
+        }))
     }
+
+    /// For a chat that offers tools, a parser of each choice's reply into its calls.
+    fn tool_replies(&self, r: &pb::GenerateRequest) -> Result<Option<Vec<Reply>>, Error> {
+        if r.tools.is_empty() {
+            return Ok(None);
+        }
+        let front = self.frontend(&r.model)?;
+        // Call ids need a request id; a request without one is named only when it starts (only
+        // a client's own id attaches retries), so the calls take one of their own.
+        let named = pb::GenerateRequest {
+            request_id: match r.request_id.as_str() {
+                "" => crate::ids::fresh_id(),
+                id => id.to_string(),
+            },
+            tools: r.tools.clone(),
+            tool_choice: r.tool_choice,
+            tool_choice_function: r.tool_choice_function.clone(),
+            ..Default::default()
+        };
+        let replies = (0..r.n.max(1))
+            .map(|choice| Reply::new(&front.tokenizer, &named, true, choice))
+            .collect();
+        Ok(Some(replies))
+    }
+}
+
+/// `frames` with each frame's [`pb::GenerateResponse::tool_calls`]: the calls its choice's reply
+/// completes there.
+fn with_tool_calls(frames: GenerateStream, mut replies: Vec<Reply>) -> GenerateStream {
+    Box::pin(frames.map(move |item| {
+        item.map(|mut f| {
+            if let Some(reply) = replies.get_mut(f.choice as usize) {
+                for part in reply.frame(&f) {
+                    if let Part::Call {
+                        id,
+                        name,
+                        arguments,
+                        ..
+                    } = part
+                    {
+                        f.tool_calls.push(pb::ToolCall {
+                            id,
+                            name,
+                            arguments,
+                        });
+                    }
+                }
+            }
+            f
+        })
+    }))
 }
