@@ -141,17 +141,21 @@ impl ModelSource {
 
 pub use tiny::gguf_image as tiny_gguf_image;
 
+/// Tandem's directory under the user's cache: `~/.cache/tandem`.
+fn cache_dir() -> PathBuf {
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
+    home.join(".cache/tandem")
+}
+
 /// Where `tandem up` keeps its workers' disk tiers across restarts: `~/.cache/tandem/kv`.
 pub fn kv_dir_default() -> PathBuf {
-    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
-    home.join(".cache/tandem/kv")
+    cache_dir().join("kv")
 }
 
 /// The model directory: `$TANDEM_MODEL_DIR`, else `~/.cache/tandem/models`.
 pub fn model_dir_from_env() -> PathBuf {
-    if let Some(dir) = std::env::var_os("TANDEM_MODEL_DIR") {
-        return PathBuf::from(dir);
+    match std::env::var_os("TANDEM_MODEL_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None => cache_dir().join("models"),
     }
-    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
-    home.join(".cache/tandem/models")
 }

@@ -114,39 +114,16 @@ impl BareCalls {
             Fence::Open(rest) => (rest.trim_start(), true),
             Fence::None => (reply, false),
         };
-        let Some(rest) = reply.strip_prefix('{') else {
-            return if reply.is_empty() {
-                Bare::Maybe
-            } else {
-                Bare::No
-            };
-        };
         // `{`, then `"name"`, `:` and the opening quote of an offered tool's name.
-        let rest = rest.trim_start();
-        let key = "\"name\"";
-        let Some(rest) = rest.strip_prefix(key) else {
-            return if key.starts_with(rest) {
-                Bare::Maybe
-            } else {
-                Bare::No
-            };
-        };
-        let rest = rest.trim_start();
-        let Some(rest) = rest.strip_prefix(':') else {
-            return if rest.is_empty() {
-                Bare::Maybe
-            } else {
-                Bare::No
-            };
-        };
-        let rest = rest.trim_start();
-        let Some(rest) = rest.strip_prefix('"') else {
-            return if rest.is_empty() {
-                Bare::Maybe
-            } else {
-                Bare::No
-            };
-        };
+        let mut rest = reply;
+        for token in ["{", "\"name\"", ":", "\""] {
+            rest = rest.trim_start();
+            match rest.strip_prefix(token) {
+                Some(after) => rest = after,
+                None if token.starts_with(rest) => return Bare::Maybe,
+                None => return Bare::No,
+            }
+        }
         match rest.split_once('"') {
             Some((name, _)) if self.names.iter().any(|n| n == name) => {}
             Some(_) => return Bare::No,

@@ -67,7 +67,6 @@ async fn run(
     )?;
     let request = &parsed.call.request;
     let request_id = request.request_id.clone();
-    let parsed_dropped = parsed.dropped;
     let reply = Reply::new(&front.tokenizer, request, parsed.parallel_tool_calls, 0);
     let stops = request
         .sampling
@@ -95,7 +94,7 @@ async fn run(
     if let Ok(v) = HeaderValue::from_str(&request_id) {
         response.headers_mut().insert("request-id", v);
     }
-    Ok(parsed_dropped.mark(with_request_id(response, &request_id)))
+    Ok(parsed.dropped.mark(with_request_id(response, &request_id)))
 }
 
 /// The model a Messages body asks for ([`request::requested`]).

@@ -42,7 +42,9 @@ use crate::api::anthropic::messages::{block_type, check_effort, conversation, sy
 use crate::api::http::dropped::{Dropped, anthropic_server_tool};
 use crate::api::http::error::ApiError;
 use crate::api::http::fields::{flag, function_tool, json_grammar, tool_list, unsigned};
-use crate::api::http::{Call, base_sampling, check_model, json_object, string, unknown_key};
+use crate::api::http::{
+    Call, base_sampling, check_model, json_object, only_keys, string, unknown_key,
+};
 use crate::api::session::{BodySession, session};
 use crate::config::SamplingDefaults;
 
@@ -379,12 +381,7 @@ fn tools(
             "cache_control",
             "defer_loading",
         ];
-        if let Some(k) = unknown_key(t, &known) {
-            return Err(ApiError::unsupported(
-                &format!("{param}.{k}"),
-                "not a tool definition's key",
-            ));
-        }
+        only_keys(t, param, &known, "tool definition")?;
         let tool = function_tool(param, t, "input_schema", true)?;
         let deferred = flag(t, "defer_loading")? && !loaded.contains(&tool.name);
         Ok((!deferred).then_some(tool))

@@ -161,6 +161,23 @@ pub(crate) fn unknown_key<'a>(body: &'a Map<String, Value>, known: &[&str]) -> O
         .map(|(k, _)| k.as_str())
 }
 
+/// Refuses the first key of a definition `t` (`param` names it) that is not in `known`, naming
+/// `what` it is not: the tool definitions' shared check.
+pub(crate) fn only_keys(
+    t: &Map<String, Value>,
+    param: &str,
+    known: &[&str],
+    what: &str,
+) -> Result<(), ApiError> {
+    match unknown_key(t, known) {
+        Some(k) => Err(ApiError::unsupported(
+            &format!("{param}.{k}"),
+            &format!("not a {what}'s key"),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Checks that `body` names its model with a string. The name was resolved before the body was
 /// parsed ([`asked_model`], [`GenerationService::frontend`]: one the cluster does not serve is
 /// 404 `model_not_found` there), so any name that reaches here is one the model answers to.

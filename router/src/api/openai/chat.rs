@@ -6,7 +6,7 @@ use tandem_proto::v1 as pb;
 
 use crate::api::http::error::ApiError;
 use crate::api::http::fields::{flag, function_tool, json_grammar, tool_list};
-use crate::api::http::unknown_key;
+use crate::api::http::only_keys;
 
 /// A chat message's text: a string, or an array of text parts.
 pub(super) fn content_text(i: usize, content: Option<&Value>) -> Result<String, ApiError> {
@@ -183,12 +183,8 @@ pub(super) fn tools(body: &Map<String, Value>, forced: bool) -> Result<Vec<pb::T
             ));
         };
         let param = format!("{param}.function");
-        if let Some(k) = unknown_key(f, &["name", "description", "parameters", "strict"]) {
-            return Err(ApiError::unsupported(
-                &format!("{param}.{k}"),
-                "not a function definition's key",
-            ));
-        }
+        let known = ["name", "description", "parameters", "strict"];
+        only_keys(f, &param, &known, "function definition")?;
         if flag(f, "strict")? && !forced {
             return Err(ApiError::unsupported(
                 &format!("{param}.strict"),

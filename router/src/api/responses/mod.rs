@@ -49,11 +49,10 @@ async fn run(
     body: &[u8],
 ) -> Result<Response, ApiError> {
     let front = api.frontend(&asked_model(body))?;
-    let mut parsed = parse(&front.model_name, headers, body, &api.sampling_defaults)?;
+    let parsed = parse(&front.model_name, headers, body, &api.sampling_defaults)?;
     let request = &parsed.call.request;
     let request_id = request.request_id.clone();
     let reply = Reply::new(&front.tokenizer, request, parsed.parallel_tool_calls, 0);
-    let dropped = std::mem::take(&mut parsed.tools.dropped);
     let mut transcript = Transcript::new(
         &request_id,
         &front.model_name,
@@ -74,5 +73,5 @@ async fn run(
         gather(&mut transcript, &mut frames).await?;
         Json(transcript.response()).into_response()
     };
-    Ok(dropped.mark(with_request_id(response, &request_id)))
+    Ok(parsed.dropped.mark(with_request_id(response, &request_id)))
 }

@@ -24,6 +24,7 @@ use axum::http::HeaderMap;
 use serde_json::{Map, Value};
 use tandem_proto::v1 as pb;
 
+use crate::api::http::dropped::Dropped;
 use crate::api::http::error::ApiError;
 use crate::api::http::fields::{check_metadata, flag, json_grammar, parallel_tool_calls, unsigned};
 use crate::api::http::{Call, base_sampling, check_model, json_object, string, unknown_key};
@@ -62,8 +63,10 @@ pub(crate) struct Parsed {
     pub(crate) call: Call,
     pub(super) stream: bool,
     pub(super) parallel_tool_calls: bool,
-    /// What the tools offered to the model are (their calls' items), and those left out.
+    /// What the tools offered to the model are (their calls' items).
     pub(super) tools: Tools,
+    /// The server tools left out.
+    pub(super) dropped: Dropped,
     /// `instructions`, `tools`, `tool_choice`, `temperature`, `top_p`, `max_output_tokens`,
     /// `text`, `user`, `metadata`: as given, or their defaults.
     pub(super) echo: Map<String, Value>,
@@ -116,7 +119,7 @@ pub(crate) fn parse(
         });
     }
     input(&body, &mut messages)?;
-    let mut tools = Tools::parse(&body)?;
+    let (offered, tools, dropped) = Tools::parse(&body)?;
     let (choice, function) = tool_choice(&body)?;
     let max_tokens = match unsigned(&body, "max_output_tokens")? {
         Some(0) => {
@@ -152,7 +155,7 @@ pub(crate) fn parse(
             },
         ),
         messages,
-        tools: std::mem::take(&mut tools.offered),
+        tools: offered,
         tool_choice: choice as i32,
         tool_choice_function: function,
         sampling: Some(sampling),
@@ -179,6 +182,7 @@ pub(crate) fn parse(
         stream,
         parallel_tool_calls,
         tools,
+        dropped,
         echo,
     })
 }
@@ -214,23 +218,13 @@ fn check_accepted(body: &Map<String, Value>) -> Result<(), ApiError> {
     ] {
         string(body, key)?;
     }
-    if body
-        .get("client_metadata")
-        .is_some_and(|m| !m.is_null() && !m.is_object())
-    {
-        return Err(ApiError::invalid(
-            "client_metadata",
-            "'client_metadata' must be an object",
-        ));
-    }
-    if body
-        .get("reasoning")
-        .is_some_and(|r| !r.is_null() && !r.is_object())
-    {
-        return Err(ApiError::invalid(
-            "reasoning",
-            "'reasoning' must be an object",
-        ));
+    for key in ["client_metadata", "reasoning"] {
+        if body
+            .get(key)
+            .is_some_and(|v| !v.is_null() && !v.is_object())
+        {
+            return Err(ApiError::invalid(key, format!("'{key}' must be an object")));
+        }
     }
     Ok(())
 }

@@ -22,7 +22,7 @@ use tandem_proto::v1 as pb;
 use crate::api::http::dropped::{Dropped, openai_server_tool};
 use crate::api::http::error::ApiError;
 use crate::api::http::fields::{flag, function_tool, tool_list};
-use crate::api::http::unknown_key;
+use crate::api::http::only_keys;
 
 /// What a tool offered to the model is, by the name the model calls it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -45,12 +45,18 @@ pub(crate) enum Called {
     },
 }
 
-/// A request's tools: those offered to the model, what each is, and those left out.
+/// What each tool offered to the model is, by the name the model calls it.
 #[derive(Debug, Default)]
 pub(crate) struct Tools {
-    pub(crate) offered: Vec<pb::Tool>,
     kinds: HashMap<String, Kind>,
-    pub(crate) dropped: Dropped,
+}
+
+/// A request's tools as they are read: those offered so far, what each is, and those left out.
+#[derive(Default)]
+struct Reading {
+    offered: Vec<pb::Tool>,
+    kinds: HashMap<String, Kind>,
+    dropped: Dropped,
 }
 
 /// The name a namespace's function is offered under. Names are a-z, A-Z, 0-9, `_` and `-`, so
@@ -60,9 +66,12 @@ pub(crate) fn qualified(namespace: &str, name: &str) -> String {
 }
 
 impl Tools {
-    /// `tools`, read and checked.
-    pub(crate) fn parse(body: &Map<String, Value>) -> Result<Self, ApiError> {
-        let mut tools = Self::default();
+    /// `tools`, read and checked: the tools offered to the model, what each is, and the server
+    /// tools left out.
+    pub(crate) fn parse(
+        body: &Map<String, Value>,
+    ) -> Result<(Vec<pb::Tool>, Self, Dropped), ApiError> {
+        let mut tools = Reading::default();
         tool_list(body, |param, t| {
             match t.get("type").and_then(Value::as_str).unwrap_or("") {
                 "function" => tools.function(param, t, None)?,
@@ -87,9 +96,41 @@ impl Tools {
             }
             Ok(None)
         })?;
-        Ok(tools)
+        let kinds = Self { kinds: tools.kinds };
+        Ok((tools.offered, kinds, tools.dropped))
     }
 
+    /// The model's call of the tool offered as `name`, with `arguments` (a JSON object), as the
+    /// API shows it.
+    pub(crate) fn called(&self, name: &str, arguments: String) -> Called {
+        match self.kinds.get(name) {
+            Some(Kind::Custom) => {
+                let input = serde_json::from_str::<Value>(&arguments)
+                    .ok()
+                    .and_then(|a| a.get("input").and_then(Value::as_str).map(str::to_string))
+                    .unwrap_or(arguments);
+                Called::Custom {
+                    name: unqualified(name).to_string(),
+                    input,
+                }
+            }
+            Some(Kind::Function {
+                namespace: Some(ns),
+            }) => Called::Function {
+                name: unqualified(name).to_string(),
+                namespace: Some(ns.clone()),
+                arguments,
+            },
+            _ => Called::Function {
+                name: name.to_string(),
+                namespace: None,
+                arguments,
+            },
+        }
+    }
+}
+
+impl Reading {
     /// A `function` tool (`param` names it), inside `namespace` if given.
     fn function(
         &mut self,
@@ -98,12 +139,7 @@ impl Tools {
         namespace: Option<&str>,
     ) -> Result<(), ApiError> {
         let known = ["type", "name", "description", "parameters", "strict"];
-        if let Some(k) = unknown_key(t, &known) {
-            return Err(ApiError::unsupported(
-                &format!("{param}.{k}"),
-                "not a function tool's key",
-            ));
-        }
+        only_keys(t, param, &known, "function tool")?;
         flag(t, "strict")?;
         let mut tool = function_tool(param, t, "parameters", false)?;
         if let Some(ns) = namespace {
@@ -122,12 +158,8 @@ impl Tools {
         t: &Map<String, Value>,
         namespace: Option<&str>,
     ) -> Result<(), ApiError> {
-        if let Some(k) = unknown_key(t, &["type", "name", "description", "format"]) {
-            return Err(ApiError::unsupported(
-                &format!("{param}.{k}"),
-                "not a custom tool's key",
-            ));
-        }
+        let known = ["type", "name", "description", "format"];
+        only_keys(t, param, &known, "custom tool")?;
         let mut tool = function_tool(param, t, "parameters", false)?;
         let mut input = json!({"type": "string"});
         match t.get("format").filter(|f| !f.is_null()) {
@@ -171,12 +203,8 @@ impl Tools {
 
     /// A `namespace` tool: its functions and custom tools, each offered as `namespace.name`.
     fn namespace(&mut self, param: &str, t: &Map<String, Value>) -> Result<(), ApiError> {
-        if let Some(k) = unknown_key(t, &["type", "name", "description", "tools"]) {
-            return Err(ApiError::unsupported(
-                &format!("{param}.{k}"),
-                "not a namespace tool's key",
-            ));
-        }
+        let known = ["type", "name", "description", "tools"];
+        only_keys(t, param, &known, "namespace tool")?;
         let name = function_tool(param, t, "parameters", false)?.name;
         let Some(inner) = t.get("tools").and_then(Value::as_array) else {
             return Err(ApiError::invalid(
@@ -214,35 +242,6 @@ impl Tools {
         self.offered.push(tool);
         Ok(())
     }
-
-    /// The model's call of the tool offered as `name`, with `arguments` (a JSON object), as the
-    /// API shows it.
-    pub(crate) fn called(&self, name: &str, arguments: String) -> Called {
-        match self.kinds.get(name) {
-            Some(Kind::Custom) => {
-                let input = serde_json::from_str::<Value>(&arguments)
-                    .ok()
-                    .and_then(|a| a.get("input").and_then(Value::as_str).map(str::to_string))
-                    .unwrap_or(arguments);
-                Called::Custom {
-                    name: unqualified(name).to_string(),
-                    input,
-                }
-            }
-            Some(Kind::Function {
-                namespace: Some(ns),
-            }) => Called::Function {
-                name: unqualified(name).to_string(),
-                namespace: Some(ns.clone()),
-                arguments,
-            },
-            _ => Called::Function {
-                name: name.to_string(),
-                namespace: None,
-                arguments,
-            },
-        }
-    }
 }
 
 /// A tool's own name, without its namespace.
@@ -254,14 +253,14 @@ fn unqualified(name: &str) -> &str {
 mod tests {
     use super::*;
 
-    fn parse(tools: Value) -> Result<Tools, ApiError> {
+    fn parse(tools: Value) -> Result<(Vec<pb::Tool>, Tools, Dropped), ApiError> {
         let body = json!({ "tools": tools });
         Tools::parse(body.as_object().expect("object"))
     }
 
     #[test]
     fn namespaces_custom_tools_and_server_tools() {
-        let tools = parse(json!([
+        let (offered, tools, dropped) = parse(json!([
             {"type": "function", "name": "exec", "parameters": {"type": "object"}},
             {"type": "namespace", "name": "agents", "description": "sub-agents",
              "tools": [{"type": "function", "name": "spawn", "parameters": {"type": "object"}}]},
@@ -271,10 +270,10 @@ mod tests {
             {"type": "file_search", "vector_store_ids": []},
         ]))
         .expect("served");
-        let names: Vec<&str> = tools.offered.iter().map(|t| t.name.as_str()).collect();
+        let names: Vec<&str> = offered.iter().map(|t| t.name.as_str()).collect();
         assert_eq!(names, ["exec", "agents.spawn", "patch"]);
-        assert_eq!(tools.dropped.types(), ["web_search", "file_search"]);
-        let schema: Value = serde_json::from_str(&tools.offered[2].parameters).expect("json");
+        assert_eq!(dropped.types(), ["web_search", "file_search"]);
+        let schema: Value = serde_json::from_str(&offered[2].parameters).expect("json");
         assert_eq!(schema["properties"]["input"]["pattern"], "[a-z]+");
         assert_eq!(
             tools.called("agents.spawn", "{}".into()),
