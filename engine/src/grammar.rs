@@ -27,6 +27,10 @@ pub enum Grammar {
     Regex(String),
     /// A Lark grammar (llguidance's dialect).
     Lark(String),
+    /// The router's hold on a reply that may call tools: a Lark grammar that is free until a
+    /// call starts. One that does not compile (a tool schema llguidance cannot hold) leaves
+    /// the reply unconstrained rather than failing the request.
+    ToolCalls(String),
 }
 
 /// The model's grammar compiler, built on first use.
@@ -44,8 +48,23 @@ impl std::fmt::Debug for Grammars {
 }
 
 impl Grammars {
-    /// Compiles `grammar` for a sequence of this model.
-    pub(crate) fn compile(&self, grammar: &Grammar, tokenizer: &Tokenizer) -> Result<Constraint> {
+    /// Compiles `grammar` for a sequence of this model: `None` for a tool-call hold that does
+    /// not compile.
+    pub(crate) fn compile(
+        &self,
+        grammar: &Grammar,
+        tokenizer: &Tokenizer,
+    ) -> Result<Option<Constraint>> {
+        match (self.compile_strict(grammar, tokenizer), grammar) {
+            (Err(e), Grammar::ToolCalls(_)) => {
+                tracing::warn!(error = %e, "the tool calls' hold does not compile; the reply runs free");
+                Ok(None)
+            }
+            (result, _) => result.map(Some),
+        }
+    }
+
+    fn compile_strict(&self, grammar: &Grammar, tokenizer: &Tokenizer) -> Result<Constraint> {
         let invalid = |reason: String| Error::InvalidArgument {
             field: "grammar",
             reason,
@@ -65,7 +84,9 @@ impl Grammars {
                 TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"}))
             }
             Grammar::Regex(rx) => TopLevelGrammar::from_regex(rx),
-            Grammar::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
+            Grammar::Lark(lark) | Grammar::ToolCalls(lark) => {
+                TopLevelGrammar::from_lark(lark.clone())
+            }
         };
         let parser = factory
             .create_parser(top)

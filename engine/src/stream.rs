@@ -103,7 +103,8 @@ impl Stream {
             .grammar
             .as_ref()
             .map(|g| model.grammars.compile(g, &model.tokenizer))
-            .transpose()?;
+            .transpose()?
+            .flatten();
         Ok(Self {
             params,
             decoder: TokenDecoder::default(),

@@ -29,6 +29,15 @@ fn generate(
     prompt: &[u32],
     grammar: Grammar,
 ) -> GenerateOutput {
+    generate_with(model, speculate, prompt, params(grammar))
+}
+
+fn generate_with(
+    model: &Arc<Model>,
+    speculate: SpeculateConfig,
+    prompt: &[u32],
+    params: GenerateParams,
+) -> GenerateOutput {
     let mut engine = Engine::new(
         model.clone(),
         EngineConfig {
@@ -41,7 +50,7 @@ fn generate(
     let mut out = engine
         .generate_batch(&[GenerateRequest {
             prompt: prompt.to_vec(),
-            params: params(grammar),
+            params,
         }])
         .expect("generation");
     out.remove(0)
@@ -127,7 +136,7 @@ fn a_grammar_that_does_not_compile_is_refused_by_name() {
 /// offered, with arguments that match its schema.
 #[test]
 fn a_forced_call_follows_the_tools_schemas() {
-    use tandem_tokenizer::{Piece, ToolCallParser};
+    use tandem_tokenizer::{Arguments, CallGrammar, Piece, ToolCallParser};
     let model = qwen();
     let weather = r#"{"type": "object", "properties": {"city": {"type": "string"},
         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
@@ -157,10 +166,21 @@ fn a_forced_call_follows_the_tools_schemas() {
             .expect("template")
             + &forced;
         let prompt = model.tokenizer.encode(&text).expect("encode");
-        let grammar = format.call_grammar(
-            &[("get_weather", Some(weather)), ("get_time", None)],
-            function,
-        );
+        let grammar = format
+            .call_grammar(
+                &[
+                    CallGrammar {
+                        name: "get_weather",
+                        arguments: Arguments::Schema(Some(weather)),
+                    },
+                    CallGrammar {
+                        name: "get_time",
+                        arguments: Arguments::Schema(None),
+                    },
+                ],
+                function,
+            )
+            .expect("grammar");
         let out = generate(
             &model,
             SpeculateConfig::off(),
@@ -187,4 +207,99 @@ fn a_forced_call_follows_the_tools_schemas() {
             assert!(args.is_object(), "{args}");
         }
     }
+}
+
+/// Where the model decides whether to call (tool_choice auto), the hold on its reply leaves text
+/// and well-formed calls exactly as the model writes them, and holds a call it starts to its
+/// tool: here a custom tool's Lark grammar, inside the JSON string of its input. A hold that
+/// does not compile leaves the reply free.
+#[test]
+fn a_held_reply_is_the_models_own_until_a_call_strays() {
+    use tandem_tokenizer::{Arguments, CallGrammar, Piece, ToolCallParser};
+    let model = qwen();
+    let format = model.tokenizer.tool_format().expect("Qwen's template takes tools");
+    let weather = r#"{"type": "object", "properties": {"city": {"type": "string"}},
+        "required": ["city"], "additionalProperties": false}"#;
+    let shout = "start: WORD (\" \" WORD)*\nWORD: /[A-Z!]+/";
+    let input = r#"{"type": "object", "properties": {"input": {"type": "string"}},
+        "required": ["input"], "additionalProperties": false}"#;
+    let tools_json: Vec<serde_json::Value> = [
+        ("get_weather", "Get the current weather in a city", weather),
+        ("shout", "Shout a message to the world", input),
+    ]
+    .iter()
+    .map(|(name, description, schema)| {
+        serde_json::json!({"type": "function", "function": {"name": name,
+            "description": description,
+            "parameters": serde_json::from_str::<serde_json::Value>(schema).expect("schema")}})
+    })
+    .collect();
+    let held = format
+        .held_grammar(&[
+            CallGrammar {
+                name: "get_weather",
+                arguments: Arguments::Schema(Some(weather)),
+            },
+            CallGrammar {
+                name: "shout",
+                arguments: Arguments::Input(shout),
+            },
+        ])
+        .expect("grammar");
+    let prompt = |text: &str| {
+        let rendered = model
+            .tokenizer
+            .apply_chat_template(&[ChatMessage::new("user", text)], &tools_json)
+            .expect("template");
+        model.tokenizer.encode(&rendered).expect("encode")
+    };
+    let free = |prompt: &[u32]| GenerateParams {
+        max_tokens: 96,
+        ..GenerateParams::default()
+    };
+    let calls = |text: &str| {
+        let mut parser = ToolCallParser::new(format, "");
+        let mut pieces = parser.push(text);
+        pieces.extend(parser.finish());
+        pieces
+    };
+    for (ask, call) in [
+        ("What is the weather like in Oslo?", Some("get_weather")),
+        ("Write a haiku about the sea.", None),
+    ] {
+        let p = prompt(ask);
+        let own = generate_with(&model, SpeculateConfig::off(), &p, free(&p));
+        let kept = generate(&model, SpeculateConfig::off(), &p, Grammar::ToolCalls(held.clone()));
+        assert_eq!(kept.token_ids, own.token_ids, "{ask}: {:?} against {:?}", kept.text, own.text);
+        let pieces = calls(&own.text);
+        match call {
+            Some(tool) => assert!(
+                matches!(&pieces[..], [Piece::Call { name, .. }] if name == tool),
+                "{ask}: {pieces:?}"
+            ),
+            None => assert!(matches!(&pieces[..], [Piece::Text(_)]), "{ask}: {pieces:?}"),
+        }
+    }
+
+    let p = prompt("Use the shout tool to say hello to the world.");
+    let own = generate_with(&model, SpeculateConfig::off(), &p, free(&p));
+    let kept = generate(&model, SpeculateConfig::off(), &p, Grammar::ToolCalls(held.clone()));
+    let [Piece::Call { name, arguments }] = &calls(&kept.text)[..] else {
+        panic!("not one call: {:?} (free: {:?})", kept.text, own.text);
+    };
+    assert_eq!(name, "shout");
+    let args: serde_json::Value = serde_json::from_str(arguments).expect("arguments");
+    let said = args["input"].as_str().expect("input");
+    assert!(
+        !said.is_empty() && said.split(' ').all(|w| !w.is_empty() && w.bytes().all(|b| b.is_ascii_uppercase() || b == b'!')),
+        "{said:?} from {:?} (free: {:?})",
+        kept.text,
+        own.text
+    );
+
+    // A hold that does not compile (a schema llguidance cannot hold) leaves the reply free.
+    let broken = Grammar::ToolCalls("start: ???".into());
+    let p = prompt("Write a haiku about the sea.");
+    let out = generate(&model, SpeculateConfig::off(), &p, broken);
+    assert_eq!(out.token_ids, generate_with(&model, SpeculateConfig::off(), &p, free(&p)).token_ids);
 }

@@ -30,7 +30,7 @@ use pieces::Pieces;
 
 pub use chat::{ChatMessage, FunctionCall, ToolCall};
 pub use error::{Error, Result};
-pub use tools::{BareCalls, Piece, ToolCallParser, ToolFormat};
+pub use tools::{Arguments, BareCalls, CallGrammar, Piece, ToolCallParser, ToolFormat};
 
 /// GGUF token types (llama.cpp's `llama_token_type`).
 pub const TOKEN_TYPE_CONTROL: i32 = 3;

@@ -15,6 +15,11 @@
 
 use serde_json::Value;
 
+mod grammar;
+mod json_string;
+
+pub use grammar::{Arguments, CallGrammar};
+
 /// How a model writes a tool call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ToolFormat {
@@ -43,36 +48,6 @@ impl ToolFormat {
                 format!("{OPEN}\n{{\"name\": {}, \"arguments\": ", Value::from(name))
             }
         }
-    }
-
-    /// A Lark grammar (llguidance's dialect) for the rest of a forced call, after
-    /// [`ToolFormat::forced_prefix`]: the name of one of `tools` (or `function`'s, already
-    /// written), arguments that match that tool's JSON schema (`None`: any object), and the
-    /// call's end. `tools` are `(name, schema)`; names are a-z, A-Z, 0-9, `_` and `-`.
-    pub fn call_grammar(self, tools: &[(&str, Option<&str>)], function: Option<&str>) -> String {
-        let Self::Hermes = self;
-        let args =
-            |schema: Option<&str>| format!("%json {}", schema.unwrap_or("{\"type\": \"object\"}"));
-        let end = format!("\"}}\\n{CLOSE}\"");
-        let mut lark = String::new();
-        match function {
-            Some(name) => {
-                let schema = tools.iter().find(|t| t.0 == name).and_then(|t| t.1);
-                lark.push_str(&format!("start: args {end}\nargs: {}\n", args(schema)));
-            }
-            None => {
-                let alternatives: Vec<String> =
-                    (0..tools.len()).map(|i| format!("call_{i}")).collect();
-                lark.push_str(&format!("start: {}\n", alternatives.join(" | ")));
-                for (i, (name, schema)) in tools.iter().enumerate() {
-                    lark.push_str(&format!(
-                        "call_{i}: \"{name}\\\", \\\"arguments\\\": \" args_{i} {end}\nargs_{i}: {}\n",
-                        args(*schema)
-                    ));
-                }
-            }
-        }
-        lark
     }
 }
 

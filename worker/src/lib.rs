@@ -114,6 +114,7 @@ fn grammar_to_pb(g: &Grammar) -> pb::Grammar {
             Grammar::JsonObject => Kind::JsonObject(true),
             Grammar::Regex(r) => Kind::Regex(r.clone()),
             Grammar::Lark(l) => Kind::Lark(l.clone()),
+            Grammar::ToolCalls(l) => Kind::ToolCalls(l.clone()),
         }),
     }
 }
@@ -125,6 +126,7 @@ fn grammar_from_pb(k: pb::grammar::Kind) -> Grammar {
         Kind::JsonObject(_) => Grammar::JsonObject,
         Kind::Regex(r) => Grammar::Regex(r),
         Kind::Lark(l) => Grammar::Lark(l),
+        Kind::ToolCalls(l) => Grammar::ToolCalls(l),
     }
 }
 

@@ -3,9 +3,11 @@
 
 use serde_json::{Value, json};
 use tandem_proto::v1 as pb;
-use tandem_tokenizer::{ChatMessage, FunctionCall, Tokenizer, ToolCall, ToolFormat};
+use tandem_tokenizer::{
+    Arguments, CallGrammar, ChatMessage, FunctionCall, Tokenizer, ToolCall, ToolFormat,
+};
 
-use crate::error::{Result, invalid};
+use crate::error::{Error, Result, invalid};
 
 /// Most tools a request may offer.
 pub const MAX_TOOLS: usize = 128;
@@ -53,16 +55,19 @@ pub fn valid_tool_name(name: &str) -> bool {
 const NAME_RULE: &str = "1 to 64 of a-z, A-Z, 0-9, _ and -, optionally after a namespace of the \
                          same and a dot";
 
-/// A chat request rendered: the prompt text, and the grammar of the call its tool choice forces.
+/// A chat request rendered: the prompt text, and the grammar its tool choice holds the reply to:
+/// a forced call's (Lark), or, where the model decides, the hold on a call it starts
+/// (`ToolCalls`).
 #[derive(Debug)]
 pub struct Rendered {
     pub text: String,
-    pub forced_call: Option<pb::Grammar>,
+    pub tool_grammar: Option<pb::Grammar>,
 }
 
 /// Renders the request's messages, and the tools its choice offers, with the model's template;
 /// a call that the choice forces begins the reply, at the end of the text, and is held by a
-/// grammar of the tools' names and parameter schemas.
+/// grammar of the tools' names and arguments. Where the model decides, a call it starts is held
+/// the same way.
 pub fn render(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Result<Rendered> {
     let messages = r
         .messages
@@ -79,7 +84,7 @@ pub fn render(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Result<Rendered
     let free = |messages: &[ChatMessage]| -> Result<Rendered> {
         Ok(Rendered {
             text: tokenizer.apply_chat_template(messages, &[])?,
-            forced_call: None,
+            tool_grammar: None,
         })
     };
     if r.tools.is_empty() {
@@ -109,32 +114,40 @@ pub fn render(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Result<Rendered
         return free(&messages);
     };
     let text = tokenizer.apply_chat_template(&messages, &tools)? + &forced;
-    let function = match choice {
-        pb::ToolChoice::Required => None,
-        pb::ToolChoice::Function => Some(function.as_str()),
-        pb::ToolChoice::Auto | pb::ToolChoice::None => {
-            return Ok(Rendered {
-                text,
-                forced_call: None,
-            });
-        }
-    };
-    let schemas: Vec<(&str, Option<&str>)> = r
+    let grammars: Vec<CallGrammar<'_>> = r
         .tools
         .iter()
-        .map(|t| {
-            (
-                t.name.as_str(),
-                (!t.parameters.is_empty()).then_some(t.parameters.as_str()),
-            )
+        .map(|t| CallGrammar {
+            name: &t.name,
+            arguments: match (t.input_grammar.as_str(), t.parameters.as_str()) {
+                ("", "") => Arguments::Schema(None),
+                ("", schema) => Arguments::Schema(Some(schema)),
+                (lark, _) => Arguments::Input(lark),
+            },
         })
         .collect();
+    let unheld = |e: String| Error::InvalidArgument {
+        field: "tools",
+        reason: format!("a custom tool's grammar cannot be held ({e})"),
+    };
+    let grammar = match choice {
+        pb::ToolChoice::Required => format.call_grammar(&grammars, None),
+        pb::ToolChoice::Function => format.call_grammar(&grammars, Some(function)),
+        pb::ToolChoice::Auto | pb::ToolChoice::None => {
+            let held = format.held_grammar(&grammars).map_err(unheld)?;
+            return Ok(Rendered {
+                text,
+                tool_grammar: Some(pb::Grammar {
+                    kind: Some(pb::grammar::Kind::ToolCalls(held)),
+                }),
+            });
+        }
+    }
+    .map_err(unheld)?;
     Ok(Rendered {
         text,
-        forced_call: Some(pb::Grammar {
-            kind: Some(pb::grammar::Kind::Lark(
-                format.call_grammar(&schemas, function),
-            )),
+        tool_grammar: Some(pb::Grammar {
+            kind: Some(pb::grammar::Kind::Lark(grammar)),
         }),
     })
 }

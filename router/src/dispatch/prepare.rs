@@ -119,15 +119,18 @@ pub fn prepare(
             ),
         });
     }
-    let (tokens, forced_call) = tokenize(front, &mut r, limits)?;
-    if let Some(call) = forced_call {
-        if sampling.grammar.is_some() {
+    let (tokens, tool_grammar) = tokenize(front, &mut r, limits)?;
+    match (tool_grammar, &sampling.grammar) {
+        (None, _) => {}
+        // A reply the model decides keeps the caller's own grammar, if any, over the hold.
+        (Some(held), None) => sampling.grammar = Some(held),
+        (Some(pb::Grammar { kind: Some(pb::grammar::Kind::ToolCalls(_)) }), Some(_)) => {}
+        (Some(_), Some(_)) => {
             return invalid(
                 "sampling.grammar",
                 "a forced tool call has the tools' grammar: give no other",
             );
         }
-        sampling.grammar = Some(call);
     }
     if tokens.len() >= front.context_tokens {
         return Err(Error::InvalidArgument {
@@ -197,7 +200,7 @@ fn check_sampling(sampling: &pb::SamplingParams, vocab: usize) -> Result<()> {
 }
 
 /// A request's input as prompt tokens, bounded by `limits` (its text before it is tokenized),
-/// with the grammar of the tool call its choice forces, if any: a prompt tokenized, messages
+/// with the grammar its tool choice holds the reply to, if any (chat::Rendered): a prompt tokenized, messages
 /// rendered through the chat template and tokenized, or token ids checked (and taken). Takes
 /// time in proportion to the text: call it off the async runtime's threads.
 pub fn tokenize(
@@ -223,7 +226,7 @@ pub fn tokenize(
     } else {
         "token_ids"
     };
-    let mut forced_call = None;
+    let mut tool_grammar = None;
     let tokens = if let Some(prompt) = &r.prompt {
         if prompt.is_empty() {
             return invalid("prompt", "must not be empty");
@@ -231,7 +234,7 @@ pub fn tokenize(
         front.tokenizer.encode(prompt)?
     } else if !r.messages.is_empty() {
         let rendered = crate::dispatch::chat::render(&front.tokenizer, r)?;
-        forced_call = rendered.forced_call;
+        tool_grammar = rendered.tool_grammar;
         front.tokenizer.encode(&rendered.text)?
     } else {
         let vocab = front.tokenizer.vocab_size();
@@ -256,7 +259,7 @@ pub fn tokenize(
             ),
         });
     }
-    Ok((tokens, forced_call))
+    Ok((tokens, tool_grammar))
 }
 
 impl Prepared {

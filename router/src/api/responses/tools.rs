@@ -4,10 +4,10 @@
 //!   offered as `namespace.name`, and a call of it comes back as a `function_call` whose
 //!   `name` and `namespace` are apart, the form Codex reads (and sends back in its history);
 //! - `custom` tools (free-form input): offered as a function of one string, `input`, and a
-//!   call comes back as a `custom_tool_call` with that input. A `regex` grammar holds the
-//!   input of a call that `tool_choice` forces (a JSON schema `pattern`); a `lark` grammar is
-//!   shown to the model in the tool's description but not enforced, since the input travels
-//!   inside a JSON string, where a grammar of the raw text does not apply;
+//!   call comes back as a `custom_tool_call` with that input. A grammar holds the input of
+//!   every call of the tool: a `regex` one as the JSON schema's `pattern`, a `lark` one
+//!   (`Tool.input_grammar`, also shown in the tool's description) rewritten to its text's
+//!   JSON-escaped form ([`tandem_tokenizer::ToolFormat::held_grammar`]);
 //! - tools only OpenAI's servers run (`web_search`, `file_search`, ...): left out, and named in
 //!   the response's header ([`crate::api::http::dropped`]).
 //!
@@ -172,6 +172,7 @@ impl Reading {
                 (Some("text"), _, _) => {}
                 (Some("grammar"), Some("regex"), Some(rx)) => input["pattern"] = json!(rx),
                 (Some("grammar"), Some("lark"), Some(lark)) => {
+                    tool.input_grammar = lark.to_string();
                     tool.description = format!(
                         "{}\n\nThe input follows this Lark grammar:\n{lark}",
                         tool.description
