@@ -215,9 +215,12 @@ fn a_forced_call_follows_the_tools_schemas() {
 /// does not compile leaves the reply free.
 #[test]
 fn a_held_reply_is_the_models_own_until_a_call_strays() {
-    use tandem_tokenizer::{Arguments, CallGrammar, Piece, ToolCallParser};
+    use tandem_tokenizer::{Arguments, BareCalls, CallGrammar, Piece, ToolCallParser};
     let model = qwen();
-    let format = model.tokenizer.tool_format().expect("Qwen's template takes tools");
+    let format = model
+        .tokenizer
+        .tool_format()
+        .expect("Qwen's template takes tools");
     let weather = r#"{"type": "object", "properties": {"city": {"type": "string"}},
         "required": ["city"], "additionalProperties": false}"#;
     let shout = "start: WORD (\" \" WORD)*\nWORD: /[A-Z!]+/";
@@ -253,12 +256,13 @@ fn a_held_reply_is_the_models_own_until_a_call_strays() {
             .expect("template");
         model.tokenizer.encode(&rendered).expect("encode")
     };
-    let free = |prompt: &[u32]| GenerateParams {
+    let free = || GenerateParams {
         max_tokens: 96,
         ..GenerateParams::default()
     };
     let calls = |text: &str| {
-        let mut parser = ToolCallParser::new(format, "");
+        let bare = BareCalls::new(vec!["get_weather".into(), "shout".into()], |_, _| true);
+        let mut parser = ToolCallParser::new(format, "").with_bare_calls(bare);
         let mut pieces = parser.push(text);
         pieces.extend(parser.finish());
         pieces
@@ -268,9 +272,18 @@ fn a_held_reply_is_the_models_own_until_a_call_strays() {
         ("Write a haiku about the sea.", None),
     ] {
         let p = prompt(ask);
-        let own = generate_with(&model, SpeculateConfig::off(), &p, free(&p));
-        let kept = generate(&model, SpeculateConfig::off(), &p, Grammar::ToolCalls(held.clone()));
-        assert_eq!(kept.token_ids, own.token_ids, "{ask}: {:?} against {:?}", kept.text, own.text);
+        let own = generate_with(&model, SpeculateConfig::off(), &p, free());
+        let kept = generate(
+            &model,
+            SpeculateConfig::off(),
+            &p,
+            Grammar::ToolCalls(held.clone()),
+        );
+        assert_eq!(
+            kept.token_ids, own.token_ids,
+            "{ask}: {:?} against {:?}",
+            kept.text, own.text
+        );
         let pieces = calls(&own.text);
         match call {
             Some(tool) => assert!(
@@ -282,16 +295,30 @@ fn a_held_reply_is_the_models_own_until_a_call_strays() {
     }
 
     let p = prompt("Use the shout tool to say hello to the world.");
-    let own = generate_with(&model, SpeculateConfig::off(), &p, free(&p));
-    let kept = generate(&model, SpeculateConfig::off(), &p, Grammar::ToolCalls(held.clone()));
+    let own = generate_with(&model, SpeculateConfig::off(), &p, free());
+    let kept = generate(
+        &model,
+        SpeculateConfig::off(),
+        &p,
+        Grammar::ToolCalls(held.clone()),
+    );
     let [Piece::Call { name, arguments }] = &calls(&kept.text)[..] else {
         panic!("not one call: {:?} (free: {:?})", kept.text, own.text);
     };
     assert_eq!(name, "shout");
+    // Unheld, the model writes an input outside the grammar ("Hello, world!").
+    assert_ne!(
+        kept.token_ids, own.token_ids,
+        "{:?}: the hold changed nothing",
+        own.text
+    );
     let args: serde_json::Value = serde_json::from_str(arguments).expect("arguments");
     let said = args["input"].as_str().expect("input");
     assert!(
-        !said.is_empty() && said.split(' ').all(|w| !w.is_empty() && w.bytes().all(|b| b.is_ascii_uppercase() || b == b'!')),
+        !said.is_empty()
+            && said
+                .split(' ')
+                .all(|w| !w.is_empty() && w.bytes().all(|b| b.is_ascii_uppercase() || b == b'!')),
         "{said:?} from {:?} (free: {:?})",
         kept.text,
         own.text
@@ -301,5 +328,8 @@ fn a_held_reply_is_the_models_own_until_a_call_strays() {
     let broken = Grammar::ToolCalls("start: ???".into());
     let p = prompt("Write a haiku about the sea.");
     let out = generate(&model, SpeculateConfig::off(), &p, broken);
-    assert_eq!(out.token_ids, generate_with(&model, SpeculateConfig::off(), &p, free(&p)).token_ids);
+    assert_eq!(
+        out.token_ids,
+        generate_with(&model, SpeculateConfig::off(), &p, free()).token_ids
+    );
 }

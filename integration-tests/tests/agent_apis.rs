@@ -102,6 +102,7 @@ async fn anthropic_and_openai_agent_clients_run_against_the_cluster() {
                 parameters: r#"{"type": "object", "properties": {"city": {"type": "string"}},
                                 "required": ["city"], "additionalProperties": false}"#
                     .into(),
+                ..Default::default()
             }],
             sampling: Some(pb::SamplingParams {
                 max_tokens: 64,

@@ -187,11 +187,13 @@ async fn the_openai_client_calls_tools_and_gets_structured_outputs() {
         name: "get_weather".into(),
         description: "Get the current weather in a city.".into(),
         parameters: r#"{"type": "object", "properties": {"city": {"type": "string", "description": "The city's name."}}, "required": ["city"]}"#.into(),
+        ..Default::default()
     };
     let clock = pb::Tool {
         name: "get_time".into(),
         description: "Get the current time in a time zone.".into(),
         parameters: r#"{"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}"#.into(),
+        ..Default::default()
     };
     let text = grpc_text(
         &cluster,

@@ -30,7 +30,9 @@ use pieces::Pieces;
 
 pub use chat::{ChatMessage, FunctionCall, ToolCall};
 pub use error::{Error, Result};
-pub use tools::{Arguments, BareCalls, CallGrammar, Piece, ToolCallParser, ToolFormat};
+pub use tools::{
+    Arguments, BareCalls, CallGrammar, Piece, ToolCallParser, ToolFormat, quoted_lark,
+};
 
 /// GGUF token types (llama.cpp's `llama_token_type`).
 pub const TOKEN_TYPE_CONTROL: i32 = 3;

@@ -124,7 +124,12 @@ pub fn prepare(
         (None, _) => {}
         // A reply the model decides keeps the caller's own grammar, if any, over the hold.
         (Some(held), None) => sampling.grammar = Some(held),
-        (Some(pb::Grammar { kind: Some(pb::grammar::Kind::ToolCalls(_)) }), Some(_)) => {}
+        (
+            Some(pb::Grammar {
+                kind: Some(pb::grammar::Kind::ToolCalls(_)),
+            }),
+            Some(_),
+        ) => {}
         (Some(_), Some(_)) => {
             return invalid(
                 "sampling.grammar",

@@ -2,10 +2,10 @@
 //! the rest of a call that the tool choice forces, and, where the model decides, a reply that is
 //! free until it starts a call and held to that call's grammar from then on.
 
-use serde_json::{json, Value};
+use serde_json::{Value, json};
 
 use super::json_string::quoted_lark;
-use super::{ToolFormat, CLOSE, OPEN};
+use super::{CLOSE, OPEN, ToolFormat};
 
 /// What a tool's call arguments are held to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,18 +70,13 @@ impl ToolFormat {
     /// parser would read as text is left as the model writes it.
     pub fn held_grammar(self, tools: &[CallGrammar<'_>]) -> Result<String, String> {
         let Self::Hermes = self;
-        let names: Vec<String> = tools
-            .iter()
-            .map(|t| regex_syntax::escape(t.name))
-            .collect();
+        let names: Vec<String> = tools.iter().map(|t| regex_syntax::escape(t.name)).collect();
         let names = names.join("|");
         let open = regex_syntax::escape(OPEN);
         let close = regex_syntax::escape(CLOSE).replace('/', "\\/");
         // A reply that starts a bare call: the object's start, bare or after a fence's opening
         // line, up to an offered tool's whole name.
-        let bare = format!(
-            r#"{WS}(```(json)?\n{WS})?\{{{WS}"name"{WS}:{WS}"({names})"(?s:.*)"#
-        );
+        let bare = format!(r#"{WS}(```(json)?\n{WS})?\{{{WS}"name"{WS}:{WS}"({names})"(?s:.*)"#);
         let mut lark = format!(
             "start: TEXT? | TO_TAG tagged | bare | fenced\n\
              TEXT: /(?s:.+)/ & ~/(?s:.*){open}(?s:.*)/ & ~/{bare}/\n\
@@ -180,8 +175,10 @@ mod tests {
             },
             CallGrammar {
                 name: "ns.shout",
-                arguments: Arguments::Input(r#"start: WORD (" " WORD)*
-WORD: /[A-Z"\\]+/"#),
+                arguments: Arguments::Input(
+                    r#"start: WORD (" " WORD)*
+WORD: /[A-Z"\\]+/"#,
+                ),
             },
             CallGrammar {
                 name: "anything",
@@ -199,7 +196,9 @@ WORD: /[A-Z"\\]+/"#),
             String::new(),
             "Hello there.\nIt is sunny {\"a\": 1} today.".into(),
             format!("<tool_call>\n{call}\n</tool_call>"),
-            format!("Let me look.\n<tool_call>\n{call}\n</tool_call>\n<tool_call>\n{shout}\n</tool_call>"),
+            format!(
+                "Let me look.\n<tool_call>\n{call}\n</tool_call>\n<tool_call>\n{shout}\n</tool_call>"
+            ),
             format!("<tool_call>\n{call}\n</tool_call>\nDone."),
             call.into(),
             format!("  {call}\n"),
@@ -243,7 +242,9 @@ WORD: /[A-Z"\\]+/"#),
     #[test]
     fn a_forced_call_is_held_from_its_prefix() {
         let tools = tools();
-        let any = ToolFormat::Hermes.call_grammar(&tools, None).expect("grammar");
+        let any = ToolFormat::Hermes
+            .call_grammar(&tools, None)
+            .expect("grammar");
         assert!(allows(
             &any,
             "ns.shout\", \"arguments\": {\"input\": \"OK\"}}\n</tool_call>"
@@ -265,7 +266,9 @@ WORD: /[A-Z"\\]+/"#),
             name: "patch",
             arguments: Arguments::Input("start: %json {}"),
         }];
-        let e = ToolFormat::Hermes.held_grammar(&tools).expect_err("refused");
+        let e = ToolFormat::Hermes
+            .held_grammar(&tools)
+            .expect_err("refused");
         assert!(e.starts_with("tool patch: %json"), "{e}");
     }
 }

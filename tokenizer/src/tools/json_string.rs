@@ -49,7 +49,9 @@ pub fn quoted_lark(grammar: &str) -> Result<String, String> {
             .into_iter()
             .find(|d| rest.starts_with(d))
         {
-            return Err(format!("{directive} is not served inside a custom tool's grammar"));
+            return Err(format!(
+                "{directive} is not served inside a custom tool's grammar"
+            ));
         } else if c == '<' || c == '@' {
             return Err(
                 "special tokens (<...>) and grammar references (@...) are not served inside a \
@@ -80,7 +82,9 @@ impl Literal {
 /// Reads the string literal `rest` starts with (JSON's escapes, and `\xHH`, then an optional
 /// `i`); returns it and what follows.
 fn string_token(rest: &str) -> Result<(Literal, &str), String> {
-    let body = rest.strip_prefix('"').ok_or("a range must end with a string")?;
+    let body = rest
+        .strip_prefix('"')
+        .ok_or("a range must end with a string")?;
     let mut escaped = false;
     let end = body
         .char_indices()
@@ -127,7 +131,12 @@ fn range_regex(first: &Literal, last: &Literal) -> Result<String, String> {
     if a > b {
         return Err(format!("the range {a:?}..{b:?} runs backwards"));
     }
-    Ok(Hir::class(Class::Unicode(ClassUnicode::new([ClassUnicodeRange::new(a, b)]))).to_string())
+    Ok(
+        Hir::class(Class::Unicode(ClassUnicode::new([ClassUnicodeRange::new(
+            a, b,
+        )])))
+        .to_string(),
+    )
 }
 
 /// Reads the regex literal `rest` starts with (`/.../flags`); returns it with its flags inline,
@@ -162,7 +171,11 @@ fn regex_token(rest: &str) -> Result<(String, &str), String> {
 /// The terminals an `%import common...` line names, each defined by its escaped regex.
 fn imported(spec: &str) -> Result<String, String> {
     let unserved = || format!("%import{spec}: only Lark's common terminals can be imported");
-    let names = spec.trim().strip_prefix("common").ok_or_else(unserved)?.trim();
+    let names = spec
+        .trim()
+        .strip_prefix("common")
+        .ok_or_else(unserved)?
+        .trim();
     // `common.NAME`, `common.NAME -> ALIAS`, or `common (NAME, NAME...)`.
     let pairs: Vec<(&str, &str)> = if let Some(one) = names.strip_prefix('.') {
         match one.split_once("->") {
@@ -194,7 +207,10 @@ const COMMON: &[(&str, &str)] = &[
     ("SIGNED_INT", r"[+-]?[0-9]+"),
     ("DECIMAL", r"[0-9]+\.[0-9]*|\.[0-9]+"),
     ("_EXP", r"[eE][+-]?[0-9]+"),
-    ("FLOAT", r"[0-9]+[eE][+-]?[0-9]+|([0-9]+\.[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?"),
+    (
+        "FLOAT",
+        r"[0-9]+[eE][+-]?[0-9]+|([0-9]+\.[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?",
+    ),
     (
         "SIGNED_FLOAT",
         r"[+-]?([0-9]+[eE][+-]?[0-9]+|([0-9]+\.[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?)",
@@ -330,7 +346,11 @@ mod tests {
             ),
             (r"(.+)", &["say \"hi\"", "a\\b", "\t"], &["two\nlines"]),
             (r"[a-z]+", &["abc"], &["ABC", "a\"b"]),
-            (r#"\*\*\* Begin Patch\n"#, &["*** Begin Patch\n"], &["*** Begin Patch"]),
+            (
+                r#"\*\*\* Begin Patch\n"#,
+                &["*** Begin Patch\n"],
+                &["*** Begin Patch"],
+            ),
             (r"(?s:.*)", &["anything\n\"at\\all\"\u{7}"], &[]),
         ];
         for (regex, matched, unmatched) in cases {

@@ -281,5 +281,6 @@ pub(crate) fn function_tool(
         name,
         description,
         parameters,
+        input_grammar: String::new(),
     })
 }

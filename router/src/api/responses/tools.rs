@@ -172,6 +172,8 @@ impl Reading {
                 (Some("text"), _, _) => {}
                 (Some("grammar"), Some("regex"), Some(rx)) => input["pattern"] = json!(rx),
                 (Some("grammar"), Some("lark"), Some(lark)) => {
+                    tandem_tokenizer::quoted_lark(lark)
+                        .map_err(|e| ApiError::invalid(&format!("{param}.format.definition"), e))?;
                     tool.input_grammar = lark.to_string();
                     tool.description = format!(
                         "{}\n\nThe input follows this Lark grammar:\n{lark}",
@@ -269,10 +271,14 @@ mod tests {
              "format": {"type": "grammar", "syntax": "regex", "definition": "[a-z]+"}},
             {"type": "web_search", "external_web_access": false},
             {"type": "file_search", "vector_store_ids": []},
+            {"type": "custom", "name": "shout",
+             "format": {"type": "grammar", "syntax": "lark", "definition": "start: /[A-Z]+/"}},
         ]))
         .expect("served");
         let names: Vec<&str> = offered.iter().map(|t| t.name.as_str()).collect();
-        assert_eq!(names, ["exec", "agents.spawn", "patch"]);
+        assert_eq!(names, ["exec", "agents.spawn", "patch", "shout"]);
+        assert_eq!(offered[3].input_grammar, "start: /[A-Z]+/");
+        assert!(offered[3].description.contains("start: /[A-Z]+/"));
         assert_eq!(dropped.types(), ["web_search", "file_search"]);
         let schema: Value = serde_json::from_str(&offered[2].parameters).expect("json");
         assert_eq!(schema["properties"]["input"]["pattern"], "[a-z]+");
@@ -305,6 +311,11 @@ mod tests {
             (
                 json!([{"type": "function", "name": "x"}, {"type": "custom", "name": "x"}]),
                 "tools[1].name",
+            ),
+            (
+                json!([{"type": "custom", "name": "x", "format": {"type": "grammar",
+                        "syntax": "lark", "definition": "start: %json {}"}}]),
+                "tools[0].format.definition",
             ),
         ] {
             let e = parse(tools).expect_err("refused");

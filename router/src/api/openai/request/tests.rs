@@ -44,6 +44,7 @@ fn tools_calls_and_results_become_the_requests_own() {
             name: "get_weather".into(),
             description: "d".into(),
             parameters: r#"{"type":"object"}"#.into(),
+            ..Default::default()
         }]
     );
     assert_eq!(
