@@ -7,13 +7,12 @@
 #                                          read from the prefix cache;
 #   3. `codex exec PROMPT`                 a turn whose model runs a shell command through
 #                                          Codex's exec_command function and reads its output
-#                                          (the function-call round trip), on a cluster of
-#                                          CODEX_TOOL_MODEL (default qwen2.5-coder-1.5b, fetched
-#                                          if missing): the 0.5B default writes the call with
-#                                          arguments its schema refuses (docs/api.md).
+#                                          (the function-call round trip), on a fresh cluster of
+#                                          CODEX_TOOL_MODEL (default: the default model; another
+#                                          is fetched if missing).
 # Every turn must end without an error event. Prints one JSON line per turn (its seconds, the
 # usage Codex reports), and exits non-zero on a failed check. Sampling is greedy
-# (--default-temperature 0), so that the models' choices are the same every run. About 4
+# (--default-temperature 0), so that the models' choices are the same every run. About 5
 # minutes on 2 cores, most of it the two cold first prompts.
 #
 # Usage: scripts/test-codex.sh [TANDEM_BINARY]   (default target/release/tandem)
@@ -101,7 +100,7 @@ up --default-temperature 0
 config default
 turns chat
 stop
-model=${CODEX_TOOL_MODEL:-qwen2.5-coder-1.5b}
+model=${CODEX_TOOL_MODEL:-default}
 "$tandem" model fetch "$model" >/dev/null
 up --default-temperature 0
 config "$model"
