@@ -205,9 +205,10 @@ fn check_sampling(sampling: &pb::SamplingParams, vocab: usize) -> Result<()> {
 }
 
 /// A request's input as prompt tokens, bounded by `limits` (its text before it is tokenized),
-/// with the grammar its tool choice holds the reply to, if any (chat::Rendered): a prompt tokenized, messages
-/// rendered through the chat template and tokenized, or token ids checked (and taken). Takes
-/// time in proportion to the text: call it off the async runtime's threads.
+/// with the grammar its tool choice holds the reply to, if any
+/// ([`crate::dispatch::chat::Rendered`]): a prompt tokenized, messages rendered through the chat
+/// template and tokenized, or token ids checked (and taken). Takes time in proportion to the
+/// text: call it off the async runtime's threads.
 pub fn tokenize(
     front: &Frontend,
     r: &mut pb::GenerateRequest,
