@@ -75,8 +75,11 @@ impl ToolFormat {
         let open = regex_syntax::escape(OPEN);
         let close = regex_syntax::escape(CLOSE).replace('/', "\\/");
         // A reply that starts a bare call: the object's start, bare or after a fence's opening
-        // line, up to an offered tool's whole name.
-        let bare = format!(r#"{WS}(```(json)?\n{WS})?\{{{WS}"name"{WS}:{WS}"({names})"(?s:.*)"#);
+        // line, an offered tool's whole name, and the `arguments` key (an object that names a
+        // tool and goes on otherwise is an answer about it, not a call).
+        let key = format!(r#"{WS},{WS}"arguments"{WS}:"#);
+        let bare =
+            format!(r#"{WS}(```(json)?\n{WS})?\{{{WS}"name"{WS}:{WS}"({names})"{key}(?s:.*)"#);
         let mut lark = format!(
             "start: TEXT? | TO_TAG tagged | bare | fenced\n\
              TEXT: /(?s:.+)/ & ~/(?s:.*){open}(?s:.*)/ & ~/{bare}/\n\
@@ -85,18 +88,17 @@ impl ToolFormat {
              NEXT_TAG: AFTER? /{open}/\n\
              tagged: tagged_call (NEXT_TAG tagged_call)* AFTER?\n\
              TAG_END: /{WS}\\}}{WS}{close}/\n\
-             ARGS_KEY: /{WS},{WS}\"arguments\"{WS}:{WS}/\n\
              BARE_END: /{WS}\\}}{WS}/\n\
              FENCE_END: /{WS}\\}}{WS}```{WS}/\n"
         );
         let (mut tagged, mut bare, mut fenced) = (Vec::new(), Vec::new(), Vec::new());
         for (i, tool) in tools.iter().enumerate() {
             let name = regex_syntax::escape(tool.name);
-            let object = format!(r#"\{{{WS}"name"{WS}:{WS}"{name}""#);
+            let object = format!(r#"\{{{WS}"name"{WS}:{WS}"{name}"{key}{WS}"#);
             lark.push_str(&format!(
-                "tagged_{i}: /{WS}{object}/ ARGS_KEY args_{i} TAG_END\n\
-                 bare_{i}: /{WS}{object}/ ARGS_KEY args_{i} BARE_END\n\
-                 fenced_{i}: /{WS}```(json)?\\n{WS}{object}/ ARGS_KEY args_{i} FENCE_END\n"
+                "tagged_{i}: /{WS}{object}/ args_{i} TAG_END\n\
+                 bare_{i}: /{WS}{object}/ args_{i} BARE_END\n\
+                 fenced_{i}: /{WS}```(json)?\\n{WS}{object}/ args_{i} FENCE_END\n"
             ));
             lark.push_str(&arguments_rule(i, tool, true)?);
             tagged.push(format!("tagged_{i}"));
@@ -206,8 +208,10 @@ WORD: /[A-Z"\\]+/"#,
             format!("```\n{call}\n```\n"),
             shout.into(),
             r#"{"name":"anything","arguments":{"x":[1,2]}}"#.into(),
-            // Not a call's start, so text: a name no tool has, or text before the object.
+            // Not a call's start, so text: a name no tool has, a tool's name without
+            // arguments, or text before the object.
             r#"{"name": "Alice", "age": 3}"#.into(),
+            r#"{"name": "get_weather", "result": "sunny"}"#.into(),
             format!("Call it like this: {call}"),
         ] {
             assert!(allows(&lark, &text), "refused {text:?}");
