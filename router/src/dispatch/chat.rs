@@ -133,6 +133,17 @@ pub fn render(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Result<Rendered
     let grammar = match choice {
         pb::ToolChoice::Required => format.call_grammar(&grammars, None),
         pb::ToolChoice::Function => format.call_grammar(&grammars, Some(function)),
+        // The hold on the model's own calls is applied only where a custom tool's grammar asks
+        // for it: on function tools alone it turned the 0.5B's answers after a tool's result
+        // into repeated calls (the Agents SDK's weather agent looped), so it stays off there.
+        pb::ToolChoice::Auto | pb::ToolChoice::None
+            if r.tools.iter().all(|t| t.input_grammar.is_empty()) =>
+        {
+            return Ok(Rendered {
+                text,
+                tool_grammar: None,
+            });
+        }
         pb::ToolChoice::Auto | pb::ToolChoice::None => {
             let held = format.held_grammar(&grammars).map_err(unheld)?;
             return Ok(Rendered {
