@@ -267,10 +267,8 @@ fn a_held_reply_is_the_models_own_until_a_call_strays() {
         pieces.extend(parser.finish());
         pieces
     };
-    for (ask, call) in [
-        ("What is the weather like in Oslo?", Some("get_weather")),
-        ("Write a haiku about the sea.", None),
-    ] {
+    // The greedy reply to `ask`, unheld and held.
+    let both = |ask: &str| {
         let p = prompt(ask);
         let own = generate_with(&model, SpeculateConfig::off(), &p, free());
         let kept = generate(
@@ -279,6 +277,13 @@ fn a_held_reply_is_the_models_own_until_a_call_strays() {
             &p,
             Grammar::ToolCalls(held.clone()),
         );
+        (own, kept)
+    };
+    for (ask, call) in [
+        ("What is the weather like in Oslo?", Some("get_weather")),
+        ("Write a haiku about the sea.", None),
+    ] {
+        let (own, kept) = both(ask);
         assert_eq!(
             kept.token_ids, own.token_ids,
             "{ask}: {:?} against {:?}",
@@ -294,14 +299,7 @@ fn a_held_reply_is_the_models_own_until_a_call_strays() {
         }
     }
 
-    let p = prompt("Use the shout tool to say hello to the world.");
-    let own = generate_with(&model, SpeculateConfig::off(), &p, free());
-    let kept = generate(
-        &model,
-        SpeculateConfig::off(),
-        &p,
-        Grammar::ToolCalls(held.clone()),
-    );
+    let (own, kept) = both("Use the shout tool to say hello to the world.");
     let [Piece::Call { name, arguments }] = &calls(&kept.text)[..] else {
         panic!("not one call: {:?} (free: {:?})", kept.text, own.text);
     };

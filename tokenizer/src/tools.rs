@@ -342,7 +342,11 @@ mod tests {
     use super::*;
 
     fn parse_in_slices(text: &str, forced: &str, step: usize) -> Vec<Piece> {
-        let mut p = ToolCallParser::new(ToolFormat::Hermes, forced);
+        sliced(ToolCallParser::new(ToolFormat::Hermes, forced), text, step)
+    }
+
+    /// What `p` makes of `text` given `step` characters at a time, adjacent text joined.
+    fn sliced(mut p: ToolCallParser, text: &str, step: usize) -> Vec<Piece> {
         let mut out = Vec::new();
         let chars: Vec<char> = text.chars().collect();
         for chunk in chars.chunks(step) {
@@ -441,14 +445,8 @@ mod tests {
         let bare = BareCalls::new(vec!["get_weather".into()], |_, args| {
             args.get("city").is_some_and(Value::is_string)
         });
-        let mut p = ToolCallParser::new(ToolFormat::Hermes, "").with_bare_calls(bare);
-        let mut out = Vec::new();
-        let chars: Vec<char> = reply.chars().collect();
-        for chunk in chars.chunks(step) {
-            out.extend(p.push(&chunk.iter().collect::<String>()));
-        }
-        out.extend(p.finish());
-        merge_text(out)
+        let p = ToolCallParser::new(ToolFormat::Hermes, "").with_bare_calls(bare);
+        sliced(p, reply, step)
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 use serde_json::{Value, json};
 use tandem_proto::v1 as pb;
+use tandem_proto::v1::grammar::Kind;
 use tandem_tokenizer::{
     Arguments, CallGrammar, ChatMessage, FunctionCall, Tokenizer, ToolCall, ToolFormat,
 };
@@ -130,9 +131,15 @@ pub fn render(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Result<Rendered
         field: "tools",
         reason: format!("a custom tool's grammar cannot be held ({e})"),
     };
-    let grammar = match choice {
-        pb::ToolChoice::Required => format.call_grammar(&grammars, None),
-        pb::ToolChoice::Function => format.call_grammar(&grammars, Some(function)),
+    let kind = match choice {
+        pb::ToolChoice::Required => {
+            Kind::Lark(format.call_grammar(&grammars, None).map_err(unheld)?)
+        }
+        pb::ToolChoice::Function => Kind::Lark(
+            format
+                .call_grammar(&grammars, Some(function))
+                .map_err(unheld)?,
+        ),
         // The hold on the model's own calls is applied only where a custom tool's grammar asks
         // for it: on function tools alone it turned the 0.5B's answers after a tool's result
         // into repeated calls (the Agents SDK's weather agent looped), so it stays off there.
@@ -145,21 +152,12 @@ pub fn render(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Result<Rendered
             });
         }
         pb::ToolChoice::Auto | pb::ToolChoice::None => {
-            let held = format.held_grammar(&grammars).map_err(unheld)?;
-            return Ok(Rendered {
-                text,
-                tool_grammar: Some(pb::Grammar {
-                    kind: Some(pb::grammar::Kind::ToolCalls(held)),
-                }),
-            });
+            Kind::ToolCalls(format.held_grammar(&grammars).map_err(unheld)?)
         }
-    }
-    .map_err(unheld)?;
+    };
     Ok(Rendered {
         text,
-        tool_grammar: Some(pb::Grammar {
-            kind: Some(pb::grammar::Kind::Lark(grammar)),
-        }),
+        tool_grammar: Some(pb::Grammar { kind: Some(kind) }),
     })
 }
 

@@ -120,21 +120,18 @@ pub fn prepare(
         });
     }
     let (tokens, tool_grammar) = tokenize(front, &mut r, limits)?;
-    match (tool_grammar, &sampling.grammar) {
-        (None, _) => {}
-        // A reply the model decides keeps the caller's own grammar, if any, over the hold.
-        (Some(held), None) => sampling.grammar = Some(held),
-        (
-            Some(pb::Grammar {
-                kind: Some(pb::grammar::Kind::ToolCalls(_)),
-            }),
-            Some(_),
-        ) => {}
-        (Some(_), Some(_)) => {
-            return invalid(
-                "sampling.grammar",
-                "a forced tool call has the tools' grammar: give no other",
-            );
+    if let Some(tools) = tool_grammar {
+        let held = matches!(tools.kind, Some(pb::grammar::Kind::ToolCalls(_)));
+        match (&sampling.grammar, held) {
+            (None, _) => sampling.grammar = Some(tools),
+            // A reply the model decides keeps the caller's own grammar, if any, over the hold.
+            (Some(_), true) => {}
+            (Some(_), false) => {
+                return invalid(
+                    "sampling.grammar",
+                    "a forced tool call has the tools' grammar: give no other",
+                );
+            }
         }
     }
     if tokens.len() >= front.context_tokens {

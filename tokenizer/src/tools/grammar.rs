@@ -49,8 +49,7 @@ impl ToolFormat {
                 lark.push_str(&arguments_rule(0, tool, false)?);
             }
             None => {
-                let calls: Vec<String> = (0..tools.len()).map(|i| format!("call_{i}")).collect();
-                lark.push_str(&format!("start: {}\n", calls.join(" | ")));
+                lark.push_str(&format!("start: {}\n", alternatives("call", tools.len())));
                 for (i, tool) in tools.iter().enumerate() {
                     lark.push_str(&format!(
                         "call_{i}: \"{}\\\", \\\"arguments\\\": \" args_{i} CALL_END\n",
@@ -65,21 +64,22 @@ impl ToolFormat {
 
     /// A whole reply where the model decides whether to call: free text, unless it starts a
     /// call in one of the forms the reply's parser reads (the markup's tags, or a bare
-    /// `{"name": ...}` object alone or alone in a code fence, once it names an offered tool);
-    /// from there on the call is held to that tool's arguments and the markup's end. Text the
-    /// parser would read as text is left as the model writes it.
+    /// `{"name": ...}` object alone or alone in a code fence, once it names an offered tool and
+    /// its `arguments` key); from there on the call is held to that tool's arguments and the
+    /// form's end. Text the parser would read as text is left as the model writes it.
     pub fn held_grammar(self, tools: &[CallGrammar<'_>]) -> Result<String, String> {
         let Self::Hermes = self;
         let names: Vec<String> = tools.iter().map(|t| regex_syntax::escape(t.name)).collect();
-        let names = names.join("|");
         let open = regex_syntax::escape(OPEN);
         let close = regex_syntax::escape(CLOSE).replace('/', "\\/");
         // A reply that starts a bare call: the object's start, bare or after a fence's opening
         // line, an offered tool's whole name, and the `arguments` key (an object that names a
         // tool and goes on otherwise is an answer about it, not a call).
         let key = format!(r#"{WS},{WS}"arguments"{WS}:"#);
-        let bare =
-            format!(r#"{WS}(```(json)?\n{WS})?\{{{WS}"name"{WS}:{WS}"({names})"{key}(?s:.*)"#);
+        let bare = format!(
+            r#"{WS}(```(json)?\n{WS})?\{{{WS}"name"{WS}:{WS}"({})"{key}(?s:.*)"#,
+            names.join("|")
+        );
         let mut lark = format!(
             "start: TEXT? | TO_TAG tagged | bare | fenced\n\
              TEXT: /(?s:.+)/ & ~/(?s:.*){open}(?s:.*)/ & ~/{bare}/\n\
@@ -91,9 +91,7 @@ impl ToolFormat {
              BARE_END: /{WS}\\}}{WS}/\n\
              FENCE_END: /{WS}\\}}{WS}```{WS}/\n"
         );
-        let (mut tagged, mut bare, mut fenced) = (Vec::new(), Vec::new(), Vec::new());
-        for (i, tool) in tools.iter().enumerate() {
-            let name = regex_syntax::escape(tool.name);
+        for (i, (tool, name)) in tools.iter().zip(&names).enumerate() {
             let object = format!(r#"\{{{WS}"name"{WS}:{WS}"{name}"{key}{WS}"#);
             lark.push_str(&format!(
                 "tagged_{i}: /{WS}{object}/ args_{i} TAG_END\n\
@@ -101,18 +99,23 @@ impl ToolFormat {
                  fenced_{i}: /{WS}```(json)?\\n{WS}{object}/ args_{i} FENCE_END\n"
             ));
             lark.push_str(&arguments_rule(i, tool, true)?);
-            tagged.push(format!("tagged_{i}"));
-            bare.push(format!("bare_{i}"));
-            fenced.push(format!("fenced_{i}"));
         }
         lark.push_str(&format!(
             "tagged_call: {}\nbare: {}\nfenced: {}\n",
-            tagged.join(" | "),
-            bare.join(" | "),
-            fenced.join(" | ")
+            alternatives("tagged", tools.len()),
+            alternatives("bare", tools.len()),
+            alternatives("fenced", tools.len())
         ));
         Ok(lark)
     }
+}
+
+/// The rules `{rule}_0` to `{rule}_{n-1}` as alternatives.
+fn alternatives(rule: &str, n: usize) -> String {
+    (0..n)
+        .map(|i| format!("{rule}_{i}"))
+        .collect::<Vec<_>>()
+        .join(" | ")
 }
 
 /// The rule `args_{i}`: `tool`'s arguments, held as it says. A `lenient` schema's keywords that

@@ -85,16 +85,7 @@ fn string_token(rest: &str) -> Result<(Literal, &str), String> {
     let body = rest
         .strip_prefix('"')
         .ok_or("a range must end with a string")?;
-    let mut escaped = false;
-    let end = body
-        .char_indices()
-        .find(|&(_, c)| {
-            let closes = c == '"' && !escaped;
-            escaped = c == '\\' && !escaped;
-            closes
-        })
-        .map(|(i, _)| i)
-        .ok_or("a string literal is not closed")?;
+    let end = closing(body, '"').ok_or("a string literal is not closed")?;
     // `\xHH`, which Lark's strings allow, is JSON's `\u00HH`.
     let json = body[..end].replace("\\x", "\\u00");
     let text: String = serde_json::from_str(&format!("\"{json}\""))
@@ -116,6 +107,19 @@ fn string_token(rest: &str) -> Result<(Literal, &str), String> {
             after,
         ),
     })
+}
+
+/// Where `body` (a literal's text after its opening delimiter) has its closing `delimiter`: the
+/// first one no backslash escapes.
+fn closing(body: &str, delimiter: char) -> Option<usize> {
+    let mut escaped = false;
+    body.char_indices()
+        .find(|&(_, c)| {
+            let closes = c == delimiter && !escaped;
+            escaped = c == '\\' && !escaped;
+            closes
+        })
+        .map(|(i, _)| i)
 }
 
 /// The regex of a range `"a".."z"`: one character from the first to the last.
@@ -143,16 +147,7 @@ fn range_regex(first: &Literal, last: &Literal) -> Result<String, String> {
 /// and what follows.
 fn regex_token(rest: &str) -> Result<(String, &str), String> {
     let body = &rest[1..];
-    let mut escaped = false;
-    let end = body
-        .char_indices()
-        .find(|&(_, c)| {
-            let closes = c == '/' && !escaped;
-            escaped = c == '\\' && !escaped;
-            closes
-        })
-        .map(|(i, _)| i)
-        .ok_or("a regex is not closed")?;
+    let end = closing(body, '/').ok_or("a regex is not closed")?;
     let after = &body[end + 1..];
     let flags_end = after
         .find(|c: char| !"imslux".contains(c))
