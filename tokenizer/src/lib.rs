@@ -32,6 +32,7 @@ pub use chat::{ChatMessage, FunctionCall, ToolCall};
 pub use error::{Error, Result};
 pub use tools::{
     Arguments, BareCalls, CallGrammar, Piece, ToolCallParser, ToolFormat, quoted_lark,
+    regex_grammar,
 };
 
 /// GGUF token types (llama.cpp's `llama_token_type`).

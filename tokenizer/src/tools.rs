@@ -19,7 +19,7 @@ mod grammar;
 mod json_string;
 
 pub use grammar::{Arguments, CallGrammar};
-pub use json_string::quoted_lark;
+pub use json_string::{quoted_lark, regex_grammar};
 
 /// How a model writes a tool call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

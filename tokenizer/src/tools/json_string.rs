@@ -66,6 +66,21 @@ pub fn quoted_lark(grammar: &str) -> Result<String, String> {
     Ok(out)
 }
 
+/// The Lark grammar of a regex the whole text matches (a custom tool's `regex` format).
+pub fn regex_grammar(regex: &str) -> String {
+    let mut lark = String::from("start: /");
+    let mut escaped = false;
+    for c in regex.chars() {
+        if c == '/' && !escaped {
+            lark.push('\\');
+        }
+        escaped = c == '\\' && !escaped;
+        lark.push(c);
+    }
+    lark.push('/');
+    lark
+}
+
 /// A string literal of the grammar: its text, and whether it matches case-insensitively.
 struct Literal {
     text: String,
@@ -87,7 +102,18 @@ fn string_token(rest: &str) -> Result<(Literal, &str), String> {
         .ok_or("a range must end with a string")?;
     let end = closing(body, '"').ok_or("a string literal is not closed")?;
     // `\xHH`, which Lark's strings allow, is JSON's `\u00HH`.
-    let json = body[..end].replace("\\x", "\\u00");
+    let mut json = String::with_capacity(end + 8);
+    let mut chars = body[..end].chars();
+    while let Some(c) = chars.next() {
+        json.push(c);
+        if c == '\\' {
+            match chars.next() {
+                Some('x') => json.push_str("u00"),
+                Some(next) => json.push(next),
+                None => {}
+            }
+        }
+    }
     let text: String = serde_json::from_str(&format!("\"{json}\""))
         .map_err(|e| format!("the string literal \"{}\" does not read: {e}", &body[..end]))?;
     let after = &body[end + 1..];
@@ -402,6 +428,21 @@ PRINTABLE: " ".."~"
         assert!(!line("PRINTABLE").is_match("\\t"));
         assert!(line("WS").is_match(" \\n\\t") && !line("WS").is_match("\n"));
         assert!(line("INT").is_match("42"));
+    }
+
+    #[test]
+    fn hex_escapes_are_read_where_an_escape_starts() {
+        let out = quoted_lark(r#"start: "\x41" "\\x41""#).expect("rewrites");
+        // `A`, then a backslash (escaped in the JSON text, `\\`) and `x41`.
+        assert_eq!(out, r"start: /A/ /(?:\\\\x41)/", "{out}");
+    }
+
+    #[test]
+    fn a_regex_is_a_grammar_of_one_terminal() {
+        assert_eq!(regex_grammar("[a-z]+"), "start: /[a-z]+/");
+        assert_eq!(regex_grammar(r"a/b\/c"), r"start: /a\/b\/c/");
+        let out = quoted_lark(&regex_grammar("a/b")).expect("rewrites");
+        assert!(compiled(&out["start: ".len()..]).is_match("a/b"), "{out}");
     }
 
     #[test]
