@@ -4,10 +4,11 @@
 //!   offered as `namespace.name`, and a call of it comes back as a `function_call` whose
 //!   `name` and `namespace` are apart, the form Codex reads (and sends back in its history);
 //! - `custom` tools (free-form input): offered as a function of one string, `input`, and a
-//!   call comes back as a `custom_tool_call` with that input. A grammar holds the input of
-//!   every call of the tool: a `regex` one as the JSON schema's `pattern`, a `lark` one
-//!   (`Tool.input_grammar`, also shown in the tool's description) rewritten to its text's
-//!   JSON-escaped form ([`tandem_tokenizer::ToolFormat::held_grammar`]);
+//!   call comes back as a `custom_tool_call` with that input. A grammar (`lark`, or `regex`
+//!   as a Lark grammar of one terminal the whole input matches) travels as
+//!   `Tool.input_grammar`, is shown in the tool's description, and holds the input of every
+//!   call of the tool, rewritten to its text's JSON-escaped form
+//!   ([`tandem_tokenizer::ToolFormat::held_grammar`]);
 //! - tools only OpenAI's servers run (`web_search`, `file_search`, ...): left out, and named in
 //!   the response's header ([`crate::api::http::dropped`]).
 //!
@@ -161,7 +162,6 @@ impl Reading {
         let known = ["type", "name", "description", "format"];
         only_keys(t, param, &known, "custom tool")?;
         let mut tool = function_tool(param, t, "parameters", false)?;
-        let mut input = json!({"type": "string"});
         match t.get("format").filter(|f| !f.is_null()) {
             None => {}
             Some(f) => match (
@@ -170,13 +170,16 @@ impl Reading {
                 f.get("definition").and_then(Value::as_str),
             ) {
                 (Some("text"), _, _) => {}
-                (Some("grammar"), Some("regex"), Some(rx)) => input["pattern"] = json!(rx),
-                (Some("grammar"), Some("lark"), Some(lark)) => {
-                    tandem_tokenizer::quoted_lark(lark)
+                (Some("grammar"), Some(syntax @ ("regex" | "lark")), Some(definition)) => {
+                    let lark = match syntax {
+                        "regex" => tandem_tokenizer::regex_grammar(definition),
+                        _ => definition.to_string(),
+                    };
+                    tandem_tokenizer::quoted_lark(&lark)
                         .map_err(|e| ApiError::invalid(&format!("{param}.format.definition"), e))?;
-                    tool.input_grammar = lark.to_string();
+                    tool.input_grammar = lark;
                     tool.description = format!(
-                        "{}\n\nThe input follows this Lark grammar:\n{lark}",
+                        "{}\n\nThe input follows this {syntax} grammar:\n{definition}",
                         tool.description
                     )
                     .trim_start()
@@ -193,7 +196,7 @@ impl Reading {
         }
         tool.parameters = json!({
             "type": "object",
-            "properties": {"input": input},
+            "properties": {"input": {"type": "string"}},
             "required": ["input"],
             "additionalProperties": false,
         })
@@ -280,8 +283,7 @@ mod tests {
         assert_eq!(offered[3].input_grammar, "start: /[A-Z]+/");
         assert!(offered[3].description.contains("start: /[A-Z]+/"));
         assert_eq!(dropped.types(), ["web_search", "file_search"]);
-        let schema: Value = serde_json::from_str(&offered[2].parameters).expect("json");
-        assert_eq!(schema["properties"]["input"]["pattern"], "[a-z]+");
+        assert_eq!(offered[2].input_grammar, "start: /[a-z]+/");
         assert_eq!(
             tools.called("agents.spawn", "{}".into()),
             Called::Function {
