@@ -7,9 +7,12 @@
 #                                          read from the prefix cache;
 #   3. `codex exec PROMPT`                 a turn whose model runs a shell command through
 #                                          Codex's exec_command function and reads its output
-#                                          (the function-call round trip), on a fresh cluster of
-#                                          CODEX_TOOL_MODEL (default: the default model; another
-#                                          is fetched if missing).
+#                                          (the function-call round trip), on a cluster of
+#                                          CODEX_TOOL_MODEL (default qwen2.5-coder-1.5b, fetched
+#                                          if missing): the 0.5B default writes the call as a
+#                                          bare object with arguments its schema refuses, and the
+#                                          hold that would keep it to the schema is off for
+#                                          function tools (docs/api.md).
 # Every turn must end without an error event. Prints one JSON line per turn (its seconds, the
 # usage Codex reports), and exits non-zero on a failed check. Sampling is greedy
 # (--default-temperature 0), so that the models' choices are the same every run. About 5
@@ -100,7 +103,7 @@ up --default-temperature 0
 config default
 turns chat
 stop
-model=${CODEX_TOOL_MODEL:-default}
+model=${CODEX_TOOL_MODEL:-qwen2.5-coder-1.5b}
 "$tandem" model fetch "$model" >/dev/null
 up --default-temperature 0
 config "$model"
