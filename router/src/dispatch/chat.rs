@@ -140,18 +140,6 @@ pub fn render(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Result<Rendered
                 .call_grammar(&grammars, Some(function))
                 .map_err(unheld)?,
         ),
-        // The hold on the model's own calls is applied only where a custom tool's grammar asks
-        // for it. On function tools alone it made a small model's loop an agent's: after the
-        // weather tool's result the 0.5B writes the same bare call four times over, which stays
-        // text and ends the agent's run; held, the first one is a call, and so on every turn.
-        pb::ToolChoice::Auto | pb::ToolChoice::None
-            if r.tools.iter().all(|t| t.input_grammar.is_empty()) =>
-        {
-            return Ok(Rendered {
-                text,
-                tool_grammar: None,
-            });
-        }
         pb::ToolChoice::Auto | pb::ToolChoice::None => {
             Kind::ToolCalls(format.held_grammar(&grammars).map_err(unheld)?)
         }

@@ -64,9 +64,12 @@ impl ToolFormat {
 
     /// A whole reply where the model decides whether to call: free text, unless it starts a
     /// call in one of the forms the reply's parser reads (the markup's tags, or a bare
-    /// `{"name": ...}` object alone or alone in a code fence, once it names an offered tool and
-    /// its `arguments` key); from there on the call is held to that tool's arguments and the
-    /// form's end. Text the parser would read as text is left as the model writes it.
+    /// `{"name": ...}` object, or one after a code fence's opening line, once it names an
+    /// offered tool and its `arguments` key); from there on the call is held to that tool's
+    /// arguments and the call's end. What follows a bare object is free again: only a reply
+    /// that ends there is a call, and one that goes on (the same call written again, text)
+    /// stays text, as the model wrote it. Text the parser would read as text is left as the
+    /// model writes it.
     pub fn held_grammar(self, tools: &[CallGrammar<'_>]) -> Result<String, String> {
         let Self::Hermes = self;
         let names: Vec<String> = tools.iter().map(|t| regex_syntax::escape(t.name)).collect();
@@ -88,15 +91,15 @@ impl ToolFormat {
              NEXT_TAG: AFTER? /{open}/\n\
              tagged: tagged_call (NEXT_TAG tagged_call)* AFTER?\n\
              TAG_END: /{WS}\\}}{WS}{close}/\n\
-             BARE_END: /{WS}\\}}{WS}/\n\
-             FENCE_END: /{WS}\\}}{WS}```{WS}/\n"
+             OBJECT_END: /{WS}\\}}/\n\
+             after_object: AFTER | NEXT_TAG tagged\n"
         );
         for (i, (tool, name)) in tools.iter().zip(&names).enumerate() {
             let object = format!(r#"\{{{WS}"name"{WS}:{WS}"{name}"{key}{WS}"#);
             lark.push_str(&format!(
                 "tagged_{i}: /{WS}{object}/ args_{i} TAG_END\n\
-                 bare_{i}: /{WS}{object}/ args_{i} BARE_END\n\
-                 fenced_{i}: /{WS}```(json)?\\n{WS}{object}/ args_{i} FENCE_END\n"
+                 bare_{i}: /{WS}{object}/ args_{i} OBJECT_END after_object?\n\
+                 fenced_{i}: /{WS}```(json)?\\n{WS}{object}/ args_{i} OBJECT_END after_object?\n"
             ));
             lark.push_str(&arguments_rule(i, tool, true)?);
         }
@@ -211,6 +214,10 @@ WORD: /[A-Z"\\]+/"#,
             format!("```\n{call}\n```\n"),
             shout.into(),
             r#"{"name":"anything","arguments":{"x":[1,2]}}"#.into(),
+            // What follows a bare object is free: the reply is then text to the parser.
+            format!("{call} Done."),
+            format!("{call}\n{call}\n{call}\n"),
+            format!("{call}\n<tool_call>\n{call}\n</tool_call>"),
             // Not a call's start, so text: a name no tool has, a tool's name without
             // arguments, or text before the object.
             r#"{"name": "Alice", "age": 3}"#.into(),
@@ -237,8 +244,12 @@ WORD: /[A-Z"\\]+/"#,
             // Input outside the custom tool's grammar, or raw where JSON escapes it.
             r#"{"name": "ns.shout", "arguments": {"input": "hello"}}"#,
             r#"{"name": "ns.shout", "arguments": {"input": "SAY "HI""}}"#,
-            // Text after a bare call; a call left open.
-            r#"{"name": "get_weather", "arguments": {"city": "Paris"}} Done."#,
+            // A tagged call after a bare object is held as any other.
+            r#"{"name": "get_weather", "arguments": {"city": "Paris"}}
+<tool_call>
+{"name": "get_time", "arguments": {}}
+</tool_call>"#,
+            // A call left open.
             r#"{"name": "get_weather", "arguments": {"city": "Par"#,
             "<tool_call>\n{\"name\": \"anything\", \"arguments\": {}}\n",
         ] {
