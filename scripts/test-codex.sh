@@ -9,10 +9,10 @@
 #                                          Codex's exec_command function and reads its output
 #                                          (the function-call round trip), on a cluster of
 #                                          CODEX_TOOL_MODEL (default qwen2.5-coder-1.5b, fetched
-#                                          if missing): the 0.5B default writes the call as a
-#                                          bare object with arguments its schema refuses, and the
-#                                          hold that would keep it to the schema is off for
-#                                          function tools (docs/api.md).
+#                                          if missing): the 0.5B default's call is held to
+#                                          its schema and runs, but after the command's output
+#                                          it writes the call again and again as text until the
+#                                          token limit (docs/api.md).
 # Every turn must end without an error event. Prints one JSON line per turn (its seconds, the
 # usage Codex reports), and exits non-zero on a failed check. Sampling is greedy
 # (--default-temperature 0), so that the models' choices are the same every run. About 5
