@@ -35,15 +35,31 @@ pub(crate) struct AgentArgs {
     /// Which API the agent speaks.
     #[arg(long, value_enum, default_value = "messages")]
     api: AgentApi,
-    /// Sessions (one task each).
-    #[arg(long, default_value_t = 4)]
-    sessions: usize,
+    #[command(flatten)]
+    shape: SessionShape,
     /// Turns per session.
     #[arg(long, default_value_t = 6)]
     turns: usize,
     /// Requests in flight at once.
     #[arg(long, default_value_t = 2)]
     concurrency: usize,
+    /// Most tokens per reply.
+    #[arg(long, default_value_t = 48)]
+    max_tokens: u32,
+    /// A name for this run in the results (e.g. `tandem-1p1d`).
+    #[arg(long, default_value = "run")]
+    label: String,
+    /// Print the results as JSON (per-turn records and the summary) instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The agent's sessions: how many, and the size of what they send.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct SessionShape {
+    /// Sessions (one task each).
+    #[arg(long, default_value_t = 4)]
+    pub(crate) sessions: usize,
     /// Words in the agent's system prompt (1500 words are about 2,000 tokens).
     #[arg(long, default_value_t = 1500)]
     system_words: usize,
@@ -54,18 +70,9 @@ pub(crate) struct AgentArgs {
     /// Words in each tool result the history grows by.
     #[arg(long, default_value_t = 150)]
     result_words: usize,
-    /// Most tokens per reply.
-    #[arg(long, default_value_t = 48)]
-    max_tokens: u32,
     /// Varies the text.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// A name for this run in the results (e.g. `tandem-1p1d`).
-    #[arg(long, default_value = "run")]
-    label: String,
-    /// Print the results as JSON (per-turn records and the summary) instead of a table.
-    #[arg(long)]
-    json: bool,
 }
 
 /// One step of a session's history after its task: the scripted assistant turn (a sentence
@@ -78,7 +85,8 @@ struct Step {
 }
 
 /// What every session shares, and what each one's history holds so far.
-struct Workload {
+pub(crate) struct Workload {
+    shape: SessionShape,
     system: String,
     tools: Vec<(String, String, Value)>,
     tasks: Vec<String>,
@@ -86,13 +94,13 @@ struct Workload {
 }
 
 impl Workload {
-    fn new(args: &AgentArgs) -> Self {
-        let tools = (0..args.tools)
+    pub(crate) fn new(shape: &SessionShape) -> Self {
+        let tools = (0..shape.tools)
             .map(|i| {
                 let name = format!("tool_{i}");
                 let description = format!(
                     "Use this tool to work on the repository. {}",
-                    words(60, args.seed, usize::MAX - 1, i)
+                    words(60, shape.seed, usize::MAX - 1, i)
                 );
                 let schema = json!({
                     "type": "object",
@@ -107,32 +115,33 @@ impl Workload {
             })
             .collect();
         Self {
+            shape: shape.clone(),
             system: format!(
                 "You are a coding agent working in a repository. Call tools to read and change \
                  files. {}",
-                words(args.system_words, args.seed, usize::MAX, 0)
+                words(shape.system_words, shape.seed, usize::MAX, 0)
             ),
             tools,
-            tasks: (0..args.sessions)
-                .map(|s| format!("Task: {}", words(40, args.seed, s, 0)))
+            tasks: (0..shape.sessions)
+                .map(|s| format!("Task: {}", words(40, shape.seed, s, 0)))
                 .collect(),
-            steps: (0..args.sessions).map(|_| Vec::new()).collect(),
+            steps: (0..shape.sessions).map(|_| Vec::new()).collect(),
         }
     }
 
     /// Grows session `s`'s history by turn `turn`'s scripted tool call and its result.
-    fn step(&mut self, args: &AgentArgs, s: usize, turn: usize) {
+    pub(crate) fn step(&mut self, s: usize, turn: usize) {
         let tool = &self.tools[(s + turn) % self.tools.len().max(1)].0;
         self.steps[s].push(Step {
             call_id: format!("call_{s}_{turn}"),
             tool: tool.clone(),
             arguments: json!({"path": format!("src/module_{turn}.rs"), "limit": 20}),
-            result: words(args.result_words, args.seed, s, turn + 1),
+            result: words(self.shape.result_words, self.shape.seed, s, turn + 1),
         });
     }
 
     /// Session `s`'s next request in `api`'s shape.
-    fn body(&self, api: AgentApi, model: &str, max_tokens: u32, s: usize) -> Value {
+    pub(crate) fn body(&self, api: AgentApi, model: &str, max_tokens: u32, s: usize) -> Value {
         let said = |step: &Step| format!("I will run {} next.", step.tool);
         match api {
             AgentApi::Messages => {
@@ -190,7 +199,7 @@ impl Workload {
 }
 
 pub(crate) fn agent(args: &AgentArgs) -> anyhow::Result<()> {
-    if args.sessions == 0 || args.turns == 0 || args.concurrency == 0 || args.max_tokens == 0 {
+    if args.shape.sessions == 0 || args.turns == 0 || args.concurrency == 0 || args.max_tokens == 0 {
         bail!("--sessions, --turns, --concurrency and --max-tokens must each be at least 1");
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -223,12 +232,12 @@ async fn run(args: &AgentArgs) -> anyhow::Result<(String, Vec<Turn>)> {
     }
     let endpoint = Endpoint::connect(&args.endpoint).await?;
     let model = endpoint.model().context("the endpoint names no model")?;
-    let mut workload = Workload::new(args);
+    let mut workload = Workload::new(&args.shape);
     let mut out = Vec::new();
-    let progress = progress_bar((args.sessions * args.turns) as u64, "agent turns");
+    let progress = progress_bar((args.shape.sessions * args.turns) as u64, "agent turns");
     let started = std::time::Instant::now();
     for turn in 0..args.turns {
-        let bodies: Vec<(usize, Value)> = (0..args.sessions)
+        let bodies: Vec<(usize, Value)> = (0..args.shape.sessions)
             .map(|s| (s, workload.body(args.api, &model, args.max_tokens, s)))
             .collect();
         let api = args.api;
@@ -240,7 +249,7 @@ async fn run(args: &AgentArgs) -> anyhow::Result<(String, Vec<Turn>)> {
         .await?;
         for (s, (sent_ms, reply)) in replies.into_iter().enumerate() {
             out.push(Turn::new(s, turn, sent_ms, &reply));
-            workload.step(args, s, turn);
+            workload.step(s, turn);
         }
     }
     progress.finish_and_clear();

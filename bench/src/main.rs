@@ -15,6 +15,8 @@ mod fidelity;
 mod interference;
 mod multiturn;
 mod plot;
+mod profile;
+mod router;
 mod serve;
 mod stats;
 mod transfer;
@@ -57,6 +59,13 @@ enum BenchCommand {
     /// Inter-token latency of streams on a decode node while it prefills a long prompt, against
     /// the same streams alone (a decode node and router started in this process).
     Interference(interference::InterferenceArgs),
+    /// Fits a simulated model's timing profile (`tandem prefill --simulate FILE`) to the real
+    /// engine on this machine: prefill, decode steps by batch and by depth.
+    Profile(profile::ProfileArgs),
+    /// The router's own work on a request (parse, checks, chat template, tokenization, block
+    /// hashes) in this process: agent turns as their sessions grow, with its cache of token ids
+    /// and without, and plain chat requests.
+    Router(router::RouterArgs),
     /// Draw PNG and SVG plots from `serve`, `multiturn` and `agent` results.
     Plot(plot::PlotArgs),
 }
@@ -81,6 +90,8 @@ fn main() -> anyhow::Result<()> {
         BenchCommand::Fetch(args) => fetch::fetch(args),
         BenchCommand::Fidelity(args) => fidelity::fidelity(args),
         BenchCommand::Interference(args) => interference::interference(args),
+        BenchCommand::Profile(args) => profile::profile(args),
+        BenchCommand::Router(args) => router::router(args),
         BenchCommand::Plot(args) => plot::plot(args),
     }
 }

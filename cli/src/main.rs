@@ -10,6 +10,7 @@ mod healthcheck;
 mod keys;
 mod sampling;
 mod serve;
+mod sim;
 mod tokenize;
 mod up;
 
@@ -48,6 +49,9 @@ enum Command {
     Prefill(serve::PrefillArgs),
     /// Run a decode node.
     Decode(serve::DecodeArgs),
+    /// Run many simulated workers in this process, each on a port of its own: the real nodes
+    /// with the model's compute replaced by a timing profile (for sizing a fleet).
+    Sim(sim::SimArgs),
     /// Start a whole cluster on loopback (router, prefill and decode nodes as child processes).
     Up(up::UpArgs),
     /// Chat interactively with a cluster.
@@ -160,6 +164,7 @@ fn main() -> anyhow::Result<()> {
         Command::Prefill(args) => serve::prefill(&args),
         Command::Decode(args) => serve::decode(&args),
         Command::Up(args) => up::up(&args),
+        Command::Sim(args) => sim::sim(&args),
         Command::Chat(args) => chat::chat(&args),
         Command::Healthcheck(args) => healthcheck::run(&args),
         Command::FaultProxy(args) => fault_proxy::run(&args),

@@ -119,6 +119,13 @@ pub(crate) struct WorkerArgs {
     pub drain_handoff_mb: u64,
     #[command(flatten)]
     pub tls: TlsArgs,
+    /// Simulate the model instead of running it: no weight is read, and each forward pass
+    /// takes the time a timing profile gives (the real scheduler, KV pool, caches, transfers
+    /// and drains all run; replies are plain words, to max_tokens). `shipped` (the flag alone)
+    /// uses the profile shipped for a catalog model; otherwise a profile file written by
+    /// `tandem-bench profile` (docs/operations.md, "Sizing a fleet with the simulator").
+    #[arg(long, env = "TANDEM_SIMULATE", num_args = 0..=1, default_missing_value = "shipped")]
+    pub simulate: Option<String>,
 }
 
 /// Mutual TLS between nodes.
@@ -148,8 +155,17 @@ impl TlsArgs {
 }
 
 impl WorkerArgs {
+    /// The model: loaded, or simulated with `--simulate`.
+    pub(crate) fn load_model(&self) -> anyhow::Result<Arc<Model>> {
+        let source = self.model.source();
+        match self.simulate.as_deref() {
+            None => Ok(source.load()?),
+            Some(profile) => Ok(source.load_simulated(simulation_profile(&source, profile)?)?),
+        }
+    }
+
     /// The node's settings, as `role`, serving `model` on `engine`.
-    fn node(
+    pub(crate) fn node(
         &self,
         model: Arc<Model>,
         engine: EngineConfig,
@@ -165,7 +181,7 @@ impl WorkerArgs {
     }
 
     /// The engine for `model`, with a prefix cache of `cache_bytes` when the cache is on.
-    fn engine(&self, model: &Model, cache_bytes: usize) -> EngineConfig {
+    pub(crate) fn engine(&self, model: &Model, cache_bytes: usize) -> EngineConfig {
         EngineConfig {
             threads: self.threads,
             kv_budget_bytes: tandem_worker::kv_budget_bytes(
@@ -403,6 +419,24 @@ impl ApiTlsArgs {
     }
 }
 
+/// The timing profile `--simulate` names: `shipped`, the one shipped for the model, else a
+/// file.
+pub(crate) fn simulation_profile(
+    source: &tandem_engine::ModelSource,
+    profile: &str,
+) -> anyhow::Result<tandem_engine::TimingProfile> {
+    match profile {
+        "shipped" => source.shipped_profile().ok_or_else(|| {
+            anyhow::anyhow!(
+                "no timing profile is shipped for {}: measure one with `tandem-bench profile` \
+                 and give its file to --simulate",
+                source.name()
+            )
+        }),
+        path => Ok(tandem_engine::TimingProfile::read(std::path::Path::new(path))?),
+    }
+}
+
 /// Resolves on Ctrl-C or SIGTERM.
 pub(crate) async fn shutdown_signal() {
     let term = async {
@@ -436,7 +470,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 }
 
 pub(crate) fn prefill(args: &PrefillArgs) -> anyhow::Result<()> {
-    let model = args.worker.model.source().load()?;
+    let model = args.worker.load_model()?;
     let config = tandem_prefill_server::Config {
         node: args.worker.node(
             model.clone(),
@@ -454,7 +488,7 @@ pub(crate) fn prefill(args: &PrefillArgs) -> anyhow::Result<()> {
 }
 
 pub(crate) fn decode(args: &DecodeArgs) -> anyhow::Result<()> {
-    let model = args.worker.model.source().load()?;
+    let model = args.worker.load_model()?;
     // The session cache may use the whole pool: running sequences evict it as they need.
     let engine = EngineConfig {
         speculate: args.speculate.speculate(),

@@ -127,6 +127,10 @@ pub(crate) struct UpArgs {
     /// `ca.pem` (`--ca-cert`).
     #[arg(long, conflicts_with = "insecure")]
     api_tls: bool,
+    /// Every worker simulates its model (`tandem prefill --simulate`): `shipped` (the flag
+    /// alone) for the profile shipped with a catalog model, or a profile file.
+    #[arg(long, env = "TANDEM_SIMULATE", num_args = 0..=1, default_missing_value = "shipped")]
+    simulate: Option<String>,
 }
 
 /// A directory `up` uses (the nodes' certificates, the disk tier), and whether `up` made it
@@ -335,6 +339,9 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
         common.extend(["--kv-dtype".into(), args.kv_dtype.dtype().name().into()]);
         if let Some(mb) = args.kv_budget_mb {
             common.extend(["--kv-budget-mb".into(), mb.to_string()]);
+        }
+        if let Some(profile) = &args.simulate {
+            common.extend(["--simulate".into(), profile.clone()]);
         }
         let mut workers = Vec::new();
         for (m, (spec, id)) in models.iter().enumerate() {

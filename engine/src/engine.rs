@@ -20,6 +20,7 @@ use crate::kv::{BLOCK_TOKENS, KvDtype, KvLayout, KvPool};
 use crate::loader::{LoadedModel, ModelFingerprint};
 use crate::model::{self, Logits, ModelConfig, Row, Weights};
 use crate::prefix_cache::{CacheEvent, PrefixCache};
+use crate::simulate::{Simulated, TimingProfile};
 use crate::speculate::{SpeculateConfig, StepCosts};
 use crate::spill::{Spill, SpillConfig, SpillStats};
 use tandem_tokenizer::Tokenizer;
@@ -35,7 +36,7 @@ pub struct Model {
     /// Other names it answers to ([`crate::ModelSource::aliases`]).
     pub aliases: Vec<String>,
     pub config: ModelConfig,
-    pub weights: Weights,
+    pub compute: Compute,
     pub tokenizer: Tokenizer,
     pub fingerprint: ModelFingerprint,
     /// Compiles requests' grammars against the vocabulary.
@@ -49,9 +50,53 @@ impl Model {
             aliases: Vec::new(),
             tokenizer: loaded.tokenizer,
             config: loaded.config,
-            weights: loaded.weights,
+            compute: Compute::Weights(loaded.weights),
             fingerprint: loaded.fingerprint,
             grammars: Default::default(),
+        }
+    }
+}
+
+/// What computes a model's forward pass.
+#[derive(Debug)]
+pub enum Compute {
+    /// Its weights, read from the file.
+    Weights(Weights),
+    /// Nothing: the time the weights would take, and a certain token per row.
+    Simulated(Simulated),
+}
+
+impl Model {
+    /// A model with its compute replaced by `profile`'s timing: no weight is read.
+    pub fn simulated(
+        name: String,
+        config: ModelConfig,
+        tokenizer: Tokenizer,
+        fingerprint: ModelFingerprint,
+        profile: TimingProfile,
+    ) -> Result<Self> {
+        Ok(Self {
+            name,
+            aliases: Vec::new(),
+            compute: Compute::Simulated(Simulated::new(profile, &tokenizer)?),
+            config,
+            tokenizer,
+            fingerprint,
+            grammars: Default::default(),
+        })
+    }
+
+    /// Whether its forward pass is simulated.
+    pub fn is_simulated(&self) -> bool {
+        matches!(self.compute, Compute::Simulated(_))
+    }
+
+    /// Runs `rows` through the model ([`model::forward`], or the simulation's). Must be called
+    /// on the engine's rayon pool.
+    fn forward(&self, pool: &mut KvPool, rows: &[Row<'_>], buffer: Vec<f32>) -> Logits {
+        match &self.compute {
+            Compute::Weights(w) => model::forward(&self.config, w, pool, rows, buffer),
+            Compute::Simulated(s) => s.forward(&self.config, rows, buffer),
         }
     }
 }
@@ -345,7 +390,7 @@ impl Engine {
             let (model, pool) = (&self.model, &mut self.pool);
             let out = self
                 .threads
-                .install(|| model::forward(&model.config, &model.weights, pool, &rows, Vec::new()));
+                .install(|| model.forward(pool, &rows, Vec::new()));
             if let Some(seq) = self.seqs.get_mut(&seq) {
                 seq.len = pos0 + chunk.len();
             }
@@ -417,7 +462,7 @@ impl Engine {
         let buffer = std::mem::take(&mut self.spare_logits);
         let out = self
             .threads
-            .install(|| model::forward(&model.config, &model.weights, pool, &rows, buffer));
+            .install(|| model.forward(pool, &rows, buffer));
         for (seq, tokens, _) in batch {
             if let Some(s) = self.seqs.get_mut(seq) {
                 s.len += tokens.len();

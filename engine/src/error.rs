@@ -27,6 +27,9 @@ pub enum Error {
         supported: String,
     },
 
+    #[error("timing profile {path}: {reason}")]
+    Profile { path: PathBuf, reason: String },
+
     #[error("tokenizer: {reason}")]
     Tokenizer { reason: String },
 

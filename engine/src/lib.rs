@@ -27,6 +27,7 @@ mod packed;
 mod prefix_cache;
 mod quant;
 mod sampling;
+pub mod simulate;
 mod speculate;
 mod spill;
 mod step;
@@ -37,7 +38,7 @@ mod tokenizer_gguf;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-pub use engine::{Engine, EngineConfig, KvExport, Model, Reused, SeqId};
+pub use engine::{Compute, Engine, EngineConfig, KvExport, Model, Reused, SeqId};
 pub use error::{Error, Result};
 pub use generate::{GenerateOutput, GenerateRequest};
 pub use grammar::Grammar;
@@ -49,11 +50,12 @@ pub use prefix_cache::CacheEvent;
 pub use sampling::{
     History, REPETITION_WINDOW, SamplingParams, TokenLogprobs, argmax, logprobs, sample,
 };
+pub use simulate::TimingProfile;
 pub use speculate::{Drafter, SpeculateConfig};
 pub use spill::{SpillConfig, SpillStats};
 pub use step::{Decoding, PromptChunk, Step};
 pub use stream::{Emission, FinishReason, GenerateParams, Stream};
-pub use tandem_tokenizer::{ChatMessage, TokenDecoder, Tokenizer, TokenizerSpec};
+pub use tandem_tokenizer::{ChatMessage, EncodeCache, TokenDecoder, Tokenizer, TokenizerSpec};
 
 /// Where a model comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -119,23 +121,53 @@ impl ModelSource {
         names
     }
 
+    /// `e`, with a hint on how to fetch a catalog model if it is missing.
+    fn with_fetch_hint(&self, e: Error, known: Option<catalog::KnownModel>) -> Error {
+        match (e, known) {
+            (Error::ModelNotFound { path, .. }, Some(k)) => Error::ModelNotFound {
+                path,
+                hint: format!("; fetch it with `tandem model fetch {}`", k.name),
+            },
+            (e, _) => e,
+        }
+    }
+
     /// Loads the model, with a hint on how to fetch the default one if it is missing.
     pub fn load(&self) -> Result<Arc<Model>> {
         let loaded = match self {
             ModelSource::Tiny(arch) => tiny::load(*arch)?,
             ModelSource::File { path, known } => {
-                loader::load_file(path).map_err(|e| match (e, known) {
-                    (Error::ModelNotFound { path, .. }, Some(k)) => Error::ModelNotFound {
-                        path,
-                        hint: format!("; fetch it with `tandem model fetch {}`", k.name),
-                    },
-                    (e, _) => e,
-                })?
+                loader::load_file(path).map_err(|e| self.with_fetch_hint(e, *known))?
             }
         };
         let mut model = Model::from_loaded(self.name(), loaded);
         model.aliases = self.aliases();
         Ok(Arc::new(model))
+    }
+
+    /// The model with its compute simulated by `profile` ([`simulate`]): its configuration,
+    /// tokenizer and fingerprint read from the file's header, and no weight.
+    pub fn load_simulated(&self, profile: TimingProfile) -> Result<Arc<Model>> {
+        let (config, tokenizer, fingerprint) = match self {
+            ModelSource::Tiny(arch) => {
+                let loaded = tiny::load(*arch)?;
+                (loaded.config, loaded.tokenizer, loaded.fingerprint)
+            }
+            ModelSource::File { path, known } => {
+                loader::load_header(path).map_err(|e| self.with_fetch_hint(e, *known))?
+            }
+        };
+        let mut model = Model::simulated(self.name(), config, tokenizer, fingerprint, profile)?;
+        model.aliases = self.aliases();
+        Ok(Arc::new(model))
+    }
+
+    /// The timing profile shipped for this model ([`simulate::shipped`]), if any.
+    pub fn shipped_profile(&self) -> Option<TimingProfile> {
+        match self {
+            ModelSource::Tiny(_) => simulate::shipped("tiny"),
+            ModelSource::File { known, .. } => known.and_then(|k| simulate::shipped(k.name)),
+        }
     }
 }
 

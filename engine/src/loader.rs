@@ -45,6 +45,12 @@ pub struct LoadedModel {
 /// Loads a GGUF file from disk. Tensors are read one at a time and repacked, so the weights are
 /// never in memory twice (as the file's bytes and as their repacked copy).
 pub fn load_file(path: &Path) -> Result<LoadedModel> {
+    let (file, fingerprint) = open_fingerprinted(path)?;
+    load(Bytes::File(&file), fingerprint, path)
+}
+
+/// The file at `path`, opened and rewound after its SHA-256 was taken.
+fn open_fingerprinted(path: &Path) -> Result<(std::fs::File, ModelFingerprint)> {
     let io = |source: std::io::Error| match source.kind() {
         std::io::ErrorKind::NotFound => Error::ModelNotFound {
             path: path.to_path_buf(),
@@ -60,7 +66,7 @@ pub fn load_file(path: &Path) -> Result<LoadedModel> {
     std::io::copy(&mut std::io::BufReader::new(&file), &mut hasher).map_err(io)?;
     let fingerprint = ModelFingerprint(hasher.finalize().into());
     std::io::Seek::rewind(&mut &file).map_err(io)?;
-    load(Bytes::File(&file), fingerprint, path)
+    Ok((file, fingerprint))
 }
 
 /// Loads a GGUF image held in memory; `path` only names it in errors.
@@ -103,12 +109,10 @@ impl Bytes<'_> {
     }
 }
 
-fn load(bytes: Bytes<'_>, fingerprint: ModelFingerprint, path: &Path) -> Result<LoadedModel> {
+/// What a GGUF image's header holds: its tensors' places (the metadata dropped), the model's
+/// configuration and its tokenizer.
+fn read_header(bytes: Bytes<'_>, path: &Path) -> Result<(Content, ModelConfig, Tokenizer)> {
     let bad = |reason: String| Error::invalid_model(path, reason);
-    let io = |source| Error::Io {
-        path: path.to_path_buf(),
-        source,
-    };
     let mut content = bytes
         .header()
         .map_err(|e| bad(format!("cannot parse the GGUF header: {e}")))?;
@@ -133,6 +137,32 @@ fn load(bytes: Bytes<'_>, fingerprint: ModelFingerprint, path: &Path) -> Result<
     // weight is read, so the peak of memory holds neither beside the weights.
     content.metadata = Default::default();
     let tokenizer = Tokenizer::new(spec).map_err(|e| bad(e.to_string()))?;
+    if tokenizer.vocab_size() != config.vocab {
+        return Err(bad(format!(
+            "the tokenizer has {} tokens but the embedding has {} rows",
+            tokenizer.vocab_size(),
+            config.vocab
+        )));
+    }
+    Ok((content, config, tokenizer))
+}
+
+/// A GGUF file's configuration, tokenizer and fingerprint, without its weights (a simulated
+/// model's).
+pub fn load_header(path: &Path) -> Result<(ModelConfig, Tokenizer, ModelFingerprint)> {
+    let (file, fingerprint) = open_fingerprinted(path)?;
+    let (_, config, tokenizer) = read_header(Bytes::File(&file), path)?;
+    Ok((config, tokenizer, fingerprint))
+}
+
+fn load(bytes: Bytes<'_>, fingerprint: ModelFingerprint, path: &Path) -> Result<LoadedModel> {
+    let bad = |reason: String| Error::invalid_model(path, reason);
+    let io = |source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let (content, config, tokenizer) = read_header(bytes, path)?;
+    let arch = config.arch;
     let reader = TensorReader {
         content: &content,
         bytes,
@@ -194,13 +224,6 @@ fn load(bytes: Bytes<'_>, fingerprint: ModelFingerprint, path: &Path) -> Result<
         true => Some(reader.matrix("output.weight", config.vocab, h)?),
         false => None,
     };
-    if tokenizer.vocab_size() != config.vocab {
-        return Err(bad(format!(
-            "the tokenizer has {} tokens but the embedding has {} rows",
-            tokenizer.vocab_size(),
-            config.vocab
-        )));
-    }
     let weights = Weights {
         embed,
         output,

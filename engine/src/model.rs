@@ -76,6 +76,11 @@ pub struct Logits {
 }
 
 impl Logits {
+    /// `data`'s rows of `vocab` logits each.
+    pub(crate) fn new(vocab: usize, data: Vec<f32>) -> Self {
+        Self { vocab, data }
+    }
+
     /// Rows held.
     pub fn len(&self) -> usize {
         self.data.len().checked_div(self.vocab).unwrap_or(0)

@@ -12,6 +12,7 @@
 
 pub mod api_tls;
 mod channels;
+pub mod process;
 pub mod otel;
 pub mod tls;
 
@@ -167,6 +168,7 @@ pub async fn serve(
     // The node's own registry is the caller's (shared, and so read-only here); what `serve`
     // counts itself lives in a second one, encoded after it.
     let mut served = Registry::default();
+    served.register_collector(Box::new(process::ProcessMetrics));
     let calls = Family::<CallLabels, Counter>::default();
     served.register(
         NODE_CALLS,

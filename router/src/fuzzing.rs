@@ -1,6 +1,7 @@
-//! Entry points for the cargo-fuzz targets in `fuzz/`: the router's checks of client input (a
-//! gRPC `GenerateRequest`, an HTTP API's JSON body), run on arbitrary input exactly as a request
-//! would be. Not part of the router's API.
+//! Entry points for the cargo-fuzz targets in `fuzz/` and for `tandem-bench router`: the
+//! router's checks of client input (a gRPC `GenerateRequest`, an HTTP API's JSON body), run on
+//! arbitrary input exactly as a request would be, through to its prompt's tokens and block
+//! hashes. Not part of the router's API.
 
 use axum::http::HeaderMap;
 use tandem_proto::v1 as pb;
@@ -28,15 +29,23 @@ impl RequestChecks {
         })
     }
 
-    /// Validates and tokenizes a gRPC request; whether it was accepted.
-    pub fn grpc(&self, r: pb::GenerateRequest) -> bool {
+    /// [`RequestChecks::new`], with a cache of token ids that holds nothing: every prompt is
+    /// tokenized whole.
+    pub fn uncached(info: &pb::InfoResponse) -> Option<Self> {
+        let mut checks = Self::new(info)?;
+        checks.front.encodes = tandem_tokenizer::EncodeCache::new(0);
+        Some(checks)
+    }
+
+    /// Validates and tokenizes a gRPC request; its prompt's tokens, if it was accepted.
+    pub fn grpc(&self, r: pb::GenerateRequest) -> Option<usize> {
         self.check(r, None)
     }
 
     /// Parses an HTTP body for `endpoint` (0: `/v1/completions`, 1: `/v1/chat/completions`,
     /// 2: `/v1/messages`, 3: `/v1/responses`; the rest wrap around), then validates and
-    /// tokenizes it; whether it was accepted.
-    pub fn http(&self, endpoint: u8, body: &[u8]) -> bool {
+    /// tokenizes it; its prompt's tokens, if it was accepted.
+    pub fn http(&self, endpoint: u8, body: &[u8]) -> Option<usize> {
         // The model a body names is read before it is parsed, whatever the body is.
         let _ = crate::api::http::asked_model(body);
         let (model, headers) = (self.front.model_name.as_str(), HeaderMap::new());
@@ -62,13 +71,11 @@ impl RequestChecks {
             _ => responses::parse(model, &headers, body, &defaults)
                 .map(|p| (p.call.request, DEFAULT_MAX_TOKENS)),
         };
-        match parsed {
-            Ok((request, max_tokens)) => self.check(request, Some(max_tokens)),
-            Err(_) => false,
-        }
+        let (request, max_tokens) = parsed.ok()?;
+        self.check(request, Some(max_tokens))
     }
 
-    fn check(&self, r: pb::GenerateRequest, default_max_tokens: Option<u32>) -> bool {
+    fn check(&self, r: pb::GenerateRequest, default_max_tokens: Option<u32>) -> Option<usize> {
         check_ids(&r)
             .and_then(|()| {
                 prepare(
@@ -79,6 +86,7 @@ impl RequestChecks {
                     &crate::auth::Principal::anonymous(),
                 )
             })
-            .is_ok()
+            .ok()
+            .map(|p| p.tokens.len())
     }
 }

@@ -12,6 +12,8 @@ use prometheus_client::registry::Registry;
 pub const TTFT: &str = "tandem_ttft_seconds";
 pub const INTER_TOKEN: &str = "tandem_inter_token_seconds";
 pub const QUEUE: &str = "tandem_queue_seconds";
+pub const PREPARE: &str = "tandem_router_prepare_seconds";
+pub const ROUTE: &str = "tandem_router_route_seconds";
 pub const REQUESTS: &str = "tandem_requests";
 pub const DISAGG_DECISIONS: &str = "tandem_router_disagg_decisions";
 pub const REPLICA_UP: &str = "tandem_router_replica_up";
@@ -171,6 +173,11 @@ pub struct RouterMetrics {
     pub ttft: Histogram,
     pub inter_token: Histogram,
     pub queue: Histogram,
+    /// The router's own work on a request before it is routed: checks, chat template,
+    /// tokenization, block hashes.
+    pub prepare: Histogram,
+    /// One routing decision: the cache index read for every replica and the cost formula.
+    pub route: Histogram,
     /// Requests waiting in the router's queue for room on a decode replica.
     pub queued: Gauge,
     /// Requests refused at once for want of room, by reason.
@@ -256,6 +263,8 @@ impl RouterMetrics {
             ttft: ttft_histogram(),
             inter_token: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
             queue: Histogram::new(exponential_buckets(0.0001, 2.0, 18)),
+            prepare: Histogram::new(exponential_buckets(0.000_01, 2.0, 18)),
+            route: Histogram::new(exponential_buckets(0.000_001, 2.0, 18)),
             queued: Gauge::default(),
             refused: Family::default(),
             queue_timeouts: Counter::default(),
@@ -321,6 +330,16 @@ impl RouterMetrics {
             QUEUE,
             "Time from request to admission on a decode node (the router's queue included)",
             self.queue.clone(),
+        );
+        registry.register(
+            PREPARE,
+            "The router's work on a request before routing it: checks, chat template, tokenization (only text it has not seen before) and block hashes",
+            self.prepare.clone(),
+        );
+        registry.register(
+            ROUTE,
+            "One routing decision: every replica's cache index read and the cost formula",
+            self.route.clone(),
         );
         registry.register(
             QUEUED,

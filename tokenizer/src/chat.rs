@@ -99,58 +99,78 @@ fn null_as_empty<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Er
 /// template makes of it.
 const ROLES: &[&str] = &["system", "user", "assistant", "tool"];
 
-/// Renders `messages` (and the `tools` offered, each an OpenAI tool definition) with `template`
-/// and a generation prompt.
-pub(crate) fn render(
-    template: &str,
-    messages: &[ChatMessage],
-    tools: &[serde_json::Value],
-    bos_token: &str,
-    eos_token: &str,
-) -> Result<String> {
-    if messages.is_empty() {
-        return Err(Error::InvalidArgument {
-            field: "messages",
-            reason: "at least one message is required".into(),
+/// A chat template, compiled once.
+#[derive(Debug)]
+pub(crate) struct Template {
+    env: Environment<'static>,
+}
+
+const NAME: &str = "chat";
+
+impl Template {
+    /// The template compiled, or the compiler's complaint.
+    pub(crate) fn new(source: String) -> Result<Self, String> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.add_function("raise_exception", |msg: String| -> Result<String, _> {
+            Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
         });
+        env.add_filter("tojson", tojson);
+        env.add_template_owned(NAME, source)
+            .map_err(|e| e.to_string())?;
+        Ok(Self { env })
     }
-    if let Some((i, m)) = messages
-        .iter()
-        .enumerate()
-        .find(|(_, m)| !ROLES.contains(&m.role.as_str()))
-    {
-        return Err(Error::InvalidArgument {
-            field: "messages",
-            reason: format!(
-                "message {i} has role {:?}; roles are system, user, assistant and tool",
-                m.role.chars().take(32).collect::<String>()
-            ),
-        });
-    }
-    let terr = |e: minijinja::Error| Error::Template {
-        reason: e.to_string(),
-    };
-    let mut env = Environment::new();
-    env.set_trim_blocks(true);
-    env.set_lstrip_blocks(true);
-    env.add_function("raise_exception", |msg: String| -> Result<String, _> {
-        Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
-    });
-    env.add_filter("tojson", tojson);
-    env.add_template("chat", template).map_err(terr)?;
-    // A template tests `tools` for truth: none offered is `None`, as Hugging Face passes it.
-    let tools = (!tools.is_empty()).then_some(tools);
-    env.get_template("chat")
-        .and_then(|t| {
-            t.render(context! {
-                messages => messages,
-                tools => tools,
-                add_generation_prompt => true,
-                bos_token => bos_token,
-                eos_token => eos_token,
+
+    /// Renders `messages` (and the `tools` offered, each an OpenAI tool definition) with a
+    /// generation prompt.
+    pub(crate) fn render(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[serde_json::Value],
+        bos_token: &str,
+        eos_token: &str,
+    ) -> Result<String> {
+        if messages.is_empty() {
+            return Err(Error::InvalidArgument {
+                field: "messages",
+                reason: "at least one message is required".into(),
+            });
+        }
+        if let Some((i, m)) = messages
+            .iter()
+            .enumerate()
+            .find(|(_, m)| !ROLES.contains(&m.role.as_str()))
+        {
+            return Err(Error::InvalidArgument {
+                field: "messages",
+                reason: format!(
+                    "message {i} has role {:?}; roles are system, user, assistant and tool",
+                    m.role.chars().take(32).collect::<String>()
+                ),
+            });
+        }
+        // A template tests `tools` for truth: none offered is `None`, as Hugging Face passes it.
+        let tools = (!tools.is_empty()).then_some(tools);
+        self.env
+            .get_template(NAME)
+            .and_then(|t| {
+                t.render(context! {
+                    messages => messages,
+                    tools => tools,
+                    add_generation_prompt => true,
+                    bos_token => bos_token,
+                    eos_token => eos_token,
+                })
             })
-        })
-        .map_err(terr)
+            .map_err(template_error)
+    }
+}
+
+fn template_error(e: minijinja::Error) -> Error {
+    Error::Template {
+        reason: e.to_string(),
+    }
 }
 
 /// Jinja's `tojson` as Hugging Face defines it for chat templates: `json.dumps(value,
@@ -207,6 +227,18 @@ impl serde_json::ser::Formatter for PythonCompact {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn render(
+        template: &str,
+        messages: &[ChatMessage],
+        tools: &[serde_json::Value],
+        bos_token: &str,
+        eos_token: &str,
+    ) -> Result<String> {
+        Template::new(template.into())
+            .map_err(|reason| Error::Template { reason })?
+            .render(messages, tools, bos_token, eos_token)
+    }
 
     fn render_json(template: &str, value: serde_json::Value) -> String {
         let mut env = Environment::new();

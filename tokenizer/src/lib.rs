@@ -20,6 +20,7 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
+mod cache;
 mod chat;
 mod error;
 mod pieces;
@@ -28,6 +29,7 @@ mod tools;
 
 use pieces::Pieces;
 
+pub use cache::EncodeCache;
 pub use chat::{ChatMessage, FunctionCall, ToolCall};
 pub use error::{Error, Result};
 pub use tools::{
@@ -116,8 +118,7 @@ struct BpeEncoder {
 #[derive(Debug)]
 struct SpmEncoder {
     spm: spm::Spm,
-    /// The special tokens' texts (control and user-defined), matched leftmost-longest.
-    specials: aho_corasick::AhoCorasick,
+    /// The ids of [`Tokenizer::specials`]' patterns, by pattern.
     special_ids: Vec<u32>,
 }
 
@@ -125,6 +126,11 @@ struct SpmEncoder {
 #[derive(Debug)]
 pub struct Tokenizer {
     inner: Encoder,
+    /// The special tokens' texts (control and user-defined), matched leftmost-longest, as both
+    /// encoders split them off.
+    specials: aho_corasick::AhoCorasick,
+    /// The chat template, compiled; or why there is none.
+    template: std::result::Result<chat::Template, String>,
     /// The bytes each id decodes to; empty for control tokens, which are not rendered.
     token_bytes: Pieces<Vec<u8>>,
     eog_ids: Vec<u32>,
@@ -177,12 +183,25 @@ impl Tokenizer {
             .collect();
         eog_ids.sort_unstable();
         eog_ids.dedup();
+        let (special_ids, special_texts): (Vec<u32>, Vec<&str>) = specials(&spec).unzip();
+        let specials = aho_corasick::AhoCorasick::builder()
+            .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+            .build(&special_texts)
+            .map_err(|e| Error::Build {
+                reason: format!("special tokens: {e}"),
+            })?;
         let inner = match spec.kind {
             TokenizerKind::BytePairs => byte_pairs(&mut spec)?,
-            TokenizerKind::SentencePiece => sentence_piece(&mut spec)?,
+            TokenizerKind::SentencePiece => sentence_piece(&mut spec, special_ids)?,
+        };
+        let template = match &spec.chat_template {
+            Some(source) => chat::Template::new(source.clone()),
+            None => Err("the model has no tokenizer.chat_template".into()),
         };
         Ok(Self {
             inner,
+            specials,
+            template,
             token_bytes,
             eog_ids,
             header: spec,
@@ -231,11 +250,55 @@ impl Tokenizer {
 
     /// Tokenizes `text`, parsing special tokens; adds BOS only if the model asks for it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let mut ids = self.first_ids(text);
+        self.encode_span(text, true, &mut ids)?;
+        Ok(ids)
+    }
+
+    /// [`Tokenizer::encode`], with the ids of each long run of text between special tokens
+    /// taken from `cache` where it holds them, and kept there where it does not (see
+    /// [`EncodeCache`] for why the result is the same).
+    pub fn encode_cached(&self, text: &str, cache: &EncodeCache) -> Result<Vec<u32>> {
+        let mut ids = self.first_ids(text);
+        // `pending..` is not encoded yet; `run..` is the run after the last special token seen.
+        let (mut pending, mut run) = (0, 0);
+        let ends = self.specials.find_iter(text).map(|m| (m.start(), m.end()));
+        for (end, next) in ends.chain([(text.len(), text.len())]) {
+            if end - run >= cache::MIN_RUN_BYTES {
+                self.encode_span(&text[pending..run], pending == 0, &mut ids)?;
+                let (piece, opens) = (&text[run..end], run == 0);
+                match cache.get(piece, opens) {
+                    Some(cached) => ids.extend_from_slice(&cached),
+                    None => {
+                        let at = ids.len();
+                        self.encode_span(piece, opens, &mut ids)?;
+                        cache.insert(piece, opens, &ids[at..]);
+                    }
+                }
+                pending = end;
+            }
+            run = next;
+        }
+        self.encode_span(&text[pending..], pending == 0, &mut ids)?;
+        Ok(ids)
+    }
+
+    /// BOS if the model asks for it, in a vector sized for `text`'s ids.
+    fn first_ids(&self, text: &str) -> Vec<u32> {
         let mut ids = Vec::with_capacity(text.len() / 3 + 2);
         if self.header.add_bos
             && let Some(bos) = self.header.bos_id
         {
             ids.push(bos);
+        }
+        ids
+    }
+
+    /// Appends the ids of `text`, special tokens parsed; `opens`: whether it starts the whole
+    /// text (SentencePiece puts its word boundary there).
+    fn encode_span(&self, text: &str, opens: bool, ids: &mut Vec<u32>) -> Result<()> {
+        if text.is_empty() {
+            return Ok(());
         }
         match &self.inner {
             Encoder::Bpe(b) => {
@@ -246,15 +309,15 @@ impl Tokenizer {
             }
             Encoder::Spm(e) => {
                 let mut at = 0;
-                for m in e.specials.find_iter(text) {
-                    e.spm.encode(&text[at..m.start()], at == 0, &mut ids);
+                for m in self.specials.find_iter(text) {
+                    e.spm.encode(&text[at..m.start()], opens && at == 0, ids);
                     ids.push(e.special_ids[m.pattern().as_usize()]);
                     at = m.end();
                 }
-                e.spm.encode(&text[at..], at == 0, &mut ids);
+                e.spm.encode(&text[at..], opens && at == 0, ids);
             }
         }
-        Ok(ids)
+        Ok(())
     }
 
     /// The bytes of one token (empty for control tokens and unknown ids).
@@ -287,16 +350,11 @@ impl Tokenizer {
         messages: &[ChatMessage],
         tools: &[serde_json::Value],
     ) -> Result<String> {
-        let template = self
-            .header
-            .chat_template
-            .as_deref()
-            .ok_or_else(|| Error::Template {
-                reason: "the model has no tokenizer.chat_template".into(),
-            })?;
+        let template = self.template.as_ref().map_err(|reason| Error::Template {
+            reason: reason.clone(),
+        })?;
         let text = |id: Option<u32>| id.map_or("", |id| self.token_text(id));
-        chat::render(
-            template,
+        template.render(
             messages,
             tools,
             text(self.header.bos_id),
@@ -366,22 +424,18 @@ fn byte_pairs(spec: &mut TokenizerSpec) -> Result<Encoder> {
     })))
 }
 
-/// The SentencePiece encoder, with the special tokens to split off before it. Takes the
-/// vocabulary and the scores out of `spec`.
-fn sentence_piece(spec: &mut TokenizerSpec) -> Result<Encoder> {
-    let err = |reason: String| Error::Build { reason };
+/// The SentencePiece encoder, with the ids of the special tokens split off before it. Takes
+/// the vocabulary and the scores out of `spec`.
+fn sentence_piece(spec: &mut TokenizerSpec, special_ids: Vec<u32>) -> Result<Encoder> {
     if spec.scores.len() != spec.tokens.len() {
-        return Err(err(format!(
-            "{} scores for {} tokens",
-            spec.scores.len(),
-            spec.tokens.len()
-        )));
+        return Err(Error::Build {
+            reason: format!(
+                "{} scores for {} tokens",
+                spec.scores.len(),
+                spec.tokens.len()
+            ),
+        });
     }
-    let (special_ids, texts): (Vec<u32>, Vec<&str>) = specials(spec).unzip();
-    let specials = aho_corasick::AhoCorasick::builder()
-        .match_kind(aho_corasick::MatchKind::LeftmostLongest)
-        .build(&texts)
-        .map_err(|e| err(format!("special tokens: {e}")))?;
     let texts = std::mem::take(&mut spec.tokens).iter().collect();
     let spm = spm::Spm::new(
         texts,
@@ -390,7 +444,6 @@ fn sentence_piece(spec: &mut TokenizerSpec) -> Result<Encoder> {
     );
     Ok(Encoder::Spm(Box::new(SpmEncoder {
         spm,
-        specials,
         special_ids,
     })))
 }

@@ -25,7 +25,9 @@ type EventStream = Pin<Box<dyn Stream<Item = Result<pb::CacheEvent, Status>> + S
 
 #[derive(Clone)]
 pub struct WorkerService {
+    /// `Worker.Info`'s answer without the tokenizer, which is `tokenizer_spec_json`.
     info: pb::InfoResponse,
+    tokenizer_spec_json: Arc<str>,
     load: Arc<dyn LoadSource>,
     hub: Arc<CacheHub>,
     /// Ends the event streams when the node begins to shut down, so they never hold up the
@@ -47,15 +49,17 @@ impl std::fmt::Debug for WorkerService {
 impl WorkerService {
     /// The service of a worker whose disk tier, if it has one, reports `spill`.
     pub fn new(
-        info: pb::InfoResponse,
+        mut info: pb::InfoResponse,
         load: Arc<dyn LoadSource>,
         hub: Arc<CacheHub>,
         spill: Option<Arc<SpillStats>>,
         moves: KvMoves,
         shutdown: CancellationToken,
     ) -> Self {
+        let tokenizer_spec_json = std::mem::take(&mut info.tokenizer_spec_json).into();
         Self {
             info,
+            tokenizer_spec_json,
             load,
             hub,
             shutdown,
@@ -74,9 +78,13 @@ impl WorkerService {
 impl pb::worker_server::Worker for WorkerService {
     async fn info(
         &self,
-        _request: Request<pb::InfoRequest>,
+        request: Request<pb::InfoRequest>,
     ) -> Result<Response<pb::InfoResponse>, Status> {
-        Ok(Response::new(self.info.clone()))
+        let mut info = self.info.clone();
+        if !request.into_inner().omit_tokenizer {
+            info.tokenizer_spec_json = self.tokenizer_spec_json.to_string();
+        }
+        Ok(Response::new(info))
     }
 
     async fn load(

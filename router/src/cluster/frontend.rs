@@ -5,9 +5,13 @@
 use std::sync::Arc;
 
 use tandem_proto::v1 as pb;
-use tandem_tokenizer::{Tokenizer, TokenizerSpec};
+use tandem_tokenizer::{EncodeCache, Tokenizer, TokenizerSpec};
 
 use crate::error::Error;
+
+/// Most token ids a model's [`Frontend::encodes`] holds: 64 MiB of them, about 2,000 agent
+/// sessions' 30k-token conversations, or many more that share a system prompt.
+pub const ENCODE_CACHE_TOKENS: u64 = 16 << 20;
 
 /// What the router knows of a model, from the first worker that named it.
 #[derive(Debug)]
@@ -17,6 +21,9 @@ pub struct Frontend {
     /// Other names the model answers to: its file's name, its catalog name, `default`.
     pub aliases: Vec<String>,
     pub tokenizer: Tokenizer,
+    /// The ids of the text the router has tokenized, by content: a conversation's next turn
+    /// encodes only its new messages, and a shared system prompt is encoded once.
+    pub encodes: EncodeCache,
     pub context_tokens: usize,
     pub fingerprint: Vec<u8>,
     /// How the workers keep and send KV (`f16` or `q8`).
@@ -35,6 +42,7 @@ impl Frontend {
             model_name: info.model_name.clone(),
             aliases: info.model_aliases.clone(),
             tokenizer,
+            encodes: EncodeCache::new(ENCODE_CACHE_TOKENS),
             context_tokens: info.context_tokens as usize,
             fingerprint: info.model_fingerprint.to_vec(),
             kv_dtype: kv_dtype(info).to_string(),

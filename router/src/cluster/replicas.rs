@@ -173,16 +173,17 @@ impl Replicas {
             .collect()
     }
 
+    /// The model named `name`, if a worker described it.
+    fn known(&self, name: &str) -> Option<Arc<Frontend>> {
+        let models = self.models.read().unwrap_or_else(|e| e.into_inner());
+        models.get(name).cloned()
+    }
+
     /// The model named `name`, as the first worker to name it described it; a worker naming it
     /// for the first time describes it now.
     fn learn(&self, info: &pb::InfoResponse, from: &str) -> Option<Arc<Frontend>> {
-        if let Some(f) = self
-            .models
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&info.model_name)
-        {
-            return Some(f.clone());
+        if let Some(f) = self.known(&info.model_name) {
+            return Some(f);
         }
         let front = Arc::new(Frontend::from_info(info)?);
         let mut models = self.models.write().unwrap_or_else(|e| e.into_inner());
@@ -380,15 +381,24 @@ impl Replicas {
     }
 
     /// Asks the worker for its model; learns the model's tokenizer from the first worker that
-    /// names it.
+    /// names it (the others are asked to leave it out: it is megabytes).
     async fn check_info(&self, r: &Replica) -> bool {
         let mut client =
             tandem_proto::limits!(pb::worker_client::WorkerClient::new(r.channel.clone()));
-        let mut req = tonic::Request::new(pb::InfoRequest {});
-        req.set_timeout(Duration::from_secs(5));
-        let Ok(info) = client.info(req).await.map(tonic::Response::into_inner) else {
+        let ask = |omit_tokenizer: bool| {
+            let mut req = tonic::Request::new(pb::InfoRequest { omit_tokenizer });
+            req.set_timeout(Duration::from_secs(5));
+            req
+        };
+        let Ok(mut info) = client.info(ask(true)).await.map(tonic::Response::into_inner) else {
             return false;
         };
+        if self.known(&info.model_name).is_none() {
+            let Ok(whole) = client.info(ask(false)).await.map(tonic::Response::into_inner) else {
+                return false;
+            };
+            info = whole;
+        }
         let Some(front) = self.learn(&info, &r.addr) else {
             return false;
         };

@@ -348,7 +348,12 @@ impl Dispatcher {
             let is_last_resort = last_resort.is_some();
             let choice = match last_resort {
                 Some(choice) => choice,
-                None => self.policy.choose(&self.replicas, &ask)?,
+                None => {
+                    let started = std::time::Instant::now();
+                    let choice = self.policy.choose(&self.replicas, &ask);
+                    self.metrics.route.observe(started.elapsed().as_secs_f64());
+                    choice?
+                }
             };
             if choice.prefill.as_ref().is_some_and(|p| !p.fits()) {
                 // The prefill node's queue is full: wait here rather than be refused there.

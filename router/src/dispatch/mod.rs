@@ -175,8 +175,12 @@ impl GenerationService {
         // The admission permit bounds the tokenizations running at once as well.
         let permit = self.permit()?;
         let (limits, who) = (self.limits.clone(), principal.clone());
+        let seconds = self.dispatcher.metrics.prepare.clone();
         let prepared = tokio::task::spawn_blocking(move || {
-            prepare(&front, r, &limits, default_max_tokens, &who)
+            let started = std::time::Instant::now();
+            let prepared = prepare(&front, r, &limits, default_max_tokens, &who);
+            seconds.observe(started.elapsed().as_secs_f64());
+            prepared
         })
         .instrument(span.clone())
         .await

@@ -234,11 +234,11 @@ pub fn tokenize(
         if prompt.is_empty() {
             return invalid("prompt", "must not be empty");
         }
-        front.tokenizer.encode(prompt)?
+        front.tokenizer.encode_cached(prompt, &front.encodes)?
     } else if !r.messages.is_empty() {
         let rendered = crate::dispatch::chat::render(&front.tokenizer, r)?;
         tool_grammar = rendered.tool_grammar;
-        front.tokenizer.encode(&rendered.text)?
+        front.tokenizer.encode_cached(&rendered.text, &front.encodes)?
     } else {
         let vocab = front.tokenizer.vocab_size();
         if let Some(t) = r.token_ids.iter().find(|&&t| t as usize >= vocab) {

@@ -1,0 +1,88 @@
+//! Token ids of the text between special tokens, kept by content, so that a prompt which repeats
+//! text seen before (a conversation's next turn, a system prompt many sessions share) encodes
+//! only what is new.
+//!
+//! Both encoders split special tokens off before anything else, and encode each run of text
+//! between them on its own: the `tokenizers` crate's added vocabulary splits them out
+//! leftmost-longest before its pre-tokenizer runs, and the SentencePiece path does the same with
+//! the same matcher. So a text's ids are its runs' ids and its special tokens' ids in order, and a
+//! run's ids depend only on its bytes, and, for SentencePiece's word boundary, on whether it
+//! opens the text. [`crate::Tokenizer::encode_cached`] relies on exactly that, and the tests
+//! that compare it with [`crate::Tokenizer::encode`] on the real models' tokenizers hold it to it.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use moka::policy::EvictionPolicy;
+use xxhash_rust::xxh3::xxh3_128_with_seed;
+
+/// Runs shorter than this are encoded again each time: they cost less to encode than to keep.
+pub(crate) const MIN_RUN_BYTES: usize = 256;
+
+/// The ids of runs of text seen before, by a 128-bit hash of their bytes (and of whether the run
+/// opens its text), least recently used dropped first past a bound on the ids held. Shared by the
+/// threads that tokenize; one per tokenizer.
+pub struct EncodeCache {
+    runs: moka::sync::Cache<u128, Arc<[u32]>>,
+    hit_tokens: AtomicU64,
+    encoded_tokens: AtomicU64,
+}
+
+impl std::fmt::Debug for EncodeCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EncodeCache")
+            .field("runs", &self.runs.entry_count())
+            .field("held_tokens", &self.runs.weighted_size())
+            .finish()
+    }
+}
+
+/// What one id costs the cache, and what an entry costs besides its ids, in ids (4 bytes each).
+const ENTRY_OVERHEAD_IDS: u32 = 24;
+
+impl EncodeCache {
+    /// A cache that holds at most about `max_tokens` ids (4 bytes each, plus a few dozen bytes
+    /// per run).
+    pub fn new(max_tokens: u64) -> Self {
+        Self {
+            runs: moka::sync::Cache::builder()
+                .max_capacity(max_tokens)
+                .weigher(|_, ids: &Arc<[u32]>| {
+                    u32::try_from(ids.len())
+                        .unwrap_or(u32::MAX)
+                        .saturating_add(ENTRY_OVERHEAD_IDS)
+                })
+                // A conversation's newest run is seen once before its next turn asks for it:
+                // recency, not frequency, is what predicts the next hit.
+                .eviction_policy(EvictionPolicy::lru())
+                .build(),
+            hit_tokens: AtomicU64::new(0),
+            encoded_tokens: AtomicU64::new(0),
+        }
+    }
+
+    pub(crate) fn get(&self, run: &str, opens: bool) -> Option<Arc<[u32]>> {
+        let ids = self.runs.get(&key(run, opens))?;
+        self.hit_tokens
+            .fetch_add(ids.len() as u64, Ordering::Relaxed);
+        Some(ids)
+    }
+
+    pub(crate) fn insert(&self, run: &str, opens: bool, ids: &[u32]) {
+        self.encoded_tokens
+            .fetch_add(ids.len() as u64, Ordering::Relaxed);
+        self.runs.insert(key(run, opens), ids.into());
+    }
+
+    /// Ids taken from the cache, and ids of cacheable runs encoded, since it was made.
+    pub fn tokens(&self) -> (u64, u64) {
+        (
+            self.hit_tokens.load(Ordering::Relaxed),
+            self.encoded_tokens.load(Ordering::Relaxed),
+        )
+    }
+}
+
+fn key(run: &str, opens: bool) -> u128 {
+    xxh3_128_with_seed(run.as_bytes(), u64::from(opens))
+}
