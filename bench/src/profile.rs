@@ -1,10 +1,11 @@
 //! `tandem-bench profile`: fits a simulated model's timing ([`TimingProfile`]) to the real
-//! engine on this machine. It times, each the median of `--runs` runs: a prefill of
-//! `--prompt-tokens` from nothing; decode steps at batches 1, 4 and 16 over short contexts; and
-//! decode steps of one sequence `--depth` tokens deep. Then it solves the profile's formula for
-//! them: the step's fixed and per-row cost from the batches (least squares), attention per
-//! token of context from the deep step, the prompt row from the prefill. With `--check` it runs
-//! the same measurements on the model simulated with the fitted profile and prints both.
+//! engine on this machine. It times, each the median of `--runs` runs: decode steps at batches
+//! 1, 2, 4, 8 and 16 over short contexts; prefills of 32, 96 and 256 tokens from nothing (one
+//! pass each: the engine's prefill chunk is 256 tokens); and decode steps of one sequence
+//! `--depth` tokens deep. Attention per token of context is the deep step's time over the
+//! shallow one's, per token; each pass's time, less its attention, is a point of the profile.
+//! With `--check` it runs the same measurements on the model simulated with the fitted profile
+//! and prints both.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -26,9 +27,6 @@ pub(crate) struct ProfileArgs {
     /// with this many.
     #[arg(long, env = "TANDEM_THREADS", default_value_t = 0)]
     threads: usize,
-    /// Prompt tokens of the prefill measurement.
-    #[arg(long, default_value_t = 512)]
-    prompt_tokens: usize,
     /// Context tokens of the deep decode measurement.
     #[arg(long, default_value_t = 2048)]
     depth: usize,
@@ -47,22 +45,25 @@ pub(crate) struct ProfileArgs {
 }
 
 /// Decode batches measured.
-const BATCHES: [usize; 3] = [1, 4, 16];
+const BATCHES: [usize; 5] = [1, 2, 4, 8, 16];
+/// Prompts measured, each one pass.
+const PROMPTS: [usize; 3] = [32, 96, 256];
 /// Context of each sequence in the batched decode measurements.
 const SHORT_CONTEXT: usize = 16;
 
 /// What one model's measurements gave, in seconds.
 #[derive(Serialize, Debug)]
 struct Measured {
-    prefill_s: f64,
     /// One decode step per batch of [`BATCHES`].
     step_s: Vec<f64>,
+    /// One prefill per prompt of [`PROMPTS`].
+    prefill_s: Vec<f64>,
     deep_step_s: f64,
 }
 
 pub(crate) fn profile(args: &ProfileArgs) -> anyhow::Result<()> {
-    if args.prompt_tokens == 0 || args.depth == 0 || args.steps == 0 || args.runs == 0 {
-        bail!("--prompt-tokens, --depth, --steps and --runs must each be at least 1");
+    if args.depth <= SHORT_CONTEXT || args.steps == 0 || args.runs == 0 {
+        bail!("--depth must be more than {SHORT_CONTEXT}, and --steps and --runs at least 1");
     }
     let source = args.model.source();
     let model = source.load()?;
@@ -78,9 +79,12 @@ pub(crate) fn profile(args: &ProfileArgs) -> anyhow::Result<()> {
         let simulated = source.load_simulated(profile)?;
         let sim = measure(&simulated, args)?;
         eprintln!("{:<22} {:>12} {:>12} {:>8}", "", "real s", "simulated s", "ratio");
-        let mut rows = vec![("prefill".to_string(), real.prefill_s, sim.prefill_s)];
+        let mut rows = Vec::new();
         for (i, b) in BATCHES.iter().enumerate() {
             rows.push((format!("decode step, batch {b}"), real.step_s[i], sim.step_s[i]));
+        }
+        for (i, n) in PROMPTS.iter().enumerate() {
+            rows.push((format!("prefill of {n}"), real.prefill_s[i], sim.prefill_s[i]));
         }
         rows.push((
             format!("decode step at {}", args.depth),
@@ -127,37 +131,36 @@ fn engine_config(threads: usize) -> EngineConfig {
     }
 }
 
-/// Solves the profile's formula for the measurements (see [`TimingProfile::forward_time`]).
+/// The profile of the measurements (see [`TimingProfile`]): attention from the deep step, and
+/// each pass less its attention.
 fn fit(m: &Measured, args: &ProfileArgs, model: String, cpu: String, threads: usize) -> TimingProfile {
-    // A step of a batch of b short sequences: step + row·b (its attention over 16 tokens a
-    // row is within the noise); least squares over the batches.
-    let n = BATCHES.len() as f64;
-    let xs: Vec<f64> = BATCHES.iter().map(|&b| b as f64).collect();
-    let (mx, my) = (xs.iter().sum::<f64>() / n, m.step_s.iter().sum::<f64>() / n);
-    let sxy: f64 = xs.iter().zip(&m.step_s).map(|(x, y)| (x - mx) * (y - my)).sum();
-    let sxx: f64 = xs.iter().map(|x| (x - mx) * (x - mx)).sum();
-    let row_s = (sxy / sxx).max(0.0);
-    let step_s = (my - row_s * mx).max(0.0);
-    // One row attending to `depth` tokens against one attending to a short context.
-    let attend_s = ((m.deep_step_s - m.step_s[0]) / args.depth as f64).max(0.0);
-    let p = args.prompt_tokens as f64;
-    let prompt_row_s = ((m.prefill_s - attend_s * p * (p + 1.0) / 2.0) / p).max(0.0);
+    // A row attending to `depth` tokens against one attending to a short context.
+    let attend_s = ((m.deep_step_s - m.step_s[0]) / (args.depth - SHORT_CONTEXT) as f64).max(0.0);
+    let decode = BATCHES.iter().zip(&m.step_s).map(|(&b, &s)| {
+        (b, s - attend_s * (b * (SHORT_CONTEXT + 1)) as f64)
+    });
+    let prefill = PROMPTS.iter().zip(&m.prefill_s).map(|(&n, &s)| {
+        (n, s - attend_s * (n * (n + 1) / 2) as f64)
+    });
+    // Rising in rows and in time: a pass of more rows never takes less.
+    let mut passes: Vec<(usize, f64)> = Vec::new();
+    for (n, s) in decode.chain(prefill) {
+        let floor = passes.last().map_or(f64::MIN_POSITIVE, |&(_, t)| t);
+        passes.push((n, s.max(floor)));
+    }
     TimingProfile {
         model,
         cpu,
         threads,
-        step_s,
-        row_s,
-        prompt_row_s,
+        passes,
         attend_s,
     }
 }
 
 fn measure(model: &Arc<Model>, args: &ProfileArgs) -> anyhow::Result<Measured> {
     let mut engine = Engine::new(model.clone(), engine_config(args.threads))?;
-    let prompt = crate::ordinary_tokens(model, args.prompt_tokens, 0);
     let warm = engine.new_sequence();
-    engine.prefill(warm, &prompt)?;
+    engine.prefill(warm, &crate::ordinary_tokens(model, 256, 0))?;
     engine.free(warm)?;
     let runs = |engine: &mut Engine, f: &dyn Fn(&mut Engine) -> anyhow::Result<f64>| {
         (0..args.runs)
@@ -165,14 +168,18 @@ fn measure(model: &Arc<Model>, args: &ProfileArgs) -> anyhow::Result<Measured> {
             .collect::<anyhow::Result<Vec<f64>>>()
             .map(median)
     };
-    let prefill_s = runs(&mut engine, &|e| {
-        let seq = e.new_sequence();
-        let started = Instant::now();
-        e.prefill(seq, &prompt)?;
-        let s = started.elapsed().as_secs_f64();
-        e.free(seq)?;
-        Ok(s)
-    })?;
+    let mut prefill_s = Vec::new();
+    for n in PROMPTS {
+        let prompt = crate::ordinary_tokens(model, n, n as u32);
+        prefill_s.push(runs(&mut engine, &|e| {
+            let seq = e.new_sequence();
+            let started = Instant::now();
+            e.prefill(seq, &prompt)?;
+            let s = started.elapsed().as_secs_f64();
+            e.free(seq)?;
+            Ok(s)
+        })?);
+    }
     let mut step_s = Vec::new();
     for (i, &b) in BATCHES.iter().enumerate() {
         let seqs = (0..b)

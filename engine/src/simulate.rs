@@ -22,22 +22,23 @@ use tandem_tokenizer::Tokenizer;
 /// How long a forward pass of the real model takes, as a function of its rows:
 ///
 /// ```text
-/// seconds = max(step_s + row_s · rows, prompt_row_s · rows) + attend_s · Σ context
+/// seconds = pass(rows) + attend_s · Σ context
 /// ```
 ///
-/// where `rows` are the tokens the pass appends, and `Σ context` sums, over them, the positions
-/// each one attends to. A decode step of a few rows is bound by reading the weights once
-/// (`step_s`, plus `row_s` per row); a prompt chunk of hundreds of rows by their arithmetic
-/// (`prompt_row_s` per row); attention grows with the context.
+/// where `rows` are the tokens the pass appends, `pass` is interpolated between the times
+/// measured for passes of so many rows over a short context (decode steps of a few rows, bound
+/// by reading the weights once; prompt chunks of hundreds, bound by their arithmetic), and
+/// `Σ context` sums, over the rows, the positions each one attends to.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TimingProfile {
     /// The model it was measured on (a catalog name), and where: the CPU and the threads.
     pub model: String,
     pub cpu: String,
     pub threads: usize,
-    pub step_s: f64,
-    pub row_s: f64,
-    pub prompt_row_s: f64,
+    /// `(rows, seconds)` of passes measured over a short context, by rows ascending: linear
+    /// between them, and past the last at its seconds per row.
+    pub passes: Vec<(usize, f64)>,
+    /// Seconds of attention per row and token of its context.
     pub attend_s: f64,
 }
 
@@ -52,28 +53,49 @@ impl TimingProfile {
         Self::parse(&text).map_err(bad)
     }
 
-    /// A profile from its JSON, checked: every figure finite and not negative, some positive.
+    /// A profile from its JSON, checked: passes of rising rows, every time finite, positive
+    /// and rising, and attention finite and not negative.
     pub fn parse(json: &str) -> std::result::Result<Self, String> {
         let p: Self =
             serde_json::from_str(json).map_err(|e| format!("not a timing profile: {e}"))?;
-        let figures = [p.step_s, p.row_s, p.prompt_row_s, p.attend_s];
-        if figures.iter().any(|f| !f.is_finite() || *f < 0.0) || p.step_s + p.prompt_row_s <= 0.0
-        {
+        let rising = p.passes.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 <= w[1].1);
+        let times_ok = p.passes.iter().all(|&(n, s)| n > 0 && s.is_finite() && s > 0.0);
+        if p.passes.is_empty() || !rising || !times_ok {
             return Err(format!(
-                "a timing profile's figures must be finite and not negative, with a step or a \
-                 prompt row that takes time: {figures:?}"
+                "a timing profile's passes must be (rows, seconds) pairs, rows and seconds \
+                 rising, every time positive: {:?}",
+                p.passes
+            ));
+        }
+        if !p.attend_s.is_finite() || p.attend_s < 0.0 {
+            return Err(format!(
+                "attend_s must be finite and not negative, got {}",
+                p.attend_s
             ));
         }
         Ok(p)
     }
 
+    /// The time of a pass of `n` rows over a short context.
+    fn pass(&self, n: usize) -> f64 {
+        let n = n.max(1) as f64;
+        let points = &self.passes;
+        let (first, last) = (points[0], points[points.len() - 1]);
+        if n <= first.0 as f64 {
+            return first.1;
+        }
+        if n >= last.0 as f64 {
+            return last.1 * n / last.0 as f64;
+        }
+        let i = points.partition_point(|&(rows, _)| (rows as f64) < n);
+        let ((n0, t0), (n1, t1)) = (points[i - 1], points[i]);
+        t0 + (t1 - t0) * (n - n0 as f64) / (n1 - n0) as f64
+    }
+
     /// The time a forward pass over `rows` takes.
-    pub fn forward_time(&self, rows: &[Row<'_>]) -> Duration {
-        let n = rows.len() as f64;
+    pub(crate) fn forward_time(&self, rows: &[Row<'_>]) -> Duration {
         let context: f64 = rows.iter().map(|r| (r.pos + 1) as f64).sum();
-        let seconds = (self.step_s + self.row_s * n).max(self.prompt_row_s * n)
-            + self.attend_s * context;
-        Duration::from_secs_f64(seconds)
+        Duration::from_secs_f64(self.pass(rows.len()) + self.attend_s * context)
     }
 }
 
@@ -81,7 +103,8 @@ impl TimingProfile {
 #[derive(Debug)]
 pub struct Simulated {
     pub profile: TimingProfile,
-    /// The tokens a row's next token is drawn from: plain lowercase words with a leading space.
+    /// The tokens a row's next token is drawn from: plain lowercase words with a leading space
+    /// (any token of printable ASCII in a vocabulary without such words, as the tiny model's).
     words: Vec<u32>,
 }
 
@@ -91,16 +114,26 @@ const CERTAIN: f32 = 40.0;
 
 impl Simulated {
     pub fn new(profile: TimingProfile, tokenizer: &Tokenizer) -> Result<Self> {
-        let plain = |b: &[u8]| {
+        let word = |b: &[u8]| {
             b.len() >= 3 && b[0] == b' ' && b[1..].iter().all(|c| c.is_ascii_lowercase())
         };
-        let words: Vec<u32> = (0..tokenizer.vocab_size() as u32)
-            .filter(|&id| plain(tokenizer.token_bytes(id)))
-            .collect();
+        let printable = |b: &[u8]| {
+            !b.is_empty() && b.iter().all(|c| c.is_ascii_graphic() || *c == b' ')
+        };
+        let ordinary = |id: &u32| !tokenizer.eog_ids().contains(id);
+        let ids = |keep: &dyn Fn(&[u8]) -> bool| -> Vec<u32> {
+            (0..tokenizer.vocab_size() as u32)
+                .filter(|id| ordinary(id) && keep(tokenizer.token_bytes(*id)))
+                .collect()
+        };
+        let mut words = ids(&word);
+        if words.is_empty() {
+            words = ids(&printable);
+        }
         if words.is_empty() {
             return Err(Error::InvalidArgument {
                 field: "simulate",
-                reason: "the vocabulary has no plain words to simulate replies with".into(),
+                reason: "the vocabulary has no printable token to simulate replies with".into(),
             });
         }
         Ok(Self { profile, words })
@@ -138,7 +171,14 @@ impl Simulated {
 
 /// The profiles shipped for the catalog's models (and the tiny one), by name, measured with
 /// `tandem-bench profile` on the CPU each names.
-const SHIPPED: &[(&str, &str)] = &[];
+pub const SHIPPED: &[(&str, &str)] = &[
+    (
+        "qwen2.5-coder-0.5b",
+        include_str!("../profiles/qwen2.5-coder-0.5b.json"),
+    ),
+    ("smollm2", include_str!("../profiles/smollm2.json")),
+    ("gemma-3-270m", include_str!("../profiles/gemma-3-270m.json")),
+];
 
 /// The profile shipped for the catalog model `name`, if any.
 pub fn shipped(name: &str) -> Option<TimingProfile> {

@@ -1,6 +1,8 @@
 //! Token ids of the text between special tokens, kept by content, so that a prompt which repeats
 //! text seen before (a conversation's next turn, a system prompt many sessions share) encodes
-//! only what is new.
+//! only what is new. Every run is kept, short ones too: a lookup costs a hash and a probe, an
+//! encoding a pass through the `tokenizers` pipeline, and a conversation is mostly short runs
+//! (roles, a call) between long ones.
 //!
 //! Both encoders split special tokens off before anything else, and encode each run of text
 //! between them on its own: the `tokenizers` crate's added vocabulary splits them out
@@ -15,9 +17,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use moka::policy::EvictionPolicy;
 use xxhash_rust::xxh3::xxh3_128_with_seed;
-
-/// Runs shorter than this are encoded again each time: they cost less to encode than to keep.
-pub(crate) const MIN_RUN_BYTES: usize = 256;
 
 /// The ids of runs of text seen before, by a 128-bit hash of their bytes (and of whether the run
 /// opens its text), least recently used dropped first past a bound on the ids held. Shared by the

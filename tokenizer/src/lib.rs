@@ -118,8 +118,6 @@ struct BpeEncoder {
 #[derive(Debug)]
 struct SpmEncoder {
     spm: spm::Spm,
-    /// The ids of [`Tokenizer::specials`]' patterns, by pattern.
-    special_ids: Vec<u32>,
 }
 
 /// Text ↔ token ids for one model.
@@ -129,6 +127,8 @@ pub struct Tokenizer {
     /// The special tokens' texts (control and user-defined), matched leftmost-longest, as both
     /// encoders split them off.
     specials: aho_corasick::AhoCorasick,
+    /// The ids of [`Tokenizer::specials`]' patterns, by pattern.
+    special_ids: Vec<u32>,
     /// The chat template, compiled; or why there is none.
     template: std::result::Result<chat::Template, String>,
     /// The bytes each id decodes to; empty for control tokens, which are not rendered.
@@ -192,7 +192,7 @@ impl Tokenizer {
             })?;
         let inner = match spec.kind {
             TokenizerKind::BytePairs => byte_pairs(&mut spec)?,
-            TokenizerKind::SentencePiece => sentence_piece(&mut spec, special_ids)?,
+            TokenizerKind::SentencePiece => sentence_piece(&mut spec)?,
         };
         let template = match &spec.chat_template {
             Some(source) => chat::Template::new(source.clone()),
@@ -201,6 +201,7 @@ impl Tokenizer {
         Ok(Self {
             inner,
             specials,
+            special_ids,
             template,
             token_bytes,
             eog_ids,
@@ -255,32 +256,42 @@ impl Tokenizer {
         Ok(ids)
     }
 
-    /// [`Tokenizer::encode`], with the ids of each long run of text between special tokens
-    /// taken from `cache` where it holds them, and kept there where it does not (see
-    /// [`EncodeCache`] for why the result is the same).
+    /// [`Tokenizer::encode`], with the ids of each run of text between special tokens taken
+    /// from `cache` where it holds them, and kept there where it does not (see [`EncodeCache`]
+    /// for why the result is the same).
     pub fn encode_cached(&self, text: &str, cache: &EncodeCache) -> Result<Vec<u32>> {
         let mut ids = self.first_ids(text);
-        // `pending..` is not encoded yet; `run..` is the run after the last special token seen.
-        let (mut pending, mut run) = (0, 0);
-        let ends = self.specials.find_iter(text).map(|m| (m.start(), m.end()));
-        for (end, next) in ends.chain([(text.len(), text.len())]) {
-            if end - run >= cache::MIN_RUN_BYTES {
-                self.encode_span(&text[pending..run], pending == 0, &mut ids)?;
-                let (piece, opens) = (&text[run..end], run == 0);
-                match cache.get(piece, opens) {
-                    Some(cached) => ids.extend_from_slice(&cached),
-                    None => {
-                        let at = ids.len();
-                        self.encode_span(piece, opens, &mut ids)?;
-                        cache.insert(piece, opens, &ids[at..]);
-                    }
-                }
-                pending = end;
-            }
-            run = next;
+        let mut at = 0;
+        for m in self.specials.find_iter(text) {
+            self.encode_run_cached(&text[at..m.start()], at == 0, cache, &mut ids)?;
+            ids.push(self.special_ids[m.pattern().as_usize()]);
+            at = m.end();
         }
-        self.encode_span(&text[pending..], pending == 0, &mut ids)?;
+        self.encode_run_cached(&text[at..], at == 0, cache, &mut ids)?;
         Ok(ids)
+    }
+
+    /// Appends the ids of `run` (text without special tokens), from `cache` or encoded and
+    /// kept there.
+    fn encode_run_cached(
+        &self,
+        run: &str,
+        opens: bool,
+        cache: &EncodeCache,
+        ids: &mut Vec<u32>,
+    ) -> Result<()> {
+        if run.is_empty() {
+            return Ok(());
+        }
+        match cache.get(run, opens) {
+            Some(cached) => ids.extend_from_slice(&cached),
+            None => {
+                let at = ids.len();
+                self.encode_span(run, opens, ids)?;
+                cache.insert(run, opens, &ids[at..]);
+            }
+        }
+        Ok(())
     }
 
     /// BOS if the model asks for it, in a vector sized for `text`'s ids.
@@ -311,7 +322,7 @@ impl Tokenizer {
                 let mut at = 0;
                 for m in self.specials.find_iter(text) {
                     e.spm.encode(&text[at..m.start()], opens && at == 0, ids);
-                    ids.push(e.special_ids[m.pattern().as_usize()]);
+                    ids.push(self.special_ids[m.pattern().as_usize()]);
                     at = m.end();
                 }
                 e.spm.encode(&text[at..], opens && at == 0, ids);
@@ -424,9 +435,9 @@ fn byte_pairs(spec: &mut TokenizerSpec) -> Result<Encoder> {
     })))
 }
 
-/// The SentencePiece encoder, with the ids of the special tokens split off before it. Takes
-/// the vocabulary and the scores out of `spec`.
-fn sentence_piece(spec: &mut TokenizerSpec, special_ids: Vec<u32>) -> Result<Encoder> {
+/// The SentencePiece encoder (the special tokens are split off before it). Takes the vocabulary
+/// and the scores out of `spec`.
+fn sentence_piece(spec: &mut TokenizerSpec) -> Result<Encoder> {
     if spec.scores.len() != spec.tokens.len() {
         return Err(Error::Build {
             reason: format!(
@@ -442,10 +453,7 @@ fn sentence_piece(spec: &mut TokenizerSpec, special_ids: Vec<u32>) -> Result<Enc
         std::mem::take(&mut spec.scores),
         spec.add_space_prefix,
     );
-    Ok(Encoder::Spm(Box::new(SpmEncoder {
-        spm,
-        special_ids,
-    })))
+    Ok(Encoder::Spm(Box::new(SpmEncoder { spm })))
 }
 
 /// The tokens a text spells as one id (control and user-defined ones), with their ids.
