@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The simulator against the real thing: `tandem up` (one prefill and one decode node) on the
-# model, then the same cluster with `--simulate` (the model's shipped timing profile, or
-# $PROFILE), driven by the same `tandem-bench serve` load on the same prompts, alternated round
-# by round, ROUNDS times. Prints, per load level, the medians over the rounds of TTFT p50 and
+# model, then the same cluster with `--simulate`, driven by the same `tandem-bench serve` load
+# on the same prompts, alternated round by round, ROUNDS times. Each round first measures the
+# model's timing profile on this machine (`tandem-bench profile --threads 1`, as `tandem up`
+# gives each of its two workers one thread of two cores), since a small machine's speed drifts
+# by a third within an hour; $PROFILE (a file) is used instead when set. Prints, per load level, the medians over the rounds of TTFT p50 and
 # ITL p50 for both and their ratio, and fails if a ratio is outside 0.8-1.2. Speculative
 # decoding is off in both (a simulated reply has nothing of its prompt to copy).
 #
@@ -11,7 +13,7 @@
 #   --max-tokens 48)
 # Env: TANDEM, TANDEM_BENCH (default target/release/, built if missing), MODEL (a catalog name,
 #   default `default`), PROFILE (a profile file instead of the shipped one).
-# Results: target/bench-sim/{real,sim}.<round>.json.
+# Results: target/bench-sim/{real,sim}.<round>.json and profile.<round>.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
@@ -31,12 +33,16 @@ run() { # run LABEL ROUND [FLAG...]: one cluster, one serve run
   local label=$1 round=$2
   shift 2
   "$tandem" up --model "$model" --port 0 --http-port 0 --kv-spill-temporary --speculate off \
-    "$@" >"$out/up.log" 2>/dev/null &
+    "$@" >"$out/up.log" 2>"$out/up.err" &
   local pid=$!
-  for _ in $(seq 1 240); do grep -q "router (gRPC" "$out/up.log" && break; sleep 0.5; done
+  for _ in $(seq 1 240); do
+    grep -q "router (gRPC" "$out/up.log" && break
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.5
+  done
   local addr
   addr=$(grep "router (gRPC" "$out/up.log" | awk '{print $NF}')
-  [ -n "$addr" ] || { echo "tandem up did not start; see $out/up.log" >&2; kill "$pid"; return 1; }
+  [ -n "$addr" ] || { echo "tandem up did not start; see $out/up.log and up.err" >&2; kill "$pid" 2>/dev/null; return 1; }
   "$bench" serve --server "$addr" "${load[@]}" --seed "$round" --label "$label" \
     --out "$out/$label.$round.json" >/dev/null
   kill -TERM "$pid"
@@ -45,8 +51,11 @@ run() { # run LABEL ROUND [FLAG...]: one cluster, one serve run
 
 for r in $(seq "$rounds"); do
   echo "== round $r of $rounds" >&2
+  profile=${PROFILE:-$out/profile.$r.json}
+  [ -n "${PROFILE:-}" ] || "$bench" profile --model "$model" --threads 1 --runs 2 --steps 16 \
+    --out "$profile" 2>/dev/null
   run real "$r"
-  run sim "$r" --simulate ${PROFILE:+"$PROFILE"}
+  run sim "$r" --simulate "$profile"
 done
 
 python3 - "$out" "$rounds" <<'EOF'

@@ -19,7 +19,7 @@ use crate::serve::{WorkerArgs, shutdown_signal};
 #[derive(Args, Debug)]
 pub(crate) struct SimArgs {
     /// Every node's flags, as `tandem prefill` and `tandem decode` take them (`--simulate`
-    /// defaults to `shipped` here; `--kv-spill-dir` is not taken).
+    /// defaults to `shipped` here, `--threads` is 1, and `--kv-spill-dir` is not taken).
     #[command(flatten)]
     worker: WorkerArgs,
     /// Simulated prefill nodes.
@@ -62,16 +62,21 @@ pub(crate) fn sim(args: &SimArgs) -> anyhow::Result<()> {
         ..args.worker.clone()
     };
     let model = worker.load_model()?;
+    // A simulated pass sleeps through its compute: one thread per engine is all it needs.
     let prefill = tandem_prefill_server::Config {
         node: worker.node(
             model.clone(),
-            worker.engine(&model, args.prefix_cache_mb << 20),
+            EngineConfig {
+                threads: 1,
+                ..worker.engine(&model, args.prefix_cache_mb << 20)
+            },
             Role::Prefill,
         )?,
         ..tandem_prefill_server::Config::new(model.clone())
     };
     // Speculation drafts from a sequence's own text, which a simulated reply does not repeat.
     let engine = EngineConfig {
+        threads: 1,
         speculate: tandem_engine::SpeculateConfig::off(),
         ..worker.engine(&model, usize::MAX)
     };

@@ -12,8 +12,8 @@
 
 pub mod api_tls;
 mod channels;
-pub mod process;
 pub mod otel;
+mod process;
 pub mod tls;
 
 pub use channels::Channels;

@@ -22,29 +22,32 @@ use xxhash_rust::xxh3::xxh3_128_with_seed;
 /// opens its text), least recently used dropped first past a bound on the ids held. Shared by the
 /// threads that tokenize; one per tokenizer.
 pub struct EncodeCache {
-    runs: moka::sync::Cache<u128, Arc<[u32]>>,
+    /// `None` for a cache that holds nothing.
+    runs: Option<moka::sync::Cache<u128, Arc<[u32]>>>,
     hit_tokens: AtomicU64,
     encoded_tokens: AtomicU64,
 }
 
 impl std::fmt::Debug for EncodeCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let runs = self.runs.as_ref();
         f.debug_struct("EncodeCache")
-            .field("runs", &self.runs.entry_count())
-            .field("held_tokens", &self.runs.weighted_size())
+            .field("runs", &runs.map_or(0, |r| r.entry_count()))
+            .field("held_tokens", &runs.map_or(0, |r| r.weighted_size()))
             .finish()
     }
 }
 
-/// What one id costs the cache, and what an entry costs besides its ids, in ids (4 bytes each).
+/// What an entry costs the cache besides its ids, in ids (4 bytes each): its key, its `Arc` and
+/// the cache's own bookkeeping.
 const ENTRY_OVERHEAD_IDS: u32 = 24;
 
 impl EncodeCache {
     /// A cache that holds at most about `max_tokens` ids (4 bytes each, plus a few dozen bytes
-    /// per run).
+    /// per run); with 0, nothing.
     pub fn new(max_tokens: u64) -> Self {
-        Self {
-            runs: moka::sync::Cache::builder()
+        let runs = (max_tokens > 0).then(|| {
+            moka::sync::Cache::builder()
                 .max_capacity(max_tokens)
                 .weigher(|_, ids: &Arc<[u32]>| {
                     u32::try_from(ids.len())
@@ -54,14 +57,22 @@ impl EncodeCache {
                 // A conversation's newest run is seen once before its next turn asks for it:
                 // recency, not frequency, is what predicts the next hit.
                 .eviction_policy(EvictionPolicy::lru())
-                .build(),
+                .build()
+        });
+        Self {
+            runs,
             hit_tokens: AtomicU64::new(0),
             encoded_tokens: AtomicU64::new(0),
         }
     }
 
+    /// Whether it was made to hold nothing.
+    pub(crate) fn holds_nothing(&self) -> bool {
+        self.runs.is_none()
+    }
+
     pub(crate) fn get(&self, run: &str, opens: bool) -> Option<Arc<[u32]>> {
-        let ids = self.runs.get(&key(run, opens))?;
+        let ids = self.runs.as_ref()?.get(&key(run, opens))?;
         self.hit_tokens
             .fetch_add(ids.len() as u64, Ordering::Relaxed);
         Some(ids)
@@ -70,7 +81,9 @@ impl EncodeCache {
     pub(crate) fn insert(&self, run: &str, opens: bool, ids: &[u32]) {
         self.encoded_tokens
             .fetch_add(ids.len() as u64, Ordering::Relaxed);
-        self.runs.insert(key(run, opens), ids.into());
+        if let Some(runs) = &self.runs {
+            runs.insert(key(run, opens), ids.into());
+        }
     }
 
     /// Ids taken from the cache, and ids of cacheable runs encoded, since it was made.

@@ -103,7 +103,7 @@ pub enum TokenizerKind {
 #[derive(Debug)]
 enum Encoder {
     Bpe(Box<BpeEncoder>),
-    Spm(Box<SpmEncoder>),
+    Spm(Box<spm::Spm>),
 }
 
 #[derive(Debug)]
@@ -113,11 +113,6 @@ struct BpeEncoder {
     texts: Pieces<String>,
     /// Each merge as its two tokens' ids, in order.
     merges: Vec<(u32, u32)>,
-}
-
-#[derive(Debug)]
-struct SpmEncoder {
-    spm: spm::Spm,
 }
 
 /// Text ↔ token ids for one model.
@@ -217,7 +212,7 @@ impl Tokenizer {
                 let merges = b.merges.iter().map(|&(l, r)| (text(l), text(r))).collect();
                 (Vec::new(), merges)
             }
-            Encoder::Spm(e) => (e.spm.scores.clone(), Vec::new()),
+            Encoder::Spm(e) => (e.scores.clone(), Vec::new()),
         };
         TokenizerSpec {
             tokens: self.texts().iter().map(String::from).collect(),
@@ -230,7 +225,7 @@ impl Tokenizer {
     fn texts(&self) -> &Pieces<String> {
         match &self.inner {
             Encoder::Bpe(b) => &b.texts,
-            Encoder::Spm(e) => &e.spm.texts,
+            Encoder::Spm(e) => &e.texts,
         }
     }
 
@@ -258,8 +253,11 @@ impl Tokenizer {
 
     /// [`Tokenizer::encode`], with the ids of each run of text between special tokens taken
     /// from `cache` where it holds them, and kept there where it does not (see [`EncodeCache`]
-    /// for why the result is the same).
+    /// for why the result is the same). A cache made to hold nothing is [`Tokenizer::encode`].
     pub fn encode_cached(&self, text: &str, cache: &EncodeCache) -> Result<Vec<u32>> {
+        if cache.holds_nothing() {
+            return self.encode(text);
+        }
         let mut ids = self.first_ids(text);
         let mut at = 0;
         for m in self.specials.find_iter(text) {
@@ -318,14 +316,14 @@ impl Tokenizer {
                 })?;
                 ids.extend_from_slice(enc.get_ids());
             }
-            Encoder::Spm(e) => {
+            Encoder::Spm(spm) => {
                 let mut at = 0;
                 for m in self.specials.find_iter(text) {
-                    e.spm.encode(&text[at..m.start()], opens && at == 0, ids);
+                    spm.encode(&text[at..m.start()], opens && at == 0, ids);
                     ids.push(self.special_ids[m.pattern().as_usize()]);
                     at = m.end();
                 }
-                e.spm.encode(&text[at..], opens && at == 0, ids);
+                spm.encode(&text[at..], opens && at == 0, ids);
             }
         }
         Ok(())
@@ -453,7 +451,7 @@ fn sentence_piece(spec: &mut TokenizerSpec) -> Result<Encoder> {
         std::mem::take(&mut spec.scores),
         spec.add_space_prefix,
     );
-    Ok(Encoder::Spm(Box::new(SpmEncoder { spm })))
+    Ok(Encoder::Spm(Box::new(spm)))
 }
 
 /// The tokens a text spells as one id (control and user-defined ones), with their ids.
