@@ -199,7 +199,8 @@ impl Workload {
 }
 
 pub(crate) fn agent(args: &AgentArgs) -> anyhow::Result<()> {
-    if args.shape.sessions == 0 || args.turns == 0 || args.concurrency == 0 || args.max_tokens == 0 {
+    if args.shape.sessions == 0 || args.turns == 0 || args.concurrency == 0 || args.max_tokens == 0
+    {
         bail!("--sessions, --turns, --concurrency and --max-tokens must each be at least 1");
     }
     let rt = tokio::runtime::Builder::new_multi_thread()

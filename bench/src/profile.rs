@@ -78,13 +78,24 @@ pub(crate) fn profile(args: &ProfileArgs) -> anyhow::Result<()> {
     if args.check {
         let simulated = source.load_simulated(profile)?;
         let sim = measure(&simulated, args)?;
-        eprintln!("{:<22} {:>12} {:>12} {:>8}", "", "real s", "simulated s", "ratio");
+        eprintln!(
+            "{:<22} {:>12} {:>12} {:>8}",
+            "", "real s", "simulated s", "ratio"
+        );
         let mut rows = Vec::new();
         for (i, b) in BATCHES.iter().enumerate() {
-            rows.push((format!("decode step, batch {b}"), real.step_s[i], sim.step_s[i]));
+            rows.push((
+                format!("decode step, batch {b}"),
+                real.step_s[i],
+                sim.step_s[i],
+            ));
         }
         for (i, n) in PROMPTS.iter().enumerate() {
-            rows.push((format!("prefill of {n}"), real.prefill_s[i], sim.prefill_s[i]));
+            rows.push((
+                format!("prefill of {n}"),
+                real.prefill_s[i],
+                sim.prefill_s[i],
+            ));
         }
         rows.push((
             format!("decode step at {}", args.depth),
@@ -133,15 +144,23 @@ fn engine_config(threads: usize) -> EngineConfig {
 
 /// The profile of the measurements (see [`TimingProfile`]): attention from the deep step, and
 /// each pass less its attention.
-fn fit(m: &Measured, args: &ProfileArgs, model: String, cpu: String, threads: usize) -> TimingProfile {
+fn fit(
+    m: &Measured,
+    args: &ProfileArgs,
+    model: String,
+    cpu: String,
+    threads: usize,
+) -> TimingProfile {
     // A row attending to `depth` tokens against one attending to a short context.
     let attend_s = ((m.deep_step_s - m.step_s[0]) / (args.depth - SHORT_CONTEXT) as f64).max(0.0);
-    let decode = BATCHES.iter().zip(&m.step_s).map(|(&b, &s)| {
-        (b, s - attend_s * (b * (SHORT_CONTEXT + 1)) as f64)
-    });
-    let prefill = PROMPTS.iter().zip(&m.prefill_s).map(|(&n, &s)| {
-        (n, s - attend_s * (n * (n + 1) / 2) as f64)
-    });
+    let decode = BATCHES
+        .iter()
+        .zip(&m.step_s)
+        .map(|(&b, &s)| (b, s - attend_s * (b * (SHORT_CONTEXT + 1)) as f64));
+    let prefill = PROMPTS
+        .iter()
+        .zip(&m.prefill_s)
+        .map(|(&n, &s)| (n, s - attend_s * (n * (n + 1) / 2) as f64));
     // Rising in rows and in time: a pass of more rows never takes less.
     let mut passes: Vec<(usize, f64)> = Vec::new();
     for (n, s) in decode.chain(prefill) {
@@ -189,7 +208,9 @@ fn measure(model: &Arc<Model>, args: &ProfileArgs) -> anyhow::Result<Measured> {
                 engine.prefill(seq, &context).map(|_| seq)
             })
             .collect::<tandem_engine::Result<Vec<_>>>()?;
-        step_s.push(runs(&mut engine, &|e| steps(e, &seqs, args.steps, SHORT_CONTEXT))?);
+        step_s.push(runs(&mut engine, &|e| {
+            steps(e, &seqs, args.steps, SHORT_CONTEXT)
+        })?);
         for seq in seqs {
             engine.free(seq)?;
         }
@@ -206,7 +227,12 @@ fn measure(model: &Arc<Model>, args: &ProfileArgs) -> anyhow::Result<Measured> {
 }
 
 /// The mean time of `n` decode steps of `seqs`, each `len` tokens long before and after.
-fn steps(engine: &mut Engine, seqs: &[tandem_engine::SeqId], n: usize, len: usize) -> anyhow::Result<f64> {
+fn steps(
+    engine: &mut Engine,
+    seqs: &[tandem_engine::SeqId],
+    n: usize,
+    len: usize,
+) -> anyhow::Result<f64> {
     let batch: Vec<(tandem_engine::SeqId, u32)> = seqs.iter().map(|&s| (s, 100)).collect();
     let started = Instant::now();
     for _ in 0..n {

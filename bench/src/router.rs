@@ -182,7 +182,10 @@ pub(crate) fn router(args: &RouterArgs) -> anyhow::Result<()> {
 
 fn print_table(s: &Summary, turns: &[TurnTime]) {
     println!("model {}  API {}", s.model, s.api);
-    println!("{:>6} {:>8} {:>10} {:>12} {:>12}", "turn", "session", "tokens", "cached µs", "whole µs");
+    println!(
+        "{:>6} {:>8} {:>10} {:>12} {:>12}",
+        "turn", "session", "tokens", "cached µs", "whole µs"
+    );
     for t in turns.iter().filter(|t| t.session == 0) {
         println!(
             "{:>6} {:>8} {:>10} {:>12.0} {:>12.0}",

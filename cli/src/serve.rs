@@ -433,7 +433,9 @@ pub(crate) fn simulation_profile(
                 source.name()
             )
         }),
-        path => Ok(tandem_engine::TimingProfile::read(std::path::Path::new(path))?),
+        path => Ok(tandem_engine::TimingProfile::read(std::path::Path::new(
+            path,
+        ))?),
     }
 }
 

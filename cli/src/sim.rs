@@ -55,10 +55,18 @@ pub(crate) fn sim(args: &SimArgs) -> anyhow::Result<()> {
         bail!("simulated nodes keep no disk tier: --kv-spill-dir is not taken");
     }
     if args.base_port != 0 && usize::from(args.base_port) + nodes > usize::from(u16::MAX) + 1 {
-        bail!("--base-port {} leaves no room for {nodes} nodes", args.base_port);
+        bail!(
+            "--base-port {} leaves no room for {nodes} nodes",
+            args.base_port
+        );
     }
     let worker = WorkerArgs {
-        simulate: Some(args.worker.simulate.clone().unwrap_or_else(|| "shipped".into())),
+        simulate: Some(
+            args.worker
+                .simulate
+                .clone()
+                .unwrap_or_else(|| "shipped".into()),
+        ),
         ..args.worker.clone()
     };
     let model = worker.load_model()?;
@@ -105,15 +113,15 @@ pub(crate) fn sim(args: &SimArgs) -> anyhow::Result<()> {
             if i < args.prefill {
                 addrs.0.push(addr);
                 let config = prefill.clone();
-                tasks.spawn(async move {
-                    tandem_prefill_server::run(listener, config, shutdown).await
-                });
+                tasks.spawn(
+                    async move { tandem_prefill_server::run(listener, config, shutdown).await },
+                );
             } else {
                 addrs.1.push(addr);
                 let config = decode.clone();
-                tasks.spawn(async move {
-                    tandem_decode_server::run(listener, config, shutdown).await
-                });
+                tasks.spawn(
+                    async move { tandem_decode_server::run(listener, config, shutdown).await },
+                );
             }
         }
         // What `tandem router --prefill` and `--decode` take, one line each.
@@ -134,6 +142,8 @@ pub(crate) fn sim(args: &SimArgs) -> anyhow::Result<()> {
             }
             anyhow::Ok(())
         });
-        drained.await.unwrap_or_else(|_| bail!("the nodes did not stop within 60 s"))
+        drained
+            .await
+            .unwrap_or_else(|_| bail!("the nodes did not stop within 60 s"))
     })
 }

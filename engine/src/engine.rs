@@ -460,9 +460,7 @@ impl Engine {
             .collect();
         let (model, pool) = (&self.model, &mut self.pool);
         let buffer = std::mem::take(&mut self.spare_logits);
-        let out = self
-            .threads
-            .install(|| model.forward(pool, &rows, buffer));
+        let out = self.threads.install(|| model.forward(pool, &rows, buffer));
         for (seq, tokens, _) in batch {
             if let Some(s) = self.seqs.get_mut(seq) {
                 s.len += tokens.len();

@@ -58,8 +58,14 @@ impl TimingProfile {
     pub fn parse(json: &str) -> std::result::Result<Self, String> {
         let p: Self =
             serde_json::from_str(json).map_err(|e| format!("not a timing profile: {e}"))?;
-        let rising = p.passes.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 <= w[1].1);
-        let times_ok = p.passes.iter().all(|&(n, s)| n > 0 && s.is_finite() && s > 0.0);
+        let rising = p
+            .passes
+            .windows(2)
+            .all(|w| w[0].0 < w[1].0 && w[0].1 <= w[1].1);
+        let times_ok = p
+            .passes
+            .iter()
+            .all(|&(n, s)| n > 0 && s.is_finite() && s > 0.0);
         if p.passes.is_empty() || !rising || !times_ok {
             return Err(format!(
                 "a timing profile's passes must be (rows, seconds) pairs, rows and seconds \
@@ -117,9 +123,8 @@ impl Simulated {
         let word = |b: &[u8]| {
             b.len() >= 3 && b[0] == b' ' && b[1..].iter().all(|c| c.is_ascii_lowercase())
         };
-        let printable = |b: &[u8]| {
-            !b.is_empty() && b.iter().all(|c| c.is_ascii_graphic() || *c == b' ')
-        };
+        let printable =
+            |b: &[u8]| !b.is_empty() && b.iter().all(|c| c.is_ascii_graphic() || *c == b' ');
         let ordinary = |id: &u32| !tokenizer.eog_ids().contains(id);
         let ids = |keep: &dyn Fn(&[u8]) -> bool| -> Vec<u32> {
             (0..tokenizer.vocab_size() as u32)
@@ -162,7 +167,11 @@ impl Simulated {
         {
             logits[self.next_token(row.token, row.pos) as usize] = CERTAIN;
         }
-        if let Some(left) = self.profile.forward_time(rows).checked_sub(started.elapsed()) {
+        if let Some(left) = self
+            .profile
+            .forward_time(rows)
+            .checked_sub(started.elapsed())
+        {
             std::thread::sleep(left);
         }
         Logits::new(cfg.vocab, data)
@@ -177,7 +186,10 @@ pub const SHIPPED: &[(&str, &str)] = &[
         include_str!("../profiles/qwen2.5-coder-0.5b.json"),
     ),
     ("smollm2", include_str!("../profiles/smollm2.json")),
-    ("gemma-3-270m", include_str!("../profiles/gemma-3-270m.json")),
+    (
+        "gemma-3-270m",
+        include_str!("../profiles/gemma-3-270m.json"),
+    ),
 ];
 
 /// The profile shipped for the catalog model `name`, if any.

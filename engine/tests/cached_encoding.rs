@@ -40,7 +40,10 @@ impl Subject {
     /// The cache gave ids, and took some.
     fn was_used(&self) {
         let (hit, encoded) = self.cache.tokens();
-        assert!(hit > 0 && encoded > 0, "the cache was used: {hit} {encoded}");
+        assert!(
+            hit > 0 && encoded > 0,
+            "the cache was used: {hit} {encoded}"
+        );
     }
 
     /// The cached ids of `text` equal its whole encoding, and so do they on a second look
@@ -60,7 +63,8 @@ impl Subject {
 
 /// The catalog model `name`, loaded once for all the tests that ask for it.
 fn model(name: &'static str) -> Arc<Model> {
-    static MODELS: OnceLock<Mutex<Vec<(&'static str, Arc<Model>)>>> = OnceLock::new();
+    type Loaded = Vec<(&'static str, Arc<Model>)>;
+    static MODELS: OnceLock<Mutex<Loaded>> = OnceLock::new();
     let mut all = MODELS.get_or_init(Default::default).lock().expect("lock");
     if let Some((_, m)) = all.iter().find(|(n, _)| *n == name) {
         return m.clone();
@@ -110,7 +114,8 @@ fn text(max: usize) -> impl Strategy<Value = String> {
 /// Prose: words and single spaces only. Gemma 3's vocabulary makes newlines and runs of spaces
 /// special tokens of their own, so its long runs between special tokens are lines of these.
 fn prose(max: usize) -> impl Strategy<Value = String> {
-    let words = prop::sample::select(&["the", "cache", "Tandem", "42", "é", "日本", "x,", "y."][..]);
+    let words =
+        prop::sample::select(&["the", "cache", "Tandem", "42", "é", "日本", "x,", "y."][..]);
     prop::collection::vec(words, 0..max).prop_map(|w| w.join(" "))
 }
 
@@ -170,7 +175,12 @@ fn sessions_encode_alike(name: &'static str) {
 fn qwen2_runs_and_specials_encode_alike() {
     runs_and_specials_encode_alike(
         "qwen2.5-coder-0.5b",
-        &["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|fim_prefix|>"],
+        &[
+            "<|im_start|>",
+            "<|im_end|>",
+            "<|endoftext|>",
+            "<|fim_prefix|>",
+        ],
     );
 }
 
@@ -196,6 +206,12 @@ fn smollm2_sessions_encode_alike() {
 fn gemma3_runs_and_specials_encode_alike() {
     runs_and_specials_encode_alike(
         "gemma-3-270m",
-        &["<start_of_turn>", "<end_of_turn>", "<bos>", "<eos>", "<pad>"],
+        &[
+            "<start_of_turn>",
+            "<end_of_turn>",
+            "<bos>",
+            "<eos>",
+            "<pad>",
+        ],
     );
 }

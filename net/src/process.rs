@@ -16,8 +16,7 @@ pub(crate) struct ProcessMetrics;
 /// The CPU seconds this process has run, in user and system mode together.
 fn cpu_seconds() -> Option<f64> {
     let usage = getrusage(UsageWho::RUSAGE_SELF).ok()?;
-    let seconds =
-        |t: nix::sys::time::TimeVal| t.tv_sec() as f64 + t.tv_usec() as f64 / 1_000_000.0;
+    let seconds = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 + t.tv_usec() as f64 / 1_000_000.0;
     Some(seconds(usage.user_time()) + seconds(usage.system_time()))
 }
 

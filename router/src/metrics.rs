@@ -1,6 +1,5 @@
 //! The router's Prometheus metrics.
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -8,6 +7,10 @@ use std::sync::atomic::AtomicU64;
 
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+
+mod labels;
+
+pub use labels::*;
 
 pub const TTFT: &str = "tandem_ttft_seconds";
 pub const INTER_TOKEN: &str = "tandem_inter_token_seconds";
@@ -64,108 +67,13 @@ const CODES: [tonic::Code; 8] = [
     tonic::Code::DataLoss,
 ];
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct TenantLabel {
-    /// The key file's tenant; empty without a key file.
-    pub tenant: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct StatusLabel {
-    /// The final gRPC code, e.g. `Ok`, `InvalidArgument`.
-    pub code: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RefusalLabel {
-    /// `queue_full` (`--max-inflight` reached) or `deadline` (the queue's wait would outlast
-    /// the request's deadline).
-    pub reason: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct DecisionLabel {
-    /// `remote` (prefill node, KV transfer) or `local` (the decode node prefills).
-    pub decision: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct HopLabel {
-    /// The hop whose failure was failed over: `decode` or `prefill`.
-    pub hop: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ReplicaLabel {
-    pub replica: String,
-    pub role: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ReplicaModeLabel {
-    pub replica: String,
-    pub role: &'static str,
-    pub mode: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ReasonLabel {
-    pub reason: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct SourceLabel {
-    /// `pool` (a KV pool's cache), `disk` (read back from a disk tier) or `recomputed`.
-    pub source: &'static str,
-}
-
 /// A histogram of token counts per turn: 16 to about 1M.
 fn turn_tokens() -> Histogram {
     Histogram::new(exponential_buckets(16.0, 2.0, 17))
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ModelLabel {
-    /// The model's id, as `GET /v1/models` lists it.
-    pub model: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ModelStatusLabel {
-    pub model: String,
-    pub code: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PeerLabel {
-    /// The peer router's address (`ip:port` of its peer port).
-    pub peer: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct DestinationLabel {
-    /// The endpoint (`ip:port`) the picker named.
-    pub destination: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct HttpStatusLabel {
-    pub status: u16,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ModelRoleLabel {
-    pub model: String,
-    pub role: &'static str,
-}
-
 fn ttft_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.001, 2.0, 16))
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RoleLabel {
-    pub role: &'static str,
 }
 
 #[derive(Clone, Debug)]

@@ -390,11 +390,19 @@ impl Replicas {
             req.set_timeout(Duration::from_secs(5));
             req
         };
-        let Ok(mut info) = client.info(ask(true)).await.map(tonic::Response::into_inner) else {
+        let Ok(mut info) = client
+            .info(ask(true))
+            .await
+            .map(tonic::Response::into_inner)
+        else {
             return false;
         };
         if self.known(&info.model_name).is_none() {
-            let Ok(whole) = client.info(ask(false)).await.map(tonic::Response::into_inner) else {
+            let Ok(whole) = client
+                .info(ask(false))
+                .await
+                .map(tonic::Response::into_inner)
+            else {
                 return false;
             };
             info = whole;

@@ -238,7 +238,9 @@ pub fn tokenize(
     } else if !r.messages.is_empty() {
         let rendered = crate::dispatch::chat::render(&front.tokenizer, r)?;
         tool_grammar = rendered.tool_grammar;
-        front.tokenizer.encode_cached(&rendered.text, &front.encodes)?
+        front
+            .tokenizer
+            .encode_cached(&rendered.text, &front.encodes)?
     } else {
         let vocab = front.tokenizer.vocab_size();
         if let Some(t) = r.token_ids.iter().find(|&&t| t as usize >= vocab) {
