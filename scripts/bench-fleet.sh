@@ -22,10 +22,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 sizes=("$@")
 [ ${#sizes[@]} -gt 0 ] || sizes=(16 64 256)
-tandem=${TANDEM:-target/release/tandem}
-[ -x "$tandem" ] || cargo build --release -p tandem-cli
-bench=${TANDEM_BENCH:-target/release/tandem-bench}
-[ -x "$bench" ] || cargo build --release -p tandem-bench
+. scripts/lib/cluster.sh
 model=${MODEL:-default}
 "$tandem" model fetch "$model" >/dev/null
 out=target/bench-fleet

@@ -1,5 +1,6 @@
 # Sourced by the benchmark scripts that compare `tandem up` clusters one after another
-# (bench-tls.sh, bench-speculate.sh, bench-overload.sh, bench-sharing.sh). Sets $tandem: $TANDEM,
+# (bench-tls.sh, bench-speculate.sh, bench-overload.sh, bench-sharing.sh) and by bench-sim.sh and
+# bench-fleet.sh for the binaries. Sets $tandem: $TANDEM,
 # or target/release/tandem, and $bench: $TANDEM_BENCH, or target/release/tandem-bench, each built
 # if missing.
 tandem=${TANDEM:-target/release/tandem}
