@@ -289,6 +289,32 @@ async fn stop(nodes: &mut [Node]) {
     }
 }
 
+/// The flags every worker of `models` models gets, `tls_args` among them.
+fn worker_flags(args: &UpArgs, models: usize, tls_args: &[String]) -> Vec<String> {
+    let mut common = Vec::new();
+    if let Some(dir) = &args.model_dir {
+        common.extend(["--model-dir".into(), dir.display().to_string()]);
+    }
+    common.extend(tls_args.iter().cloned());
+    let threads = match args.threads {
+        0 => {
+            let cores = std::thread::available_parallelism().map_or(1, usize::from);
+            (cores / ((args.prefill + args.decode) * models)).max(1)
+        }
+        n => n,
+    };
+    common.extend(["--threads".into(), threads.to_string()]);
+    common.extend(["--prefix-cache".into(), args.prefix_cache.name().into()]);
+    common.extend(["--kv-dtype".into(), args.kv_dtype.dtype().name().into()]);
+    if let Some(mb) = args.kv_budget_mb {
+        common.extend(["--kv-budget-mb".into(), mb.to_string()]);
+    }
+    if let Some(profile) = &args.simulate {
+        common.extend(["--simulate".into(), profile.clone()]);
+    }
+    common
+}
+
 pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
     if args.prefill == 0 || args.decode == 0 || args.routers == 0 {
         bail!("--prefill, --decode and --routers must each be at least 1");
@@ -318,31 +344,11 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
         .map(|c| Tls::load(&c.dir, Role::Client))
         .transpose()?;
     rt.block_on(async {
-        let mut common = Vec::new();
-        if let Some(dir) = &args.model_dir {
-            common.extend(["--model-dir".into(), dir.display().to_string()]);
-        }
         let tls_args: Vec<String> = certs
             .as_ref()
             .map(|c| vec!["--tls-dir".into(), c.dir.display().to_string()])
             .unwrap_or_default();
-        common.extend(tls_args.iter().cloned());
-        let threads = match args.threads {
-            0 => {
-                let cores = std::thread::available_parallelism().map_or(1, usize::from);
-                (cores / ((args.prefill + args.decode) * models.len())).max(1)
-            }
-            n => n,
-        };
-        common.extend(["--threads".into(), threads.to_string()]);
-        common.extend(["--prefix-cache".into(), args.prefix_cache.name().into()]);
-        common.extend(["--kv-dtype".into(), args.kv_dtype.dtype().name().into()]);
-        if let Some(mb) = args.kv_budget_mb {
-            common.extend(["--kv-budget-mb".into(), mb.to_string()]);
-        }
-        if let Some(profile) = &args.simulate {
-            common.extend(["--simulate".into(), profile.clone()]);
-        }
+        let common = worker_flags(args, models.len(), &tls_args);
         let mut workers = Vec::new();
         for (m, (spec, id)) in models.iter().enumerate() {
             for (role, n) in [("prefill", args.prefill), ("decode", args.decode)] {

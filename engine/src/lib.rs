@@ -162,10 +162,11 @@ impl ModelSource {
         Ok(Arc::new(model))
     }
 
-    /// The timing profile shipped for this model ([`simulate::shipped`]), if any.
+    /// The timing profile shipped for this model ([`simulate::shipped`]), if any (a catalog
+    /// model's).
     pub fn shipped_profile(&self) -> Option<TimingProfile> {
         match self {
-            ModelSource::Tiny(_) => simulate::shipped("tiny"),
+            ModelSource::Tiny(_) => None,
             ModelSource::File { known, .. } => known.and_then(|k| simulate::shipped(k.name)),
         }
     }

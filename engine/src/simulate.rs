@@ -115,7 +115,7 @@ pub struct Simulated {
 }
 
 /// The logit of the one token a simulated row makes certain (the others are 0): with a
-/// vocabulary of 262k, the rest share a probability of about 1e-8.
+/// vocabulary of 262k, the rest share a probability of about 1e-12.
 const CERTAIN: f32 = 40.0;
 
 impl Simulated {
@@ -178,8 +178,8 @@ impl Simulated {
     }
 }
 
-/// The profiles shipped for the catalog's models (and the tiny one), by name, measured with
-/// `tandem-bench profile` on the CPU each names.
+/// The profiles shipped for the catalog's models, by name, measured with `tandem-bench profile`
+/// on the CPU each names.
 pub const SHIPPED: &[(&str, &str)] = &[
     (
         "qwen2.5-coder-0.5b",
