@@ -4,8 +4,8 @@
 # decode) it runs coding-agent sessions through the Messages API (`tandem-bench agent`: a shared
 # system prompt of --system-words, a tool call and its result appended each turn), then plain
 # multi-turn chat over gRPC (`tandem-bench multiturn`), and reads the router's metrics around
-# each: its CPU seconds per request (`process_cpu_seconds_total`), the p50 and p99 of its work
-# before routing (`tandem_router_prepare_seconds`) and of a routing decision
+# each: its CPU seconds per request beyond its idle rate (`process_cpu_seconds_total`), the p50
+# and p99 of its work before routing (`tandem_router_prepare_seconds`) and of a routing decision
 # (`tandem_router_route_seconds`), its CPU per second while idle (health and load polls of
 # every node), the follow-up prompt tokens served from a cache, and the decode load's max/mean.
 #
@@ -32,15 +32,7 @@ cat >"$profile" <<'EOF'
 {"model": "gpu-like", "cpu": "none: a made-up fast worker", "threads": 1,
  "passes": [[1, 0.010], [16, 0.012], [256, 0.050]], "attend_s": 1e-8}
 EOF
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; wait || true; }
-trap cleanup EXIT
-
-wait_line() { # FILE PATTERN
-  for _ in $(seq 1 600); do grep -q "$2" "$1" && return 0; sleep 0.5; done
-  echo "bench-fleet: nothing matched '$2' in $1" >&2
-  return 1
-}
+. scripts/lib/fleet.sh
 
 for n in "${sizes[@]}"; do
   dir=$out/$n
@@ -48,37 +40,18 @@ for n in "${sizes[@]}"; do
   prefill=$((n / 4))
   decode=$((n - prefill))
   echo "== $n simulated nodes ($prefill prefill, $decode decode)" >&2
-  "$tandem" sim --model "$model" --simulate "$profile" --prefill "$prefill" --decode "$decode" \
-    --kv-budget-mb 256 >"$dir/sim.out" 2>"$dir/sim.err" &
-  sim=$!
-  pids+=("$sim")
-  wait_line "$dir/sim.out" '^decode '
-  "$tandem" router --prefill "$(sed -n 's/^prefill //p' "$dir/sim.out")" \
-    --decode "$(sed -n 's/^decode //p' "$dir/sim.out")" --listen 127.0.0.1:0 \
-    --http-listen 127.0.0.1:0 --max-inflight 1024 >"$dir/router.out" 2>"$dir/router.err" &
-  router=$!
-  pids+=("$router")
-  wait_line "$dir/router.out" '^listening on'
-  grpc=$(sed -n 's/^listening on //p' "$dir/router.out")
-  http=$(sed -n 's/^http listening on //p' "$dir/router.out")
-  for _ in $(seq 1 600); do
-    up=$(curl -sf "http://$grpc/metrics" | grep -c '^tandem_router_replica_up{.*} 1$' || true)
-    [ "$up" -ge "$n" ] && break
-    sleep 0.5
-  done
-  curl -sf "http://$grpc/metrics" >"$dir/m0.txt"
+  start_fleet "$dir" "$prefill" "$decode" --simulate "$profile" --kv-budget-mb 256
+  router_metrics >"$dir/m0.txt"
   sleep 10
-  curl -sf "http://$grpc/metrics" >"$dir/m1.txt"
+  router_metrics >"$dir/m1.txt"
   "$bench" agent --openai "http://$http" --sessions "${SESSIONS:-16}" --turns "${TURNS:-6}" \
     --concurrency 8 --system-words "${SYSTEM_WORDS:-8000}" --max-tokens 16 --label "fleet-$n" \
     --json >"$dir/agent.json"
-  curl -sf "http://$grpc/metrics" >"$dir/m2.txt"
+  router_metrics >"$dir/m2.txt"
   "$bench" multiturn --server "$grpc" --sessions 64 --turns 4 --concurrency 16 --max-tokens 16 \
     --label "fleet-$n" --json >"$dir/chat.json"
-  curl -sf "http://$grpc/metrics" >"$dir/m3.txt"
-  kill -TERM "$router" "$sim"
-  wait "$router" "$sim" || true
-  pids=()
+  router_metrics >"$dir/m3.txt"
+  stop_fleet
 done
 
 python3 - "$out" "${sizes[@]}" <<'EOF'
@@ -125,8 +98,10 @@ for n in sizes:
     agent, chat = json.load(open(f"{d}/agent.json")), json.load(open(f"{d}/chat.json"))
     idle = (cpu(m1) - cpu(m0)) / 10.0
     a_n, c_n = len(agent["turns"]), len(chat["turns"])
-    a_cpu = (cpu(m2) - cpu(m1)) / a_n
-    c_cpu = (cpu(m3) - cpu(m2)) / c_n
+    # What the router spent beyond its idle rate, over each phase's span, per request.
+    span = lambda r: max(t["sent_ms"] + t["total_ms"] for t in r["turns"]) / 1000
+    a_cpu = (cpu(m2) - cpu(m1) - idle * span(agent)) / a_n
+    c_cpu = (cpu(m3) - cpu(m2) - idle * span(chat)) / c_n
     pa = quantiles(m1, m2, "tandem_router_prepare_seconds")
     pc = quantiles(m2, m3, "tandem_router_prepare_seconds")
     route = quantiles(m1, m3, "tandem_router_route_seconds")

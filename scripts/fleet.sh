@@ -20,45 +20,14 @@ bench=${TANDEM_BENCH:-target/debug/tandem-bench}
 model=${FLEET_MODEL:-smollm2}
 dir=${FLEET_DIR:-target/fleet}
 mkdir -p "$dir"
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; wait || true; }
-trap cleanup EXIT
+. scripts/lib/fleet.sh
+start_fleet "$dir" "$prefill" "$decode" --kv-budget-mb 64
 
-# wait_line FILE PATTERN WHAT: waits up to 60 s for a line of FILE to match PATTERN.
-wait_line() {
-  for _ in $(seq 1 120); do grep -q "$2" "$1" && return 0; sleep 0.5; done
-  echo "fleet: $3 did not start; see $1 and ${1%.out}.err" >&2
-  return 1
-}
-
-"$tandem" sim --model "$model" --prefill "$prefill" --decode "$decode" --kv-budget-mb 64 \
-  >"$dir/sim.out" 2>"$dir/sim.err" &
-pids+=($!)
-wait_line "$dir/sim.out" '^decode ' "tandem sim"
-prefills=$(sed -n 's/^prefill //p' "$dir/sim.out")
-decodes=$(sed -n 's/^decode //p' "$dir/sim.out")
-
-"$tandem" router --prefill "$prefills" --decode "$decodes" --listen 127.0.0.1:0 \
-  --http-listen off >"$dir/router.out" 2>"$dir/router.err" &
-pids+=($!)
-wait_line "$dir/router.out" 'listening on' "the router"
-router=$(sed -n 's/^listening on //p' "$dir/router.out" | head -1)
-
-metrics() { curl -sf "http://$router/metrics"; }
-# Every replica up.
-nodes=$((prefill + decode))
-for _ in $(seq 1 120); do
-  up=$(metrics | grep -c '^tandem_router_replica_up{.*} 1$' || true)
-  [ "$up" -ge "$nodes" ] && break
-  sleep 0.5
-done
-[ "$up" -ge "$nodes" ] || { echo "fleet: $up of $nodes replicas up; see $dir" >&2; exit 1; }
-
-"$bench" multiturn --server "$router" --sessions "$sessions" --turns "$turns" --concurrency 16 \
+"$bench" multiturn --server "$grpc" --sessions "$sessions" --turns "$turns" --concurrency 16 \
   --max-tokens 16 --message-words 40 --label "fleet-$level" --json >"$dir/multiturn.json"
 
 # Every replica's index in sync: known current within the last 5 s.
-behind=$(metrics | awk '/^tandem_router_index_seconds_since_sync\{/ && $NF > 5 {n++} END {print n+0}')
+behind=$(router_metrics | awk '/^tandem_router_index_seconds_since_sync\{/ && $NF > 5 {n++} END {print n+0}')
 [ "$behind" -eq 0 ] || { echo "fleet: $behind replicas' cache index out of sync; see $dir" >&2; exit 1; }
 python3 - "$dir/multiturn.json" <<'EOF'
 import json, sys

@@ -13,7 +13,6 @@ use std::time::Instant;
 
 use anyhow::bail;
 use clap::Args;
-use serde::Serialize;
 use tandem_client::ModelArgs;
 use tandem_engine::{Engine, EngineConfig, Model, SpeculateConfig, TimingProfile};
 
@@ -51,9 +50,10 @@ const PROMPTS: [usize; 3] = [32, 96, 256];
 /// Context of each sequence in the batched decode measurements.
 const SHORT_CONTEXT: usize = 16;
 
-/// What one model's measurements gave, in seconds.
-#[derive(Serialize, Debug)]
+/// What one model's measurements gave, in seconds, and the threads its engine computed on.
+#[derive(Debug)]
 struct Measured {
+    threads: usize,
     /// One decode step per batch of [`BATCHES`].
     step_s: Vec<f64>,
     /// One prefill per prompt of [`PROMPTS`].
@@ -68,8 +68,7 @@ pub(crate) fn profile(args: &ProfileArgs) -> anyhow::Result<()> {
     let source = args.model.source();
     let model = source.load()?;
     let real = measure(&model, args)?;
-    let threads = Engine::new(model.clone(), engine_config(args.threads))?.threads();
-    let profile = fit(&real, args, model_name(&source), cpu_name(), threads);
+    let profile = fit(&real, args, model_name(&source), cpu_name());
     let json = serde_json::to_string_pretty(&profile)?;
     match &args.out {
         Some(path) => std::fs::write(path, format!("{json}\n"))?,
@@ -144,13 +143,7 @@ fn engine_config(threads: usize) -> EngineConfig {
 
 /// The profile of the measurements (see [`TimingProfile`]): attention from the deep step, and
 /// each pass less its attention.
-fn fit(
-    m: &Measured,
-    args: &ProfileArgs,
-    model: String,
-    cpu: String,
-    threads: usize,
-) -> TimingProfile {
+fn fit(m: &Measured, args: &ProfileArgs, model: String, cpu: String) -> TimingProfile {
     // A row attending to `depth` tokens against one attending to a short context.
     let attend_s = ((m.deep_step_s - m.step_s[0]) / (args.depth - SHORT_CONTEXT) as f64).max(0.0);
     let decode = BATCHES
@@ -170,7 +163,7 @@ fn fit(
     TimingProfile {
         model,
         cpu,
-        threads,
+        threads: m.threads,
         passes,
         attend_s,
     }
@@ -220,6 +213,7 @@ fn measure(model: &Arc<Model>, args: &ProfileArgs) -> anyhow::Result<Measured> {
     let deep_step_s = runs(&mut engine, &|e| steps(e, &[deep], args.steps, args.depth))?;
     engine.free(deep)?;
     Ok(Measured {
+        threads: engine.threads(),
         prefill_s,
         step_s,
         deep_step_s,

@@ -124,7 +124,7 @@ pub(crate) struct WorkerArgs {
     /// and drains all run; replies are plain words, to max_tokens). `shipped` (the flag alone)
     /// uses the profile shipped for a catalog model; otherwise a profile file written by
     /// `tandem-bench profile` (docs/operations.md, "Sizing a fleet with the simulator").
-    #[arg(long, env = "TANDEM_SIMULATE", num_args = 0..=1, default_missing_value = "shipped")]
+    #[arg(long, env = "TANDEM_SIMULATE", num_args = 0..=1, default_missing_value = SHIPPED_PROFILE)]
     pub simulate: Option<String>,
 }
 
@@ -419,6 +419,9 @@ impl ApiTlsArgs {
     }
 }
 
+/// What `--simulate` names by default: the profile shipped for a catalog model.
+pub(crate) const SHIPPED_PROFILE: &str = "shipped";
+
 /// The timing profile `--simulate` names: `shipped`, the one shipped for the model, else a
 /// file.
 pub(crate) fn simulation_profile(
@@ -426,7 +429,7 @@ pub(crate) fn simulation_profile(
     profile: &str,
 ) -> anyhow::Result<tandem_engine::TimingProfile> {
     match profile {
-        "shipped" => source.shipped_profile().ok_or_else(|| {
+        SHIPPED_PROFILE => source.shipped_profile().ok_or_else(|| {
             anyhow::anyhow!(
                 "no timing profile is shipped for {}: measure one with `tandem-bench profile` \
                  and give its file to --simulate",

@@ -14,7 +14,7 @@ use tandem_engine::EngineConfig;
 use tandem_net::tls::Role;
 use tokio_util::sync::CancellationToken;
 
-use crate::serve::{WorkerArgs, shutdown_signal};
+use crate::serve::{SHIPPED_PROFILE, WorkerArgs, shutdown_signal};
 
 #[derive(Args, Debug)]
 pub(crate) struct SimArgs {
@@ -61,12 +61,7 @@ pub(crate) fn sim(args: &SimArgs) -> anyhow::Result<()> {
         );
     }
     let worker = WorkerArgs {
-        simulate: Some(
-            args.worker
-                .simulate
-                .clone()
-                .unwrap_or_else(|| "shipped".into()),
-        ),
+        simulate: (args.worker.simulate.clone()).or_else(|| Some(SHIPPED_PROFILE.into())),
         ..args.worker.clone()
     };
     let model = worker.load_model()?;

@@ -86,11 +86,6 @@ impl Model {
         })
     }
 
-    /// Whether its forward pass is simulated.
-    pub fn is_simulated(&self) -> bool {
-        matches!(self.compute, Compute::Simulated(_))
-    }
-
     /// Runs `rows` through the model ([`model::forward`], or the simulation's). Must be called
     /// on the engine's rayon pool.
     fn forward(&self, pool: &mut KvPool, rows: &[Row<'_>], buffer: Vec<f32>) -> Logits {

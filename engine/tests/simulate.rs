@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use tandem_engine::{
-    Engine, EngineConfig, GenerateParams, GenerateRequest, ModelSource, TimingProfile,
+    Compute, Engine, EngineConfig, GenerateParams, GenerateRequest, ModelSource, TimingProfile,
 };
 
 fn profile() -> TimingProfile {
@@ -23,7 +23,7 @@ fn engine() -> Engine {
     let model = ModelSource::TINY
         .load_simulated(profile())
         .expect("simulated tiny model");
-    assert!(model.is_simulated());
+    assert!(matches!(model.compute, Compute::Simulated(_)));
     Engine::new(
         model,
         EngineConfig {
