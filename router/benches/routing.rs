@@ -1,71 +1,170 @@
-//! How long one routing decision takes (hashing the prompt's blocks, reading every replica's
-//! cache index, the cost formula) with 10,000 conversations in the index: 2 prefill and 2
-//! decode replicas, each conversation's ~1500-token history held by one of each. Criterion runs
-//! it; the p50 and p99 of single decisions are printed at the end, since a tail is the target
-//! (p99 under 200 µs).
+//! How long one routing decision takes (reading the replicas' cache indexes and the cost formula
+//! on a prompt's block hashes, as the router does once it has hashed the prompt), and what the
+//! index holds in memory per cached block per replica.
+//!
+//! Two workloads, each checked to route right before it is timed:
+//! - `chat, 10k sessions`: 2 prefill and 2 decode replicas, 10,000 conversations of ~1,500
+//!   tokens in the index, each held by one replica of each role; a follow-up adds 60 tokens.
+//! - `agents, N replicas`, for each N in `TANDEM_ROUTING_FLEET` (default `16,64,256,1024`): a
+//!   quarter of them prefill, the rest decode, every one holding an agent's shared 11k-token
+//!   system prompt (a fleet serving one agent), and N sessions of 2k tokens more, each held by
+//!   one decode and one prefill replica; a follow-up adds 200 tokens.
+//!
+//! Criterion times each. Since a tail is the target, the p50 and p99 of single decisions are
+//! printed too, with the index's live heap bytes (a counting global allocator) per block per
+//! replica holding it.
 
+use std::alloc::System;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
+use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
 use tandem_router::simulation::Simulation;
 
-const SESSIONS: usize = 10_000;
-const HISTORY_TOKENS: usize = 1500;
+#[global_allocator]
+static ALLOC: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
 
-fn history(session: usize) -> Vec<u32> {
-    // A shared 200-token system prompt, then the session's own turns.
-    (0..HISTORY_TOKENS)
-        .map(|i| {
-            if i < 200 {
-                i as u32
-            } else {
-                ((session * 7919 + i * 104_729) % 49_000) as u32
-            }
-        })
-        .collect()
+/// Pseudo-random token ids of `session`'s own part, `len` of them from position `from`.
+fn own_tokens(session: usize, from: usize, len: usize) -> impl Iterator<Item = u32> {
+    (from..from + len).map(move |i| ((session * 7919 + i * 104_729) % 49_000) as u32)
 }
 
-fn routing(c: &mut Criterion) {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let _entered = rt.enter();
-    let sim = Simulation::new(2, 2).expect("replicas");
-    // Replicas 0, 1 are prefill; 2, 3 decode. Session s lives on prefill s % 2, decode 2 + s % 2.
-    let mut held: Vec<Vec<u64>> = vec![Vec::new(); 4];
-    for s in 0..SESSIONS {
-        let h = sim.hashes(&history(s));
-        held[s % 2].extend(&h);
-        held[2 + s % 2].extend(&h);
-    }
-    for (i, h) in held.into_iter().enumerate() {
+/// A workload: the replica set, what each replica holds, and follow-up prompts with the decode
+/// replica each must go to.
+struct Workload {
+    name: String,
+    sim: Simulation,
+    /// Each follow-up's token count, block hashes, session id and expected decode replica.
+    prompts: Vec<(usize, Vec<u64>, String, String)>,
+    /// Live heap bytes the indexes took, and the (block, replica) entries they hold.
+    index_bytes: i64,
+    entries: usize,
+}
+
+/// Fills the replicas' indexes: replica `i` holds `held(i)`. Returns the live heap bytes that
+/// added (the hash lists are made and dropped inside, so only the indexes remain) and the entries.
+fn fill(sim: &Simulation, replicas: usize, held: impl Fn(usize) -> Vec<u64>) -> (i64, usize) {
+    let region = Region::new(ALLOC);
+    let mut entries = 0;
+    for i in 0..replicas {
+        let h = held(i);
+        entries += h.len();
         sim.hold(i, h);
     }
-    // Follow-ups: a session's history plus a 60-token message.
-    let prompts: Vec<(Vec<u32>, String)> = (0..256)
+    let c = region.change();
+    let live = c.bytes_allocated as i64 - c.bytes_deallocated as i64 + c.bytes_reallocated as i64;
+    (live, entries)
+}
+
+/// 2P+2D, 10,000 conversations of ~1,500 tokens (a shared 200-token system prompt).
+fn chat() -> Workload {
+    const SESSIONS: usize = 10_000;
+    let history = |s: usize| -> Vec<u32> { (0..200).chain(own_tokens(s, 200, 1300)).collect() };
+    let sim = Simulation::new(2, 2).expect("replicas");
+    // Replicas 0, 1 are prefill; 2, 3 decode. Session s lives on prefill s % 2, decode 2 + s % 2.
+    let (index_bytes, entries) = fill(&sim, 4, |i| {
+        (i % 2..SESSIONS)
+            .step_by(2)
+            .flat_map(|s| sim.hashes(&history(s)))
+            .collect()
+    });
+    let prompts = (0..256)
         .map(|k| {
             let s = (k * 37) % SESSIONS;
             let mut p = history(s);
-            p.extend((0..60).map(|i| 40_000 + i));
-            (p, format!("session-{s}"))
+            p.extend(40_000..40_060);
+            let decode = Simulation::addr(2 + s % 2);
+            (
+                p.len(),
+                sim.prompt_hashes(&p),
+                format!("session-{s}"),
+                decode,
+            )
         })
         .collect();
-    // Check that the decision is the right one before timing it.
-    let (decode, overlap) = sim.route(&prompts[0].0, &prompts[0].1).expect("a route");
-    assert_eq!(decode, "127.0.0.1:3");
-    assert!(overlap >= 1488, "overlap {overlap}");
+    Workload {
+        name: "chat, 10k sessions, 4 replicas".into(),
+        sim,
+        prompts,
+        index_bytes,
+        entries,
+    }
+}
 
+/// `n` replicas serving one agent: a shared 11k-token system prompt everywhere, `n` sessions of
+/// 2k tokens more each on one prefill and one decode replica.
+fn agents(n: usize) -> Workload {
+    const SYSTEM: usize = 11_000;
+    const OWN: usize = 2_000;
+    let (prefill, decode) = ((n / 4).max(1), n - (n / 4).max(1));
+    let history = |s: usize| -> Vec<u32> {
+        (0..SYSTEM as u32)
+            .map(|i| i % 49_000)
+            .chain(own_tokens(s, SYSTEM, OWN))
+            .collect()
+    };
+    let sim = Simulation::new(prefill, decode).expect("replicas");
+    let system = sim.hashes(&history(0)[..SYSTEM]);
+    let (index_bytes, entries) = fill(&sim, n, |i| {
+        let mine = |s: &usize| {
+            if i < prefill {
+                s % prefill == i
+            } else {
+                prefill + s % decode == i
+            }
+        };
+        let mut held = system.clone();
+        for s in (0..n).filter(mine) {
+            held.extend(&sim.hashes(&history(s))[system.len()..]);
+        }
+        held
+    });
+    let prompts = (0..256)
+        .map(|k| {
+            let s = (k * 37) % n;
+            let mut p = history(s);
+            p.extend(40_000..40_200);
+            let decode = Simulation::addr(prefill + s % decode);
+            (
+                p.len(),
+                sim.prompt_hashes(&p),
+                format!("session-{s}"),
+                decode,
+            )
+        })
+        .collect();
+    Workload {
+        name: format!("agents, {n} replicas"),
+        sim,
+        prompts,
+        index_bytes,
+        entries,
+    }
+}
+
+fn run(c: &mut Criterion, w: &Workload) {
+    // The decision must be the right one before it is timed: each follow-up to its session's
+    // decode replica, which holds all of its history.
+    for (tokens, hashes, session, decode) in &w.prompts {
+        let (to, overlap) = w.sim.route(*tokens, hashes, session).expect("a route");
+        assert_eq!(&to, decode, "{}: {session}", w.name);
+        assert!(overlap + 300 >= *tokens, "{}: overlap {overlap}", w.name);
+    }
     let mut samples: Vec<Duration> = Vec::new();
     let mut next = 0;
-    c.bench_function("route a follow-up, 10k sessions indexed", |b| {
+    let mut group = c.benchmark_group("route a follow-up");
+    group
+        .sample_size(20)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3));
+    group.bench_function(&w.name, |b| {
         b.iter_custom(|iters| {
             let mut total = Duration::ZERO;
             for _ in 0..iters {
-                let (p, s) = &prompts[next % prompts.len()];
+                let (tokens, hashes, session, _) = &w.prompts[next % w.prompts.len()];
                 next += 1;
                 let started = Instant::now();
-                let routed = sim.route(p, s);
+                let routed = w.sim.route(*tokens, hashes, session);
                 let took = started.elapsed();
                 std::hint::black_box(routed);
                 total += took;
@@ -74,15 +173,41 @@ fn routing(c: &mut Criterion) {
             total
         })
     });
+    group.finish();
+    if samples.is_empty() {
+        // Filtered out on the command line.
+        return;
+    }
     samples.sort();
     let at = |q: f64| samples[((samples.len() - 1) as f64 * q) as usize];
     println!(
-        "single decisions: {} samples, p50 {:?}, p99 {:?}, max {:?}",
+        "{}: single decisions: {} samples, p50 {:?}, p99 {:?}, max {:?}; index: {} entries, \
+         {:.1} bytes each",
+        w.name,
         samples.len(),
         at(0.5),
         at(0.99),
-        samples[samples.len() - 1]
+        samples[samples.len() - 1],
+        w.entries,
+        w.index_bytes as f64 / w.entries as f64,
     );
+}
+
+fn routing(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let _entered = rt.enter();
+    run(c, &chat());
+    let sizes = std::env::var("TANDEM_ROUTING_FLEET").unwrap_or_else(|_| "16,64,256,1024".into());
+    for n in sizes.split(',') {
+        let n: usize = n
+            .trim()
+            .parse()
+            .expect("TANDEM_ROUTING_FLEET: replica counts");
+        run(c, &agents(n));
+    }
 }
 
 criterion_group!(benches, routing);

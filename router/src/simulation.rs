@@ -1,4 +1,4 @@
-//! Routing without a network, for the benchmark in `benches/routing.rs`: a replica set whose
+//! Routing without a network, for the benchmarks in `benches/routing.rs`: a replica set whose
 //! health and cache contents are set directly, and the policy's decision on it, exactly as a
 //! request would meet them (block hashes of the prompt, then [`Policy::choose`]).
 
@@ -31,7 +31,7 @@ impl Simulation {
             } else {
                 Role::Decode
             };
-            let addr = format!("127.0.0.1:{}", 1 + i);
+            let addr = Self::addr(i);
             replicas.add(role, &addr, &addr)?;
         }
         for (i, r) in replicas.all().iter().enumerate() {
@@ -57,6 +57,11 @@ impl Simulation {
             .collect()
     }
 
+    /// The address of replica `i` (prefill replicas first).
+    pub fn addr(i: usize) -> String {
+        format!("127.0.0.1:{}", 1 + i)
+    }
+
     /// Replica `i` (prefill replicas first) now holds exactly `hashes`.
     pub fn hold(&self, i: usize, hashes: Vec<u64>) {
         if let Some(r) = self.replicas.all().get(i) {
@@ -69,18 +74,24 @@ impl Simulation {
         }
     }
 
-    /// Routes a prompt: hashes its reusable blocks, then chooses. Returns the decode replica's
-    /// address and the tokens the index says it holds.
-    pub fn route(&self, tokens: &[u32], session: &str) -> Option<(String, usize)> {
-        let hashes = tandem_proto::block_hash::prompt_hashes(&self.fingerprint, "", tokens);
+    /// The block hashes of a prompt's reusable blocks, as the router computes them before it
+    /// routes.
+    pub fn prompt_hashes(&self, tokens: &[u32]) -> Vec<u64> {
+        tandem_proto::block_hash::prompt_hashes(&self.fingerprint, "", tokens)
+    }
+
+    /// Routes a prompt of `tokens` tokens whose reusable blocks hash to `hashes`
+    /// ([`Simulation::prompt_hashes`]). Returns the decode replica's address and the tokens the
+    /// index says it holds.
+    pub fn route(&self, tokens: usize, hashes: &[u64], session: &str) -> Option<(String, usize)> {
         let choice = self
             .policy
             .choose(
                 &self.replicas,
                 &Ask {
                     model: "",
-                    tokens: tokens.len(),
-                    hashes: &hashes,
+                    tokens,
+                    hashes,
                     session_id: session,
                     exclude: &[],
                     holder: None,

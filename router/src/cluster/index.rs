@@ -14,12 +14,17 @@
 //! to KV that may be gone. (Routing on stale data would only cost speed, since workers report
 //! what they actually hold, but a restarted worker's old set is worthless.)
 //!
+//! A lookup reads the pool's set by binary search over the prompt's blocks: a worker's pool holds
+//! every cached block's parent with it (its prefix cache is a radix tree, evicting leaves only),
+//! and a chained hash's parent is the hash before it, so of one prompt's blocks the pool holds a
+//! prefix, and the events keep the index in that shape after each one. The disk tier keeps no
+//! such order, so the blocks that follow on disk are counted one by one.
+//!
 //! Memory: a `HashSet<u64>` costs 9 bytes per slot (key and control byte) at a load factor of
 //! 7/8 or less, so 10-21 bytes per cached block depending on where the set is between growths;
 //! each replica's two sets are capped at [`Config::max_blocks`](crate::Config) entries together,
 //! beyond which the replica falls back to holding nothing until its next snapshot fits.
 
-use std::collections::HashSet;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -57,12 +62,15 @@ impl Mode {
     }
 }
 
+/// A set of block hashes, with a fast hasher seeded per process.
+type Set = foldhash::HashSet<u64>;
+
 #[derive(Debug)]
 struct State {
     /// In the KV pool.
-    hashes: HashSet<u64>,
+    hashes: Set,
     /// On the disk tier only: a hit reads them back.
-    spilled: HashSet<u64>,
+    spilled: Set,
     epoch: u64,
     seq: u64,
     mode: Mode,
@@ -74,8 +82,8 @@ struct State {
 
 impl State {
     fn forget(&mut self) {
-        self.hashes = HashSet::new();
-        self.spilled = HashSet::new();
+        self.hashes = Set::default();
+        self.spilled = Set::default();
     }
 }
 
@@ -169,8 +177,8 @@ impl CacheIndex {
     pub fn new(max_blocks: usize) -> Self {
         Self {
             state: Mutex::new(State {
-                hashes: HashSet::new(),
-                spilled: HashSet::new(),
+                hashes: Set::default(),
+                spilled: Set::default(),
                 epoch: 0,
                 seq: 0,
                 mode: Mode::Fallback,
@@ -187,12 +195,26 @@ impl CacheIndex {
     }
 
     /// How many leading blocks of `hashes` the replica holds (none unless the index is exact).
-    pub fn overlap(&self, hashes: &[u64]) -> Overlap {
+    /// `hint` is where another replica's pool prefix ended: replicas sharing a prompt's prefix
+    /// (a system prompt the whole fleet holds) mostly end at the same block, which two lookups
+    /// confirm before a binary search is needed.
+    pub fn overlap(&self, hashes: &[u64], hint: usize) -> Overlap {
         let s = self.lock();
         if s.mode != Mode::Exact {
             return Overlap::default();
         }
-        let pool = hashes.iter().take_while(|h| s.hashes.contains(h)).count();
+        // The pool holds a prefix of the prompt's blocks (see the module's doc).
+        let holds = |i: usize| s.hashes.contains(&hashes[i]);
+        let pool = if hashes.is_empty() || !holds(0) {
+            0
+        } else if (1..=hashes.len()).contains(&hint)
+            && holds(hint - 1)
+            && (hint == hashes.len() || !holds(hint))
+        {
+            hint
+        } else {
+            hashes.partition_point(|h| s.hashes.contains(h))
+        };
         let disk = hashes[pool..]
             .iter()
             .take_while(|h| s.spilled.contains(h))
@@ -375,7 +397,7 @@ mod tests {
     fn events_apply_in_order_and_gaps_or_epochs_break() {
         let idx = CacheIndex::new(100);
         assert_eq!(
-            idx.overlap(&[1]),
+            idx.overlap(&[1], 0),
             blocks(0, 0),
             "not exact before a snapshot"
         );
@@ -385,14 +407,14 @@ mod tests {
             hashes: vec![1, 2],
             spilled_hashes: vec![3],
         });
-        assert_eq!(idx.overlap(&[1, 2, 3, 4]), blocks(2, 1));
+        assert_eq!(idx.overlap(&[1, 2, 3, 4], 0), blocks(2, 1));
         assert!(
             idx.apply(event(7, 2, &[9])).is_ok(),
             "already in the snapshot"
         );
         assert!(idx.apply(event(7, 3, &[3])).is_ok());
         assert_eq!(
-            idx.overlap(&[1, 2, 3]),
+            idx.overlap(&[1, 2, 3], 0),
             blocks(3, 0),
             "read back into the pool"
         );
@@ -403,7 +425,7 @@ mod tests {
             ..event(7, 4, &[])
         };
         assert!(idx.apply(spilled).is_ok());
-        assert_eq!(idx.overlap(&[1, 2, 3]), blocks(1, 2));
+        assert_eq!(idx.overlap(&[1, 2, 3], 0), blocks(1, 2));
         let evicted = pb::CacheEvent {
             kind: Some(pb::cache_event::Kind::Evicted(pb::BlocksEvicted {
                 hashes: vec![3],
@@ -412,7 +434,7 @@ mod tests {
         };
         assert!(idx.apply(evicted).is_ok());
         assert_eq!(
-            idx.overlap(&[1, 2, 3]),
+            idx.overlap(&[1, 2, 3], 0),
             blocks(1, 1),
             "gone from the disk too"
         );
@@ -420,8 +442,31 @@ mod tests {
         assert!(matches!(idx.apply(event(8, 6, &[4])), Err(Break::Resync)));
         // A load report from a new epoch invalidates the index at once.
         idx.observe_report(8, 1);
-        assert_eq!(idx.overlap(&[1]), blocks(0, 0));
+        assert_eq!(idx.overlap(&[1], 0), blocks(0, 0));
         assert_eq!(idx.freshness().mode, Mode::Resyncing);
+    }
+
+    /// Whatever the hint, the pool's part is the prefix of the prompt's blocks the replica holds
+    /// (beside another prompt's blocks).
+    #[test]
+    fn the_pool_prefix_is_found_from_any_hint() {
+        let chain: Vec<u64> = (100..120).collect();
+        for held in 0..=chain.len() {
+            let idx = CacheIndex::new(100);
+            idx.apply_snapshot(pb::CacheSnapshotResponse {
+                epoch: 1,
+                seq: 0,
+                hashes: chain[..held].iter().copied().chain(500..520).collect(),
+                spilled_hashes: vec![],
+            });
+            for hint in 0..=chain.len() + 1 {
+                assert_eq!(
+                    idx.overlap(&chain, hint).pool,
+                    held,
+                    "held {held}, hint {hint}"
+                );
+            }
+        }
     }
 
     #[test]
@@ -434,6 +479,6 @@ mod tests {
             spilled_hashes: vec![3],
         });
         assert_eq!(idx.freshness().mode, Mode::Fallback);
-        assert_eq!(idx.overlap(&[1]), blocks(0, 0));
+        assert_eq!(idx.overlap(&[1], 0), blocks(0, 0));
     }
 }

@@ -58,6 +58,8 @@
 //! hash), then lower load, then address; for prefill, rendezvous, load, address. So when the
 //! index knows nothing (a router restart), a session still lands where its conversation was.
 
+use std::cell::Cell;
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -255,9 +257,14 @@ impl Policy {
         };
         let n = ask.tokens as f64;
         // The tokens a replica holds by the index, and what reading those on its disk tier
-        // back costs (ms): one index lookup per replica.
+        // back costs (ms): one index lookup per replica, hinted with where the last one
+        // holding any of it ended.
+        let hint = Cell::new(0);
         let held = |r: &Replica| {
-            let o = r.index.overlap(ask.hashes);
+            let o = r.index.overlap(ask.hashes, hint.get());
+            if o.pool > 0 {
+                hint.set(o.pool);
+            }
             let disk = (o.disk * BLOCK_TOKENS) as f64;
             let read_ms = disk / r.restore_rate_or(DEFAULT_RESTORE_RATE) * 1e3;
             (o.blocks() * BLOCK_TOKENS, read_ms)
@@ -271,16 +278,16 @@ impl Policy {
         };
 
         // Decode candidates, best first for a remote prefill: most KV held, rendezvous, load.
-        let mut d_ranked: Vec<(&Arc<Replica>, usize, f64)> = decodes
+        let mut d_ranked: Vec<(&Arc<Replica>, usize, f64, u64)> = decodes
             .iter()
             .map(|&d| {
                 let (h, read_ms) = held(d);
-                (d, h, read_ms)
+                (d, h, read_ms, rendezvous(&key, d))
             })
             .collect();
-        d_ranked.sort_by(|(a, ha, _), (b, hb, _)| {
+        d_ranked.sort_by(|(a, ha, _, ra), (b, hb, _, rb)| {
             hb.cmp(ha)
-                .then_with(|| rendezvous(&key, b).cmp(&rendezvous(&key, a)))
+                .then_with(|| rb.cmp(ra))
                 .then_with(|| a.load().cmp(&b.load()))
                 .then_with(|| a.addr.cmp(&b.addr))
         });
@@ -290,7 +297,7 @@ impl Policy {
         };
         let local = d_ranked
             .iter()
-            .flat_map(|&(d, h, read_ms)| {
+            .flat_map(|&(d, h, read_ms, _)| {
                 let own =
                     (h > 0 || prefills.is_empty()).then(|| (local_ms(d, h) + read_ms, d, h, None));
                 let fetched = holders.iter().filter(move |&&(_, fh, _)| fh > h).map(
@@ -343,7 +350,7 @@ impl Policy {
         let Some((r_ms, p, ph)) = remote else {
             return Err(Error::NoReplica { role: "prefill" });
         };
-        let (d, dh, _) = d_ranked[0];
+        let (d, dh, _, _) = d_ranked[0];
         let l_ms = local.map_or(f64::INFINITY, |l| l.0);
         let reason = format!(
             "remote prefill on {} (holds {ph} of {} tokens, {:.0} tok/s, {} queued), \
@@ -379,16 +386,15 @@ fn fetch_holders<'a>(
     held: impl Fn(&Replica) -> (usize, f64),
 ) -> Vec<(&'a Arc<Replica>, usize, f64)> {
     let reusable = ask.hashes.len() * BLOCK_TOKENS;
+    let chosen: HashSet<*const Replica> = (decodes.iter().chain(prefills))
+        .map(|r| Arc::as_ptr(r))
+        .collect();
     all.iter()
         .filter(|r| {
-            let chosen = match r.role {
-                Role::Decode => decodes,
-                Role::Prefill => prefills,
-            };
             r.can_serve_fetch()
                 && r.serves(ask.model)
                 && r.kv_bytes_per_token() > 0
-                && !chosen.iter().any(|c| c.addr == r.addr)
+                && !chosen.contains(&Arc::as_ptr(r))
         })
         .map(|r| {
             let hinted = ask
@@ -415,7 +421,7 @@ fn best_prefill<'a>(
     rate: impl Fn(&Replica) -> f64,
 ) -> Option<(f64, &'a Arc<Replica>, usize)> {
     let n = ask.tokens as f64;
-    let mut p_ranked: Vec<(f64, &Arc<Replica>, usize)> = prefills
+    prefills
         .iter()
         .map(|&p| {
             let (h, read_ms) = held(p);
@@ -428,16 +434,15 @@ fn best_prefill<'a>(
                 0.0
             };
             let ms = (ahead + step + n - h as f64) / r * 1e3 + read_ms + h_remote;
-            (ms, p, h)
+            (ms, p, h, rendezvous(key, p))
         })
-        .collect();
-    p_ranked.sort_by(|(ca, a, _), (cb, b, _)| {
-        ca.total_cmp(cb)
-            .then_with(|| rendezvous(key, b).cmp(&rendezvous(key, a)))
-            .then_with(|| a.load().cmp(&b.load()))
-            .then_with(|| a.addr.cmp(&b.addr))
-    });
-    p_ranked.first().copied()
+        .min_by(|(ca, a, _, ra), (cb, b, _, rb)| {
+            ca.total_cmp(cb)
+                .then_with(|| rb.cmp(ra))
+                .then_with(|| a.load().cmp(&b.load()))
+                .then_with(|| a.addr.cmp(&b.addr))
+        })
+        .map(|(ms, p, h, _)| (ms, p, h))
 }
 
 #[cfg(test)]

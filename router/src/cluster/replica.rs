@@ -111,7 +111,7 @@ impl Replica {
 
     /// Whether it serves `model`.
     pub fn serves(&self, model: &str) -> bool {
-        *self.model() == *model
+        **self.model.read().unwrap_or_else(|e| e.into_inner()) == *model
     }
 
     pub(super) fn set_model(&self, model: &str) {
