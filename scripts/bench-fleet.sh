@@ -7,7 +7,8 @@
 # each: its CPU seconds per request beyond its idle rate (`process_cpu_seconds_total`), the p50
 # and p99 of its work before routing (`tandem_router_prepare_seconds`) and of a routing decision
 # (`tandem_router_route_seconds`), its CPU per second while idle (health and load polls of
-# every node), the follow-up prompt tokens served from a cache, and the decode load's max/mean.
+# every node), the follow-up prompt tokens served from a cache (also as a share of what caches of
+# unbounded size would serve), and the decode load's max/mean.
 #
 # The nodes simulate a GPU-like worker (a pass of 1-16 rows 10-12 ms, 256 rows 50 ms), so that
 # an 11k-token prompt takes seconds, not the minutes a CPU node takes: the router's work does not
@@ -90,8 +91,8 @@ def quantiles(a, b, name):
         return float("nan")
     return q(0.5), q(0.99), total
 
-print("| nodes | router idle CPU | agent turns | router CPU per agent turn | prepare p50 / p99 (agent) | chat requests | router CPU per chat request | prepare p50 / p99 (chat) | route p50 / p99 | follow-ups from a cache (agent / chat) | decode max/mean (chat) |")
-print("|---|---|---|---|---|---|---|---|---|---|---|")
+print("| nodes | router idle CPU | agent turns | router CPU per agent turn | prepare p50 / p99 (agent) | chat requests | router CPU per chat request | prepare p50 / p99 (chat) | route p50 / p99 | follow-ups from a cache (agent / chat) | of an unbounded cache's (agent / chat) | decode max/mean (chat) |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 for n in sizes:
     d = f"{out}/{n}"
     m0, m1, m2, m3 = (metrics(f"{d}/m{i}.txt") for i in range(4))
@@ -108,5 +109,6 @@ for n in sizes:
     print(f"| {n} | {idle * 1000:.0f} ms/s | {a_n} | {a_cpu * 1000:.1f} ms | {pa[0]:.0f} / {pa[1]:.0f} µs "
           f"| {c_n} | {c_cpu * 1000:.1f} ms | {pc[0]:.0f} / {pc[1]:.0f} µs | {route[0]:.0f} / {route[1]:.0f} µs "
           f"| {agent['summary']['follow_up_cached_share']:.1%} / {chat['summary']['follow_up_cached_share']:.1%} "
+          f"| {agent['summary']['follow_up_cached_over_oracle']:.1%} / {chat['summary']['follow_up_cached_over_oracle']:.1%} "
           f"| {chat['summary']['decode_max_over_mean']:.2f} |")
 EOF

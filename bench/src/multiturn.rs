@@ -114,6 +114,11 @@ pub(crate) struct Summary {
     /// `cached_tokens`).
     #[serde(default)]
     follow_up_cached_share: f64,
+    /// Those cached tokens over what caches of unbounded size would serve: each follow-up's
+    /// previous turn, prompt and reply, in full blocks (at most the follow-up's reusable
+    /// blocks). A reply that tokenizes otherwise in the history makes the bound a little high.
+    #[serde(default)]
+    follow_up_cached_over_oracle: f64,
     /// Requests per decode replica, and the most loaded one's share over the mean.
     decode_requests: BTreeMap<String, usize>,
     decode_max_over_mean: f64,
@@ -177,18 +182,22 @@ fn max_over_mean(counts: &BTreeMap<String, usize>) -> f64 {
 }
 
 fn summarize(turns: &[Turn], cold: Option<&Results>) -> Summary {
-    let prev_prompt: BTreeMap<(usize, usize), u32> = turns
-        .iter()
-        .map(|t| ((t.session, t.turn), t.prompt_tokens))
-        .collect();
+    let prev: BTreeMap<(usize, usize), &Turn> =
+        turns.iter().map(|t| ((t.session, t.turn), t)).collect();
     let follow: Vec<&Turn> = turns.iter().filter(|t| t.turn > 0).collect();
     let on_prefix = follow
         .iter()
-        .filter(|t| {
-            let prev = prev_prompt[&(t.session, t.turn - 1)];
-            t.cached_tokens >= prev / 16 * 16
-        })
+        .filter(|t| t.cached_tokens >= prev[&(t.session, t.turn - 1)].prompt_tokens / 16 * 16)
         .count();
+    let oracle: f64 = follow
+        .iter()
+        .map(|t| {
+            let p = prev[&(t.session, t.turn - 1)];
+            let held = (p.prompt_tokens + p.completion_tokens).min(t.prompt_tokens.max(1) - 1);
+            f64::from(held / 16 * 16)
+        })
+        .sum();
+    let cached: f64 = follow.iter().map(|t| f64::from(t.cached_tokens)).sum();
     let last = turns.iter().map(|t| t.turn).max().unwrap_or(0);
     let last_prompts: Vec<f64> = turns
         .iter()
@@ -243,12 +252,13 @@ fn summarize(turns: &[Turn], cold: Option<&Results>) -> Summary {
         follow_up_ttft_ms_median: median(follow_ttft.clone()),
         follow_up_ttft_ms_p90: percentile(&mut follow_ttft.clone(), 0.9),
         follow_ups_on_their_prefix: on_prefix as f64 / follow.len().max(1) as f64,
-        follow_up_cached_share: follow.iter().map(|t| t.cached_tokens as f64).sum::<f64>()
+        follow_up_cached_share: cached
             / follow
                 .iter()
                 .map(|t| t.prompt_tokens as f64)
                 .sum::<f64>()
                 .max(1.0),
+        follow_up_cached_over_oracle: cached / oracle.max(1.0),
         decode_max_over_mean: max_over_mean(&decode_requests),
         prefill_max_over_mean: max_over_mean(&prefill_requests),
         local_prefills: turns.iter().filter(|t| t.disaggregation == "local").count(),
@@ -431,9 +441,10 @@ fn print_table(r: &Results) {
     );
     println!(
         "  follow-ups reusing at least their previous prompt: {:.1}%; follow-up prompt tokens \
-         from a cache: {:.1}%",
+         from a cache: {:.1}% ({:.1}% of what unbounded caches would serve)",
         s.follow_ups_on_their_prefix * 100.0,
-        s.follow_up_cached_share * 100.0
+        s.follow_up_cached_share * 100.0,
+        s.follow_up_cached_over_oracle * 100.0
     );
     if !s.decode_requests.is_empty() {
         println!(

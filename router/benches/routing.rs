@@ -10,6 +10,8 @@
 //!   system prompt (a fleet serving one agent), and N sessions of 2k tokens more, each held by
 //!   one decode and one prefill replica; a follow-up adds 200 tokens.
 //!
+//! And how many cache events a replica's index absorbs per second (`events`).
+//!
 //! Criterion times each. Since a tail is the target, the p50 and p99 of single decisions are
 //! printed too, with the index's live heap bytes (a counting global allocator) per block per
 //! replica holding it.
@@ -18,7 +20,9 @@ use std::alloc::System;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
+use prost::Message;
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
+use tandem_proto::v1 as pb;
 use tandem_router::simulation::Simulation;
 
 #[global_allocator]
@@ -193,12 +197,68 @@ fn run(c: &mut Criterion, w: &Workload) {
     );
 }
 
+/// How many cache events the index absorbs per second of one core: each decoded from its wire
+/// bytes and applied, as a replica's follow task does (the gRPC stream's framing aside). A
+/// worker's events alternate between storing a turn's 16 new blocks and evicting 16 old ones,
+/// over an index of 100k blocks.
+fn events() {
+    const BLOCKS: u64 = 100_000;
+    const PER_EVENT: u64 = 16;
+    const EVENTS: u64 = 20_000;
+    // Even events store the next 16 new blocks, odd ones evict the 16 oldest.
+    let wire: Vec<Vec<u8>> = (0..EVENTS)
+        .map(|k| {
+            let (from, stored) = if k % 2 == 0 {
+                (BLOCKS + k / 2 * PER_EVENT, true)
+            } else {
+                (k / 2 * PER_EVENT, false)
+            };
+            let hashes = (from..from + PER_EVENT).collect();
+            let kind = if stored {
+                pb::cache_event::Kind::Stored(pb::BlocksStored { hashes })
+            } else {
+                pb::cache_event::Kind::Evicted(pb::BlocksEvicted { hashes })
+            };
+            pb::CacheEvent {
+                epoch: 1,
+                seq: 1 + k,
+                kind: Some(kind),
+            }
+            .encode_to_vec()
+        })
+        .collect();
+    // Five runs, each on a fresh index; the median.
+    let mut runs: Vec<Duration> = (0..5)
+        .map(|_| {
+            let sim = Simulation::new(0, 1).expect("replicas");
+            sim.hold(0, (0..BLOCKS).collect());
+            let decoded = wire
+                .iter()
+                .map(|b| pb::CacheEvent::decode(b.as_slice()).expect("an event"));
+            let started = Instant::now();
+            let applied = sim.apply(0, decoded);
+            let took = started.elapsed();
+            assert_eq!(applied as u64, EVENTS, "every event applies in sequence");
+            took
+        })
+        .collect();
+    runs.sort();
+    let took = runs[runs.len() / 2];
+    println!(
+        "cache events: {EVENTS} of {PER_EVENT} blocks decoded and applied in {took:?} (median of \
+         5): {:.0} events/s ({:.0} blocks/s) on one core",
+        EVENTS as f64 / took.as_secs_f64(),
+        (EVENTS * PER_EVENT) as f64 / took.as_secs_f64(),
+    );
+}
+
 fn routing(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("runtime");
     let _entered = rt.enter();
+    events();
     run(c, &chat());
     let sizes = std::env::var("TANDEM_ROUTING_FLEET").unwrap_or_else(|_| "16,64,256,1024".into());
     for n in sizes.split(',') {

@@ -59,7 +59,8 @@ impl Default for Limits {
     }
 }
 
-/// How often the router asks each worker for its load unless told (`--load-poll-ms`).
+/// How often each worker checks its load for a change to report to the router, unless told
+/// (`--load-poll-ms`; see [`crate::cluster::replicas`]).
 pub const DEFAULT_LOAD_POLL: Duration = Duration::from_millis(250);
 
 #[derive(Debug, Clone)]

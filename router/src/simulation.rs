@@ -74,6 +74,24 @@ impl Simulation {
         }
     }
 
+    /// Applies cache events to replica `i`'s index in order, as following its worker's stream
+    /// does (replica `i`'s epoch is `1 + i`, and [`Simulation::hold`] leaves it at sequence 0),
+    /// up to the first that breaks the sequence (a gap or another epoch: the index would
+    /// resync). Returns how many applied.
+    pub fn apply(&self, i: usize, events: impl IntoIterator<Item = pb::CacheEvent>) -> usize {
+        let Some(r) = self.replicas.all().get(i).cloned() else {
+            return 0;
+        };
+        let mut applied = 0;
+        for e in events {
+            if r.index.apply(e).is_err() {
+                break;
+            }
+            applied += 1;
+        }
+        applied
+    }
+
     /// The block hashes of a prompt's reusable blocks, as the router computes them before it
     /// routes.
     pub fn prompt_hashes(&self, tokens: &[u32]) -> Vec<u64> {

@@ -8,10 +8,16 @@ stop_fleet() {
 }
 trap stop_fleet EXIT
 
-# wait_line FILE PATTERN: waits up to 5 minutes for a line of FILE to match PATTERN.
+# wait_line FILE PATTERN PID: waits up to 5 minutes for a line of FILE to match PATTERN, while
+# the process PID (which writes FILE) lives.
 wait_line() {
-  for _ in $(seq 1 600); do grep -qs "$2" "$1" && return 0; sleep 0.5; done
-  echo "fleet: nothing matched '$2' in $1 (see ${1%.out}.err)" >&2
+  for _ in $(seq 1 600); do
+    grep -qs "$2" "$1" && return 0
+    kill -0 "$3" 2>/dev/null || break
+    sleep 0.5
+  done
+  echo "fleet: nothing matched '$2' in $1; last lines of ${1%.out}.err:" >&2
+  grep -v '^  ' "${1%.out}.err" | tail -5 >&2
   return 1
 }
 
@@ -28,12 +34,12 @@ start_fleet() {
   "$tandem" sim --model "$model" --prefill "$prefill" --decode "$decode" "$@" \
     >"$dir/sim.out" 2>"$dir/sim.err" &
   pids+=($!)
-  wait_line "$dir/sim.out" '^decode ' || return 1
+  wait_line "$dir/sim.out" '^decode ' $! || return 1
   "$tandem" router --prefill "$(sed -n 's/^prefill //p' "$dir/sim.out")" \
     --decode "$(sed -n 's/^decode //p' "$dir/sim.out")" --listen 127.0.0.1:0 \
     --http-listen 127.0.0.1:0 --max-inflight 1024 >"$dir/router.out" 2>"$dir/router.err" &
   pids+=($!)
-  wait_line "$dir/router.out" '^listening on' || return 1
+  wait_line "$dir/router.out" '^listening on' $! || return 1
   grpc=$(sed -n 's/^listening on //p' "$dir/router.out")
   http=$(sed -n 's/^http listening on //p' "$dir/router.out")
   local up=0 nodes=$((prefill + decode))

@@ -1,13 +1,15 @@
-//! The `Worker` service every prefill and decode node serves: `Info`, `Load` (from the role's
-//! [`LoadSource`]), the cache events and snapshot from its [`CacheHub`], and the moves of cached KV
+//! The `Worker` service every prefill and decode node serves: `Info`, `Load` and `WatchLoad`
+//! (from the role's [`LoadSource`]), the cache events and snapshot from its [`CacheHub`], and the moves of cached KV
 //! (`Sessions`, `Adopt`, `Release`) through its [`KvMoves`].
 
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use tandem_engine::SpillStats;
 use tandem_proto::v1 as pb;
 use tokio::sync::broadcast::error::RecvError;
+use tokio::time::MissedTickBehavior;
 use tokio_stream::Stream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
@@ -22,6 +24,7 @@ pub trait LoadSource: Send + Sync + 'static {
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::CacheEvent, Status>> + Send + 'static>>;
+type LoadStream = Pin<Box<dyn Stream<Item = Result<pb::LoadResponse, Status>> + Send + 'static>>;
 
 #[derive(Clone)]
 pub struct WorkerService {
@@ -68,6 +71,19 @@ impl WorkerService {
         }
     }
 
+    /// `Worker.Load`'s answer now.
+    fn report(&self) -> pb::LoadResponse {
+        pb::LoadResponse {
+            cache_epoch: self.hub.epoch(),
+            cache_seq: self.hub.seq(),
+            restore_tokens_per_second: self
+                .spill
+                .as_ref()
+                .map_or(0.0, |s| s.restore_tokens_per_second()),
+            ..self.load.load()
+        }
+    }
+
     /// The tonic server for this service, with Tandem's message limits.
     pub fn into_server(self) -> pb::worker_server::WorkerServer<Self> {
         tandem_proto::limits!(pb::worker_server::WorkerServer::new(self))
@@ -91,15 +107,49 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         _request: Request<pb::LoadRequest>,
     ) -> Result<Response<pb::LoadResponse>, Status> {
-        Ok(Response::new(pb::LoadResponse {
-            cache_epoch: self.hub.epoch(),
-            cache_seq: self.hub.seq(),
-            restore_tokens_per_second: self
-                .spill
-                .as_ref()
-                .map_or(0.0, |s| s.restore_tokens_per_second()),
-            ..self.load.load()
-        }))
+        Ok(Response::new(self.report()))
+    }
+
+    type WatchLoadStream = LoadStream;
+
+    async fn watch_load(
+        &self,
+        request: Request<pb::WatchLoadRequest>,
+    ) -> Result<Response<Self::WatchLoadStream>, Status> {
+        let r = request.into_inner();
+        let interval = match r.interval_ms {
+            0 => Duration::from_millis(250),
+            ms => Duration::from_millis(u64::from(ms.clamp(10, 10_000))),
+        };
+        let heartbeat = match r.heartbeat_ms {
+            0 => Duration::from_secs(1),
+            ms => Duration::from_millis(u64::from(ms.min(60_000))),
+        }
+        .max(interval);
+        let (me, cancel) = (self.clone(), self.shutdown.clone());
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        // The last report sent and when; the first tick fires at once, and sends.
+        let state = (tick, None::<(pb::LoadResponse, Instant)>);
+        let stream = futures::stream::unfold(state, move |(mut tick, last)| {
+            let (me, cancel) = (me.clone(), cancel.clone());
+            async move {
+                loop {
+                    tokio::select! {
+                        _ = tick.tick() => {}
+                        () = cancel.cancelled() => return None,
+                    }
+                    let now = me.report();
+                    let due = last
+                        .as_ref()
+                        .is_none_or(|(sent, at)| *sent != now || at.elapsed() >= heartbeat);
+                    if due {
+                        return Some((Ok(now.clone()), (tick, Some((now, Instant::now())))));
+                    }
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(stream)))
     }
 
     type CacheEventsStream = EventStream;

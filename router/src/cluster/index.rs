@@ -166,7 +166,7 @@ pub(crate) fn forget_gauges(m: &RouterMetrics, replica: &str, role: &'static str
 
 /// Why following the stream stopped.
 #[derive(Debug)]
-enum Break {
+pub(crate) enum Break {
     /// Resync at once (gap or new epoch).
     Resync,
     /// The stream or the snapshot failed; try again later.
@@ -274,7 +274,7 @@ impl CacheIndex {
         s.synced = Instant::now();
     }
 
-    fn apply(&self, e: pb::CacheEvent) -> Result<(), Break> {
+    pub(crate) fn apply(&self, e: pb::CacheEvent) -> Result<(), Break> {
         let mut s = self.lock();
         if e.epoch != s.epoch {
             return Err(Break::Resync);

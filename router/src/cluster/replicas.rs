@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! per replica: monitor task ──Health.Watch──▶ healthy flag
-//!                           └─every load_poll: Worker.Load──▶ reported load, index freshness
+//!                           └─Worker.WatchLoad──▶ reported load, index freshness
 //!              index task ──CacheEvents / CacheSnapshot──▶ CacheIndex
 //! ```
 //!
@@ -20,17 +20,16 @@ use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Duration;
 
 use tandem_proto::v1 as pb;
-use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tonic_health::pb::health_check_response::ServingStatus;
-use tonic_health::pb::health_client::HealthClient;
 
 use crate::cluster::frontend::{Frontend, kv_dtype};
 use crate::cluster::index::{CacheIndex, RECONNECT_MAX};
-use crate::cluster::replica::{LIVENESS_TIMEOUT, Replica, Role, mean_prefill_rate};
+use crate::cluster::replica::{Replica, Role, mean_prefill_rate};
 use crate::cluster::scaling::{RoleLoad, Smoothed, decode_need, prefill_need};
 use crate::metrics::RouterMetrics;
+
+mod watch;
 
 /// How the set monitors the replicas it holds (absent in [`crate::simulation`]).
 #[derive(Debug)]
@@ -432,80 +431,6 @@ impl Replicas {
             self.changed.notify_waiters();
         }
         same
-    }
-
-    /// Follows the replica's health and load until the watch breaks or the replica stops
-    /// answering. Each poll first asks `Health.Check` with a [`LIVENESS_TIMEOUT`] deadline: a
-    /// node answers that off its step loop however busy it is, so one that cannot is gone
-    /// (paused, cut off) and the watch ends, which marks it down long before keepalive would.
-    /// The load itself may come late from a busy node; that ends nothing.
-    async fn watch(&self, r: &Arc<Replica>, load_poll: Duration) {
-        let mut health = HealthClient::new(r.channel.clone());
-        let request = tonic_health::pb::HealthCheckRequest {
-            service: String::new(),
-        };
-        let Ok(stream) = health.watch(request.clone()).await else {
-            return;
-        };
-        let mut stream = stream.into_inner();
-        let mut worker = pb::worker_client::WorkerClient::new(r.channel.clone());
-        let mut tick = tokio::time::interval(load_poll);
-        loop {
-            tokio::select! {
-                msg = stream.next() => match msg {
-                    Some(Ok(m)) => {
-                        let up = m.status == ServingStatus::Serving as i32;
-                        let draining = m.status == ServingStatus::NotServing as i32;
-                        let was = r.draining.swap(draining, Ordering::Relaxed);
-                        if draining && !was {
-                            self.move_sessions(r);
-                        }
-                        if up != r.healthy.swap(up, Ordering::Relaxed) {
-                            tracing::info!(replica = %r.addr, role = r.role.name(), up, "replica health changed");
-                            self.changed.notify_waiters();
-                        }
-                    }
-                    _ => return,
-                },
-                _ = tick.tick() => {
-                    let mut probe = tonic::Request::new(request.clone());
-                    probe.set_timeout(LIVENESS_TIMEOUT);
-                    let answered = tokio::time::timeout(LIVENESS_TIMEOUT, health.check(probe)).await;
-                    if !matches!(answered, Ok(Ok(_))) {
-                        tracing::warn!(replica = %r.addr, role = r.role.name(), "replica stopped answering health checks");
-                        return;
-                    }
-                    let mut req = tonic::Request::new(pb::LoadRequest {});
-                    req.set_timeout(load_poll.max(Duration::from_millis(500)));
-                    match worker.load(req).await {
-                        Ok(load) => {
-                            let load = load.into_inner();
-                            if r.record_load(load.active + load.queued, load.capacity) {
-                                self.changed.notify_waiters();
-                            }
-                            r.queued_tokens.store(load.queued_tokens, Ordering::Relaxed);
-                            for (i, slot) in r.queued_class_tokens.iter().enumerate() {
-                                let t = load.queued_class_tokens.get(i).copied().unwrap_or(0);
-                                slot.store(t, Ordering::Relaxed);
-                            }
-                            r.prefill_tokens_per_second
-                                .store(load.prefill_tokens_per_second.to_bits(), Ordering::Relaxed);
-                            r.restore_tokens_per_second
-                                .store(load.restore_tokens_per_second.to_bits(), Ordering::Relaxed);
-                            r.index.observe_report(load.cache_epoch, load.cache_seq);
-                        }
-                        // A busy node answers late: that is no sign it is gone (the health
-                        // watch and keepalive tell), so the next poll asks again.
-                        Err(e) if matches!(e.code(), tonic::Code::DeadlineExceeded | tonic::Code::Cancelled) => {
-                            tracing::debug!(replica = %r.addr, error = %e, "load poll answered late");
-                        }
-                        // Anything else (a closed connection, another node behind the address)
-                        // ends the watch, and the monitor asks the node who it is again.
-                        Err(_) => return,
-                    }
-                }
-            }
-        }
     }
 }
 
