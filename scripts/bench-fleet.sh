@@ -6,8 +6,8 @@
 # multi-turn chat over gRPC (`tandem-bench multiturn`), and reads the router's metrics around
 # each: its CPU seconds per request beyond its idle rate (`process_cpu_seconds_total`), the p50
 # and p99 of its work before routing (`tandem_router_prepare_seconds`) and of a routing decision
-# (`tandem_router_route_seconds`), its CPU per second while idle (health and load polls of
-# every node), the follow-up prompt tokens served from a cache (also as a share of what caches of
+# (`tandem_router_route_seconds`), its CPU per second while idle (the health watches and load
+# reports of every node), the follow-up prompt tokens served from a cache (also as a share of what caches of
 # unbounded size would serve), and the decode load's max/mean.
 #
 # The nodes simulate a GPU-like worker (a pass of 1-16 rows 10-12 ms, 256 rows 50 ms), so that

@@ -9,7 +9,9 @@
 #   2. another 20 drain (SIGTERM),
 #   3. one prefill node is paused (SIGSTOP) for 10 s, then let go,
 #   4. the router is killed and started again on the same ports,
-#   5. the killed group is started again.
+#   5. the killed group is started again;
+# and a third time while decode scales from 60 nodes to 200 (seven groups started) and, 40 s
+# later, back to 60 (those seven drain, handing their sessions off).
 # It fails on a turn that did not complete, on a reply that differs from the fault-free run's
 # (the simulated tokens are a function of the prompt, so every continuation is checkable), or on
 # a cache index of a node that is up and not back in sync (exact, current within 5 s) within 60 s
@@ -82,7 +84,10 @@ for line in sys.stdin:
     if not m:
         continue
     name, labels, v = m.group(1), m.group(2), float(m.group(3))
-    key = re.search(r"replica=\"([^\"]+)\"", labels).group(1) + "/" + re.search(r"role=\"(\w+)\"", labels).group(1)
+    replica, role = re.search(r"replica=\"([^\"]+)\"", labels), re.search(r"role=\"(\w+)\"", labels)
+    if not (replica and role):
+        continue
+    key = replica.group(1) + "/" + role.group(1)
     if name == "tandem_router_replica_up" and v == 1:
         up.add(key)
     if name == "tandem_router_index_mode" and "mode=\"exact\"" in labels and v == 1:
@@ -100,7 +105,7 @@ until [ "$(up_replicas)" -ge 256 ]; do sleep 0.5; done
 echo "fleet-faults: 256 nodes up" >&2
 
 run() {
-  "$bench" multiturn --server "$grpc" --sessions 64 --turns 6 --concurrency 32 --max-tokens 48 \
+  "$bench" multiturn --server "$grpc" --sessions 64 --turns 12 --concurrency 32 --max-tokens 128 \
     --message-words 40 --retries 100 --label "$1" --json >"$dir/$1.json"
 }
 run reference
@@ -123,35 +128,65 @@ faults() {
   kill -CONT "${group_pid[pb]}"
   echo "fleet-faults: starting decode group d1 again" >&2
   start_group d1
+  # Under the load still running: every node that is up (all but the drained group) with its
+  # index exact and current.
+  local t0 up good
+  t0=$(date +%s.%N)
+  for _ in $(seq 1 120); do
+    read -r up good < <(in_sync)
+    if [ "$up" -ge 236 ] && [ "$good" -eq "$up" ]; then
+      python3 -c "import time; print(f'{time.time() - $t0:.1f}')" >"$dir/synced"
+      return 0
+    fi
+    sleep 0.5
+  done
+  echo "fleet-faults: index not in sync 60 s after the last fault ($good of $up); see $dir" >&2
+  return 1
 }
+rm -f "$dir/synced"
 faults &
 fault_pid=$!
 run faulted
 wait "$fault_pid"
-last_fault=$(date +%s.%N)
+synced=$(cat "$dir/synced")
 
-# The index back in sync on every node that is up (all but the drained group).
-synced=""
-for _ in $(seq 1 120); do
-  read -r up good < <(in_sync)
-  if [ "$up" -ge 236 ] && [ "$good" -eq "$up" ]; then
-    synced=$(python3 -c "import time; print(f'{time.time() - $last_fault:.1f}')")
-    break
-  fi
-  sleep 0.5
-done
-[ -n "$synced" ] || { echo "fleet-faults: index not in sync 60 s after the last fault ($good of $up); see $dir" >&2; exit 1; }
+# Scaling under load: decode from 60 nodes (groups d0-d2) to 200 and back, through the drain's
+# hand-off.
+wait "${group_pid[d2]}" 2>/dev/null || true
+start_group d2
+for g in d3 d4 d5 d6 d7 d8 d9; do kill -TERM "${group_pid[$g]}"; done
+for g in d3 d4 d5 d6 d7 d8 d9; do wait "${group_pid[$g]}" 2>/dev/null || true; done
+scale() {
+  sleep 5
+  echo "fleet-faults: scaling decode up from 60 to 200 nodes" >&2
+  for g in d3 d4 d5 d6 d7 d8 d9; do start_group "$g"; done
+  sleep 40
+  echo "fleet-faults: scaling decode down from 200 to 60 nodes (drains)" >&2
+  for g in d3 d4 d5 d6 d7 d8 d9; do kill -TERM "${group_pid[$g]}"; done
+}
+scale &
+scale_pid=$!
+run scaled
+wait "$scale_pid"
 
-python3 - "$dir/reference.json" "$dir/faulted.json" "$synced" <<'EOF'
+python3 - "$dir" "$synced" <<'EOF'
 import json, sys
-ref, got = (json.load(open(p)) for p in sys.argv[1:3])
+d, synced = sys.argv[1:3]
+ref = json.load(open(f"{d}/reference.json"))
 want = {(t["session"], t["turn"]): t["text"] for t in ref["turns"]}
-have = {(t["session"], t["turn"]): t["text"] for t in got["turns"]}
-missing = sorted(set(want) - set(have))
-differ = sorted(k for k in want.keys() & have.keys() if want[k] != have[k])
-s = got["summary"]
-print(f"fleet faults: {len(have)} of {len(want)} turns, {len(differ)} differ from the fault-free run; "
-      f"{s['retried_turns']} turns retried ({s['retries']} retries); index in sync {sys.argv[3]} s after the last fault")
-if missing or differ:
-    sys.exit(f"fleet faults: missing {missing[:5]}, differing {differ[:5]}")
+bad = False
+for run in ("faulted", "scaled"):
+    got = json.load(open(f"{d}/{run}.json"))
+    have = {(t["session"], t["turn"]): t["text"] for t in got["turns"]}
+    missing = sorted(set(want) - set(have))
+    differ = sorted(k for k in want.keys() & have.keys() if want[k] != have[k])
+    s = got["summary"]
+    print(f"fleet faults, {run}: {len(have)} of {len(want)} turns, {len(differ)} differ from the "
+          f"fault-free run; {s['retried_turns']} turns retried ({s['retries']} retries); "
+          f"decode max/mean {s['decode_max_over_mean']:.2f}")
+    if missing or differ:
+        print(f"fleet faults, {run}: missing {missing[:5]}, differing {differ[:5]}", file=sys.stderr)
+        bad = True
+print(f"fleet faults: every up node's index in sync {synced} s after the last fault")
+sys.exit(1 if bad else 0)
 EOF

@@ -48,8 +48,8 @@ const MAX_NODES: usize = 4096;
 
 pub(crate) fn sim(args: &SimArgs) -> anyhow::Result<()> {
     let nodes = args.prefill + args.decode;
-    if args.decode == 0 || nodes > MAX_NODES {
-        bail!("--decode must be at least 1, and --prefill plus --decode at most {MAX_NODES}");
+    if nodes == 0 || nodes > MAX_NODES {
+        bail!("--prefill plus --decode must be between 1 and {MAX_NODES}");
     }
     if args.worker.kv_spill_dir.is_some() {
         bail!("simulated nodes keep no disk tier: --kv-spill-dir is not taken");

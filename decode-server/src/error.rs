@@ -49,7 +49,7 @@ impl From<Error> for Status {
             Error::Engine(tandem_engine::Error::InvalidArgument { .. }) => {
                 Status::invalid_argument(e.to_string())
             }
-            Error::Engine(_) | Error::Step(_) => Status::internal("decode failed"),
+            Error::Engine(_) | Error::Step(_) => return tandem_worker::node_failure(&e, "decode"),
             Error::HandedOff { tokens } => {
                 let mut s = Status::unavailable(e.to_string());
                 s.metadata_mut()
@@ -58,5 +58,21 @@ impl From<Error> for Status {
             }
         };
         tandem_worker::logged(status, &e, "decode")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The node's own failure is one another node may not have: UNAVAILABLE, which the router
+    /// fails over, and never INTERNAL, which the gRPC layer would rewrite to INVALID_ARGUMENT.
+    #[test]
+    fn an_engine_failure_is_unavailable() {
+        let e = Error::Engine(tandem_engine::Error::KvExhausted {
+            needed_blocks: 16,
+            free_blocks: 14,
+        });
+        assert_eq!(Status::from(e).code(), tonic::Code::Unavailable);
     }
 }

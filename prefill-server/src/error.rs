@@ -38,8 +38,24 @@ impl From<Error> for Status {
             }
             Error::Cancelled => Status::cancelled(e.to_string()),
             Error::ShuttingDown => Status::unavailable(e.to_string()),
-            Error::Engine(_) => Status::internal("prefill failed"),
+            Error::Engine(_) => return tandem_worker::node_failure(&e, "prefill"),
         };
         tandem_worker::logged(status, &e, "prefill")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The node's own failure is one another node may not have: UNAVAILABLE, which the router
+    /// fails over, and never INTERNAL, which the gRPC layer would rewrite to INVALID_ARGUMENT.
+    #[test]
+    fn an_engine_failure_is_unavailable() {
+        let e = Error::Engine(tandem_engine::Error::KvExhausted {
+            needed_blocks: 16,
+            free_blocks: 14,
+        });
+        assert_eq!(Status::from(e).code(), tonic::Code::Unavailable);
     }
 }

@@ -43,21 +43,26 @@ impl From<Error> for Status {
             Error::Draining | Error::ShuttingDown => Status::unavailable(e.to_string()),
             Error::CacheOff => Status::failed_precondition(e.to_string()),
             Error::NoRoom { .. } => Status::resource_exhausted(e.to_string()),
-            Error::Engine(_) => Status::internal("the worker's engine failed"),
+            Error::Engine(_) => return node_failure(&e, "worker"),
         };
         logged(status, &e, "worker")
     }
 }
 
 /// `status`, the answer to a `service` request (`prefill`, `decode`, `worker`) that failed
-/// with `e`, logged: at ERROR when it is the node's own failure (INTERNAL), else at DEBUG (a
-/// request's bad input is the caller's to see). Every worker error type's mapping to a status
-/// ends here.
+/// with `e` through the caller's input or the node's state (draining, full), logged at DEBUG:
+/// it is the caller's to see. Every worker error type's mapping to a status ends here or in
+/// [`node_failure`].
 pub fn logged(status: Status, e: &dyn std::fmt::Display, service: &str) -> Status {
-    if status.code() == tonic::Code::Internal {
-        tracing::error!(error = %e, service, "a request failed");
-    } else {
-        tracing::debug!(error = %e, code = ?status.code(), service, "a request ended with an error");
-    }
+    tracing::debug!(error = %e, code = ?status.code(), service, "a request ended with an error");
     status
+}
+
+/// The answer to a `service` request that failed through the node's own fault (its engine),
+/// logged at ERROR: UNAVAILABLE, since another node may well serve it (the router fails it
+/// over). Never INTERNAL, which the nodes' gRPC layer reads, in a response's headers, as a
+/// request its codec could not read (`tandem_net`'s documented codes).
+pub fn node_failure(e: &dyn std::fmt::Display, service: &str) -> Status {
+    tracing::error!(error = %e, service, "a request failed");
+    Status::unavailable(format!("{service} failed on this node"))
 }

@@ -23,7 +23,7 @@ use tandem_proto::v1 as pb;
 use tandem_transfer::{Chunk, KvKind, ReceivedKv, WireLayout};
 
 pub use cache::CacheHub;
-pub use error::{Error, logged};
+pub use error::{Error, logged, node_failure};
 pub use moves::KvMoves;
 pub use node::{
     DEFAULT_DRAIN_HANDOFF, DEFAULT_DRAIN_HANDOFF_BYTES, DEFAULT_GRACE, Node, NodeConfig, NodeError,
