@@ -19,14 +19,15 @@
 #
 # Usage: scripts/fleet-faults.sh
 # Env: TANDEM, TANDEM_BENCH (default target/release/, built if missing), FLEET_MODEL (default
-#      smollm2), FLEET_DIR (default target/fleet-faults), FLEET_BASE_PORT (default 42000; the
-#      router takes it, the nodes the 800 ports after).
+#      smollm2), FLEET_DIR (default target/fleet-faults), FLEET_BASE_PORT (default 61000, above
+#      Linux's ephemeral ports, which an outbound connection could hold when a group restarts;
+#      the router takes it, the nodes the 800 ports after).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/cluster.sh
 model=${FLEET_MODEL:-smollm2}
 dir=${FLEET_DIR:-target/fleet-faults}
-base=${FLEET_BASE_PORT:-42000}
+base=${FLEET_BASE_PORT:-61000}
 mkdir -p "$dir"
 rm -f "$dir"/*.out "$dir"/*.err "$dir/pids"
 "$tandem" model fetch "$model" >/dev/null
