@@ -295,9 +295,7 @@ pub(crate) struct RouterArgs {
     /// another.
     #[arg(long, env = "TANDEM_TOKEN_GAP_MS", default_value_t = ms(router_defaults().token_gap))]
     token_gap_ms: u64,
-    /// How often each worker checks its load for a change to report (its reports stream to the
-    /// router as the load changes, and once a second while it does not), in ms. A worker too
-    /// old to stream its load is polled this often.
+    /// How often, in ms, each worker checks its load for a change to report to the router.
     #[arg(long, env = "TANDEM_LOAD_POLL_MS", default_value_t = ms(router_defaults().load_poll))]
     load_poll_ms: u64,
     /// How long in-flight streams (gRPC and HTTP) may run after shutdown (SIGTERM) begins, in

@@ -45,6 +45,31 @@ struct Workload {
     entries: usize,
 }
 
+/// 256 follow-ups spread over `sessions`: each session's `history` and `new` tokens more, and
+/// the decode replica holding the session (`decode_of`).
+fn follow_ups(
+    sim: &Simulation,
+    sessions: usize,
+    new: u32,
+    history: impl Fn(usize) -> Vec<u32>,
+    decode_of: impl Fn(usize) -> usize,
+) -> Vec<(usize, Vec<u64>, String, String)> {
+    (0..256)
+        .map(|k| {
+            let s = (k * 37) % sessions;
+            let mut p = history(s);
+            p.extend(40_000..40_000 + new);
+            let decode = Simulation::addr(decode_of(s));
+            (
+                p.len(),
+                sim.prompt_hashes(&p),
+                format!("session-{s}"),
+                decode,
+            )
+        })
+        .collect()
+}
+
 /// Fills the replicas' indexes: replica `i` holds `held(i)`. Returns the live heap bytes that
 /// added (the hash lists are made and dropped inside, so only the indexes remain) and the entries.
 fn fill(sim: &Simulation, replicas: usize, held: impl Fn(usize) -> Vec<u64>) -> (i64, usize) {
@@ -72,20 +97,7 @@ fn chat() -> Workload {
             .flat_map(|s| sim.hashes(&history(s)))
             .collect()
     });
-    let prompts = (0..256)
-        .map(|k| {
-            let s = (k * 37) % SESSIONS;
-            let mut p = history(s);
-            p.extend(40_000..40_060);
-            let decode = Simulation::addr(2 + s % 2);
-            (
-                p.len(),
-                sim.prompt_hashes(&p),
-                format!("session-{s}"),
-                decode,
-            )
-        })
-        .collect();
+    let prompts = follow_ups(&sim, SESSIONS, 60, history, |s| 2 + s % 2);
     Workload {
         name: "chat, 10k sessions, 4 replicas".into(),
         sim,
@@ -123,20 +135,7 @@ fn agents(n: usize) -> Workload {
         }
         held
     });
-    let prompts = (0..256)
-        .map(|k| {
-            let s = (k * 37) % n;
-            let mut p = history(s);
-            p.extend(40_000..40_200);
-            let decode = Simulation::addr(prefill + s % decode);
-            (
-                p.len(),
-                sim.prompt_hashes(&p),
-                format!("session-{s}"),
-                decode,
-            )
-        })
-        .collect();
+    let prompts = follow_ups(&sim, n, 200, history, |s| prefill + s % decode);
     Workload {
         name: format!("agents, {n} replicas"),
         sim,

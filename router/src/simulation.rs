@@ -1,16 +1,21 @@
 //! Routing without a network, for the benchmarks in `benches/routing.rs`: a replica set whose
 //! health and cache contents are set directly, and the policy's decision on it, exactly as a
-//! request would meet them (block hashes of the prompt, then [`Policy::choose`]).
+//! request would meet them (block hashes of the prompt, then [`Policy::choose`]). And a router's
+//! table of agent sessions, for the peer exchange's benchmark in `benches/peers.rs`
+//! ([`SessionTable`]).
 
 use std::sync::Arc;
 
+use prost::Message;
 use tandem_proto::v1 as pb;
 use tokio_util::sync::CancellationToken;
 
 use crate::cluster::policy::{Ask, Policy};
 use crate::cluster::replica::Role;
 use crate::cluster::replicas::Replicas;
-use crate::config::PolicyKind;
+use crate::cluster::sessions::{Changes, Sessions, Turn};
+use crate::config::{PolicyKind, SessionConfig};
+use crate::metrics::RouterMetrics;
 
 /// A replica set that is never connected to.
 #[derive(Debug)]
@@ -118,5 +123,75 @@ impl Simulation {
             )
             .ok()?;
         Some((choice.decode.replica().addr.clone(), choice.decode_overlap))
+    }
+}
+
+/// A router's table of agent sessions: turns recorded as the dispatch records them, and the
+/// sessions of a `Peer.State` answer as a peer asks for them and takes them in.
+#[derive(Debug)]
+pub struct SessionTable {
+    sessions: Sessions,
+}
+
+impl SessionTable {
+    /// An empty table whose tenants may each keep `per_key` sessions open.
+    pub fn new(per_key: usize) -> Self {
+        let mut registry = prometheus_client::registry::Registry::default();
+        let config = SessionConfig {
+            per_key,
+            ..SessionConfig::default()
+        };
+        Self {
+            sessions: Sessions::new(config, RouterMetrics::register(&mut registry)),
+        }
+    }
+
+    /// Records a completed turn of `tenant`'s session `id`: its prompt and the reply.
+    pub fn turn(&self, tenant: &Arc<str>, id: &str, prompt: &[u32], reply: &[u32]) {
+        let _ended = self.sessions.turn(Turn {
+            tenant,
+            session_id: id,
+            cache_salt: "",
+            prompt,
+            reply,
+            cached: 0,
+            restored: 0,
+        });
+    }
+
+    /// What `Peer.State` answers a peer that is up to change `since` (0: the whole table), as
+    /// wire bytes (its sessions and ended sessions; the load and running generations aside),
+    /// and the change the peer is then up to.
+    pub fn answer(&self, since: u64) -> (u64, Vec<u8>) {
+        let c = self.sessions.changes(since);
+        let answer = pb::StateResponse {
+            seq: c.seq,
+            full: c.full,
+            sessions: c.sessions,
+            ended: c.ended,
+            ..Default::default()
+        };
+        (c.seq, answer.encode_to_vec())
+    }
+
+    /// Takes in what `peer` answered ([`SessionTable::answer`]); false if the bytes are not an
+    /// answer.
+    pub fn learn(&self, peer: &Arc<str>, answer: &[u8]) -> bool {
+        let Ok(r) = pb::StateResponse::decode(answer) else {
+            return false;
+        };
+        let changes = Changes {
+            seq: r.seq,
+            full: r.full,
+            sessions: r.sessions,
+            ended: r.ended,
+        };
+        self.sessions.learn(peer, changes);
+        true
+    }
+
+    /// Sessions open in the table, its own and its peers'.
+    pub fn open_sessions(&self) -> usize {
+        self.sessions.open_sessions()
     }
 }

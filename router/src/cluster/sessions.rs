@@ -152,6 +152,15 @@ pub struct Changes {
     pub ended: Vec<pb::SessionKey>,
 }
 
+/// The most bytes of sessions one `Peer.State` answer carries: half a message, the rest left to
+/// its load and running generations.
+pub(crate) const ANSWER_BYTES: usize = tandem_proto::MAX_MESSAGE_BYTES / 2;
+
+/// At most what a session takes in an answer (a token id is at most 5 bytes on the wire).
+fn wire_bytes((tenant, id): &Key, e: &Entry) -> usize {
+    e.sequence.token_ids.len() * 5 + e.sequence.cache_salt.len() + tenant.len() + id.len() + 32
+}
+
 fn wire_key((tenant, id): &Key) -> pb::SessionKey {
     pb::SessionKey {
         tenant: tenant.to_string(),
@@ -190,6 +199,11 @@ impl Sessions {
     fn lock(&self) -> MutexGuard<'_, Table> {
         // Single inserts, updates and removes; a poisoned lock is still consistent.
         self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Sessions open: this router's and its peers'.
+    pub fn open_sessions(&self) -> usize {
+        self.lock().open.len()
     }
 
     fn gauge(&self, table: &Table) {
@@ -305,10 +319,27 @@ impl Sessions {
     /// since; the whole table when `since` is older than the ends kept.
     pub fn changes(&self, since: u64) -> Changes {
         let table = self.lock();
-        let full = since == 0 || since < table.forgot || since > table.seq;
+        let mut full = since == 0 || since < table.forgot || since > table.seq;
         let now = Instant::now();
-        let sessions = (table.open.iter())
-            .filter(|(_, e)| e.from.is_none() && (full || e.changed > since))
+        let mine = |e: &Entry| e.from.is_none();
+        let mut picked: Vec<(&Key, &Entry)> = (table.open.iter())
+            .filter(|(_, e)| mine(e) && (full || e.changed > since))
+            .collect();
+        // One answer is one message: past its budget, the whole table's most recently used
+        // sessions that fit in it, the others left for the peer to meet when they next come.
+        if picked.iter().map(|(k, e)| wire_bytes(k, e)).sum::<usize>() > ANSWER_BYTES {
+            picked = table.open.iter().filter(|(_, e)| mine(e)).collect();
+            picked.sort_by_key(|(_, e)| std::cmp::Reverse(e.last_used));
+            let mut used = 0;
+            picked.retain(|(k, e)| {
+                let bytes = wire_bytes(k, e);
+                let fits = used + bytes <= ANSWER_BYTES;
+                used += if fits { bytes } else { 0 };
+                fits
+            });
+            full = true;
+        }
+        let sessions = (picked.into_iter())
             .map(|(k, e)| pb::PeerSession {
                 key: Some(wire_key(k)),
                 idle_ms: now.saturating_duration_since(e.last_used).as_millis() as u64,

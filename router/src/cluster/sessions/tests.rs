@@ -196,3 +196,36 @@ fn recomputed_tokens_are_the_shared_whole_blocks_no_cache_supplied() {
     assert_eq!(m.session_turn_tokens("disk").sum(), 16.0);
     assert_eq!(m.session_turn_tokens("pool").sum(), 0.0);
 }
+
+/// A table too large for one message answers, whole, with its most recently used sessions that
+/// fit, and its peer takes that in.
+#[tokio::test(start_paused = true)]
+async fn a_full_answer_fits_in_one_message() {
+    let s = sessions(SessionConfig {
+        per_key: 1000,
+        ..SessionConfig::default()
+    });
+    let a: Arc<str> = "a".into();
+    let prompt: Vec<u32> = (0..8000).collect();
+    for i in 0..300 {
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(s.turn(turn(&a, &format!("s{i}"), &prompt)).is_none());
+    }
+    let c = s.changes(0);
+    assert!(c.full);
+    let kept = c.sessions.len();
+    assert!((100..300).contains(&kept), "{kept} of 300 kept");
+    let bytes: usize = c.sessions.iter().map(prost::Message::encoded_len).sum();
+    assert!(bytes <= ANSWER_BYTES, "{bytes} bytes");
+    let newest = |c: &Changes| {
+        c.sessions
+            .iter()
+            .any(|p| p.key.as_ref().is_some_and(|k| k.session_id == "s299"))
+    };
+    assert!(newest(&c), "the most recent is kept");
+    // Caught up, the next answer holds only what changed.
+    assert!(s.turn(turn(&a, "s0", &[1, 2])).is_none());
+    let next = s.changes(c.seq);
+    assert!(!next.full);
+    assert_eq!(next.sessions.len(), 1);
+}
