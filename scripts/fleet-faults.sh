@@ -73,9 +73,8 @@ start_router() {
   router_pid=$!
   echo $! >>"$dir/pids"
 }
-# up_replicas: how many replicas the router sees up; in_sync: how many up replicas' indexes are
-# exact and current within 5 s.
-up_replicas() { router_metrics | grep -c '^tandem_router_replica_up{.*} 1$' || true; }
+# in_sync: how many replicas are up, and how many of those have an index exact and current
+# within 5 s.
 in_sync() {
   router_metrics | python3 -c '
 import re, sys

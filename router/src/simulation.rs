@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use crate::cluster::policy::{Ask, Policy};
 use crate::cluster::replica::Role;
 use crate::cluster::replicas::Replicas;
-use crate::cluster::sessions::{Changes, Sessions, Turn};
+use crate::cluster::sessions::{Sessions, Turn};
 use crate::config::{PolicyKind, SessionConfig};
 use crate::metrics::RouterMetrics;
 
@@ -164,14 +164,7 @@ impl SessionTable {
     /// and the change the peer is then up to.
     pub fn answer(&self, since: u64) -> (u64, Vec<u8>) {
         let c = self.sessions.changes(since);
-        let answer = pb::StateResponse {
-            seq: c.seq,
-            full: c.full,
-            sessions: c.sessions,
-            ended: c.ended,
-            ..Default::default()
-        };
-        (c.seq, answer.encode_to_vec())
+        (c.seq, pb::StateResponse::from(c).encode_to_vec())
     }
 
     /// Takes in what `peer` answered ([`SessionTable::answer`]); false if the bytes are not an
@@ -180,13 +173,7 @@ impl SessionTable {
         let Ok(r) = pb::StateResponse::decode(answer) else {
             return false;
         };
-        let changes = Changes {
-            seq: r.seq,
-            full: r.full,
-            sessions: r.sessions,
-            ended: r.ended,
-        };
-        self.sessions.learn(peer, changes);
+        self.sessions.learn(peer, r.into());
         true
     }
 

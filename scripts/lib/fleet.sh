@@ -24,6 +24,9 @@ wait_line() {
 # router_metrics: the router's Prometheus text.
 router_metrics() { curl -sf "http://$grpc/metrics"; }
 
+# up_replicas: how many replicas the router sees up.
+up_replicas() { router_metrics | grep -c '^tandem_router_replica_up{.*} 1$' || true; }
+
 # start_fleet DIR PREFILL DECODE [SIM FLAG...]: starts PREFILL + DECODE simulated nodes and a
 # router over them (gRPC and HTTP on free ports), logs in DIR, and waits until the router sees
 # every node up. Sets $grpc and $http (the router's addresses).
@@ -44,7 +47,7 @@ start_fleet() {
   http=$(sed -n 's/^http listening on //p' "$dir/router.out")
   local up=0 nodes=$((prefill + decode))
   for _ in $(seq 1 600); do
-    up=$(router_metrics | grep -c '^tandem_router_replica_up{.*} 1$' || true)
+    up=$(up_replicas)
     [ "$up" -ge "$nodes" ] && return 0
     sleep 0.5
   done

@@ -1,6 +1,6 @@
 //! The `Worker` service every prefill and decode node serves: `Info`, `Load` and `WatchLoad`
-//! (from the role's [`LoadSource`]), the cache events and snapshot from its [`CacheHub`], and the moves of cached KV
-//! (`Sessions`, `Adopt`, `Release`) through its [`KvMoves`].
+//! (from the role's [`LoadSource`]), the cache events and snapshot from its [`CacheHub`], and the
+//! moves of cached KV (`Sessions`, `Adopt`, `Release`) through its [`KvMoves`].
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -126,26 +126,23 @@ impl pb::worker_server::Worker for WorkerService {
             ms => Duration::from_millis(u64::from(ms.min(60_000))),
         }
         .max(interval);
-        let (me, cancel) = (self.clone(), self.shutdown.clone());
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        // The last report sent and when; the first tick fires at once, and sends.
-        let state = (tick, None::<(pb::LoadResponse, Instant)>);
-        let stream = futures::stream::unfold(state, move |(mut tick, last)| {
-            let (me, cancel) = (me.clone(), cancel.clone());
-            async move {
-                loop {
-                    tokio::select! {
-                        _ = tick.tick() => {}
-                        () = cancel.cancelled() => return None,
-                    }
-                    let now = me.report();
-                    let due = last
-                        .as_ref()
-                        .is_none_or(|(sent, at)| *sent != now || at.elapsed() >= heartbeat);
-                    if due {
-                        return Some((Ok(now.clone()), (tick, Some((now, Instant::now())))));
-                    }
+        // The service, the ticks, and the last report sent and when; the first tick fires at
+        // once, and sends.
+        let state = (self.clone(), tick, None::<(pb::LoadResponse, Instant)>);
+        let stream = futures::stream::unfold(state, move |(me, mut tick, last)| async move {
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    () = me.shutdown.cancelled() => return None,
+                }
+                let now = me.report();
+                let due = last
+                    .as_ref()
+                    .is_none_or(|(sent, at)| *sent != now || at.elapsed() >= heartbeat);
+                if due {
+                    return Some((Ok(now.clone()), (me, tick, Some((now, Instant::now())))));
                 }
             }
         });

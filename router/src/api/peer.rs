@@ -50,12 +50,9 @@ impl pb::peer_server::Peer for PeerService {
             .collect();
         Ok(Response::new(pb::StateResponse {
             instance: d.peers.instance,
-            seq: changes.seq,
-            full: changes.full,
-            sessions: changes.sessions,
-            ended: changes.ended,
             load,
             running,
+            ..changes.into()
         }))
     }
 

@@ -32,7 +32,7 @@ use tonic::transport::{Channel, ClientTlsConfig};
 use crate::cluster::discovery::{RESOLVE_INTERVAL, Specs};
 use crate::cluster::replica::LIVENESS_TIMEOUT;
 use crate::cluster::replicas::Replicas;
-use crate::cluster::sessions::{Changes, Sessions};
+use crate::cluster::sessions::Sessions;
 use crate::error::Result;
 use crate::metrics::{PeerLabel, RouterMetrics};
 
@@ -217,7 +217,7 @@ impl Peers {
             };
             let name: Arc<str> = addr.to_string().into();
             match answer {
-                Ok(state) => {
+                Ok(mut state) => {
                     if view.instance != 0 && view.instance != state.instance {
                         tracing::info!(peer = %addr, "a peer router restarted");
                         sessions.adopt(&name);
@@ -225,19 +225,13 @@ impl Peers {
                     view.instance = state.instance;
                     view.seq = state.seq;
                     view.heard = now;
-                    view.load = (state.load.into_iter())
+                    view.load = (std::mem::take(&mut state.load).into_iter())
                         .map(|l| (l.addr, (l.requests, l.prompt_tokens)))
                         .collect();
-                    view.running = (state.running.into_iter())
+                    view.running = (std::mem::take(&mut state.running).into_iter())
                         .map(|k| (Arc::from(k.tenant), k.request_id))
                         .collect();
-                    let changes = Changes {
-                        seq: state.seq,
-                        full: state.full,
-                        sessions: state.sessions,
-                        ended: state.ended,
-                    };
-                    sessions.learn(&name, changes);
+                    sessions.learn(&name, state.into());
                 }
                 Err(e) if e.code() == tonic::Code::FailedPrecondition => {
                     tracing::info!(peer = %addr, "this router's own address: not a peer");
@@ -288,6 +282,7 @@ impl Peers {
 mod tests {
     use super::*;
     use crate::cluster::replica::Role;
+    use crate::cluster::sessions::Changes;
 
     /// A peer that stops answering keeps its word for [`FORGET_AFTER`], its staleness growing;
     /// then its load and running generations no longer count and its sessions are adopted.

@@ -152,6 +152,32 @@ pub struct Changes {
     pub ended: Vec<pb::SessionKey>,
 }
 
+/// The sessions part of a `Peer.State` answer, as a peer sent it.
+impl From<pb::StateResponse> for Changes {
+    fn from(r: pb::StateResponse) -> Self {
+        Self {
+            seq: r.seq,
+            full: r.full,
+            sessions: r.sessions,
+            ended: r.ended,
+        }
+    }
+}
+
+/// A `Peer.State` answer of these changes alone (its instance, load and running generations
+/// left for the caller to set).
+impl From<Changes> for pb::StateResponse {
+    fn from(c: Changes) -> Self {
+        Self {
+            seq: c.seq,
+            full: c.full,
+            sessions: c.sessions,
+            ended: c.ended,
+            ..Self::default()
+        }
+    }
+}
+
 /// The most bytes of sessions one `Peer.State` answer carries: half a message, the rest left to
 /// its load and running generations.
 pub(crate) const ANSWER_BYTES: usize = tandem_proto::MAX_MESSAGE_BYTES / 2;
