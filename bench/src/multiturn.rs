@@ -115,7 +115,8 @@ pub(crate) struct Summary {
     #[serde(default)]
     follow_up_cached_share: f64,
     /// Those cached tokens over what caches of unbounded size would serve: each follow-up's
-    /// previous turn, prompt and reply, in full blocks (at most the follow-up's reusable
+    /// previous turn, prompt and reply but its last token (sampled, never run through the
+    /// model, so no engine holds its KV), in full blocks (at most the follow-up's reusable
     /// blocks). A reply that tokenizes otherwise in the history makes the bound a little high.
     #[serde(default)]
     follow_up_cached_over_oracle: f64,
@@ -193,7 +194,8 @@ fn summarize(turns: &[Turn], cold: Option<&Results>) -> Summary {
         .iter()
         .map(|t| {
             let p = prev[&(t.session, t.turn - 1)];
-            let held = (p.prompt_tokens + p.completion_tokens).min(t.prompt_tokens.max(1) - 1);
+            let computed = (p.prompt_tokens + p.completion_tokens).saturating_sub(1);
+            let held = computed.min(t.prompt_tokens.max(1) - 1);
             f64::from(held / 16 * 16)
         })
         .sum();

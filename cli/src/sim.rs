@@ -41,6 +41,12 @@ pub(crate) struct SimArgs {
     /// Each prefill node's prefix cache in MiB (`tandem prefill --prefix-cache-mb`).
     #[arg(long, default_value_t = tandem_prefill_server::DEFAULT_PREFIX_CACHE_BYTES >> 20)]
     prefix_cache_mb: usize,
+    /// Send KV between the nodes as headers and empty chunks (dtype `none`), not the bytes the
+    /// model's KV would take: the transfers' protocol, timing and bookkeeping run, and the
+    /// network carries no KV. Every node of the fleet must agree: a router pairs nodes of one
+    /// dtype only, and a node rejects a push of another.
+    #[arg(long)]
+    kv_header_only: bool,
 }
 
 /// The most nodes one process hosts.
@@ -71,6 +77,7 @@ pub(crate) fn sim(args: &SimArgs) -> anyhow::Result<()> {
             model.clone(),
             EngineConfig {
                 threads: 1,
+                kv_header_only: args.kv_header_only,
                 ..worker.engine(&model, args.prefix_cache_mb << 20)
             },
             Role::Prefill,
@@ -80,6 +87,7 @@ pub(crate) fn sim(args: &SimArgs) -> anyhow::Result<()> {
     // Speculation drafts from a sequence's own text, which a simulated reply does not repeat.
     let engine = EngineConfig {
         threads: 1,
+        kv_header_only: args.kv_header_only,
         speculate: tandem_engine::SpeculateConfig::off(),
         ..worker.engine(&model, usize::MAX)
     };

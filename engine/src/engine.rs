@@ -111,6 +111,9 @@ pub struct EngineConfig {
     pub speculate: SpeculateConfig,
     /// How the KV pool stores keys and values.
     pub kv_dtype: KvDtype,
+    /// KV exports carry no bytes and imports take none ([`KvLayout::header_only`]): for a
+    /// simulated model only.
+    pub kv_header_only: bool,
     /// The prefix cache's disk tier: evicted blocks go there and come back on a later hit.
     /// `None` (the default) has none.
     pub spill: Option<SpillConfig>,
@@ -125,6 +128,7 @@ impl Default for EngineConfig {
             prefix_cache_bytes: 0,
             speculate: SpeculateConfig::default(),
             kv_dtype: KvDtype::default(),
+            kv_header_only: false,
             spill: None,
         }
     }
@@ -217,10 +221,19 @@ impl Engine {
                 field: "threads",
                 reason: e.to_string(),
             })?;
-        let pool = KvPool::new(
-            model.config.kv_layout(config.kv_dtype),
-            config.kv_budget_bytes,
-        );
+        if config.kv_header_only
+            && (!matches!(model.compute, Compute::Simulated(_)) || config.spill.is_some())
+        {
+            return Err(Error::InvalidArgument {
+                field: "kv_header_only",
+                reason: "only a simulated model without a disk tier moves its KV as headers".into(),
+            });
+        }
+        let layout = KvLayout {
+            header_only: config.kv_header_only,
+            ..model.config.kv_layout(config.kv_dtype)
+        };
+        let pool = KvPool::new(layout, config.kv_budget_bytes);
         let cache_blocks =
             (config.prefix_cache_bytes / pool.layout().block_bytes()).min(pool.total_blocks());
         let spill_stats = Arc::new(SpillStats::default());

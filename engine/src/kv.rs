@@ -126,6 +126,10 @@ pub struct KvLayout {
     pub n_kv_heads: usize,
     pub head_dim: usize,
     pub dtype: KvDtype,
+    /// The KV moves between engines as its shape alone: an export carries no bytes and an
+    /// import takes none. Only a simulated model's, whose rows nothing reads, so that a fleet
+    /// of simulated nodes can leave the network unloaded (`--kv-header-only`).
+    pub header_only: bool,
 }
 
 impl KvLayout {
@@ -334,6 +338,7 @@ mod tests {
             n_kv_heads: 1,
             head_dim: 4,
             dtype: KvDtype::F16,
+            header_only: false,
         };
         let mut pool = KvPool::new(layout, layout.block_bytes() * 3);
         assert_eq!(pool.total_blocks(), 3);
@@ -356,6 +361,7 @@ mod tests {
             n_kv_heads: 1,
             head_dim: 4,
             dtype: KvDtype::F16,
+            header_only: false,
         };
         let mut pool = KvPool::new(layout, layout.block_bytes() * 2);
         let b = pool.alloc(1).expect("a block")[0];
@@ -380,6 +386,7 @@ mod tests {
             n_kv_heads: 2,
             head_dim: 4,
             dtype,
+            header_only: false,
         };
         let mut pool = KvPool::new(layout, layout.block_bytes() * 4);
         let blocks = pool.alloc(2).expect("blocks");

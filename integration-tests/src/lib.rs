@@ -124,6 +124,9 @@ pub struct ClusterConfig {
     /// The prefill nodes' KV dtype where it differs from `engine.kv_dtype`: a misconfigured
     /// cluster.
     pub prefill_kv_dtype: Option<tandem_engine::KvDtype>,
+    /// Whether the prefill nodes send their KV as headers only, where it differs from
+    /// `engine.kv_header_only` (simulated models only).
+    pub prefill_kv_header_only: Option<bool>,
     /// How long the router keeps agent sessions' KV in the pools, and how many a key holds.
     pub sessions: tandem_router::SessionConfig,
 }
@@ -156,6 +159,7 @@ impl ClusterConfig {
             relays: false,
             tls_dir: None,
             prefill_kv_dtype: None,
+            prefill_kv_header_only: None,
             sessions: tandem_router::SessionConfig::default(),
         }
     }
@@ -301,6 +305,8 @@ impl Cluster {
                 i,
             )?;
             node.engine.kv_dtype = config.prefill_kv_dtype.unwrap_or(config.engine.kv_dtype);
+            node.engine.kv_header_only =
+                (config.prefill_kv_header_only).unwrap_or(config.engine.kv_header_only);
             let c = tandem_prefill_server::Config {
                 node,
                 keepalive: config.keepalive,

@@ -2,7 +2,8 @@
 //! health and cache contents are set directly, and the policy's decision on it, exactly as a
 //! request would meet them (block hashes of the prompt, then [`Policy::choose`]). And a router's
 //! table of agent sessions, for the peer exchange's benchmark in `benches/peers.rs`
-//! ([`SessionTable`]).
+//! ([`SessionTable`]). And the index of one worker's cache ([`CacheIndex`]), which
+//! `benches/events.rs` has follow real event streams.
 
 use std::sync::Arc;
 
@@ -10,6 +11,7 @@ use prost::Message;
 use tandem_proto::v1 as pb;
 use tokio_util::sync::CancellationToken;
 
+pub use crate::cluster::index::{CacheIndex, Freshness, Mode};
 use crate::cluster::policy::{Ask, Policy};
 use crate::cluster::replica::Role;
 use crate::cluster::replicas::Replicas;

@@ -32,6 +32,9 @@ pub enum KvDtype {
     F16,
     /// `head_dim` int8 values, then their f16 scale, little-endian.
     Q8,
+    /// No bytes: simulated nodes' KV, whose rows nothing reads (`--kv-header-only`). Chunks
+    /// still tile the range, empty.
+    None,
 }
 
 impl KvDtype {
@@ -40,6 +43,7 @@ impl KvDtype {
         match self {
             KvDtype::F16 => head_dim * 2,
             KvDtype::Q8 => head_dim + 2,
+            KvDtype::None => 0,
         }
     }
 
@@ -47,6 +51,7 @@ impl KvDtype {
         match self {
             KvDtype::F16 => pb::KvDtype::F16,
             KvDtype::Q8 => pb::KvDtype::Q8,
+            KvDtype::None => pb::KvDtype::None,
         }
     }
 
@@ -54,6 +59,7 @@ impl KvDtype {
         match pb::KvDtype::try_from(dtype) {
             Ok(pb::KvDtype::F16) => Some(KvDtype::F16),
             Ok(pb::KvDtype::Q8) => Some(KvDtype::Q8),
+            Ok(pb::KvDtype::None) => Some(KvDtype::None),
             Ok(pb::KvDtype::Unspecified) | Err(_) => None,
         }
     }
@@ -367,7 +373,7 @@ impl Assembler {
         let total = self.want.tokens.len();
         let offset = (c.token_start - self.want.tokens.start) as usize;
         let dst = &mut self.layers[c.layer as usize][kind.index()];
-        for (h, src) in c.data.chunks_exact(len * row).enumerate() {
+        for (h, src) in c.data.chunks_exact((len * row).max(1)).enumerate() {
             let at = (h * total + offset) * row;
             dst[at..at + src.len()].copy_from_slice(src);
         }

@@ -12,11 +12,20 @@
 //! that falls more than [`EVENT_BUFFER`] events behind loses its stream and resyncs.
 
 use std::collections::HashMap;
+use std::pin::Pin;
 use std::sync::{Mutex, MutexGuard};
 
 use tandem_engine::CacheEvent;
 use tandem_proto::v1 as pb;
 use tokio::sync::broadcast;
+use tokio::sync::broadcast::error::RecvError;
+use tokio_stream::Stream;
+use tokio_util::sync::CancellationToken;
+use tonic::Status;
+
+/// `Worker.CacheEvents`' answer: the events from its call on, until `cancel` or, for a
+/// subscriber that fell [`EVENT_BUFFER`] events behind, ABORTED (it resyncs).
+pub type EventStream = Pin<Box<dyn Stream<Item = Result<pb::CacheEvent, Status>> + Send + 'static>>;
 
 /// Events buffered per subscriber before it is dropped as lagging.
 pub const EVENT_BUFFER: usize = 4096;
@@ -108,6 +117,34 @@ impl CacheHub {
         // Under the lock, so that no event is half-published around the subscription.
         let _m = self.lock();
         self.tx.subscribe()
+    }
+
+    /// Every event published from now on as `Worker.CacheEvents` streams them: until `cancel`
+    /// (the node shutting down, so the stream never holds up its drain), or ABORTED once the
+    /// subscriber falls [`EVENT_BUFFER`] events behind.
+    pub fn events(&self, cancel: CancellationToken) -> EventStream {
+        let rx = self.subscribe();
+        let stream =
+            futures::stream::unfold((rx, cancel, false), |(mut rx, cancel, done)| async move {
+                if done {
+                    return None;
+                }
+                let item = tokio::select! {
+                    r = rx.recv() => r,
+                    () = cancel.cancelled() => return None,
+                };
+                match item {
+                    Ok(event) => Some((Ok(event), (rx, cancel, false))),
+                    Err(RecvError::Lagged(n)) => {
+                        let status = Status::aborted(format!(
+                            "the subscriber fell {n} cache events behind; resync from CacheSnapshot"
+                        ));
+                        Some((Err(status), (rx, cancel, true)))
+                    }
+                    Err(RecvError::Closed) => None,
+                }
+            });
+        Box::pin(stream)
     }
 
     pub fn snapshot(&self) -> pb::CacheSnapshotResponse {

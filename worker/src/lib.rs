@@ -22,7 +22,7 @@ use tandem_engine::{
 use tandem_proto::v1 as pb;
 use tandem_transfer::{Chunk, KvKind, ReceivedKv, WireLayout};
 
-pub use cache::CacheHub;
+pub use cache::{CacheHub, EventStream};
 pub use error::{Error, logged, node_failure};
 pub use moves::KvMoves;
 pub use node::{
@@ -39,6 +39,7 @@ pub fn wire_layout(l: KvLayout) -> WireLayout {
         head_dim: l.head_dim as u32,
         block_tokens: tandem_engine::BLOCK_TOKENS as u32,
         dtype: match l.dtype {
+            _ if l.header_only => tandem_transfer::KvDtype::None,
             tandem_engine::KvDtype::F16 => tandem_transfer::KvDtype::F16,
             tandem_engine::KvDtype::Q8 => tandem_transfer::KvDtype::Q8,
         },
@@ -161,7 +162,10 @@ pub fn worker_info(model: &Model, kv: KvLayout, role: &str) -> pb::InfoResponse 
         block_tokens: tandem_engine::BLOCK_TOKENS as u32,
         tokenizer_spec_json: serde_json::to_string(&model.tokenizer.spec()).unwrap_or_default(),
         role: role.to_string(),
-        kv_dtype: kv.dtype.name().to_string(),
+        kv_dtype: match kv.header_only {
+            true => "none".into(),
+            false => kv.dtype.name().into(),
+        },
         kv_bytes_per_token: wire_layout(kv).total_bytes(1),
         model_aliases: model.aliases.clone(),
     }

@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 
 use tandem_engine::SpillStats;
 use tandem_proto::v1 as pb;
-use tokio::sync::broadcast::error::RecvError;
 use tokio::time::MissedTickBehavior;
 use tokio_stream::Stream;
 use tokio_util::sync::CancellationToken;
@@ -23,7 +22,6 @@ pub trait LoadSource: Send + Sync + 'static {
     fn load(&self) -> pb::LoadResponse;
 }
 
-type EventStream = Pin<Box<dyn Stream<Item = Result<pb::CacheEvent, Status>> + Send + 'static>>;
 type LoadStream = Pin<Box<dyn Stream<Item = Result<pb::LoadResponse, Status>> + Send + 'static>>;
 
 #[derive(Clone)]
@@ -149,35 +147,13 @@ impl pb::worker_server::Worker for WorkerService {
         Ok(Response::new(Box::pin(stream)))
     }
 
-    type CacheEventsStream = EventStream;
+    type CacheEventsStream = crate::cache::EventStream;
 
     async fn cache_events(
         &self,
         _request: Request<pb::CacheEventsRequest>,
     ) -> Result<Response<Self::CacheEventsStream>, Status> {
-        let rx = self.hub.subscribe();
-        let cancel = self.shutdown.clone();
-        let stream =
-            futures::stream::unfold((rx, cancel, false), |(mut rx, cancel, done)| async move {
-                if done {
-                    return None;
-                }
-                let item = tokio::select! {
-                    r = rx.recv() => r,
-                    () = cancel.cancelled() => return None,
-                };
-                match item {
-                    Ok(event) => Some((Ok(event), (rx, cancel, false))),
-                    Err(RecvError::Lagged(n)) => {
-                        let status = Status::aborted(format!(
-                            "the subscriber fell {n} cache events behind; resync from CacheSnapshot"
-                        ));
-                        Some((Err(status), (rx, cancel, true)))
-                    }
-                    Err(RecvError::Closed) => None,
-                }
-            });
-        Ok(Response::new(Box::pin(stream)))
+        Ok(Response::new(self.hub.events(self.shutdown.clone())))
     }
 
     async fn cache_snapshot(

@@ -141,6 +141,7 @@ fn filled_pool(dtype: KvDtype, hd: usize, n: usize) -> (KvPool, Vec<u32>) {
         n_kv_heads: 1,
         head_dim: hd,
         dtype,
+        header_only: false,
     };
     let mut pool = KvPool::new(layout, layout.block_bytes() * n.div_ceil(BLOCK_TOKENS));
     let blocks = pool.alloc(n.div_ceil(BLOCK_TOKENS)).expect("blocks");

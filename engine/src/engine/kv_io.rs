@@ -27,14 +27,17 @@ impl Engine {
                 ),
             });
         }
+        let layout = self.pool.layout();
         let layers = (0..self.model.config.n_layers)
             .map(|l| {
-                [KvKind::Key, KvKind::Value]
-                    .map(|kind| self.pool.export(&s.blocks, tokens.clone(), l, kind))
+                [KvKind::Key, KvKind::Value].map(|kind| match layout.header_only {
+                    true => Vec::new(),
+                    false => self.pool.export(&s.blocks, tokens.clone(), l, kind),
+                })
             })
             .collect();
         Ok(KvExport {
-            layout: self.pool.layout(),
+            layout,
             tokens,
             layers,
         })
@@ -58,7 +61,10 @@ impl Engine {
                 kv.tokens
             ));
         }
-        let want = kv.tokens.len() * kv.layout.n_kv_heads * kv.layout.row_bytes();
+        let want = match kv.layout.header_only {
+            true => 0,
+            false => kv.tokens.len() * kv.layout.n_kv_heads * kv.layout.row_bytes(),
+        };
         if kv.layers.len() != kv.layout.n_layers
             || kv.layers.iter().flatten().any(|b| b.len() != want)
         {
@@ -69,7 +75,13 @@ impl Engine {
         }
         self.reserve(seq, kv.tokens.end)?;
         let blocks = self.seq(seq)?.blocks.clone();
-        for (l, [k, v]) in kv.layers.iter().enumerate() {
+        // A header-only import leaves the rows as they were: nothing reads them.
+        let stored = if kv.layout.header_only {
+            0
+        } else {
+            kv.layers.len()
+        };
+        for (l, [k, v]) in kv.layers.iter().enumerate().take(stored) {
             self.pool
                 .import(&blocks, kv.tokens.clone(), l, KvKind::Key, k)?;
             self.pool

@@ -176,6 +176,7 @@ impl ModelConfig {
             n_kv_heads: self.n_kv_heads,
             head_dim: self.head_dim,
             dtype,
+            header_only: false,
         }
     }
 

@@ -28,6 +28,7 @@ fn layout() -> KvLayout {
         n_kv_heads: 1,
         head_dim: 4,
         dtype: KvDtype::F16,
+        header_only: false,
     }
 }
 

@@ -51,9 +51,12 @@
 //! The cheapest option wins. Candidates are only the healthy replicas that have not already
 //! failed this request (failover, see [`crate::dispatch::progress`]) under a per-candidate load
 //! cap (bounded-load consistent hashing, Mirrokni et al.): a replica is eligible while its
-//! requests are fewer than `ceil(1.25 × (total + 1) / replicas)` of its role, and below its
-//! reported capacity. A hot session therefore moves once its replica is over the cap, and the
-//! formula, not a fallback, says where. Ties break deterministically: for decode, more KV held,
+//! requests are fewer than `ceil(1.25 × (total + 1) / replicas)` of its role (for decode, at
+//! least [`DECODE_LOAD_FLOOR`]), and below its reported capacity. A hot session therefore moves
+//! once its replica is over the cap, and the formula, not a fallback, says where. The decode
+//! floor keeps a large, lightly loaded fleet from moving sessions for nothing: 16 requests over
+//! 192 decode nodes make the bare cap 1, so a follow-up whose node ran one other stream would
+//! leave the KV of its history behind to spare that node a second row in its steps. Ties break deterministically: for decode, more KV held,
 //! then rendezvous hashing on the session id (or, without one, on the prompt's first block
 //! hash), then lower load, then address; for prefill, rendezvous, load, address. So when the
 //! index knows nothing (a router restart), a session still lands where its conversation was.
@@ -80,6 +83,9 @@ use crate::error::{Error, Result};
 pub const DEFAULT_RATE: f64 = 500.0;
 /// The load cap's factor: eligible while load < ceil(LOAD_CAP × (total + 1) / replicas).
 pub const LOAD_CAP: f64 = 1.25;
+/// The least load cap of a decode replica: a decode node batches its streams, and a few more
+/// rows cost each step little beside computing a session's history again elsewhere.
+pub const DECODE_LOAD_FLOOR: u32 = 4;
 /// Bytes per second a peer fetch is assumed to move before one has been measured.
 pub const DEFAULT_LINK_BYTES_PER_SECOND: f64 = 200e6;
 /// Tokens per second a disk tier is assumed to read back before it has measured its own (a
@@ -167,7 +173,11 @@ fn eligible(replicas: &Replicas, role: Role, ask: &Ask<'_>) -> Vec<Arc<Replica>>
         return up;
     }
     let total: u32 = up.iter().map(|r| r.load()).sum();
-    let cap = (LOAD_CAP * f64::from(total + 1) / up.len() as f64).ceil() as u32;
+    let floor = match role {
+        Role::Decode => DECODE_LOAD_FLOOR,
+        Role::Prefill => 1,
+    };
+    let cap = ((LOAD_CAP * f64::from(total + 1) / up.len() as f64).ceil() as u32).max(floor);
     let under: Vec<Arc<Replica>> = up
         .iter()
         .filter(|r| r.load() < cap && (r.capacity() == 0 || r.load() < r.capacity()))

@@ -158,3 +158,63 @@ async fn a_prompt_waits_only_for_the_queued_tokens_of_its_class_and_above() {
     replicas.all()[0].record_load(0, 64);
     assert!(choice.reported_within(Duration::from_secs(2)));
 }
+
+/// In a large, lightly loaded fleet a follow-up stays on the decode replica that holds its
+/// history while that replica runs a few other streams ([`DECODE_LOAD_FLOOR`]), though the bare
+/// load cap (1 here: 2 requests over 64 replicas) would move it; at the floor it moves.
+#[tokio::test]
+async fn a_session_stays_on_its_decode_replica_at_low_load_in_a_large_fleet() {
+    let replicas = Arc::new(Replicas::new(usize::MAX, CancellationToken::new()));
+    replicas
+        .add(Role::Prefill, "127.0.0.1:1", "127.0.0.1:1")
+        .expect("add");
+    for i in 0..64 {
+        let addr = format!("127.0.0.1:{}", 100 + i);
+        replicas.add(Role::Decode, &addr, &addr).expect("add");
+    }
+    let all = replicas.all();
+    for (i, r) in all.iter().enumerate() {
+        r.set_healthy(true);
+        r.index.apply_snapshot(pb::CacheSnapshotResponse {
+            epoch: 1 + i as u64,
+            ..Default::default()
+        });
+    }
+    let prompt: Vec<u32> = (0..640).collect();
+    let hashes = tandem_proto::block_hash::prompt_hashes(&[7; 32], "", &prompt);
+    let holder = &all[40];
+    holder.index.apply_snapshot(pb::CacheSnapshotResponse {
+        epoch: 41,
+        hashes: hashes[..30].to_vec(),
+        ..Default::default()
+    });
+    let ask = Ask {
+        model: "",
+        tokens: prompt.len(),
+        hashes: &hashes,
+        session_id: "s",
+        exclude: &[],
+        holder: None,
+        class: Class::Standard,
+    };
+    let policy = Policy::new(PolicyKind::Affinity);
+    let mut running = Vec::new();
+    for load in 0..DECODE_LOAD_FLOOR {
+        assert_eq!(holder.load(), load);
+        let choice = policy.choose(&replicas, &ask).expect("a choice");
+        assert_eq!(
+            choice.decode.replica().addr,
+            holder.addr,
+            "{}",
+            choice.reason
+        );
+        running.push(holder.claim(0, Class::Standard));
+    }
+    let choice = policy.choose(&replicas, &ask).expect("a choice");
+    assert_ne!(
+        choice.decode.replica().addr,
+        holder.addr,
+        "{}",
+        choice.reason
+    );
+}
