@@ -237,3 +237,67 @@ async fn requests_queued_behind_a_full_pool_end_at_their_deadline() {
         .expect("served after the holder");
     cluster.stop().await.expect("stop");
 }
+
+/// A decode node whose pool a running stream has reserved refuses the next request for room
+/// (RESOURCE_EXHAUSTED), and the router tries another decode node at once: not the same full
+/// node again at each change (it holds the session's history, and its load is under the cap)
+/// until the stream ends. The simulated tiny model takes 10 ms a step, so the stream runs for
+/// seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_a_full_decode_node_refuses_goes_to_another_at_once() {
+    const POOL: usize = 512;
+    let profile = tandem_engine::TimingProfile {
+        model: "tiny".into(),
+        cpu: "test".into(),
+        threads: 1,
+        passes: vec![(1, 0.010), (64, 0.020)],
+        attend_s: 0.0,
+    };
+    let model = tandem_engine::ModelSource::TINY
+        .load_simulated(profile)
+        .expect("simulated tiny model");
+    let config = ClusterConfig {
+        decode: 2,
+        ..ClusterConfig::new(model)
+    };
+    let cluster = with_pool(config, POOL).await;
+    let in_session = |tokens: Vec<u32>, max_tokens: u32| pb::GenerateRequest {
+        session_id: "s".into(),
+        ..greedy(tokens, max_tokens)
+    };
+    let history = ids(100);
+    let first = collect(&mut cluster.client(), in_session(history.clone(), 4))
+        .await
+        .expect("first turn");
+    let holder = first.last.route.expect("route").decode;
+
+    // A stream on the history that reserves all but one block of the holder's pool.
+    let mut client = cluster.client();
+    let long = [history.clone(), (0..16).map(|i| 40 + i).collect()].concat();
+    let stream = tokio::spawn(async move { collect(&mut client, in_session(long, 380)).await });
+    let started = Instant::now();
+    loop {
+        let load = cluster.decode_load(0).await.expect("load");
+        let other = cluster.decode_load(1).await.expect("load");
+        if load.active + other.active > 0 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the stream never started"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // The next turn prefers the holder, which has no room for it.
+    let next = [history, (0..200).map(|i| 60 + i % 100).collect()].concat();
+    let turn = collect(&mut cluster.client(), in_session(next, 4))
+        .await
+        .expect("next turn");
+    let route = turn.last.route.expect("route");
+    assert!(!stream.is_finished(), "the stream still runs");
+    assert_ne!(route.decode, holder, "{route:?}");
+    let long = stream.await.expect("join").expect("the stream");
+    assert_eq!(long.last.route.expect("route").decode, holder);
+    cluster.stop().await.expect("stop");
+}

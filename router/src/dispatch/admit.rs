@@ -287,8 +287,10 @@ impl Dispatcher {
     /// ([`crate::cluster::replica::Replica::has_room`]), and the chosen prefill replica too when
     /// the prompt goes to one, then chooses replicas and has the decode node admit the request.
     /// A node that refuses for capacity after all (other routers' requests, its KV blocks)
-    /// sends the request back to the queue until something changes, never to the client (an
-    /// empty decode node admits any request: it cuts a max_tokens its pool could never hold).
+    /// sends the request back to the queue, never to the client (an empty decode node admits
+    /// any request: it cuts a max_tokens its pool could never hold): it tries the decode nodes
+    /// that have not refused it at once, and once every one has, waits for something to
+    /// change.
     /// The request's deadline bounds the wait (past it the request ends naming the queue:
     /// [`crate::dispatch::progress::deadline_error`]), and a request whose deadline the queue's
     /// predicted wait would outlast is refused at once ([`Dispatcher::enqueue`]). The queue
@@ -310,7 +312,12 @@ impl Dispatcher {
         };
         let target = p.ttft_target.map(|target| Target { target, accepted });
         let mut queued: Option<Queued> = None;
+        // Decode nodes that refused this request for room since it last waited for a change:
+        // passed over while another may have room, so that the choice does not go back to the
+        // same full node (the one holding most of the prompt, say) while others are free.
+        let mut refused: Vec<String> = Vec::new();
         loop {
+            let exclude = [progress.exclude.as_slice(), refused.as_slice()].concat();
             let change = self.replicas.changed();
             tokio::pin!(change);
             change.as_mut().enable();
@@ -322,11 +329,17 @@ impl Dispatcher {
                 tokens: tokens.len(),
                 hashes,
                 session_id: &p.session_id,
-                exclude: &progress.exclude,
+                exclude: &exclude,
                 holder: progress.holder.as_ref().map(|(a, t)| (a.as_str(), *t)),
                 class: p.class,
             };
             let decodes = crate::cluster::policy::candidates(&self.replicas, Role::Decode, &ask);
+            if decodes.is_empty() && !refused.is_empty() {
+                // Every decode node it may use refused it: wait for one to change.
+                refused.clear();
+                self.replicas.changed_or_polled().await;
+                continue;
+            }
             // A first attempt waits its turn in the admission order; a failover does not.
             let ticket = queued.as_ref().and_then(|q| q.ticket.as_ref());
             let turn = progress.attempts > 1 || self.order.is_first(&asker, ticket);
@@ -396,10 +409,10 @@ impl Dispatcher {
                 Ok(frames) => frames.into_inner(),
                 Err(s) if s.code() == tonic::Code::ResourceExhausted => {
                     tracing::debug!(decode = %decode.addr, status = %s.message(), "decode node full; back to the queue");
+                    refused.push(decode.addr.clone());
                     drop(choice);
                     let waiting_for = "room on a decode node (its places or KV blocks)";
                     self.enqueue(&mut queued, progress, deadline, target, &asker, waiting_for)?;
-                    self.replicas.changed_or_polled().await;
                     continue;
                 }
                 Err(s) => return Err(on_decode(&s)),
