@@ -21,6 +21,14 @@
 #                 and 10). The router's served tokens per tenant (`tandem_router_tenant_tokens`)
 #                 are read KEYS_SETTLE (30) seconds in and as the light key's load ends, while
 #                 both have work queued: the shares are of the tokens served between.
+#   tail          the interactive tail under a batch flood (issue 60), TAIL_RUNS times (default 5),
+#                 each on a fresh cluster, over the OpenAI API: 20 short chat turns streamed one
+#                 every 1.5 s (40-word prompts, 24 tokens) alone; then beside 12 clients sending
+#                 1,100-word prompts back to back (96 tokens, started BATCH_LEAD seconds before)
+#                 with no class named (fifo); then with the flood `x-priority: batch` and the
+#                 turns `interactive` (classes). Prints each run's interactive TTFT p50/p99 and
+#                 ITL p99 and the ITL p99 over the load alone's, the medians and the worst run,
+#                 and the batch output tokens/s beside the classes' turns (the cost);
 # Prints a line per run (the interactive TTFT and ITL p50/p99, the batch requests completed),
 # the ratios the issue asks for, and the keys' shares. Results: target/bench-sharing/*.json.
 #
@@ -28,7 +36,8 @@
 # Env: TANDEM (the binary, default target/release/tandem), INTERACTIVE_RATE (default 1),
 #   INTERACTIVE_REQUESTS (40), BATCH_CLIENTS (8), BATCH_REQUESTS (24), BATCH_LEAD (8),
 #   LLAMA_SERVER (default the one ../shared/tools/build-llamacpp.sh builds), SLO_TTFT_MS (400),
-#   RUNS (default "alone classes fifo llama-server slo keys").
+#   RUNS (default "alone classes fifo llama-server slo keys"; `tail` only when named), TAIL_RUNS
+#   (5), TAIL_BATCH_REQUESTS (72: about as long as the turns on a 2-vCPU machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib/cluster.sh
@@ -151,6 +160,52 @@ print(f'interactive TTFT p99: classes {p99("classes", "ttft_ms"):.0f} ms, '
       f'ITL p99: classes {p99("classes", "itl_ms"):.1f} ms, '
       f'{p99("classes", "itl_ms") / p99("alone", "itl_ms"):.2f}x the load alone ({p99("alone", "itl_ms"):.1f} ms); '
       f'FIFO {p99("fifo", "itl_ms") / p99("alone", "itl_ms"):.2f}x')
+PY
+fi
+
+if wants tail; then
+  tail_i=(--rate 0.667 --burstiness 100 --requests 20 --prompt-words 40 --max-tokens 24
+    --warmup 0 --seed 7)
+  tail_b=(--concurrency 12 --requests "${TAIL_BATCH_REQUESTS:-72}" --prompt-words 1100
+    --max-tokens 96 --warmup 0 --seed 8)
+  for r in $(seq "${TAIL_RUNS:-5}"); do
+    up "$out/up-tail-$r.log" --prefill 1 --decode 1
+    "$bench" serve --openai "$up_http" "${tail_i[@]}" --label "tail-$r-alone" \
+      --out "$out/tail-$r.alone.json" >/dev/null
+    for mode in fifo classes; do
+      xb=() xi=()
+      [ "$mode" = fifo ] || xb=(--priority batch) xi=(--priority interactive)
+      "$bench" serve --openai "$up_http" "${tail_b[@]}" "${xb[@]}" --label "tail-$r-$mode-batch" \
+        --out "$out/tail-$r.$mode.batch.json" >/dev/null &
+      bpid=$!
+      sleep "$lead"
+      "$bench" serve --openai "$up_http" "${tail_i[@]}" "${xi[@]}" --label "tail-$r-$mode" \
+        --out "$out/tail-$r.$mode.json" >/dev/null
+      wait "$bpid"
+    done
+    down
+  done
+  python3 - "$out" "${TAIL_RUNS:-5}" <<'PY'
+import json, statistics, sys
+out, runs = sys.argv[1], int(sys.argv[2])
+level = lambda f: json.load(open(f"{out}/{f}.json"))["levels"][0]
+ratios, rows = [], []
+for r in range(1, runs + 1):
+    a, f, c = (level(f"tail-{r}.{m}") for m in ("alone", "fifo", "classes"))
+    b = level(f"tail-{r}.classes.batch")
+    ratio = c["itl_ms"]["p99"] / a["itl_ms"]["p99"]
+    ratios.append(ratio)
+    rows.append((c["ttft_ms"]["p99"], ratio, b["output_tok_s"]))
+    print(f'tail run {r}: alone TTFT p99 {a["ttft_ms"]["p99"]:.0f} ms, ITL p99 {a["itl_ms"]["p99"]:.1f} ms; '
+          f'fifo TTFT p99 {f["ttft_ms"]["p99"]:.0f} ms, ITL p99 {f["itl_ms"]["p99"]:.1f} ms; '
+          f'classes TTFT p50/p99 {c["ttft_ms"]["p50"]:.0f}/{c["ttft_ms"]["p99"]:.0f} ms, '
+          f'ITL p99 {c["itl_ms"]["p99"]:.1f} ms = {ratio:.2f}x alone '
+          f'({c["completed"]}/{c["requests"]} turns); batch beside them {b["output_tok_s"]:.0f} '
+          f'output tok/s, {b["completed"]}/{b["requests"]} completed')
+print(f'tail: classes ITL p99 over alone: median {statistics.median(ratios):.2f}x, worst '
+      f'{max(ratios):.2f}x; TTFT p99 median {statistics.median(r[0] for r in rows):.0f} ms, worst '
+      f'{max(r[0] for r in rows):.0f} ms; batch output tok/s median '
+      f'{statistics.median(r[2] for r in rows):.0f}')
 PY
 fi
 

@@ -391,6 +391,19 @@ impl Dispatcher {
         restored: u32,
     ) {
         let t = frame.timings.unwrap_or_default();
+        tracing::debug!(
+            class = ?p.class,
+            attempts = progress.attempts,
+            local,
+            queue_ms = t.queue_ms,
+            prefill_wait_ms = t.prefill_wait_ms,
+            prefill_ms = t.prefill_ms,
+            transfer_ms = t.transfer_ms,
+            fetch_ms = t.fetch_ms,
+            first_token_ms = t.first_token_ms,
+            total_ms = t.total_ms,
+            "request phases"
+        );
         if progress.attempts == 1 {
             let waited = t.queue_ms + t.prefill_wait_ms + t.prefill_ms;
             (self.policy).record_handoff(local, p.class, t.first_token_ms - waited);
