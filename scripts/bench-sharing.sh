@@ -22,13 +22,14 @@
 #                 are read KEYS_SETTLE (30) seconds in and as the light key's load ends, while
 #                 both have work queued: the shares are of the tokens served between.
 #   tail          the interactive tail under a batch flood (issue 60), TAIL_RUNS times (default 5),
-#                 each on a fresh cluster, over the OpenAI API: 20 short chat turns streamed one
-#                 every 1.5 s (40-word prompts, 24 tokens) alone; then beside 12 clients sending
-#                 1,100-word prompts back to back (96 tokens, started BATCH_LEAD seconds before)
-#                 with no class named (fifo); then with the flood `x-priority: batch` and the
-#                 turns `interactive` (classes). Prints each run's interactive TTFT p50/p99 and
-#                 ITL p99 and the ITL p99 over the load alone's, the medians and the worst run,
-#                 and the batch output tokens/s beside the classes' turns (the cost);
+#                 each mode on a fresh cluster, over the OpenAI API: 20 short chat turns streamed
+#                 one every 1.5 s (40-word prompts, 24 tokens) alone; then beside 12 clients
+#                 sending 1,100-word prompts back to back (96 tokens, started BATCH_LEAD seconds
+#                 before) with no class named (fifo); then with the flood `x-priority: batch` and
+#                 the turns `interactive` (classes); `classes-nice0` (in TAIL_MODES) is classes
+#                 with `tandem up --prefill-nice 0`. Prints each run's interactive TTFT p50/p99
+#                 and ITL p99 over the load alone's, the batch output tokens/s beside them (the
+#                 cost), and per mode the median and worst ratio;
 # Prints a line per run (the interactive TTFT and ITL p50/p99, the batch requests completed),
 # the ratios the issue asks for, and the keys' shares. Results: target/bench-sharing/*.json.
 #
@@ -37,7 +38,8 @@
 #   INTERACTIVE_REQUESTS (40), BATCH_CLIENTS (8), BATCH_REQUESTS (24), BATCH_LEAD (8),
 #   LLAMA_SERVER (default the one ../shared/tools/build-llamacpp.sh builds), SLO_TTFT_MS (400),
 #   RUNS (default "alone classes fifo llama-server slo keys"; `tail` only when named), TAIL_RUNS
-#   (5), TAIL_BATCH_REQUESTS (72: about as long as the turns on a 2-vCPU machine).
+#   (5), TAIL_MODES ("alone fifo classes"), TAIL_BATCH_REQUESTS (36: about as long as the
+#   turns on a 2-vCPU machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib/cluster.sh
@@ -166,46 +168,55 @@ fi
 if wants tail; then
   tail_i=(--rate 0.667 --burstiness 100 --requests 20 --prompt-words 40 --max-tokens 24
     --warmup 0 --seed 7)
-  tail_b=(--concurrency 12 --requests "${TAIL_BATCH_REQUESTS:-72}" --prompt-words 1100
+  tail_b=(--concurrency 12 --requests "${TAIL_BATCH_REQUESTS:-36}" --prompt-words 1100
     --max-tokens 96 --warmup 0 --seed 8)
+  modes=${TAIL_MODES:-alone fifo classes}
   for r in $(seq "${TAIL_RUNS:-5}"); do
-    up "$out/up-tail-$r.log" --prefill 1 --decode 1
-    "$bench" serve --openai "$up_http" "${tail_i[@]}" --label "tail-$r-alone" \
-      --out "$out/tail-$r.alone.json" >/dev/null
-    for mode in fifo classes; do
-      xb=() xi=()
-      [ "$mode" = fifo ] || xb=(--priority batch) xi=(--priority interactive)
-      "$bench" serve --openai "$up_http" "${tail_b[@]}" "${xb[@]}" --label "tail-$r-$mode-batch" \
-        --out "$out/tail-$r.$mode.batch.json" >/dev/null &
-      bpid=$!
-      sleep "$lead"
+    # A fresh cluster for each: the flood's prompts cached from an earlier mode would be
+    # prefilled on the decode node instead.
+    for mode in $modes; do
+      xb=() xi=() flags=()
+      case $mode in
+        classes) xb=(--priority batch) xi=(--priority interactive) ;;
+        classes-nice0) xb=(--priority batch) xi=(--priority interactive) flags=(--prefill-nice 0) ;;
+      esac
+      up "$out/up-tail-$r-$mode.log" --prefill 1 --decode 1 "${flags[@]}"
+      bpid=
+      if [ "$mode" != alone ]; then
+        "$bench" serve --openai "$up_http" "${tail_b[@]}" "${xb[@]}" --label "tail-$r-$mode-batch" \
+          --out "$out/tail-$r.$mode.batch.json" >/dev/null &
+        bpid=$!
+        sleep "$lead"
+      fi
       "$bench" serve --openai "$up_http" "${tail_i[@]}" "${xi[@]}" --label "tail-$r-$mode" \
         --out "$out/tail-$r.$mode.json" >/dev/null
-      wait "$bpid"
+      [ -z "$bpid" ] || wait "$bpid"
+      down
     done
-    down
   done
-  python3 - "$out" "${TAIL_RUNS:-5}" <<'PY'
+  python3 - "$out" "${TAIL_RUNS:-5}" $modes <<'PY'
 import json, statistics, sys
-out, runs = sys.argv[1], int(sys.argv[2])
+out, runs, modes = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 level = lambda f: json.load(open(f"{out}/{f}.json"))["levels"][0]
-ratios, rows = [], []
+ratios = {m: [] for m in modes}
 for r in range(1, runs + 1):
-    a, f, c = (level(f"tail-{r}.{m}") for m in ("alone", "fifo", "classes"))
-    b = level(f"tail-{r}.classes.batch")
-    ratio = c["itl_ms"]["p99"] / a["itl_ms"]["p99"]
-    ratios.append(ratio)
-    rows.append((c["ttft_ms"]["p99"], ratio, b["output_tok_s"]))
-    print(f'tail run {r}: alone TTFT p99 {a["ttft_ms"]["p99"]:.0f} ms, ITL p99 {a["itl_ms"]["p99"]:.1f} ms; '
-          f'fifo TTFT p99 {f["ttft_ms"]["p99"]:.0f} ms, ITL p99 {f["itl_ms"]["p99"]:.1f} ms; '
-          f'classes TTFT p50/p99 {c["ttft_ms"]["p50"]:.0f}/{c["ttft_ms"]["p99"]:.0f} ms, '
-          f'ITL p99 {c["itl_ms"]["p99"]:.1f} ms = {ratio:.2f}x alone '
-          f'({c["completed"]}/{c["requests"]} turns); batch beside them {b["output_tok_s"]:.0f} '
-          f'output tok/s, {b["completed"]}/{b["requests"]} completed')
-print(f'tail: classes ITL p99 over alone: median {statistics.median(ratios):.2f}x, worst '
-      f'{max(ratios):.2f}x; TTFT p99 median {statistics.median(r[0] for r in rows):.0f} ms, worst '
-      f'{max(r[0] for r in rows):.0f} ms; batch output tok/s median '
-      f'{statistics.median(r[2] for r in rows):.0f}')
+    alone = level(f"tail-{r}.alone")["itl_ms"]["p99"] if "alone" in modes else None
+    for m in modes:
+        i = level(f"tail-{r}.{m}")
+        text = (f'tail run {r} {m}: TTFT p50/p99 {i["ttft_ms"]["p50"]:.0f}/{i["ttft_ms"]["p99"]:.0f} ms, '
+                f'ITL p99 {i["itl_ms"]["p99"]:.1f} ms')
+        if alone and m != "alone":
+            ratios[m].append((i["itl_ms"]["p99"] / alone, i["ttft_ms"]["p99"]))
+            text += f' = {i["itl_ms"]["p99"] / alone:.2f}x alone'
+        if m != "alone":
+            b = level(f"tail-{r}.{m}.batch")
+            text += f'; batch {b["output_tok_s"]:.0f} output tok/s, {b["completed"]}/{b["requests"]}'
+        print(text)
+for m, rs in ratios.items():
+    if rs:
+        print(f'tail {m}: ITL p99 over alone median {statistics.median(x[0] for x in rs):.2f}x, '
+              f'worst {max(x[0] for x in rs):.2f}x; TTFT p99 median '
+              f'{statistics.median(x[1] for x in rs):.0f} ms, worst {max(x[1] for x in rs):.0f} ms')
 PY
 fi
 

@@ -89,6 +89,11 @@ pub(crate) struct WorkerArgs {
     /// another dtype.
     #[arg(long, env = "TANDEM_KV_DTYPE", value_enum, default_value_t = KvDtype::F16)]
     pub kv_dtype: KvDtype,
+    /// The compute threads' OS priority as a nice value (0-19): above 0 they yield the CPU to
+    /// the processes beside them. `tandem up` gives prefill nodes 10 (`--prefill-nice`), so
+    /// that a decode node's steps go before prompt compute on the cores they share.
+    #[arg(long, env = "TANDEM_COMPUTE_NICE", default_value_t = 0, value_parser = clap::value_parser!(i32).range(0..=19))]
+    pub compute_nice: i32,
     /// A directory for the cache's disk tier: blocks evicted from the KV pool are written there
     /// and read back when a later prompt needs them, instead of being computed again. Nodes
     /// that share it (replicas on one volume) each take a slot of their own (`slot-0`, ...); a
@@ -160,7 +165,7 @@ impl WorkerArgs {
         let source = self.model.source();
         match self.simulate.as_deref() {
             None => Ok(source.load()?),
-            Some(profile) => Ok(source.load_simulated(simulation_profile(&source, profile)?)?),
+            Some(profile) => Ok(source.load_simulated(crate::sim::profile(&source, profile)?)?),
         }
     }
 
@@ -190,6 +195,7 @@ impl WorkerArgs {
                 self.kv_budget_mb,
             ),
             kv_dtype: self.kv_dtype.dtype(),
+            compute_nice: self.compute_nice,
             prefix_cache_bytes: match self.prefix_cache {
                 Switch::On => cache_bytes,
                 Switch::Off => 0,
@@ -421,26 +427,6 @@ impl ApiTlsArgs {
 
 /// What `--simulate` names by default: the profile shipped for a catalog model.
 pub(crate) const SHIPPED_PROFILE: &str = "shipped";
-
-/// The timing profile `--simulate` names: `shipped`, the one shipped for the model, else a
-/// file.
-pub(crate) fn simulation_profile(
-    source: &tandem_engine::ModelSource,
-    profile: &str,
-) -> anyhow::Result<tandem_engine::TimingProfile> {
-    match profile {
-        SHIPPED_PROFILE => source.shipped_profile().ok_or_else(|| {
-            anyhow::anyhow!(
-                "no timing profile is shipped for {}: measure one with `tandem-bench profile` \
-                 and give its file to --simulate",
-                source.name()
-            )
-        }),
-        path => Ok(tandem_engine::TimingProfile::read(std::path::Path::new(
-            path,
-        ))?),
-    }
-}
 
 /// Resolves on Ctrl-C or SIGTERM.
 pub(crate) async fn shutdown_signal() {

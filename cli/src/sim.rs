@@ -150,3 +150,23 @@ pub(crate) fn sim(args: &SimArgs) -> anyhow::Result<()> {
             .unwrap_or_else(|_| bail!("the nodes did not stop within 60 s"))
     })
 }
+
+/// The timing profile `--simulate` names: `shipped`, the one shipped for the model, else a
+/// file.
+pub(crate) fn profile(
+    source: &tandem_engine::ModelSource,
+    profile: &str,
+) -> anyhow::Result<tandem_engine::TimingProfile> {
+    match profile {
+        SHIPPED_PROFILE => source.shipped_profile().ok_or_else(|| {
+            anyhow::anyhow!(
+                "no timing profile is shipped for {}: measure one with `tandem-bench profile` \
+                 and give its file to --simulate",
+                source.name()
+            )
+        }),
+        path => Ok(tandem_engine::TimingProfile::read(std::path::Path::new(
+            path,
+        ))?),
+    }
+}

@@ -65,6 +65,11 @@ pub(crate) struct UpArgs {
     /// each, so that prefill and decode do not fight over the same cores).
     #[arg(long, env = "TANDEM_THREADS", default_value_t = 0)]
     threads: usize,
+    /// The prefill nodes' compute priority as a nice value (0-19; `tandem prefill
+    /// --compute-nice`): the nodes share this machine's cores, and a decode step (every
+    /// stream's next token) should not wait behind a prompt's compute. 0 gives both the same.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(i32).range(0..=19))]
+    prefill_nice: i32,
     /// How long to wait for the cluster to become healthy, in ms.
     #[arg(long, default_value_t = 60_000)]
     ready_timeout_ms: u64,
@@ -369,6 +374,7 @@ pub(crate) fn up(args: &UpArgs) -> anyhow::Result<()> {
                     }
                     if role == "prefill" {
                         a.extend(["--prefix-cache-mb".into(), args.prefix_cache_mb.to_string()]);
+                        a.extend(["--compute-nice".into(), args.prefill_nice.to_string()]);
                     } else {
                         a.extend(["--speculate".into(), args.speculate.name().into()]);
                     }

@@ -21,6 +21,8 @@ pub const FETCHED_TOKENS: &str = "tandem_decode_fetched_tokens";
 pub const HANDED_OFF_STREAMS: &str = "tandem_decode_handed_off_streams";
 pub const HANDED_OFF_TOKENS: &str = "tandem_decode_handed_off_tokens";
 pub const PREEMPTIONS: &str = "tandem_decode_preemptions";
+pub const HELD_BACK_STEPS: &str = "tandem_decode_held_back_steps";
+pub const HELD_BACK_ROWS: &str = "tandem_decode_held_back_rows";
 pub const PARKED_STREAMS: &str = "tandem_decode_parked_streams";
 pub const PARKED_BYTES: &str = "tandem_decode_parked_bytes";
 pub const PARKED_DISK_BYTES: &str = "tandem_decode_parked_disk_bytes";
@@ -38,6 +40,10 @@ pub struct DecodeMetrics {
     pub kv_blocks_free: Gauge,
     /// Batched decode steps; `rate()` of it is steps per second.
     pub steps: Counter,
+    /// Steps taken beside an interactive stream while batch-class streams waited without a
+    /// slot, and those streams summed over the steps.
+    pub held_back_steps: Counter,
+    pub held_back_rows: Counter,
     pub step_seconds: Histogram,
     pub tokens: Counter,
     /// Blocks the session cache keeps (some may be in use by running sequences too).
@@ -77,6 +83,8 @@ impl DecodeMetrics {
             kv_blocks_in_use: Gauge::default(),
             kv_blocks_free: Gauge::default(),
             steps: Counter::default(),
+            held_back_steps: Counter::default(),
+            held_back_rows: Counter::default(),
             step_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
             tokens: Counter::default(),
             kv_blocks_cached: Gauge::default(),
@@ -166,6 +174,17 @@ impl DecodeMetrics {
             HANDED_OFF_TOKENS,
             "Tokens of KV kept at drain for the peers that continue the streams",
             m.handed_off_tokens.clone(),
+        );
+        registry.register(
+            HELD_BACK_STEPS,
+            "Steps taken beside an interactive stream while batch-class streams waited for a slot",
+            m.held_back_steps.clone(),
+        );
+        registry.register(
+            HELD_BACK_ROWS,
+            "Batch-class streams left out of the steps beside an interactive stream, summed over \
+             the steps (over held_back_steps: streams held per step)",
+            m.held_back_rows.clone(),
         );
         registry.register(
             PREEMPTIONS,

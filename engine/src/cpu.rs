@@ -1,6 +1,7 @@
 //! The CPU's instruction sets beyond what the build targets, detected once: every kernel that
 //! picks a path at run time asks here. The build's own level is the `x86_v3` cfg (AVX2, FMA and
 //! F16C, see `build.rs`); without it no wider path is compiled, and every answer is `false`.
+//! And the compute threads' share of the CPU beside other processes ([`lower_thread_priority`]).
 
 use std::sync::OnceLock;
 
@@ -43,4 +44,19 @@ pub(crate) fn has_avx512f() -> bool {
 /// Whether the CPU has AVX-512 F, BW and VNNI (and the build x86-64-v3 beneath them).
 pub(crate) fn has_avx512_vnni() -> bool {
     features().avx512_vnni
+}
+
+/// Lowers the calling thread's OS priority to `nice` (Linux gives each thread its own; raising
+/// the value needs no privilege, and threads it starts inherit it). A failure is logged: the
+/// thread then keeps its priority.
+pub(crate) fn lower_thread_priority(nice: i32) {
+    // SAFETY: setpriority only reads its integer arguments; `who` 0 is the calling thread.
+    let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS as _, 0, nice) };
+    if rc != 0 {
+        tracing::warn!(
+            nice,
+            error = %std::io::Error::last_os_error(),
+            "cannot lower a compute thread's priority"
+        );
+    }
 }

@@ -114,6 +114,10 @@ pub struct EngineConfig {
     /// KV exports carry no bytes and imports take none ([`KvLayout::header_only`]): for a
     /// simulated model only.
     pub kv_header_only: bool,
+    /// The compute threads' OS priority as a nice value (0 to 19; 0 leaves it): above 0 they
+    /// yield the CPU to the threads of other processes on the machine (a decode node's steps
+    /// beside a prefill node's prompts).
+    pub compute_nice: i32,
     /// The prefix cache's disk tier: evicted blocks go there and come back on a later hit.
     /// `None` (the default) has none.
     pub spill: Option<SpillConfig>,
@@ -129,6 +133,7 @@ impl Default for EngineConfig {
             speculate: SpeculateConfig::default(),
             kv_dtype: KvDtype::default(),
             kv_header_only: false,
+            compute_nice: 0,
             spill: None,
         }
     }
@@ -213,9 +218,21 @@ impl Engine {
                 reason: "must be at least 1".into(),
             });
         }
+        if !(0..=19).contains(&config.compute_nice) {
+            return Err(Error::InvalidArgument {
+                field: "compute_nice",
+                reason: format!("{} is not a nice value from 0 to 19", config.compute_nice),
+            });
+        }
+        let nice = config.compute_nice;
         let threads = rayon::ThreadPoolBuilder::new()
             .num_threads(config.threads)
             .thread_name(|i| format!("tandem-engine-{i}"))
+            .start_handler(move |_| {
+                if nice > 0 {
+                    crate::cpu::lower_thread_priority(nice);
+                }
+            })
             .build()
             .map_err(|e| Error::InvalidArgument {
                 field: "threads",

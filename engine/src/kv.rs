@@ -290,9 +290,9 @@ impl KvPool {
         let row = self.layout.row_bytes();
         let mut out = Vec::with_capacity(range.len() * self.layout.n_kv_heads * row);
         for head in 0..self.layout.n_kv_heads {
-            for pos in range.clone() {
-                let start = self.offset(blocks, pos, layer, kind, head);
-                out.extend_from_slice(&self.data[start..start + row]);
+            for run in grid_cells(range.clone(), BLOCK_TOKENS) {
+                let start = self.offset(blocks, run.start, layer, kind, head);
+                out.extend_from_slice(&self.data[start..start + run.len() * row]);
             }
         }
         out
@@ -317,14 +317,32 @@ impl KvPool {
                 ),
             });
         }
-        let positions =
-            (0..self.layout.n_kv_heads).flat_map(|head| range.clone().map(move |pos| (head, pos)));
-        for ((head, pos), src) in positions.zip(bytes.chunks_exact(row)) {
-            let start = self.offset(blocks, pos, layer, kind, head);
-            self.data[start..start + row].copy_from_slice(src);
+        let mut src = bytes;
+        for head in 0..self.layout.n_kv_heads {
+            for run in grid_cells(range.clone(), BLOCK_TOKENS) {
+                let (from, rest) = src.split_at(run.len() * row);
+                let start = self.offset(blocks, run.start, layer, kind, head);
+                self.data[start..start + from.len()].copy_from_slice(from);
+                src = rest;
+            }
         }
         Ok(())
     }
+}
+
+/// `tokens` cut at multiples of `grid`: with [`BLOCK_TOKENS`], the runs of positions whose rows
+/// lie back to back in a block's slab (a KV export or import copies a run at once); with a
+/// push's chunk size, the pieces a push sends.
+pub fn grid_cells(tokens: Range<usize>, grid: usize) -> impl Iterator<Item = Range<usize>> {
+    let mut start = tokens.start;
+    std::iter::from_fn(move || {
+        (start < tokens.end).then(|| {
+            let end = ((start / grid + 1) * grid).min(tokens.end);
+            let cell = start..end;
+            start = end;
+            cell
+        })
+    })
 }
 
 #[cfg(test)]
@@ -397,6 +415,20 @@ mod tests {
             }
         }
         let bytes = pool.export(&blocks, 3..19, 1, KvKind::Value);
+        // Laid out [head][token]: head 0's positions 3..19 (across the block boundary), then
+        // head 1's.
+        let row = |i: usize| {
+            let mut out = [0f32; 4];
+            let r = layout.row_bytes();
+            dtype.decode_rows(4, &bytes[i * r..(i + 1) * r], &mut out);
+            out
+        };
+        let near = |got: [f32; 4], first: f32| {
+            (got.iter().enumerate()).all(|(d, &x)| (x - (first + d as f32)).abs() <= first / 100.0)
+        };
+        assert!(near(row(0), 24.0), "{:?}", row(0));
+        assert!(near(row(13), (16 * 8) as f32), "{:?}", row(13));
+        assert!(near(row(16 + 15), (18 * 8 + 4) as f32), "{:?}", row(31));
         let other = pool.alloc(2).expect("blocks");
         pool.import(&other, 3..19, 1, KvKind::Value, &bytes)
             .expect("import");

@@ -42,7 +42,7 @@ pub use engine::{Compute, Engine, EngineConfig, KvExport, Model, Reused, SeqId};
 pub use error::{Error, Result};
 pub use generate::{GenerateOutput, GenerateRequest};
 pub use grammar::Grammar;
-pub use kv::{BLOCK_TOKENS, KvDtype, KvKind, KvLayout};
+pub use kv::{BLOCK_TOKENS, KvDtype, KvKind, KvLayout, grid_cells};
 pub use loader::ModelFingerprint;
 pub use memory::bound_freed_memory;
 pub use model::{Arch, Logits, ModelConfig};

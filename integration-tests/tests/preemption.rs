@@ -3,7 +3,7 @@
 //! the interactive stream takes the slot, and the batch stream resumes where it stood once the
 //! slot is free again. Its client sees a gap and the same tokens as an uninterrupted run of the
 //! same seed; the node counts the pause, the bytes parked on disk, the resume, and no token
-//! computed again.
+//! computed again; and the steps it waited through beside the interactive stream.
 
 use tandem_engine::{EngineConfig, SpillConfig};
 use tandem_integration_tests::{
@@ -91,6 +91,16 @@ async fn a_paused_stream_parks_its_kv_on_disk_and_resumes_exactly() {
     assert!(
         counter("tandem_decode_parked_disk_bytes_total") > 0.0,
         "nothing was parked on disk:\n{decode}"
+    );
+    // Every step of the interactive stream left the paused batch stream out.
+    assert!(
+        counter("tandem_decode_held_back_steps_total") >= 23.0,
+        "the steps beside the interactive stream are not counted:\n{decode}"
+    );
+    assert_eq!(
+        counter("tandem_decode_held_back_rows_total"),
+        counter("tandem_decode_held_back_steps_total"),
+        "one batch stream held per step"
     );
     let after = metrics(cluster.decode[0].addr).await.expect("metrics");
     let counter = |name: &str| sample(&after, name).unwrap_or(0.0);

@@ -30,6 +30,8 @@ pub use node::{
     Serving, kv_budget_bytes,
 };
 pub use service::{LoadSource, WorkerService};
+/// `tokens` cut at multiples of `grid`: the pieces in which a push sends them.
+pub use tandem_engine::grid_cells;
 
 /// The wire's description of an engine's KV (`Engine::kv_layout`).
 pub fn wire_layout(l: KvLayout) -> WireLayout {
@@ -202,19 +204,6 @@ pub fn kv_chunks(kv: KvExport) -> impl Iterator<Item = Chunk> {
 /// How many chunks [`kv_chunks`] makes for `tokens` cut at multiples of `grid` tokens.
 pub fn chunk_count(layout: &WireLayout, tokens: Range<usize>, grid: usize) -> u32 {
     (grid_cells(tokens, grid).count() * layout.layers as usize * 2) as u32
-}
-
-/// `tokens` cut at multiples of `grid`: the pieces in which a push sends them.
-pub fn grid_cells(tokens: Range<usize>, grid: usize) -> impl Iterator<Item = Range<usize>> {
-    let mut start = tokens.start;
-    std::iter::from_fn(move || {
-        (start < tokens.end).then(|| {
-            let end = ((start / grid + 1) * grid).min(tokens.end);
-            let cell = start..end;
-            start = end;
-            cell
-        })
-    })
 }
 
 /// A verified transfer as the receiving engine, whose KV is `layout`, imports it.
