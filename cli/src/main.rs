@@ -11,6 +11,7 @@ mod keys;
 mod sampling;
 mod serve;
 mod sim;
+mod simulate;
 mod tokenize;
 mod up;
 

@@ -129,7 +129,7 @@ pub(crate) struct WorkerArgs {
     /// and drains all run; replies are plain words, to max_tokens). `shipped` (the flag alone)
     /// uses the profile shipped for a catalog model; otherwise a profile file written by
     /// `tandem-bench profile` (docs/operations.md, "Sizing a fleet with the simulator").
-    #[arg(long, env = "TANDEM_SIMULATE", num_args = 0..=1, default_missing_value = SHIPPED_PROFILE)]
+    #[arg(long, env = "TANDEM_SIMULATE", num_args = 0..=1, default_missing_value = crate::simulate::SHIPPED_PROFILE)]
     pub simulate: Option<String>,
 }
 
@@ -165,7 +165,9 @@ impl WorkerArgs {
         let source = self.model.source();
         match self.simulate.as_deref() {
             None => Ok(source.load()?),
-            Some(profile) => Ok(source.load_simulated(crate::sim::profile(&source, profile)?)?),
+            Some(profile) => {
+                Ok(source.load_simulated(crate::simulate::profile(&source, profile)?)?)
+            }
         }
     }
 
@@ -424,9 +426,6 @@ impl ApiTlsArgs {
         }
     }
 }
-
-/// What `--simulate` names by default: the profile shipped for a catalog model.
-pub(crate) const SHIPPED_PROFILE: &str = "shipped";
 
 /// Resolves on Ctrl-C or SIGTERM.
 pub(crate) async fn shutdown_signal() {

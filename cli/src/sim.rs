@@ -14,7 +14,8 @@ use tandem_engine::EngineConfig;
 use tandem_net::tls::Role;
 use tokio_util::sync::CancellationToken;
 
-use crate::serve::{SHIPPED_PROFILE, WorkerArgs, shutdown_signal};
+use crate::serve::{WorkerArgs, shutdown_signal};
+use crate::simulate::SHIPPED_PROFILE;
 
 #[derive(Args, Debug)]
 pub(crate) struct SimArgs {
@@ -149,24 +150,4 @@ pub(crate) fn sim(args: &SimArgs) -> anyhow::Result<()> {
             .await
             .unwrap_or_else(|_| bail!("the nodes did not stop within 60 s"))
     })
-}
-
-/// The timing profile `--simulate` names: `shipped`, the one shipped for the model, else a
-/// file.
-pub(crate) fn profile(
-    source: &tandem_engine::ModelSource,
-    profile: &str,
-) -> anyhow::Result<tandem_engine::TimingProfile> {
-    match profile {
-        SHIPPED_PROFILE => source.shipped_profile().ok_or_else(|| {
-            anyhow::anyhow!(
-                "no timing profile is shipped for {}: measure one with `tandem-bench profile` \
-                 and give its file to --simulate",
-                source.name()
-            )
-        }),
-        path => Ok(tandem_engine::TimingProfile::read(std::path::Path::new(
-            path,
-        ))?),
-    }
 }

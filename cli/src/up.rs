@@ -134,7 +134,7 @@ pub(crate) struct UpArgs {
     api_tls: bool,
     /// Every worker simulates its model (`tandem prefill --simulate`): `shipped` (the flag
     /// alone) for the profile shipped with a catalog model, or a profile file.
-    #[arg(long, env = "TANDEM_SIMULATE", num_args = 0..=1, default_missing_value = crate::serve::SHIPPED_PROFILE)]
+    #[arg(long, env = "TANDEM_SIMULATE", num_args = 0..=1, default_missing_value = crate::simulate::SHIPPED_PROFILE)]
     simulate: Option<String>,
 }
 

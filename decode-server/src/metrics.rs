@@ -175,52 +175,7 @@ impl DecodeMetrics {
             "Tokens of KV kept at drain for the peers that continue the streams",
             m.handed_off_tokens.clone(),
         );
-        registry.register(
-            HELD_BACK_STEPS,
-            "Steps taken beside an interactive stream while batch-class streams waited for a slot",
-            m.held_back_steps.clone(),
-        );
-        registry.register(
-            HELD_BACK_ROWS,
-            "Batch-class streams left out of the steps beside an interactive stream, summed over \
-             the steps (over held_back_steps: streams held per step)",
-            m.held_back_rows.clone(),
-        );
-        registry.register(
-            PREEMPTIONS,
-            "Running streams paused for a waiting stream of a higher priority class",
-            m.preemptions.clone(),
-        );
-        registry.register(
-            PARKED_STREAMS,
-            "Streams paused now, their KV parked (pinned or on disk)",
-            m.parked_streams.clone(),
-        );
-        registry.register(
-            PARKED_BYTES,
-            "KV bytes of the streams paused, pinned or on disk",
-            m.parked_bytes.clone(),
-        );
-        registry.register(
-            PARKED_DISK_BYTES,
-            "KV bytes of paused streams written to the disk tier",
-            m.parked_disk_bytes.clone(),
-        );
-        registry.register(
-            RESUME_SECONDS,
-            "Time to bring a paused stream's KV back into the batch",
-            m.resume_seconds.clone(),
-        );
-        registry.register(
-            PAUSED_SECONDS,
-            "How long a stream was paused: the gap its client saw",
-            m.paused_seconds.clone(),
-        );
-        registry.register(
-            RECOMPUTED_TOKENS,
-            "Tokens of paused streams computed again because the disk tier no longer held them",
-            m.recomputed_tokens.clone(),
-        );
+        m.register_classes(registry);
         registry.register(
             MAX_TOKENS_CUT,
             "Requests whose prompt plus max_tokens the KV pool could never hold, admitted with \
@@ -228,5 +183,55 @@ impl DecodeMetrics {
             m.max_tokens_cut.clone(),
         );
         m
+    }
+    /// What the priority classes do on the node: batch streams held back beside interactive
+    /// ones, and streams paused for a higher class.
+    fn register_classes(&self, registry: &mut Registry) {
+        registry.register(
+            HELD_BACK_STEPS,
+            "Steps taken beside an interactive stream while batch-class streams waited for a slot",
+            self.held_back_steps.clone(),
+        );
+        registry.register(
+            HELD_BACK_ROWS,
+            "Batch-class streams left out of the steps beside an interactive stream, summed over \
+             the steps (over held_back_steps: streams held per step)",
+            self.held_back_rows.clone(),
+        );
+        registry.register(
+            PREEMPTIONS,
+            "Running streams paused for a waiting stream of a higher priority class",
+            self.preemptions.clone(),
+        );
+        registry.register(
+            PARKED_STREAMS,
+            "Streams paused now, their KV parked (pinned or on disk)",
+            self.parked_streams.clone(),
+        );
+        registry.register(
+            PARKED_BYTES,
+            "KV bytes of the streams paused, pinned or on disk",
+            self.parked_bytes.clone(),
+        );
+        registry.register(
+            PARKED_DISK_BYTES,
+            "KV bytes of paused streams written to the disk tier",
+            self.parked_disk_bytes.clone(),
+        );
+        registry.register(
+            RESUME_SECONDS,
+            "Time to bring a paused stream's KV back into the batch",
+            self.resume_seconds.clone(),
+        );
+        registry.register(
+            PAUSED_SECONDS,
+            "How long a stream was paused: the gap its client saw",
+            self.paused_seconds.clone(),
+        );
+        registry.register(
+            RECOMPUTED_TOKENS,
+            "Tokens of paused streams computed again because the disk tier no longer held them",
+            self.recomputed_tokens.clone(),
+        );
     }
 }

@@ -164,9 +164,10 @@ pub fn worker_info(model: &Model, kv: KvLayout, role: &str) -> pb::InfoResponse 
         block_tokens: tandem_engine::BLOCK_TOKENS as u32,
         tokenizer_spec_json: serde_json::to_string(&model.tokenizer.spec()).unwrap_or_default(),
         role: role.to_string(),
-        kv_dtype: match kv.header_only {
-            true => "none".into(),
-            false => kv.dtype.name().into(),
+        kv_dtype: if kv.header_only {
+            "none".into()
+        } else {
+            kv.dtype.name().into()
         },
         kv_bytes_per_token: wire_layout(kv).total_bytes(1),
         model_aliases: model.aliases.clone(),

@@ -30,9 +30,12 @@ impl Engine {
         let layout = self.pool.layout();
         let layers = (0..self.model.config.n_layers)
             .map(|l| {
-                [KvKind::Key, KvKind::Value].map(|kind| match layout.header_only {
-                    true => Vec::new(),
-                    false => self.pool.export(&s.blocks, tokens.clone(), l, kind),
+                [KvKind::Key, KvKind::Value].map(|kind| {
+                    if layout.header_only {
+                        Vec::new()
+                    } else {
+                        self.pool.export(&s.blocks, tokens.clone(), l, kind)
+                    }
                 })
             })
             .collect();
@@ -61,9 +64,10 @@ impl Engine {
                 kv.tokens
             ));
         }
-        let want = match kv.layout.header_only {
-            true => 0,
-            false => kv.tokens.len() * kv.layout.n_kv_heads * kv.layout.row_bytes(),
+        let want = if kv.layout.header_only {
+            0
+        } else {
+            kv.tokens.len() * kv.layout.n_kv_heads * kv.layout.row_bytes()
         };
         if kv.layers.len() != kv.layout.n_layers
             || kv.layers.iter().flatten().any(|b| b.len() != want)
@@ -76,16 +80,13 @@ impl Engine {
         self.reserve(seq, kv.tokens.end)?;
         let blocks = self.seq(seq)?.blocks.clone();
         // A header-only import leaves the rows as they were: nothing reads them.
-        let stored = if kv.layout.header_only {
-            0
-        } else {
-            kv.layers.len()
-        };
-        for (l, [k, v]) in kv.layers.iter().enumerate().take(stored) {
-            self.pool
-                .import(&blocks, kv.tokens.clone(), l, KvKind::Key, k)?;
-            self.pool
-                .import(&blocks, kv.tokens.clone(), l, KvKind::Value, v)?;
+        if !kv.layout.header_only {
+            for (l, [k, v]) in kv.layers.iter().enumerate() {
+                self.pool
+                    .import(&blocks, kv.tokens.clone(), l, KvKind::Key, k)?;
+                self.pool
+                    .import(&blocks, kv.tokens.clone(), l, KvKind::Value, v)?;
+            }
         }
         if let Some(s) = self.seqs.get_mut(&seq) {
             s.len = kv.tokens.end;

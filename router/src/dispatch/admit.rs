@@ -224,6 +224,14 @@ impl Dispatcher {
         checked
     }
 
+    /// The policy's choice for `ask`, its time observed.
+    fn choose(&self, ask: &Ask<'_>) -> crate::error::Result<Choice> {
+        let started = std::time::Instant::now();
+        let choice = self.policy.choose(&self.replicas, ask);
+        self.metrics.route.observe(started.elapsed().as_secs_f64());
+        choice
+    }
+
     /// The decode call of an attempt on `choice` (a `last_resort` one is finished there
     /// whatever its node's drain).
     fn decode_request(
@@ -312,9 +320,7 @@ impl Dispatcher {
         };
         let target = p.ttft_target.map(|target| Target { target, accepted });
         let mut queued: Option<Queued> = None;
-        // Decode nodes that refused this request for room since it last waited for a change:
-        // passed over while another may have room, so that the choice does not go back to the
-        // same full node (the one holding most of the prompt, say) while others are free.
+        // Decode nodes that refused it for room since it last waited for a change.
         let mut refused: Vec<String> = Vec::new();
         loop {
             let exclude = [progress.exclude.as_slice(), refused.as_slice()].concat();
@@ -335,7 +341,6 @@ impl Dispatcher {
             };
             let decodes = crate::cluster::policy::candidates(&self.replicas, Role::Decode, &ask);
             if decodes.is_empty() && !refused.is_empty() {
-                // Every decode node it may use refused it: wait for one to change.
                 refused.clear();
                 self.replicas.changed_or_polled().await;
                 continue;
@@ -359,15 +364,7 @@ impl Dispatcher {
             }
             let last_resort = self.last_resort(&decodes, progress, &p.model, tokens.len(), p.class);
             let is_last_resort = last_resort.is_some();
-            let choice = match last_resort {
-                Some(choice) => choice,
-                None => {
-                    let started = std::time::Instant::now();
-                    let choice = self.policy.choose(&self.replicas, &ask);
-                    self.metrics.route.observe(started.elapsed().as_secs_f64());
-                    choice?
-                }
-            };
+            let choice = last_resort.map_or_else(|| self.choose(&ask), Ok)?;
             if choice.prefill.as_ref().is_some_and(|p| !p.fits()) {
                 // The prefill node's queue is full: wait here rather than be refused there.
                 drop(choice);
@@ -402,10 +399,7 @@ impl Dispatcher {
                 tandem_proto::limits!(pb::decode_client::DecodeClient::new(decode.channel.clone()));
             let request =
                 self.decode_request(p, progress, tokens, &choice, &transfer_id, is_last_resort);
-            let mut d_req = tonic::Request::new(request);
-            d_req.set_timeout(deadline.saturating_duration_since(TokioInstant::now()));
-            tandem_net::otel::inject(d_req.metadata_mut());
-            let mut frames = match d_client.generate(d_req).await {
+            let mut frames = match d_client.generate(super::call(request, deadline)).await {
                 Ok(frames) => frames.into_inner(),
                 Err(s) if s.code() == tonic::Code::ResourceExhausted => {
                     tracing::debug!(decode = %decode.addr, status = %s.message(), "decode node full; back to the queue");

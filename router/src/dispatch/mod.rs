@@ -314,3 +314,11 @@ fn attach(running: &Running, key: &RunningKey) -> Option<GenerateStream> {
     tracing::info!(request_id = %key.1, "attaching to the running generation");
     Some(Box::pin(log.subscribe().stream()))
 }
+
+/// A call to a worker: bounded by the request's `deadline`, with the trace context.
+fn call<T>(message: T, deadline: tokio::time::Instant) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.set_timeout(deadline.saturating_duration_since(tokio::time::Instant::now()));
+    tandem_net::otel::inject(request.metadata_mut());
+    request
+}

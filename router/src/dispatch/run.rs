@@ -476,10 +476,10 @@ async fn prefill_on(
     let mut client = tandem_proto::limits!(pb::prefill_client::PrefillClient::new(
         replica.channel.clone()
     ));
-    let mut request = tonic::Request::new(request);
-    request.set_timeout(deadline.saturating_duration_since(TokioInstant::now()));
-    tandem_net::otel::inject(request.metadata_mut());
-    Ok(client.prefill(request).await?.into_inner())
+    Ok(client
+        .prefill(super::call(request, deadline))
+        .await?
+        .into_inner())
 }
 
 /// The prefill call of an attempt: the prompt `tokens` past what the decode node holds

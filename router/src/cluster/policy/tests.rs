@@ -3,6 +3,19 @@ use tokio_util::sync::CancellationToken;
 
 use super::*;
 
+/// A standard request of session `s` for a prompt of `tokens` tokens hashing to `hashes`.
+fn session_ask(hashes: &[u64], tokens: usize) -> Ask<'_> {
+    Ask {
+        model: "",
+        tokens,
+        hashes,
+        session_id: "s",
+        exclude: &[],
+        holder: None,
+        class: Class::Standard,
+    }
+}
+
 /// A prompt whose prefix a draining prefill node's prefix cache holds is fetched from
 /// there and its rest computed on the decode node, rather than computed whole on the
 /// other (cold) prefill node; with nobody holding it, it goes to the prefill node.
@@ -28,15 +41,7 @@ async fn a_draining_prefill_nodes_prefix_cache_is_a_fetch_holder() {
             ..Default::default()
         });
     }
-    let ask = Ask {
-        model: "",
-        tokens: prompt.len(),
-        hashes: &hashes,
-        session_id: "s",
-        exclude: &[],
-        holder: None,
-        class: Class::Standard,
-    };
+    let ask = session_ask(&hashes, prompt.len());
     let policy = Policy::new(PolicyKind::Affinity);
     let choice = policy.choose(&replicas, &ask).expect("a choice");
     assert_eq!(choice.fetch, None);
@@ -188,15 +193,7 @@ async fn a_session_stays_on_its_decode_replica_at_low_load_in_a_large_fleet() {
         hashes: hashes[..30].to_vec(),
         ..Default::default()
     });
-    let ask = Ask {
-        model: "",
-        tokens: prompt.len(),
-        hashes: &hashes,
-        session_id: "s",
-        exclude: &[],
-        holder: None,
-        class: Class::Standard,
-    };
+    let ask = session_ask(&hashes, prompt.len());
     let policy = Policy::new(PolicyKind::Affinity);
     let mut running = Vec::new();
     for load in 0..DECODE_LOAD_FLOOR {
