@@ -826,6 +826,27 @@ fn one_request_is_one_trace_across_the_nodes() {
     let trace_id: Vec<u8> = (0..16)
         .map(|i| u8::from_str_radix(&trace_hex[2 * i..2 * i + 2], 16).expect("hex"))
         .collect();
+    // The router is ready once it sees a decode replica; the prompt goes to the prefill node
+    // only once it sees that one too (before, the decode node computes it).
+    let metrics = format!("http://{}/metrics", up.grpc);
+    let prefill_up = || {
+        rt.block_on(async {
+            let text = reqwest::get(&metrics).await.ok()?.text().await.ok()?;
+            Some(text.lines().any(|l| {
+                l.starts_with("tandem_router_replica_up{")
+                    && l.contains("prefill")
+                    && l.ends_with(" 1")
+            }))
+        }) == Some(true)
+    };
+    let started = std::time::Instant::now();
+    while !prefill_up() {
+        assert!(
+            started.elapsed().as_secs() < 20,
+            "the router never saw the prefill node"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
     let status = rt.block_on(async {
         reqwest::Client::new()
             .post(format!("{}/completions", up.http))
