@@ -184,6 +184,7 @@ impl DecodeMetrics {
         );
         m
     }
+
     /// What the priority classes do on the node: batch streams held back beside interactive
     /// ones, and streams paused for a higher class.
     fn register_classes(&self, registry: &mut Registry) {

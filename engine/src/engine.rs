@@ -224,6 +224,14 @@ impl Engine {
                 reason: format!("{} is not a nice value from 0 to 19", config.compute_nice),
             });
         }
+        if config.kv_header_only
+            && (!matches!(model.compute, Compute::Simulated(_)) || config.spill.is_some())
+        {
+            return Err(Error::InvalidArgument {
+                field: "kv_header_only",
+                reason: "only a simulated model without a disk tier moves its KV as headers".into(),
+            });
+        }
         let nice = config.compute_nice;
         let threads = rayon::ThreadPoolBuilder::new()
             .num_threads(config.threads)
@@ -238,14 +246,6 @@ impl Engine {
                 field: "threads",
                 reason: e.to_string(),
             })?;
-        if config.kv_header_only
-            && (!matches!(model.compute, Compute::Simulated(_)) || config.spill.is_some())
-        {
-            return Err(Error::InvalidArgument {
-                field: "kv_header_only",
-                reason: "only a simulated model without a disk tier moves its KV as headers".into(),
-            });
-        }
         let layout = KvLayout {
             header_only: config.kv_header_only,
             ..model.config.kv_layout(config.kv_dtype)

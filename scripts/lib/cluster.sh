@@ -9,9 +9,9 @@ bench=${TANDEM_BENCH:-target/release/tandem-bench}
 [ -x "$bench" ] || cargo build --release -p tandem-bench
 
 # up LOG [FLAG...]: starts `tandem up --model smollm2` on free ports with the FLAGs, its output
-# in LOG, and waits until it prints the router's address; sets $up_pid, $up_addr (gRPC) and
-# $up_http (the OpenAI API's base URL). Its
-# logs (stderr, filtered by RUST_LOG) go to $UP_STDERR, by default nowhere.
+# in LOG, and waits until it prints the router's addresses; sets $up_pid, $up_addr (gRPC) and
+# $up_http (the OpenAI API's base URL). Its logs (stderr, filtered by RUST_LOG) go to
+# $UP_STDERR, by default nowhere.
 up() {
   local log=$1
   shift

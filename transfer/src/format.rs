@@ -373,9 +373,12 @@ impl Assembler {
         let total = self.want.tokens.len();
         let offset = (c.token_start - self.want.tokens.start) as usize;
         let dst = &mut self.layers[c.layer as usize][kind.index()];
-        for (h, src) in c.data.chunks_exact((len * row).max(1)).enumerate() {
-            let at = (h * total + offset) * row;
-            dst[at..at + src.len()].copy_from_slice(src);
+        // Rows of no bytes (dtype `none`) leave nothing to copy.
+        if row > 0 {
+            for (h, src) in c.data.chunks_exact(len * row).enumerate() {
+                let at = (h * total + offset) * row;
+                dst[at..at + src.len()].copy_from_slice(src);
+            }
         }
         next[kind.index()] = c.token_end;
         self.digest = digest_append(self.digest, c.crc32c);

@@ -77,12 +77,14 @@ impl Scheduler {
     /// Counts a step taken beside an interactive stream while batch-ranked streams wait for a
     /// slot (held back, or finding none free).
     pub(super) fn count_held_back(&self) {
+        if !(self.active.values()).any(|a| a.standing.class == Class::Interactive) {
+            return;
+        }
         let now = tokio::time::Instant::now();
-        let interactive = (self.active.values()).any(|a| a.standing.class == Class::Interactive);
         let held = (self.ready.iter())
             .filter(|r| r.class_now(now) == Class::Batch)
             .count();
-        if interactive && held > 0 {
+        if held > 0 {
             let m = &self.shared.metrics;
             m.held_back_steps.inc();
             m.held_back_rows.inc_by(held as u64);

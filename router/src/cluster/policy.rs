@@ -56,10 +56,11 @@
 //! once its replica is over the cap, and the formula, not a fallback, says where. The decode
 //! floor keeps a large, lightly loaded fleet from moving sessions for nothing: 16 requests over
 //! 192 decode nodes make the bare cap 1, so a follow-up whose node ran one other stream would
-//! leave the KV of its history behind to spare that node a second row in its steps. Ties break deterministically: for decode, more KV held,
-//! then rendezvous hashing on the session id (or, without one, on the prompt's first block
-//! hash), then lower load, then address; for prefill, rendezvous, load, address. So when the
-//! index knows nothing (a router restart), a session still lands where its conversation was.
+//! leave the KV of its history behind to spare that node a second row in its steps. Ties break
+//! deterministically: for decode, more KV held, then rendezvous hashing on the session id (or,
+//! without one, on the prompt's first block hash), then lower load, then address; for prefill,
+//! rendezvous, load, address. So when the index knows nothing (a router restart), a session
+//! still lands where its conversation was.
 
 use std::cell::Cell;
 use std::collections::HashSet;
