@@ -1,7 +1,9 @@
 //! The inner loops in AVX2, for head sizes that are a multiple of 8 (others take the portable
 //! loops). Written by hand because the compiler does not find either shape: four keys' dot
 //! products reduced together (one horizontal reduction per four keys, not per key), and the
-//! output held in registers across a block's values.
+//! output held in registers across a block's values. The heads that share a KV head are taken
+//! [`HEADS`] at a time, each key or value register loaded once for all of them; each head's
+//! lanes take the same multiply-adds in the same order as alone.
 
 use std::arch::x86_64::*;
 
@@ -9,6 +11,11 @@ use super::portable;
 
 /// Output dimensions held in registers per pass.
 const PASS: usize = 64;
+/// Heads taken together: their 12 sums (4 keys, or 4 registers of output each), their 3 query
+/// registers or weights and the shared key or value register fill the 16 registers.
+const HEADS: usize = 3;
+/// Output dimensions per pass of [`accumulate_heads`].
+const HEADS_PASS: usize = 32;
 
 pub(super) fn scores(q: &[f32], keys: &[f32], scale: f32, out: &mut [f32]) {
     let hd = q.len();
@@ -120,6 +127,198 @@ fn accumulate_pass<const R: usize>(
         }
         for (i, a) in acc.iter().enumerate() {
             _mm256_storeu_ps(out.as_mut_ptr().add(c0 + 8 * i), *a);
+        }
+    }
+}
+
+/// [`scores`] for each head of `qs` (heads of `keys`' row size, back to back) against the `n`
+/// rows of `keys`: head `h`'s scores at `out[h·stride..][..n]`, the same bits as
+/// [`scores`] gives each head alone (keys in groups of four reduce alike; the keys past the
+/// last group of four are taken by [`scores`] itself).
+pub(super) fn scores_heads(
+    qs: &[f32],
+    keys: &[f32],
+    scale: f32,
+    out: &mut [f32],
+    stride: usize,
+    n: usize,
+) {
+    if n == 0 {
+        return;
+    }
+    let hd = keys.len() / n;
+    let heads = qs.len() / hd.max(1);
+    if !hd.is_multiple_of(8) {
+        return portable::scores_heads(qs, keys, scale, out, stride, n);
+    }
+    assert!(
+        keys.len() == n * hd
+            && qs.len() == heads * hd
+            && out.len() >= heads.saturating_sub(1) * stride + n,
+        "scores_heads: shapes"
+    );
+    let groups = n - n % 4;
+    for first in (0..heads).step_by(HEADS) {
+        let count = (heads - first).min(HEADS);
+        let q = &qs[first * hd..(first + count) * hd];
+        let o = &mut out[first * stride..];
+        for t in (0..groups).step_by(4) {
+            let k = &keys[t * hd..(t + 4) * hd];
+            // SAFETY: AVX2 and FMA are compiled in; `q` holds `count` heads, `k` four keys and
+            // `o` each head's four scores at `j·stride + t` (the shapes checked above).
+            unsafe {
+                match count {
+                    3 => dots_heads::<3>(q, k, scale, &mut o[t..], stride),
+                    2 => dots_heads::<2>(q, k, scale, &mut o[t..], stride),
+                    _ => dots_heads::<1>(q, k, scale, &mut o[t..], stride),
+                }
+            }
+        }
+    }
+    if groups < n {
+        for (h, q) in qs.chunks_exact(hd).enumerate() {
+            let at = h * stride;
+            scores(
+                q,
+                &keys[groups * hd..],
+                scale,
+                &mut out[at + groups..at + n],
+            );
+        }
+    }
+}
+
+/// Four keys' scores for `H` heads, each key's sum in its own chain as in [`dots`], reduced
+/// the same way.
+///
+/// # Safety
+///
+/// The CPU must have AVX2 and FMA; `qs` holds `H` heads of `hd` values, `keys` four keys of
+/// `hd` and `out` at least `(H - 1)·stride + 4` values.
+#[inline(always)]
+unsafe fn dots_heads<const H: usize>(
+    qs: &[f32],
+    keys: &[f32],
+    scale: f32,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let hd = keys.len() / 4;
+    debug_assert!(qs.len() == H * hd && out.len() >= (H - 1) * stride + 4);
+    // SAFETY: the caller compiles in AVX2 and FMA and passes these shapes.
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); 4]; H];
+        for c in (0..hd).step_by(8) {
+            let q: [__m256; H] =
+                std::array::from_fn(|j| _mm256_loadu_ps(qs.as_ptr().add(j * hd + c)));
+            for i in 0..4 {
+                let k = _mm256_loadu_ps(keys.as_ptr().add(i * hd + c));
+                for (a, q) in acc.iter_mut().zip(&q) {
+                    a[i] = _mm256_fmadd_ps(*q, k, a[i]);
+                }
+            }
+        }
+        for (j, acc) in acc.iter().enumerate() {
+            let h01 = _mm256_hadd_ps(acc[0], acc[1]);
+            let h23 = _mm256_hadd_ps(acc[2], acc[3]);
+            let h = _mm256_hadd_ps(h01, h23);
+            let sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
+            _mm_storeu_ps(
+                out.as_mut_ptr().add(j * stride),
+                _mm_mul_ps(sums, _mm_set1_ps(scale)),
+            );
+        }
+    }
+}
+
+/// [`accumulate`] for each head of `outs` (heads of `values`' row size, back to back), head
+/// `h` weighting the `n` rows of `values` by `scores[h·stride..][..n]`: the same bits as each
+/// head alone, each output lane taking the same multiply-adds in the same order.
+pub(super) fn accumulate_heads(
+    scores: &[f32],
+    stride: usize,
+    n: usize,
+    values: &[f32],
+    outs: &mut [f32],
+) {
+    if n == 0 {
+        return;
+    }
+    let hd = values.len() / n;
+    if !hd.is_multiple_of(8) {
+        return portable::accumulate_heads(scores, stride, n, values, outs);
+    }
+    if !hd.is_multiple_of(HEADS_PASS) {
+        for (h, o) in outs.chunks_exact_mut(hd).enumerate() {
+            accumulate(&scores[h * stride..][..n], values, o);
+        }
+        return;
+    }
+    let heads = outs.len() / hd;
+    assert!(
+        values.len() == n * hd
+            && outs.len() == heads * hd
+            && scores.len() >= (heads - 1) * stride + n,
+        "accumulate_heads: shapes"
+    );
+    for first in (0..heads).step_by(HEADS) {
+        let count = (heads - first).min(HEADS);
+        let p = &scores[first * stride..];
+        let o = &mut outs[first * hd..(first + count) * hd];
+        for c0 in (0..hd).step_by(HEADS_PASS) {
+            // SAFETY: AVX2 and FMA are compiled in; the shapes were checked above.
+            unsafe {
+                match count {
+                    3 => heads_pass::<3>(p, stride, n, values, c0, o),
+                    2 => heads_pass::<2>(p, stride, n, values, c0, o),
+                    _ => heads_pass::<1>(p, stride, n, values, c0, o),
+                }
+            }
+        }
+    }
+}
+
+/// `H` heads' outputs `c0..c0 + HEADS_PASS`, held in registers across the `n` rows.
+///
+/// # Safety
+///
+/// The CPU must have AVX2 and FMA; `p` holds each head's `n` weights `stride` apart, `values`
+/// `n` rows of `hd = outs.len() / H` values, and `c0 + HEADS_PASS <= hd`.
+#[inline(always)]
+unsafe fn heads_pass<const H: usize>(
+    p: &[f32],
+    stride: usize,
+    n: usize,
+    values: &[f32],
+    c0: usize,
+    outs: &mut [f32],
+) {
+    const R: usize = HEADS_PASS / 8;
+    let hd = outs.len() / H;
+    debug_assert!(
+        c0 + HEADS_PASS <= hd && values.len() >= n * hd && p.len() >= (H - 1) * stride + n
+    );
+    // SAFETY: the caller compiles in AVX2 and FMA and passes these shapes.
+    unsafe {
+        let out = |j: usize| outs.as_ptr().add(j * hd + c0);
+        let mut acc: [[__m256; R]; H] =
+            std::array::from_fn(|j| std::array::from_fn(|i| _mm256_loadu_ps(out(j).add(8 * i))));
+        for t in 0..n {
+            let w: [__m256; H] =
+                std::array::from_fn(|j| _mm256_set1_ps(*p.get_unchecked(j * stride + t)));
+            let v = values.as_ptr().add(t * hd + c0);
+            for i in 0..R {
+                let x = _mm256_loadu_ps(v.add(8 * i));
+                for (a, w) in acc.iter_mut().zip(&w) {
+                    a[i] = _mm256_fmadd_ps(*w, x, a[i]);
+                }
+            }
+        }
+        for (j, a) in acc.iter().enumerate() {
+            let o = outs.as_mut_ptr().add(j * hd + c0);
+            for (i, a) in a.iter().enumerate() {
+                _mm256_storeu_ps(o.add(8 * i), *a);
+            }
         }
     }
 }
