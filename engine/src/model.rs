@@ -14,7 +14,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use crate::attention::{MAX_TILE, Query, attend};
+use crate::attention::{Query, attend, tile_rows};
 use crate::kernels::QMatrix;
 use crate::kv::{KvKind, KvPool};
 use crate::quant::{BlockQ8_1, QK, quantize_row_q8_1};
@@ -166,7 +166,7 @@ pub fn forward(
     };
     let (kv_per_part, q_per_part) = (cfg.n_kv_heads / parts, qd / parts);
     let tiles = match parts {
-        1 => attention_tiles(rows),
+        1 => attention_tiles(rows, cfg.n_heads),
         _ => (0..n).map(|r| r..r + 1).collect(),
     };
 
@@ -390,14 +390,16 @@ fn add_norm_quantize(
 }
 
 /// The rows in runs that [`attend`] takes at once: consecutive positions of one sequence (a
-/// prompt's rows share its block table), up to [`MAX_TILE`].
-fn attention_tiles(rows: &[Row<'_>]) -> Vec<Range<usize>> {
+/// prompt's rows share its block table), as many as [`tile_rows`] allows.
+fn attention_tiles(rows: &[Row<'_>], heads: usize) -> Vec<Range<usize>> {
     let mut tiles = Vec::new();
     let mut start = 0;
     for i in 1..=rows.len() {
         let joins = rows.get(i).is_some_and(|r| {
             let prev = &rows[i - 1];
-            std::ptr::eq(r.blocks, prev.blocks) && r.pos == prev.pos + 1 && i - start < MAX_TILE
+            std::ptr::eq(r.blocks, prev.blocks)
+                && r.pos == prev.pos + 1
+                && i - start < tile_rows(heads, r.pos + 1)
         });
         if !joins {
             tiles.push(start..i);

@@ -43,16 +43,11 @@ pub struct Query<'a> {
 /// Per-thread buffers, so a decode step does not allocate for each (row, layer).
 #[derive(Default)]
 struct Scratch {
-    /// One chunk's scores of each (query, head): [`CHUNK`] apart.
     scores: Vec<f32>,
-    /// Each (query, head)'s running softmax: the largest score so far and the sum of
-    /// `e^(score - max)` over the keys so far.
-    max: Vec<f32>,
-    sum: Vec<f32>,
-    /// A chunk's keys and values in f32, `[kv head][token][hd]`.
-    keys: Vec<f32>,
-    values: Vec<f32>,
-    /// The chunk's keys transposed for [`avx512::scores`]: `[kv head][block][dimension][token]`.
+    /// Where each query's scores start in `scores`.
+    offsets: Vec<usize>,
+    buf: Vec<f32>,
+    /// A block's keys transposed for [`avx512::scores`]: `[kv head][dimension][token]`.
     transposed: Vec<f32>,
 }
 
@@ -63,16 +58,18 @@ thread_local! {
 /// Slabs (all of a block's `kv_heads`, keys or values) requested this many reads ahead.
 const PREFETCH_AHEAD: usize = 4;
 
-/// Blocks whose keys a query's softmax takes in one step: a chunk's keys and values of a KV
-/// head stay in L1 (16 KB with 64-value heads) while every query of the tile uses them.
-const CHUNK_BLOCKS: usize = 2;
-/// Keys per chunk. Chunks start at multiples of it, whatever the tile, so a query's steps
-/// are the same alone and in a tile.
-const CHUNK: usize = CHUNK_BLOCKS * BLOCK_TOKENS;
+/// Queries per call at most ([`tile_rows`]).
+const MAX_TILE: usize = 16;
+/// The scores a call may hold: 16 MB of f32 per thread, so that a long prompt's rows still
+/// share their keys' and values' reads (the 0.5B Qwen's 14 heads: tiles of 16 rows up to 18k
+/// keys, 9 at 32k).
+const SCORES_BUDGET: usize = 1 << 22;
 
-/// Consecutive positions of one sequence that [`attend`] should take at once: each chunk's
-/// keys and values are converted to f32 once for all of them.
-pub const MAX_TILE: usize = 16;
+/// How many consecutive positions of one sequence [`attend`] should take at once, for queries
+/// of `heads` heads that see up to `n_keys` keys: up to [`MAX_TILE`], within [`SCORES_BUDGET`].
+pub fn tile_rows(heads: usize, n_keys: usize) -> usize {
+    (SCORES_BUDGET / (heads * n_keys).max(1)).clamp(1, MAX_TILE)
+}
 
 /// Writes each query's `heads × head_dim` attention outputs into `out`, one query after
 /// another. The queries share a layer, KV heads and block table (positions of one sequence),
@@ -82,173 +79,132 @@ pub fn attend(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32]) {
     SCRATCH.with_borrow_mut(|s| attend_in(pool, qs, out, s));
 }
 
-/// One pass over the keys in chunks of [`CHUNK`] (an online softmax, as flash attention
-/// computes it): for each chunk, each query's scores, their largest and `e^(score - max)`,
-/// the output so far scaled down where the largest grew, and the chunk's values added with
-/// those weights; at the end each output is divided by its sum. Nothing of size
-/// `n_keys` is held, so a long prompt's tile stays [`MAX_TILE`] rows.
-///
-/// Each chunk's slabs for `kv_heads` are contiguous runs of memory, read in one go and asked
-/// for [`PREFETCH_AHEAD`] reads early: the KV of a decode batch does not stay in cache between
-/// steps, so this loop waits on memory unless the next reads are already under way. Each
-/// head's arithmetic is the same whatever `kv_heads` and the other queries hold.
+/// Two passes over the blocks, keys then values. Each block's slabs for `kv_heads` are one
+/// contiguous run of memory, read in one go and asked for [`PREFETCH_AHEAD`] reads early: the
+/// KV of a decode batch does not stay in cache between steps, so this loop waits on memory
+/// unless the next reads are already under way. Each head's arithmetic is the same whatever
+/// `kv_heads` and the other queries hold (its scores, softmax and weighted sum of values in
+/// position order, a block's keys taken in the same runs).
 fn attend_in(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32], s: &mut Scratch) {
     let Some(g) = qs.first() else { return };
     let layout = pool.layout();
     let (hd, row_bytes) = (layout.head_dim, layout.row_bytes());
     let heads = g.q.len() / hd;
-    let kv_heads = g.kv_heads.len();
-    let per_kv = heads / kv_heads;
+    let per_kv = heads / g.kv_heads.len();
     let slab = BLOCK_TOKENS * hd;
     let scale = 1.0 / (hd as f32).sqrt();
-    // Each query's keys: from the start of the block holding its first visible key (the keys
-    // before `first_key` there masked out) to `n_keys`.
-    let first = |q: &Query<'_>| q.first_key / BLOCK_TOKENS * BLOCK_TOKENS;
-    let lo = qs.iter().map(first).min().unwrap_or(0) / BLOCK_TOKENS;
+    // Each query sees whole blocks from the one holding its first visible key: `span` scores
+    // per head, the keys before `first_key` in that block masked out.
+    let first_block = |q: &Query<'_>| q.first_key / BLOCK_TOKENS;
+    let span = |q: &Query<'_>| q.n_keys - first_block(q) * BLOCK_TOKENS;
+    // Its keys in (absolute) block `b`, if it sees any there.
+    let visible = |q: &Query<'_>, b: usize| {
+        (first_block(q) <= b && b * BLOCK_TOKENS < q.n_keys)
+            .then(|| (q.n_keys - b * BLOCK_TOKENS).min(BLOCK_TOKENS))
+    };
+    let lo = qs.iter().map(first_block).min().unwrap_or(0);
     let n_keys = qs.iter().map(|q| q.n_keys).max().unwrap_or(0);
-    let hi = n_keys.div_ceil(BLOCK_TOKENS);
-    // The tile's reads, in order: for each chunk, its blocks' keys, then their values.
-    let chunk_blocks = |c: usize| (c * CHUNK_BLOCKS).max(lo)..((c + 1) * CHUNK_BLOCKS).min(hi);
-    let chunks = lo / CHUNK_BLOCKS..hi.div_ceil(CHUNK_BLOCKS);
-    let reads = chunks.clone().map(|c| {
-        [KvKind::Key, KvKind::Value].map(move |kind| chunk_blocks(c).map(move |b| (b, kind)))
-    });
-    let mut ahead = reads.clone().flatten().flatten();
-    let slabs =
-        |(b, kind): (usize, KvKind)| pool.slabs(g.blocks[b], g.layer, kind, g.kv_heads.clone());
-    for read in ahead.by_ref().take(PREFETCH_AHEAD) {
-        prefetch(slabs(read));
+    let n_blocks = n_keys.div_ceil(BLOCK_TOKENS) - lo;
+    s.offsets.clear();
+    let mut total = 0;
+    for q in qs {
+        s.offsets.push(total);
+        total += heads * span(q);
     }
-    // Block `b`'s rows that some query sees, as f32 at its place in the chunk's buffer.
-    let mut load = |(b, kind): (usize, KvKind), buf: &mut [f32]| {
-        if let Some(next) = ahead.next() {
-            prefetch(slabs(next));
+    // Every score is written below (each query's visible blocks cover its span), so what the
+    // buffer held before is not cleared.
+    s.scores.resize(total, 0.0);
+    s.buf.resize(g.kv_heads.len() * slab, 0.0);
+    // Read `i` of the 2·n_blocks: keys of every block, then values of every block.
+    let read = |i: usize| {
+        let kind = if i < n_blocks {
+            KvKind::Key
+        } else {
+            KvKind::Value
+        };
+        let block = g.blocks[lo + i % n_blocks];
+        pool.slabs(block, g.layer, kind, g.kv_heads.clone())
+    };
+    // The rows of each KV head's slab that some query sees, converted to f32 in `buf`:
+    // `[head][token][hd]`.
+    let load = |i: usize, buf: &mut [f32]| {
+        if i + PREFETCH_AHEAD < 2 * n_blocks {
+            prefetch(read(i + PREFETCH_AHEAD));
         }
-        let n = (n_keys - b * BLOCK_TOKENS).min(BLOCK_TOKENS);
-        let at = b % CHUNK_BLOCKS * slab;
+        let n = (n_keys - (lo + i % n_blocks) * BLOCK_TOKENS).min(BLOCK_TOKENS);
         let slab_bytes = BLOCK_TOKENS * row_bytes;
-        for (src, dst) in slabs((b, kind))
+        for (src, dst) in read(i)
             .chunks_exact(slab_bytes)
-            .zip(buf.chunks_exact_mut(CHUNK * hd))
+            .zip(buf.chunks_exact_mut(slab))
         {
-            let dst = &mut dst[at..at + n * hd];
-            layout.dtype.decode_rows(hd, &src[..n * row_bytes], dst);
+            layout
+                .dtype
+                .decode_rows(hd, &src[..n * row_bytes], &mut dst[..n * hd]);
         }
     };
-    let states = qs.len() * heads;
-    s.scores.resize(states * CHUNK, 0.0);
-    s.max.clear();
-    s.max.resize(states, f32::NEG_INFINITY);
-    s.sum.clear();
-    s.sum.resize(states, 0.0);
-    s.keys.resize(kv_heads * CHUNK * hd, 0.0);
-    s.values.resize(kv_heads * CHUNK * hd, 0.0);
-    s.transposed.resize(kv_heads * CHUNK * hd, 0.0);
+    for i in 0..PREFETCH_AHEAD.min(2 * n_blocks) {
+        prefetch(read(i));
+    }
     // A tile of rows takes each block's keys transposed, for its many queries to share.
     let wide_scores = qs.len() >= avx512::SCORES_ROWS && avx512::scores_fit(hd);
-    let wide = avx512::accumulates(hd);
-    out.fill(0.0);
-    for (c, [key_reads, value_reads]) in chunks.zip(reads) {
-        key_reads.for_each(|r| load(r, &mut s.keys));
-        value_reads.for_each(|r| load(r, &mut s.values));
+    s.transposed.resize(g.kv_heads.len() * slab, 0.0);
+    for bi in 0..n_blocks {
+        load(bi, &mut s.buf);
+        let b = lo + bi;
         if wide_scores {
-            avx512::transpose(&s.keys, hd, &mut s.transposed);
+            avx512::transpose(&s.buf, hd, &mut s.transposed);
         }
-        let base = c * CHUNK;
-        for (qi, (q, o)) in qs.iter().zip(out.chunks_exact_mut(heads * hd)).enumerate() {
-            // This chunk's keys `j0..j1` (from its start) that the query sees, from a block's
-            // start; `masked` of them before its first key.
-            let j0 = first(q).max(base) - base;
-            let j1 = q.n_keys.min(base + CHUNK).saturating_sub(base);
-            if j0 >= j1 {
-                continue;
-            }
-            let masked = q.first_key.saturating_sub(base + j0);
-            let scores = &mut s.scores[qi * heads * CHUNK..][..heads * CHUNK];
+        for (q, &off) in qs.iter().zip(&s.offsets) {
+            let Some(n) = visible(q, b) else { continue };
+            let at = off + (b - first_block(q)) * BLOCK_TOKENS;
             if wide_scores {
                 // The heads that share a KV head together, each key row read once for several.
                 for (g, qg) in q.q.chunks_exact(per_kv * hd).enumerate() {
-                    for j in (j0..j1).step_by(BLOCK_TOKENS) {
-                        let keys = &s.transposed[(g * CHUNK + j) * hd..][..slab];
-                        let at = g * per_kv * CHUNK + j;
-                        let n = (j1 - j).min(BLOCK_TOKENS);
-                        avx512::scores(qg, keys, scale, &mut scores[at..], CHUNK, n);
-                    }
+                    let keys = &s.transposed[g * slab..][..slab];
+                    let first = at + g * per_kv * span(q);
+                    avx512::scores(qg, keys, scale, &mut s.scores[first..], span(q), n);
                 }
-            } else {
-                for (g, qg) in q.q.chunks_exact(per_kv * hd).enumerate() {
-                    let keys = &s.keys[(g * CHUNK + j0) * hd..][..(j1 - j0) * hd];
-                    let at = g * per_kv * CHUNK + j0;
-                    narrow::scores_heads(qg, keys, scale, &mut scores[at..], CHUNK, j1 - j0);
-                }
+                continue;
             }
-            let state = qi * heads..(qi + 1) * heads;
-            let running = s.max[state.clone()].iter_mut().zip(&mut s.sum[state]);
-            for ((row, (max, sum)), oh) in scores
-                .chunks_exact_mut(CHUNK)
-                .zip(running)
-                .zip(o.chunks_exact_mut(hd))
-            {
-                let row = &mut row[j0..j1];
-                row[..masked].fill(f32::NEG_INFINITY);
-                let top = max_of(row, *max);
-                for v in row.iter_mut() {
-                    *v -= top;
-                }
-                crate::math::exp_in_place(row);
-                if top > *max && *max > f32::NEG_INFINITY {
-                    let shrink = crate::math::exp(*max - top);
-                    *sum *= shrink;
-                    oh.iter_mut().for_each(|x| *x *= shrink);
-                }
-                *max = top;
-                *sum += sum_of(row);
+            // The heads that share a KV head together, each key row loaded once for several.
+            for (g, qg) in q.q.chunks_exact(per_kv * hd).enumerate() {
+                let keys = &s.buf[g * slab..][..n * hd];
+                let first = at + g * per_kv * span(q);
+                narrow::scores_heads(qg, keys, scale, &mut s.scores[first..], span(q), n);
             }
+        }
+    }
+    for (q, &off) in qs.iter().zip(&s.offsets) {
+        let masked = q.first_key - first_block(q) * BLOCK_TOKENS;
+        for row in s.scores[off..off + heads * span(q)].chunks_exact_mut(span(q)) {
+            row[..masked].fill(f32::NEG_INFINITY);
+            softmax(row);
+        }
+    }
+    out.fill(0.0);
+    let wide = avx512::accumulates(hd);
+    for bi in 0..n_blocks {
+        load(n_blocks + bi, &mut s.buf);
+        let b = lo + bi;
+        for ((q, &off), o) in qs
+            .iter()
+            .zip(&s.offsets)
+            .zip(out.chunks_exact_mut(heads * hd))
+        {
+            let Some(n) = visible(q, b) else { continue };
+            let at = off + (b - first_block(q)) * BLOCK_TOKENS;
             // The heads of each KV head together, so that each value is read once for all.
             for (g, og) in o.chunks_exact_mut(per_kv * hd).enumerate() {
-                let values = &s.values[(g * CHUNK + j0) * hd..][..(j1 - j0) * hd];
-                let p = &scores[g * per_kv * CHUNK + j0..];
+                let values = &s.buf[g * slab..][..n * hd];
+                let p = &s.scores[at + g * per_kv * span(q)..];
                 if wide {
-                    avx512::accumulate_heads(p, CHUNK, j1 - j0, values, og);
+                    avx512::accumulate_heads(p, span(q), n, values, og);
                 } else {
-                    narrow::accumulate_heads(p, CHUNK, j1 - j0, values, og);
+                    narrow::accumulate_heads(p, span(q), n, values, og);
                 }
             }
         }
     }
-    for (o, &sum) in out.chunks_exact_mut(hd).zip(&s.sum) {
-        let inv = 1.0 / sum;
-        o.iter_mut().for_each(|x| *x *= inv);
-    }
-}
-
-/// The largest of `x` and `start`, eight lanes at a time (a maximum is exact in any order).
-fn max_of(x: &[f32], start: f32) -> f32 {
-    let mut lanes = [start; 8];
-    let chunks = x.chunks_exact(8);
-    let tail = chunks.remainder().iter().copied().fold(start, f32::max);
-    for c in chunks {
-        for (l, &v) in lanes.iter_mut().zip(c) {
-            *l = l.max(v);
-        }
-    }
-    lanes.into_iter().fold(tail, f32::max)
-}
-
-/// `Σ x` in eight chains (chain `i` takes elements `i`, `i + 8`, …), added pairwise, then the
-/// elements past the last eight in order: one fixed order for every caller.
-fn sum_of(x: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let chunks = x.chunks_exact(8);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for (l, &v) in lanes.iter_mut().zip(c) {
-            *l += v;
-        }
-    }
-    let [a, b, c, d, e, f, g, h] = lanes;
-    tail.iter()
-        .fold(((a + b) + (c + d)) + ((e + f) + (g + h)), |s, &v| s + v)
 }
 
 /// Dot product with 8 independent partial sums, which the compiler turns into SIMD.
@@ -268,6 +224,19 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     acc.iter().sum::<f32>() + tail
+}
+
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    for v in x.iter_mut() {
+        *v -= max;
+    }
+    crate::math::exp_in_place(x);
+    let sum: f32 = x.iter().sum();
+    let inv = 1.0 / sum;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
 }
 
 #[cfg(test)]

@@ -17,20 +17,20 @@ fn a_keys_score_does_not_depend_on_its_group() {
 }
 
 /// Heads taken together against one KV head's keys and values (passes of three, two and one)
-/// get what each gets alone, bit for bit, for every count of keys in a chunk.
+/// get what each gets alone, bit for bit, for every count of keys up to two blocks.
 #[test]
 fn heads_together_equal_each_alone() {
     for hd in [64, 8, 72] {
         let heads = 6;
-        let stride = CHUNK;
+        let stride = 2 * BLOCK_TOKENS;
         let q: Vec<f32> = (0..heads * hd)
             .map(|i| (i as f32 * 0.31).sin() * 3.0)
             .collect();
-        let rows: Vec<f32> = (0..CHUNK * hd)
+        let rows: Vec<f32> = (0..stride * hd)
             .map(|i| (i as f32 * 0.013).cos() * 2.0)
             .collect();
         let start: Vec<f32> = (0..heads * hd).map(|i| (i as f32 * 0.05).sin()).collect();
-        for n in 1..=CHUNK {
+        for n in 1..=stride {
             let rows = &rows[..n * hd];
             let mut together = vec![0f32; heads * stride];
             narrow::scores_heads(&q, rows, 0.125, &mut together, stride, n);
@@ -237,19 +237,5 @@ fn check_against_naive(dtype: KvDtype, hd: usize, n: usize, first: usize) {
                 "{dtype:?} hd {hd} keys {first}..{n} head {h} dim {d}: {got} vs {want}"
             );
         }
-    }
-}
-
-/// The softmax of `x`, in place, as written down.
-fn softmax(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    for v in x.iter_mut() {
-        *v -= max;
-    }
-    crate::math::exp_in_place(x);
-    let sum: f32 = x.iter().sum();
-    let inv = 1.0 / sum;
-    for v in x.iter_mut() {
-        *v *= inv;
     }
 }
