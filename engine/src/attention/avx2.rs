@@ -77,11 +77,7 @@ unsafe fn dots<const K: usize>(q: &[f32], keys: &[f32], scale: f32, out: &mut [f
             }
         }
         for (acc, out) in acc.chunks_exact(4).zip(out.chunks_exact_mut(4)) {
-            let h01 = _mm256_hadd_ps(acc[0], acc[1]);
-            let h23 = _mm256_hadd_ps(acc[2], acc[3]);
-            let h = _mm256_hadd_ps(h01, h23);
-            let sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
-            _mm_storeu_ps(out.as_mut_ptr(), _mm_mul_ps(sums, _mm_set1_ps(scale)));
+            _mm_storeu_ps(out.as_mut_ptr(), reduce4(acc, scale));
         }
     }
 }
@@ -189,7 +185,7 @@ pub(super) fn scores_heads(
 }
 
 /// Four keys' scores for `H` heads, each key's sum in its own chain as in [`dots`], reduced
-/// the same way.
+/// by the same [`reduce4`].
 ///
 /// # Safety
 ///
@@ -219,15 +215,28 @@ unsafe fn dots_heads<const H: usize>(
             }
         }
         for (j, acc) in acc.iter().enumerate() {
-            let h01 = _mm256_hadd_ps(acc[0], acc[1]);
-            let h23 = _mm256_hadd_ps(acc[2], acc[3]);
-            let h = _mm256_hadd_ps(h01, h23);
-            let sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
-            _mm_storeu_ps(
-                out.as_mut_ptr().add(j * stride),
-                _mm_mul_ps(sums, _mm_set1_ps(scale)),
-            );
+            _mm_storeu_ps(out.as_mut_ptr().add(j * stride), reduce4(acc, scale));
         }
+    }
+}
+
+/// Four keys' sums (one register of eight lanes each) as four scores: [a0 a1 a2 a3] to one lane
+/// each by pairwise adds and then the two halves, times `scale`. Every score of a key in a group
+/// of four comes from here, which is what makes it the same in [`dots`] and [`dots_heads`].
+///
+/// # Safety
+///
+/// The CPU must have AVX2 (the x86-64-v3 build guarantees it); `acc` holds four registers.
+#[inline(always)]
+unsafe fn reduce4(acc: &[__m256], scale: f32) -> __m128 {
+    debug_assert_eq!(acc.len(), 4);
+    // SAFETY: AVX2 is compiled in; the four registers are read by index within `acc`.
+    unsafe {
+        let h01 = _mm256_hadd_ps(acc[0], acc[1]);
+        let h23 = _mm256_hadd_ps(acc[2], acc[3]);
+        let h = _mm256_hadd_ps(h01, h23);
+        let sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
+        _mm_mul_ps(sums, _mm_set1_ps(scale))
     }
 }
 

@@ -157,20 +157,16 @@ fn attend_in(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32], s: &mut Scratch) 
         for (q, &off) in qs.iter().zip(&s.offsets) {
             let Some(n) = visible(q, b) else { continue };
             let at = off + (b - first_block(q)) * BLOCK_TOKENS;
-            if wide_scores {
-                // The heads that share a KV head together, each key row read once for several.
-                for (g, qg) in q.q.chunks_exact(per_kv * hd).enumerate() {
-                    let keys = &s.transposed[g * slab..][..slab];
-                    let first = at + g * per_kv * span(q);
-                    avx512::scores(qg, keys, scale, &mut s.scores[first..], span(q), n);
-                }
-                continue;
-            }
-            // The heads that share a KV head together, each key row loaded once for several.
+            // The heads that share a KV head together, each key row read once for several.
             for (g, qg) in q.q.chunks_exact(per_kv * hd).enumerate() {
-                let keys = &s.buf[g * slab..][..n * hd];
-                let first = at + g * per_kv * span(q);
-                narrow::scores_heads(qg, keys, scale, &mut s.scores[first..], span(q), n);
+                let scores = &mut s.scores[at + g * per_kv * span(q)..];
+                if wide_scores {
+                    let keys = &s.transposed[g * slab..][..slab];
+                    avx512::scores(qg, keys, scale, scores, span(q), n);
+                } else {
+                    let keys = &s.buf[g * slab..][..n * hd];
+                    narrow::scores_heads(qg, keys, scale, scores, span(q), n);
+                }
             }
         }
     }
