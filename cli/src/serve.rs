@@ -77,6 +77,12 @@ pub(crate) struct WorkerArgs {
     /// to its size: a decode node cuts a longer request's max_tokens to it.
     #[arg(long, env = "TANDEM_KV_BUDGET_MB")]
     pub kv_budget_mb: Option<usize>,
+    /// MiB of the KV pool's memory kept committed past what it has used so far, by a
+    /// low-priority thread, so that a KV pushed into blocks never used before does not stall
+    /// the decode steps while the kernel commits its pages (0: each page on its first write).
+    /// The pool's resident memory is what it has used plus this.
+    #[arg(long, env = "TANDEM_KV_COMMIT_AHEAD_MB", default_value_t = 64)]
+    pub kv_commit_ahead_mb: usize,
     /// How long in-flight requests may run after shutdown begins, in ms.
     #[arg(long, env = "TANDEM_GRACE_MS", default_value_t = tandem_worker::DEFAULT_GRACE.as_millis() as u64)]
     pub grace_ms: u64,
@@ -196,6 +202,7 @@ impl WorkerArgs {
                 self.kv_dtype.dtype(),
                 self.kv_budget_mb,
             ),
+            kv_commit_ahead_bytes: self.kv_commit_ahead_mb << 20,
             kv_dtype: self.kv_dtype.dtype(),
             compute_nice: self.compute_nice,
             prefix_cache_bytes: match self.prefix_cache {

@@ -11,6 +11,7 @@ pub const KV_BLOCKS_IN_USE: &str = "tandem_decode_kv_blocks_in_use";
 pub const KV_BLOCKS_FREE: &str = "tandem_decode_kv_blocks_free";
 pub const STEPS: &str = "tandem_decode_steps";
 pub const STEP_SECONDS: &str = "tandem_decode_step_seconds";
+pub const KV_IMPORT_SECONDS: &str = "tandem_decode_kv_import_seconds";
 pub const TOKENS: &str = "tandem_decode_tokens";
 pub const KV_BLOCKS_CACHED: &str = "tandem_decode_kv_blocks_cached";
 pub const CACHED_TOKENS: &str = "tandem_decode_cached_tokens";
@@ -45,6 +46,8 @@ pub struct DecodeMetrics {
     pub held_back_steps: Counter,
     pub held_back_rows: Counter,
     pub step_seconds: Histogram,
+    /// What copying a pushed KV into the pool took: the scheduler's time between two steps.
+    pub kv_import_seconds: Histogram,
     pub tokens: Counter,
     /// Blocks the session cache keeps (some may be in use by running sequences too).
     pub kv_blocks_cached: Gauge,
@@ -86,6 +89,7 @@ impl DecodeMetrics {
             held_back_steps: Counter::default(),
             held_back_rows: Counter::default(),
             step_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
+            kv_import_seconds: Histogram::new(exponential_buckets(0.0001, 2.0, 14)),
             tokens: Counter::default(),
             kv_blocks_cached: Gauge::default(),
             cached_tokens: Counter::default(),
@@ -133,6 +137,11 @@ impl DecodeMetrics {
             STEP_SECONDS,
             "Duration of one batched decode step",
             m.step_seconds.clone(),
+        );
+        registry.register(
+            KV_IMPORT_SECONDS,
+            "Time the scheduler spent copying a pushed KV into the pool, between two steps",
+            m.kv_import_seconds.clone(),
         );
         registry.register(TOKENS, "Tokens generated", m.tokens.clone());
         registry.register(

@@ -102,6 +102,10 @@ pub struct EngineConfig {
     pub threads: usize,
     /// Byte budget of the KV block pool.
     pub kv_budget_bytes: usize,
+    /// Bytes of the KV pool's pages kept committed past the blocks used so far, by a thread of
+    /// the pool's own: a sequence given blocks never used before (a pushed KV of tens of MB)
+    /// writes to pages already there. 0 leaves each page to be committed by its first write.
+    pub kv_commit_ahead_bytes: usize,
     /// Prompt tokens per prefill forward pass, which bounds activation memory.
     pub prefill_chunk_tokens: usize,
     /// Most bytes of KV the prefix cache keeps (rounded down to blocks, at most the pool);
@@ -128,6 +132,7 @@ impl Default for EngineConfig {
         Self {
             threads: 0,
             kv_budget_bytes: 256 << 20,
+            kv_commit_ahead_bytes: 0,
             prefill_chunk_tokens: 256,
             prefix_cache_bytes: 0,
             speculate: SpeculateConfig::default(),
@@ -250,7 +255,10 @@ impl Engine {
             header_only: config.kv_header_only,
             ..model.config.kv_layout(config.kv_dtype)
         };
-        let pool = KvPool::new(layout, config.kv_budget_bytes);
+        let mut pool = KvPool::new(layout, config.kv_budget_bytes);
+        if !layout.header_only {
+            pool.commit_ahead(config.kv_commit_ahead_bytes);
+        }
         let cache_blocks =
             (config.prefix_cache_bytes / pool.layout().block_bytes()).min(pool.total_blocks());
         let spill_stats = Arc::new(SpillStats::default());

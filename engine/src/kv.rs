@@ -163,12 +163,18 @@ impl KvLayout {
 pub struct KvPool {
     layout: KvLayout,
     /// The blocks' bytes, zeroed in a page-aligned mapping of their own (pages committed on
-    /// first write): every row, whose size is even, starts 2-byte aligned for f16 access.
+    /// first write, or ahead of it): every row, whose size is even, starts 2-byte aligned for
+    /// f16 access.
     data: HugeBuf<u8>,
     free: Vec<u32>,
     /// Holders of each block; 0 for a free block.
     refs: Vec<u32>,
     total: usize,
+    /// Blocks `0..fresh` have been taken at least once: the free list hands out blocks never
+    /// taken in order, after those given back.
+    fresh: usize,
+    /// Bytes of pages kept committed past the blocks taken so far ([`KvPool::commit_ahead`]).
+    commit_ahead: usize,
 }
 
 impl KvPool {
@@ -184,6 +190,24 @@ impl KvPool {
             free: (0..total as u32).rev().collect(),
             refs: vec![0; total],
             total,
+            fresh: 0,
+            commit_ahead: 0,
+        }
+    }
+
+    /// Keeps the pages of `bytes` past the blocks taken so far committed, on a thread of the
+    /// pool's own, so that a sequence given blocks never used before (a pushed KV of tens of
+    /// MB imported between two steps) writes to pages already there ([`HugeBuf::commit_to`]).
+    /// 0 (the default) leaves pages to be committed by their first write.
+    pub fn commit_ahead(&mut self, bytes: usize) {
+        self.commit_ahead = bytes;
+        self.commit_fresh();
+    }
+
+    fn commit_fresh(&mut self) {
+        if self.commit_ahead > 0 {
+            let taken = self.fresh * self.layout.block_bytes();
+            self.data.commit_to(taken.saturating_add(self.commit_ahead));
         }
     }
 
@@ -210,7 +234,9 @@ impl KvPool {
         let blocks = self.free.split_off(self.free.len() - n);
         for &b in &blocks {
             self.refs[b as usize] = 1;
+            self.fresh = self.fresh.max(b as usize + 1);
         }
+        self.commit_fresh();
         Ok(blocks)
     }
 

@@ -19,6 +19,8 @@ use std::ptr::NonNull;
 use bytemuck::Zeroable;
 use nix::sys::mman::{MapFlags, ProtFlags, mmap_anonymous, munmap};
 
+mod commit;
+
 /// The size and alignment of a transparent huge page on x86-64, and of a base page.
 const HUGE_PAGE: usize = 2 << 20;
 const PAGE: usize = 4096;
@@ -32,6 +34,8 @@ pub struct HugeBuf<T> {
     len: usize,
     /// Bytes mapped from `data` (`len` values rounded up to whole pages); 0 if none.
     mapped: usize,
+    /// Commits pages ahead of their first write ([`HugeBuf::commit_to`]).
+    committer: Option<commit::Committer>,
 }
 
 // SAFETY: a `HugeBuf` owns its values as a `Vec` does.
@@ -49,6 +53,7 @@ impl<T: Zeroable> HugeBuf<T> {
                 data: NonNull::dangling(),
                 len,
                 mapped: 0,
+                committer: None,
             };
         };
         // Mapped with room to move the start to a huge-page boundary; the room before and
@@ -88,12 +93,32 @@ impl<T: Zeroable> HugeBuf<T> {
             data: data.cast(),
             len,
             mapped,
+            committer: None,
         }
+    }
+}
+
+impl<T> HugeBuf<T> {
+    /// Has the pages of the first `bytes` bytes committed, on a thread of the buffer's own at
+    /// the lowest priority (started by the first call), without waiting; the values stay as
+    /// they are. Writes there then find their pages instead of faulting them in one by one
+    /// ([`commit`] has the costs).
+    pub fn commit_to(&mut self, bytes: usize) {
+        let bytes = bytes.min(self.mapped).next_multiple_of(PAGE);
+        if bytes == 0 {
+            return;
+        }
+        let (start, mapped) = (self.data.as_ptr() as usize, self.mapped);
+        (self.committer)
+            .get_or_insert_with(|| commit::Committer::start(start, mapped))
+            .ask(bytes);
     }
 }
 
 impl<T> Drop for HugeBuf<T> {
     fn drop(&mut self) {
+        // The committer's thread ends before the mapping goes.
+        self.committer = None;
         if self.mapped > 0 {
             // SAFETY: the mapping is this buffer's own and nothing borrows it any more.
             if let Err(e) = unsafe { munmap(self.data.cast(), self.mapped) } {
@@ -199,6 +224,49 @@ mod tests {
                 len == 0 || (b.as_ptr() as usize).is_multiple_of(align),
                 "len {len}"
             );
+        }
+    }
+
+    #[test]
+    fn committing_ahead_keeps_the_values_and_ends_with_the_buffer() {
+        let mut b = HugeBuf::<u32>::zeroed(3 * HUGE_PAGE / 4 + 5);
+        b[..1000].iter_mut().enumerate().for_each(|(i, v)| *v = i as u32);
+        b.commit_to(usize::MAX);
+        // Writes go on while the thread commits.
+        let tail = b.len() - 1;
+        b[tail] = 7;
+        b.commit_to(HUGE_PAGE);
+        #[cfg(target_os = "linux")]
+        wait_resident(b.as_ptr() as usize, b.len() * 4 / PAGE * PAGE);
+        drop(b.committer.take());
+        assert!(b[..1000].iter().enumerate().all(|(i, &v)| v == i as u32));
+        assert!(b[1000..tail].iter().all(|&v| v == 0));
+        assert_eq!(b[tail], 7);
+        // A buffer dropped while its thread may still commit waits for it.
+        let mut big = HugeBuf::<u8>::zeroed(64 * HUGE_PAGE);
+        big.commit_to(usize::MAX);
+    }
+
+    /// Waits (up to a minute) until the `bytes` (whole pages) from `start` are resident, by
+    /// `mincore`.
+    #[cfg(target_os = "linux")]
+    fn wait_resident(start: usize, bytes: usize) {
+        let resident = || {
+            let mut pages = vec![0u8; bytes / PAGE];
+            // SAFETY: the range is whole pages of a live mapping, and `pages` has a byte for
+            // each of them.
+            let rc = unsafe { libc::mincore(start as *mut _, bytes, pages.as_mut_ptr()) };
+            assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+            pages.iter().filter(|&&p| p & 1 == 1).count() * PAGE
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while resident() < bytes {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} of {bytes} bytes resident",
+                resident()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
         }
     }
 }

@@ -125,6 +125,40 @@ fn import_of_a_suffix_extends_a_cached_prefix() {
 }
 
 #[test]
+fn an_import_spread_over_calls_by_layers_equals_one_import() {
+    let model = tiny();
+    let tokens = prompt(40, 3);
+    let mut src = engine_with(&model, 256);
+    let s = src.new_sequence();
+    let logits = src.prefill(s, &tokens).expect("prefill");
+    let want = decode(&mut src, s, logits.clone(), 8, &SamplingParams::default());
+    let suffix = src.export_kv(s, 16..40).expect("export");
+
+    let mut dst = engine_with(&model, 256);
+    let d = dst.new_sequence();
+    dst.prefill(d, &tokens[..16]).expect("prefix");
+    let n_layers = suffix.layout.n_layers;
+    for l in 0..n_layers {
+        assert_eq!(dst.seq_len(d).expect("len"), 16, "not yet part of it");
+        dst.import_kv_layers(d, &suffix, l..l + 1)
+            .expect("one layer");
+    }
+    assert_eq!(dst.seq_len(d).expect("len"), 40);
+    assert_eq!(dst.export_kv(d, 16..40).expect("re-export"), suffix);
+    assert_eq!(
+        decode(&mut dst, d, logits, 8, &SamplingParams::default()),
+        want
+    );
+    let e = dst.new_sequence();
+    dst.prefill(e, &tokens[..16]).expect("prefix");
+    assert!(
+        dst.import_kv_layers(e, &suffix, 0..n_layers + 1).is_err(),
+        "layers past the model's are refused"
+    );
+    assert_eq!(dst.seq_len(e).expect("len"), 16);
+}
+
+#[test]
 fn batched_decode_equals_each_sequence_alone() {
     for model in tinies() {
         for dtype in DTYPES {

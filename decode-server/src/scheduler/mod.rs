@@ -1,11 +1,12 @@
 //! The continuous-batching scheduler: one thread owns the engine and runs one batched decode step
 //! after another. New sequences join and finished or cancelled ones leave between steps; it never
 //! waits on a remote prefill, because a sequence only joins once its KV has arrived and been
-//! verified. An uncached suffix may instead be prefilled here (conditional disaggregation): a
-//! chunk per step, computed in the step's own forward pass (the weights are read once for
-//! both), each sized so that it adds about 0.6 of a plain step's time, so running streams keep
-//! their pace (their gaps grow by less than that share) while a prompt is computed. With
-//! nothing decoding, a prompt goes an engine chunk at a time.
+//! verified, and been copied into the pool a few layers per round ([`import`]). An uncached
+//! suffix may instead be prefilled here (conditional disaggregation): a chunk per step, computed
+//! in the step's own forward pass (the weights are read once for both), each sized so that it
+//! adds about 0.6 of a plain step's time, so running streams keep their pace (their gaps grow by
+//! less than that share) while a prompt is computed. With nothing decoding, a prompt goes an
+//! engine chunk at a time.
 //!
 //! At most `max_slots` sequences decode at once. A sequence takes its batch slot only once it
 //! holds its whole prompt's KV (pushed or computed here): one that is ready while every slot is
@@ -47,11 +48,13 @@ use crate::ticket::Ticket;
 
 mod handle;
 mod handoff;
+mod import;
 mod local;
 mod slots;
 
 pub use handle::SchedulerHandle;
 
+use import::Importing;
 use local::{PLAIN_STEP_EVERY, Prefilling};
 use slots::Slotless;
 
@@ -161,6 +164,8 @@ struct Scheduler {
     engine: Engine,
     shared: Arc<Shared>,
     opened: HashMap<Ticket, SeqId>,
+    /// Pushed KV being copied into the pool, a few layers per round.
+    importing: VecDeque<Importing>,
     /// First come, first computed: one chunk of the front one per round.
     prefilling: VecDeque<Prefilling>,
     active: HashMap<Ticket, Active>,
@@ -188,6 +193,7 @@ impl Scheduler {
             engine,
             shared,
             opened: HashMap::new(),
+            importing: VecDeque::new(),
             prefilling: VecDeque::new(),
             active: HashMap::new(),
             ready: Queue::default(),
@@ -206,7 +212,7 @@ impl Scheduler {
 
     fn run(mut self, rx: &mpsc::Receiver<Command>) {
         loop {
-            if self.active.is_empty() && self.prefilling.is_empty() {
+            if self.active.is_empty() && self.prefilling.is_empty() && self.importing.is_empty() {
                 // A stream parked on disk may wait a moment for its writes (`SETTLE_WAIT`).
                 let command = if self.ready.is_empty() {
                     rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected)
@@ -226,6 +232,7 @@ impl Scheduler {
                     Err(mpsc::TryRecvError::Disconnected) => return,
                 }
             }
+            self.import_some();
             self.fill_slots();
             if self.active.is_empty() {
                 self.prefill_alone();
@@ -275,6 +282,7 @@ impl Scheduler {
             Command::Start(start) => self.start(*start),
             Command::Cancel(ticket) => self.remove(ticket),
             Command::HandOff { ticket, reply } => {
+                self.finish_import(ticket);
                 let kept = self.hand_off(ticket);
                 // The reply goes before the sequence's event channel closes (`remove`), so the
                 // request reads it once its last events are read.
@@ -302,6 +310,11 @@ impl Scheduler {
         if let Some(a) = self.active.remove(&ticket) {
             let _ = self.engine.free(a.decoding.seq);
         }
+        if let Some(i) = self.importing.iter().position(|i| i.joining.ticket == ticket)
+            && let Some(i) = self.importing.remove(i)
+        {
+            let _ = self.engine.free(i.seq);
+        }
         if let Some(r) = self.ready.remove(ticket) {
             self.drop_slotless(r.item);
         }
@@ -326,14 +339,12 @@ impl Scheduler {
                 kv,
                 first_token,
                 first_logprobs,
-            } => match self.engine.import_kv(seq, &kv) {
-                Ok(()) => {
-                    let mut joining = joining;
-                    joining.stream.carry_logprobs(first_logprobs);
-                    self.join(seq, joining, first_token)
-                }
-                Err(e) => self.fail(seq, &joining.events, e),
-            },
+            } => {
+                let mut joining = joining;
+                joining.stream.carry_logprobs(first_logprobs);
+                let importing = Importing::new(seq, kv, first_token, joining);
+                self.importing.push_back(importing);
+            }
             Input::Local => match self.engine.seq_len(seq) {
                 Ok(done) => (self.prefilling).push_back(Prefilling::new(seq, joining, done)),
                 Err(e) => self.fail(seq, &joining.events, e),

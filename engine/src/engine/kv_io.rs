@@ -49,6 +49,19 @@ impl Engine {
     /// Appends imported KV to `seq`, which must hold exactly the tokens before the export's
     /// range. Everything is checked before the sequence changes.
     pub fn import_kv(&mut self, seq: SeqId, kv: &KvExport) -> Result<()> {
+        self.import_kv_layers(seq, kv, 0..kv.layout.n_layers)
+    }
+
+    /// Copies `layers` of an import into `seq`, so that a large import can be spread over
+    /// several calls between other work. The sequence's length grows to the export's end with
+    /// the call that copies the last layer; until then its new rows are reserved but not part of
+    /// it. Each call checks the whole export first, as [`Engine::import_kv`] does.
+    pub fn import_kv_layers(
+        &mut self,
+        seq: SeqId,
+        kv: &KvExport,
+        layers: Range<usize>,
+    ) -> Result<()> {
         let reject = |reason: String| Err(Error::KvImport { reason });
         if kv.layout != self.pool.layout() {
             return reject(format!(
@@ -77,18 +90,27 @@ impl Engine {
                 kv.layout.n_layers
             ));
         }
+        if layers.start > layers.end || layers.end > kv.layout.n_layers {
+            return reject(format!(
+                "layers {layers:?} are outside the model's {}",
+                kv.layout.n_layers
+            ));
+        }
         self.reserve(seq, kv.tokens.end)?;
         let blocks = self.seq(seq)?.blocks.clone();
         // A header-only import leaves the rows as they were: nothing reads them.
         if !kv.layout.header_only {
-            for (l, [k, v]) in kv.layers.iter().enumerate() {
+            for l in layers.clone() {
+                let [k, v] = &kv.layers[l];
                 self.pool
                     .import(&blocks, kv.tokens.clone(), l, KvKind::Key, k)?;
                 self.pool
                     .import(&blocks, kv.tokens.clone(), l, KvKind::Value, v)?;
             }
         }
-        if let Some(s) = self.seqs.get_mut(&seq) {
+        if layers.end == kv.layout.n_layers
+            && let Some(s) = self.seqs.get_mut(&seq)
+        {
             s.len = kv.tokens.end;
         }
         Ok(())
