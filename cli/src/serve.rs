@@ -78,7 +78,7 @@ pub(crate) struct WorkerArgs {
     #[arg(long, env = "TANDEM_KV_BUDGET_MB")]
     pub kv_budget_mb: Option<usize>,
     /// MiB of the KV pool's memory kept committed past what it has used so far, by a
-    /// low-priority thread, so that a KV pushed into blocks never used before does not stall
+    /// thread of its own, so that a KV pushed into blocks never used before does not stall
     /// the decode steps while the kernel commits its pages (0: each page on its first write).
     /// The pool's resident memory is what it has used plus this.
     #[arg(long, env = "TANDEM_KV_COMMIT_AHEAD_MB", default_value_t = 64)]

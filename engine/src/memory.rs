@@ -99,8 +99,8 @@ impl<T: Zeroable> HugeBuf<T> {
 }
 
 impl<T> HugeBuf<T> {
-    /// Has the pages of the first `bytes` bytes committed, on a thread of the buffer's own at
-    /// the lowest priority (started by the first call), without waiting; the values stay as
+    /// Has the pages of the first `bytes` bytes committed, on a thread of the buffer's own
+    /// (started by the first call), without waiting; the values stay as
     /// they are. Writes there then find their pages instead of faulting them in one by one
     /// ([`commit`] has the costs).
     pub fn commit_to(&mut self, bytes: usize) {
@@ -230,7 +230,10 @@ mod tests {
     #[test]
     fn committing_ahead_keeps_the_values_and_ends_with_the_buffer() {
         let mut b = HugeBuf::<u32>::zeroed(3 * HUGE_PAGE / 4 + 5);
-        b[..1000].iter_mut().enumerate().for_each(|(i, v)| *v = i as u32);
+        b[..1000]
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, v)| *v = i as u32);
         b.commit_to(usize::MAX);
         // Writes go on while the thread commits.
         let tail = b.len() - 1;

@@ -22,7 +22,7 @@ pub(super) struct Importing {
 
 /// Between two steps, copying pushed KV takes about this share of a plain step's time (at
 /// least one layer).
-const IMPORT_SHARE_OF_STEP: f64 = 0.25;
+const IMPORT_SHARE_OF_STEP: f64 = 0.1;
 
 impl Importing {
     /// `joining`'s stream already carries the first token's log-probabilities.

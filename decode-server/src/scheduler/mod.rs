@@ -310,7 +310,10 @@ impl Scheduler {
         if let Some(a) = self.active.remove(&ticket) {
             let _ = self.engine.free(a.decoding.seq);
         }
-        if let Some(i) = self.importing.iter().position(|i| i.joining.ticket == ticket)
+        if let Some(i) = self
+            .importing
+            .iter()
+            .position(|i| i.joining.ticket == ticket)
             && let Some(i) = self.importing.remove(i)
         {
             let _ = self.engine.free(i.seq);

@@ -86,6 +86,38 @@ impl Bench {
         max_tokens: usize,
         class: Class,
     ) -> tmpsc::Receiver<Event> {
+        self.start_with(prompt, max_tokens, class, |_, _| Input::Local)
+            .await
+    }
+
+    /// Starts a seeded stream whose prompt's KV is pushed, computed on an engine of its own as
+    /// a prefill node would; its events.
+    async fn start_pushed(
+        &mut self,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+    ) -> tmpsc::Receiver<Event> {
+        let model = self.model.clone();
+        self.start_with(prompt, max_tokens, BATCH, |prompt, stream| {
+            let mut engine = Engine::new(model.clone(), EngineConfig::default()).expect("engine");
+            let seq = engine.new_sequence();
+            let logits = engine.prefill(seq, prompt).expect("prefill");
+            Input::Kv {
+                kv: engine.export_kv(seq, 0..prompt.len()).expect("export"),
+                first_token: stream.sample(&model.tokenizer, &logits, prompt.len()),
+                first_logprobs: None,
+            }
+        })
+        .await
+    }
+
+    async fn start_with(
+        &mut self,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+        class: Class,
+        input: impl FnOnce(&[u32], &mut Stream) -> Input,
+    ) -> tmpsc::Receiver<Event> {
         let params = GenerateParams {
             sampling: SamplingParams {
                 temperature: 0.9,
@@ -96,7 +128,8 @@ impl Bench {
             min_tokens: max_tokens,
             ..GenerateParams::default()
         };
-        let stream = Stream::new(params, &self.model, &prompt).expect("stream");
+        let mut stream = Stream::new(params, &self.model, &prompt).expect("stream");
+        let input = input(&prompt, &mut stream);
         self.next += 1;
         let ticket = Ticket(self.next);
         let hashes =
@@ -114,10 +147,7 @@ impl Bench {
             stream,
             events,
         };
-        assert!(self.handle.start(Start {
-            input: Input::Local,
-            joining,
-        }));
+        assert!(self.handle.start(Start { input, joining }));
         rx
     }
 }
@@ -236,4 +266,33 @@ async fn nothing_is_paused_for_a_class_at_or_below_the_running_one() {
     assert!(second_tokens.len() <= 8, "{second_tokens:?}");
     assert!(read(&mut second, &mut second_tokens, usize::MAX).await);
     assert_eq!(b.shared.metrics.preemptions.get(), 0);
+}
+
+/// A pushed KV that lands while a stream decodes is copied between its steps (a share of a
+/// step per round), and the stream it starts gives the tokens it gives when imported at once on
+/// an idle node.
+#[tokio::test]
+async fn a_pushed_kv_imported_between_steps_gives_the_tokens_of_one_import() {
+    let at_once = {
+        let mut b = bench(u64::MAX, false);
+        let mut rx = b.start_pushed(prompt(40, 4), 30).await;
+        let mut tokens = Vec::new();
+        assert!(read(&mut rx, &mut tokens, usize::MAX).await);
+        assert_eq!(b.shared.metrics.kv_import_seconds.count(), 1, "one round");
+        tokens
+    };
+    let mut b = bench(u64::MAX, false);
+    let mut running = b.start(prompt(16, 5), 900, BATCH).await;
+    let mut before = Vec::new();
+    assert!(!read(&mut running, &mut before, 20).await);
+    let mut pushed = b.start_pushed(prompt(40, 4), 30).await;
+    let mut tokens = Vec::new();
+    // Its first token comes as it joins, with its KV in the pool; the slot is the running
+    // stream's until it ends.
+    assert!(!read(&mut pushed, &mut tokens, 1).await);
+    drain(&mut running, &mut before);
+    assert!(before.len() < 900, "the running stream ended first");
+    assert!(read(&mut pushed, &mut tokens, usize::MAX).await);
+    assert_eq!(tokens, at_once);
+    assert!(b.shared.metrics.kv_import_seconds.count() >= 1);
 }

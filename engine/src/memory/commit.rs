@@ -15,8 +15,9 @@ use std::thread::JoinHandle;
 
 use super::HUGE_PAGE;
 
-/// Commits pages of a mapping, from its start up to what it is asked, at the lowest priority.
-/// Dropping it stops the thread (within a 2 MiB piece) and waits for it: the mapping must
+/// Commits pages of a mapping, from its start up to what it is asked. It keeps the priority of
+/// the thread that started it: at a lower one it falls behind whenever the cores are busy,
+/// which is when the writer needs it ahead. Dropping it stops the thread (within a 2 MiB piece) and waits for it: the mapping must
 /// outlive it.
 pub(super) struct Committer {
     to: Option<mpsc::Sender<usize>>,
@@ -35,7 +36,6 @@ impl Committer {
         let thread = std::thread::Builder::new()
             .name("tandem-commit".into())
             .spawn(move || {
-                crate::cpu::lower_thread_priority(19);
                 let mut done = 0;
                 while let Ok(mut to) = asks.recv() {
                     to = asks.try_iter().fold(to, usize::max).min(mapped);
