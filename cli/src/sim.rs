@@ -20,7 +20,9 @@ use crate::simulate::SHIPPED_PROFILE;
 #[derive(Args, Debug)]
 pub(crate) struct SimArgs {
     /// Every node's flags, as `tandem prefill` and `tandem decode` take them (`--simulate`
-    /// defaults to `shipped` here, `--threads` is 1, and `--kv-spill-dir` is not taken).
+    /// defaults to `shipped` here, `--threads` is 1, `--kv-commit-ahead-mb` is 0: thousands of
+    /// nodes in one process commit their pools' pages as they use them, and `--kv-spill-dir`
+    /// is not taken).
     #[command(flatten)]
     worker: WorkerArgs,
     /// Simulated prefill nodes.
@@ -78,6 +80,7 @@ pub(crate) fn sim(args: &SimArgs) -> anyhow::Result<()> {
             model.clone(),
             EngineConfig {
                 threads: 1,
+                kv_commit_ahead_bytes: 0,
                 kv_header_only: args.kv_header_only,
                 ..worker.engine(&model, args.prefix_cache_mb << 20)
             },
@@ -88,6 +91,7 @@ pub(crate) fn sim(args: &SimArgs) -> anyhow::Result<()> {
     // Speculation drafts from a sequence's own text, which a simulated reply does not repeat.
     let engine = EngineConfig {
         threads: 1,
+        kv_commit_ahead_bytes: 0,
         kv_header_only: args.kv_header_only,
         speculate: tandem_engine::SpeculateConfig::off(),
         ..worker.engine(&model, usize::MAX)

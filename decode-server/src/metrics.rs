@@ -24,6 +24,7 @@ pub const HANDED_OFF_TOKENS: &str = "tandem_decode_handed_off_tokens";
 pub const PREEMPTIONS: &str = "tandem_decode_preemptions";
 pub const HELD_BACK_STEPS: &str = "tandem_decode_held_back_steps";
 pub const HELD_BACK_ROWS: &str = "tandem_decode_held_back_rows";
+pub const UNDRAFTED_ROWS: &str = "tandem_decode_undrafted_rows";
 pub const PARKED_STREAMS: &str = "tandem_decode_parked_streams";
 pub const PARKED_BYTES: &str = "tandem_decode_parked_bytes";
 pub const PARKED_DISK_BYTES: &str = "tandem_decode_parked_disk_bytes";
@@ -45,6 +46,8 @@ pub struct DecodeMetrics {
     /// slot, and those streams summed over the steps.
     pub held_back_steps: Counter,
     pub held_back_rows: Counter,
+    /// Rows of lower classes decoded without drafts beside an interactive stream.
+    pub undrafted_rows: Counter,
     pub step_seconds: Histogram,
     /// What copying a pushed KV into the pool took: the scheduler's time between two steps.
     pub kv_import_seconds: Histogram,
@@ -88,6 +91,7 @@ impl DecodeMetrics {
             steps: Counter::default(),
             held_back_steps: Counter::default(),
             held_back_rows: Counter::default(),
+            undrafted_rows: Counter::default(),
             step_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
             kv_import_seconds: Histogram::new(exponential_buckets(0.0001, 2.0, 14)),
             tokens: Counter::default(),
@@ -207,6 +211,12 @@ impl DecodeMetrics {
             "Batch-class streams left out of the steps beside an interactive stream, summed over \
              the steps (over held_back_steps: streams held per step)",
             self.held_back_rows.clone(),
+        );
+        registry.register(
+            UNDRAFTED_ROWS,
+            "Rows of lower-class streams decoded without speculative drafts (a token a step) \
+             beside an interactive stream, summed over the steps",
+            self.undrafted_rows.clone(),
         );
         registry.register(
             PREEMPTIONS,

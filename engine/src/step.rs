@@ -17,6 +17,9 @@ pub struct Decoding {
     /// The last accepted token, fed at the next step.
     pub next: u32,
     pub drafter: Drafter,
+    /// Whether the next steps may draft for it (with speculation on); a scheduler turns it off
+    /// to keep a sequence to one row a step. Its tokens are the same either way.
+    pub may_draft: bool,
 }
 
 impl Decoding {
@@ -27,6 +30,7 @@ impl Decoding {
             tokens,
             next,
             drafter: Drafter::default(),
+            may_draft: true,
         }
     }
 }
@@ -158,7 +162,7 @@ impl Engine {
             let room = (d.stream.remaining().saturating_sub(1))
                 .min(context_len.saturating_sub(d.tokens.len() + 1))
                 .min(spec.max_draft);
-            if room == 0 {
+            if room == 0 || !d.may_draft {
                 continue;
             }
             context.clear();

@@ -437,7 +437,7 @@ impl Scheduler {
     /// One batch step, with the next chunk of the oldest prompt being prefilled here in the
     /// same pass (but for one step in [`PLAIN_STEP_EVERY`], which measures a plain step).
     fn step(&mut self) {
-        self.count_held_back();
+        self.hold_back();
         let mut active: Vec<(Ticket, Active)> = self.active.drain().collect();
         let mut batch: Vec<&mut Decoding> =
             active.iter_mut().map(|(_, a)| &mut a.decoding).collect();

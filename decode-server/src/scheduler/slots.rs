@@ -74,12 +74,22 @@ impl Scheduler {
         }
     }
 
-    /// Counts a step taken beside an interactive stream while batch-ranked streams wait for a
-    /// slot (held back, or finding none free).
-    pub(super) fn count_held_back(&self) {
-        if !(self.active.values()).any(|a| a.standing.class == Class::Interactive) {
+    /// Beside an interactive stream, the streams of lower classes decode a token a step,
+    /// without drafts: a step's drafted rows lengthen it for every stream in it, and the
+    /// interactive one's gaps are the steps. Counts such steps' drafts held back, and a step
+    /// taken while batch-ranked streams wait for a slot (held back, or finding none free).
+    pub(super) fn hold_back(&mut self) {
+        let interactive = (self.active.values()).any(|a| a.standing.class == Class::Interactive);
+        for a in self.active.values_mut() {
+            a.decoding.may_draft = !interactive || a.standing.class == Class::Interactive;
+        }
+        if !interactive {
             return;
         }
+        let lower = (self.active.values())
+            .filter(|a| a.standing.class != Class::Interactive)
+            .count();
+        self.shared.metrics.undrafted_rows.inc_by(lower as u64);
         let now = tokio::time::Instant::now();
         let held = (self.ready.iter())
             .filter(|r| r.class_now(now) == Class::Batch)
