@@ -341,3 +341,59 @@ fn a_prompt_chunked_into_decode_steps_equals_its_own_prefill() {
         "the chunked prompt's logits differ from its own prefill's"
     );
 }
+
+/// A sequence kept from drafting (`may_draft` off) decodes a token a step beside one that
+/// drafts, and both give the tokens of a run without speculation.
+#[test]
+fn a_sequence_kept_from_drafting_steps_a_token_at_a_time_with_the_same_tokens() {
+    let model = ModelSource::TINY.load().expect("tiny");
+    // Prompts that repeat themselves, so the lookup finds drafts in them.
+    let prompts: Vec<Vec<u32>> = (0..2u32)
+        .map(|salt| (0..64).map(|i| 3 + (i % (5 + salt)) * 7).collect())
+        .collect();
+    let params = GenerateParams {
+        max_tokens: 80,
+        min_tokens: 80,
+        ..GenerateParams::default()
+    };
+    let run = |speculate: SpeculateConfig, may_draft: [bool; 2]| {
+        let mut engine = engine(&model, speculate);
+        let mut decodings: Vec<Decoding> = (prompts.iter().zip(may_draft))
+            .map(|(prompt, may_draft)| {
+                let seq = engine.new_sequence();
+                let logits = engine.prefill(seq, prompt).expect("prefill");
+                let mut stream = Stream::new(params.clone(), &model, prompt).expect("stream");
+                let first = stream.sample(&model.tokenizer, &logits, prompt.len());
+                let mut d = Decoding::new(seq, stream, prompt.clone(), first);
+                d.may_draft = may_draft;
+                d
+            })
+            .collect();
+        let mut tokens = vec![vec![]; 2];
+        let mut most_a_step = [0; 2];
+        let mut done = [false; 2];
+        while done.contains(&false) {
+            let (index, mut batch): (Vec<usize>, Vec<&mut Decoding>) = (decodings.iter_mut())
+                .enumerate()
+                .filter(|(i, _)| !done[*i])
+                .unzip();
+            let step = engine.decode_step(&mut batch).expect("step");
+            for (&i, emissions) in index.iter().zip(&step.emissions) {
+                most_a_step[i] = most_a_step[i].max(emissions.len());
+                tokens[i].extend(emissions.iter().filter_map(|e| e.token));
+                done[i] = emissions.iter().any(|e| e.finished.is_some());
+            }
+        }
+        let drafted = decodings
+            .iter()
+            .map(|d| d.drafter.drafted)
+            .collect::<Vec<_>>();
+        (tokens, most_a_step, drafted)
+    };
+    let (off, _, _) = run(SpeculateConfig::off(), [true, true]);
+    let (held, most_a_step, drafted) = run(SpeculateConfig::on(), [false, true]);
+    assert_eq!(held, off);
+    assert_eq!(most_a_step[0], 1, "the held sequence took a token a step");
+    assert_eq!(drafted[0], 0);
+    assert!(drafted[1] > 0, "the other one drafted");
+}
