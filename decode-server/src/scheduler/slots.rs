@@ -76,7 +76,7 @@ impl Scheduler {
 
     /// Beside an interactive stream, the streams of lower classes decode a token a step,
     /// without drafts: a step's drafted rows lengthen it for every stream in it, and the
-    /// interactive one's gaps are the steps. Counts such steps' drafts held back, and a step
+    /// interactive one's gaps are the steps. Counts the rows kept from drafting, and a step
     /// taken while batch-ranked streams wait for a slot (held back, or finding none free).
     pub(super) fn hold_back(&mut self) {
         let interactive = (self.active.values()).any(|a| a.standing.class == Class::Interactive);
