@@ -71,6 +71,7 @@ pub(crate) fn sim(args: &SimArgs) -> anyhow::Result<()> {
     }
     let worker = WorkerArgs {
         simulate: (args.worker.simulate.clone()).or_else(|| Some(SHIPPED_PROFILE.into())),
+        kv_commit_ahead_mb: 0,
         ..args.worker.clone()
     };
     let model = worker.load_model()?;
@@ -80,7 +81,6 @@ pub(crate) fn sim(args: &SimArgs) -> anyhow::Result<()> {
             model.clone(),
             EngineConfig {
                 threads: 1,
-                kv_commit_ahead_bytes: 0,
                 kv_header_only: args.kv_header_only,
                 ..worker.engine(&model, args.prefix_cache_mb << 20)
             },
@@ -91,7 +91,6 @@ pub(crate) fn sim(args: &SimArgs) -> anyhow::Result<()> {
     // Speculation drafts from a sequence's own text, which a simulated reply does not repeat.
     let engine = EngineConfig {
         threads: 1,
-        kv_commit_ahead_bytes: 0,
         kv_header_only: args.kv_header_only,
         speculate: tandem_engine::SpeculateConfig::off(),
         ..worker.engine(&model, usize::MAX)

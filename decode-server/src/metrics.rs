@@ -49,7 +49,8 @@ pub struct DecodeMetrics {
     /// Rows of lower classes decoded without drafts beside an interactive stream.
     pub undrafted_rows: Counter,
     pub step_seconds: Histogram,
-    /// What copying a pushed KV into the pool took: the scheduler's time between two steps.
+    /// The scheduler's time between two steps spent copying pushed KV into the pool (a round of
+    /// imports).
     pub kv_import_seconds: Histogram,
     pub tokens: Counter,
     /// Blocks the session cache keeps (some may be in use by running sequences too).
@@ -144,7 +145,7 @@ impl DecodeMetrics {
         );
         registry.register(
             KV_IMPORT_SECONDS,
-            "Time the scheduler spent copying a pushed KV into the pool, between two steps",
+            "Time the scheduler spent between two steps copying pushed KV into the pool",
             m.kv_import_seconds.clone(),
         );
         registry.register(TOKENS, "Tokens generated", m.tokens.clone());

@@ -256,9 +256,7 @@ impl Engine {
             ..model.config.kv_layout(config.kv_dtype)
         };
         let mut pool = KvPool::new(layout, config.kv_budget_bytes);
-        if !layout.header_only {
-            pool.commit_ahead(config.kv_commit_ahead_bytes);
-        }
+        pool.commit_ahead(config.kv_commit_ahead_bytes);
         let cache_blocks =
             (config.prefix_cache_bytes / pool.layout().block_bytes()).min(pool.total_blocks());
         let spill_stats = Arc::new(SpillStats::default());

@@ -198,9 +198,10 @@ impl KvPool {
     /// Keeps the pages of `bytes` past the blocks taken so far committed, on a thread of the
     /// pool's own, so that a sequence given blocks never used before (a pushed KV of tens of
     /// MB imported between two steps) writes to pages already there ([`HugeBuf::commit_to`]).
-    /// 0 (the default) leaves pages to be committed by their first write.
+    /// 0 (the default) leaves pages to be committed by their first write, as does a
+    /// header-only layout, whose rows nothing writes.
     pub fn commit_ahead(&mut self, bytes: usize) {
-        self.commit_ahead = bytes;
+        self.commit_ahead = if self.layout.header_only { 0 } else { bytes };
         self.commit_fresh();
     }
 

@@ -100,9 +100,8 @@ impl<T: Zeroable> HugeBuf<T> {
 
 impl<T> HugeBuf<T> {
     /// Has the pages of the first `bytes` bytes committed, on a thread of the buffer's own
-    /// (started by the first call), without waiting; the values stay as
-    /// they are. Writes there then find their pages instead of faulting them in one by one
-    /// ([`commit`] has the costs).
+    /// (started by the first call), without waiting; the values stay as they are. Writes there
+    /// then find their pages instead of faulting them in one by one ([`commit`] has the costs).
     pub fn commit_to(&mut self, bytes: usize) {
         let bytes = bytes.min(self.mapped).next_multiple_of(PAGE);
         if bytes == 0 {

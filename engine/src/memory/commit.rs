@@ -17,8 +17,8 @@ use super::HUGE_PAGE;
 
 /// Commits pages of a mapping, from its start up to what it is asked. It keeps the priority of
 /// the thread that started it: at a lower one it falls behind whenever the cores are busy,
-/// which is when the writer needs it ahead. Dropping it stops the thread (within a 2 MiB piece) and waits for it: the mapping must
-/// outlive it.
+/// which is when the writer needs it ahead. Dropping it stops the thread (within a 2 MiB piece)
+/// and waits for it: the mapping must outlive it.
 pub(super) struct Committer {
     to: Option<mpsc::Sender<usize>>,
     stop: Arc<AtomicBool>,
