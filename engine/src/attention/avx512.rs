@@ -188,12 +188,17 @@ mod x86 {
                     add(add(s[0], s[1]), add(s[2], s[3])),
                     add(add(s[4], s[5]), add(s[6], s[7])),
                 );
-                // A key alone: ((s0+s4)+(s1+s5)) + ((s2+s6)+(s3+s7)).
-                let single = add(
-                    add(add(s[0], s[4]), add(s[1], s[5])),
-                    add(add(s[2], s[6]), add(s[3], s[7])),
-                );
-                let dots = _mm512_mask_blend_ps(alone, grouped, single);
+                // A key alone: ((s0+s4)+(s1+s5)) + ((s2+s6)+(s3+s7)), only in a block's
+                // last keys.
+                let dots = if alone == 0 {
+                    grouped
+                } else {
+                    let single = add(
+                        add(add(s[0], s[4]), add(s[1], s[5])),
+                        add(add(s[2], s[6]), add(s[3], s[7])),
+                    );
+                    _mm512_mask_blend_ps(alone, grouped, single)
+                };
                 let scores = _mm512_mul_ps(dots, _mm512_set1_ps(scale));
                 _mm512_mask_storeu_ps(out.as_mut_ptr().add(j * stride), stored, scores);
             }

@@ -4,9 +4,9 @@
 //! forward pass just wrote, so the result for a position does not depend on how the prompt was
 //! chunked or on which other sequences share the batch.
 //!
-//! The pool's rows (f16, or int8 with a scale) are converted to f32 one block at a time, into a
-//! per-thread buffer of 16 rows per KV head that stays in L1, once for all the rows of a prompt
-//! taken together; nothing else of the cache is copied.
+//! The pool's rows (f16, or int8 with a scale) are converted to f32 a block at a time (values a
+//! few blocks at a time), into a per-thread buffer that stays in cache, once for all the rows of
+//! a prompt taken together; nothing else of the cache is copied.
 
 use std::ops::Range;
 
@@ -58,6 +58,9 @@ thread_local! {
 /// Slabs (all of a block's `kv_heads`, keys or values) requested this many reads ahead.
 const PREFETCH_AHEAD: usize = 4;
 
+/// Blocks whose values one call of the accumulation takes together: its accumulators stay in
+/// registers over this many blocks' tokens.
+const VALUE_RUN: usize = 4;
 /// Queries per call at most ([`tile_rows`]).
 const MAX_TILE: usize = 16;
 /// The scores a call may hold: 16 MB of f32 per thread, so that a long prompt's rows still
@@ -114,7 +117,8 @@ fn attend_in(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32], s: &mut Scratch) 
     // Every score is written below (each query's visible blocks cover its span), so what the
     // buffer held before is not cleared.
     s.scores.resize(total, 0.0);
-    s.buf.resize(g.kv_heads.len() * slab, 0.0);
+    let run_slab = VALUE_RUN * slab;
+    s.buf.resize(g.kv_heads.len() * run_slab, 0.0);
     // Read `i` of the 2·n_blocks: keys of every block, then values of every block.
     let read = |i: usize| {
         let kind = if i < n_blocks {
@@ -126,20 +130,16 @@ fn attend_in(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32], s: &mut Scratch) 
         pool.slabs(block, g.layer, kind, g.kv_heads.clone())
     };
     // The rows of each KV head's slab that some query sees, converted to f32 in `buf`:
-    // `[head][token][hd]`.
-    let load = |i: usize, buf: &mut [f32]| {
+    // `[head][token][hd]`, each head's rows `stride` values after the last's.
+    let load = |i: usize, buf: &mut [f32], stride: usize| {
         if i + PREFETCH_AHEAD < 2 * n_blocks {
             prefetch(read(i + PREFETCH_AHEAD));
         }
         let n = (n_keys - (lo + i % n_blocks) * BLOCK_TOKENS).min(BLOCK_TOKENS);
         let slab_bytes = BLOCK_TOKENS * row_bytes;
-        for (src, dst) in read(i)
-            .chunks_exact(slab_bytes)
-            .zip(buf.chunks_exact_mut(slab))
-        {
-            layout
-                .dtype
-                .decode_rows(hd, &src[..n * row_bytes], &mut dst[..n * hd]);
+        for (h, src) in read(i).chunks_exact(slab_bytes).enumerate() {
+            let dst = &mut buf[h * stride..][..n * hd];
+            layout.dtype.decode_rows(hd, &src[..n * row_bytes], dst);
         }
     };
     for i in 0..PREFETCH_AHEAD.min(2 * n_blocks) {
@@ -149,7 +149,7 @@ fn attend_in(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32], s: &mut Scratch) 
     let wide_scores = qs.len() >= avx512::SCORES_ROWS && avx512::scores_fit(hd);
     s.transposed.resize(g.kv_heads.len() * slab, 0.0);
     for bi in 0..n_blocks {
-        load(bi, &mut s.buf);
+        load(bi, &mut s.buf, slab);
         let b = lo + bi;
         if wide_scores {
             avx512::transpose(&s.buf, hd, &mut s.transposed);
@@ -172,26 +172,37 @@ fn attend_in(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32], s: &mut Scratch) 
     }
     for (q, &off) in qs.iter().zip(&s.offsets) {
         let masked = q.first_key - first_block(q) * BLOCK_TOKENS;
-        for row in s.scores[off..off + heads * span(q)].chunks_exact_mut(span(q)) {
+        let rows = &mut s.scores[off..off + heads * span(q)];
+        for row in rows.chunks_exact_mut(span(q)) {
             row[..masked].fill(f32::NEG_INFINITY);
-            softmax(row);
         }
+        softmax_rows(rows, span(q));
     }
     out.fill(0.0);
     let wide = avx512::accumulates(hd);
-    for bi in 0..n_blocks {
-        load(n_blocks + bi, &mut s.buf);
-        let b = lo + bi;
+    // The values [`VALUE_RUN`] blocks at a time, each head's in one run of `buf`.
+    for r0 in (0..n_blocks).step_by(VALUE_RUN) {
+        let r1 = (r0 + VALUE_RUN).min(n_blocks);
+        for bi in r0..r1 {
+            load(n_blocks + bi, &mut s.buf[(bi - r0) * slab..], run_slab);
+        }
+        let first = (lo + r0) * BLOCK_TOKENS;
         for ((q, &off), o) in qs
             .iter()
             .zip(&s.offsets)
             .zip(out.chunks_exact_mut(heads * hd))
         {
-            let Some(n) = visible(q, b) else { continue };
-            let at = off + (b - first_block(q)) * BLOCK_TOKENS;
+            // The keys of the run that it sees.
+            let from = first.max(first_block(q) * BLOCK_TOKENS);
+            let to = q.n_keys.min((lo + r1) * BLOCK_TOKENS);
+            if from >= to {
+                continue;
+            }
+            let n = to - from;
+            let at = off + from - first_block(q) * BLOCK_TOKENS;
             // The heads of each KV head together, so that each value is read once for all.
             for (g, og) in o.chunks_exact_mut(per_kv * hd).enumerate() {
-                let values = &s.buf[g * slab..][..n * hd];
+                let values = &s.buf[g * run_slab + (from - first) * hd..][..n * hd];
                 let p = &s.scores[at + g * per_kv * span(q)..];
                 if wide {
                     avx512::accumulate_heads(p, span(q), n, values, og);
@@ -222,17 +233,79 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-pub fn softmax(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    for v in x.iter_mut() {
-        *v -= max;
+/// Rows whose sums run side by side in [`softmax_rows`]: a chain of adds waits a whole add's
+/// latency for each term, and this many chains keep the adders busy instead.
+const SUM_CHAINS: usize = 8;
+
+/// The softmax of each `len`-long row of `rows`: `e^(x - max)` over the row's sum, the sum one
+/// chain of adds in key order whatever the other rows are (so a prompt row and a decode step
+/// agree), up to [`SUM_CHAINS`] rows' chains interleaved.
+pub fn softmax_rows(rows: &mut [f32], len: usize) {
+    if len == 0 {
+        return;
     }
-    crate::math::exp_in_place(x);
-    let sum: f32 = x.iter().sum();
-    let inv = 1.0 / sum;
-    for v in x.iter_mut() {
-        *v *= inv;
+    // Groups of as even a size as can be (14 rows: two of 7, not 8 and 6).
+    let n_rows = rows.len() / len;
+    let per_group = n_rows.div_ceil(n_rows.div_ceil(SUM_CHAINS).max(1));
+    for group in rows.chunks_mut(per_group.max(1) * len) {
+        for row in group.chunks_exact_mut(len) {
+            let max = max(row);
+            for v in row.iter_mut() {
+                *v -= max;
+            }
+            crate::math::exp_in_place(row);
+        }
+        let mut sums = [0f32; SUM_CHAINS];
+        let mut put = |got: &[f32]| sums[..got.len()].copy_from_slice(got);
+        match group.len() / len {
+            8 => put(&chains::<8>(group, len)),
+            7 => put(&chains::<7>(group, len)),
+            6 => put(&chains::<6>(group, len)),
+            5 => put(&chains::<5>(group, len)),
+            4 => put(&chains::<4>(group, len)),
+            3 => put(&chains::<3>(group, len)),
+            2 => put(&chains::<2>(group, len)),
+            _ => put(&chains::<1>(group, len)),
+        }
+        const { assert!(SUM_CHAINS == 8) };
+        for (row, sum) in group.chunks_exact_mut(len).zip(sums) {
+            let inv = 1.0 / sum;
+            for v in row.iter_mut() {
+                *v *= inv;
+            }
+        }
     }
+}
+
+/// The largest of `x` (NaN aside), in 16 lanes: the largest does not depend on the order in
+/// which it was found (but for the sign of a zero, which `x - max` does not see).
+fn max(x: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let chunks = x.chunks_exact(16);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            *m = m.max(v);
+        }
+    }
+    lanes
+        .iter()
+        .chain(rest)
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// The sums of `R` rows of `len`, each a chain of adds in order (the bits of `iter().sum()`),
+/// the `R` chains interleaved.
+fn chains<const R: usize>(rows: &[f32], len: usize) -> [f32; R] {
+    let rows: [&[f32]; R] = std::array::from_fn(|r| &rows[r * len..][..len]);
+    let mut sums = [0f32; R];
+    for j in 0..len {
+        for (s, row) in sums.iter_mut().zip(&rows) {
+            *s += row[j];
+        }
+    }
+    sums
 }
 
 #[cfg(test)]

@@ -147,9 +147,10 @@ fn a_window_sees_only_its_keys() {
 /// and without a window (whose first key moves with the position), on both dtypes.
 #[test]
 fn a_tile_of_queries_equals_each_alone() {
-    let (hd, n) = (64, 45);
+    // 150 keys: three runs of blocks for the values; windows inside one run and across two.
+    let (hd, n) = (64, 150);
     for dtype in [KvDtype::F16, KvDtype::Q8] {
-        for window in [None, Some(20)] {
+        for window in [None, Some(20), Some(70)] {
             let (pool, blocks) = filled_pool(dtype, hd, n);
             let q: Vec<f32> = (0..n * 2 * hd).map(|i| (i as f32 * 0.37).sin()).collect();
             let query = |p: usize| Query {
@@ -228,7 +229,8 @@ fn check_against_naive(dtype: KvDtype, hd: usize, n: usize, first: usize) {
             .iter()
             .map(|k| (0..hd).map(|d| qh[d] * k[d]).sum::<f32>() / (hd as f32).sqrt())
             .collect();
-        softmax(&mut s);
+        let len = s.len();
+        softmax_rows(&mut s, len);
         for d in 0..hd {
             let want: f32 = (first..n).map(|p| s[p - first] * values[p][d]).sum();
             let got = out[h * hd + d];
@@ -237,5 +239,65 @@ fn check_against_naive(dtype: KvDtype, hd: usize, n: usize, first: usize) {
                 "{dtype:?} hd {hd} keys {first}..{n} head {h} dim {d}: {got} vs {want}"
             );
         }
+    }
+}
+
+#[test]
+fn rows_side_by_side_give_each_rows_own_softmax() {
+    // Each row alone, the arithmetic spelled out: a max, `e^(x - max)`, one chain of adds.
+    let alone = |x: &mut [f32]| {
+        let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        x.iter_mut().for_each(|v| *v = crate::math::exp(*v - max));
+        let sum: f32 = x.iter().sum();
+        x.iter_mut().for_each(|v| *v *= 1.0 / sum);
+    };
+    for len in [1, 5, 16, 17, 100, 1000] {
+        for rows in [1, 7, 8, 9, 14, 17] {
+            let mut x: Vec<f32> = (0..rows * len)
+                .map(|i| ((i * 7919 % 1013) as f32 * 0.37).sin() * 12.0)
+                .collect();
+            // A masked prefix, as a sliding window leaves it.
+            x[..len / 3].fill(f32::NEG_INFINITY);
+            let mut want = x.clone();
+            want.chunks_exact_mut(len).for_each(alone);
+            softmax_rows(&mut x, len);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&x), bits(&want), "{rows} rows of {len}");
+        }
+    }
+}
+
+/// Values accumulated over a run of blocks in one call equal the same blocks one call each, bit
+/// for bit (the accumulators go through memory between calls, in the same order): on the
+/// 512-bit path where the CPU has it and on the narrow one.
+#[test]
+fn a_run_of_blocks_accumulates_as_block_by_block() {
+    let (hd, heads, n) = (64, 7, 3 * BLOCK_TOKENS + 5);
+    let stride = n + 3;
+    let scores: Vec<f32> = (0..heads * stride)
+        .map(|i| (i as f32 * 0.13).sin())
+        .collect();
+    let values: Vec<f32> = (0..n * hd).map(|i| (i as f32 * 0.029).cos()).collect();
+    let start: Vec<f32> = (0..heads * hd).map(|i| (i as f32 * 0.07).sin()).collect();
+    type Kernel = fn(&[f32], usize, usize, &[f32], &mut [f32]);
+    let mut kernels: Vec<(&str, Kernel)> = vec![("narrow", narrow::accumulate_heads)];
+    if avx512::accumulates(hd) {
+        kernels.push(("512-bit", avx512::accumulate_heads));
+    }
+    for (name, kernel) in kernels {
+        let mut run = start.clone();
+        kernel(&scores, stride, n, &values, &mut run);
+        let mut blocks = start.clone();
+        for t0 in (0..n).step_by(BLOCK_TOKENS) {
+            let m = (n - t0).min(BLOCK_TOKENS);
+            kernel(
+                &scores[t0..],
+                stride,
+                m,
+                &values[t0 * hd..][..m * hd],
+                &mut blocks,
+            );
+        }
+        assert_eq!(run, blocks, "{name}");
     }
 }
