@@ -295,8 +295,8 @@ fn max(x: &[f32]) -> f32 {
         .fold(f32::NEG_INFINITY, f32::max)
 }
 
-/// The sums of `R` rows of `len`, each a chain of adds in order (the bits of `iter().sum()`),
-/// the `R` chains interleaved.
+/// The sums of `R` rows of `len`, each a chain of adds in order from zero (for the non-negative
+/// terms here, the bits of `iter().sum()`), the `R` chains interleaved.
 fn chains<const R: usize>(rows: &[f32], len: usize) -> [f32; R] {
     let rows: [&[f32]; R] = std::array::from_fn(|r| &rows[r * len..][..len]);
     let mut sums = [0f32; R];
