@@ -100,10 +100,12 @@ fn attend_in(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32], s: &mut Scratch) 
     // per head, the keys before `first_key` in that block masked out.
     let first_block = |q: &Query<'_>| q.first_key / BLOCK_TOKENS;
     let span = |q: &Query<'_>| q.n_keys - first_block(q) * BLOCK_TOKENS;
-    // Its keys in (absolute) block `b`, if it sees any there.
-    let visible = |q: &Query<'_>, b: usize| {
-        (first_block(q) <= b && b * BLOCK_TOKENS < q.n_keys)
-            .then(|| (q.n_keys - b * BLOCK_TOKENS).min(BLOCK_TOKENS))
+    // Its keys in (absolute) blocks `bs`, if it sees any there: from the start of the block
+    // holding its first visible key on, up to its own position.
+    let seen = |q: &Query<'_>, bs: Range<usize>| {
+        let from = bs.start.max(first_block(q)) * BLOCK_TOKENS;
+        let to = q.n_keys.min(bs.end * BLOCK_TOKENS);
+        (from < to).then_some(from..to)
     };
     let lo = qs.iter().map(first_block).min().unwrap_or(0);
     let n_keys = qs.iter().map(|q| q.n_keys).max().unwrap_or(0);
@@ -155,8 +157,13 @@ fn attend_in(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32], s: &mut Scratch) 
             avx512::transpose(&s.buf, hd, &mut s.transposed);
         }
         for (q, &off) in qs.iter().zip(&s.offsets) {
-            let Some(n) = visible(q, b) else { continue };
-            let at = off + (b - first_block(q)) * BLOCK_TOKENS;
+            let Some(visible) = seen(q, b..b + 1) else {
+                continue;
+            };
+            let (n, at) = (
+                visible.len(),
+                off + visible.start - first_block(q) * BLOCK_TOKENS,
+            );
             // The heads that share a KV head together, each key row read once for several.
             for (g, qg) in q.q.chunks_exact(per_kv * hd).enumerate() {
                 let scores = &mut s.scores[at + g * per_kv * span(q)..];
@@ -192,17 +199,16 @@ fn attend_in(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32], s: &mut Scratch) 
             .zip(&s.offsets)
             .zip(out.chunks_exact_mut(heads * hd))
         {
-            // The keys of the run that it sees.
-            let from = first.max(first_block(q) * BLOCK_TOKENS);
-            let to = q.n_keys.min((lo + r1) * BLOCK_TOKENS);
-            if from >= to {
+            let Some(visible) = seen(q, lo + r0..lo + r1) else {
                 continue;
-            }
-            let n = to - from;
-            let at = off + from - first_block(q) * BLOCK_TOKENS;
+            };
+            let (n, at) = (
+                visible.len(),
+                off + visible.start - first_block(q) * BLOCK_TOKENS,
+            );
             // The heads of each KV head together, so that each value is read once for all.
             for (g, og) in o.chunks_exact_mut(per_kv * hd).enumerate() {
-                let values = &s.buf[g * run_slab + (from - first) * hd..][..n * hd];
+                let values = &s.buf[g * run_slab + (visible.start - first) * hd..][..n * hd];
                 let p = &s.scores[at + g * per_kv * span(q)..];
                 if wide {
                     avx512::accumulate_heads(p, span(q), n, values, og);
@@ -241,13 +247,13 @@ const SUM_CHAINS: usize = 8;
 /// chain of adds in key order whatever the other rows are (so a prompt row and a decode step
 /// agree), up to [`SUM_CHAINS`] rows' chains interleaved.
 pub fn softmax_rows(rows: &mut [f32], len: usize) {
-    if len == 0 {
+    if len == 0 || rows.is_empty() {
         return;
     }
     // Groups of as even a size as can be (14 rows: two of 7, not 8 and 6).
     let n_rows = rows.len() / len;
-    let per_group = n_rows.div_ceil(n_rows.div_ceil(SUM_CHAINS).max(1));
-    for group in rows.chunks_mut(per_group.max(1) * len) {
+    let per_group = n_rows.div_ceil(n_rows.div_ceil(SUM_CHAINS));
+    for group in rows.chunks_mut(per_group * len) {
         for row in group.chunks_exact_mut(len) {
             let max = max(row);
             for v in row.iter_mut() {
@@ -256,16 +262,15 @@ pub fn softmax_rows(rows: &mut [f32], len: usize) {
             crate::math::exp_in_place(row);
         }
         let mut sums = [0f32; SUM_CHAINS];
-        let mut put = |got: &[f32]| sums[..got.len()].copy_from_slice(got);
         match group.len() / len {
-            8 => put(&chains::<8>(group, len)),
-            7 => put(&chains::<7>(group, len)),
-            6 => put(&chains::<6>(group, len)),
-            5 => put(&chains::<5>(group, len)),
-            4 => put(&chains::<4>(group, len)),
-            3 => put(&chains::<3>(group, len)),
-            2 => put(&chains::<2>(group, len)),
-            _ => put(&chains::<1>(group, len)),
+            8 => chains::<8>(group, len, &mut sums),
+            7 => chains::<7>(group, len, &mut sums),
+            6 => chains::<6>(group, len, &mut sums),
+            5 => chains::<5>(group, len, &mut sums),
+            4 => chains::<4>(group, len, &mut sums),
+            3 => chains::<3>(group, len, &mut sums),
+            2 => chains::<2>(group, len, &mut sums),
+            _ => chains::<1>(group, len, &mut sums),
         }
         const { assert!(SUM_CHAINS == 8) };
         for (row, sum) in group.chunks_exact_mut(len).zip(sums) {
@@ -295,17 +300,16 @@ fn max(x: &[f32]) -> f32 {
         .fold(f32::NEG_INFINITY, f32::max)
 }
 
-/// The sums of `R` rows of `len`, each a chain of adds in order from zero (for the non-negative
-/// terms here, the bits of `iter().sum()`), the `R` chains interleaved.
-fn chains<const R: usize>(rows: &[f32], len: usize) -> [f32; R] {
+/// The sums of `R` rows of `len` into `sums[..R]`, each a chain of adds in order from zero (for
+/// the non-negative terms here, the bits of `iter().sum()`), the `R` chains interleaved.
+fn chains<const R: usize>(rows: &[f32], len: usize, sums: &mut [f32]) {
     let rows: [&[f32]; R] = std::array::from_fn(|r| &rows[r * len..][..len]);
-    let mut sums = [0f32; R];
+    let sums: &mut [f32; R] = (&mut sums[..R]).try_into().expect("R sums");
     for j in 0..len {
         for (s, row) in sums.iter_mut().zip(&rows) {
             *s += row[j];
         }
     }
-    sums
 }
 
 #[cfg(test)]
