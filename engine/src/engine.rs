@@ -27,6 +27,9 @@ use tandem_tokenizer::Tokenizer;
 
 mod cache;
 mod kv_io;
+mod layered;
+
+pub use layered::Layered;
 
 /// A loaded model, shareable between engines.
 #[derive(Debug)]

@@ -38,7 +38,7 @@ mod tokenizer_gguf;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-pub use engine::{Compute, Engine, EngineConfig, KvExport, Model, Reused, SeqId};
+pub use engine::{Compute, Engine, EngineConfig, KvExport, Layered, Model, Reused, SeqId};
 pub use error::{Error, Result};
 pub use generate::{GenerateOutput, GenerateRequest};
 pub use grammar::Grammar;

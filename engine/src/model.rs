@@ -132,8 +132,92 @@ pub fn forward(
     rows: &[Row<'_>],
     buffer: Vec<f32>,
 ) -> Logits {
-    let n = rows.len();
-    let (h, qd, kvd, hd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+    let mut scratch = Scratch::new(cfg, rows.len());
+    let shape = Shape::new(cfg, rows);
+    let mut hidden = embed(cfg, w, rows, &mut scratch);
+    for li in 0..w.layers.len() {
+        layer(cfg, w, pool, (rows, &shape), li, &mut hidden, &mut scratch);
+    }
+    logits(cfg, w, rows, &hidden.x, buffer)
+}
+
+/// Rows' state between layers: their residual stream `x`, and the next layer's normed input
+/// quantized (`acts_h`).
+#[derive(Debug)]
+pub(crate) struct Hidden {
+    pub x: Vec<f32>,
+    acts_h: Vec<BlockQ8_1>,
+}
+
+/// A layer's working buffers for up to `rows` rows, reused from layer to layer (and by a
+/// prompt computed a layer at a time, from piece to piece): fresh ones would be mapped and
+/// faulted in each time, tens of MB for a prompt chunk.
+#[derive(Debug)]
+pub(crate) struct Scratch {
+    rows: usize,
+    xn: Vec<f32>,
+    acts_f: Vec<BlockQ8_1>,
+    qkv: Vec<f32>,
+    attn: Vec<f32>,
+    acts_q: Vec<BlockQ8_1>,
+    proj: Vec<f32>,
+    gate_up: Vec<f32>,
+    ffn_act: Vec<f32>,
+}
+
+impl Scratch {
+    pub(crate) fn new(cfg: &ModelConfig, rows: usize) -> Self {
+        let n = rows;
+        let (h, qd, kvd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim());
+        Self {
+            rows,
+            xn: vec![0f32; n * h],
+            acts_f: vec![bytemuck::Zeroable::zeroed(); n * cfg.ffn / QK],
+            qkv: vec![0f32; n * (qd + 2 * kvd)],
+            attn: vec![0f32; n * qd],
+            acts_q: vec![bytemuck::Zeroable::zeroed(); n * qd / QK],
+            proj: vec![0f32; n * h],
+            gate_up: vec![0f32; n * 2 * cfg.ffn],
+            ffn_act: vec![0f32; n * cfg.ffn],
+        }
+    }
+}
+
+/// What a set of rows needs in every layer: their rotary tables, and how attention shares
+/// them out (one task per tile of a prompt's consecutive rows, or per row and KV head when the
+/// rows are too few to share out).
+#[derive(Debug)]
+pub(crate) struct Shape {
+    rope_global: Vec<(Vec<f32>, Vec<f32>)>,
+    rope_local: Option<Vec<(Vec<f32>, Vec<f32>)>>,
+    parts: usize,
+    tiles: Vec<Range<usize>>,
+}
+
+impl Shape {
+    pub(crate) fn new(cfg: &ModelConfig, rows: &[Row<'_>]) -> Self {
+        let n = rows.len();
+        let parts = if n >= rayon::current_num_threads() {
+            1
+        } else {
+            cfg.n_kv_heads
+        };
+        Self {
+            rope_global: rope_tables(cfg.rope_theta, cfg.head_dim, rows),
+            rope_local: (cfg.sliding_window.as_ref())
+                .map(|sw| rope_tables(sw.rope_theta, cfg.head_dim, rows)),
+            parts,
+            tiles: match parts {
+                1 => attention_tiles(rows, cfg.n_heads),
+                _ => (0..n).map(|r| r..r + 1).collect(),
+            },
+        }
+    }
+}
+
+/// The rows' embeddings, normed and quantized for the first layer.
+pub(crate) fn embed(cfg: &ModelConfig, w: &Weights, rows: &[Row<'_>], s: &mut Scratch) -> Hidden {
+    let (n, h) = (rows.len(), cfg.hidden);
     let mut x = vec![0f32; n * h];
     for (r, xr) in rows.iter().zip(x.chunks_exact_mut(h)) {
         w.embed.dequantize_row(r.token as usize, xr);
@@ -141,121 +225,106 @@ pub fn forward(
             xr.iter_mut().for_each(|v| *v *= scale);
         }
     }
-    let rope_global = rope_tables(cfg.rope_theta, cfg.head_dim, rows);
-    let rope_local = cfg
-        .sliding_window
-        .as_ref()
-        .map(|sw| rope_tables(sw.rope_theta, cfg.head_dim, rows));
-    let qkv_w = qd + 2 * kvd;
-    let mut xn = vec![0f32; n * h];
     let mut acts_h = vec![bytemuck::Zeroable::zeroed(); n * h / QK];
-    let mut acts_f = vec![bytemuck::Zeroable::zeroed(); n * cfg.ffn / QK];
-    let mut qkv = vec![0f32; n * qkv_w];
-    let mut attn = vec![0f32; n * qd];
-    let mut acts_q = vec![bytemuck::Zeroable::zeroed(); n * qd / QK];
-    let mut proj = vec![0f32; n * h];
-    let mut gate_up = vec![0f32; n * 2 * cfg.ffn];
-    let mut ffn_act = vec![0f32; n * cfg.ffn];
-
-    // Attention runs one task per tile of a prompt's consecutive rows, or per row and KV head
-    // when the rows are too few to share out.
-    let parts = if n >= rayon::current_num_threads() {
-        1
-    } else {
-        cfg.n_kv_heads
-    };
-    let (kv_per_part, q_per_part) = (cfg.n_kv_heads / parts, qd / parts);
-    let tiles = match parts {
-        1 => attention_tiles(rows, cfg.n_heads),
-        _ => (0..n).map(|r| r..r + 1).collect(),
-    };
-
     if let Some(first) = w.layers.first() {
-        add_norm_quantize(
-            &mut x,
-            None,
-            &first.attn_norm,
-            cfg.rms_eps,
-            &mut xn,
-            &mut acts_h,
-        );
+        let xn = &mut s.xn[..n * h];
+        add_norm_quantize(&mut x, None, &first.attn_norm, cfg.rms_eps, xn, &mut acts_h);
     }
-    for (li, lw) in w.layers.iter().enumerate() {
-        lw.wqkv.matmul(&acts_h, n, &mut qkv);
-        let rope = match &rope_local {
-            Some(local) if cfg.is_local(li) => local,
-            _ => &rope_global,
-        };
-        bias_norm_rope(cfg, lw, rope, &mut qkv);
-        for (r, row) in rows.iter().zip(qkv.chunks_exact(qkv_w)) {
-            for g in 0..cfg.n_kv_heads {
-                let k = &row[qd + g * hd..qd + (g + 1) * hd];
-                pool.write(r.blocks, r.pos, li, KvKind::Key, g, k);
-                let v = &row[qd + kvd + g * hd..qd + kvd + (g + 1) * hd];
-                pool.write(r.blocks, r.pos, li, KvKind::Value, g, v);
-            }
-        }
-        let pool_ref = &*pool;
-        let query = |ri: usize, p: usize| {
-            let base = ri * qkv_w + p * q_per_part;
-            Query {
-                layer: li,
-                first_key: cfg.first_key(li, rows[ri].pos),
-                kv_heads: p * kv_per_part..(p + 1) * kv_per_part,
-                blocks: rows[ri].blocks,
-                n_keys: rows[ri].pos + 1,
-                q: &qkv[base..base + q_per_part],
-            }
-        };
-        // Each (tile, part)'s outputs: a tile's rows are back to back in `attn`, and a part is
-        // the same share of every row.
-        let mut outs: Vec<&mut [f32]> = Vec::with_capacity(tiles.len() * parts);
-        let mut rest = attn.as_mut_slice();
-        for t in &tiles {
-            for _ in 0..parts {
-                let (out, tail) = rest.split_at_mut(t.len() * q_per_part);
-                outs.push(out);
-                rest = tail;
-            }
-        }
-        outs.into_par_iter().enumerate().for_each(|(i, out)| {
-            let (t, p) = (&tiles[i / parts], i % parts);
-            let qs: Vec<Query<'_>> = t.clone().map(|ri| query(ri, p)).collect();
-            attend(pool_ref, &qs, out);
-        });
-        attn.par_chunks(qd)
-            .zip(acts_q.par_chunks_mut(qd / QK))
-            .with_min_len(ROWS_PER_TASK)
-            .for_each(|(a, q)| quantize_row_q8_1(a, q));
-        lw.wo.matmul(&acts_q, n, &mut proj);
-        if let Some(g) = &lw.gemma {
-            norm_rows(&mut proj, &g.post_attn, cfg.rms_eps);
-        }
-        add_norm_quantize(
-            &mut x,
-            Some(&proj),
-            &lw.ffn_norm,
-            cfg.rms_eps,
-            &mut xn,
-            &mut acts_h,
-        );
+    Hidden { x, acts_h }
+}
 
-        lw.w_gate_up.matmul(&acts_h, n, &mut gate_up);
-        gated_activation(cfg, &gate_up, &mut ffn_act, &mut acts_f);
-        lw.w_down.matmul(&acts_f, n, &mut proj);
-        if let Some(g) = &lw.gemma {
-            norm_rows(&mut proj, &g.post_ffn, cfg.rms_eps);
-        }
-        match w.layers.get(li + 1) {
-            Some(next) => {
-                let norm = &next.attn_norm;
-                add_norm_quantize(&mut x, Some(&proj), norm, cfg.rms_eps, &mut xn, &mut acts_h);
-            }
-            None => add_in_place(&mut x, &proj),
+/// Layer `li` over the rows (`shape` is theirs): their KV written into `pool`, attention over
+/// their sequences' KV of this layer, and `hidden` advanced past it (normed and quantized for
+/// the next layer, if any).
+pub(crate) fn layer(
+    cfg: &ModelConfig,
+    w: &Weights,
+    pool: &mut KvPool,
+    (rows, shape): (&[Row<'_>], &Shape),
+    li: usize,
+    hidden: &mut Hidden,
+    s: &mut Scratch,
+) {
+    let n = rows.len();
+    debug_assert!(n <= s.rows, "{n} rows in a scratch for {}", s.rows);
+    let (h, qd, kvd, hd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+    let qkv_w = qd + 2 * kvd;
+    let (x, acts_h) = (&mut hidden.x, &mut hidden.acts_h);
+    let xn = &mut s.xn[..n * h];
+    let acts_f = &mut s.acts_f[..n * cfg.ffn / QK];
+    let qkv = &mut s.qkv[..n * qkv_w];
+    let attn = &mut s.attn[..n * qd];
+    let acts_q = &mut s.acts_q[..n * qd / QK];
+    let proj = &mut s.proj[..n * h];
+    let gate_up = &mut s.gate_up[..n * 2 * cfg.ffn];
+    let ffn_act = &mut s.ffn_act[..n * cfg.ffn];
+    let lw = &w.layers[li];
+    let (parts, tiles) = (shape.parts, &shape.tiles);
+    let (kv_per_part, q_per_part) = (cfg.n_kv_heads / parts, qd / parts);
+
+    lw.wqkv.matmul(acts_h, n, qkv);
+    let rope = match &shape.rope_local {
+        Some(local) if cfg.is_local(li) => local,
+        _ => &shape.rope_global,
+    };
+    bias_norm_rope(cfg, lw, rope, qkv);
+    for (r, row) in rows.iter().zip(qkv.chunks_exact(qkv_w)) {
+        for g in 0..cfg.n_kv_heads {
+            let k = &row[qd + g * hd..qd + (g + 1) * hd];
+            pool.write(r.blocks, r.pos, li, KvKind::Key, g, k);
+            let v = &row[qd + kvd + g * hd..qd + kvd + (g + 1) * hd];
+            pool.write(r.blocks, r.pos, li, KvKind::Value, g, v);
         }
     }
+    let pool_ref = &*pool;
+    let qkv = &*qkv;
+    let query = |ri: usize, p: usize| {
+        let base = ri * qkv_w + p * q_per_part;
+        Query {
+            layer: li,
+            first_key: cfg.first_key(li, rows[ri].pos),
+            kv_heads: p * kv_per_part..(p + 1) * kv_per_part,
+            blocks: rows[ri].blocks,
+            n_keys: rows[ri].pos + 1,
+            q: &qkv[base..base + q_per_part],
+        }
+    };
+    // Each (tile, part)'s outputs: a tile's rows are back to back in `attn`, and a part is the
+    // same share of every row.
+    let mut outs: Vec<&mut [f32]> = Vec::with_capacity(tiles.len() * parts);
+    let mut rest = &mut attn[..];
+    for t in tiles {
+        for _ in 0..parts {
+            let (out, tail) = rest.split_at_mut(t.len() * q_per_part);
+            outs.push(out);
+            rest = tail;
+        }
+    }
+    outs.into_par_iter().enumerate().for_each(|(i, out)| {
+        let (t, p) = (&tiles[i / parts], i % parts);
+        let qs: Vec<Query<'_>> = t.clone().map(|ri| query(ri, p)).collect();
+        attend(pool_ref, &qs, out);
+    });
+    attn.par_chunks(qd)
+        .zip(acts_q.par_chunks_mut(qd / QK))
+        .with_min_len(ROWS_PER_TASK)
+        .for_each(|(a, q)| quantize_row_q8_1(a, q));
+    lw.wo.matmul(acts_q, n, proj);
+    if let Some(g) = &lw.gemma {
+        norm_rows(proj, &g.post_attn, cfg.rms_eps);
+    }
+    add_norm_quantize(x, Some(proj), &lw.ffn_norm, cfg.rms_eps, xn, acts_h);
 
-    logits(cfg, w, rows, &x, buffer)
+    lw.w_gate_up.matmul(acts_h, n, gate_up);
+    gated_activation(cfg, gate_up, ffn_act, acts_f);
+    lw.w_down.matmul(acts_f, n, proj);
+    if let Some(g) = &lw.gemma {
+        norm_rows(proj, &g.post_ffn, cfg.rms_eps);
+    }
+    match w.layers.get(li + 1) {
+        Some(next) => add_norm_quantize(x, Some(proj), &next.attn_norm, cfg.rms_eps, xn, acts_h),
+        None => add_in_place(x, proj),
+    }
 }
 
 /// Per row of `qkv`, in parallel: the q, k and v biases added (where the architecture has
@@ -326,7 +395,7 @@ fn gated_activation(
 
 /// The logits of the rows that asked for them, from the last layer's hidden states `x`,
 /// written over `buffer`.
-fn logits(
+pub(crate) fn logits(
     cfg: &ModelConfig,
     w: &Weights,
     rows: &[Row<'_>],

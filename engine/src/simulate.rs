@@ -156,6 +156,19 @@ impl Simulated {
     /// would have them. Sleeps for what is left after writing the logits.
     pub(crate) fn forward(&self, cfg: &ModelConfig, rows: &[Row<'_>], buffer: Vec<f32>) -> Logits {
         let started = Instant::now();
+        let logits = self.logits(cfg, rows, buffer);
+        if let Some(left) = self
+            .profile
+            .forward_time(rows)
+            .checked_sub(started.elapsed())
+        {
+            std::thread::sleep(left);
+        }
+        logits
+    }
+
+    /// The rows' logits (for those that want them), at once.
+    pub(crate) fn logits(&self, cfg: &ModelConfig, rows: &[Row<'_>], buffer: Vec<f32>) -> Logits {
         let wanted = rows.iter().filter(|r| r.want_logits).count();
         let mut data = buffer;
         data.clear();
@@ -166,13 +179,6 @@ impl Simulated {
             .zip(data.chunks_exact_mut(cfg.vocab))
         {
             logits[self.next_token(row.token, row.pos) as usize] = CERTAIN;
-        }
-        if let Some(left) = self
-            .profile
-            .forward_time(rows)
-            .checked_sub(started.elapsed())
-        {
-            std::thread::sleep(left);
         }
         Logits::new(cfg.vocab, data)
     }
