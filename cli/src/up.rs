@@ -116,6 +116,13 @@ pub(crate) struct UpArgs {
     /// How the router chooses replicas.
     #[arg(long, env = "TANDEM_POLICY", value_enum, default_value_t = Policy::Affinity)]
     policy: Policy,
+    /// Prompts of at least this many tokens are split over idle prefill nodes (with --prefill 2
+    /// or more; see `tandem router --pipeline-min-tokens`); 0 never splits.
+    #[arg(long, env = "TANDEM_PIPELINE_MIN_TOKENS", default_value_t = tandem_router::PipelineConfig::default().min_tokens)]
+    pipeline_min_tokens: usize,
+    /// Most prefill nodes one prompt is split over.
+    #[arg(long, env = "TANDEM_PIPELINE_STAGES", default_value_t = tandem_router::PipelineConfig::default().max_stages)]
+    pipeline_stages: usize,
     /// The router's API key file (see `tandem router --api-keys`); without it, clients need no
     /// key.
     #[arg(long, env = "TANDEM_API_KEYS")]
@@ -472,6 +479,10 @@ fn router_args(
         decode,
         "--policy".into(),
         args.policy.name().into(),
+        "--pipeline-min-tokens".into(),
+        args.pipeline_min_tokens.to_string(),
+        "--pipeline-stages".into(),
+        args.pipeline_stages.to_string(),
         "--default-model".into(),
         default_model.to_string(),
     ];

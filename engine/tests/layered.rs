@@ -60,7 +60,7 @@ fn a_prompt_computed_a_layer_at_a_time_equals_a_prefill() {
             let l = e.new_sequence();
             let mut pass = e.begin_layers(l, 0, &tokens).expect("begin");
             for li in 0..model.config.n_layers {
-                assert_eq!(e.next_layer(&mut pass).expect("layer"), li);
+                assert_eq!(e.next_layer(&mut pass, &|| {}).expect("layer"), li);
             }
             assert_eq!(e.finish_layers(pass).expect("finish"), want, "{}", model.name);
             assert_eq!(e.export_kv(l, 0..100).expect("export"), want_kv);
@@ -93,13 +93,13 @@ fn three_stages(model: &Arc<Model>, dtype: KvDtype, tokens: &[u32], cuts: [usize
     let mut p2 = e2.begin_layers(s2, a, &tokens[a..b]).expect("stage 2");
     let mut p3 = e3.begin_layers(s3, b, &tokens[b..]).expect("stage 3");
     for li in 0..layers {
-        e1.next_layer(&mut p1).expect("stage 1 layer");
+        e1.next_layer(&mut p1, &|| {}).expect("stage 1 layer");
         let [k, v] = e1.export_layer(&p1, li, 0..a).expect("stage 1 sends");
         e2.import_layer(&mut p2, &k, &v).expect("stage 2 takes");
-        e2.next_layer(&mut p2).expect("stage 2 layer");
+        e2.next_layer(&mut p2, &|| {}).expect("stage 2 layer");
         let [k, v] = e2.export_layer(&p2, li, held..b).expect("stage 2 sends");
         e3.import_layer(&mut p3, &k, &v).expect("stage 3 takes");
-        e3.next_layer(&mut p3).expect("stage 3 layer");
+        e3.next_layer(&mut p3, &|| {}).expect("stage 3 layer");
     }
     e1.finish_layers(p1).expect("stage 1 ends");
     e2.finish_layers(p2).expect("stage 2 ends");
@@ -133,7 +133,7 @@ fn a_pass_out_of_order_is_refused_and_changes_nothing() {
     assert!(e.begin_layers(s, 16, &[]).is_err(), "no tokens");
 
     let mut pass = e.begin_layers(s, 24, &tokens[24..]).expect("begin");
-    assert!(e.next_layer(&mut pass).is_err(), "layer 0 of 16..24 has not come");
+    assert!(e.next_layer(&mut pass, &|| {}).is_err(), "layer 0 of 16..24 has not come");
     assert!(e.export_layer(&pass, 0, 0..30).is_err(), "nothing computed yet");
     let [k, v] = [vec![0u8; 3], vec![0u8; 3]];
     assert!(e.import_layer(&mut pass, &k, &v).is_err(), "bytes of the wrong size");
@@ -146,8 +146,8 @@ fn a_pass_out_of_order_is_refused_and_changes_nothing() {
     let per_token = e.export_kv(s, 0..16).expect("export").layers[0][0].len() / 16;
     let sent = e.export_layer(&pass, 0, 0..24).expect("held and imported");
     assert_eq!(sent[0].len(), 24 * per_token);
-    e.next_layer(&mut pass).expect("layer 0");
-    assert!(e.next_layer(&mut pass).is_err(), "layer 1 of 16..24 has not come");
+    e.next_layer(&mut pass, &|| {}).expect("layer 0");
+    assert!(e.next_layer(&mut pass, &|| {}).is_err(), "layer 1 of 16..24 has not come");
     assert_eq!(e.seq_len(s).expect("len"), 16, "a pass in progress leaves the length");
     assert_eq!(pass.layers_done(), 1);
     assert!(e.finish_layers(pass).is_err(), "one layer of several");
@@ -156,9 +156,9 @@ fn a_pass_out_of_order_is_refused_and_changes_nothing() {
     let mut whole = e.begin_layers(w, 0, &tokens).expect("begin");
     let layers = model.config.n_layers;
     for _ in 0..layers {
-        e.next_layer(&mut whole).expect("layer");
+        e.next_layer(&mut whole, &|| {}).expect("layer");
     }
-    assert!(e.next_layer(&mut whole).is_err(), "past the last layer");
+    assert!(e.next_layer(&mut whole, &|| {}).is_err(), "past the last layer");
     let n = e.new_sequence();
     let mut nothing = e.begin_layers(n, 0, &tokens[..4]).expect("begin");
     assert!(e.import_layer(&mut nothing, k, v).is_err(), "nothing to import");

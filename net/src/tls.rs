@@ -74,7 +74,9 @@ impl Role {
 /// The services (or single methods, `Service/Method`, which come before their service) a node
 /// serves over mutual TLS, and the roles that may call each. Health, reflection and metrics are
 /// open to every role.
-const SERVICES: [(&str, &[Role]); 9] = [
+const SERVICES: [(&str, &[Role]); 10] = [
+    // A pipelined prefill: a stage reads the KV of the stage before.
+    ("tandem.v1.Prefill/Relay", &[Role::Prefill]),
     ("tandem.v1.Prefill", &[Role::Router]),
     ("tandem.v1.Decode", &[Role::Router]),
     ("tandem.v1.Worker", &[Role::Router]),

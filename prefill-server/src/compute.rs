@@ -38,8 +38,8 @@ use std::time::{Duration, Instant};
 use tandem_engine::{Engine, GenerateParams, SeqId, TokenLogprobs};
 use tandem_proto::BATCH_YIELD_TOKENS;
 use tandem_proto::policy::{Claim, Class, FairQueue};
-use tandem_transfer::KvPush;
 use tandem_transfer::client::PUSH_STALL;
+use tandem_transfer::{Chunk, KvPush};
 use tandem_worker::moves::{CacheCommand, EngineCache, Recent};
 use tandem_worker::{CacheHub, Throughput};
 use tokio::sync::{mpsc, oneshot};
@@ -72,6 +72,22 @@ pub(crate) struct Work {
     pub params: GenerateParams,
     pub kv: KvPush,
     pub cancel: CancellationToken,
+    /// A pipelined prefill's stage before this one, if any.
+    pub upstream: Option<Upstream>,
+    /// The KV goes back to the next stage of a pipelined prefill (`Prefill.Relay`), which
+    /// samples nothing.
+    pub relay: bool,
+}
+
+/// The stage before this one in a pipelined prefill: it computes the prompt's tokens up to
+/// `end` and streams their KV here a layer at a time.
+#[derive(Debug)]
+pub(crate) struct Upstream {
+    pub addr: String,
+    pub channel: tonic::transport::Channel,
+    pub end: usize,
+    /// Its `Relay` call, but for `cached_tokens` (what this node holds, known once the job runs).
+    pub request: tandem_proto::v1::PrefillRequest,
 }
 
 /// A finished prefill: the push still needs its trailer (sent by the async side).
@@ -394,6 +410,8 @@ impl Compute {
             params,
             mut kv,
             cancel,
+            upstream,
+            relay,
         } = work;
         let (started, yielded) = (Instant::now(), self.yielded_secs);
         let reusable = tandem_proto::block_hash::reusable_blocks(tokens.len()).min(hashes.len());
@@ -404,11 +422,19 @@ impl Compute {
             tokens: &tokens,
             class: share.class,
         };
-        let outcome = self.compute_and_push(prompt, push, &mut kv, &cancel);
+        // A pipeline's stages compute a layer at a time, the first of them too, so that the
+        // next can start on each layer as soon as it is sent.
+        let outcome = if upstream.is_some() || relay {
+            self.compute_layered(prompt, upstream, push, &mut kv, &cancel)
+        } else {
+            self.compute_and_push(prompt, push, &mut kv, &cancel)
+        };
         let engine = &mut self.engine;
         let outcome = outcome.and_then(|(logits, first_chunk_sent)| {
             let tokenizer = &engine.model().tokenizer;
             let first = match logits {
+                // A stage that relays its KV to the next samples nothing.
+                Some(_) if relay => Some((0, None)),
                 Some(l) => {
                     // The stream as the decode node resumes it, so the first token follows the
                     // same rules (penalties, banned ids before min_tokens) as every later one.
@@ -489,30 +515,38 @@ impl Compute {
             }
             for chunk in tandem_worker::kv_chunks(self.engine.export_kv(seq, cell)?) {
                 first_chunk_sent.get_or_insert_with(Instant::now);
-                let sent = self.runtime.block_on(async {
-                    tokio::select! {
-                        sent = kv.send_within(&chunk, PUSH_STALL) => Some(sent),
-                        () = cancel.cancelled() => None,
-                    }
-                });
-                match sent {
-                    Some(Ok(())) => self.shared.pulse.beat(),
-                    // The receiver ended the push; its verdict comes from `finish`, so stop
-                    // computing and hand the push back.
-                    Some(Err(tandem_transfer::Error::ReceiverGone)) => {
-                        return Ok((None, first_chunk_sent));
-                    }
-                    Some(Err(e)) => {
-                        tracing::warn!(error = %e, "KV push made no progress; giving it up");
-                        return Err(e.into());
-                    }
-                    None => return Err(Error::Cancelled),
+                if !self.send(kv, &chunk, cancel)? {
+                    return Ok((None, first_chunk_sent));
                 }
             }
         }
         Ok((Some(logits), first_chunk_sent))
     }
+
+    /// Sends one chunk of the push; `false` when the receiver ended the push (its verdict
+    /// comes from `finish`, so the caller stops computing and hands the push back).
+    fn send(&self, kv: &mut KvPush, chunk: &Chunk, cancel: &CancellationToken) -> Result<bool> {
+        let sent = self.runtime.block_on(async {
+            tokio::select! {
+                sent = kv.send_within(chunk, PUSH_STALL) => Some(sent),
+                () = cancel.cancelled() => None,
+            }
+        });
+        match sent {
+            Some(Ok(())) => {
+                self.shared.pulse.beat();
+                Ok(true)
+            }
+            Some(Err(tandem_transfer::Error::ReceiverGone)) => Ok(false),
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "KV push made no progress; giving it up");
+                Err(e.into())
+            }
+            None => Err(Error::Cancelled),
+        }
+    }
 }
 
+mod layered;
 #[cfg(test)]
 mod tests;

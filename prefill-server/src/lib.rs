@@ -73,7 +73,7 @@ pub async fn run(
         chunk_tokens,
         keepalive,
         prefix_cache,
-        decode_nodes: tandem_net::Channels::new(node.config.tls.as_ref()),
+        nodes: tandem_net::Channels::new(node.config.tls.as_ref()),
     };
     let serving = Serving {
         listener,

@@ -9,11 +9,12 @@ use tandem_engine::{BLOCK_TOKENS, Model};
 use tandem_proto::v1 as pb;
 use tandem_transfer::{Header, KvPush};
 use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
-use crate::compute::{Job, Share, Shared, Work};
+use crate::compute::{Done, Job, Share, Shared, Upstream, Work};
 use crate::error::{Error, Result};
 
 #[derive(Clone, Debug)]
@@ -29,12 +30,14 @@ pub struct PrefillService {
     pub(crate) chunk_tokens: usize,
     pub(crate) keepalive: std::time::Duration,
     pub(crate) prefix_cache: bool,
-    /// The connections to the decode nodes (over mutual TLS, as a prefill node, where set).
-    pub(crate) decode_nodes: tandem_net::Channels,
+    /// The connections to the decode nodes and to a pipeline's other stages (over mutual TLS,
+    /// as a prefill node, where set).
+    pub(crate) nodes: tandem_net::Channels,
 }
 
 impl PrefillService {
-    fn validate(&self, r: &pb::PrefillRequest) -> Result<()> {
+    /// Checks a request; a relay (`Prefill.Relay`) has no decode node, transfer id or sampling.
+    fn validate(&self, r: &pb::PrefillRequest, relay: bool) -> Result<()> {
         let invalid = |field, reason: String| Err(Error::InvalidArgument { field, reason });
         let config = &self.model.config;
         tandem_proto::check_ids(&[
@@ -70,7 +73,8 @@ impl PrefillService {
                 ),
             );
         }
-        if r.transfer_id.is_empty() || r.decode_addr.is_empty() {
+        validate_upstream(r)?;
+        if !relay && (r.transfer_id.is_empty() || r.decode_addr.is_empty()) {
             return invalid(
                 "transfer_id",
                 "transfer_id and decode_addr are required".into(),
@@ -86,79 +90,33 @@ impl PrefillService {
     }
 
     async fn prefill(&self, mut r: pb::PrefillRequest) -> Result<pb::PrefillResponse> {
-        self.validate(&r)?;
+        self.validate(&r, false)?;
         let params = tandem_worker::params_from_pb(r.sampling.take())?;
         params.validate()?;
-        let class =
-            tandem_proto::policy::Class::from_pb(r.priority).ok_or(Error::InvalidArgument {
-                field: "priority",
-                reason: format!("{} names no priority class", r.priority),
-            })?;
-        if self.shutdown.is_cancelled() {
-            return Err(Error::ShuttingDown);
-        }
+        let class = self.class_now(&r)?;
         let n = r.token_ids.len();
         let push = r.cached_tokens as usize..n;
-        let layout = self.kv_layout;
-        let header = Header {
-            transfer_id: r.transfer_id.clone(),
-            request_id: r.request_id.clone(),
-            fingerprint: self.model.fingerprint.0,
-            layout,
-            tokens: push.start as u32..push.end as u32,
-            token_ids: r.token_ids[push.clone()].to_vec(),
-            chunk_count: tandem_worker::chunk_count(&layout, push.clone(), self.chunk_tokens),
-            total_bytes: layout.total_bytes(push.len()),
-        };
-        let channel =
-            (self.decode_nodes.get(&r.decode_addr)).map_err(|e| Error::InvalidArgument {
-                field: "decode_addr",
-                reason: e.to_string(),
-            })?;
+        let header = self.header(&r, push.clone());
+        let channel = (self.nodes.get(&r.decode_addr)).map_err(|e| Error::InvalidArgument {
+            field: "decode_addr",
+            reason: e.to_string(),
+        })?;
+        let upstream = self.upstream(&r)?;
         let kv = KvPush::start(channel, &header);
         // While the prompt waits in the queue the decode node hears from this push all the same.
         let heartbeat = kv.heartbeat();
         let cancel = CancellationToken::new();
         // Dropping this handler (the router gave up) stops the compute between chunks.
         let _stop = cancel.clone().drop_guard();
-        let (reply, done) = oneshot::channel();
-        let hashes = if self.prefix_cache {
-            tandem_worker::block_hashes(&self.model, &r.cache_salt, &r.token_ids)
-        } else {
-            Vec::new()
+        let resumed = r.resumed_tokens as usize;
+        let work = self.work(r, class, push, kv, cancel, upstream);
+        let work = Work {
+            resumed,
+            params,
+            ..work
         };
-        let job = Job {
-            work: Work {
-                tokens: r.token_ids,
-                cache_salt: r.cache_salt,
-                share: Share {
-                    class,
-                    tenant: r.tenant.into(),
-                    weight: r.weight,
-                },
-                hashes,
-                push,
-                resumed: r.resumed_tokens as usize,
-                params,
-                kv,
-                cancel,
-            },
-            reply,
-        };
-        // The compute thread takes jobs off the channel to rank them, so the queue's bound is
-        // its depth (the job it runs and those waiting), counted here.
-        let metrics = &self.shared.metrics;
-        let depth = metrics.queue_depth.inc().max(0) as usize;
-        if depth > self.max_queue {
-            metrics.queue_depth.dec();
-            return Err(Error::QueueFull { depth });
-        }
         let submitted = Instant::now();
-        if self.jobs.try_send(job).is_err() {
-            metrics.queue_depth.dec();
-            return Err(Error::ShuttingDown);
-        }
-        self.shared.queued(class, n, true);
+        let done = self.submit(work)?;
         let pulse = || self.shared.pulse.within(crate::compute::STALLED_AFTER);
         let done = tokio::select! {
             done = done => done,
@@ -199,6 +157,187 @@ impl PrefillService {
     }
 }
 
+impl PrefillService {
+    /// `Prefill.Relay`: computes the prompt as a stage of a pipelined prefill and answers the
+    /// KV of `token_ids[cached_tokens..]` as a stream of push frames, a layer at a time.
+    fn relay(&self, r: pb::PrefillRequest) -> Result<ReceiverStream<pb::PushFrame>> {
+        self.validate(&r, true)?;
+        let class = self.class_now(&r)?;
+        let push = r.cached_tokens as usize..r.token_ids.len();
+        let header = self.header(&r, push.clone());
+        let upstream = self.upstream(&r)?;
+        let (kv, frames) = KvPush::relay(&header);
+        let heartbeat = kv.heartbeat();
+        let cancel = CancellationToken::new();
+        let stop = cancel.clone().drop_guard();
+        let work = Work {
+            relay: true,
+            ..self.work(r, class, push, kv, cancel, upstream)
+        };
+        let done = self.submit(work)?;
+        let (shared, keepalive) = (self.shared.clone(), self.keepalive);
+        tokio::spawn(
+            async move {
+                let _stop = stop;
+                let pulse = || shared.pulse.within(crate::compute::STALLED_AFTER);
+                let done = tokio::select! {
+                    done = done => done,
+                    never = heartbeat.run(keepalive, pulse) => match never {},
+                };
+                // A failed job has aborted the stream with its reason already.
+                if let Ok(Ok(done)) = done {
+                    let _ = done.kv.finish(0, None).await;
+                }
+            }
+            .in_current_span(),
+        );
+        Ok(frames)
+    }
+
+    /// The request's priority class, while the node still takes work.
+    fn class_now(&self, r: &pb::PrefillRequest) -> Result<tandem_proto::policy::Class> {
+        let class =
+            tandem_proto::policy::Class::from_pb(r.priority).ok_or(Error::InvalidArgument {
+                field: "priority",
+                reason: format!("{} names no priority class", r.priority),
+            })?;
+        if self.shutdown.is_cancelled() {
+            return Err(Error::ShuttingDown);
+        }
+        Ok(class)
+    }
+
+    /// The header of a push of `push` of the request's tokens.
+    fn header(&self, r: &pb::PrefillRequest, push: std::ops::Range<usize>) -> Header {
+        let layout = self.kv_layout;
+        Header {
+            transfer_id: r.transfer_id.clone(),
+            request_id: r.request_id.clone(),
+            fingerprint: self.model.fingerprint.0,
+            layout,
+            tokens: push.start as u32..push.end as u32,
+            token_ids: r.token_ids[push.clone()].to_vec(),
+            chunk_count: tandem_worker::chunk_count(&layout, push.clone(), self.chunk_tokens),
+            total_bytes: layout.total_bytes(push.len()),
+        }
+    }
+
+    /// The stage before this one in the request's pipeline, if any, with its `Relay` call.
+    fn upstream(&self, r: &pb::PrefillRequest) -> Result<Option<Upstream>> {
+        let Some((last, before)) = r.upstream.split_last() else {
+            return Ok(None);
+        };
+        let channel = self.nodes.get(&last.addr).map_err(|e| Error::InvalidArgument {
+            field: "upstream",
+            reason: e.to_string(),
+        })?;
+        let end = last.end as usize;
+        let request = pb::PrefillRequest {
+            request_id: r.request_id.clone(),
+            token_ids: r.token_ids[..end].to_vec(),
+            cache_salt: r.cache_salt.clone(),
+            priority: r.priority,
+            tenant: r.tenant.clone(),
+            weight: r.weight,
+            upstream: before.to_vec(),
+            ..Default::default()
+        };
+        Ok(Some(Upstream {
+            addr: last.addr.clone(),
+            channel,
+            end,
+            request,
+        }))
+    }
+
+    /// The job of a request (sampling as by default, nothing resumed).
+    fn work(
+        &self,
+        r: pb::PrefillRequest,
+        class: tandem_proto::policy::Class,
+        push: std::ops::Range<usize>,
+        kv: KvPush,
+        cancel: CancellationToken,
+        upstream: Option<Upstream>,
+    ) -> Work {
+        let hashes = if self.prefix_cache {
+            tandem_worker::block_hashes(&self.model, &r.cache_salt, &r.token_ids)
+        } else {
+            Vec::new()
+        };
+        Work {
+            tokens: r.token_ids,
+            cache_salt: r.cache_salt,
+            share: Share {
+                class,
+                tenant: r.tenant.into(),
+                weight: r.weight,
+            },
+            hashes,
+            push,
+            resumed: 0,
+            params: Default::default(),
+            kv,
+            cancel,
+            upstream,
+            relay: false,
+        }
+    }
+
+    /// Queues `work` for the compute thread; its outcome comes on the receiver.
+    fn submit(&self, work: Work) -> Result<oneshot::Receiver<Result<Done>>> {
+        let (class, n) = (work.share.class, work.tokens.len());
+        let (reply, done) = oneshot::channel();
+        // The compute thread takes jobs off the channel to rank them, so the queue's bound is
+        // its depth (the job it runs and those waiting), counted here.
+        let metrics = &self.shared.metrics;
+        let depth = metrics.queue_depth.inc().max(0) as usize;
+        if depth > self.max_queue {
+            metrics.queue_depth.dec();
+            return Err(Error::QueueFull { depth });
+        }
+        if self.jobs.try_send(Job { work, reply }).is_err() {
+            metrics.queue_depth.dec();
+            return Err(Error::ShuttingDown);
+        }
+        self.shared.queued(class, n, true);
+        Ok(done)
+    }
+}
+
+/// A pipeline's stages: at most [`tandem_proto::MAX_PIPELINE_STAGES`], each with an address,
+/// their ends rising from above 0 to below the prompt's length.
+fn validate_upstream(r: &pb::PrefillRequest) -> Result<()> {
+    let invalid = |reason: String| {
+        Err(Error::InvalidArgument {
+            field: "upstream",
+            reason,
+        })
+    };
+    if r.upstream.len() >= tandem_proto::MAX_PIPELINE_STAGES {
+        return invalid(format!(
+            "{} stages before this one (at most {})",
+            r.upstream.len(),
+            tandem_proto::MAX_PIPELINE_STAGES - 1
+        ));
+    }
+    let mut from = 0;
+    for stage in &r.upstream {
+        tandem_proto::check_ids(&[("upstream.addr", &stage.addr)])
+            .or_else(|(_, reason)| invalid(reason))?;
+        let end = stage.end as usize;
+        if stage.addr.is_empty() || end <= from || end >= r.token_ids.len() {
+            return invalid(format!(
+                "a stage ends at {end}: ends must rise from above 0 to below the prompt's {} \
+                 tokens, each stage with an address",
+                r.token_ids.len()
+            ));
+        }
+        from = end;
+    }
+    Ok(())
+}
+
 #[tonic::async_trait]
 impl pb::prefill_server::Prefill for PrefillService {
     async fn prefill(
@@ -213,6 +352,24 @@ impl pb::prefill_server::Prefill for PrefillService {
             .instrument(span)
             .await?;
         Ok(Response::new(prefilled))
+    }
+
+    type RelayStream = std::pin::Pin<
+        Box<dyn tokio_stream::Stream<Item = Result<pb::PushFrame, Status>> + Send + 'static>,
+    >;
+
+    async fn relay(
+        &self,
+        request: Request<pb::PrefillRequest>,
+    ) -> Result<Response<Self::RelayStream>, Status> {
+        let id = tandem_proto::loggable_id(&request.get_ref().request_id);
+        let span = tracing::info_span!("relay", request_id = %id);
+        tandem_net::otel::follow(&span, request.metadata());
+        let frames = span.in_scope(|| PrefillService::relay(self, request.into_inner()))?;
+        Ok(Response::new(Box::pin(tokio_stream::StreamExt::map(
+            frames,
+            Ok,
+        ))))
     }
 }
 

@@ -43,6 +43,14 @@ pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// tokens of KV it keeps for the peer that continues the stream to fetch (`Decode.Generate`).
 pub const HANDOFF_METADATA: &str = "tandem-kv-handoff";
 
+/// Trailer metadata of a pipelined prefill's failure (UNAVAILABLE): the address of the stage
+/// whose KV could not be had, which the router counts as the one that failed, not the stage it
+/// called.
+pub const FAILED_STAGE_METADATA: &str = "tandem-failed-stage";
+
+/// The most stages one pipelined prefill may have.
+pub const MAX_PIPELINE_STAGES: usize = 16;
+
 /// The most tokens a prefill node computes of a batch prompt between two chances to yield to
 /// a higher class (other prompts yield between whole chunks): a quarter of the default chunk,
 /// which costs it a few percent of its speed and keeps an interactive prompt's wait behind it

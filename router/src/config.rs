@@ -89,6 +89,8 @@ pub struct Config {
     pub grace: Duration,
     /// How replicas are chosen (see [`crate::cluster::policy`]).
     pub policy: PolicyKind,
+    /// When a long prompt's prefill is split over several prefill nodes.
+    pub pipeline: crate::cluster::policy::PipelineConfig,
     /// Most block hashes the cache index keeps per replica (10-21 bytes each).
     pub index_max_blocks: usize,
     /// API keys, and the limits per key.
@@ -193,6 +195,7 @@ impl Default for Config {
             load_poll: DEFAULT_LOAD_POLL,
             grace: Duration::from_secs(10),
             policy: PolicyKind::Affinity,
+            pipeline: Default::default(),
             index_max_blocks: 1 << 20,
             auth: AuthConfig::default(),
             limits: Limits::default(),

@@ -45,6 +45,7 @@ use tonic::service::Routes;
 use tonic_health::ServingStatus;
 
 pub use crate::cluster::discovery::{Target, resolve};
+pub use crate::cluster::policy::PipelineConfig;
 pub use crate::config::{
     AuthConfig, Class, Config, KeyLimits, Limits, PolicyKind, SamplingDefaults, SessionConfig,
     parse_ttft_targets,
@@ -125,7 +126,7 @@ pub async fn run(
     );
     let dispatcher = Dispatcher {
         replicas: replicas.clone(),
-        policy: Arc::new(Policy::new(config.policy)),
+        policy: Arc::new(Policy::new(config.policy, config.pipeline)),
         sessions,
         peers,
         metrics,

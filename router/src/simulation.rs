@@ -51,7 +51,7 @@ impl Simulation {
         }
         Ok(Self {
             replicas,
-            policy: Policy::new(PolicyKind::Affinity),
+            policy: Policy::new(PolicyKind::Affinity, Default::default()),
             fingerprint: vec![7; 32],
         })
     }

@@ -88,6 +88,29 @@ impl KvPush {
         }
     }
 
+    /// A push answered as a server stream (`Prefill.Relay`, a pipelined prefill's hop to its
+    /// next stage) rather than sent to a decode node: its frames, the header first, come out of
+    /// the returned stream, which the caller reads and checks as a push's receiver does
+    /// ([`crate::relay::RelayReceiver`]). Nothing acknowledges it: [`KvPush::finish`] answers an
+    /// empty ack once the trailer is queued, and a caller gone shows as [`Error::ReceiverGone`]
+    /// on the next send.
+    pub fn relay(header: &Header) -> (Self, ReceiverStream<pb::PushFrame>) {
+        let (tx, rx) = mpsc::channel(PUSH_BUFFER_FRAMES);
+        let first = pb::PushFrame {
+            frame: Some(Frame::Header(header.to_pb())),
+        };
+        let _ = tx.try_send(first);
+        let task = tokio::spawn(async { Ok(pb::PushAck::default()) });
+        let push = Self {
+            tx,
+            task,
+            digest: 0,
+            #[cfg(feature = "failpoints")]
+            corrupt: false,
+        };
+        (push, ReceiverStream::new(rx))
+    }
+
     fn frame(&mut self, chunk: &Chunk) -> pb::PushFrame {
         #[allow(unused_mut)]
         let mut wire = chunk.to_pb();

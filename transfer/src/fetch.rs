@@ -176,7 +176,7 @@ fn stalled(idle: Duration) -> Error {
 }
 
 /// The holder's next frame, read as a push receiver reads one, within `idle`.
-async fn next(frames: &mut Streaming<pb::PushFrame>, idle: Duration) -> Result<Frame> {
+pub(crate) async fn next(frames: &mut Streaming<pb::PushFrame>, idle: Duration) -> Result<Frame> {
     tokio::time::timeout(idle, next_frame(frames))
         .await
         .map_err(|_| stalled(idle))?

@@ -387,6 +387,14 @@ impl Assembler {
         Ok(())
     }
 
+    /// Layer `layer`'s K and V, once both have arrived whole, moved out (the [`ReceivedKv`] of
+    /// [`Assembler::finish`] then holds them empty): a receiver that uses the KV a layer at a
+    /// time as it comes (a pipelined prefill's stage). The trailer still checks every chunk.
+    pub fn take_layer(&mut self, layer: usize) -> Option<[Vec<u8>; 2]> {
+        let end = self.want.tokens.end;
+        (self.next.get(layer)? == &[end; 2]).then(|| std::mem::take(&mut self.layers[layer]))
+    }
+
     /// Checks the trailer and hands out the verified KV.
     pub fn finish(self, t: &pb::KvTrailer) -> Result<ReceivedKv> {
         let end = self.want.tokens.end;

@@ -5,12 +5,14 @@
 //! - [`reservation`]: transfer ids bound to a waiting request, single-use, with a lease.
 //! - [`service`]: the receiving gRPC service; [`client`]: the sending side.
 //! - [`fetch`]: peer fetch, a worker pulling cached KV from the one that holds it.
+//! - [`relay`]: a pipelined prefill's hop, a stage reading the KV the stage before computes.
 
 pub mod client;
 mod error;
 pub mod fetch;
 pub mod format;
 pub mod metrics;
+pub mod relay;
 pub mod reservation;
 pub mod service;
 
@@ -19,5 +21,6 @@ pub use error::{Error, Result};
 pub use fetch::{Cached, FetchSource, FetchWant, KvSource};
 pub use format::{Chunk, Expectation, Header, KvDtype, KvKind, ReceivedKv, WireLayout};
 pub use metrics::TransferMetrics;
+pub use relay::RelayReceiver;
 pub use reservation::{ReservationGuard, Reservations};
 pub use service::KvTransferService;

@@ -7,7 +7,7 @@
 //! begin_layers(seq, at, tokens)       the sequence holds [0, held); [held, at) arrives by layer
 //! for l in 0..layers:
 //!     import_layer(&mut pass, k, v)   layer l of [held, at) (when held < at)
-//!     next_layer(&mut pass)           layer l of [at, end), chunk by chunk
+//!     next_layer(&mut pass, progress) layer l of [at, end), chunk by chunk
 //!     export_layer(&pass, l, range)   any rows of layer l it holds, to send on
 //! finish_layers(pass)                 the last row's logits; the sequence holds [0, end)
 //! ```
@@ -150,8 +150,13 @@ impl Engine {
         Ok(())
     }
 
-    /// Computes the next layer over all the pass's rows; returns its index.
-    pub fn next_layer(&mut self, pass: &mut Layered) -> Result<usize> {
+    /// Computes the next layer over all the pass's rows, calling `progress` after each chunk
+    /// of them; returns its index.
+    pub fn next_layer(
+        &mut self,
+        pass: &mut Layered,
+        progress: &(dyn Fn() + Sync),
+    ) -> Result<usize> {
         let (cfg, li) = (&self.model.config, pass.done);
         if li >= cfg.n_layers || (pass.held < pass.at && pass.imported <= li) {
             return Err(Error::InvalidArgument {
@@ -172,14 +177,16 @@ impl Engine {
                 self.threads.install(|| {
                     for ((h, shape), rows) in hidden.iter_mut().zip(&rows) {
                         model::layer(cfg, w, pool, (rows, shape), li, h, scratch);
+                        progress();
                     }
                 });
             }
             Compute::Simulated(s) => {
-                let whole: std::time::Duration = (0..pass.chunks())
-                    .map(|ci| s.profile.forward_time(&pass.rows(blocks, ci, false)))
-                    .sum();
-                std::thread::sleep(whole / cfg.n_layers as u32);
+                for ci in 0..pass.chunks() {
+                    let whole = s.profile.forward_time(&pass.rows(blocks, ci, false));
+                    std::thread::sleep(whole / cfg.n_layers as u32);
+                    progress();
+                }
             }
         }
         pass.done += 1;

@@ -131,6 +131,9 @@ pub struct Choice {
     /// Of that estimate, a hand-off borrowed from another class ([`Handoffs::of`]); 0 where the
     /// request's class measured its own.
     pub borrowed_ms: f64,
+    /// A pipelined prefill's stages before `prefill`, each claimed, with the end of its part
+    /// of the prompt ([`pipeline`]); empty when one node computes it.
+    pub pipeline: Vec<(InflightGuard, usize)>,
 }
 
 impl Choice {
@@ -145,6 +148,7 @@ impl Choice {
 #[derive(Debug, Default)]
 pub struct Policy {
     kind: PolicyKind,
+    pipeline: PipelineConfig,
     next: AtomicUsize,
     handoffs: Mutex<Handoffs>,
 }
@@ -188,9 +192,10 @@ fn eligible(replicas: &Replicas, role: Role, ask: &Ask<'_>) -> Vec<Arc<Replica>>
 }
 
 impl Policy {
-    pub fn new(kind: PolicyKind) -> Self {
+    pub fn new(kind: PolicyKind, pipeline: PipelineConfig) -> Self {
         Self {
             kind,
+            pipeline,
             ..Self::default()
         }
     }
@@ -235,6 +240,7 @@ impl Policy {
             fetch: None,
             est_ms: None,
             borrowed_ms: 0.0,
+            pipeline: Vec::new(),
         })
     }
 
@@ -356,6 +362,7 @@ impl Policy {
                 fetch: fetch.map(|(from, t, _)| (from.addr.clone(), t)),
                 est_ms: Some(l_ms),
                 borrowed_ms: local_borrowed_ms,
+                pipeline: Vec::new(),
             });
         }
         let Some((r_ms, p, ph)) = remote else {
@@ -363,7 +370,7 @@ impl Policy {
         };
         let (d, dh, _, _) = d_ranked[0];
         let l_ms = local.map_or(f64::INFINITY, |l| l.0);
-        let reason = format!(
+        let mut reason = format!(
             "remote prefill on {} (holds {ph} of {} tokens, {:.0} tok/s, {} queued), \
                      est. {r_ms:.1} ms <= local {l_ms:.1} ms; decode {} holds {dh}, load {}",
             p.addr,
@@ -373,15 +380,27 @@ impl Policy {
             d.addr,
             d.load()
         );
+        let stages = match ph {
+            0 => pipeline::stages(replicas, ask, &key, p, self.pipeline),
+            _ => Vec::new(),
+        };
+        let from = stages.last().map_or(0, |(_, end)| *end);
+        if !stages.is_empty() {
+            let parts: Vec<String> = (stages.iter())
+                .map(|(g, end)| format!("{} to {end}", g.replica().addr))
+                .collect();
+            reason.push_str(&format!("; pipelined: {}, then {}", parts.join(", "), p.addr));
+        }
         Ok(Choice {
             decode: d.claim(0, ask.class),
-            prefill: Some(p.claim(ask.tokens.saturating_sub(ph) as u64, ask.class)),
+            prefill: Some(p.claim(ask.tokens.saturating_sub(ph.max(from)) as u64, ask.class)),
             decode_overlap: dh,
             prefill_overlap: ph,
             reason,
             fetch: None,
             est_ms: Some(r_ms),
             borrowed_ms: remote_borrowed_ms,
+            pipeline: stages,
         })
     }
 }
@@ -456,5 +475,8 @@ fn best_prefill<'a>(
         .map(|(ms, p, h, _)| (ms, p, h))
 }
 
+mod pipeline;
 #[cfg(test)]
 mod tests;
+
+pub use pipeline::PipelineConfig;

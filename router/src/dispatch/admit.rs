@@ -183,6 +183,7 @@ impl Dispatcher {
             fetch: None,
             est_ms: None,
             borrowed_ms: 0.0,
+            pipeline: Vec::new(),
         })
     }
 

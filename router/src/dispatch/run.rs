@@ -222,6 +222,7 @@ impl Dispatcher {
             fetch,
             est_ms,
             borrowed_ms,
+            pipeline,
         } = choice;
         let decode_cached = admitted.cached_tokens;
         // A node that does not say (0) admitted what was asked; `sampling_of` holds a later
@@ -237,9 +238,15 @@ impl Dispatcher {
         span.record("decode", d_addr.as_str());
         span.record("prefill", p_addr.as_deref().unwrap_or("local"));
         let prefill = prefill.map(|guard| {
-            let request =
+            let mut request =
                 prefill_request(p, progress, &tokens, transfer_id, decode_cached, &d_addr);
-            (guard, request)
+            request.upstream = (pipeline.iter())
+                .map(|(g, end)| pb::PipelineStage {
+                    addr: g.replica().addr.clone(),
+                    end: *end as u32,
+                })
+                .collect();
+            (guard, pipeline, request)
         });
         let prefill_call = prefill_call(&p.request_id, prefill, deadline);
         // Remote: the prefill call runs beside the decode stream, and ends once the KV is
@@ -447,23 +454,33 @@ impl Dispatcher {
 /// The prefill call of an attempt, where it has one (`None`: the decode node prefills
 /// locally, and this answers `None` at once). The claim on the prefill node ends with the call:
 /// what decodes afterwards is no longer in its queue.
+///
+/// A pipelined prefill's earlier stages are claimed for the call too; when one of them failed,
+/// the node called names it (`tandem-failed-stage`), and that stage is the suspect.
 async fn prefill_call(
     request_id: &str,
-    prefill: Option<(InflightGuard, pb::PrefillRequest)>,
+    prefill: Option<(InflightGuard, Vec<(InflightGuard, usize)>, pb::PrefillRequest)>,
     deadline: TokioInstant,
 ) -> Result<Option<pb::PrefillResponse>, Failure> {
-    let Some((guard, request)) = prefill else {
+    let Some((guard, _stages, request)) = prefill else {
         return Ok(None);
     };
     let addr = guard.replica().addr.as_str();
+    let stages: Vec<&str> = (request.upstream.iter()).map(|s| s.addr.as_str()).collect();
+    let stages = stages.join(",");
     prefill_on(guard.replica(), request, deadline)
-        .instrument(tracing::info_span!("prefill", request_id = %request_id, replica = addr))
+        .instrument(tracing::info_span!("prefill", request_id = %request_id, replica = addr, upstream = stages))
         .await
         .map(Some)
-        .map_err(|s| Failure {
-            error: Error::downstream("prefill", &s),
-            suspects: vec![guard.replica().addr.clone()],
-            handoff: None,
+        .map_err(|s| {
+            let failed = (s.metadata().get(tandem_proto::FAILED_STAGE_METADATA))
+                .and_then(|v| v.to_str().ok())
+                .filter(|a| stages.split(',').any(|stage| stage == *a));
+            Failure {
+                error: Error::downstream("prefill", &s),
+                suspects: vec![failed.unwrap_or(addr).to_string()],
+                handoff: None,
+            }
         })
 }
 
@@ -504,5 +521,6 @@ fn prefill_request(
         priority: p.class.to_pb() as i32,
         tenant: p.tenant.to_string(),
         weight: p.weight,
+        upstream: Vec::new(),
     }
 }

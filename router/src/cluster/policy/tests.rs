@@ -42,7 +42,7 @@ async fn a_draining_prefill_nodes_prefix_cache_is_a_fetch_holder() {
         });
     }
     let ask = session_ask(&hashes, prompt.len());
-    let policy = Policy::new(PolicyKind::Affinity);
+    let policy = Policy::new(PolicyKind::Affinity, Default::default());
     let choice = policy.choose(&replicas, &ask).expect("a choice");
     assert_eq!(choice.fetch, None);
     assert_eq!(choice.prefill.expect("remote").replica().addr, cold.addr);
@@ -91,7 +91,7 @@ async fn a_prompt_waits_only_for_the_queued_tokens_of_its_class_and_above() {
     for (slot, t) in prefill.queued_class_tokens.iter().zip([100, 900, 9_000]) {
         slot.store(t, Ordering::Relaxed);
     }
-    let policy = Policy::new(PolicyKind::Affinity);
+    let policy = Policy::new(PolicyKind::Affinity, Default::default());
     let ask = |class: Class| Ask {
         model: "",
         tokens: 100,
@@ -194,7 +194,7 @@ async fn a_session_stays_on_its_decode_replica_at_low_load_in_a_large_fleet() {
         ..Default::default()
     });
     let ask = session_ask(&hashes, prompt.len());
-    let policy = Policy::new(PolicyKind::Affinity);
+    let policy = Policy::new(PolicyKind::Affinity, Default::default());
     let mut running = Vec::new();
     for load in 0..DECODE_LOAD_FLOOR {
         assert_eq!(holder.load(), load);
