@@ -116,6 +116,8 @@ pub struct ClusterConfig {
     /// The prefill nodes' prefix caches and the decode nodes' session caches.
     pub prefix_cache: bool,
     pub policy: tandem_router::PolicyKind,
+    /// When the router splits a long prompt over idle prefill nodes.
+    pub pipeline: tandem_router::PipelineConfig,
     /// Mutual TLS between the nodes, with the certificates in this directory
     /// (`tandem_net::tls::write_dev_certs`).
     pub tls_dir: Option<std::path::PathBuf>,
@@ -156,6 +158,7 @@ impl ClusterConfig {
             limits: tandem_router::Limits::default(),
             prefix_cache: true,
             policy: tandem_router::PolicyKind::Affinity,
+            pipeline: tandem_router::PipelineConfig::default(),
             relays: false,
             tls_dir: None,
             prefill_kv_dtype: None,
@@ -349,6 +352,7 @@ impl Cluster {
             grace: config.grace,
             load_poll: Duration::from_millis(50),
             policy: config.policy,
+            pipeline: config.pipeline,
             auth: config.auth.clone(),
             limits: config.limits.clone(),
             tls: config.tls(tandem_net::tls::Role::Router)?,

@@ -102,6 +102,8 @@ pub(crate) struct Done {
     /// Prompt tokens found in the prefix cache, and of those, read back from its disk tier.
     pub cached_tokens: usize,
     pub restored_tokens: usize,
+    /// Prompt tokens whose KV the stage before computed (a pipelined prefill).
+    pub upstream_tokens: usize,
 }
 
 /// How long the compute thread may go without moving (a job taken, a chunk computed, a chunk
@@ -388,7 +390,7 @@ impl Compute {
         m.cache_blocks.set(self.engine.kv_blocks_cached() as i64);
         if let Ok(done) = &result {
             let secs = started.elapsed().as_secs_f64() - (self.yielded_secs - yielded);
-            let computed = n - done.cached_tokens;
+            let computed = n - done.cached_tokens - done.upstream_tokens;
             m.tokens.inc_by(computed as u64);
             m.cached_tokens.inc_by(done.cached_tokens as u64);
             m.seconds.observe(secs);
@@ -422,6 +424,7 @@ impl Compute {
             tokens: &tokens,
             class: share.class,
         };
+        let upstream_tokens = (upstream.as_ref()).map_or(0, |u| u.end.saturating_sub(cached.tokens));
         // A pipeline's stages compute a layer at a time, the first of them too, so that the
         // next can start on each layer as soon as it is sent.
         let outcome = if upstream.is_some() || relay {
@@ -469,6 +472,7 @@ impl Compute {
             first_chunk_sent,
             cached_tokens: cached.tokens,
             restored_tokens: cached.restored,
+            upstream_tokens,
         })
     }
 

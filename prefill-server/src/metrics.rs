@@ -13,6 +13,8 @@ pub const QUEUED_TOKENS: &str = "tandem_prefill_queued_tokens";
 pub const CACHED_TOKENS: &str = "tandem_prefill_cached_tokens";
 pub const CACHE_BLOCKS: &str = "tandem_prefill_prefix_cache_blocks";
 pub const YIELDS: &str = "tandem_prefill_yields";
+pub const RELAYS: &str = "tandem_prefill_relays";
+pub const PIPELINED: &str = "tandem_prefill_pipelined";
 
 #[derive(Clone, Debug)]
 pub struct PrefillMetrics {
@@ -30,6 +32,10 @@ pub struct PrefillMetrics {
     /// Prompts of a higher class computed while a prompt of a lower class waited between its
     /// chunks.
     pub yields: Counter,
+    /// Parts of pipelined prefills computed for the next stage (`Prefill.Relay`), and
+    /// prefills whose first tokens earlier stages computed.
+    pub relays: Counter,
+    pub pipelined: Counter,
 }
 
 impl PrefillMetrics {
@@ -43,6 +49,8 @@ impl PrefillMetrics {
             cached_tokens: Counter::default(),
             cache_blocks: Gauge::default(),
             yields: Counter::default(),
+            relays: Counter::default(),
+            pipelined: Counter::default(),
         };
         registry.register(
             QUEUE_DEPTH,
@@ -74,6 +82,16 @@ impl PrefillMetrics {
             YIELDS,
             "Prompts of a higher priority class computed while a lower class's prompt waited between its chunks",
             m.yields.clone(),
+        );
+        registry.register(
+            RELAYS,
+            "Parts of pipelined prefills computed for the next stage, which called Relay",
+            m.relays.clone(),
+        );
+        registry.register(
+            PIPELINED,
+            "Pipelined prefills computed on the KV that earlier stages streamed here",
+            m.pipelined.clone(),
         );
         registry.register(
             CACHE_BLOCKS,

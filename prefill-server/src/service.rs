@@ -149,6 +149,7 @@ impl PrefillService {
             prefill_ms: done.compute_ms,
             transfer_ms: first_sent.elapsed().as_secs_f64() * 1e3,
             kv_bytes: ack.bytes_received,
+            // The pipeline's earlier stages computed theirs for this request too.
             computed_tokens: (n - done.cached_tokens) as u32,
             prefix_cached_tokens: done.cached_tokens as u32,
             restored_tokens: done.restored_tokens as u32,
@@ -175,6 +176,7 @@ impl PrefillService {
             ..self.work(r, class, push, kv, cancel, upstream)
         };
         let done = self.submit(work)?;
+        self.shared.metrics.relays.inc();
         let (shared, keepalive) = (self.shared.clone(), self.keepalive);
         tokio::spawn(
             async move {

@@ -47,7 +47,10 @@ impl Compute {
         let upstream = upstream.filter(|u| u.end > cached);
         let at = upstream.as_ref().map_or(cached, |u| u.end);
         let mut relay = match upstream {
-            Some(u) => Some(self.open_relay(u, cached, tokens, cancel)?),
+            Some(u) => {
+                self.shared.metrics.pipelined.inc();
+                Some(self.open_relay(u, cached, tokens, cancel)?)
+            }
             None => None,
         };
         let grid = self.engine.prefill_chunk_tokens();

@@ -237,15 +237,16 @@ impl Dispatcher {
         let span = tracing::Span::current();
         span.record("decode", d_addr.as_str());
         span.record("prefill", p_addr.as_deref().unwrap_or("local"));
+        let stages: Vec<pb::PipelineStage> = (pipeline.iter())
+            .map(|(g, end)| pb::PipelineStage {
+                addr: g.replica().addr.clone(),
+                end: *end as u32,
+            })
+            .collect();
         let prefill = prefill.map(|guard| {
             let mut request =
                 prefill_request(p, progress, &tokens, transfer_id, decode_cached, &d_addr);
-            request.upstream = (pipeline.iter())
-                .map(|(g, end)| pb::PipelineStage {
-                    addr: g.replica().addr.clone(),
-                    end: *end as u32,
-                })
-                .collect();
+            request.upstream = stages.clone();
             (guard, pipeline, request)
         });
         let prefill_call = prefill_call(&p.request_id, prefill, deadline);
@@ -333,6 +334,7 @@ impl Dispatcher {
                         disaggregation: if local { "local" } else { "remote" }.into(),
                         fetched_from: fetch.map(|f| f.0).unwrap_or_default(),
                         fetched_tokens: admitted.fetched_tokens,
+                        pipeline: stages,
                         ..Default::default()
                     },
                     fetch_ms: admitted.fetch_ms,
