@@ -62,7 +62,12 @@ fn a_prompt_computed_a_layer_at_a_time_equals_a_prefill() {
             for li in 0..model.config.n_layers {
                 assert_eq!(e.next_layer(&mut pass, &|| {}).expect("layer"), li);
             }
-            assert_eq!(e.finish_layers(pass).expect("finish"), want, "{}", model.name);
+            assert_eq!(
+                e.finish_layers(pass).expect("finish"),
+                want,
+                "{}",
+                model.name
+            );
             assert_eq!(e.export_kv(l, 0..100).expect("export"), want_kv);
         }
     }
@@ -87,7 +92,8 @@ fn three_stages(model: &Arc<Model>, dtype: KvDtype, tokens: &[u32], cuts: [usize
     );
     let (s1, s2, s3) = (e1.new_sequence(), e2.new_sequence(), e3.new_sequence());
     if held > 0 {
-        e3.prefill(s3, &tokens[..held]).expect("the last stage's own prefix");
+        e3.prefill(s3, &tokens[..held])
+            .expect("the last stage's own prefix");
     }
     let mut p1 = e1.begin_layers(s1, 0, &tokens[..a]).expect("stage 1");
     let mut p2 = e2.begin_layers(s2, a, &tokens[a..b]).expect("stage 2");
@@ -129,14 +135,26 @@ fn a_pass_out_of_order_is_refused_and_changes_nothing() {
     let mut e = engine(&model, 16, KvDtype::F16);
     let s = e.new_sequence();
     e.prefill(s, &tokens[..16]).expect("prefix");
-    assert!(e.begin_layers(s, 8, &tokens[8..]).is_err(), "inside the sequence");
+    assert!(
+        e.begin_layers(s, 8, &tokens[8..]).is_err(),
+        "inside the sequence"
+    );
     assert!(e.begin_layers(s, 16, &[]).is_err(), "no tokens");
 
     let mut pass = e.begin_layers(s, 24, &tokens[24..]).expect("begin");
-    assert!(e.next_layer(&mut pass, &|| {}).is_err(), "layer 0 of 16..24 has not come");
-    assert!(e.export_layer(&pass, 0, 0..30).is_err(), "nothing computed yet");
+    assert!(
+        e.next_layer(&mut pass, &|| {}).is_err(),
+        "layer 0 of 16..24 has not come"
+    );
+    assert!(
+        e.export_layer(&pass, 0, 0..30).is_err(),
+        "nothing computed yet"
+    );
     let [k, v] = [vec![0u8; 3], vec![0u8; 3]];
-    assert!(e.import_layer(&mut pass, &k, &v).is_err(), "bytes of the wrong size");
+    assert!(
+        e.import_layer(&mut pass, &k, &v).is_err(),
+        "bytes of the wrong size"
+    );
     let mut plain = engine(&model, 16, KvDtype::F16);
     let p = plain.new_sequence();
     plain.prefill(p, &tokens[..24]).expect("prefill");
@@ -147,8 +165,15 @@ fn a_pass_out_of_order_is_refused_and_changes_nothing() {
     let sent = e.export_layer(&pass, 0, 0..24).expect("held and imported");
     assert_eq!(sent[0].len(), 24 * per_token);
     e.next_layer(&mut pass, &|| {}).expect("layer 0");
-    assert!(e.next_layer(&mut pass, &|| {}).is_err(), "layer 1 of 16..24 has not come");
-    assert_eq!(e.seq_len(s).expect("len"), 16, "a pass in progress leaves the length");
+    assert!(
+        e.next_layer(&mut pass, &|| {}).is_err(),
+        "layer 1 of 16..24 has not come"
+    );
+    assert_eq!(
+        e.seq_len(s).expect("len"),
+        16,
+        "a pass in progress leaves the length"
+    );
     assert_eq!(pass.layers_done(), 1);
     assert!(e.finish_layers(pass).is_err(), "one layer of several");
 
@@ -158,8 +183,14 @@ fn a_pass_out_of_order_is_refused_and_changes_nothing() {
     for _ in 0..layers {
         e.next_layer(&mut whole, &|| {}).expect("layer");
     }
-    assert!(e.next_layer(&mut whole, &|| {}).is_err(), "past the last layer");
+    assert!(
+        e.next_layer(&mut whole, &|| {}).is_err(),
+        "past the last layer"
+    );
     let n = e.new_sequence();
     let mut nothing = e.begin_layers(n, 0, &tokens[..4]).expect("begin");
-    assert!(e.import_layer(&mut nothing, k, v).is_err(), "nothing to import");
+    assert!(
+        e.import_layer(&mut nothing, k, v).is_err(),
+        "nothing to import"
+    );
 }

@@ -19,7 +19,8 @@ fn prompt(n: u32) -> Vec<u32> {
 }
 
 async fn cluster(prefill: usize, min_tokens: usize, relays: bool) -> Cluster {
-    let mut config = ClusterConfig::new(smollm2_model().expect("smollm2 (tandem model fetch smollm2)"));
+    let mut config =
+        ClusterConfig::new(smollm2_model().expect("smollm2 (tandem model fetch smollm2)"));
     config.prefill = prefill;
     config.engine.kv_budget_bytes = 256 << 20;
     config.pipeline = tandem_router::PipelineConfig {
@@ -59,7 +60,10 @@ async fn a_prompt_split_over_three_prefill_nodes_gives_one_nodes_tokens() {
     let route = got.last.route.clone().expect("route");
     let ends: Vec<u32> = route.pipeline.iter().map(|s| s.end).collect();
     assert_eq!(ends.len(), 2, "three stages: {route:?}");
-    assert!(ends[0] > ends[1] - ends[0], "the first part is the longest: {ends:?}");
+    assert!(
+        ends[0] > ends[1] - ends[0],
+        "the first part is the longest: {ends:?}"
+    );
     assert!(ends[1] < 3_000);
     let mut relays = 0.0;
     let mut pipelined = 0.0;
@@ -70,7 +74,10 @@ async fn a_prompt_split_over_three_prefill_nodes_gives_one_nodes_tokens() {
         computed += counter(node, "tandem_prefill_tokens").await;
     }
     assert_eq!(relays, 2.0, "two stages computed a part for the next");
-    assert_eq!(pipelined, 2.0, "two stages computed on the KV of the one before");
+    assert_eq!(
+        pipelined, 2.0,
+        "two stages computed on the KV of the one before"
+    );
     assert_eq!(computed, 3_000.0, "each token computed once, on one stage");
 
     // The decode node and the last stage keep the whole prompt: a follow-up that extends it is
@@ -108,7 +115,10 @@ async fn a_stage_lost_mid_pipeline_costs_a_retry_on_one_node() {
                 break 'found i;
             }
         }
-        assert!(started.elapsed() < Duration::from_secs(30), "no stage began");
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "no stage began"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     };
     cluster.relays[first].cut();
@@ -120,7 +130,10 @@ async fn a_stage_lost_mid_pipeline_costs_a_retry_on_one_node() {
     assert_eq!(got.token_ids, want.token_ids, "the tokens one node gives");
     let route = got.last.route.clone().expect("route");
     assert_eq!(route.attempts, 2, "{route:?}");
-    assert!(route.pipeline.is_empty(), "the retry is not split: {route:?}");
+    assert!(
+        route.pipeline.is_empty(),
+        "the retry is not split: {route:?}"
+    );
     let cut = cluster.relays[first].addr.to_string();
     assert_ne!(route.prefill, cut, "not on the lost stage");
     cluster.stop().await.expect("stop");
@@ -130,7 +143,9 @@ async fn a_stage_lost_mid_pipeline_costs_a_retry_on_one_node() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_stage_is_named_in_the_failure() {
     let model = tandem_engine::ModelSource::TINY.load().expect("tiny");
-    let cluster = Cluster::start(ClusterConfig::new(model)).await.expect("cluster");
+    let cluster = Cluster::start(ClusterConfig::new(model))
+        .await
+        .expect("cluster");
     let gone = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         l.local_addr().expect("addr").to_string()
@@ -172,7 +187,10 @@ async fn an_unreachable_stage_is_named_in_the_failure() {
                     addr: gone.clone(),
                     end: 64,
                 },
-                pb::PipelineStage { addr: gone, end: 32 },
+                pb::PipelineStage {
+                    addr: gone,
+                    end: 32,
+                },
             ],
             ..Default::default()
         })

@@ -424,7 +424,8 @@ impl Compute {
             tokens: &tokens,
             class: share.class,
         };
-        let upstream_tokens = (upstream.as_ref()).map_or(0, |u| u.end.saturating_sub(cached.tokens));
+        let upstream_tokens =
+            (upstream.as_ref()).map_or(0, |u| u.end.saturating_sub(cached.tokens));
         // A pipeline's stages compute a layer at a time, the first of them too, so that the
         // next can start on each layer as soon as it is sent.
         let outcome = if upstream.is_some() || relay {

@@ -229,10 +229,13 @@ impl PrefillService {
         let Some((last, before)) = r.upstream.split_last() else {
             return Ok(None);
         };
-        let channel = self.nodes.get(&last.addr).map_err(|e| Error::InvalidArgument {
-            field: "upstream",
-            reason: e.to_string(),
-        })?;
+        let channel = self
+            .nodes
+            .get(&last.addr)
+            .map_err(|e| Error::InvalidArgument {
+                field: "upstream",
+                reason: e.to_string(),
+            })?;
         let end = last.end as usize;
         let request = pb::PrefillRequest {
             request_id: r.request_id.clone(),
@@ -369,8 +372,7 @@ impl pb::prefill_server::Prefill for PrefillService {
         tandem_net::otel::follow(&span, request.metadata());
         let frames = span.in_scope(|| PrefillService::relay(self, request.into_inner()))?;
         Ok(Response::new(Box::pin(tokio_stream::StreamExt::map(
-            frames,
-            Ok,
+            frames, Ok,
         ))))
     }
 }

@@ -94,7 +94,10 @@ impl RelayReceiver {
                 Frame::Abort(a) => return Err(Error::Aborted { reason: a.reason }),
                 Frame::Header(_) | Frame::Trailer(_) => {
                     return Err(Error::Malformed {
-                        detail: format!("a header or trailer before layer {} was whole", self.layer),
+                        detail: format!(
+                            "a header or trailer before layer {} was whole",
+                            self.layer
+                        ),
                     });
                 }
             }

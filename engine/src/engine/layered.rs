@@ -167,12 +167,17 @@ impl Engine {
                 ),
             });
         }
-        let blocks = &self.seqs.get(&pass.seq).ok_or(Error::UnknownSequence(pass.seq.0))?.blocks;
+        let blocks = &self
+            .seqs
+            .get(&pass.seq)
+            .ok_or(Error::UnknownSequence(pass.seq.0))?
+            .blocks;
         let pool = &mut self.pool;
         match &self.model.compute {
             Compute::Weights(w) => {
-                let rows: Vec<Vec<Row<'_>>> =
-                    (0..pass.chunks()).map(|ci| pass.rows(blocks, ci, false)).collect();
+                let rows: Vec<Vec<Row<'_>>> = (0..pass.chunks())
+                    .map(|ci| pass.rows(blocks, ci, false))
+                    .collect();
                 let (hidden, scratch) = (&mut pass.hidden, &mut pass.scratch);
                 self.threads.install(|| {
                     for ((h, shape), rows) in hidden.iter_mut().zip(&rows) {
@@ -202,7 +207,10 @@ impl Engine {
         tokens: Range<usize>,
     ) -> Result<[Vec<u8>; 2]> {
         let ready = |rows: Range<usize>, layers: usize| {
-            rows.is_empty() || tokens.end <= rows.start || tokens.start >= rows.end || layer < layers
+            rows.is_empty()
+                || tokens.end <= rows.start
+                || tokens.start >= rows.end
+                || layer < layers
         };
         if tokens.start > tokens.end
             || tokens.end > pass.end()

@@ -389,7 +389,11 @@ impl Policy {
             let parts: Vec<String> = (stages.iter())
                 .map(|(g, end)| format!("{} to {end}", g.replica().addr))
                 .collect();
-            reason.push_str(&format!("; pipelined: {}, then {}", parts.join(", "), p.addr));
+            reason.push_str(&format!(
+                "; pipelined: {}, then {}",
+                parts.join(", "),
+                p.addr
+            ));
         }
         Ok(Choice {
             decode: d.claim(0, ask.class),

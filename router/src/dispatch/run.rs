@@ -247,7 +247,11 @@ impl Dispatcher {
             let mut request =
                 prefill_request(p, progress, &tokens, transfer_id, decode_cached, &d_addr);
             request.upstream = stages.clone();
-            (guard, pipeline, request)
+            RemotePrefill {
+                guard,
+                _stages: pipeline,
+                request,
+            }
         });
         let prefill_call = prefill_call(&p.request_id, prefill, deadline);
         // Remote: the prefill call runs beside the decode stream, and ends once the KV is
@@ -453,6 +457,14 @@ impl Dispatcher {
     }
 }
 
+/// A remote prefill: the claim on its node, the claims on a pipeline's earlier stages (held
+/// for the call), and its request.
+struct RemotePrefill {
+    guard: InflightGuard,
+    _stages: Vec<(InflightGuard, usize)>,
+    request: pb::PrefillRequest,
+}
+
 /// The prefill call of an attempt, where it has one (`None`: the decode node prefills
 /// locally, and this answers `None` at once). The claim on the prefill node ends with the call:
 /// what decodes afterwards is no longer in its queue.
@@ -461,10 +473,10 @@ impl Dispatcher {
 /// the node called names it (`tandem-failed-stage`), and that stage is the suspect.
 async fn prefill_call(
     request_id: &str,
-    prefill: Option<(InflightGuard, Vec<(InflightGuard, usize)>, pb::PrefillRequest)>,
+    prefill: Option<RemotePrefill>,
     deadline: TokioInstant,
 ) -> Result<Option<pb::PrefillResponse>, Failure> {
-    let Some((guard, _stages, request)) = prefill else {
+    let Some(RemotePrefill { guard, request, .. }) = prefill else {
         return Ok(None);
     };
     let addr = guard.replica().addr.as_str();
