@@ -24,6 +24,9 @@ model=${MODEL:-default}
 out=target/bench-pipeline
 mkdir -p "$out"
 : >"$out/results.jsonl"
+# A 32k-token prompt on one thread takes longer than the router's default bound (5 min) on a
+# request that sets no deadline.
+export TANDEM_TIMEOUT_MS=${TANDEM_TIMEOUT_MS:-7200000}
 for n in "${lengths[@]}"; do
   for p in $nodes; do
     log=$out/up-$n-$p.log
