@@ -15,7 +15,7 @@ use tokio::net::TcpListener;
 
 mod defaults;
 
-pub(crate) use defaults::SamplingDefaultsArgs;
+pub(crate) use defaults::{PipelineArgs, SamplingDefaultsArgs};
 use defaults::{ms, router_defaults};
 
 /// On or off.
@@ -322,15 +322,8 @@ pub(crate) struct RouterArgs {
     /// How replicas are chosen.
     #[arg(long, env = "TANDEM_POLICY", value_enum, default_value_t = Policy::Affinity)]
     policy: Policy,
-    /// Prompts of at least this many tokens that the chosen prefill node holds none of are
-    /// split over idle prefill nodes that hold none either, each computing its part a layer at
-    /// a time on the KV the one before streams to it (docs/architecture.md, "One prompt over
-    /// several prefill nodes"); 0 never splits.
-    #[arg(long, env = "TANDEM_PIPELINE_MIN_TOKENS", default_value_t = router_defaults().pipeline.min_tokens)]
-    pipeline_min_tokens: usize,
-    /// Most prefill nodes one prompt is split over.
-    #[arg(long, env = "TANDEM_PIPELINE_STAGES", default_value_t = router_defaults().pipeline.max_stages)]
-    pipeline_stages: usize,
+    #[command(flatten)]
+    pipeline: PipelineArgs,
     /// Most block hashes the router's cache index keeps per replica (10-21 bytes each); a
     /// replica whose cache is larger is routed to as if it held nothing.
     #[arg(long, env = "TANDEM_INDEX_MAX_BLOCKS", default_value_t = router_defaults().index_max_blocks)]
@@ -530,10 +523,7 @@ pub(crate) fn router(args: &RouterArgs) -> anyhow::Result<()> {
             Policy::Affinity => tandem_router::PolicyKind::Affinity,
             Policy::RoundRobin => tandem_router::PolicyKind::RoundRobin,
         },
-        pipeline: tandem_router::PipelineConfig {
-            min_tokens: args.pipeline_min_tokens,
-            max_stages: args.pipeline_stages,
-        },
+        pipeline: args.pipeline.resolve(),
         index_max_blocks: args.index_max_blocks,
         auth: tandem_router::AuthConfig::with_defaults(
             args.api_keys.clone(),

@@ -116,13 +116,8 @@ pub(crate) struct UpArgs {
     /// How the router chooses replicas.
     #[arg(long, env = "TANDEM_POLICY", value_enum, default_value_t = Policy::Affinity)]
     policy: Policy,
-    /// Prompts of at least this many tokens are split over idle prefill nodes (with --prefill 2
-    /// or more; see `tandem router --pipeline-min-tokens`); 0 never splits.
-    #[arg(long, env = "TANDEM_PIPELINE_MIN_TOKENS", default_value_t = tandem_router::PipelineConfig::default().min_tokens)]
-    pipeline_min_tokens: usize,
-    /// Most prefill nodes one prompt is split over.
-    #[arg(long, env = "TANDEM_PIPELINE_STAGES", default_value_t = tandem_router::PipelineConfig::default().max_stages)]
-    pipeline_stages: usize,
+    #[command(flatten)]
+    pipeline: crate::serve::PipelineArgs,
     /// The router's API key file (see `tandem router --api-keys`); without it, clients need no
     /// key.
     #[arg(long, env = "TANDEM_API_KEYS")]
@@ -479,10 +474,6 @@ fn router_args(
         decode,
         "--policy".into(),
         args.policy.name().into(),
-        "--pipeline-min-tokens".into(),
-        args.pipeline_min_tokens.to_string(),
-        "--pipeline-stages".into(),
-        args.pipeline_stages.to_string(),
         "--default-model".into(),
         default_model.to_string(),
     ];
@@ -490,6 +481,7 @@ fn router_args(
         router_args.extend(["--api-keys".into(), keys.display().to_string()]);
     }
     router_args.extend(args.sampling_defaults.to_args());
+    router_args.extend(args.pipeline.to_args());
     router_args.extend(tls_args.iter().cloned());
     if let (Some(c), true) = (certs, args.api_tls) {
         let [cert, key] = Role::Router.files();

@@ -531,24 +531,27 @@ impl Compute {
     /// Sends one chunk of the push; `false` when the receiver ended the push (its verdict
     /// comes from `finish`, so the caller stops computing and hands the push back).
     fn send(&self, kv: &mut KvPush, chunk: &Chunk, cancel: &CancellationToken) -> Result<bool> {
-        let sent = self.runtime.block_on(async {
-            tokio::select! {
-                sent = kv.send_within(chunk, PUSH_STALL) => Some(sent),
-                () = cancel.cancelled() => None,
-            }
-        });
-        match sent {
-            Some(Ok(())) => {
+        match self.wait(kv.send_within(chunk, PUSH_STALL), cancel)? {
+            Ok(()) => {
                 self.shared.pulse.beat();
                 Ok(true)
             }
-            Some(Err(tandem_transfer::Error::ReceiverGone)) => Ok(false),
-            Some(Err(e)) => {
+            Err(tandem_transfer::Error::ReceiverGone) => Ok(false),
+            Err(e) => {
                 tracing::warn!(error = %e, "KV push made no progress; giving it up");
                 Err(e.into())
             }
-            None => Err(Error::Cancelled),
         }
+    }
+
+    /// Runs `f` on the node's runtime, unless the job is cancelled first.
+    fn wait<T>(&self, f: impl Future<Output = T>, cancel: &CancellationToken) -> Result<T> {
+        self.runtime.block_on(async {
+            tokio::select! {
+                out = f => Ok(out),
+                () = cancel.cancelled() => Err(Error::Cancelled),
+            }
+        })
     }
 }
 

@@ -90,7 +90,7 @@ pub struct Config {
     /// How replicas are chosen (see [`crate::cluster::policy`]).
     pub policy: PolicyKind,
     /// When a long prompt's prefill is split over several prefill nodes.
-    pub pipeline: crate::cluster::policy::PipelineConfig,
+    pub pipeline: PipelineConfig,
     /// Most block hashes the cache index keeps per replica (10-21 bytes each).
     pub index_max_blocks: usize,
     /// API keys, and the limits per key.
@@ -232,6 +232,30 @@ impl Default for SessionConfig {
         }
     }
 }
+
+/// When a prompt's prefill is split over several prefill nodes, and over how many at most
+/// ([`crate::cluster::policy`]'s pipeline).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PipelineConfig {
+    /// Prompts of at least this many tokens (which the chosen prefill node holds none of) are
+    /// split over idle prefill nodes; 0 never splits.
+    pub min_tokens: usize,
+    /// Most prefill nodes one prompt is split over.
+    pub max_stages: usize,
+}
+
+impl Default for PipelineConfig {
+    fn default() -> Self {
+        Self {
+            min_tokens: DEFAULT_MIN_TOKENS,
+            max_stages: 4,
+        }
+    }
+}
+
+/// The prompt length from which two stages beat one by more than a second (measured:
+/// `docs/benchmarks.md`, "One prompt over several prefill nodes").
+pub const DEFAULT_MIN_TOKENS: usize = 4096;
 
 /// Which policy the router runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -45,10 +45,9 @@ use tonic::service::Routes;
 use tonic_health::ServingStatus;
 
 pub use crate::cluster::discovery::{Target, resolve};
-pub use crate::cluster::policy::PipelineConfig;
 pub use crate::config::{
-    AuthConfig, Class, Config, KeyLimits, Limits, PolicyKind, SamplingDefaults, SessionConfig,
-    parse_ttft_targets,
+    AuthConfig, Class, Config, KeyLimits, Limits, PipelineConfig, PolicyKind, SamplingDefaults,
+    SessionConfig, parse_ttft_targets,
 };
 pub use crate::error::{Error, Result};
 

@@ -1,5 +1,6 @@
-//! The router's defaults: those its flags start from (`tandem_router::Config`'s) and the
-//! sampling it gives HTTP requests that leave theirs unset.
+//! The router's defaults: those its flags start from (`tandem_router::Config`'s), the sampling
+//! it gives HTTP requests that leave theirs unset, and when it splits a prompt over prefill
+//! nodes.
 
 use std::time::Duration;
 
@@ -59,5 +60,39 @@ impl SamplingDefaultsArgs {
         .flatten()
         .flatten()
         .collect()
+    }
+}
+
+/// When the router splits a long prompt's prefill over several prefill nodes (`tandem up`
+/// passes them on).
+#[derive(Args, Debug, Clone)]
+pub(crate) struct PipelineArgs {
+    /// Prompts of at least this many tokens that no prefill node holds a prefix of are split
+    /// over the idle prefill nodes, each computing its part a layer at a time on the KV the one
+    /// before streams to it (docs/architecture.md, "One prompt over several prefill nodes");
+    /// 0 never splits.
+    #[arg(long, env = "TANDEM_PIPELINE_MIN_TOKENS", default_value_t = router_defaults().pipeline.min_tokens)]
+    pipeline_min_tokens: usize,
+    /// Most prefill nodes one prompt is split over.
+    #[arg(long, env = "TANDEM_PIPELINE_STAGES", default_value_t = router_defaults().pipeline.max_stages)]
+    pipeline_stages: usize,
+}
+
+impl PipelineArgs {
+    pub(crate) fn resolve(&self) -> tandem_router::PipelineConfig {
+        tandem_router::PipelineConfig {
+            min_tokens: self.pipeline_min_tokens,
+            max_stages: self.pipeline_stages,
+        }
+    }
+
+    /// The flags again, for a router started as a child process.
+    pub(crate) fn to_args(&self) -> Vec<String> {
+        vec![
+            "--pipeline-min-tokens".into(),
+            self.pipeline_min_tokens.to_string(),
+            "--pipeline-stages".into(),
+            self.pipeline_stages.to_string(),
+        ]
     }
 }

@@ -124,16 +124,6 @@ impl Compute {
             Err(source) => Err(upstream_failed(&addr, source)),
         }
     }
-
-    /// Runs `f` on the node's runtime, unless the job is cancelled first.
-    fn wait<T>(&self, f: impl Future<Output = T>, cancel: &CancellationToken) -> Result<T> {
-        self.runtime.block_on(async {
-            tokio::select! {
-                out = f => Ok(out),
-                () = cancel.cancelled() => Err(Error::Cancelled),
-            }
-        })
-    }
 }
 
 fn upstream_failed(addr: &str, source: tandem_transfer::Error) -> Error {

@@ -77,7 +77,7 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 use crate::cluster::handoffs::Handoffs;
 use crate::cluster::replica::{InflightGuard, Replica, Role, mean_prefill_rate};
 use crate::cluster::replicas::Replicas;
-use crate::config::PolicyKind;
+use crate::config::{PipelineConfig, PolicyKind};
 use crate::error::{Error, Result};
 
 /// Prompt tokens per second assumed before any replica has measured its own.
@@ -380,24 +380,11 @@ impl Policy {
             d.addr,
             d.load()
         );
-        let stages = match ph {
-            0 => pipeline::stages(replicas, ask, &key, p, self.pipeline),
-            _ => Vec::new(),
-        };
-        let from = stages.last().map_or(0, |(_, end)| *end);
-        if !stages.is_empty() {
-            let parts: Vec<String> = (stages.iter())
-                .map(|(g, end)| format!("{} to {end}", g.replica().addr))
-                .collect();
-            reason.push_str(&format!(
-                "; pipelined: {}, then {}",
-                parts.join(", "),
-                p.addr
-            ));
-        }
+        let stages = pipeline::stages(replicas, ask, &key, (p, ph), self.pipeline, &mut reason);
+        let from = stages.last().map_or(ph, |(_, end)| *end);
         Ok(Choice {
             decode: d.claim(0, ask.class),
-            prefill: Some(p.claim(ask.tokens.saturating_sub(ph.max(from)) as u64, ask.class)),
+            prefill: Some(p.claim(ask.tokens.saturating_sub(from) as u64, ask.class)),
             decode_overlap: dh,
             prefill_overlap: ph,
             reason,
@@ -482,5 +469,3 @@ fn best_prefill<'a>(
 mod pipeline;
 #[cfg(test)]
 mod tests;
-
-pub use pipeline::PipelineConfig;

@@ -234,24 +234,12 @@ impl Dispatcher {
         let d_addr = decode.replica().addr.clone();
         let on_decode = |s: &Status| Failure::on_decode(&d_addr, s);
         let p_addr = prefill.as_ref().map(|g| g.replica().addr.clone());
-        let span = tracing::Span::current();
-        span.record("decode", d_addr.as_str());
-        span.record("prefill", p_addr.as_deref().unwrap_or("local"));
-        let stages: Vec<pb::PipelineStage> = (pipeline.iter())
-            .map(|(g, end)| pb::PipelineStage {
-                addr: g.replica().addr.clone(),
-                end: *end as u32,
-            })
-            .collect();
+        record_replicas(&d_addr, p_addr.as_deref());
+        let stages = upstream_of(&pipeline);
         let prefill = prefill.map(|guard| {
-            let mut request =
+            let request =
                 prefill_request(p, progress, &tokens, transfer_id, decode_cached, &d_addr);
-            request.upstream = stages.clone();
-            RemotePrefill {
-                guard,
-                _stages: pipeline,
-                request,
-            }
+            RemotePrefill::new(guard, pipeline, request)
         });
         let prefill_call = prefill_call(&p.request_id, prefill, deadline);
         // Remote: the prefill call runs beside the decode stream, and ends once the KV is
@@ -313,10 +301,9 @@ impl Dispatcher {
             }
             let prefill = prefilled.flatten();
             // What the attempt's prompt cost in compute: neither cached nor fetched.
-            let computed = match &prefill {
-                Some(r) => r.computed_tokens as usize,
-                None => uncached,
-            };
+            let computed = prefill
+                .as_ref()
+                .map_or(uncached, |r| r.computed_tokens as usize);
             self.metrics.computed_tokens.inc_by(computed as u64);
             let restored =
                 admitted.restored_tokens + prefill.as_ref().map_or(0, |r| r.restored_tokens);
@@ -457,12 +444,50 @@ impl Dispatcher {
     }
 }
 
+/// Names the attempt's replicas on its span: the decode node's address, and the prefill
+/// node's or `local`.
+fn record_replicas(decode: &str, prefill: Option<&str>) {
+    let span = tracing::Span::current();
+    span.record("decode", decode);
+    span.record("prefill", prefill.unwrap_or("local"));
+}
+
 /// A remote prefill: the claim on its node, the claims on a pipeline's earlier stages (held
 /// for the call), and its request.
 struct RemotePrefill {
     guard: InflightGuard,
     _stages: Vec<(InflightGuard, usize)>,
     request: pb::PrefillRequest,
+}
+
+impl RemotePrefill {
+    /// `request` on the node of `guard`, after the pipeline's earlier `stages`, if any.
+    fn new(
+        guard: InflightGuard,
+        stages: Vec<(InflightGuard, usize)>,
+        request: pb::PrefillRequest,
+    ) -> Self {
+        let request = pb::PrefillRequest {
+            upstream: upstream_of(&stages),
+            ..request
+        };
+        Self {
+            guard,
+            _stages: stages,
+            request,
+        }
+    }
+}
+
+/// A pipeline's earlier stages as the wire names them: each one's address and the end of its
+/// part.
+fn upstream_of(stages: &[(InflightGuard, usize)]) -> Vec<pb::PipelineStage> {
+    (stages.iter())
+        .map(|(g, end)| pb::PipelineStage {
+            addr: g.replica().addr.clone(),
+            end: *end as u32,
+        })
+        .collect()
 }
 
 /// The prefill call of an attempt, where it has one (`None`: the decode node prefills

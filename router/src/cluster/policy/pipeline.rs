@@ -19,29 +19,7 @@ use crate::cluster::replica::{InflightGuard, Replica, Role};
 use crate::cluster::replicas::Replicas;
 
 use super::{Ask, candidates, rendezvous};
-
-/// When a prompt is pipelined, and over how many nodes at most.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PipelineConfig {
-    /// Prompts of at least this many tokens (which the chosen prefill node holds none of) are
-    /// split over idle prefill nodes; 0 never splits.
-    pub min_tokens: usize,
-    /// Most prefill nodes one prompt is split over.
-    pub max_stages: usize,
-}
-
-impl Default for PipelineConfig {
-    fn default() -> Self {
-        Self {
-            min_tokens: DEFAULT_MIN_TOKENS,
-            max_stages: 4,
-        }
-    }
-}
-
-/// The prompt length from which two stages beat one (measured: `docs/benchmarks.md`, "One
-/// prompt over several prefill nodes").
-pub const DEFAULT_MIN_TOKENS: usize = 4096;
+use crate::config::PipelineConfig;
 
 /// The context length at which a token's attention costs what its matrix products do (`c`
 /// above), measured on the default model: a prompt token at 8k costs about 1.4 ms in the
@@ -53,18 +31,21 @@ pub const ATTENTION_CROSSOVER: f64 = 2048.0;
 /// The least a part may hold: a shorter one costs its stage a layer's hop for little work.
 const MIN_PART_TOKENS: usize = 512;
 
-/// The stages before `last` (the chosen prefill node, which holds none of the prompt) for a
-/// prompt of `ask.tokens`: idle prefill nodes that hold none of it either, each claimed for its
-/// part, with the end of its part, in order. Empty when the prompt is not pipelined: too short,
-/// a retry (one attempt failed already: the next computes on one node), or no idle peer.
+/// The stages before `last` (the chosen prefill node, which holds `held` tokens of the prompt)
+/// for a prompt of `ask.tokens`: idle prefill nodes that hold none of it, each claimed for its
+/// part, with the end of its part, in order, named at the end of `reason`. Empty when the
+/// prompt is not pipelined: a prefill node holds a prefix of it, it is too short, it is a retry
+/// (one attempt failed already: the next computes on one node), or no peer is idle.
 pub(crate) fn stages(
     replicas: &Replicas,
     ask: &Ask<'_>,
     key: &[u8],
-    last: &Arc<Replica>,
+    (last, held): (&Arc<Replica>, usize),
     config: PipelineConfig,
+    reason: &mut String,
 ) -> Vec<(InflightGuard, usize)> {
-    if config.min_tokens == 0
+    if held > 0
+        || config.min_tokens == 0
         || config.max_stages < 2
         || ask.tokens < config.min_tokens
         || !ask.exclude.is_empty()
@@ -84,14 +65,24 @@ pub(crate) fn stages(
     idle.truncate(config.max_stages - 1);
     let ends = cuts(ask.tokens, idle.len() + 1);
     let mut from = 0;
-    idle.into_iter()
-        .zip(ends)
+    let stages: Vec<(InflightGuard, usize)> = (idle.into_iter().zip(ends))
         .map(|(r, end)| {
             let part = (end - from) as u64;
             from = end;
             (r.claim(part, ask.class), end)
         })
-        .collect()
+        .collect();
+    if !stages.is_empty() {
+        let parts: Vec<String> = (stages.iter())
+            .map(|(g, end)| format!("{} to {end}", g.replica().addr))
+            .collect();
+        reason.push_str(&format!(
+            "; pipelined: {}, then {}",
+            parts.join(", "),
+            last.addr
+        ));
+    }
+    stages
 }
 
 /// Where to cut a prompt of `n` tokens into at most `parts` parts of equal cost: the ends of all
