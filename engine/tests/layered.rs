@@ -194,3 +194,39 @@ fn a_pass_out_of_order_is_refused_and_changes_nothing() {
         "nothing to import"
     );
 }
+
+/// A simulated model's pass (its compute replaced by a timing profile) gives the token its
+/// prefill gives, and sends header-only KV as empty rows.
+#[test]
+fn a_simulated_pass_equals_a_simulated_prefill() {
+    let profile = tandem_engine::TimingProfile {
+        model: "tiny".into(),
+        cpu: "test".into(),
+        threads: 1,
+        passes: vec![(1, 0.0001), (64, 0.0004)],
+        attend_s: 0.0,
+    };
+    let model = ModelSource::TINY
+        .load_simulated(profile)
+        .expect("simulated tiny");
+    let tokens = prompt(100);
+    let mut e = engine(&model, 16, KvDtype::F16);
+    let s = e.new_sequence();
+    let want = e.prefill(s, &tokens).expect("prefill");
+    let l = e.new_sequence();
+    let mut pass = e.begin_layers(l, 0, &tokens).expect("begin");
+    let chunks = std::sync::atomic::AtomicUsize::new(0);
+    for _ in 0..model.config.n_layers {
+        e.next_layer(&mut pass, &|| {
+            chunks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        })
+        .expect("layer");
+    }
+    assert_eq!(
+        chunks.into_inner(),
+        7 * model.config.n_layers,
+        "progress after each of the 7 chunks of every layer"
+    );
+    assert_eq!(e.finish_layers(pass).expect("finish"), want);
+    assert_eq!(e.seq_len(l).expect("len"), 100);
+}
