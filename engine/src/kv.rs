@@ -355,6 +355,44 @@ impl KvPool {
         }
         Ok(())
     }
+
+    /// Both kinds' rows of `layer` for positions `range` ([`KvPool::export`]: keys, then
+    /// values); none from a header-only pool, whose rows nothing reads.
+    pub fn export_layer(&self, blocks: &[u32], range: Range<usize>, layer: usize) -> [Vec<u8>; 2] {
+        [KvKind::Key, KvKind::Value].map(|kind| {
+            if self.layout.header_only {
+                Vec::new()
+            } else {
+                self.export(blocks, range.clone(), layer, kind)
+            }
+        })
+    }
+
+    /// The inverse of [`KvPool::export_layer`], both sizes checked before either is written; a
+    /// header-only pool leaves its rows as they were.
+    pub fn import_layer(
+        &mut self,
+        blocks: &[u32],
+        range: Range<usize>,
+        layer: usize,
+        [k, v]: [&[u8]; 2],
+    ) -> Result<()> {
+        if self.layout.header_only {
+            return Ok(());
+        }
+        let want = range.len() * self.layout.n_kv_heads * self.layout.row_bytes();
+        if k.len() != want || v.len() != want {
+            return Err(Error::KvImport {
+                reason: format!(
+                    "layer {layer}: {} and {} bytes, expected {want} each",
+                    k.len(),
+                    v.len()
+                ),
+            });
+        }
+        self.import(blocks, range.clone(), layer, KvKind::Key, k)?;
+        self.import(blocks, range, layer, KvKind::Value, v)
+    }
 }
 
 /// `tokens` cut at multiples of `grid`: with [`BLOCK_TOKENS`], the runs of positions whose rows

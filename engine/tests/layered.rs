@@ -3,47 +3,14 @@
 
 use std::sync::Arc;
 
-use tandem_engine::{Engine, EngineConfig, KvDtype, Model, ModelSource, SamplingParams, SeqId};
+use tandem_engine::{KvDtype, Model, ModelSource, SamplingParams};
 
-/// The tiny model of every architecture.
-fn tinies() -> Vec<Arc<Model>> {
-    tandem_engine::Arch::ALL
-        .iter()
-        .map(|&a| ModelSource::Tiny(a).load().expect("tiny model"))
-        .collect()
-}
-
-fn engine(model: &Arc<Model>, chunk: usize, kv_dtype: KvDtype) -> Engine {
-    Engine::new(
-        model.clone(),
-        EngineConfig {
-            threads: 2,
-            kv_budget_bytes: 4 << 20,
-            prefill_chunk_tokens: chunk,
-            kv_dtype,
-            ..EngineConfig::default()
-        },
-    )
-    .expect("engine")
-}
+mod tiny;
+use tiny::{DTYPES, decode, engine_in, tinies};
 
 fn prompt(n: usize) -> Vec<u32> {
     (0..n as u32).map(|i| 3 + (i * 37 + 11) % 256).collect()
 }
-
-fn greedy(engine: &mut Engine, seq: SeqId, mut logits: Vec<f32>, steps: usize) -> Vec<u32> {
-    let mut out = Vec::new();
-    for _ in 0..steps {
-        let pos = engine.seq_len(seq).expect("len") as u64;
-        let p = SamplingParams::default();
-        let tok = tandem_engine::sample(&logits, &p, pos, &Default::default(), &[]);
-        out.push(tok);
-        logits = engine.step(&[(seq, tok)]).expect("step").row(0).to_vec();
-    }
-    out
-}
-
-const DTYPES: [KvDtype; 2] = [KvDtype::F16, KvDtype::Q8];
 
 #[test]
 fn a_prompt_computed_a_layer_at_a_time_equals_a_prefill() {
@@ -51,12 +18,12 @@ fn a_prompt_computed_a_layer_at_a_time_equals_a_prefill() {
     let tokens = prompt(100);
     for model in tinies() {
         for dtype in DTYPES {
-            let mut whole = engine(&model, 16, dtype);
+            let mut whole = engine_in(&model, 16, dtype);
             let s = whole.new_sequence();
             let want = whole.prefill(s, &tokens).expect("prefill");
             let want_kv = whole.export_kv(s, 0..100).expect("export");
 
-            let mut e = engine(&model, 16, dtype);
+            let mut e = engine_in(&model, 16, dtype);
             let l = e.new_sequence();
             let mut pass = e.begin_layers(l, 0, &tokens).expect("begin");
             for li in 0..model.config.n_layers {
@@ -79,16 +46,16 @@ fn a_prompt_computed_a_layer_at_a_time_equals_a_prefill() {
 fn three_stages(model: &Arc<Model>, dtype: KvDtype, tokens: &[u32], cuts: [usize; 2], held: usize) {
     let layers = model.config.n_layers;
     let [a, b] = cuts;
-    let mut whole = engine(model, 16, dtype);
+    let mut whole = engine_in(model, 16, dtype);
     let s = whole.new_sequence();
     let want = whole.prefill(s, tokens).expect("prefill");
     let want_kv = whole.export_kv(s, 0..tokens.len()).expect("export");
-    let want_tokens = greedy(&mut whole, s, want.clone(), 6);
+    let want_tokens = decode(&mut whole, s, want.clone(), 6, &SamplingParams::default());
 
     let (mut e1, mut e2, mut e3) = (
-        engine(model, 16, dtype),
-        engine(model, 16, dtype),
-        engine(model, 16, dtype),
+        engine_in(model, 16, dtype),
+        engine_in(model, 16, dtype),
+        engine_in(model, 16, dtype),
     );
     let (s1, s2, s3) = (e1.new_sequence(), e2.new_sequence(), e3.new_sequence());
     if held > 0 {
@@ -113,7 +80,10 @@ fn three_stages(model: &Arc<Model>, dtype: KvDtype, tokens: &[u32], cuts: [usize
     assert_eq!(got, want, "{}: cuts {cuts:?}, held {held}", model.name);
     assert_eq!(e3.seq_len(s3).expect("len"), tokens.len());
     assert_eq!(e3.export_kv(s3, 0..tokens.len()).expect("export"), want_kv);
-    assert_eq!(greedy(&mut e3, s3, got, 6), want_tokens);
+    assert_eq!(
+        decode(&mut e3, s3, got, 6, &SamplingParams::default()),
+        want_tokens
+    );
 }
 
 #[test]
@@ -132,7 +102,7 @@ fn stages_fed_layer_by_layer_equal_one_prefill() {
 fn a_pass_out_of_order_is_refused_and_changes_nothing() {
     let model = ModelSource::TINY.load().expect("tiny model");
     let tokens = prompt(40);
-    let mut e = engine(&model, 16, KvDtype::F16);
+    let mut e = engine_in(&model, 16, KvDtype::F16);
     let s = e.new_sequence();
     e.prefill(s, &tokens[..16]).expect("prefix");
     assert!(
@@ -155,7 +125,7 @@ fn a_pass_out_of_order_is_refused_and_changes_nothing() {
         e.import_layer(&mut pass, &k, &v).is_err(),
         "bytes of the wrong size"
     );
-    let mut plain = engine(&model, 16, KvDtype::F16);
+    let mut plain = engine_in(&model, 16, KvDtype::F16);
     let p = plain.new_sequence();
     plain.prefill(p, &tokens[..24]).expect("prefill");
     let kv = plain.export_kv(p, 16..24).expect("export");
@@ -210,7 +180,7 @@ fn a_simulated_pass_equals_a_simulated_prefill() {
         .load_simulated(profile)
         .expect("simulated tiny");
     let tokens = prompt(100);
-    let mut e = engine(&model, 16, KvDtype::F16);
+    let mut e = engine_in(&model, 16, KvDtype::F16);
     let s = e.new_sequence();
     let want = e.prefill(s, &tokens).expect("prefill");
     let l = e.new_sequence();

@@ -8,62 +8,21 @@ use tandem_engine::{
     SamplingParams, SeqId,
 };
 
+mod tiny;
+use tiny::{DTYPES, decode, engine_in, tinies};
+
 fn tiny() -> Arc<Model> {
     ModelSource::TINY.load().expect("tiny model")
-}
-
-/// The tiny model of every architecture.
-fn tinies() -> Vec<Arc<Model>> {
-    tandem_engine::Arch::ALL
-        .iter()
-        .map(|&a| ModelSource::Tiny(a).load().expect("tiny model"))
-        .collect()
 }
 
 fn engine_with(model: &Arc<Model>, chunk: usize) -> Engine {
     engine_in(model, chunk, KvDtype::F16)
 }
 
-fn engine_in(model: &Arc<Model>, chunk: usize, kv_dtype: KvDtype) -> Engine {
-    Engine::new(
-        model.clone(),
-        EngineConfig {
-            threads: 2,
-            kv_budget_bytes: 4 << 20,
-            prefill_chunk_tokens: chunk,
-            kv_dtype,
-            ..EngineConfig::default()
-        },
-    )
-    .expect("engine")
-}
-
-/// Both KV dtypes: every property below holds for each.
-const DTYPES: [KvDtype; 2] = [KvDtype::F16, KvDtype::Q8];
-
 fn prompt(n: usize, salt: u32) -> Vec<u32> {
     (0..n as u32)
         .map(|i| 3 + (i * 31 + salt * 17) % 256)
         .collect()
-}
-
-/// Greedy (or seeded) decode of `steps` tokens by hand, ignoring end-of-generation ids so every
-/// step is compared.
-fn decode(
-    engine: &mut Engine,
-    seq: SeqId,
-    mut logits: Vec<f32>,
-    steps: usize,
-    p: &SamplingParams,
-) -> Vec<u32> {
-    let mut out = Vec::new();
-    for _ in 0..steps {
-        let pos = engine.seq_len(seq).expect("len");
-        let tok = tandem_engine::sample(&logits, p, pos as u64, &Default::default(), &[]);
-        out.push(tok);
-        logits = engine.step(&[(seq, tok)]).expect("step").row(0).to_vec();
-    }
-    out
 }
 
 #[test]

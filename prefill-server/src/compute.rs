@@ -424,11 +424,13 @@ impl Compute {
             tokens: &tokens,
             class: share.class,
         };
-        let upstream_tokens =
-            (upstream.as_ref()).map_or(0, |u| u.end.saturating_sub(cached.tokens));
         // A pipeline's stages compute a layer at a time, the first of them too, so that the
-        // next can start on each layer as soon as it is sent.
-        let outcome = if upstream.is_some() || relay {
+        // next can start on each layer as soon as it is sent; the stage before is asked only
+        // for what this node's cache lacks.
+        let layered = upstream.is_some() || relay;
+        let upstream = upstream.filter(|u| u.end > cached.tokens);
+        let upstream_tokens = upstream.as_ref().map_or(0, |u| u.end - cached.tokens);
+        let outcome = if layered {
             self.compute_layered(prompt, upstream, push, &mut kv, &cancel)
         } else {
             self.compute_and_push(prompt, push, &mut kv, &cancel)

@@ -169,7 +169,7 @@ pub async fn fetch(
     }
 }
 
-fn stalled(idle: Duration) -> Error {
+pub(crate) fn stalled(idle: Duration) -> Error {
     Error::Stalled {
         waited_ms: idle.as_millis() as u64,
     }

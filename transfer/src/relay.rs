@@ -20,7 +20,7 @@ use tonic::Streaming;
 use tonic::transport::Channel;
 
 use crate::error::{Error, Result};
-use crate::fetch::next;
+use crate::fetch::{next, stalled};
 use crate::format::{Assembler, Expectation};
 
 /// The KV a stage of a pipelined prefill receives from the stage before, a layer at a time.
@@ -48,9 +48,7 @@ impl RelayReceiver {
         tandem_net::otel::inject(request.metadata_mut());
         let mut frames = tokio::time::timeout(idle, client.relay(request))
             .await
-            .map_err(|_| Error::Stalled {
-                waited_ms: idle.as_millis() as u64,
-            })??
+            .map_err(|_| stalled(idle))??
             .into_inner();
         let header = loop {
             match next(&mut frames, idle).await? {

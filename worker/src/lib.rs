@@ -185,21 +185,19 @@ pub fn block_hashes(model: &Model, salt: &str, tokens: &[u32]) -> Vec<u64> {
 
 /// One exported token range as wire chunks: per layer, K then V.
 pub fn kv_chunks(kv: KvExport) -> impl Iterator<Item = Chunk> {
-    let tokens = kv.tokens.start as u32..kv.tokens.end as u32;
-    kv.layers
-        .into_iter()
-        .enumerate()
-        .flat_map(move |(layer, [k, v])| {
-            let tokens = tokens.clone();
-            [(KvKind::K, k), (KvKind::V, v)]
-                .into_iter()
-                .map(move |(kind, data)| Chunk {
-                    layer: layer as u32,
-                    kind,
-                    tokens: tokens.clone(),
-                    data: Bytes::from(data),
-                })
-        })
+    let tokens = kv.tokens;
+    (kv.layers.into_iter().enumerate())
+        .flat_map(move |(layer, kv)| layer_chunks(layer, tokens.clone(), kv))
+}
+
+/// One layer's K and V of a token range as wire chunks, K first.
+pub fn layer_chunks(layer: usize, tokens: Range<usize>, [k, v]: [Vec<u8>; 2]) -> [Chunk; 2] {
+    [(KvKind::K, k), (KvKind::V, v)].map(|(kind, data)| Chunk {
+        layer: layer as u32,
+        kind,
+        tokens: tokens.start as u32..tokens.end as u32,
+        data: Bytes::from(data),
+    })
 }
 
 /// How many chunks [`kv_chunks`] makes for `tokens` cut at multiples of `grid` tokens.

@@ -5,7 +5,6 @@ use std::ops::Range;
 
 use super::{Engine, KvExport, SeqId};
 use crate::error::{Error, Result};
-use crate::kv::KvKind;
 
 impl KvExport {
     /// The bytes it holds, keys and values of every layer.
@@ -27,20 +26,11 @@ impl Engine {
                 ),
             });
         }
-        let layout = self.pool.layout();
         let layers = (0..self.model.config.n_layers)
-            .map(|l| {
-                [KvKind::Key, KvKind::Value].map(|kind| {
-                    if layout.header_only {
-                        Vec::new()
-                    } else {
-                        self.pool.export(&s.blocks, tokens.clone(), l, kind)
-                    }
-                })
-            })
+            .map(|l| self.pool.export_layer(&s.blocks, tokens.clone(), l))
             .collect();
         Ok(KvExport {
-            layout,
+            layout: self.pool.layout(),
             tokens,
             layers,
         })
@@ -98,15 +88,9 @@ impl Engine {
         }
         self.reserve(seq, kv.tokens.end)?;
         let blocks = self.seq(seq)?.blocks.clone();
-        // A header-only import leaves the rows as they were: nothing reads them.
-        if !kv.layout.header_only {
-            for l in layers.clone() {
-                let [k, v] = &kv.layers[l];
-                self.pool
-                    .import(&blocks, kv.tokens.clone(), l, KvKind::Key, k)?;
-                self.pool
-                    .import(&blocks, kv.tokens.clone(), l, KvKind::Value, v)?;
-            }
+        for l in layers.clone() {
+            let [k, v] = &kv.layers[l];
+            (self.pool).import_layer(&blocks, kv.tokens.clone(), l, [k, v])?;
         }
         if layers.end == kv.layout.n_layers
             && let Some(s) = self.seqs.get_mut(&seq)

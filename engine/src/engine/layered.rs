@@ -20,7 +20,6 @@ use std::ops::Range;
 
 use super::{Compute, Engine, SeqId};
 use crate::error::{Error, Result};
-use crate::kv::KvKind;
 use crate::model::{self, Hidden, Row, Scratch, Shape};
 
 /// A prompt being computed a layer at a time ([`Engine::begin_layers`]).
@@ -122,30 +121,18 @@ impl Engine {
     /// them out) into the pass's sequence.
     pub fn import_layer(&mut self, pass: &mut Layered, k: &[u8], v: &[u8]) -> Result<()> {
         let layer = pass.imported;
-        let reject = |reason: String| Err(Error::KvImport { reason });
         if pass.held == pass.at || layer >= self.model.config.n_layers {
-            return reject(format!(
-                "layer {layer}: the pass imports {} layers of {:?}",
-                self.model.config.n_layers,
-                pass.held..pass.at
-            ));
+            return Err(Error::KvImport {
+                reason: format!(
+                    "layer {layer}: the pass imports {} layers of {:?}",
+                    self.model.config.n_layers,
+                    pass.held..pass.at
+                ),
+            });
         }
-        let layout = self.pool.layout();
-        let want = (pass.at - pass.held) * layout.n_kv_heads * layout.row_bytes();
-        if !layout.header_only && (k.len() != want || v.len() != want) {
-            return reject(format!(
-                "layer {layer}: {} and {} bytes, expected {want} each",
-                k.len(),
-                v.len()
-            ));
-        }
-        if !layout.header_only {
-            let seq = self.seqs.get(&pass.seq);
-            let blocks = &seq.ok_or(Error::UnknownSequence(pass.seq.0))?.blocks;
-            let range = pass.held..pass.at;
-            (self.pool).import(blocks, range.clone(), layer, KvKind::Key, k)?;
-            (self.pool).import(blocks, range, layer, KvKind::Value, v)?;
-        }
+        let seq = self.seqs.get(&pass.seq);
+        let blocks = &seq.ok_or(Error::UnknownSequence(pass.seq.0))?.blocks;
+        (self.pool).import_layer(blocks, pass.held..pass.at, layer, [k, v])?;
         pass.imported += 1;
         Ok(())
     }
@@ -223,13 +210,7 @@ impl Engine {
             });
         }
         let blocks = &self.seq(pass.seq)?.blocks;
-        Ok([KvKind::Key, KvKind::Value].map(|kind| {
-            if self.pool.layout().header_only {
-                Vec::new()
-            } else {
-                self.pool.export(blocks, tokens.clone(), layer, kind)
-            }
-        }))
+        Ok(self.pool.export_layer(blocks, tokens, layer))
     }
 
     /// Ends a pass whose every layer is computed: the sequence holds its tokens, and the last

@@ -14,8 +14,7 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use tandem_transfer::{Chunk, Expectation, KvKind, KvPush, RelayReceiver};
+use tandem_transfer::{Expectation, KvPush, RelayReceiver};
 use tokio_util::sync::CancellationToken;
 
 use super::{Compute, Prompt, STALLED_AFTER, Upstream};
@@ -27,7 +26,7 @@ const RELAY_IDLE: Duration = STALLED_AFTER.saturating_add(Duration::from_secs(5)
 
 impl Compute {
     /// Computes `tokens[cached..]` onto `seq` a layer at a time (the tokens before
-    /// `upstream.end` coming from the stage before, where this node's cache lacks them) and sends
+    /// `upstream.end` coming from the stage before, which holds more than this node's cache) and sends
     /// the KV of `push`, layer by layer. Returns the last position's logits, or `None` when the
     /// receiver ended the push early.
     pub(super) fn compute_layered(
@@ -44,7 +43,6 @@ impl Compute {
             tokens,
             ..
         } = prompt;
-        let upstream = upstream.filter(|u| u.end > cached);
         let at = upstream.as_ref().map_or(cached, |u| u.end);
         let mut relay = match upstream {
             Some(u) => {
@@ -73,14 +71,8 @@ impl Compute {
             self.engine.next_layer(&mut pass, &|| pulse.beat())?;
             pulse.beat();
             for cell in tandem_worker::grid_cells(push.clone(), grid) {
-                let [k, v] = self.engine.export_layer(&pass, layer, cell.clone())?;
-                for (kind, data) in [(KvKind::K, k), (KvKind::V, v)] {
-                    let chunk = Chunk {
-                        layer: layer as u32,
-                        kind,
-                        tokens: cell.start as u32..cell.end as u32,
-                        data: Bytes::from(data),
-                    };
+                let kv_cell = self.engine.export_layer(&pass, layer, cell.clone())?;
+                for chunk in tandem_worker::layer_chunks(layer, cell, kv_cell) {
                     first_chunk_sent.get_or_insert_with(Instant::now);
                     if !self.send(kv, &chunk, cancel)? {
                         return Ok((None, first_chunk_sent));
