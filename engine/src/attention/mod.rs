@@ -15,6 +15,7 @@ use crate::memory::prefetch;
 
 #[cfg(x86_v3)]
 mod avx2;
+mod bf16;
 /// The inner loops per instruction set, each giving the same bits as the one it stands in for:
 /// AVX-512F where the CPU has it ([`crate::cpu`]), else AVX2 where the build targets x86-64-v3,
 /// else portable loops.
@@ -49,6 +50,7 @@ struct Scratch {
     buf: Vec<f32>,
     /// A block's keys transposed for [`avx512::scores`]: `[kv head][dimension][token]`.
     transposed: Vec<f32>,
+    bf16: bf16::Buffers,
 }
 
 thread_local! {
@@ -82,23 +84,98 @@ pub fn attend(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32]) {
     SCRATCH.with_borrow_mut(|s| attend_in(pool, qs, out, s));
 }
 
-/// Two passes over the blocks, keys then values. Each block's slabs for `kv_heads` are one
-/// contiguous run of memory, read in one go and asked for [`PREFETCH_AHEAD`] reads early: the
-/// KV of a decode batch does not stay in cache between steps, so this loop waits on memory
-/// unless the next reads are already under way. Each head's arithmetic is the same whatever
-/// `kv_heads` and the other queries hold (its scores, softmax and weighted sum of values in
-/// position order, a block's keys taken in the same runs).
+/// The blocks a call's queries see, from the first block any of them sees (`lo`) to the one
+/// holding the last key, read in two passes: keys of every block, then values of every block.
+/// Each block's slabs for `kv_heads` are one contiguous run of memory, read in one go and asked
+/// for [`PREFETCH_AHEAD`] reads early: the KV of a decode batch does not stay in cache between
+/// steps, so a pass waits on memory unless the next reads are already under way.
+struct Blocks<'a> {
+    pool: &'a KvPool,
+    layer: usize,
+    kv_heads: Range<usize>,
+    /// The sequence's block table from block `lo` on.
+    table: &'a [u32],
+    lo: usize,
+    n_blocks: usize,
+    /// The last query's key count: keys `lo·16..n_keys` are read.
+    n_keys: usize,
+}
+
+impl<'a> Blocks<'a> {
+    fn new(pool: &'a KvPool, qs: &[Query<'a>]) -> Self {
+        let g = &qs[0];
+        let lo = qs.iter().map(first_block).min().unwrap_or(0);
+        let n_keys = qs.iter().map(|q| q.n_keys).max().unwrap_or(0);
+        let blocks = Self {
+            pool,
+            layer: g.layer,
+            kv_heads: g.kv_heads.clone(),
+            table: &g.blocks[lo..],
+            lo,
+            n_blocks: n_keys.div_ceil(BLOCK_TOKENS) - lo,
+            n_keys,
+        };
+        for i in 0..PREFETCH_AHEAD.min(2 * blocks.n_blocks) {
+            prefetch(blocks.read(i));
+        }
+        blocks
+    }
+
+    /// Read `i` of the `2·n_blocks`: the keys of block `lo + i`, or past `n_blocks` its values.
+    fn read(&self, i: usize) -> &'a [u8] {
+        let kind = if i < self.n_blocks {
+            KvKind::Key
+        } else {
+            KvKind::Value
+        };
+        let block = self.table[i % self.n_blocks];
+        self.pool
+            .slabs(block, self.layer, kind, self.kv_heads.clone())
+    }
+
+    /// The keys read `i`'s block holds (16 but in the last).
+    fn tokens(&self, i: usize) -> usize {
+        (self.n_keys - (self.lo + i % self.n_blocks) * BLOCK_TOKENS).min(BLOCK_TOKENS)
+    }
+
+    /// Read `i`'s rows converted to f32 in `buf`: `[head][token][hd]`, each head's rows `stride`
+    /// values after the last's; the rows past [`Self::tokens`] are left as they were.
+    fn load(&self, i: usize, buf: &mut [f32], stride: usize) {
+        if i + PREFETCH_AHEAD < 2 * self.n_blocks {
+            prefetch(self.read(i + PREFETCH_AHEAD));
+        }
+        let layout = self.pool.layout();
+        let (hd, row_bytes) = (layout.head_dim, layout.row_bytes());
+        let n = self.tokens(i);
+        for (h, src) in self.read(i).chunks_exact(BLOCK_TOKENS * row_bytes).enumerate() {
+            let dst = &mut buf[h * stride..][..n * hd];
+            layout.dtype.decode_rows(hd, &src[..n * row_bytes], dst);
+        }
+    }
+}
+
+/// The block holding a query's first visible key.
+fn first_block(q: &Query<'_>) -> usize {
+    q.first_key / BLOCK_TOKENS
+}
+
+/// Where the CPU has AVX-512 BF16 and the head size suits it, [`bf16`]'s arithmetic, for every
+/// row alike; else f32 in two passes over the blocks, keys then values. Each head's f32
+/// arithmetic is the same whatever `kv_heads` and the other queries hold (its scores, softmax
+/// and weighted sum of values in position order, a block's keys taken in the same runs).
 fn attend_in(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32], s: &mut Scratch) {
     let Some(g) = qs.first() else { return };
-    let layout = pool.layout();
-    let (hd, row_bytes) = (layout.head_dim, layout.row_bytes());
+    let hd = pool.layout().head_dim;
+    let kv = Blocks::new(pool, qs);
+    if bf16::runs(hd) {
+        return bf16::attend(&kv, qs, out, &mut s.bf16, &mut s.buf);
+    }
     let heads = g.q.len() / hd;
     let per_kv = heads / g.kv_heads.len();
     let slab = BLOCK_TOKENS * hd;
     let scale = 1.0 / (hd as f32).sqrt();
     // Each query sees whole blocks from the one holding its first visible key: `span` scores
     // per head, the keys before `first_key` in that block masked out.
-    let first_block = |q: &Query<'_>| q.first_key / BLOCK_TOKENS;
     let span = |q: &Query<'_>| q.n_keys - first_block(q) * BLOCK_TOKENS;
     // Its keys in (absolute) blocks `bs`, if it sees any there: from the start of the block
     // holding its first visible key on, up to its own position.
@@ -107,9 +184,7 @@ fn attend_in(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32], s: &mut Scratch) 
         let to = q.n_keys.min(bs.end * BLOCK_TOKENS);
         (from < to).then_some(from..to)
     };
-    let lo = qs.iter().map(first_block).min().unwrap_or(0);
-    let n_keys = qs.iter().map(|q| q.n_keys).max().unwrap_or(0);
-    let n_blocks = n_keys.div_ceil(BLOCK_TOKENS) - lo;
+    let (lo, n_blocks) = (kv.lo, kv.n_blocks);
     s.offsets.clear();
     let mut total = 0;
     for q in qs {
@@ -121,37 +196,11 @@ fn attend_in(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32], s: &mut Scratch) 
     s.scores.resize(total, 0.0);
     let run_slab = VALUE_RUN * slab;
     s.buf.resize(g.kv_heads.len() * run_slab, 0.0);
-    // Read `i` of the 2·n_blocks: keys of every block, then values of every block.
-    let read = |i: usize| {
-        let kind = if i < n_blocks {
-            KvKind::Key
-        } else {
-            KvKind::Value
-        };
-        let block = g.blocks[lo + i % n_blocks];
-        pool.slabs(block, g.layer, kind, g.kv_heads.clone())
-    };
-    // The rows of each KV head's slab that some query sees, converted to f32 in `buf`:
-    // `[head][token][hd]`, each head's rows `stride` values after the last's.
-    let load = |i: usize, buf: &mut [f32], stride: usize| {
-        if i + PREFETCH_AHEAD < 2 * n_blocks {
-            prefetch(read(i + PREFETCH_AHEAD));
-        }
-        let n = (n_keys - (lo + i % n_blocks) * BLOCK_TOKENS).min(BLOCK_TOKENS);
-        let slab_bytes = BLOCK_TOKENS * row_bytes;
-        for (h, src) in read(i).chunks_exact(slab_bytes).enumerate() {
-            let dst = &mut buf[h * stride..][..n * hd];
-            layout.dtype.decode_rows(hd, &src[..n * row_bytes], dst);
-        }
-    };
-    for i in 0..PREFETCH_AHEAD.min(2 * n_blocks) {
-        prefetch(read(i));
-    }
     // A tile of rows takes each block's keys transposed, for its many queries to share.
     let wide_scores = qs.len() >= avx512::SCORES_ROWS && avx512::scores_fit(hd);
     s.transposed.resize(g.kv_heads.len() * slab, 0.0);
     for bi in 0..n_blocks {
-        load(bi, &mut s.buf, slab);
+        kv.load(bi, &mut s.buf, slab);
         let b = lo + bi;
         if wide_scores {
             avx512::transpose(&s.buf, hd, &mut s.transposed);
@@ -191,7 +240,7 @@ fn attend_in(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32], s: &mut Scratch) 
     for r0 in (0..n_blocks).step_by(VALUE_RUN) {
         let r1 = (r0 + VALUE_RUN).min(n_blocks);
         for bi in r0..r1 {
-            load(n_blocks + bi, &mut s.buf[(bi - r0) * slab..], run_slab);
+            kv.load(n_blocks + bi, &mut s.buf[(bi - r0) * slab..], run_slab);
         }
         let first = (lo + r0) * BLOCK_TOKENS;
         for ((q, &off), o) in qs
