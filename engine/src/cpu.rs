@@ -12,8 +12,6 @@ struct Features {
     avx512f: bool,
     /// AVX-512 F, BW and VNNI together: the 512-bit `vpdpbusd` matmul kernels.
     avx512_vnni: bool,
-    /// AVX-512 F, BW and BF16 together: attention in `vdpbf16ps` dot products.
-    avx512_bf16: bool,
 }
 
 fn features() -> Features {
@@ -30,9 +28,6 @@ fn detect() -> Features {
         avx512_vnni: avx512f
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vnni"),
-        avx512_bf16: avx512f
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512bf16"),
     }
 }
 
@@ -49,11 +44,6 @@ pub(crate) fn has_avx512f() -> bool {
 /// Whether the CPU has AVX-512 F, BW and VNNI (and the build x86-64-v3 beneath them).
 pub(crate) fn has_avx512_vnni() -> bool {
     features().avx512_vnni
-}
-
-/// Whether the CPU has AVX-512 F, BW and BF16 (and the build x86-64-v3 beneath them).
-pub(crate) fn has_avx512_bf16() -> bool {
-    features().avx512_bf16
 }
 
 /// Lowers the calling thread's OS priority to `nice` (Linux gives each thread its own; raising

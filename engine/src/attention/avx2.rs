@@ -1,332 +1,207 @@
-//! The inner loops in AVX2, for head sizes that are a multiple of 8 (others take the portable
-//! loops). Written by hand because the compiler does not find either shape: four keys' dot
-//! products reduced together (one horizontal reduction per four keys, not per key), and the
-//! output held in registers across a block's values. The heads that share a KV head are taken
-//! [`HEADS`] at a time, each key or value register loaded once for all of them; each head's
-//! lanes take the same multiply-adds in the same order as alone.
+//! The kernels in AVX2, 8 lanes a register (the x86-64-v3 build guarantees AVX2 and FMA):
+//! [`super::portable`]'s steps, so its bits. Shaped for the 16 registers: four tokens by two
+//! registers of lanes for the scores, six query heads by two registers of dimensions for the
+//! values.
 
 use std::arch::x86_64::*;
 
-use super::portable;
+use super::portable::{LN2_HIGH, LN2_LOW, P};
+use super::{Accumulate, BLOCK_TOKENS, FLOOR, Scores};
 
-/// Output dimensions held in registers per pass.
-const PASS: usize = 64;
-/// Heads taken together: their 12 sums (4 keys, or 4 registers of output each), their 3 query
-/// registers or weights and the shared key or value register fill the 16 registers.
-const HEADS: usize = 3;
-/// Output dimensions per pass of [`accumulate_heads`].
-const HEADS_PASS: usize = 32;
+const LANES: usize = 8;
+/// Tokens a call of [`scores_of`] takes, by up to [`Z`] registers of lanes.
+const T: usize = 4;
+const Z: usize = 2;
 
-pub(super) fn scores(q: &[f32], keys: &[f32], scale: f32, out: &mut [f32]) {
-    let hd = q.len();
-    if !hd.is_multiple_of(8) {
-        return portable::scores(q, keys, scale, out);
-    }
-    let n = out.len();
-    assert!(keys.len() >= n * hd, "key shape");
-    // SAFETY: AVX2 and FMA are compiled in; every load reads inside `q` or `keys[..n·hd]`
-    // (checked above) and every store inside `out`.
-    unsafe {
-        let dot_step = |acc: __m256, t: usize, c: usize| {
-            let k = _mm256_loadu_ps(keys.as_ptr().add(t * hd + c));
-            _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(c)), k, acc)
-        };
-        let mut t = 0;
-        while t + 8 <= n {
-            dots::<8>(q, &keys[t * hd..], scale, &mut out[t..t + 8]);
-            t += 8;
+pub(super) fn scores(mut s: Scores<'_>) {
+    let regs = s.max.len() / LANES;
+    assert!(s.max.len() == regs * LANES, "lanes in whole registers");
+    // A single register of lanes (a decode step's heads) takes eight tokens at once, so that
+    // enough sums are in flight.
+    if regs == 1 {
+        for t in (0..BLOCK_TOKENS).step_by(8) {
+            // SAFETY: AVX2 and FMA are compiled in; the caller checked the shapes
+            // (`Scores::check`), and `t + 8 <= 16`.
+            unsafe { scores_of::<8, 1>(&mut s, t, 0) };
         }
-        if t + 4 <= n {
-            dots::<4>(q, &keys[t * hd..], scale, &mut out[t..t + 4]);
-            t += 4;
-        }
-        for (t, o) in out.iter_mut().enumerate().skip(t) {
-            let mut acc = _mm256_setzero_ps();
-            for c in (0..hd).step_by(8) {
-                acc = dot_step(acc, t, c);
-            }
-            let h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
-            let h = _mm_hadd_ps(h, h);
-            let h = _mm_hadd_ps(h, h);
-            *o = _mm_cvtss_f32(h) * scale;
-        }
-    }
-}
-
-/// `out[i] = q · keys[i] · scale` for `K` (4 or 8) keys: each summed in its own chain over
-/// the head's chunks, then reduced four at a time, [a0 a1 a2 a3] to one lane each by pairwise
-/// adds and then the two halves. Eight chains keep two FMAs a cycle in flight (latency 4);
-/// a key's sum is the same whichever group it falls in.
-///
-/// # Safety
-///
-/// The CPU must have AVX2 and FMA (the x86-64-v3 build guarantees them); `keys` holds `K`
-/// keys of `q.len()` values and `out` `K` values.
-#[inline(always)]
-unsafe fn dots<const K: usize>(q: &[f32], keys: &[f32], scale: f32, out: &mut [f32]) {
-    let hd = q.len();
-    debug_assert!(keys.len() >= K * hd && out.len() == K && K.is_multiple_of(4));
-    // SAFETY: the caller compiles in AVX2 and FMA and passes `K` keys of `hd` values.
-    unsafe {
-        let mut acc = [_mm256_setzero_ps(); K];
-        for c in (0..hd).step_by(8) {
-            let qc = _mm256_loadu_ps(q.as_ptr().add(c));
-            for (i, a) in acc.iter_mut().enumerate() {
-                let k = _mm256_loadu_ps(keys.as_ptr().add(i * hd + c));
-                *a = _mm256_fmadd_ps(qc, k, *a);
-            }
-        }
-        for (acc, out) in acc.chunks_exact(4).zip(out.chunks_exact_mut(4)) {
-            _mm_storeu_ps(out.as_mut_ptr(), reduce4(acc, scale));
-        }
-    }
-}
-
-pub(super) fn accumulate(p: &[f32], values: &[f32], out: &mut [f32]) {
-    let hd = out.len();
-    if !hd.is_multiple_of(8) {
-        return portable::accumulate(p, values, out);
-    }
-    let wide = hd - hd % PASS;
-    for c0 in (0..wide).step_by(PASS) {
-        accumulate_pass::<{ PASS / 8 }>(p, values, hd, c0, out);
-    }
-    for c0 in (wide..hd).step_by(8) {
-        accumulate_pass::<1>(p, values, hd, c0, out);
-    }
-}
-
-/// `out[c0..c0 + 8·R] += Σ_t p[t] · values[t][c0..c0 + 8·R]`, the output held in `R`
-/// registers (a fixed count, so the compiler keeps them out of memory).
-#[inline(always)]
-fn accumulate_pass<const R: usize>(
-    p: &[f32],
-    values: &[f32],
-    hd: usize,
-    c0: usize,
-    out: &mut [f32],
-) {
-    assert!(c0 + 8 * R <= hd && values.len() >= p.len() * hd);
-    // SAFETY: AVX2 and FMA are compiled in; loads read inside `values[..p.len()·hd]` and
-    // loads and stores of `out` stay within `c0..c0 + 8·R <= hd = out.len()` (checked).
-    unsafe {
-        let mut acc = [_mm256_setzero_ps(); R];
-        for (i, a) in acc.iter_mut().enumerate() {
-            *a = _mm256_loadu_ps(out.as_ptr().add(c0 + 8 * i));
-        }
-        for (t, &pt) in p.iter().enumerate() {
-            let pv = _mm256_set1_ps(pt);
-            let v = values.as_ptr().add(t * hd + c0);
-            for (i, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(8 * i)), *a);
-            }
-        }
-        for (i, a) in acc.iter().enumerate() {
-            _mm256_storeu_ps(out.as_mut_ptr().add(c0 + 8 * i), *a);
-        }
-    }
-}
-
-/// [`scores`] for each head of `qs` (heads of `keys`' row size, back to back) against the `n`
-/// rows of `keys`: head `h`'s scores at `out[h·stride..][..n]`, the same bits as
-/// [`scores`] gives each head alone (keys in groups of four reduce alike; the keys past the
-/// last group of four are taken by [`scores`] itself).
-pub(super) fn scores_heads(
-    qs: &[f32],
-    keys: &[f32],
-    scale: f32,
-    out: &mut [f32],
-    stride: usize,
-    n: usize,
-) {
-    if n == 0 {
         return;
     }
-    let hd = keys.len() / n;
-    let heads = qs.len() / hd.max(1);
-    if !hd.is_multiple_of(8) {
-        return portable::scores_heads(qs, keys, scale, out, stride, n);
-    }
-    assert!(
-        keys.len() == n * hd
-            && qs.len() == heads * hd
-            && out.len() >= heads.saturating_sub(1) * stride + n,
-        "scores_heads: shapes"
-    );
-    let groups = n - n % 4;
-    for first in (0..heads).step_by(HEADS) {
-        let count = (heads - first).min(HEADS);
-        let q = &qs[first * hd..(first + count) * hd];
-        let o = &mut out[first * stride..];
-        for t in (0..groups).step_by(4) {
-            let k = &keys[t * hd..(t + 4) * hd];
-            // SAFETY: AVX2 and FMA are compiled in; `q` holds `count` heads, `k` four keys and
-            // `o` each head's four scores at `j·stride + t` (the shapes checked above).
+    for t in (0..BLOCK_TOKENS).step_by(T) {
+        for z in (0..regs).step_by(Z) {
+            // SAFETY: as above; `t + T <= 16` and `z + count <= regs`.
             unsafe {
-                match count {
-                    3 => dots_heads::<3>(q, k, scale, &mut o[t..], stride),
-                    2 => dots_heads::<2>(q, k, scale, &mut o[t..], stride),
-                    _ => dots_heads::<1>(q, k, scale, &mut o[t..], stride),
+                match (regs - z).min(Z) {
+                    2 => scores_of::<T, 2>(&mut s, t, z),
+                    _ => scores_of::<T, 1>(&mut s, t, z),
                 }
             }
         }
     }
-    if groups < n {
-        for (h, q) in qs.chunks_exact(hd).enumerate() {
-            let at = h * stride;
-            scores(
-                q,
-                &keys[groups * hd..],
-                scale,
-                &mut out[at + groups..at + n],
-            );
-        }
-    }
+    const { assert!(Z == 2 && BLOCK_TOKENS.is_multiple_of(T)) };
 }
 
-/// Four keys' scores for `H` heads, each key's sum in its own chain as in [`dots`], reduced
-/// by the same [`reduce4`].
+/// Tokens `t0..t0 + N` by lane registers `z0..z0 + R`.
 ///
 /// # Safety
 ///
-/// The CPU must have AVX2 and FMA; `qs` holds `H` heads of `hd` values, `keys` four keys of
-/// `hd` and `out` at least `(H - 1)·stride + 4` values.
+/// AVX2 and FMA must be compiled in; `s` passed [`Scores::check`], its lanes are whole
+/// registers, `t0 + N <= 16` and `(z0 + R)·8 <= lanes`.
 #[inline(always)]
-unsafe fn dots_heads<const H: usize>(
-    qs: &[f32],
-    keys: &[f32],
-    scale: f32,
-    out: &mut [f32],
-    stride: usize,
-) {
-    let hd = keys.len() / 4;
-    debug_assert!(qs.len() == H * hd && out.len() >= (H - 1) * stride + 4);
-    // SAFETY: the caller compiles in AVX2 and FMA and passes these shapes.
+unsafe fn scores_of<const N: usize, const R: usize>(s: &mut Scores<'_>, t0: usize, z0: usize) {
+    let (hd, lanes) = (s.hd(), s.max.len());
+    // SAFETY: every read of `q` is at `d·lanes + (z0 + j)·8 + 8 <= hd·lanes`, of `keys` at
+    // `(t0 + i)·hd + d < 16·hd`, every write at `(t0 + i)·lanes + (z0 + j)·8 + 8 <= 16·lanes`,
+    // and of `lo`, `hi`, `max` at `(z0 + j)·8 + 8 <= lanes`.
     unsafe {
-        let mut acc = [[_mm256_setzero_ps(); 4]; H];
-        for c in (0..hd).step_by(8) {
-            let q: [__m256; H] =
-                std::array::from_fn(|j| _mm256_loadu_ps(qs.as_ptr().add(j * hd + c)));
-            for i in 0..4 {
-                let k = _mm256_loadu_ps(keys.as_ptr().add(i * hd + c));
-                for (a, q) in acc.iter_mut().zip(&q) {
-                    a[i] = _mm256_fmadd_ps(*q, k, a[i]);
+        let mut acc = [[_mm256_setzero_ps(); R]; N];
+        for d in 0..hd {
+            let q: [__m256; R] = std::array::from_fn(|j| {
+                _mm256_loadu_ps(s.q.as_ptr().add(d * lanes + (z0 + j) * LANES))
+            });
+            for (i, a) in acc.iter_mut().enumerate() {
+                let k = _mm256_set1_ps(*s.keys.get_unchecked((t0 + i) * hd + d));
+                for j in 0..R {
+                    a[j] = _mm256_fmadd_ps(q[j], k, a[j]);
                 }
             }
         }
-        for (j, acc) in acc.iter().enumerate() {
-            _mm_storeu_ps(out.as_mut_ptr().add(j * stride), reduce4(acc, scale));
+        let scale = _mm256_set1_ps(s.scale);
+        for j in 0..R {
+            let lane = (z0 + j) * LANES;
+            let max = s.max.as_mut_ptr().add(lane);
+            let mut m = _mm256_loadu_ps(max);
+            for (i, a) in acc.iter().enumerate() {
+                let mut v = _mm256_mul_ps(a[j], scale);
+                if let Some((lo, hi)) = s.range {
+                    let at = _mm256_set1_epi32((s.at + t0 + i) as i32);
+                    let lo = _mm256_loadu_si256(lo.as_ptr().add(lane).cast());
+                    let hi = _mm256_loadu_si256(hi.as_ptr().add(lane).cast());
+                    // `lo <= at && at < hi`, as `!(lo > at) && hi > at`.
+                    let seen = _mm256_andnot_si256(
+                        _mm256_cmpgt_epi32(lo, at),
+                        _mm256_cmpgt_epi32(hi, at),
+                    );
+                    let neg = _mm256_set1_ps(f32::NEG_INFINITY);
+                    v = _mm256_blendv_ps(neg, v, _mm256_castsi256_ps(seen));
+                }
+                m = _mm256_max_ps(m, v);
+                _mm256_storeu_ps(s.out.as_mut_ptr().add((t0 + i) * lanes + lane), v);
+            }
+            _mm256_storeu_ps(max, m);
         }
     }
 }
 
-/// Four keys' sums (one register of eight lanes each) as four scores: [a0 a1 a2 a3] to one lane
-/// each by pairwise adds and then the two halves, times `scale`. Every score of a key in a group
-/// of four comes from here, which is what makes it the same in [`dots`] and [`dots_heads`].
+pub(super) fn weights(scores: &[f32], max: &[f32], sum: &mut [f32], out: &mut [f32]) {
+    let lanes = max.len();
+    // SAFETY: AVX2 and FMA are compiled in; the caller checked the shapes (`Isa::weights`,
+    // lanes in whole registers): reads of `scores` and writes of `out` at `t·lanes + z + 8 <=
+    // scores.len()`, of `max` and `sum` at `z + 8 <= lanes`.
+    unsafe {
+        for z in (0..lanes).step_by(LANES) {
+            let m = _mm256_loadu_ps(max.as_ptr().add(z));
+            let mut total = _mm256_loadu_ps(sum.as_ptr().add(z));
+            for t in 0..scores.len() / lanes {
+                let s = _mm256_loadu_ps(scores.as_ptr().add(t * lanes + z));
+                let e = exp(_mm256_sub_ps(s, m));
+                total = _mm256_add_ps(total, e);
+                _mm256_storeu_ps(out.as_mut_ptr().add(t * lanes + z), e);
+            }
+            _mm256_storeu_ps(sum.as_mut_ptr().add(z), total);
+        }
+    }
+}
+
+/// [`super::portable::exp`] in 8 lanes.
+#[inline(always)]
+fn exp(x: __m256) -> __m256 {
+    // SAFETY: AVX2 and FMA are compiled in; register arithmetic only.
+    unsafe {
+        let live = _mm256_cmp_ps::<_CMP_GT_OQ>(x, _mm256_set1_ps(FLOOR));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HIGH), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LOW), r);
+        let mut p = _mm256_set1_ps(P[0]);
+        for &c in &P[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        let y = _mm256_add_ps(
+            _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
+            _mm256_set1_ps(1.0),
+        );
+        // 2^n from its exponent bits (n >= -126 in every live lane).
+        let biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+        let scale = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(biased));
+        _mm256_and_ps(live, _mm256_mul_ps(y, scale))
+    }
+}
+
+/// [`exp`] on 8 values, for the tests.
+#[cfg(test)]
+pub(super) fn exp_lanes(x: [f32; LANES]) -> [f32; LANES] {
+    // SAFETY: both arrays are 8 f32, as a register is.
+    unsafe { std::mem::transmute(exp(std::mem::transmute::<[f32; LANES], __m256>(x))) }
+}
+
+/// Query heads taken together in [`accumulate`]: 12 accumulators, the two value registers and
+/// a broadcast weight.
+const HEADS: usize = 6;
+/// Output dimensions per pass: two registers.
+const PASS: usize = 2 * LANES;
+
+/// The output dimensions up to the last whole [`PASS`]; returns where the rest starts.
+pub(super) fn accumulate(a: &Accumulate<'_>, acc: &mut [f32]) -> usize {
+    let n_lanes = acc.len() / a.hd;
+    for first in (0..n_lanes).step_by(HEADS) {
+        // SAFETY: AVX2 and FMA are compiled in; the caller checked the shapes, and `first +
+        // count <= n_lanes`.
+        unsafe {
+            match (n_lanes - first).min(HEADS) {
+                6 => heads::<6>(a, first, acc),
+                5 => heads::<5>(a, first, acc),
+                4 => heads::<4>(a, first, acc),
+                3 => heads::<3>(a, first, acc),
+                2 => heads::<2>(a, first, acc),
+                _ => heads::<1>(a, first, acc),
+            }
+        }
+    }
+    const { assert!(HEADS == 6) };
+    a.hd - a.hd % PASS
+}
+
+/// Lanes `first..first + H`, [`PASS`] dimensions at a time held in registers across the keys.
 ///
 /// # Safety
 ///
-/// The CPU must have AVX2 (the x86-64-v3 build guarantees it); `acc` holds four registers.
+/// AVX2 and FMA must be compiled in; the shapes are those `Isa::accumulate` checks and
+/// `(first + H)·hd <= acc.len()`.
 #[inline(always)]
-unsafe fn reduce4(acc: &[__m256], scale: f32) -> __m128 {
-    debug_assert_eq!(acc.len(), 4);
-    // SAFETY: AVX2 is compiled in; the four registers are read by index within `acc`.
+unsafe fn heads<const H: usize>(a: &Accumulate<'_>, first: usize, acc: &mut [f32]) {
+    let (hd, lanes) = (a.hd, a.lanes);
+    // SAFETY: reads of `values` at `t·hd + c0 + 8k + 8 <= keys·hd`, of `weights` at `t·lanes
+    // + first + h < keys·lanes`, and accesses of `acc` at `(first + h)·hd + c0 + 8k + 8 <=
+    // acc.len()`.
     unsafe {
-        let h01 = _mm256_hadd_ps(acc[0], acc[1]);
-        let h23 = _mm256_hadd_ps(acc[2], acc[3]);
-        let h = _mm256_hadd_ps(h01, h23);
-        let sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
-        _mm_mul_ps(sums, _mm_set1_ps(scale))
-    }
-}
-
-/// [`accumulate`] for each head of `outs` (heads of `values`' row size, back to back), head
-/// `h` weighting the `n` rows of `values` by `scores[h·stride..][..n]`: the same bits as each
-/// head alone, each output lane taking the same multiply-adds in the same order.
-pub(super) fn accumulate_heads(
-    scores: &[f32],
-    stride: usize,
-    n: usize,
-    values: &[f32],
-    outs: &mut [f32],
-) {
-    if n == 0 {
-        return;
-    }
-    let hd = values.len() / n;
-    if !hd.is_multiple_of(8) {
-        return portable::accumulate_heads(scores, stride, n, values, outs);
-    }
-    if !hd.is_multiple_of(HEADS_PASS) {
-        for (h, o) in outs.chunks_exact_mut(hd).enumerate() {
-            accumulate(&scores[h * stride..][..n], values, o);
-        }
-        return;
-    }
-    let heads = outs.len() / hd;
-    assert!(
-        values.len() == n * hd
-            && outs.len() == heads * hd
-            && scores.len() >= (heads - 1) * stride + n,
-        "accumulate_heads: shapes"
-    );
-    for first in (0..heads).step_by(HEADS) {
-        let count = (heads - first).min(HEADS);
-        let p = &scores[first * stride..];
-        let o = &mut outs[first * hd..(first + count) * hd];
-        for c0 in (0..hd).step_by(HEADS_PASS) {
-            // SAFETY: AVX2 and FMA are compiled in; the shapes were checked above.
-            unsafe {
-                match count {
-                    3 => heads_pass::<3>(p, stride, n, values, c0, o),
-                    2 => heads_pass::<2>(p, stride, n, values, c0, o),
-                    _ => heads_pass::<1>(p, stride, n, values, c0, o),
+        for c0 in (0..hd - hd % PASS).step_by(PASS) {
+            let at = |h: usize, k: usize| (first + h) * hd + c0 + k * LANES;
+            let mut sums: [[__m256; 2]; H] = std::array::from_fn(|h| {
+                std::array::from_fn(|k| _mm256_loadu_ps(acc.as_ptr().add(at(h, k))))
+            });
+            for t in 0..a.keys() {
+                let row = a.values.as_ptr().add(t * hd + c0);
+                let v = [_mm256_loadu_ps(row), _mm256_loadu_ps(row.add(LANES))];
+                for (h, s) in sums.iter_mut().enumerate() {
+                    let w = _mm256_set1_ps(*a.weights.get_unchecked(t * lanes + first + h));
+                    s[0] = _mm256_fmadd_ps(v[0], w, s[0]);
+                    s[1] = _mm256_fmadd_ps(v[1], w, s[1]);
                 }
             }
-        }
-    }
-}
-
-/// `H` heads' outputs `c0..c0 + HEADS_PASS`, held in registers across the `n` rows.
-///
-/// # Safety
-///
-/// The CPU must have AVX2 and FMA; `p` holds each head's `n` weights `stride` apart, `values`
-/// `n` rows of `hd = outs.len() / H` values, and `c0 + HEADS_PASS <= hd`.
-#[inline(always)]
-unsafe fn heads_pass<const H: usize>(
-    p: &[f32],
-    stride: usize,
-    n: usize,
-    values: &[f32],
-    c0: usize,
-    outs: &mut [f32],
-) {
-    const R: usize = HEADS_PASS / 8;
-    let hd = outs.len() / H;
-    debug_assert!(
-        c0 + HEADS_PASS <= hd && values.len() >= n * hd && p.len() >= (H - 1) * stride + n
-    );
-    // SAFETY: the caller compiles in AVX2 and FMA and passes these shapes.
-    unsafe {
-        let out = |j: usize| outs.as_ptr().add(j * hd + c0);
-        let mut acc: [[__m256; R]; H] =
-            std::array::from_fn(|j| std::array::from_fn(|i| _mm256_loadu_ps(out(j).add(8 * i))));
-        for t in 0..n {
-            let w: [__m256; H] =
-                std::array::from_fn(|j| _mm256_set1_ps(*p.get_unchecked(j * stride + t)));
-            let v = values.as_ptr().add(t * hd + c0);
-            for i in 0..R {
-                let x = _mm256_loadu_ps(v.add(8 * i));
-                for (a, w) in acc.iter_mut().zip(&w) {
-                    a[i] = _mm256_fmadd_ps(*w, x, a[i]);
-                }
-            }
-        }
-        for (j, a) in acc.iter().enumerate() {
-            let o = outs.as_mut_ptr().add(j * hd + c0);
-            for (i, a) in a.iter().enumerate() {
-                _mm256_storeu_ps(o.add(8 * i), *a);
+            for (h, s) in sums.iter().enumerate() {
+                _mm256_storeu_ps(acc.as_mut_ptr().add(at(h, 0)), s[0]);
+                _mm256_storeu_ps(acc.as_mut_ptr().add(at(h, 1)), s[1]);
             }
         }
     }

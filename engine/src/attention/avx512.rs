@@ -1,278 +1,215 @@
-//! The two inner loops in 512-bit registers, where the CPU has AVX-512F (found at run time),
-//! each giving the same bits as the AVX2 loops' ([`super::narrow`]).
-//!
-//! - Scores, for tiles of rows and head sizes that are a multiple of 8: a block's keys are
-//!   transposed once, `[dimension][token]`, so that a query's 16 scores are one register of
-//!   multiply-adds with no horizontal sums. Its eight registers hold what [`super::narrow::scores`]'s
-//!   eight lanes hold (dimension `c + i` into sum `i`, in the same order), and they are added
-//!   in the order that path reduces a key in a group of four, or, for the keys past the last
-//!   group of four, alone.
-//! - Value accumulation, for head sizes that are a multiple of 32: all the heads that share a
-//!   KV head at once, each value row read once for all of them; each output lane's
-//!   multiply-adds are [`super::narrow::accumulate`]'s, in the same order.
+//! The kernels in 512-bit registers, 16 lanes each, where the CPU has AVX-512F (found at run
+//! time): [`super::portable`]'s steps, so its bits.
 
-/// Rows a tile needs before its blocks' keys are transposed for [`scores`]: the transpose
-/// pays only when several queries share it, so a decode step's single row keeps the AVX2
-/// loop (with the same bits).
-pub(super) const SCORES_ROWS: usize = 4;
-/// Heads whose scores are summed together: eight sums each, and the key row they share.
-const SCORE_HEADS: usize = 3;
-/// Output dimensions per pass: two registers for each head.
-const PASS: usize = 32;
-/// Heads per pass: 16 accumulators and the two value registers.
-const HEADS: usize = 8;
+use std::arch::x86_64::*;
 
-/// Whether [`accumulate_heads`] runs for heads of `hd` values on this CPU.
-pub(super) fn accumulates(hd: usize) -> bool {
-    hd.is_multiple_of(PASS) && crate::cpu::has_avx512f()
+use super::portable::{LN2_HIGH, LN2_LOW, P};
+use super::{Accumulate, BLOCK_TOKENS, FLOOR, Scores};
+
+const LANES: usize = 16;
+
+fn check() {
+    assert!(crate::cpu::has_avx512f(), "512-bit attention without AVX-512F");
 }
 
-/// Whether [`scores`] runs for heads of `hd` values on this CPU.
-pub(super) fn scores_fit(hd: usize) -> bool {
-    hd.is_multiple_of(8) && crate::cpu::has_avx512f()
-}
+/// Tokens a call of [`scores_of`] takes, by up to [`Z`] registers of lanes: 16 accumulators,
+/// four broadcast key values and a register of queries fit the 32.
+const T: usize = 4;
+const Z: usize = 4;
 
-/// A block's keys (`[kv head][token][hd]`, [`crate::kv::BLOCK_TOKENS`] tokens per head)
-/// into `out` as `[kv head][dimension][token]`.
-pub(super) fn transpose(keys: &[f32], hd: usize, out: &mut [f32]) {
-    let slab = super::BLOCK_TOKENS * hd;
-    for (src, dst) in keys.chunks_exact(slab).zip(out.chunks_exact_mut(slab)) {
-        for (t, row) in src.chunks_exact(hd).enumerate() {
-            for (d, &k) in row.iter().enumerate() {
-                dst[d * super::BLOCK_TOKENS + t] = k;
+pub(super) fn scores(mut s: Scores<'_>) {
+    check();
+    let regs = s.max.len() / LANES;
+    assert!(s.max.len() == regs * LANES, "lanes in whole registers");
+    // A single register of lanes (a decode step's heads) takes 16 tokens at once, so that
+    // enough sums are in flight; more take four tokens by four registers.
+    if regs == 1 {
+        // SAFETY: AVX-512F was detected; the caller checked the shapes (`Scores::check`).
+        unsafe { scores_of::<BLOCK_TOKENS, 1>(&mut s, 0, 0) };
+        return;
+    }
+    for t in (0..BLOCK_TOKENS).step_by(T) {
+        for z in (0..regs).step_by(Z) {
+            // SAFETY: as above; `t + T <= 16` and `z + count <= regs`.
+            unsafe {
+                match (regs - z).min(Z) {
+                    4 => scores_of::<T, 4>(&mut s, t, z),
+                    3 => scores_of::<T, 3>(&mut s, t, z),
+                    2 => scores_of::<T, 2>(&mut s, t, z),
+                    _ => scores_of::<T, 1>(&mut s, t, z),
+                }
             }
         }
     }
+    const { assert!(Z == 4 && BLOCK_TOKENS.is_multiple_of(T)) };
 }
 
-/// For each head `i` of `qs` (heads of `hd` values, back to back):
-/// `scores[i·stride + t] = q_i · keys[t] · scale` for the first `n` keys of a block
-/// transposed by [`transpose`] (`keys`: one KV head's `[dimension][token]`). Only where
-/// [`scores_fit`] says so.
-pub(super) fn scores(
-    qs: &[f32],
-    keys: &[f32],
-    scale: f32,
-    scores: &mut [f32],
-    stride: usize,
-    n: usize,
-) {
-    #[cfg(x86_v3)]
-    {
-        let hd = keys.len() / super::BLOCK_TOKENS;
-        let heads = qs.len() / hd.max(1);
-        assert!(
-            scores_fit(hd)
-                && keys.len() == hd * super::BLOCK_TOKENS
-                && qs.len() == heads * hd
-                && n <= super::BLOCK_TOKENS
-                && scores.len() >= (heads.max(1) - 1) * stride + n,
-            "wide scores: shapes"
-        );
-        for first in (0..heads).step_by(SCORE_HEADS) {
-            let count = (heads - first).min(SCORE_HEADS);
-            let q = &qs[first * hd..(first + count) * hd];
-            let out = &mut scores[first * stride..];
-            // SAFETY: AVX-512F was detected (`scores_fit`); the shapes were checked.
-            unsafe { x86::scores(q, keys, scale, out, stride, n) };
+/// Tokens `t0..t0 + N` by lane registers `z0..z0 + R`.
+///
+/// # Safety
+///
+/// The CPU must have AVX-512F; `s` passed [`Scores::check`], its lanes are whole registers,
+/// `t0 + N <= 16` and `(z0 + R)·16 <= lanes`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn scores_of<const N: usize, const R: usize>(s: &mut Scores<'_>, t0: usize, z0: usize) {
+    let (hd, lanes) = (s.hd(), s.max.len());
+    // SAFETY: every read of `q` is at `d·lanes + (z0 + j)·16 + 16 <= hd·lanes`, of `keys` at
+    // `(t0 + i)·hd + d < 16·hd`, every write at `(t0 + i)·lanes + (z0 + j)·16 + 16 <=
+    // 16·lanes`, and of `lo`, `hi`, `max` at `(z0 + j)·16 + 16 <= lanes`.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); R]; N];
+        for d in 0..hd {
+            let k: [__m512; N] =
+                std::array::from_fn(|i| _mm512_set1_ps(*s.keys.get_unchecked((t0 + i) * hd + d)));
+            for j in 0..R {
+                let q = _mm512_loadu_ps(s.q.as_ptr().add(d * lanes + (z0 + j) * LANES));
+                for i in 0..N {
+                    acc[i][j] = _mm512_fmadd_ps(q, k[i], acc[i][j]);
+                }
+            }
         }
-    }
-    #[cfg(not(x86_v3))]
-    {
-        let _ = (qs, keys, scale, scores, stride, n);
-        unreachable!("wide scores without AVX-512")
-    }
-}
-
-/// For each head `i` of `outs` (heads of `values`' row size, back to back):
-/// `outs[i] += Σ_t p_i[t] · values[t]` over the `n` rows of `values`, where `p_i` is
-/// `scores[i·stride..][..n]`. Only where [`accumulates`] says so.
-pub(super) fn accumulate_heads(
-    scores: &[f32],
-    stride: usize,
-    n: usize,
-    values: &[f32],
-    outs: &mut [f32],
-) {
-    #[cfg(x86_v3)]
-    {
-        let hd = values.len() / n.max(1);
-        let heads = outs.len() / hd;
-        assert!(
-            accumulates(hd)
-                && values.len() == n * hd
-                && outs.len() == heads * hd
-                && scores.len() >= (heads - 1) * stride + n,
-            "accumulate_heads: shapes"
-        );
-        for first in (0..heads).step_by(HEADS) {
-            let count = (heads - first).min(HEADS);
-            // SAFETY: AVX-512F was detected (`accumulates`); the shapes were checked.
-            unsafe { x86::heads(scores, stride, first, count, n, values, hd, outs) };
+        let scale = _mm512_set1_ps(s.scale);
+        for j in 0..R {
+            let lane = (z0 + j) * LANES;
+            let max = s.max.as_mut_ptr().add(lane);
+            let mut m = _mm512_loadu_ps(max);
+            for (i, a) in acc.iter().enumerate() {
+                let mut v = _mm512_mul_ps(a[j], scale);
+                if let Some((lo, hi)) = s.range {
+                    let at = _mm512_set1_epi32((s.at + t0 + i) as i32);
+                    let lo = _mm512_loadu_si512(lo.as_ptr().add(lane).cast());
+                    let hi = _mm512_loadu_si512(hi.as_ptr().add(lane).cast());
+                    let seen = _mm512_cmple_epi32_mask(lo, at) & _mm512_cmpgt_epi32_mask(hi, at);
+                    v = _mm512_mask_mov_ps(_mm512_set1_ps(f32::NEG_INFINITY), seen, v);
+                }
+                m = _mm512_max_ps(m, v);
+                _mm512_storeu_ps(s.out.as_mut_ptr().add((t0 + i) * lanes + lane), v);
+            }
+            _mm512_storeu_ps(max, m);
         }
-    }
-    #[cfg(not(x86_v3))]
-    {
-        let _ = (scores, stride, n, values, outs);
-        unreachable!("accumulate_heads without AVX-512")
     }
 }
 
-#[cfg(x86_v3)]
-mod x86 {
-    use std::arch::x86_64::*;
+pub(super) fn weights(scores: &[f32], max: &[f32], sum: &mut [f32], out: &mut [f32]) {
+    check();
+    // SAFETY: AVX-512F was detected; the caller checked the shapes (`Isa::weights`), lanes
+    // in whole registers.
+    unsafe { weights_in(scores, max, sum, out) }
+}
 
-    use super::{HEADS, PASS, SCORE_HEADS};
-
-    /// Up to [`SCORE_HEADS`] heads of [`super::scores`].
-    ///
-    /// # Safety
-    ///
-    /// The CPU must have AVX-512F ([`crate::cpu::has_avx512f`]); the shapes are those
-    /// [`super::scores`] checks before it calls this.
-    #[target_feature(enable = "avx2,fma,avx512f")]
-    pub(super) unsafe fn scores(
-        qs: &[f32],
-        keys: &[f32],
-        scale: f32,
-        out: &mut [f32],
-        stride: usize,
-        n: usize,
-    ) {
-        let hd = keys.len() / crate::kv::BLOCK_TOKENS;
-        match qs.len() / hd {
-            3 => scores_of::<3>(qs, keys, scale, out, stride, n),
-            2 => scores_of::<2>(qs, keys, scale, out, stride, n),
-            _ => scores_of::<1>(qs, keys, scale, out, stride, n),
+/// # Safety
+///
+/// The CPU must have AVX-512F; the shapes are those `Isa::weights` checks.
+#[target_feature(enable = "avx512f")]
+unsafe fn weights_in(scores: &[f32], max: &[f32], sum: &mut [f32], out: &mut [f32]) {
+    let lanes = max.len();
+    // SAFETY: reads of `scores` and writes of `out` at `t·lanes + z + 16 <= scores.len()`,
+    // of `max` and `sum` at `z + 16 <= lanes`.
+    unsafe {
+        for z in (0..lanes).step_by(LANES) {
+            let m = _mm512_loadu_ps(max.as_ptr().add(z));
+            let mut total = _mm512_loadu_ps(sum.as_ptr().add(z));
+            for t in 0..scores.len() / lanes {
+                let s = _mm512_loadu_ps(scores.as_ptr().add(t * lanes + z));
+                let e = exp(_mm512_sub_ps(s, m));
+                total = _mm512_add_ps(total, e);
+                _mm512_storeu_ps(out.as_mut_ptr().add(t * lanes + z), e);
+            }
+            _mm512_storeu_ps(sum.as_mut_ptr().add(z), total);
         }
-        const { assert!(SCORE_HEADS == 3) };
     }
+}
 
-    /// `H` heads' scores: eight sums of 16 keys per head, sum `i` taking dimensions `c + i`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,avx512f")]
-    fn scores_of<const H: usize>(
-        qs: &[f32],
-        keys: &[f32],
-        scale: f32,
-        out: &mut [f32],
-        stride: usize,
-        n: usize,
-    ) {
-        const T: usize = crate::kv::BLOCK_TOKENS;
-        let hd = keys.len() / T;
-        debug_assert!(qs.len() == H * hd && n <= T && hd.is_multiple_of(8));
-        debug_assert!(out.len() >= (H - 1) * stride + n);
-        // SAFETY: AVX-512F is enabled; every key load reads row `d < hd` of `keys`
-        // (`hd × T` values), every query read is inside `qs` (`H × hd`), and each head's
-        // store writes the first `n <= T` lanes at `j·stride`, inside `out` (all checked by
-        // the caller).
+/// [`super::portable::exp`] in 16 lanes.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn exp(x: __m512) -> __m512 {
+    let live = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, _mm512_set1_ps(FLOOR));
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+    );
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HIGH), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LOW), r);
+    let mut p = _mm512_set1_ps(P[0]);
+    for &c in &P[1..] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    let y = _mm512_add_ps(
+        _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r),
+        _mm512_set1_ps(1.0),
+    );
+    _mm512_maskz_mov_ps(live, _mm512_scalef_ps(y, n))
+}
+
+/// [`exp`] on 16 values, for the tests.
+#[cfg(test)]
+pub(super) fn exp_lanes(x: [f32; LANES]) -> [f32; LANES] {
+    check();
+    // SAFETY: AVX-512F was detected; both arrays are 16 f32, as a register is.
+    unsafe { std::mem::transmute(exp(std::mem::transmute::<[f32; LANES], __m512>(x))) }
+}
+
+/// Query heads taken together in [`accumulate`]: 24 accumulators, the four value registers and
+/// a broadcast weight.
+const HEADS: usize = 6;
+/// Output dimensions per pass: four registers.
+const PASS: usize = 4 * LANES;
+
+/// The output dimensions up to the last whole [`PASS`]; returns where the rest starts.
+pub(super) fn accumulate(a: &Accumulate<'_>, acc: &mut [f32]) -> usize {
+    check();
+    let n_lanes = acc.len() / a.hd;
+    for first in (0..n_lanes).step_by(HEADS) {
+        // SAFETY: AVX-512F was detected; the caller checked the shapes, and `first + count
+        // <= n_lanes`.
         unsafe {
-            let mut sum = [[_mm512_setzero_ps(); 8]; H];
-            for c in (0..hd).step_by(8) {
-                for i in 0..8 {
-                    let k = _mm512_loadu_ps(keys.as_ptr().add((c + i) * T));
-                    for (j, s) in sum.iter_mut().enumerate() {
-                        let q = _mm512_set1_ps(*qs.get_unchecked(j * hd + c + i));
-                        s[i] = _mm512_fmadd_ps(q, k, s[i]);
+            match (n_lanes - first).min(HEADS) {
+                6 => heads::<6>(a, first, acc),
+                5 => heads::<5>(a, first, acc),
+                4 => heads::<4>(a, first, acc),
+                3 => heads::<3>(a, first, acc),
+                2 => heads::<2>(a, first, acc),
+                _ => heads::<1>(a, first, acc),
+            }
+        }
+    }
+    const { assert!(HEADS == 6) };
+    a.hd - a.hd % PASS
+}
+
+/// Lanes `first..first + H`, [`PASS`] dimensions at a time held in registers across the keys.
+///
+/// # Safety
+///
+/// The CPU must have AVX-512F; the shapes are those `Isa::accumulate` checks and `(first +
+/// H)·hd <= acc.len()`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn heads<const H: usize>(a: &Accumulate<'_>, first: usize, acc: &mut [f32]) {
+    let (hd, lanes) = (a.hd, a.lanes);
+    // SAFETY: reads of `values` at `t·hd + c0 + 16k + 16 <= keys·hd`, of `weights` at
+    // `t·lanes + first + h < keys·lanes`, and accesses of `acc` at `(first + h)·hd + c0 + 16k
+    // + 16 <= acc.len()`.
+    unsafe {
+        for c0 in (0..hd - hd % PASS).step_by(PASS) {
+            let at = |h: usize, k: usize| (first + h) * hd + c0 + k * LANES;
+            let mut sums: [[__m512; 4]; H] = std::array::from_fn(|h| {
+                std::array::from_fn(|k| _mm512_loadu_ps(acc.as_ptr().add(at(h, k))))
+            });
+            for t in 0..a.keys() {
+                let row = a.values.as_ptr().add(t * hd + c0);
+                let v: [__m512; 4] = std::array::from_fn(|k| _mm512_loadu_ps(row.add(k * LANES)));
+                for (h, s) in sums.iter_mut().enumerate() {
+                    let w = _mm512_set1_ps(*a.weights.get_unchecked(t * lanes + first + h));
+                    for k in 0..4 {
+                        s[k] = _mm512_fmadd_ps(v[k], w, s[k]);
                     }
                 }
             }
-            let add = |a, b| _mm512_add_ps(a, b);
-            let groups = n - n % 4;
-            let alone: __mmask16 = ((1u32 << n) - (1u32 << groups)) as __mmask16;
-            let stored: __mmask16 = ((1u32 << n) - 1) as __mmask16;
-            for (j, s) in sum.iter().enumerate() {
-                // A key in a group of four: ((s0+s1)+(s2+s3)) + ((s4+s5)+(s6+s7)).
-                let grouped = add(
-                    add(add(s[0], s[1]), add(s[2], s[3])),
-                    add(add(s[4], s[5]), add(s[6], s[7])),
-                );
-                // A key alone: ((s0+s4)+(s1+s5)) + ((s2+s6)+(s3+s7)), only in a block's
-                // last keys.
-                let dots = if alone == 0 {
-                    grouped
-                } else {
-                    let single = add(
-                        add(add(s[0], s[4]), add(s[1], s[5])),
-                        add(add(s[2], s[6]), add(s[3], s[7])),
-                    );
-                    _mm512_mask_blend_ps(alone, grouped, single)
-                };
-                let scores = _mm512_mul_ps(dots, _mm512_set1_ps(scale));
-                _mm512_mask_storeu_ps(out.as_mut_ptr().add(j * stride), stored, scores);
-            }
-        }
-    }
-
-    /// Heads `first..first + count` (at most [`HEADS`]) of `accumulate_heads`.
-    ///
-    /// # Safety
-    ///
-    /// The CPU must have AVX-512F ([`crate::cpu::has_avx512f`]); the shapes are those
-    /// [`super::accumulate_heads`] checks before it calls this.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,avx512f")]
-    pub(super) unsafe fn heads(
-        scores: &[f32],
-        stride: usize,
-        first: usize,
-        count: usize,
-        n: usize,
-        values: &[f32],
-        hd: usize,
-        outs: &mut [f32],
-    ) {
-        match count {
-            8 => pass::<8>(scores, stride, first, n, values, hd, outs),
-            7 => pass::<7>(scores, stride, first, n, values, hd, outs),
-            6 => pass::<6>(scores, stride, first, n, values, hd, outs),
-            5 => pass::<5>(scores, stride, first, n, values, hd, outs),
-            4 => pass::<4>(scores, stride, first, n, values, hd, outs),
-            3 => pass::<3>(scores, stride, first, n, values, hd, outs),
-            2 => pass::<2>(scores, stride, first, n, values, hd, outs),
-            _ => pass::<1>(scores, stride, first, n, values, hd, outs),
-        }
-        const { assert!(HEADS == 8) };
-    }
-
-    /// `H` heads' outputs, [`PASS`] dimensions at a time, held in registers across the rows.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,avx512f")]
-    fn pass<const H: usize>(
-        scores: &[f32],
-        stride: usize,
-        first: usize,
-        n: usize,
-        values: &[f32],
-        hd: usize,
-        outs: &mut [f32],
-    ) {
-        debug_assert!((first + H - 1) * stride + n <= scores.len());
-        debug_assert!(values.len() == n * hd && (first + H) * hd <= outs.len());
-        // SAFETY: AVX-512F is enabled; `accumulate_heads` checked that every score read
-        // (`(first + H - 1)·stride + n` at most) lies in `scores`, every value read in
-        // `values[..n·hd]`, and every output in `outs[..(first + H)·hd]`.
-        unsafe {
-            for c0 in (0..hd).step_by(PASS) {
-                let out = |j: usize| outs.as_ptr().add((first + j) * hd + c0);
-                let mut acc = [[_mm512_setzero_ps(); 2]; H];
-                for (j, a) in acc.iter_mut().enumerate() {
-                    *a = [_mm512_loadu_ps(out(j)), _mm512_loadu_ps(out(j).add(16))];
-                }
-                for t in 0..n {
-                    let v = values.as_ptr().add(t * hd + c0);
-                    let (v0, v1) = (_mm512_loadu_ps(v), _mm512_loadu_ps(v.add(16)));
-                    for (j, a) in acc.iter_mut().enumerate() {
-                        let p = _mm512_set1_ps(*scores.get_unchecked((first + j) * stride + t));
-                        a[0] = _mm512_fmadd_ps(p, v0, a[0]);
-                        a[1] = _mm512_fmadd_ps(p, v1, a[1]);
-                    }
-                }
-                for (j, a) in acc.iter().enumerate() {
-                    let o = outs.as_mut_ptr().add((first + j) * hd + c0);
-                    _mm512_storeu_ps(o, a[0]);
-                    _mm512_storeu_ps(o.add(16), a[1]);
+            for (h, s) in sums.iter().enumerate() {
+                for (k, &s) in s.iter().enumerate() {
+                    _mm512_storeu_ps(acc.as_mut_ptr().add(at(h, k)), s);
                 }
             }
         }

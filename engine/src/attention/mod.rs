@@ -7,24 +7,36 @@
 //! The pool's rows (f16, or int8 with a scale) are converted to f32 a block at a time (values a
 //! few blocks at a time), into a per-thread buffer that stays in cache, once for all the rows of
 //! a prompt taken together; nothing else of the cache is copied.
+//!
+//! A call's query heads (each row's heads that share a KV head) are laid side by side in lanes,
+//! `row · heads per KV head + head`, so that a register of lanes takes one key value broadcast
+//! for many heads: no key is transposed and no sum is reduced across lanes. One query head's
+//! arithmetic, in f32, whatever else the call holds:
+//! - a score is one chain of multiply-adds over the head's dimensions, times the scale; a key
+//!   outside the query's range scores −∞;
+//! - its weights are `e^(s − max)` ([`portable::exp`]: 0 at and below [`FLOOR`], so for −∞) over
+//!   every key the call reads, their sum one chain of adds in key order;
+//! - each output dimension is one chain of multiply-adds over the keys, of weight by value,
+//!   times `1 / sum` at the end.
+//!
+//! A key outside the query's range adds exactly 0 to each chain (its weight is 0, and `x + 0`
+//! is `x`), so the keys a call reads beyond those a query sees alone leave its bits as they
+//! are: a prompt row in a tile and the same position's decode step agree. The kernels for
+//! AVX-512F (16 lanes a register), AVX2 (8) and portable loops take the same steps, so every
+//! machine gives the same bits.
 
 use std::ops::Range;
 
 use crate::kv::{BLOCK_TOKENS, KvKind, KvPool};
 use crate::memory::prefetch;
 
+/// The kernels per instruction set, each giving the same bits as [`portable`]'s: AVX-512F where
+/// the CPU has it ([`crate::cpu`]), else AVX2 where the build targets x86-64-v3.
 #[cfg(x86_v3)]
 mod avx2;
-mod bf16;
-/// The inner loops per instruction set, each giving the same bits as the one it stands in for:
-/// AVX-512F where the CPU has it ([`crate::cpu`]), else AVX2 where the build targets x86-64-v3,
-/// else portable loops.
+#[cfg(x86_v3)]
 mod avx512;
 mod portable;
-#[cfg(x86_v3)]
-use avx2 as narrow;
-#[cfg(not(x86_v3))]
-use portable as narrow;
 
 /// Inputs for the query heads of one row that share the KV heads `kv_heads`.
 #[derive(Debug)]
@@ -41,16 +53,27 @@ pub struct Query<'a> {
     pub q: &'a [f32],
 }
 
-/// Per-thread buffers, so a decode step does not allocate for each (row, layer).
+/// Per-thread buffers, so a decode step does not allocate for each (row, layer). `g` is a KV
+/// head of the call, `lane` a query head.
 #[derive(Default)]
 struct Scratch {
-    scores: Vec<f32>,
-    /// Where each query's scores start in `scores`.
-    offsets: Vec<usize>,
+    /// Keys or a run of blocks' values as f32, `[g][token][dimension]`.
     buf: Vec<f32>,
-    /// A block's keys transposed for [`avx512::scores`]: `[kv head][dimension][token]`.
-    transposed: Vec<f32>,
-    bf16: bf16::Buffers,
+    /// `[g][dimension][lane]`.
+    q: Vec<f32>,
+    /// Each lane's visible keys, `lo..hi` (padding lanes see every key, of zero queries).
+    lo: Vec<i32>,
+    hi: Vec<i32>,
+    /// `[g][key][lane]`, the keys from the first block read.
+    scores: Vec<f32>,
+    /// `[g][lane]`: each lane's largest score.
+    max: Vec<f32>,
+    /// `[g][lane]`: the sum of each lane's weights.
+    sum: Vec<f32>,
+    /// A run of blocks' weights for one KV head, `[key][lane]`.
+    weights: Vec<f32>,
+    /// `[g][lane][dimension]`: each lane's weighted sum of values so far.
+    acc: Vec<f32>,
 }
 
 thread_local! {
@@ -59,9 +82,7 @@ thread_local! {
 
 /// Slabs (all of a block's `kv_heads`, keys or values) requested this many reads ahead.
 const PREFETCH_AHEAD: usize = 4;
-
-/// Blocks whose values one call of the accumulation takes together: its accumulators stay in
-/// registers over this many blocks' tokens.
+/// Blocks whose values are converted and weighted together.
 const VALUE_RUN: usize = 4;
 /// Queries per call at most ([`tile_rows`]).
 const MAX_TILE: usize = 16;
@@ -69,6 +90,9 @@ const MAX_TILE: usize = 16;
 /// share their keys' and values' reads (the 0.5B Qwen's 14 heads: tiles of 16 rows up to 18k
 /// keys, 9 at 32k).
 const SCORES_BUDGET: usize = 1 << 22;
+/// Weights of scores at or below `max − 87` are 0: `e^-87` is the last power of e that is a
+/// normal f32, so no sum meets a subnormal.
+const FLOOR: f32 = -87.0;
 
 /// How many consecutive positions of one sequence [`attend`] should take at once, for queries
 /// of `heads` heads that see up to `n_keys` keys: up to [`MAX_TILE`], within [`SCORES_BUDGET`].
@@ -82,6 +106,157 @@ pub fn tile_rows(heads: usize, n_keys: usize) -> usize {
 /// arithmetic is what it would be alone.
 pub fn attend(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32]) {
     SCRATCH.with_borrow_mut(|s| attend_in(pool, qs, out, s));
+}
+
+/// The instruction sets the kernels come in.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Isa {
+    Avx512,
+    Avx2,
+    Portable,
+}
+
+impl Isa {
+    /// The widest this CPU runs.
+    fn best() -> Self {
+        if crate::cpu::has_avx512f() {
+            Isa::Avx512
+        } else if cfg!(x86_v3) {
+            Isa::Avx2
+        } else {
+            Isa::Portable
+        }
+    }
+
+    /// Lanes a register holds: a call's lanes are padded to a multiple.
+    fn width(self) -> usize {
+        match self {
+            Isa::Avx512 => 16,
+            Isa::Avx2 | Isa::Portable => 8,
+        }
+    }
+
+    fn scores(self, s: Scores<'_>) {
+        s.check();
+        match self {
+            #[cfg(x86_v3)]
+            Isa::Avx512 => avx512::scores(s),
+            #[cfg(x86_v3)]
+            Isa::Avx2 => avx2::scores(s),
+            _ => portable::scores(s),
+        }
+    }
+
+    /// The weights of a run of keys' scores (`[key][lane]`): `e^(s − max)` into `out`
+    /// (`[key][lane]`) and added to `sum` in key order.
+    fn weights(self, scores: &[f32], max: &[f32], sum: &mut [f32], out: &mut [f32]) {
+        let lanes = max.len();
+        assert!(
+            lanes.is_multiple_of(self.width())
+                && sum.len() == lanes
+                && scores.len().is_multiple_of(lanes)
+                && out.len() == scores.len(),
+            "attention weights: shapes"
+        );
+        match self {
+            #[cfg(x86_v3)]
+            Isa::Avx512 => avx512::weights(scores, max, sum, out),
+            #[cfg(x86_v3)]
+            Isa::Avx2 => avx2::weights(scores, max, sum, out),
+            _ => portable::weights(scores, max, sum, out),
+        }
+    }
+
+    /// `acc[lane] += Σ_t weights[t][lane] · values[t]` for each lane of `acc` (`[lane][hd]`,
+    /// the real lanes only); `weights` is `[key][lanes]`, `values` `[key][hd]`.
+    fn accumulate(self, weights: &[f32], lanes: usize, values: &[f32], acc: &mut [f32]) {
+        let keys = weights.len() / lanes.max(1);
+        if keys == 0 {
+            return;
+        }
+        let hd = values.len() / keys;
+        assert!(
+            weights.len() == keys * lanes
+                && values.len() == keys * hd
+                && hd > 0
+                && acc.len().is_multiple_of(hd)
+                && acc.len() / hd <= lanes,
+            "attention accumulate: shapes"
+        );
+        let a = Accumulate {
+            weights,
+            lanes,
+            values,
+            hd,
+        };
+        let done = match self {
+            #[cfg(x86_v3)]
+            Isa::Avx512 => avx512::accumulate(&a, acc),
+            #[cfg(x86_v3)]
+            Isa::Avx2 => avx2::accumulate(&a, acc),
+            _ => 0,
+        };
+        portable::accumulate(&a, done..hd, acc);
+    }
+}
+
+/// One KV head's scores for one block of keys, for every lane.
+struct Scores<'a> {
+    /// `[dimension][lane]`.
+    q: &'a [f32],
+    /// `[token][dimension]`, [`BLOCK_TOKENS`] tokens.
+    keys: &'a [f32],
+    scale: f32,
+    /// `[token][lane]`.
+    out: &'a mut [f32],
+    /// `[lane]`, raised to the block's largest score of each lane.
+    max: &'a mut [f32],
+    /// The block's first key position.
+    at: usize,
+    /// Each lane's visible keys `lo[lane]..hi[lane]`, where some lane does not see every key of
+    /// the block (`None`: all do).
+    range: Option<(&'a [i32], &'a [i32])>,
+}
+
+impl Scores<'_> {
+    fn hd(&self) -> usize {
+        self.keys.len() / BLOCK_TOKENS
+    }
+
+    /// The shapes every kernel relies on.
+    fn check(&self) {
+        let lanes = self.max.len();
+        assert!(
+            self.q.len() == self.hd() * lanes
+                && self.keys.len() == BLOCK_TOKENS * self.hd()
+                && self.out.len() == BLOCK_TOKENS * lanes
+                && self
+                    .range
+                    .is_none_or(|(lo, hi)| lo.len() == lanes && hi.len() == lanes)
+                && self.at + BLOCK_TOKENS <= i32::MAX as usize,
+            "attention scores: shapes"
+        );
+    }
+
+    /// Whether lane `lane` sees the key at `pos`.
+    fn sees(&self, lane: usize, pos: usize) -> bool {
+        self.range
+            .is_none_or(|(lo, hi)| lo[lane] as usize <= pos && pos < hi[lane] as usize)
+    }
+}
+
+/// The inputs of [`Isa::accumulate`], shapes checked.
+struct Accumulate<'a> {
+    weights: &'a [f32],
+    lanes: usize,
+    values: &'a [f32],
+    hd: usize,
+}
+
+impl Accumulate<'_> {
+    fn keys(&self) -> usize {
+        self.weights.len() / self.lanes
+    }
 }
 
 /// The blocks a call's queries see, from the first block any of them sees (`lo`) to the one
@@ -104,7 +279,7 @@ struct Blocks<'a> {
 impl<'a> Blocks<'a> {
     fn new(pool: &'a KvPool, qs: &[Query<'a>]) -> Self {
         let g = &qs[0];
-        let lo = qs.iter().map(first_block).min().unwrap_or(0);
+        let lo = qs.iter().map(|q| q.first_key / BLOCK_TOKENS).min().unwrap_or(0);
         let n_keys = qs.iter().map(|q| q.n_keys).max().unwrap_or(0);
         let blocks = Self {
             pool,
@@ -133,230 +308,121 @@ impl<'a> Blocks<'a> {
             .slabs(block, self.layer, kind, self.kv_heads.clone())
     }
 
-    /// The keys read `i`'s block holds (16 but in the last).
-    fn tokens(&self, i: usize) -> usize {
-        (self.n_keys - (self.lo + i % self.n_blocks) * BLOCK_TOKENS).min(BLOCK_TOKENS)
-    }
-
     /// Read `i`'s rows converted to f32 in `buf`: `[head][token][hd]`, each head's rows `stride`
-    /// values after the last's; the rows past [`Self::tokens`] are left as they were.
+    /// values after the last's, the rows of a last block's missing keys zero.
     fn load(&self, i: usize, buf: &mut [f32], stride: usize) {
         if i + PREFETCH_AHEAD < 2 * self.n_blocks {
             prefetch(self.read(i + PREFETCH_AHEAD));
         }
         let layout = self.pool.layout();
         let (hd, row_bytes) = (layout.head_dim, layout.row_bytes());
-        let n = self.tokens(i);
+        let n = (self.n_keys - (self.lo + i % self.n_blocks) * BLOCK_TOKENS).min(BLOCK_TOKENS);
         for (h, src) in self.read(i).chunks_exact(BLOCK_TOKENS * row_bytes).enumerate() {
-            let dst = &mut buf[h * stride..][..n * hd];
-            layout.dtype.decode_rows(hd, &src[..n * row_bytes], dst);
+            let dst = &mut buf[h * stride..][..BLOCK_TOKENS * hd];
+            layout.dtype.decode_rows(hd, &src[..n * row_bytes], &mut dst[..n * hd]);
+            dst[n * hd..].fill(0.0);
         }
     }
 }
 
-/// The block holding a query's first visible key.
-fn first_block(q: &Query<'_>) -> usize {
-    q.first_key / BLOCK_TOKENS
-}
-
-/// Where the CPU has AVX-512 BF16 and the head size suits it, [`bf16`]'s arithmetic, for every
-/// row alike; else f32 in two passes over the blocks, keys then values. Each head's f32
-/// arithmetic is the same whatever `kv_heads` and the other queries hold (its scores, softmax
-/// and weighted sum of values in position order, a block's keys taken in the same runs).
+/// Scores for every block, then weights and values a run of blocks at a time (see the module's
+/// documentation for the arithmetic).
 fn attend_in(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32], s: &mut Scratch) {
-    let Some(g) = qs.first() else { return };
-    let hd = pool.layout().head_dim;
-    let kv = Blocks::new(pool, qs);
-    if bf16::runs(hd) {
-        return bf16::attend(&kv, qs, out, &mut s.bf16, &mut s.buf);
-    }
-    let heads = g.q.len() / hd;
-    let per_kv = heads / g.kv_heads.len();
-    let slab = BLOCK_TOKENS * hd;
-    let scale = 1.0 / (hd as f32).sqrt();
-    // Each query sees whole blocks from the one holding its first visible key: `span` scores
-    // per head, the keys before `first_key` in that block masked out.
-    let span = |q: &Query<'_>| q.n_keys - first_block(q) * BLOCK_TOKENS;
-    // Its keys in (absolute) blocks `bs`, if it sees any there: from the start of the block
-    // holding its first visible key on, up to its own position.
-    let seen = |q: &Query<'_>, bs: Range<usize>| {
-        let from = bs.start.max(first_block(q)) * BLOCK_TOKENS;
-        let to = q.n_keys.min(bs.end * BLOCK_TOKENS);
-        (from < to).then_some(from..to)
-    };
-    let (lo, n_blocks) = (kv.lo, kv.n_blocks);
-    s.offsets.clear();
-    let mut total = 0;
-    for q in qs {
-        s.offsets.push(total);
-        total += heads * span(q);
-    }
-    // Every score is written below (each query's visible blocks cover its span), so what the
-    // buffer held before is not cleared.
-    s.scores.resize(total, 0.0);
-    let run_slab = VALUE_RUN * slab;
-    s.buf.resize(g.kv_heads.len() * run_slab, 0.0);
-    // A tile of rows takes each block's keys transposed, for its many queries to share.
-    let wide_scores = qs.len() >= avx512::SCORES_ROWS && avx512::scores_fit(hd);
-    s.transposed.resize(g.kv_heads.len() * slab, 0.0);
-    for bi in 0..n_blocks {
-        kv.load(bi, &mut s.buf, slab);
-        let b = lo + bi;
-        if wide_scores {
-            avx512::transpose(&s.buf, hd, &mut s.transposed);
-        }
-        for (q, &off) in qs.iter().zip(&s.offsets) {
-            let Some(visible) = seen(q, b..b + 1) else {
-                continue;
-            };
-            let (n, at) = (
-                visible.len(),
-                off + visible.start - first_block(q) * BLOCK_TOKENS,
-            );
-            // The heads that share a KV head together, each key row read once for several.
-            for (g, qg) in q.q.chunks_exact(per_kv * hd).enumerate() {
-                let scores = &mut s.scores[at + g * per_kv * span(q)..];
-                if wide_scores {
-                    let keys = &s.transposed[g * slab..][..slab];
-                    avx512::scores(qg, keys, scale, scores, span(q), n);
-                } else {
-                    let keys = &s.buf[g * slab..][..n * hd];
-                    narrow::scores_heads(qg, keys, scale, scores, span(q), n);
-                }
-            }
-        }
-    }
-    for (q, &off) in qs.iter().zip(&s.offsets) {
-        let masked = q.first_key - first_block(q) * BLOCK_TOKENS;
-        let rows = &mut s.scores[off..off + heads * span(q)];
-        for row in rows.chunks_exact_mut(span(q)) {
-            row[..masked].fill(f32::NEG_INFINITY);
-        }
-        softmax_rows(rows, span(q));
-    }
-    out.fill(0.0);
-    let wide = avx512::accumulates(hd);
-    // The values [`VALUE_RUN`] blocks at a time, each head's in one run of `buf`.
-    for r0 in (0..n_blocks).step_by(VALUE_RUN) {
-        let r1 = (r0 + VALUE_RUN).min(n_blocks);
-        for bi in r0..r1 {
-            kv.load(n_blocks + bi, &mut s.buf[(bi - r0) * slab..], run_slab);
-        }
-        let first = (lo + r0) * BLOCK_TOKENS;
-        for ((q, &off), o) in qs
-            .iter()
-            .zip(&s.offsets)
-            .zip(out.chunks_exact_mut(heads * hd))
-        {
-            let Some(visible) = seen(q, lo + r0..lo + r1) else {
-                continue;
-            };
-            let (n, at) = (
-                visible.len(),
-                off + visible.start - first_block(q) * BLOCK_TOKENS,
-            );
-            // The heads of each KV head together, so that each value is read once for all.
-            for (g, og) in o.chunks_exact_mut(per_kv * hd).enumerate() {
-                let values = &s.buf[g * run_slab + (visible.start - first) * hd..][..n * hd];
-                let p = &s.scores[at + g * per_kv * span(q)..];
-                if wide {
-                    avx512::accumulate_heads(p, span(q), n, values, og);
-                } else {
-                    narrow::accumulate_heads(p, span(q), n, values, og);
-                }
-            }
-        }
-    }
-}
-
-/// Dot product with 8 independent partial sums, which the compiler turns into SIMD.
-#[inline]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
-}
-
-/// Rows whose sums run side by side in [`softmax_rows`]: a chain of adds waits a whole add's
-/// latency for each term, and this many chains keep the adders busy instead.
-const SUM_CHAINS: usize = 8;
-
-/// The softmax of each `len`-long row of `rows`: `e^(x - max)` over the row's sum, the sum one
-/// chain of adds in key order whatever the other rows are (so a prompt row and a decode step
-/// agree), up to [`SUM_CHAINS`] rows' chains interleaved.
-pub fn softmax_rows(rows: &mut [f32], len: usize) {
-    if len == 0 || rows.is_empty() {
+    if qs.is_empty() {
         return;
     }
-    // Groups of as even a size as can be (14 rows: two of 7, not 8 and 6).
-    let n_rows = rows.len() / len;
-    let per_group = n_rows.div_ceil(n_rows.div_ceil(SUM_CHAINS));
-    for group in rows.chunks_mut(per_group * len) {
-        for row in group.chunks_exact_mut(len) {
-            let max = max(row);
-            for v in row.iter_mut() {
-                *v -= max;
+    let isa = Isa::best();
+    let kv = Blocks::new(pool, qs);
+    let hd = pool.layout().head_dim;
+    let n_kv = kv.kv_heads.len();
+    let heads = qs[0].q.len() / hd;
+    let per_kv = heads / n_kv;
+    let slab = BLOCK_TOKENS * hd;
+    let n_lanes = qs.len() * per_kv;
+    let lanes = n_lanes.next_multiple_of(isa.width());
+    let n_keys = kv.n_blocks * BLOCK_TOKENS;
+    let first = kv.lo * BLOCK_TOKENS;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let lane = |r: usize, h: usize| (h / per_kv, r * per_kv + h % per_kv);
+
+    s.q.clear();
+    s.q.resize(n_kv * hd * lanes, 0.0);
+    s.lo.clear();
+    s.lo.resize(lanes, 0);
+    s.hi.clear();
+    s.hi.resize(lanes, i32::MAX);
+    for (r, q) in qs.iter().enumerate() {
+        for (h, head) in q.q.chunks_exact(hd).enumerate() {
+            let (g, l) = lane(r, h);
+            for (d, &v) in head.iter().enumerate() {
+                s.q[(g * hd + d) * lanes + l] = v;
             }
-            crate::math::exp_in_place(row);
-        }
-        let mut sums = [0f32; SUM_CHAINS];
-        match group.len() / len {
-            8 => chains::<8>(group, len, &mut sums),
-            7 => chains::<7>(group, len, &mut sums),
-            6 => chains::<6>(group, len, &mut sums),
-            5 => chains::<5>(group, len, &mut sums),
-            4 => chains::<4>(group, len, &mut sums),
-            3 => chains::<3>(group, len, &mut sums),
-            2 => chains::<2>(group, len, &mut sums),
-            _ => chains::<1>(group, len, &mut sums),
-        }
-        const { assert!(SUM_CHAINS == 8) };
-        for (row, sum) in group.chunks_exact_mut(len).zip(sums) {
-            let inv = 1.0 / sum;
-            for v in row.iter_mut() {
-                *v *= inv;
-            }
+            s.lo[l] = i32::try_from(q.first_key).expect("key position fits i32");
+            s.hi[l] = i32::try_from(q.n_keys).expect("key position fits i32");
         }
     }
-}
+    let max_lo = s.lo[..n_lanes].iter().copied().max().unwrap_or(0) as usize;
+    let min_hi = s.hi[..n_lanes].iter().copied().min().unwrap_or(0) as usize;
 
-/// The largest of `x` (NaN aside), in 16 lanes: the largest does not depend on the order in
-/// which it was found (but for the sign of a zero, which `x - max` does not see).
-fn max(x: &[f32]) -> f32 {
-    let mut lanes = [f32::NEG_INFINITY; 16];
-    let chunks = x.chunks_exact(16);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for (m, &v) in lanes.iter_mut().zip(c) {
-            *m = m.max(v);
+    s.scores.resize(n_kv * n_keys * lanes, 0.0);
+    s.max.clear();
+    s.max.resize(n_kv * lanes, f32::NEG_INFINITY);
+    let run_slab = VALUE_RUN * slab;
+    s.buf.resize(n_kv * run_slab, 0.0);
+    for bi in 0..kv.n_blocks {
+        kv.load(bi, &mut s.buf, slab);
+        let at = first + bi * BLOCK_TOKENS;
+        let whole = at >= max_lo && at + BLOCK_TOKENS <= min_hi;
+        for g in 0..n_kv {
+            isa.scores(Scores {
+                q: &s.q[g * hd * lanes..][..hd * lanes],
+                keys: &s.buf[g * slab..][..slab],
+                scale,
+                out: &mut s.scores[(g * n_keys + bi * BLOCK_TOKENS) * lanes..]
+                    [..BLOCK_TOKENS * lanes],
+                max: &mut s.max[g * lanes..][..lanes],
+                at,
+                range: (!whole).then_some((&s.lo, &s.hi)),
+            });
         }
     }
-    lanes
-        .iter()
-        .chain(rest)
-        .copied()
-        .fold(f32::NEG_INFINITY, f32::max)
-}
 
-/// The sums of `R` rows of `len` into `sums[..R]`, each a chain of adds in order from zero (for
-/// the non-negative terms here, the bits of `iter().sum()`), the `R` chains interleaved.
-fn chains<const R: usize>(rows: &[f32], len: usize, sums: &mut [f32]) {
-    let rows: [&[f32]; R] = std::array::from_fn(|r| &rows[r * len..][..len]);
-    let sums: &mut [f32; R] = (&mut sums[..R]).try_into().expect("R sums");
-    for j in 0..len {
-        for (s, row) in sums.iter_mut().zip(&rows) {
-            *s += row[j];
+    s.sum.clear();
+    s.sum.resize(n_kv * lanes, 0.0);
+    s.acc.clear();
+    s.acc.resize(n_kv * lanes * hd, 0.0);
+    s.weights.resize(VALUE_RUN * BLOCK_TOKENS * lanes, 0.0);
+    for r0 in (0..kv.n_blocks).step_by(VALUE_RUN) {
+        let r1 = (r0 + VALUE_RUN).min(kv.n_blocks);
+        for bi in r0..r1 {
+            kv.load(kv.n_blocks + bi, &mut s.buf[(bi - r0) * slab..], run_slab);
+        }
+        let (k0, keys) = (r0 * BLOCK_TOKENS, (r1 - r0) * BLOCK_TOKENS);
+        for g in 0..n_kv {
+            let weights = &mut s.weights[..keys * lanes];
+            isa.weights(
+                &s.scores[(g * n_keys + k0) * lanes..][..keys * lanes],
+                &s.max[g * lanes..][..lanes],
+                &mut s.sum[g * lanes..][..lanes],
+                weights,
+            );
+            isa.accumulate(
+                weights,
+                lanes,
+                &s.buf[g * run_slab..][..keys * hd],
+                &mut s.acc[g * lanes * hd..][..n_lanes * hd],
+            );
+        }
+    }
+
+    for (r, o) in out.chunks_exact_mut(heads * hd).enumerate() {
+        for (h, o) in o.chunks_exact_mut(hd).enumerate() {
+            let (g, l) = lane(r, h);
+            let inv = 1.0 / s.sum[g * lanes + l];
+            let acc = &s.acc[(g * lanes + l) * hd..][..hd];
+            for (o, &a) in o.iter_mut().zip(acc) {
+                *o = a * inv;
+            }
         }
     }
 }
