@@ -60,8 +60,8 @@ unsafe fn scores_of<const N: usize, const R: usize>(s: &mut Scores<'_>, t0: usiz
             });
             for (i, a) in acc.iter_mut().enumerate() {
                 let k = _mm256_set1_ps(*s.keys.get_unchecked((t0 + i) * hd + d));
-                for j in 0..R {
-                    a[j] = _mm256_fmadd_ps(q[j], k, a[j]);
+                for (a, &q) in a.iter_mut().zip(&q) {
+                    *a = _mm256_fmadd_ps(q, k, *a);
                 }
             }
         }
@@ -77,10 +77,8 @@ unsafe fn scores_of<const N: usize, const R: usize>(s: &mut Scores<'_>, t0: usiz
                     let lo = _mm256_loadu_si256(lo.as_ptr().add(lane).cast());
                     let hi = _mm256_loadu_si256(hi.as_ptr().add(lane).cast());
                     // `lo <= at && at < hi`, as `!(lo > at) && hi > at`.
-                    let seen = _mm256_andnot_si256(
-                        _mm256_cmpgt_epi32(lo, at),
-                        _mm256_cmpgt_epi32(hi, at),
-                    );
+                    let seen =
+                        _mm256_andnot_si256(_mm256_cmpgt_epi32(lo, at), _mm256_cmpgt_epi32(hi, at));
                     let neg = _mm256_set1_ps(f32::NEG_INFINITY);
                     v = _mm256_blendv_ps(neg, v, _mm256_castsi256_ps(seen));
                 }

@@ -9,11 +9,14 @@ use super::{Accumulate, BLOCK_TOKENS, FLOOR, Scores};
 const LANES: usize = 16;
 
 fn check() {
-    assert!(crate::cpu::has_avx512f(), "512-bit attention without AVX-512F");
+    assert!(
+        crate::cpu::has_avx512f(),
+        "512-bit attention without AVX-512F"
+    );
 }
 
 /// Tokens a call of [`scores_of`] takes, by up to [`Z`] registers of lanes: 16 accumulators,
-/// four broadcast key values and a register of queries fit the 32.
+/// four registers of queries and a broadcast key value fit the 32.
 const T: usize = 4;
 const Z: usize = 4;
 
@@ -60,12 +63,13 @@ unsafe fn scores_of<const N: usize, const R: usize>(s: &mut Scores<'_>, t0: usiz
     unsafe {
         let mut acc = [[_mm512_setzero_ps(); R]; N];
         for d in 0..hd {
-            let k: [__m512; N] =
-                std::array::from_fn(|i| _mm512_set1_ps(*s.keys.get_unchecked((t0 + i) * hd + d)));
-            for j in 0..R {
-                let q = _mm512_loadu_ps(s.q.as_ptr().add(d * lanes + (z0 + j) * LANES));
-                for i in 0..N {
-                    acc[i][j] = _mm512_fmadd_ps(q, k[i], acc[i][j]);
+            let q: [__m512; R] = std::array::from_fn(|j| {
+                _mm512_loadu_ps(s.q.as_ptr().add(d * lanes + (z0 + j) * LANES))
+            });
+            for (i, a) in acc.iter_mut().enumerate() {
+                let k = _mm512_set1_ps(*s.keys.get_unchecked((t0 + i) * hd + d));
+                for (a, &q) in a.iter_mut().zip(&q) {
+                    *a = _mm512_fmadd_ps(q, k, *a);
                 }
             }
         }

@@ -279,7 +279,11 @@ struct Blocks<'a> {
 impl<'a> Blocks<'a> {
     fn new(pool: &'a KvPool, qs: &[Query<'a>]) -> Self {
         let g = &qs[0];
-        let lo = qs.iter().map(|q| q.first_key / BLOCK_TOKENS).min().unwrap_or(0);
+        let lo = qs
+            .iter()
+            .map(|q| q.first_key / BLOCK_TOKENS)
+            .min()
+            .unwrap_or(0);
         let n_keys = qs.iter().map(|q| q.n_keys).max().unwrap_or(0);
         let blocks = Self {
             pool,
@@ -317,9 +321,15 @@ impl<'a> Blocks<'a> {
         let layout = self.pool.layout();
         let (hd, row_bytes) = (layout.head_dim, layout.row_bytes());
         let n = (self.n_keys - (self.lo + i % self.n_blocks) * BLOCK_TOKENS).min(BLOCK_TOKENS);
-        for (h, src) in self.read(i).chunks_exact(BLOCK_TOKENS * row_bytes).enumerate() {
+        for (h, src) in self
+            .read(i)
+            .chunks_exact(BLOCK_TOKENS * row_bytes)
+            .enumerate()
+        {
             let dst = &mut buf[h * stride..][..BLOCK_TOKENS * hd];
-            layout.dtype.decode_rows(hd, &src[..n * row_bytes], &mut dst[..n * hd]);
+            layout
+                .dtype
+                .decode_rows(hd, &src[..n * row_bytes], &mut dst[..n * hd]);
             dst[n * hd..].fill(0.0);
         }
     }

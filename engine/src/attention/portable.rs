@@ -15,15 +15,14 @@ pub(super) const P: [f32; 6] = [
     8.333_452e-3,
     4.166_579_6e-2,
     1.666_666_5e-1,
-    5.000_000_1e-1,
+    0.5,
 ];
 
 /// `e^x` for the weights (`x <= 0`), to about an ulp: 0 at and below [`FLOOR`] (so for −∞).
 /// Cephes' `expf`: `x = n·ln2 + r`, a degree-5 polynomial in `r`, scaled by `2^n` (exact: the
 /// result is a normal f32 above the floor).
 pub(super) fn exp(x: f32) -> f32 {
-    // Written so that NaN, too, takes the 0.
-    if !(x > FLOOR) {
+    if x.is_nan() || x <= FLOOR {
         return 0.0;
     }
     let n = (x * std::f32::consts::LOG2_E).round_ties_even();
@@ -54,7 +53,10 @@ pub(super) fn scores(s: Scores<'_>) {
 }
 
 pub(super) fn weights(scores: &[f32], max: &[f32], sum: &mut [f32], out: &mut [f32]) {
-    for (row, o) in scores.chunks_exact(max.len()).zip(out.chunks_exact_mut(max.len())) {
+    for (row, o) in scores
+        .chunks_exact(max.len())
+        .zip(out.chunks_exact_mut(max.len()))
+    {
         for (((&s, &m), total), o) in row.iter().zip(max).zip(sum.iter_mut()).zip(o) {
             *o = exp(s - m);
             *total += *o;

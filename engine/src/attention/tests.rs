@@ -32,7 +32,10 @@ fn exp_is_close_and_the_same_in_every_lane() {
             assert_eq!(y, 0.0, "{x} is at or below the floor");
         }
     }
-    assert!(worst < 4.0 * f64::from(f32::EPSILON), "relative error {worst}");
+    assert!(
+        worst < 4.0 * f64::from(f32::EPSILON),
+        "relative error {worst}"
+    );
     assert_eq!(portable::exp(0.0), 1.0);
     for x in [f32::NEG_INFINITY, FLOOR, f32::NAN] {
         assert_eq!(portable::exp(x), 0.0, "{x}");
