@@ -208,7 +208,7 @@ impl Shape {
                 .map(|sw| rope_tables(sw.rope_theta, cfg.head_dim, rows)),
             parts,
             tiles: match parts {
-                1 => attention_tiles(rows, cfg.n_heads),
+                1 => attention_tiles(rows, cfg.n_heads / cfg.n_kv_heads),
                 _ => (0..n).map(|r| r..r + 1).collect(),
             },
         }
@@ -460,6 +460,7 @@ fn add_norm_quantize(
 
 /// The rows in runs that [`attend`] takes at once: consecutive positions of one sequence (a
 /// prompt's rows share its block table), as many as [`tile_rows`] allows.
+/// `heads` is the query heads per KV head: a call's scores are held one KV head at a time.
 fn attention_tiles(rows: &[Row<'_>], heads: usize) -> Vec<Range<usize>> {
     let mut tiles = Vec::new();
     let mut start = 0;

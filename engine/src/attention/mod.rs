@@ -53,26 +53,26 @@ pub struct Query<'a> {
     pub q: &'a [f32],
 }
 
-/// Per-thread buffers, so a decode step does not allocate for each (row, layer). `g` is a KV
-/// head of the call, `lane` a query head.
+/// Per-thread buffers, so a decode step does not allocate for each (row, layer), for the KV
+/// head in hand; `lane` is a query head of the call.
 #[derive(Default)]
 struct Scratch {
-    /// Keys or a run of blocks' values as f32, `[g][token][dimension]`.
+    /// A block's keys or a run of blocks' values as f32, `[token][dimension]`.
     buf: Vec<f32>,
-    /// `[g][dimension][lane]`.
+    /// `[dimension][lane]`.
     q: Vec<f32>,
     /// Each lane's visible keys, `lo..hi` (padding lanes see every key, of zero queries).
     lo: Vec<i32>,
     hi: Vec<i32>,
-    /// `[g][key][lane]`, the keys from the first block read.
+    /// `[key][lane]`, the keys from the first block read.
     scores: Vec<f32>,
-    /// `[g][lane]`: each lane's largest score.
+    /// `[lane]`: each lane's largest score.
     max: Vec<f32>,
-    /// `[g][lane]`: the sum of each lane's weights.
+    /// `[lane]`: the sum of each lane's weights.
     sum: Vec<f32>,
-    /// A run of blocks' weights for one KV head, `[key][lane]`.
+    /// A run of blocks' weights, `[key][lane]`.
     weights: Vec<f32>,
-    /// `[g][lane][dimension]`: each lane's weighted sum of values so far.
+    /// `[lane][dimension]`: each lane's weighted sum of values so far (the real lanes).
     acc: Vec<f32>,
 }
 
@@ -80,22 +80,23 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
 }
 
-/// Slabs (all of a block's `kv_heads`, keys or values) requested this many reads ahead.
+/// Slabs (a block's keys or values of one KV head) requested this many reads ahead.
 const PREFETCH_AHEAD: usize = 4;
 /// Blocks whose values are converted and weighted together.
 const VALUE_RUN: usize = 4;
 /// Queries per call at most ([`tile_rows`]).
 const MAX_TILE: usize = 16;
-/// The scores a call may hold: 16 MB of f32 per thread, so that a long prompt's rows still
-/// share their keys' and values' reads (the 0.5B Qwen's 14 heads: tiles of 16 rows up to 18k
-/// keys, 9 at 32k).
+/// The scores a call may hold for a KV head: 16 MB of f32 per thread, so that a long prompt's
+/// rows still share their keys' and values' reads (the 0.5B Qwen's 7 heads per KV head: tiles
+/// of 16 rows up to 37k keys).
 const SCORES_BUDGET: usize = 1 << 22;
 /// Weights of scores at or below `max − 87` are 0: `e^-87` is the last power of e that is a
 /// normal f32, so no sum meets a subnormal.
 const FLOOR: f32 = -87.0;
 
 /// How many consecutive positions of one sequence [`attend`] should take at once, for queries
-/// of `heads` heads that see up to `n_keys` keys: up to [`MAX_TILE`], within [`SCORES_BUDGET`].
+/// of `heads` heads per KV head that see up to `n_keys` keys: up to [`MAX_TILE`], within
+/// [`SCORES_BUDGET`].
 pub fn tile_rows(heads: usize, n_keys: usize) -> usize {
     (SCORES_BUDGET / (heads * n_keys).max(1)).clamp(1, MAX_TILE)
 }
@@ -259,15 +260,15 @@ impl Accumulate<'_> {
     }
 }
 
-/// The blocks a call's queries see, from the first block any of them sees (`lo`) to the one
-/// holding the last key, read in two passes: keys of every block, then values of every block.
-/// Each block's slabs for `kv_heads` are one contiguous run of memory, read in one go and asked
-/// for [`PREFETCH_AHEAD`] reads early: the KV of a decode batch does not stay in cache between
-/// steps, so a pass waits on memory unless the next reads are already under way.
+/// The blocks a call's queries see for one KV head, from the first block any of them sees
+/// (`lo`) to the one holding the last key, read in two passes: keys of every block, then values
+/// of every block. Each read is asked for [`PREFETCH_AHEAD`] reads early: the KV of a decode
+/// batch does not stay in cache between steps, so a pass waits on memory unless the next reads
+/// are already under way.
 struct Blocks<'a> {
     pool: &'a KvPool,
     layer: usize,
-    kv_heads: Range<usize>,
+    head: usize,
     /// The sequence's block table from block `lo` on.
     table: &'a [u32],
     lo: usize,
@@ -277,18 +278,14 @@ struct Blocks<'a> {
 }
 
 impl<'a> Blocks<'a> {
-    fn new(pool: &'a KvPool, qs: &[Query<'a>]) -> Self {
+    fn new(pool: &'a KvPool, qs: &[Query<'a>], head: usize) -> Self {
         let g = &qs[0];
-        let lo = qs
-            .iter()
-            .map(|q| q.first_key / BLOCK_TOKENS)
-            .min()
-            .unwrap_or(0);
+        let lo = qs.iter().map(|q| q.first_key / BLOCK_TOKENS).min().unwrap_or(0);
         let n_keys = qs.iter().map(|q| q.n_keys).max().unwrap_or(0);
         let blocks = Self {
             pool,
             layer: g.layer,
-            kv_heads: g.kv_heads.clone(),
+            head,
             table: &g.blocks[lo..],
             lo,
             n_blocks: n_keys.div_ceil(BLOCK_TOKENS) - lo,
@@ -309,129 +306,114 @@ impl<'a> Blocks<'a> {
         };
         let block = self.table[i % self.n_blocks];
         self.pool
-            .slabs(block, self.layer, kind, self.kv_heads.clone())
+            .slabs(block, self.layer, kind, self.head..self.head + 1)
     }
 
-    /// Read `i`'s rows converted to f32 in `buf`: `[head][token][hd]`, each head's rows `stride`
-    /// values after the last's, the rows of a last block's missing keys zero.
-    fn load(&self, i: usize, buf: &mut [f32], stride: usize) {
+    /// Read `i`'s rows converted to f32 in `buf` (`[token][hd]`), the rows of a last block's
+    /// missing keys zero.
+    fn load(&self, i: usize, buf: &mut [f32]) {
         if i + PREFETCH_AHEAD < 2 * self.n_blocks {
             prefetch(self.read(i + PREFETCH_AHEAD));
         }
         let layout = self.pool.layout();
         let (hd, row_bytes) = (layout.head_dim, layout.row_bytes());
         let n = (self.n_keys - (self.lo + i % self.n_blocks) * BLOCK_TOKENS).min(BLOCK_TOKENS);
-        for (h, src) in self
-            .read(i)
-            .chunks_exact(BLOCK_TOKENS * row_bytes)
-            .enumerate()
-        {
-            let dst = &mut buf[h * stride..][..BLOCK_TOKENS * hd];
-            layout
-                .dtype
-                .decode_rows(hd, &src[..n * row_bytes], &mut dst[..n * hd]);
-            dst[n * hd..].fill(0.0);
-        }
+        let dst = &mut buf[..BLOCK_TOKENS * hd];
+        layout
+            .dtype
+            .decode_rows(hd, &self.read(i)[..n * row_bytes], &mut dst[..n * hd]);
+        dst[n * hd..].fill(0.0);
     }
 }
 
-/// Scores for every block, then weights and values a run of blocks at a time (see the module's
-/// documentation for the arithmetic).
+/// One KV head at a time: scores for every block, then weights and values a run of blocks at a
+/// time (see the module's documentation for the arithmetic).
 fn attend_in(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32], s: &mut Scratch) {
-    if qs.is_empty() {
-        return;
-    }
+    let Some(g0) = qs.first() else { return };
     let isa = Isa::best();
-    let kv = Blocks::new(pool, qs);
     let hd = pool.layout().head_dim;
-    let n_kv = kv.kv_heads.len();
-    let heads = qs[0].q.len() / hd;
-    let per_kv = heads / n_kv;
+    let heads = g0.q.len() / hd;
+    let per_kv = heads / g0.kv_heads.len();
     let slab = BLOCK_TOKENS * hd;
     let n_lanes = qs.len() * per_kv;
     let lanes = n_lanes.next_multiple_of(isa.width());
-    let n_keys = kv.n_blocks * BLOCK_TOKENS;
-    let first = kv.lo * BLOCK_TOKENS;
     let scale = 1.0 / (hd as f32).sqrt();
-    let lane = |r: usize, h: usize| (h / per_kv, r * per_kv + h % per_kv);
 
-    s.q.clear();
-    s.q.resize(n_kv * hd * lanes, 0.0);
     s.lo.clear();
     s.lo.resize(lanes, 0);
     s.hi.clear();
     s.hi.resize(lanes, i32::MAX);
     for (r, q) in qs.iter().enumerate() {
-        for (h, head) in q.q.chunks_exact(hd).enumerate() {
-            let (g, l) = lane(r, h);
-            for (d, &v) in head.iter().enumerate() {
-                s.q[(g * hd + d) * lanes + l] = v;
-            }
-            s.lo[l] = i32::try_from(q.first_key).expect("key position fits i32");
-            s.hi[l] = i32::try_from(q.n_keys).expect("key position fits i32");
-        }
+        let lanes = &mut s.lo[r * per_kv..][..per_kv];
+        lanes.fill(i32::try_from(q.first_key).expect("key position fits i32"));
+        let lanes = &mut s.hi[r * per_kv..][..per_kv];
+        lanes.fill(i32::try_from(q.n_keys).expect("key position fits i32"));
     }
     let max_lo = s.lo[..n_lanes].iter().copied().max().unwrap_or(0) as usize;
     let min_hi = s.hi[..n_lanes].iter().copied().min().unwrap_or(0) as usize;
 
-    s.scores.resize(n_kv * n_keys * lanes, 0.0);
-    s.max.clear();
-    s.max.resize(n_kv * lanes, f32::NEG_INFINITY);
-    let run_slab = VALUE_RUN * slab;
-    s.buf.resize(n_kv * run_slab, 0.0);
-    for bi in 0..kv.n_blocks {
-        kv.load(bi, &mut s.buf, slab);
-        let at = first + bi * BLOCK_TOKENS;
-        let whole = at >= max_lo && at + BLOCK_TOKENS <= min_hi;
-        for g in 0..n_kv {
+    for (g, head) in g0.kv_heads.clone().enumerate() {
+        let kv = Blocks::new(pool, qs, head);
+        let n_keys = kv.n_blocks * BLOCK_TOKENS;
+        s.q.clear();
+        s.q.resize(hd * lanes, 0.0);
+        for (r, q) in qs.iter().enumerate() {
+            let group = &q.q[g * per_kv * hd..][..per_kv * hd];
+            for (h, head) in group.chunks_exact(hd).enumerate() {
+                for (d, &v) in head.iter().enumerate() {
+                    s.q[d * lanes + r * per_kv + h] = v;
+                }
+            }
+        }
+
+        s.scores.resize(n_keys * lanes, 0.0);
+        s.max.clear();
+        s.max.resize(lanes, f32::NEG_INFINITY);
+        s.buf.resize(VALUE_RUN * slab, 0.0);
+        for bi in 0..kv.n_blocks {
+            kv.load(bi, &mut s.buf);
+            let at = (kv.lo + bi) * BLOCK_TOKENS;
+            let whole = at >= max_lo && at + BLOCK_TOKENS <= min_hi;
             isa.scores(Scores {
-                q: &s.q[g * hd * lanes..][..hd * lanes],
-                keys: &s.buf[g * slab..][..slab],
+                q: &s.q,
+                keys: &s.buf[..slab],
                 scale,
-                out: &mut s.scores[(g * n_keys + bi * BLOCK_TOKENS) * lanes..]
-                    [..BLOCK_TOKENS * lanes],
-                max: &mut s.max[g * lanes..][..lanes],
+                out: &mut s.scores[bi * BLOCK_TOKENS * lanes..][..BLOCK_TOKENS * lanes],
+                max: &mut s.max,
                 at,
                 range: (!whole).then_some((&s.lo, &s.hi)),
             });
         }
-    }
 
-    s.sum.clear();
-    s.sum.resize(n_kv * lanes, 0.0);
-    s.acc.clear();
-    s.acc.resize(n_kv * lanes * hd, 0.0);
-    s.weights.resize(VALUE_RUN * BLOCK_TOKENS * lanes, 0.0);
-    for r0 in (0..kv.n_blocks).step_by(VALUE_RUN) {
-        let r1 = (r0 + VALUE_RUN).min(kv.n_blocks);
-        for bi in r0..r1 {
-            kv.load(kv.n_blocks + bi, &mut s.buf[(bi - r0) * slab..], run_slab);
-        }
-        let (k0, keys) = (r0 * BLOCK_TOKENS, (r1 - r0) * BLOCK_TOKENS);
-        for g in 0..n_kv {
+        s.sum.clear();
+        s.sum.resize(lanes, 0.0);
+        s.acc.clear();
+        s.acc.resize(n_lanes * hd, 0.0);
+        s.weights.resize(VALUE_RUN * BLOCK_TOKENS * lanes, 0.0);
+        for r0 in (0..kv.n_blocks).step_by(VALUE_RUN) {
+            let r1 = (r0 + VALUE_RUN).min(kv.n_blocks);
+            for bi in r0..r1 {
+                kv.load(kv.n_blocks + bi, &mut s.buf[(bi - r0) * slab..]);
+            }
+            let (k0, keys) = (r0 * BLOCK_TOKENS, (r1 - r0) * BLOCK_TOKENS);
             let weights = &mut s.weights[..keys * lanes];
             isa.weights(
-                &s.scores[(g * n_keys + k0) * lanes..][..keys * lanes],
-                &s.max[g * lanes..][..lanes],
-                &mut s.sum[g * lanes..][..lanes],
+                &s.scores[k0 * lanes..][..keys * lanes],
+                &s.max,
+                &mut s.sum,
                 weights,
             );
-            isa.accumulate(
-                weights,
-                lanes,
-                &s.buf[g * run_slab..][..keys * hd],
-                &mut s.acc[g * lanes * hd..][..n_lanes * hd],
-            );
+            isa.accumulate(weights, lanes, &s.buf[..keys * hd], &mut s.acc);
         }
-    }
 
-    for (r, o) in out.chunks_exact_mut(heads * hd).enumerate() {
-        for (h, o) in o.chunks_exact_mut(hd).enumerate() {
-            let (g, l) = lane(r, h);
-            let inv = 1.0 / s.sum[g * lanes + l];
-            let acc = &s.acc[(g * lanes + l) * hd..][..hd];
-            for (o, &a) in o.iter_mut().zip(acc) {
-                *o = a * inv;
+        for (r, o) in out.chunks_exact_mut(heads * hd).enumerate() {
+            let group = &mut o[g * per_kv * hd..][..per_kv * hd];
+            for (h, o) in group.chunks_exact_mut(hd).enumerate() {
+                let lane = r * per_kv + h;
+                let inv = 1.0 / s.sum[lane];
+                for (o, &a) in o.iter_mut().zip(&s.acc[lane * hd..][..hd]) {
+                    *o = a * inv;
+                }
             }
         }
     }
