@@ -280,7 +280,11 @@ struct Blocks<'a> {
 impl<'a> Blocks<'a> {
     fn new(pool: &'a KvPool, qs: &[Query<'a>], head: usize) -> Self {
         let g = &qs[0];
-        let lo = qs.iter().map(|q| q.first_key / BLOCK_TOKENS).min().unwrap_or(0);
+        let lo = qs
+            .iter()
+            .map(|q| q.first_key / BLOCK_TOKENS)
+            .min()
+            .unwrap_or(0);
         let n_keys = qs.iter().map(|q| q.n_keys).max().unwrap_or(0);
         let blocks = Self {
             pool,
