@@ -459,8 +459,8 @@ fn add_norm_quantize(
 }
 
 /// The rows in runs that [`attend`] takes at once: consecutive positions of one sequence (a
-/// prompt's rows share its block table), as many as [`tile_rows`] allows.
-/// `heads` is the query heads per KV head: a call's scores are held one KV head at a time.
+/// prompt's rows share its block table), as many as [`tile_rows`] allows for `heads` query heads
+/// per KV head (a call holds one KV head's scores at a time).
 fn attention_tiles(rows: &[Row<'_>], heads: usize) -> Vec<Range<usize>> {
     let mut tiles = Vec::new();
     let mut start = 0;

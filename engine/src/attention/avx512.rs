@@ -22,8 +22,8 @@ const Z: usize = 4;
 
 pub(super) fn scores(mut s: Scores<'_>) {
     check();
+    // The caller checked the shapes (`Scores::check`) and that the lanes are whole registers.
     let regs = s.max.len() / LANES;
-    assert!(s.max.len() == regs * LANES, "lanes in whole registers");
     // A single register of lanes (a decode step's heads) takes 16 tokens at once, so that
     // enough sums are in flight; more take four tokens by four registers.
     if regs == 1 {

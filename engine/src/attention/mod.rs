@@ -110,7 +110,7 @@ pub fn attend(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32]) {
 }
 
 /// The instruction sets the kernels come in.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug)]
 enum Isa {
     Avx512,
     Avx2,
@@ -139,6 +139,10 @@ impl Isa {
 
     fn scores(self, s: Scores<'_>) {
         s.check();
+        assert!(
+            s.max.len().is_multiple_of(self.width()),
+            "lanes in whole registers"
+        );
         match self {
             #[cfg(x86_v3)]
             Isa::Avx512 => avx512::scores(s),
@@ -353,8 +357,9 @@ fn attend_in(pool: &KvPool, qs: &[Query<'_>], out: &mut [f32], s: &mut Scratch) 
         let lanes = &mut s.hi[r * per_kv..][..per_kv];
         lanes.fill(i32::try_from(q.n_keys).expect("key position fits i32"));
     }
-    let max_lo = s.lo[..n_lanes].iter().copied().max().unwrap_or(0) as usize;
-    let min_hi = s.hi[..n_lanes].iter().copied().min().unwrap_or(0) as usize;
+    // The keys every query sees, from the last first key to the first query's own position.
+    let max_lo = qs.iter().map(|q| q.first_key).max().unwrap_or(0);
+    let min_hi = qs.iter().map(|q| q.n_keys).min().unwrap_or(0);
 
     for (g, head) in g0.kv_heads.clone().enumerate() {
         let kv = Blocks::new(pool, qs, head);
