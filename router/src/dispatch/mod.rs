@@ -20,6 +20,7 @@ pub mod order;
 pub mod prepare;
 pub mod progress;
 pub mod queue;
+pub mod remote;
 pub mod retry;
 pub mod run;
 

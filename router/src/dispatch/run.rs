@@ -19,13 +19,16 @@ use tracing::Instrument;
 use tracing::field::Empty;
 
 use crate::cluster::policy::Choice;
-use crate::cluster::replica::{InflightGuard, Replica};
+use crate::cluster::replica::Replica;
 use crate::cluster::sessions::Turn;
 use crate::dispatch::admit::Admission;
 use crate::dispatch::dispatcher::{Dispatcher, Outcome};
 use crate::dispatch::log::LogWriter;
 use crate::dispatch::prepare::Prepared;
 use crate::dispatch::progress::{Arrival, Ending, Failure, Progress, deadline_error, ms};
+use crate::dispatch::remote::{
+    RemotePrefill, decode_failure, prefill_call, prefill_request, upstream_of,
+};
 use crate::error::{Error, Result};
 
 impl Dispatcher {
@@ -267,14 +270,15 @@ impl Dispatcher {
                 }
                 m = next => m,
             };
-            let msg = msg.map_err(|s| {
-                let mut f = on_decode(&s);
-                if waiting_for_push {
-                    // Before the KV arrived, the sender is as likely at fault.
-                    f.suspects.extend(p_addr.iter().cloned());
+            let msg = match msg {
+                Ok(msg) => msg,
+                Err(s) => {
+                    let pending = waiting_for_push.then_some(prefill_call.as_mut());
+                    let pipelined = !stages.is_empty();
+                    let sender = p_addr.as_deref();
+                    return Err(decode_failure(&s, &d_addr, sender, pipelined, pending).await);
                 }
-                f
-            })?;
+            };
             let Some(pb::DecodeResponse {
                 event: Some(pb::decode_response::Event::Tokens(t)),
             }) = msg
@@ -450,116 +454,4 @@ fn record_replicas(decode: &str, prefill: Option<&str>) {
     let span = tracing::Span::current();
     span.record("decode", decode);
     span.record("prefill", prefill.unwrap_or("local"));
-}
-
-/// A remote prefill: the claim on its node, the claims on a pipeline's earlier stages (held
-/// for the call), and its request.
-struct RemotePrefill {
-    guard: InflightGuard,
-    _stages: Vec<(InflightGuard, usize)>,
-    request: pb::PrefillRequest,
-}
-
-impl RemotePrefill {
-    /// `request` on the node of `guard`, after the pipeline's earlier `stages`, if any.
-    fn new(
-        guard: InflightGuard,
-        stages: Vec<(InflightGuard, usize)>,
-        request: pb::PrefillRequest,
-    ) -> Self {
-        let request = pb::PrefillRequest {
-            upstream: upstream_of(&stages),
-            ..request
-        };
-        Self {
-            guard,
-            _stages: stages,
-            request,
-        }
-    }
-}
-
-/// A pipeline's earlier stages as the wire names them: each one's address and the end of its
-/// part.
-fn upstream_of(stages: &[(InflightGuard, usize)]) -> Vec<pb::PipelineStage> {
-    (stages.iter())
-        .map(|(g, end)| pb::PipelineStage {
-            addr: g.replica().addr.clone(),
-            end: *end as u32,
-        })
-        .collect()
-}
-
-/// The prefill call of an attempt, where it has one (`None`: the decode node prefills
-/// locally, and this answers `None` at once). The claim on the prefill node ends with the call:
-/// what decodes afterwards is no longer in its queue.
-///
-/// A pipelined prefill's earlier stages are claimed for the call too; when one of them failed,
-/// the node called names it (`tandem-failed-stage`), and that stage is the suspect.
-async fn prefill_call(
-    request_id: &str,
-    prefill: Option<RemotePrefill>,
-    deadline: TokioInstant,
-) -> Result<Option<pb::PrefillResponse>, Failure> {
-    let Some(RemotePrefill { guard, request, .. }) = prefill else {
-        return Ok(None);
-    };
-    let addr = guard.replica().addr.as_str();
-    let stages: Vec<&str> = (request.upstream.iter()).map(|s| s.addr.as_str()).collect();
-    let stages = stages.join(",");
-    prefill_on(guard.replica(), request, deadline)
-        .instrument(tracing::info_span!("prefill", request_id = %request_id, replica = addr, upstream = stages))
-        .await
-        .map(Some)
-        .map_err(|s| {
-            let failed = (s.metadata().get(tandem_proto::FAILED_STAGE_METADATA))
-                .and_then(|v| v.to_str().ok())
-                .filter(|a| stages.split(',').any(|stage| stage == *a));
-            Failure {
-                error: Error::downstream("prefill", &s),
-                suspects: vec![failed.unwrap_or(addr).to_string()],
-                handoff: None,
-            }
-        })
-}
-
-/// Asks `replica` to prefill `request` and push its KV, within `deadline`.
-async fn prefill_on(
-    replica: &Replica,
-    request: pb::PrefillRequest,
-    deadline: TokioInstant,
-) -> Result<pb::PrefillResponse, Status> {
-    let mut client = tandem_proto::limits!(pb::prefill_client::PrefillClient::new(
-        replica.channel.clone()
-    ));
-    Ok(client
-        .prefill(super::call(request, deadline))
-        .await?
-        .into_inner())
-}
-
-/// The prefill call of an attempt: the prompt `tokens` past what the decode node holds
-/// (`decode_cached`), pushed to `decode_addr` under `transfer_id`.
-fn prefill_request(
-    p: &Prepared,
-    progress: &Progress,
-    tokens: &[u32],
-    transfer_id: String,
-    decode_cached: u32,
-    decode_addr: &str,
-) -> pb::PrefillRequest {
-    pb::PrefillRequest {
-        request_id: p.request_id.clone(),
-        transfer_id,
-        token_ids: tokens.to_vec(),
-        cached_tokens: decode_cached,
-        decode_addr: decode_addr.to_string(),
-        sampling: Some(p.sampling_of(progress.choice, progress.max_tokens)),
-        resumed_tokens: progress.generated.len() as u32,
-        cache_salt: p.cache_salt.clone(),
-        priority: p.class.to_pb() as i32,
-        tenant: p.tenant.to_string(),
-        weight: p.weight,
-        upstream: Vec::new(),
-    }
 }
