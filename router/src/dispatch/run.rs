@@ -274,8 +274,7 @@ impl Dispatcher {
                 Ok(msg) => msg,
                 Err(s) => {
                     let pending = waiting_for_push.then_some(prefill_call.as_mut());
-                    let pipelined = !stages.is_empty();
-                    let sender = p_addr.as_deref();
+                    let (sender, pipelined) = (p_addr.as_deref(), !stages.is_empty());
                     return Err(decode_failure(&s, &d_addr, sender, pipelined, pending).await);
                 }
             };
