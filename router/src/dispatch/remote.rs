@@ -92,14 +92,15 @@ const STAGE_WORD: Duration = Duration::from_secs(1);
 
 /// The failure of an attempt whose decode stream at `decode` ended with `status`. Before the KV
 /// arrived (`prefill`: the call, still pending) the sender at `sender` is as likely at fault.
-/// In a pipeline, a stage that failed ends the push too, so the decode stream can end before
-/// the called node names that stage: its word, if it comes within [`STAGE_WORD`], decides, and
-/// neither the decode node nor the node called is suspected for what a stage did.
+/// In a pipeline (earlier `stages`), a stage that failed ends the push too, so the decode
+/// stream can end before the called node names that stage: its word, if it comes within
+/// [`STAGE_WORD`], decides, and neither the decode node nor the node called is suspected for
+/// what a stage did.
 pub(crate) async fn decode_failure<F>(
     status: &Status,
     decode: &str,
     sender: Option<&str>,
-    pipelined: bool,
+    stages: &[pb::PipelineStage],
     prefill: Option<Pin<&mut F>>,
 ) -> Failure
 where
@@ -109,9 +110,9 @@ where
     let Some(prefill) = prefill else {
         return failure;
     };
-    if pipelined
+    if !stages.is_empty()
         && let Ok(Err(named)) = tokio::time::timeout(STAGE_WORD, prefill).await
-        && named.suspects.iter().any(|s| Some(s.as_str()) != sender)
+        && (named.suspects.iter()).any(|s| stages.iter().any(|stage| stage.addr == *s))
     {
         return named;
     }
@@ -175,10 +176,20 @@ mod tests {
         })
     }
 
-    /// Whom a decode stream's end implicates while the call to `p2:1` is pending: the call
-    /// then answers `call`, or never (`None`).
+    /// The earlier stages: `p1:1` when `pipelined`, else none.
+    fn stages(pipelined: bool) -> Vec<pb::PipelineStage> {
+        let stage = pb::PipelineStage {
+            addr: "p1:1".into(),
+            end: 100,
+        };
+        if pipelined { vec![stage] } else { Vec::new() }
+    }
+
+    /// Whom a decode stream's end implicates while the call to `p2:1` is pending, after the
+    /// stage `p1:1` when `pipelined`: the call then answers `call`, or never (`None`).
     async fn suspects(pipelined: bool, call: Option<Call>) -> Vec<String> {
         let status = Status::unavailable("the KV push ended");
+        let stages = stages(pipelined);
         let call = async move {
             match call {
                 Some(answer) => answer,
@@ -187,7 +198,7 @@ mod tests {
         };
         tokio::pin!(call);
         let pending = Some(call.as_mut());
-        (decode_failure(&status, "d:1", Some("p2:1"), pipelined, pending).await).suspects
+        (decode_failure(&status, "d:1", Some("p2:1"), &stages, pending).await).suspects
     }
 
     #[tokio::test]
@@ -213,7 +224,7 @@ mod tests {
     async fn after_the_kv_arrived_only_the_decode_node_is() {
         let status = Status::unavailable("decode node gone");
         let none: Option<Pin<&mut std::future::Pending<Call>>> = None;
-        let failure = decode_failure(&status, "d:1", Some("p2:1"), true, none).await;
+        let failure = decode_failure(&status, "d:1", Some("p2:1"), &stages(true), none).await;
         assert_eq!(failure.suspects, ["d:1"]);
     }
 }

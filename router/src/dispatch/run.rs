@@ -274,8 +274,8 @@ impl Dispatcher {
                 Ok(msg) => msg,
                 Err(s) => {
                     let pending = waiting_for_push.then_some(prefill_call.as_mut());
-                    let (sender, pipelined) = (p_addr.as_deref(), !stages.is_empty());
-                    return Err(decode_failure(&s, &d_addr, sender, pipelined, pending).await);
+                    let sender = p_addr.as_deref();
+                    return Err(decode_failure(&s, &d_addr, sender, &stages, pending).await);
                 }
             };
             let Some(pb::DecodeResponse {
