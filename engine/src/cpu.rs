@@ -1,6 +1,8 @@
 //! The CPU's instruction sets beyond what the build targets, detected once: every kernel that
 //! picks a path at run time asks here. The build's own level is the `x86_v3` cfg (AVX2, FMA and
 //! F16C, see `build.rs`); without it no wider path is compiled, and every answer is `false`.
+//! `TANDEM_MAX_CPU_ISA=avx2` caps the answers at the build's level, so an AVX-512 machine runs
+//! (and measures) the paths of an AVX2-only one.
 //! And the compute threads' share of the CPU beside other processes ([`lower_thread_priority`]).
 
 use std::sync::OnceLock;
@@ -16,7 +18,20 @@ struct Features {
 
 fn features() -> Features {
     static FEATURES: OnceLock<Features> = OnceLock::new();
-    *FEATURES.get_or_init(detect)
+    *FEATURES.get_or_init(|| {
+        let cap = std::env::var("TANDEM_MAX_CPU_ISA");
+        match cap.as_deref() {
+            Ok("avx2") => Features::default(),
+            Ok("avx512") | Err(std::env::VarError::NotPresent) => detect(),
+            _ => {
+                tracing::warn!(
+                    value = ?cap,
+                    "TANDEM_MAX_CPU_ISA is `avx2` or `avx512`; using what the CPU has"
+                );
+                detect()
+            }
+        }
+    })
 }
 
 #[cfg(x86_v3)]

@@ -130,26 +130,100 @@ pub(super) unsafe fn tile_q8_0<const T: usize>(
     }
 }
 
+/// A `Q5_0` block's quants as bytes, the fifth bits or-ed in: per 8-row half and chunk `j`,
+/// the low nibbles' 32 bytes at `8·half + 2j` and the high nibbles' after them, as
+/// [`tile_q5_0`] multiplies them. Decoding them once per row group lets every pass of a
+/// prefill over that group skip the bit spreading, a third of the kernel's instructions.
+pub(super) type Q5_0Bytes = [__m256i; 16];
+
+/// Chunk `j` of half `half` of `blk`: its low and its high nibbles with their fifth bits.
+///
+/// # Safety
+///
+/// The CPU must have AVX2 (the x86-64-v3 build guarantees it).
+#[inline(always)]
+unsafe fn q5_0_chunk(blk: &BlockQ5_0x16, half: usize, j: usize) -> (__m256i, __m256i) {
+    // SAFETY: the cfg guarantees AVX2; the load reads 32 of the block's 256 quant bytes, at a
+    // multiple of 32 from the block's start (its alignment).
+    unsafe {
+        let mask = _mm256_set1_epi8(0x0F);
+        let at = CHUNK * j + 4 * HALF * half;
+        let raw = _mm256_load_si256(blk.qs.as_ptr().add(at).cast());
+        let bits = |m: u64| fifth_bits((m >> (32 * half)) as u32);
+        let lo = _mm256_or_si256(_mm256_and_si256(raw, mask), bits(blk.qh[2 * j]));
+        let hi = _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask),
+            bits(blk.qh[2 * j + 1]),
+        );
+        (lo, hi)
+    }
+}
+
+/// Decodes the `Q5_0` blocks `w` into `bytes` (one [`Q5_0Bytes`] each).
+///
+/// # Safety
+///
+/// The CPU must have AVX2 (the x86-64-v3 build guarantees it).
+pub(super) unsafe fn decode_q5_0(w: &[BlockQ5_0x16], bytes: &mut [Q5_0Bytes]) {
+    for (blk, out) in w.iter().zip(bytes) {
+        for half in 0..2 {
+            for j in 0..4 {
+                // SAFETY: as this function's.
+                let (lo, hi) = unsafe { q5_0_chunk(blk, half, j) };
+                out[8 * half + 2 * j] = lo;
+                out[8 * half + 2 * j + 1] = hi;
+            }
+        }
+    }
+}
+
 /// One 16-row `Q5_0` group against `T` activation rows, in AVX2 halves as in `tile_q4_1`,
-/// with each quant's fifth bit or-ed in from the chunk's mask. The kernel sums `q · a` for the
-/// unsigned `q` (≤ 4 · 2 · 31 · 127 = 31496 per i16 lane for one nibble's four chunks), and
-/// takes the offset 16 back off in integers with the activation block's sum, so each block
-/// is scaled once: `d·d_a·(Σ q·a − 16·Σa)`.
+/// with each quant's fifth bit or-ed in from the chunk's mask, or read already decoded from
+/// `bytes` (the group's blocks by [`decode_q5_0`]). The kernel sums `q · a` for the unsigned
+/// `q` (≤ 4 · 2 · 31 · 127 = 31496 per i16 lane for one nibble's four chunks), and takes the
+/// offset 16 back off in integers with the activation block's sum, so each block is scaled
+/// once: `d·d_a·(Σ q·a − 16·Σa)`.
 ///
 /// # Safety
 ///
 /// The CPU must have AVX2, FMA and F16C (the x86-64-v3 build guarantees them). `acts` holds
 /// `T` activation rows of one block per weight block of `w` (per sub-block, for the K-quants)
-/// back to back, and `out` at least `T` rows.
+/// back to back, `out` at least `T` rows, and `bytes`, if given, one entry per block of `w`.
 pub(super) unsafe fn tile_q5_0<const T: usize>(
+    w: &[BlockQ5_0x16],
+    bytes: Option<&[Q5_0Bytes]>,
+    acts: &[BlockQ8_1],
+    out: &mut TileOut,
+) {
+    // SAFETY: as this function's; a decoded block is read at the indices `decode_q5_0` wrote.
+    unsafe {
+        match bytes {
+            Some(bytes) => tile_q5_0_with::<T>(w, acts, out, |b, half, j| {
+                let q = &bytes[b];
+                (q[8 * half + 2 * j], q[8 * half + 2 * j + 1])
+            }),
+            None => tile_q5_0_with::<T>(w, acts, out, |b, half, j| {
+                q5_0_chunk(&w[b], half, j)
+            }),
+        }
+    }
+}
+
+/// [`tile_q5_0`]'s body, taking block `b`'s chunk `j` of half `half` from `chunk`.
+///
+/// # Safety
+///
+/// As [`tile_q5_0`]'s.
+#[inline(always)]
+unsafe fn tile_q5_0_with<const T: usize>(
     w: &[BlockQ5_0x16],
     acts: &[BlockQ8_1],
     out: &mut TileOut,
+    chunk: impl Fn(usize, usize, usize) -> (__m256i, __m256i),
 ) {
     let nb = w.len();
     // SAFETY (whole body): as in `tile_q4_1`.
     unsafe {
-        let mask = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
         for half in 0..2 {
             let mut acc = [_mm256_setzero_ps(); T];
@@ -160,14 +234,7 @@ pub(super) unsafe fn tile_q5_0<const T: usize>(
                 let mut isum_lo = [_mm256_setzero_si256(); T];
                 let mut isum_hi = [_mm256_setzero_si256(); T];
                 for j in 0..4 {
-                    let at = CHUNK * j + 4 * HALF * half;
-                    let raw = _mm256_load_si256(blk.qs.as_ptr().add(at).cast());
-                    let bits = |m: u64| fifth_bits((m >> (32 * half)) as u32);
-                    let lo = _mm256_or_si256(_mm256_and_si256(raw, mask), bits(blk.qh[2 * j]));
-                    let hi = _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask),
-                        bits(blk.qh[2 * j + 1]),
-                    );
+                    let (lo, hi) = chunk(b, half, j);
                     for k in 0..T {
                         let a = &acts[k * nb + b];
                         let (al, ah) = (quad(a, 4 * j), quad(a, 16 + 4 * j));

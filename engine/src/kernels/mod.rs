@@ -243,17 +243,21 @@ impl QMatrix {
         let chunk = units.len().div_ceil(threads * 4).max(2);
         let out_ptr = SendPtr(out.as_mut_ptr());
         let rows = self.rows;
-        units.par_chunks(chunk).for_each(|units| {
+        units.par_chunks(chunk).for_each_init(Q5_0Scratch::default, |q5, units| {
             for &(part, g) in units {
+                let per_row = nb / part.data.span();
+                let group = g * per_row..(g + 1) * per_row;
+                if let Packed::Q5_0(w) = &part.data {
+                    q5.prepare(&w[group.clone()], n);
+                }
                 for j0 in (0..n).step_by(TILE) {
                     let t = (n - j0).min(TILE);
                     let a = &acts[j0 * nb..(j0 + t) * nb];
                     let mut res = [[0f32; GROUP]; TILE];
-                    let per_row = nb / part.data.span();
-                    let blocks = g * per_row..(g + 1) * per_row;
+                    let blocks = group.clone();
                     match &part.data {
                         Packed::Q4_1(w) => tile_q4_1(&w[blocks], a, t, &mut res),
-                        Packed::Q5_0(w) => tile_q5_0(&w[blocks], a, t, &mut res),
+                        Packed::Q5_0(w) => tile_q5_0(&w[blocks], q5, a, t, &mut res),
                         Packed::Q8_0(w) => tile_q8_0(&w[blocks], a, t, &mut res),
                         Packed::Q4K(w) => tile_q4_k(&w[blocks], a, t, &mut res),
                         Packed::Q5K(w) => tile_q4_k(&w[blocks], a, t, &mut res),
@@ -319,12 +323,18 @@ mod x86;
 /// Each weight type's tile, run in the VNNI or the AVX2 instruction set for a runtime tile size.
 #[cfg(x86_v3)]
 mod dispatch {
+    use std::arch::x86_64::_mm256_setzero_si256;
+
     use super::{AVX2_TILE, TILE, TileOut, avx2, avx512};
     use crate::packed::{BlockQ4_1x16, BlockQ5_0x16, BlockQ6Kx16, BlockQ8_0x16, NibblesK};
     use crate::quant::BlockQ8_1;
 
     macro_rules! dispatch_tile {
         ($avx2:ident, $vnni:ident, $w:expr, $acts:expr, $t:expr, $out:expr) => {
+            dispatch_tile!($avx2, $vnni, $w, [], $acts, $t, $out)
+        };
+        // `$extra` are the AVX2 kernel's arguments after the weights.
+        ($avx2:ident, $vnni:ident, $w:expr, [$($extra:expr),*], $acts:expr, $t:expr, $out:expr) => {
             // SAFETY: the cfg guarantees AVX2, FMA and F16C; AVX-512 VNNI is checked at run
             // time; the slices are sized by `QMatrix::matmul`.
             unsafe {
@@ -346,10 +356,10 @@ mod dispatch {
                     for (i, out) in out[..t].chunks_mut(AVX2_TILE).enumerate() {
                         let acts = &acts[i * AVX2_TILE * nb..];
                         match out.len() {
-                            1 => avx2::$avx2::<1>(w, acts, out),
-                            2 => avx2::$avx2::<2>(w, acts, out),
-                            3 => avx2::$avx2::<3>(w, acts, out),
-                            _ => avx2::$avx2::<AVX2_TILE>(w, acts, out),
+                            1 => avx2::$avx2::<1>(w, $($extra,)* acts, out),
+                            2 => avx2::$avx2::<2>(w, $($extra,)* acts, out),
+                            3 => avx2::$avx2::<3>(w, $($extra,)* acts, out),
+                            _ => avx2::$avx2::<AVX2_TILE>(w, $($extra,)* acts, out),
                         }
                     }
                 }
@@ -365,8 +375,37 @@ mod dispatch {
         dispatch_tile!(tile_q8_0, tile_q8_0_vnni, w, acts, t, out)
     }
 
-    pub(super) fn tile_q5_0(w: &[BlockQ5_0x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
-        dispatch_tile!(tile_q5_0, tile_q5_0_vnni, w, acts, t, out)
+    /// A row group's `Q5_0` quants decoded once for the AVX2 kernel's passes over it.
+    #[derive(Default)]
+    pub(super) struct Q5_0Scratch {
+        bytes: Vec<avx2::Q5_0Bytes>,
+        ready: bool,
+    }
+
+    impl Q5_0Scratch {
+        /// Decodes the group `w` if the AVX2 kernel is to pass over it more than once for `n`
+        /// activation rows (the VNNI kernel spreads the fifth bits with masks, at no cost).
+        pub(super) fn prepare(&mut self, w: &[BlockQ5_0x16], n: usize) {
+            self.ready = n > AVX2_TILE && !crate::cpu::has_avx512_vnni();
+            if self.ready {
+                // SAFETY: the cfg guarantees AVX2.
+                unsafe {
+                    self.bytes.resize(w.len(), [_mm256_setzero_si256(); 16]);
+                    avx2::decode_q5_0(w, &mut self.bytes);
+                }
+            }
+        }
+    }
+
+    pub(super) fn tile_q5_0(
+        w: &[BlockQ5_0x16],
+        q5: &Q5_0Scratch,
+        acts: &[BlockQ8_1],
+        t: usize,
+        out: &mut TileOut,
+    ) {
+        let bytes = q5.ready.then(|| &q5.bytes[..w.len()]);
+        dispatch_tile!(tile_q5_0, tile_q5_0_vnni, w, [bytes], acts, t, out)
     }
 
     pub(super) fn tile_q4_k(w: &[impl NibblesK], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
@@ -379,10 +418,10 @@ mod dispatch {
 }
 
 #[cfg(x86_v3)]
-use dispatch::{tile_q4_1, tile_q4_k, tile_q5_0, tile_q6_k, tile_q8_0};
+use dispatch::{Q5_0Scratch, tile_q4_1, tile_q4_k, tile_q5_0, tile_q6_k, tile_q8_0};
 
 #[cfg(not(x86_v3))]
-use scalar::{tile_q4_1, tile_q4_k, tile_q5_0, tile_q6_k, tile_q8_0};
+use scalar::{Q5_0Scratch, tile_q4_1, tile_q4_k, tile_q5_0, tile_q6_k, tile_q8_0};
 
 #[cfg(test)]
 mod tests;

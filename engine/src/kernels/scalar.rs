@@ -56,7 +56,22 @@ pub(super) fn tile_q4_1(w: &[BlockQ4_1x16], acts: &[BlockQ8_1], t: usize, out: &
     });
 }
 
-pub(super) fn tile_q5_0(w: &[BlockQ5_0x16], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {
+/// Nothing: the portable `Q5_0` tile reads its quants from the blocks (the x86 kernels'
+/// scratch keeps a group's decoded quants).
+#[derive(Default)]
+pub(super) struct Q5_0Scratch;
+
+impl Q5_0Scratch {
+    pub(super) fn prepare(&mut self, _: &[BlockQ5_0x16], _: usize) {}
+}
+
+pub(super) fn tile_q5_0(
+    w: &[BlockQ5_0x16],
+    _: &Q5_0Scratch,
+    acts: &[BlockQ8_1],
+    t: usize,
+    out: &mut TileOut,
+) {
     scalar_tile(w, acts, t, out, |blk, ri, a| {
         let isum = int_dot(crate::packed::q5_0_quants(blk, ri).map(i32::from), a);
         let isum = isum - 16 * a.sum();

@@ -304,8 +304,15 @@ fn avx2_and_vnni_kernels_are_bit_identical() {
     }
     assert_eq!(a, b);
     unsafe {
-        avx2::tile_q5_0::<TILE>(&p5, &acts, &mut a);
+        avx2::tile_q5_0::<TILE>(&p5, None, &acts, &mut a);
         avx512::tile_q5_0_vnni::<TILE>(&p5, &acts, &mut b);
+    }
+    assert_eq!(a, b);
+    // The same blocks decoded once to bytes, as a prefill's passes over a group read them.
+    let mut bytes = vec![[unsafe { std::arch::x86_64::_mm256_setzero_si256() }; 16]; p5.len()];
+    unsafe {
+        avx2::decode_q5_0(&p5, &mut bytes);
+        avx2::tile_q5_0::<TILE>(&p5, Some(&bytes), &acts, &mut a);
     }
     assert_eq!(a, b);
     let RawWeights::Q4K(k4) = k_quant(GROUP, cols, KType::Q4K, 5).data else {
