@@ -16,6 +16,8 @@
 #   build it from github.com/ikawrakow/ik_llama.cpp with `cmake -B build -DGGML_NATIVE=ON
 #   -DLLAMA_CURL=OFF && cmake --build build --target llama-bench`: its build with AVX-512 chosen
 #   flag by flag, as build-llamacpp.sh does for llama.cpp, does not compile as of 8337e4c).
+#   TANDEM_MAX_CPU_ISA=avx2 runs Tandem's AVX2 paths on an AVX-512 machine (docs/operations.md);
+#   measure them against peers built for AVX2 alone (-DGGML_NATIVE=OFF -DGGML_AVX2=ON ...).
 # Results: target/bench-long-context/<N>.<system>.<round>.json and a table of medians on stdout.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -202,9 +202,7 @@ pub(super) unsafe fn tile_q5_0<const T: usize>(
                 let q = &bytes[b];
                 (q[8 * half + 2 * j], q[8 * half + 2 * j + 1])
             }),
-            None => tile_q5_0_with::<T>(w, acts, out, |b, half, j| {
-                q5_0_chunk(&w[b], half, j)
-            }),
+            None => tile_q5_0_with::<T>(w, acts, out, |b, half, j| q5_0_chunk(&w[b], half, j)),
         }
     }
 }
