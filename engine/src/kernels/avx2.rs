@@ -130,11 +130,11 @@ pub(super) unsafe fn tile_q8_0<const T: usize>(
     }
 }
 
-/// A `Q5_0` block's quants as bytes, the fifth bits or-ed in: per 8-row half and chunk `j`,
-/// the low nibbles' 32 bytes at `8·half + 2j` and the high nibbles' after them, as
-/// [`tile_q5_0`] multiplies them. Decoding them once per row group lets every pass of a
-/// prefill over that group skip the bit spreading, a third of the kernel's instructions.
-pub(super) type Q5_0Bytes = [__m256i; 16];
+/// A `Q5_0` block's quants as bytes, the fifth bits or-ed in: `[half][j]` holds chunk `j` of
+/// the 8-row half `half`, its low nibbles' 32 bytes then its high nibbles', as [`tile_q5_0`]
+/// multiplies them. Decoding them once per row group lets every pass of a prefill over that
+/// group skip the bit spreading, a third of the kernel's instructions.
+pub(super) type Q5_0Bytes = [[[__m256i; 2]; 4]; 2];
 
 /// Chunk `j` of half `half` of `blk`: its low and its high nibbles with their fifth bits.
 ///
@@ -166,12 +166,11 @@ unsafe fn q5_0_chunk(blk: &BlockQ5_0x16, half: usize, j: usize) -> (__m256i, __m
 /// The CPU must have AVX2 (the x86-64-v3 build guarantees it).
 pub(super) unsafe fn decode_q5_0(w: &[BlockQ5_0x16], bytes: &mut [Q5_0Bytes]) {
     for (blk, out) in w.iter().zip(bytes) {
-        for half in 0..2 {
-            for j in 0..4 {
+        for (half, out) in out.iter_mut().enumerate() {
+            for (j, out) in out.iter_mut().enumerate() {
                 // SAFETY: as this function's.
                 let (lo, hi) = unsafe { q5_0_chunk(blk, half, j) };
-                out[8 * half + 2 * j] = lo;
-                out[8 * half + 2 * j + 1] = hi;
+                *out = [lo, hi];
             }
         }
     }
@@ -195,12 +194,12 @@ pub(super) unsafe fn tile_q5_0<const T: usize>(
     acts: &[BlockQ8_1],
     out: &mut TileOut,
 ) {
-    // SAFETY: as this function's; a decoded block is read at the indices `decode_q5_0` wrote.
+    // SAFETY: as this function's.
     unsafe {
         match bytes {
             Some(bytes) => tile_q5_0_with::<T>(w, acts, out, |b, half, j| {
-                let q = &bytes[b];
-                (q[8 * half + 2 * j], q[8 * half + 2 * j + 1])
+                let [lo, hi] = bytes[b][half][j];
+                (lo, hi)
             }),
             None => tile_q5_0_with::<T>(w, acts, out, |b, half, j| q5_0_chunk(&w[b], half, j)),
         }

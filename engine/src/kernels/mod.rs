@@ -243,47 +243,48 @@ impl QMatrix {
         let chunk = units.len().div_ceil(threads * 4).max(2);
         let out_ptr = SendPtr(out.as_mut_ptr());
         let rows = self.rows;
-        units
-            .par_chunks(chunk)
-            .for_each_init(Q5_0Scratch::default, |q5, units| {
-                for &(part, g) in units {
-                    let per_row = nb / part.data.span();
-                    let group = g * per_row..(g + 1) * per_row;
-                    if let Packed::Q5_0(w) = &part.data {
-                        q5.prepare(&w[group.clone()], n);
+        let task = |q5: &mut Q5_0Scratch, units: &[(&Part, usize)]| {
+            for &(part, g) in units {
+                let per_row = nb / part.data.span();
+                let group = g * per_row..(g + 1) * per_row;
+                let decoded = match &part.data {
+                    Packed::Q5_0(w) => q5.decode(&w[group.clone()], n),
+                    _ => None,
+                };
+                for j0 in (0..n).step_by(TILE) {
+                    let t = (n - j0).min(TILE);
+                    let a = &acts[j0 * nb..(j0 + t) * nb];
+                    let mut res = [[0f32; GROUP]; TILE];
+                    let blocks = group.clone();
+                    match &part.data {
+                        Packed::Q4_1(w) => tile_q4_1(&w[blocks], a, t, &mut res),
+                        Packed::Q5_0(w) => tile_q5_0(&w[blocks], decoded, a, t, &mut res),
+                        Packed::Q8_0(w) => tile_q8_0(&w[blocks], a, t, &mut res),
+                        Packed::Q4K(w) => tile_q4_k(&w[blocks], a, t, &mut res),
+                        Packed::Q5K(w) => tile_q4_k(&w[blocks], a, t, &mut res),
+                        Packed::Q6K(w) => tile_q6_k(&w[blocks], a, t, &mut res),
                     }
-                    for j0 in (0..n).step_by(TILE) {
-                        let t = (n - j0).min(TILE);
-                        let a = &acts[j0 * nb..(j0 + t) * nb];
-                        let mut res = [[0f32; GROUP]; TILE];
-                        let blocks = group.clone();
-                        match &part.data {
-                            Packed::Q4_1(w) => tile_q4_1(&w[blocks], a, t, &mut res),
-                            Packed::Q5_0(w) => tile_q5_0(&w[blocks], q5, a, t, &mut res),
-                            Packed::Q8_0(w) => tile_q8_0(&w[blocks], a, t, &mut res),
-                            Packed::Q4K(w) => tile_q4_k(&w[blocks], a, t, &mut res),
-                            Packed::Q5K(w) => tile_q4_k(&w[blocks], a, t, &mut res),
-                            Packed::Q6K(w) => tile_q6_k(&w[blocks], a, t, &mut res),
-                        }
-                        let live = GROUP.min(part.rows - g * GROUP);
-                        for (k, r) in res[..t].iter().enumerate() {
-                            let at = (j0 + k) * rows + part.first + g * GROUP;
-                            // SAFETY: each (j, row) cell is written by exactly one task, since
-                            // tasks own disjoint groups of rows; `at + live <= out.len()`. A whole
-                            // group is copied at a constant size: a vector store, not a `memmove`
-                            // call.
-                            unsafe {
-                                let dst = out_ptr.get().add(at);
-                                if live == GROUP {
-                                    dst.cast::<[f32; GROUP]>().write_unaligned(*r);
-                                } else {
-                                    std::ptr::copy_nonoverlapping(r.as_ptr(), dst, live);
-                                }
+                    let live = GROUP.min(part.rows - g * GROUP);
+                    for (k, r) in res[..t].iter().enumerate() {
+                        let at = (j0 + k) * rows + part.first + g * GROUP;
+                        // SAFETY: each (j, row) cell is written by exactly one task, since tasks
+                        // own disjoint groups of rows; `at + live <= out.len()`. A whole group
+                        // is copied at a constant size: a vector store, not a `memmove` call.
+                        unsafe {
+                            let dst = out_ptr.get().add(at);
+                            if live == GROUP {
+                                dst.cast::<[f32; GROUP]>().write_unaligned(*r);
+                            } else {
+                                std::ptr::copy_nonoverlapping(r.as_ptr(), dst, live);
                             }
                         }
                     }
                 }
-            });
+            }
+        };
+        units
+            .par_chunks(chunk)
+            .for_each_init(Q5_0Scratch::default, task);
     }
 }
 
@@ -380,43 +381,38 @@ mod dispatch {
 
     /// A row group's `Q5_0` quants decoded once for the AVX2 kernel's passes over it.
     #[derive(Default)]
-    pub(super) struct Q5_0Scratch {
-        bytes: Vec<avx2::Q5_0Bytes>,
-        /// The address of the first block decoded into `bytes`; 0 when they hold none.
-        of: usize,
-    }
+    pub(super) struct Q5_0Scratch(Vec<avx2::Q5_0Bytes>);
 
     impl Q5_0Scratch {
-        /// Decodes the group `w` if the AVX2 kernel is to pass over it more than once for `n`
+        /// The group `w` decoded, if the AVX2 kernel is to pass over it more than once for `n`
         /// activation rows (the VNNI kernel spreads the fifth bits with a masked move each).
-        pub(super) fn prepare(&mut self, w: &[BlockQ5_0x16], n: usize) {
-            self.of = 0;
-            if n > AVX2_TILE && !crate::cpu::has_avx512_vnni() {
-                // SAFETY: the cfg guarantees AVX2.
-                unsafe {
-                    self.bytes.resize(w.len(), [_mm256_setzero_si256(); 16]);
-                    avx2::decode_q5_0(w, &mut self.bytes);
-                }
-                self.of = w.as_ptr() as usize;
+        pub(super) fn decode(
+            &mut self,
+            w: &[BlockQ5_0x16],
+            n: usize,
+        ) -> Option<&[avx2::Q5_0Bytes]> {
+            if n <= AVX2_TILE || crate::cpu::has_avx512_vnni() {
+                return None;
             }
-        }
-
-        /// The decoded quants of `w`, if it is the group last prepared.
-        fn of(&self, w: &[BlockQ5_0x16]) -> Option<&[avx2::Q5_0Bytes]> {
-            (self.of == w.as_ptr() as usize && self.bytes.len() >= w.len())
-                .then(|| &self.bytes[..w.len()])
+            // SAFETY: the cfg guarantees AVX2.
+            unsafe {
+                self.0
+                    .resize(w.len(), [[[_mm256_setzero_si256(); 2]; 4]; 2]);
+                avx2::decode_q5_0(w, &mut self.0);
+            }
+            Some(&self.0[..w.len()])
         }
     }
 
+    /// `decoded`, if given, is `w` by [`Q5_0Scratch::decode`].
     pub(super) fn tile_q5_0(
         w: &[BlockQ5_0x16],
-        q5: &Q5_0Scratch,
+        decoded: Option<&[avx2::Q5_0Bytes]>,
         acts: &[BlockQ8_1],
         t: usize,
         out: &mut TileOut,
     ) {
-        let bytes = q5.of(w);
-        dispatch_tile!(tile_q5_0, tile_q5_0_vnni, w, [bytes], acts, t, out)
+        dispatch_tile!(tile_q5_0, tile_q5_0_vnni, w, [decoded], acts, t, out)
     }
 
     pub(super) fn tile_q4_k(w: &[impl NibblesK], acts: &[BlockQ8_1], t: usize, out: &mut TileOut) {

@@ -62,12 +62,14 @@ pub(super) fn tile_q4_1(w: &[BlockQ4_1x16], acts: &[BlockQ8_1], t: usize, out: &
 pub(super) struct Q5_0Scratch;
 
 impl Q5_0Scratch {
-    pub(super) fn prepare(&mut self, _: &[BlockQ5_0x16], _: usize) {}
+    pub(super) fn decode(&mut self, _: &[BlockQ5_0x16], _: usize) -> Option<&[()]> {
+        None
+    }
 }
 
 pub(super) fn tile_q5_0(
     w: &[BlockQ5_0x16],
-    _: &Q5_0Scratch,
+    _: Option<&[()]>,
     acts: &[BlockQ8_1],
     t: usize,
     out: &mut TileOut,

@@ -309,7 +309,8 @@ fn avx2_and_vnni_kernels_are_bit_identical() {
     }
     assert_eq!(a, b);
     // The same blocks decoded once to bytes, as a prefill's passes over a group read them.
-    let mut bytes = vec![[unsafe { std::arch::x86_64::_mm256_setzero_si256() }; 16]; p5.len()];
+    let zero = unsafe { std::arch::x86_64::_mm256_setzero_si256() };
+    let mut bytes = vec![[[[zero; 2]; 4]; 2]; p5.len()];
     unsafe {
         avx2::decode_q5_0(&p5, &mut bytes);
         avx2::tile_q5_0::<TILE>(&p5, Some(&bytes), &acts, &mut a);
