@@ -199,22 +199,28 @@ pub struct BlockQ8_0 {
     pub qs: [i8; QK],
 }
 
-/// A quantized activation block: `x ≈ d * q`, `s = d * Σq`, and the integer sums of its first
-/// and last 16 quants: for weight types with a scale per 16 values (`Q6_K`), and for `Q8_0` and
-/// `Q5_0`, whose packed weights carry an offset that the block's whole sum takes back off.
+/// A quantized activation block: `x ≈ d * q` (|q| ≤ 127), `s = d * Σq`, and integer sums of its
+/// quants for the weight types whose packed quants carry an offset that the kernels take back
+/// off with them.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Pod, Zeroable)]
 pub struct BlockQ8_1 {
     pub d: f32,
     pub s: f32,
     pub qs: [i8; QK],
-    pub sums: [i32; 2],
+    /// The sums of the first and of the last 16 quants: per 16 values for `Q6_K`'s scales,
+    /// their total for `Q8_0` and `Q5_0`.
+    pub sums: [i16; 2],
+    /// `−16 ·` the sums of the quants at positions 0 and 1 (mod 4), and at 2 and 3: as one
+    /// 32-bit broadcast, the starting i16 lanes of the AVX2 `Q5_0` kernel, whose `maddubs` adds
+    /// each 4-quant chunk's products in those two pairs (each at most 16 · 16 · 127 = 32512).
+    pub q5_0_offsets: [i16; 2],
 }
 
 impl BlockQ8_1 {
     /// The integer sum of all 32 quants.
     pub fn sum(&self) -> i32 {
-        self.sums[0] + self.sums[1]
+        i32::from(self.sums[0]) + i32::from(self.sums[1])
     }
 }
 
@@ -227,7 +233,8 @@ pub fn quantize_row_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
         let amax = block_amax(chunk);
         let d = amax / 127.0;
         let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-        block.sums = quantize_block(chunk, id, &mut block.qs);
+        quantize_block(chunk, id, &mut block.qs);
+        (block.sums, block.q5_0_offsets) = block_sums(&block.qs);
         block.d = d;
         block.s = d * block.sum() as f32;
     }
@@ -255,10 +262,19 @@ fn block_amax(x: &[f32]) -> f32 {
     x.iter().fold(0f32, |m, v| m.max(v.abs()))
 }
 
-/// `q = round_half_away(x · id)` for one block (|x · id| ≤ 127), returning the sums of `q`'s
-/// two halves.
+/// [`BlockQ8_1::sums`] and [`BlockQ8_1::q5_0_offsets`] of the quants `q` (|q| ≤ 127).
+fn block_sums(q: &[i8; QK]) -> ([i16; 2], [i16; 2]) {
+    let (mut halves, mut pairs) = ([0i16; 2], [0i16; 2]);
+    for (i, &v) in q.iter().enumerate() {
+        halves[i / 16] += i16::from(v);
+        pairs[i % 4 / 2] += i16::from(v);
+    }
+    (halves, pairs.map(|p| -16 * p))
+}
+
+/// `q = round_half_away(x · id)` for one block (|x · id| ≤ 127).
 #[cfg(x86_v3)]
-fn quantize_block(x: &[f32], id: f32, q: &mut [i8; QK]) -> [i32; 2] {
+fn quantize_block(x: &[f32], id: f32, q: &mut [i8; QK]) {
     use std::arch::x86_64::*;
     // SAFETY: AVX2 is compiled in; `x` holds QK = 32 floats and `q` 32 bytes.
     unsafe {
@@ -272,15 +288,6 @@ fn quantize_block(x: &[f32], id: f32, q: &mut [i8; QK]) -> [i32; 2] {
             let mag = _mm256_floor_ps(_mm256_add_ps(_mm256_andnot_ps(sign, r), half));
             *v = _mm256_cvtps_epi32(_mm256_or_ps(mag, _mm256_and_ps(sign, r)));
         }
-        let mut halves = [[0i32; 8]; 2];
-        _mm256_storeu_si256(
-            halves[0].as_mut_ptr().cast(),
-            _mm256_add_epi32(ints[0], ints[1]),
-        );
-        _mm256_storeu_si256(
-            halves[1].as_mut_ptr().cast(),
-            _mm256_add_epi32(ints[2], ints[3]),
-        );
         // Pack 32 i32 → 32 i8 (saturating, values are within ±127), then undo the lane
         // interleaving of the 256-bit packs.
         let p16a = _mm256_packs_epi32(ints[0], ints[1]);
@@ -288,19 +295,14 @@ fn quantize_block(x: &[f32], id: f32, q: &mut [i8; QK]) -> [i32; 2] {
         let p8 = _mm256_packs_epi16(p16a, p16b);
         let fixed = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256(q.as_mut_ptr().cast(), fixed);
-        halves.map(|h| h.iter().sum())
     }
 }
 
 #[cfg(not(x86_v3))]
-fn quantize_block(x: &[f32], id: f32, q: &mut [i8; QK]) -> [i32; 2] {
-    let mut sums = [0; 2];
-    for (i, (q, v)) in q.iter_mut().zip(x).enumerate() {
-        let r = (v * id).round() as i32;
-        *q = r as i8;
-        sums[i / 16] += r;
+fn quantize_block(x: &[f32], id: f32, q: &mut [i8; QK]) {
+    for (q, v) in q.iter_mut().zip(x) {
+        *q = (v * id).round() as i8;
     }
-    sums
 }
 
 /// Quantizes one row into GGML `Q8_0` blocks (used to bring other weight types to a format

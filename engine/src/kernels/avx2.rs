@@ -178,10 +178,12 @@ pub(super) unsafe fn decode_q5_0(w: &[BlockQ5_0x16], bytes: &mut [Q5_0Bytes]) {
 
 /// One 16-row `Q5_0` group against `T` activation rows, in AVX2 halves as in `tile_q4_1`,
 /// with each quant's fifth bit or-ed in from the chunk's mask, or read already decoded from
-/// `bytes` (the group's blocks by [`decode_q5_0`]). The kernel sums `q · a` for the unsigned
-/// `q` (≤ 4 · 2 · 31 · 127 = 31496 per i16 lane for one nibble's four chunks), and takes the
-/// offset 16 back off in integers with the activation block's sum, so each block is scaled
-/// once: `d·d_a·(Σ q·a − 16·Σa)`.
+/// `bytes` (the group's blocks by [`decode_q5_0`]). Each block's sums are `Σ (q − 16)·a`,
+/// exact in i16 lanes: a lane starts at `−16·Σa` over the 16 activations it meets
+/// ([`BlockQ8_1::q5_0_offsets`]) and adds their products `q·a` with the unsigned `q`, so every
+/// partial sum is `(q − 16)·a` summed over the products added and `−16·a` over the rest, at
+/// most 16 · 16 · 127 = 32512 in size. One widening a block, and each block is scaled once:
+/// `d·d_a·Σ (q − 16)·a`.
 ///
 /// # Safety
 ///
@@ -228,8 +230,9 @@ unsafe fn tile_q5_0_with<const T: usize>(
                 if half == 0 {
                     prefetch_ahead(blk);
                 }
-                let mut isum_lo = [_mm256_setzero_si256(); T];
-                let mut isum_hi = [_mm256_setzero_si256(); T];
+                let mut isum: [__m256i; T] = std::array::from_fn(|k| {
+                    _mm256_set1_epi32(bytemuck::cast(acts[k * nb + b].q5_0_offsets))
+                });
                 for j in 0..4 {
                     let (lo, hi) = chunk(b, half, j);
                     for k in 0..T {
@@ -237,20 +240,14 @@ unsafe fn tile_q5_0_with<const T: usize>(
                         let (al, ah) = (quad(a, 4 * j), quad(a, 16 + 4 * j));
                         let pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(al));
                         let ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(ah));
-                        isum_lo[k] = _mm256_add_epi16(isum_lo[k], pl);
-                        isum_hi[k] = _mm256_add_epi16(isum_hi[k], ph);
+                        isum[k] = _mm256_add_epi16(isum[k], _mm256_add_epi16(pl, ph));
                     }
                 }
                 let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().add(HALF * half).cast()));
                 for k in 0..T {
-                    let a = &acts[k * nb + b];
-                    let sum = _mm256_add_epi32(
-                        _mm256_madd_epi16(isum_lo[k], ones),
-                        _mm256_madd_epi16(isum_hi[k], ones),
-                    );
-                    let offset = _mm256_set1_epi32(-16 * a.sum());
-                    let f = _mm256_cvtepi32_ps(_mm256_add_epi32(sum, offset));
-                    acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d)), acc[k]);
+                    let f = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[k], ones));
+                    let ad = _mm256_set1_ps(acts[k * nb + b].d);
+                    acc[k] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, ad), acc[k]);
                 }
             }
             for k in 0..T {
@@ -401,10 +398,10 @@ pub(super) unsafe fn tile_q6_k<const T: usize>(
                         _mm256_load_si256(qh.add(CHUNK).cast()),
                     );
                     let mut isum_lo: [__m256i; T] = std::array::from_fn(|k| {
-                        _mm256_set1_epi32(-32 * acts[k * nb + b * SUBS + j].sums[0])
+                        _mm256_set1_epi32(-32 * i32::from(acts[k * nb + b * SUBS + j].sums[0]))
                     });
                     let mut isum_hi: [__m256i; T] = std::array::from_fn(|k| {
-                        _mm256_set1_epi32(-32 * acts[k * nb + b * SUBS + j].sums[1])
+                        _mm256_set1_epi32(-32 * i32::from(acts[k * nb + b * SUBS + j].sums[1]))
                     });
                     for c in 0..4 {
                         let raw = _mm256_load_si256(ql.add(CHUNK * c + 4 * row0).cast());

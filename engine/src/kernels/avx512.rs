@@ -195,10 +195,10 @@ pub(super) unsafe fn tile_q6_k_vnni<const T: usize>(
                     _mm512_loadu_si512(qh.add(CHUNK).cast()),
                 );
                 let mut isum_lo: [__m512i; T] = std::array::from_fn(|k| {
-                    _mm512_set1_epi32(-32 * acts[k * nb + b * SUBS + j].sums[0])
+                    _mm512_set1_epi32(-32 * i32::from(acts[k * nb + b * SUBS + j].sums[0]))
                 });
                 let mut isum_hi: [__m512i; T] = std::array::from_fn(|k| {
-                    _mm512_set1_epi32(-32 * acts[k * nb + b * SUBS + j].sums[1])
+                    _mm512_set1_epi32(-32 * i32::from(acts[k * nb + b * SUBS + j].sums[1]))
                 });
                 for c in 0..4 {
                     let raw = _mm512_loadu_si512(ql.add(CHUNK * c).cast());

@@ -352,6 +352,58 @@ fn avx2_and_vnni_kernels_are_bit_identical() {
     assert_eq!(a, b);
 }
 
+/// The AVX2 `Q5_0` kernel's i16 sums are exact at the extremes: quants 0 and 31 against
+/// activations ±127, in the patterns that drive a sum furthest from zero either way, read
+/// both from the packed block and decoded.
+#[cfg(x86_v3)]
+#[test]
+fn avx2_q5_0_sums_are_exact_at_the_extremes() {
+    let block = |q: [u8; QK]| {
+        let mut b = BlockQ5_0::zeroed();
+        b.d = half::f16::from_f32(0.5);
+        let mut qh = 0u32;
+        for j in 0..QK / 2 {
+            b.qs[j] = (q[j] & 0x0F) | ((q[j + 16] & 0x0F) << 4);
+            qh |= (u32::from(q[j] >> 4) << j) | (u32::from(q[j + 16] >> 4) << (j + 16));
+        }
+        b.qh = qh.to_le_bytes();
+        assert_eq!(b.quants(), q);
+        b
+    };
+    let signs: [fn(usize) -> f32; 3] = [|_| 1.0, |_| -1.0, |i| if i % 3 == 0 { 1.0 } else { -1.0 }];
+    for sign in signs {
+        let x: Vec<f32> = (0..QK).map(|i| sign(i) * 2.0).collect();
+        let mut acts = [BlockQ8_1::zeroed()];
+        quantize_row_q8_1(&x, &mut acts);
+        let a = acts[0];
+        assert!(a.qs.iter().all(|q| q.abs() == 127));
+        // Each row's quants: all 0, all 31, 31 where the activation is positive (else 0), or
+        // the reverse.
+        let quants = |r: usize| -> [u8; QK] {
+            std::array::from_fn(|i| match (r % 4, a.qs[i] > 0) {
+                (0, _) | (2, false) | (3, true) => 0,
+                _ => 31,
+            })
+        };
+        let w: Vec<BlockQ5_0> = (0..GROUP).map(|r| block(quants(r))).collect();
+        let packed = crate::packed::pack_all(GROUP, 1, &w, crate::packed::pack_q5_0);
+        let zero = unsafe { std::arch::x86_64::_mm256_setzero_si256() };
+        let mut bytes = vec![[[[zero; 2]; 4]; 2]; packed.len()];
+        // SAFETY: AVX2/FMA/F16C are compiled in; one activation row, one block, one group.
+        unsafe { avx2::decode_q5_0(&packed, &mut bytes) };
+        for decoded in [None, Some(&bytes[..])] {
+            let mut out = [[0f32; GROUP]];
+            unsafe { avx2::tile_q5_0::<1>(&packed, decoded, &acts, &mut out) };
+            for (r, &got) in out[0].iter().enumerate() {
+                let isum: i32 = (quants(r).iter().zip(a.qs))
+                    .map(|(&q, a)| (i32::from(q) - 16) * i32::from(a))
+                    .sum();
+                assert_eq!(got, w[r].d.to_f32() * a.d * isum as f32, "row {r}");
+            }
+        }
+    }
+}
+
 /// A matrix fed in chunks of rows (as the loader reads a file) equals the same matrix stacked
 /// whole, for every part type and a short last chunk.
 #[test]
