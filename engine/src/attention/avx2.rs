@@ -152,11 +152,11 @@ const PASS: usize = 2 * LANES;
 /// The output dimensions up to the last whole [`PASS`]; returns where the rest starts.
 pub(super) fn accumulate(a: &Accumulate<'_>, acc: &mut [f32]) -> usize {
     let n_lanes = acc.len() / a.hd;
-    for (first, count) in super::head_groups(n_lanes, HEADS) {
+    for first in (0..n_lanes).step_by(HEADS) {
         // SAFETY: AVX2 and FMA are compiled in; the caller checked the shapes, and `first +
         // count <= n_lanes`.
         unsafe {
-            match count {
+            match (n_lanes - first).min(HEADS) {
                 6 => heads::<6>(a, first, acc),
                 5 => heads::<5>(a, first, acc),
                 4 => heads::<4>(a, first, acc),

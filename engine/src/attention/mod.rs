@@ -264,19 +264,6 @@ impl Accumulate<'_> {
     }
 }
 
-/// Lanes `0..n` in groups of at most `most` for the value kernels, `(first, count)`, as even as
-/// they go (seven heads: four and three, not six and one), so that a decode step's last group
-/// is not a lone head whose few chains of multiply-adds wait on each other.
-fn head_groups(n: usize, most: usize) -> impl Iterator<Item = (usize, usize)> {
-    let groups = n.div_ceil(most);
-    (0..groups).scan(0, move |first, g| {
-        let count = (n - *first).div_ceil(groups - g);
-        let group = (*first, count);
-        *first += count;
-        Some(group)
-    })
-}
-
 /// The blocks a call's queries see for one KV head, from the first block any of them sees
 /// (`lo`) to the one holding the last key, read in two passes: keys of every block, then values
 /// of every block. Each read is asked for [`PREFETCH_AHEAD`] reads early: the KV of a decode

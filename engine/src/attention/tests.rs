@@ -120,30 +120,6 @@ fn every_instruction_set_gives_the_portable_bits() {
     }
 }
 
-#[test]
-fn head_groups_are_even_and_cover_the_lanes() {
-    let groups = |n| head_groups(n, 6).collect::<Vec<_>>();
-    assert!(groups(0).is_empty());
-    assert_eq!(groups(6), [(0, 6)]);
-    assert_eq!(groups(7), [(0, 4), (4, 3)]);
-    assert_eq!(groups(13), [(0, 5), (5, 4), (9, 4)]);
-    for n in 1..200 {
-        let g = groups(n);
-        assert_eq!(g.len(), n.div_ceil(6), "{n}");
-        let mut next = 0;
-        for &(first, count) in &g {
-            assert!(first == next && (1..=6).contains(&count), "{n}: {g:?}");
-            next += count;
-        }
-        assert_eq!(next, n);
-        let sizes = g.iter().map(|&(_, c)| c);
-        assert!(
-            sizes.clone().max().unwrap() - sizes.min().unwrap() <= 1,
-            "{n}: {g:?}"
-        );
-    }
-}
-
 /// Two heads against one KV head, checked against a direct computation over the keys and
 /// values as the pool stores them (rounded to f16, or quantized to int8): head sizes with and
 /// without a rest past the vector passes (8, 12, 64, 72); key counts with and without a
