@@ -69,6 +69,21 @@ impl BlockQ5_0 {
         }
         q
     }
+
+    /// The block of scale `d` and unsigned quants `q` (each below 32): [`Self::quants`]'s
+    /// inverse.
+    #[cfg(test)]
+    pub fn from_quants(d: f16, q: &[u8; QK]) -> Self {
+        let mut block = Self::zeroed();
+        let mut qh = 0u32;
+        for j in 0..QK / 2 {
+            block.qs[j] = (q[j] & 0x0F) | ((q[j + 16] & 0x0F) << 4);
+            qh |= u32::from(q[j] >> 4) << j | u32::from(q[j + 16] >> 4) << (j + 16);
+        }
+        block.qh = qh.to_le_bytes();
+        block.d = d;
+        block
+    }
 }
 
 /// Values per K-quant super-block.
@@ -351,17 +366,8 @@ pub fn quantize_row_q5_0(x: &[f32], out: &mut [BlockQ5_0]) {
             .fold(0f32, |m, v| if v.abs() > m.abs() { v } else { m });
         let d = max / -16.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        let q: Vec<u8> = chunk
-            .iter()
-            .map(|v| ((v * id + 16.5) as i32).clamp(0, 31) as u8)
-            .collect();
-        let mut qh = 0u32;
-        for j in 0..QK / 2 {
-            block.qs[j] = (q[j] & 0x0F) | ((q[j + 16] & 0x0F) << 4);
-            qh |= u32::from(q[j] >> 4) << j | u32::from(q[j + 16] >> 4) << (j + 16);
-        }
-        block.qh = qh.to_le_bytes();
-        block.d = f16::from_f32(d);
+        let q = std::array::from_fn(|i| ((chunk[i] * id + 16.5) as i32).clamp(0, 31) as u8);
+        *block = BlockQ5_0::from_quants(f16::from_f32(d), &q);
     }
 }
 

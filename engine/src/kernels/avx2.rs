@@ -159,21 +159,23 @@ unsafe fn q5_0_chunk(blk: &BlockQ5_0x16, half: usize, j: usize) -> (__m256i, __m
     }
 }
 
-/// Decodes the `Q5_0` blocks `w` into `bytes` (one [`Q5_0Bytes`] each).
+/// Decodes the `Q5_0` blocks `w` into `bytes`, one [`Q5_0Bytes`] each (its allocation kept
+/// from call to call).
 ///
 /// # Safety
 ///
 /// The CPU must have AVX2 (the x86-64-v3 build guarantees it).
-pub(super) unsafe fn decode_q5_0(w: &[BlockQ5_0x16], bytes: &mut [Q5_0Bytes]) {
-    for (blk, out) in w.iter().zip(bytes) {
-        for (half, out) in out.iter_mut().enumerate() {
-            for (j, out) in out.iter_mut().enumerate() {
+pub(super) unsafe fn decode_q5_0(w: &[BlockQ5_0x16], bytes: &mut Vec<Q5_0Bytes>) {
+    bytes.clear();
+    bytes.extend(w.iter().map(|blk| {
+        std::array::from_fn(|half| {
+            std::array::from_fn(|j| {
                 // SAFETY: as this function's.
                 let (lo, hi) = unsafe { q5_0_chunk(blk, half, j) };
-                *out = [lo, hi];
-            }
-        }
-    }
+                [lo, hi]
+            })
+        })
+    }));
 }
 
 /// One 16-row `Q5_0` group against `T` activation rows, in AVX2 halves as in `tile_q4_1`,

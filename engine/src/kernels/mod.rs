@@ -327,8 +327,6 @@ mod x86;
 /// Each weight type's tile, run in the VNNI or the AVX2 instruction set for a runtime tile size.
 #[cfg(x86_v3)]
 mod dispatch {
-    use std::arch::x86_64::_mm256_setzero_si256;
-
     use super::{AVX2_TILE, TILE, TileOut, avx2, avx512};
     use crate::packed::{BlockQ4_1x16, BlockQ5_0x16, BlockQ6Kx16, BlockQ8_0x16, NibblesK};
     use crate::quant::BlockQ8_1;
@@ -395,12 +393,8 @@ mod dispatch {
                 return None;
             }
             // SAFETY: the cfg guarantees AVX2.
-            unsafe {
-                self.0
-                    .resize(w.len(), [[[_mm256_setzero_si256(); 2]; 4]; 2]);
-                avx2::decode_q5_0(w, &mut self.0);
-            }
-            Some(&self.0[..w.len()])
+            unsafe { avx2::decode_q5_0(w, &mut self.0) };
+            Some(&self.0)
         }
     }
 

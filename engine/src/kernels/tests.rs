@@ -309,8 +309,7 @@ fn avx2_and_vnni_kernels_are_bit_identical() {
     }
     assert_eq!(a, b);
     // The same blocks decoded once to bytes, as a prefill's passes over a group read them.
-    let zero = unsafe { std::arch::x86_64::_mm256_setzero_si256() };
-    let mut bytes = vec![[[[zero; 2]; 4]; 2]; p5.len()];
+    let mut bytes = Vec::new();
     unsafe {
         avx2::decode_q5_0(&p5, &mut bytes);
         avx2::tile_q5_0::<TILE>(&p5, Some(&bytes), &acts, &mut a);
@@ -358,18 +357,6 @@ fn avx2_and_vnni_kernels_are_bit_identical() {
 #[cfg(x86_v3)]
 #[test]
 fn avx2_q5_0_sums_are_exact_at_the_extremes() {
-    let block = |q: [u8; QK]| {
-        let mut b = BlockQ5_0::zeroed();
-        b.d = half::f16::from_f32(0.5);
-        let mut qh = 0u32;
-        for j in 0..QK / 2 {
-            b.qs[j] = (q[j] & 0x0F) | ((q[j + 16] & 0x0F) << 4);
-            qh |= (u32::from(q[j] >> 4) << j) | (u32::from(q[j + 16] >> 4) << (j + 16));
-        }
-        b.qh = qh.to_le_bytes();
-        assert_eq!(b.quants(), q);
-        b
-    };
     let signs: [fn(usize) -> f32; 3] = [|_| 1.0, |_| -1.0, |i| if i % 3 == 0 { 1.0 } else { -1.0 }];
     for sign in signs {
         let x: Vec<f32> = (0..QK).map(|i| sign(i) * 2.0).collect();
@@ -385,16 +372,19 @@ fn avx2_q5_0_sums_are_exact_at_the_extremes() {
                 _ => 31,
             })
         };
-        let w: Vec<BlockQ5_0> = (0..GROUP).map(|r| block(quants(r))).collect();
+        let w: Vec<BlockQ5_0> = (0..GROUP)
+            .map(|r| BlockQ5_0::from_quants(half::f16::from_f32(0.5), &quants(r)))
+            .collect();
         let packed = crate::packed::pack_all(GROUP, 1, &w, crate::packed::pack_q5_0);
-        let zero = unsafe { std::arch::x86_64::_mm256_setzero_si256() };
-        let mut bytes = vec![[[[zero; 2]; 4]; 2]; packed.len()];
+        let mut bytes = Vec::new();
         // SAFETY: AVX2/FMA/F16C are compiled in; one activation row, one block, one group.
         unsafe { avx2::decode_q5_0(&packed, &mut bytes) };
         for decoded in [None, Some(&bytes[..])] {
             let mut out = [[0f32; GROUP]];
+            // SAFETY: as above.
             unsafe { avx2::tile_q5_0::<1>(&packed, decoded, &acts, &mut out) };
             for (r, &got) in out[0].iter().enumerate() {
+                assert_eq!(w[r].quants(), quants(r));
                 let isum: i32 = (quants(r).iter().zip(a.qs))
                     .map(|(&q, a)| (i32::from(q) - 16) * i32::from(a))
                     .sum();
