@@ -1,10 +1,9 @@
 //! The kernels in AVX2, 8 lanes a register (the x86-64-v3 build guarantees AVX2 and FMA):
 //! [`super::portable`]'s steps, so its bits. Shaped for the 16 registers: four tokens by two
 //! registers of lanes for the scores, six query heads by two registers of dimensions for the
-//! values (fewer heads, more registers of dimensions).
+//! values.
 
 use std::arch::x86_64::*;
-use std::ops::Range;
 
 use super::portable::{LN2_HIGH, LN2_LOW, P};
 use super::{Accumulate, BLOCK_TOKENS, FLOOR, Scores};
@@ -147,14 +146,10 @@ pub(super) fn exp_lanes(x: [f32; LANES]) -> [f32; LANES] {
 /// Query heads taken together in [`accumulate`]: 12 accumulators, the two value registers and
 /// a broadcast weight.
 const HEADS: usize = 6;
-/// Output dimensions per pass of a full group: two registers.
+/// Output dimensions per pass: two registers.
 const PASS: usize = 2 * LANES;
 
 /// The output dimensions up to the last whole [`PASS`]; returns where the rest starts.
-///
-/// Fewer heads than [`HEADS`] (a decode step's lone seventh head) take more registers of
-/// dimensions a pass, so that at least eight chains of multiply-adds are in flight, not the
-/// two or four whose latency would bound them; each dimension is still one chain over the keys.
 pub(super) fn accumulate(a: &Accumulate<'_>, acc: &mut [f32]) -> usize {
     let n_lanes = acc.len() / a.hd;
     for first in (0..n_lanes).step_by(HEADS) {
@@ -162,12 +157,12 @@ pub(super) fn accumulate(a: &Accumulate<'_>, acc: &mut [f32]) -> usize {
         // count <= n_lanes`.
         unsafe {
             match (n_lanes - first).min(HEADS) {
-                6 => heads::<6, 2>(a, first, acc),
-                5 => heads::<5, 2>(a, first, acc),
-                4 => heads::<4, 2>(a, first, acc),
-                3 => heads::<3, 2>(a, first, acc),
-                2 => heads::<2, 4>(a, first, acc),
-                _ => heads::<1, 8>(a, first, acc),
+                6 => heads::<6>(a, first, acc),
+                5 => heads::<5>(a, first, acc),
+                4 => heads::<4>(a, first, acc),
+                3 => heads::<3>(a, first, acc),
+                2 => heads::<2>(a, first, acc),
+                _ => heads::<1>(a, first, acc),
             }
         }
     }
@@ -175,61 +170,36 @@ pub(super) fn accumulate(a: &Accumulate<'_>, acc: &mut [f32]) -> usize {
     a.hd - a.hd % PASS
 }
 
-/// Lanes `first..first + H` over the dimensions up to the last whole [`PASS`]: `R` registers
-/// of dimensions a pass while they last, then two.
+/// Lanes `first..first + H`, [`PASS`] dimensions at a time held in registers across the keys.
 ///
 /// # Safety
 ///
-/// As [`pass`]'s, and `R·8` is a multiple of [`PASS`].
+/// AVX2 and FMA must be compiled in; the shapes are those `Isa::accumulate` checks and
+/// `(first + H)·hd <= acc.len()`.
 #[inline(always)]
-unsafe fn heads<const H: usize, const R: usize>(a: &Accumulate<'_>, first: usize, acc: &mut [f32]) {
-    const { assert!((R * LANES).is_multiple_of(PASS)) };
-    let wide = a.hd - a.hd % (R * LANES);
-    // SAFETY: as this function's; both ranges step within `0..hd - hd % PASS`.
-    unsafe {
-        pass::<H, R>(a, first, acc, 0..wide);
-        pass::<H, 2>(a, first, acc, wide..a.hd - a.hd % PASS);
-    }
-}
-
-/// Lanes `first..first + H`, the dimensions `dims` `R` registers at a time, held in registers
-/// across the keys.
-///
-/// # Safety
-///
-/// AVX2 and FMA must be compiled in; the shapes are those `Isa::accumulate` checks, `(first +
-/// H)·hd <= acc.len()`, `dims.end <= hd` and `dims.len()` is a multiple of `R·8`.
-#[inline(always)]
-unsafe fn pass<const H: usize, const R: usize>(
-    a: &Accumulate<'_>,
-    first: usize,
-    acc: &mut [f32],
-    dims: Range<usize>,
-) {
+unsafe fn heads<const H: usize>(a: &Accumulate<'_>, first: usize, acc: &mut [f32]) {
     let (hd, lanes) = (a.hd, a.lanes);
     // SAFETY: reads of `values` at `t·hd + c0 + 8k + 8 <= keys·hd`, of `weights` at `t·lanes
     // + first + h < keys·lanes`, and accesses of `acc` at `(first + h)·hd + c0 + 8k + 8 <=
     // acc.len()`.
     unsafe {
-        for c0 in dims.step_by(R * LANES) {
+        for c0 in (0..hd - hd % PASS).step_by(PASS) {
             let at = |h: usize, k: usize| (first + h) * hd + c0 + k * LANES;
-            let mut sums: [[__m256; R]; H] = std::array::from_fn(|h| {
+            let mut sums: [[__m256; 2]; H] = std::array::from_fn(|h| {
                 std::array::from_fn(|k| _mm256_loadu_ps(acc.as_ptr().add(at(h, k))))
             });
             for t in 0..a.keys() {
                 let row = a.values.as_ptr().add(t * hd + c0);
-                let v: [__m256; R] = std::array::from_fn(|k| _mm256_loadu_ps(row.add(k * LANES)));
+                let v = [_mm256_loadu_ps(row), _mm256_loadu_ps(row.add(LANES))];
                 for (h, s) in sums.iter_mut().enumerate() {
                     let w = _mm256_set1_ps(*a.weights.get_unchecked(t * lanes + first + h));
-                    for (s, &v) in s.iter_mut().zip(&v) {
-                        *s = _mm256_fmadd_ps(v, w, *s);
-                    }
+                    s[0] = _mm256_fmadd_ps(v[0], w, s[0]);
+                    s[1] = _mm256_fmadd_ps(v[1], w, s[1]);
                 }
             }
             for (h, s) in sums.iter().enumerate() {
-                for (k, s) in s.iter().enumerate() {
-                    _mm256_storeu_ps(acc.as_mut_ptr().add(at(h, k)), *s);
-                }
+                _mm256_storeu_ps(acc.as_mut_ptr().add(at(h, 0)), s[0]);
+                _mm256_storeu_ps(acc.as_mut_ptr().add(at(h, 1)), s[1]);
             }
         }
     }
