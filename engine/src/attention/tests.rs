@@ -66,7 +66,7 @@ fn exp_is_close_and_the_same_in_every_lane() {
 /// Each kernel on each instruction set this machine runs gives the portable loops' bits: scores
 /// with and without a range (a lane that sees none of the block, part of it, all of it), for
 /// one and for many registers of lanes; weights; values for head sizes of whole passes and
-/// with a rest (72, 8, 80), and for every count of heads in a kernel's last group (`real`
+/// with a rest (72, 8, 80, 136), and for every count of heads in a kernel's last group (`real`
 /// lanes of `lanes`).
 #[test]
 fn every_instruction_set_gives_the_portable_bits() {
