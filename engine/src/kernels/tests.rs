@@ -375,6 +375,7 @@ fn avx2_q5_0_sums_are_exact_at_the_extremes() {
         let w: Vec<BlockQ5_0> = (0..GROUP)
             .map(|r| BlockQ5_0::from_quants(half::f16::from_f32(0.5), &quants(r)))
             .collect();
+        assert!((0..GROUP).all(|r| w[r].quants() == quants(r)));
         let packed = crate::packed::pack_all(GROUP, 1, &w, crate::packed::pack_q5_0);
         let mut bytes = Vec::new();
         // SAFETY: AVX2/FMA/F16C are compiled in; one activation row, one block, one group.
@@ -384,7 +385,6 @@ fn avx2_q5_0_sums_are_exact_at_the_extremes() {
             // SAFETY: as above.
             unsafe { avx2::tile_q5_0::<1>(&packed, decoded, &acts, &mut out) };
             for (r, &got) in out[0].iter().enumerate() {
-                assert_eq!(w[r].quants(), quants(r));
                 let isum: i32 = (quants(r).iter().zip(a.qs))
                     .map(|(&q, a)| (i32::from(q) - 16) * i32::from(a))
                     .sum();
