@@ -6,7 +6,7 @@
 use std::arch::x86_64::*;
 
 use super::portable::{LN2_HIGH, LN2_LOW, P};
-use super::{Accumulate, BLOCK_TOKENS, FLOOR, Scores};
+use super::{Accumulate, BLOCK_TOKENS, EXP_KEYS, FLOOR, Scores};
 
 const LANES: usize = 8;
 /// Tokens a call of [`scores_of`] takes, by up to [`Z`] registers of lanes.
@@ -92,47 +92,75 @@ unsafe fn scores_of<const N: usize, const R: usize>(s: &mut Scores<'_>, t0: usiz
 
 pub(super) fn weights(scores: &[f32], max: &[f32], sum: &mut [f32], out: &mut [f32]) {
     let lanes = max.len();
+    let keys = scores.len() / lanes;
     // SAFETY: AVX2 and FMA are compiled in; the caller checked the shapes (`Isa::weights`,
     // lanes in whole registers): reads of `scores` and writes of `out` at `t·lanes + z + 8 <=
     // scores.len()`, of `max` and `sum` at `z + 8 <= lanes`.
     unsafe {
-        for z in (0..lanes).step_by(LANES) {
-            let m = _mm256_loadu_ps(max.as_ptr().add(z));
-            let mut total = _mm256_loadu_ps(sum.as_ptr().add(z));
-            for t in 0..scores.len() / lanes {
+        if lanes == LANES {
+            // A decode step's heads: each sum stays in a register across the keys.
+            // Keys four at a time (a call's keys are whole blocks), their weights added in order.
+            let m = _mm256_loadu_ps(max.as_ptr());
+            let mut total = _mm256_loadu_ps(sum.as_ptr());
+            for t in (0..keys).step_by(EXP_KEYS) {
+                let x: [__m256; EXP_KEYS] = std::array::from_fn(|i| {
+                    _mm256_sub_ps(_mm256_loadu_ps(scores.as_ptr().add((t + i) * lanes)), m)
+                });
+                for (i, e) in exp(x).into_iter().enumerate() {
+                    total = _mm256_add_ps(total, e);
+                    _mm256_storeu_ps(out.as_mut_ptr().add((t + i) * lanes), e);
+                }
+            }
+            _mm256_storeu_ps(sum.as_mut_ptr(), total);
+            return;
+        }
+        // A tile's: the scores in the order they lie, a key's lanes after another's, so that
+        // the reads run on through memory (a long prompt's scores are out of the nearer
+        // caches); each lane's sum is still taken in key order.
+        for t in 0..keys {
+            for z in (0..lanes).step_by(LANES) {
                 let s = _mm256_loadu_ps(scores.as_ptr().add(t * lanes + z));
-                let e = exp(_mm256_sub_ps(s, m));
-                total = _mm256_add_ps(total, e);
+                let [e] = exp([_mm256_sub_ps(s, _mm256_loadu_ps(max.as_ptr().add(z)))]);
+                let total = sum.as_mut_ptr().add(z);
+                _mm256_storeu_ps(total, _mm256_add_ps(_mm256_loadu_ps(total), e));
                 _mm256_storeu_ps(out.as_mut_ptr().add(t * lanes + z), e);
             }
-            _mm256_storeu_ps(sum.as_mut_ptr().add(z), total);
         }
     }
 }
 
-/// [`super::portable::exp`] in 8 lanes.
+/// [`super::portable::exp`] in 8 lanes, of `N` registers at once: each step is taken for all
+/// of them before the next, so that one register's long chain of dependent steps overlaps the
+/// others' (out of order, the core finds too few of them in a loop of one register a pass).
 #[inline(always)]
-fn exp(x: __m256) -> __m256 {
+fn exp<const N: usize>(x: [__m256; N]) -> [__m256; N] {
     // SAFETY: AVX2 and FMA are compiled in; register arithmetic only.
     unsafe {
-        let live = _mm256_cmp_ps::<_CMP_GT_OQ>(x, _mm256_set1_ps(FLOOR));
-        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
-        );
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HIGH), x);
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LOW), r);
-        let mut p = _mm256_set1_ps(P[0]);
+        let live = x.map(|x| _mm256_cmp_ps::<_CMP_GT_OQ>(x, _mm256_set1_ps(FLOOR)));
+        let n = x.map(|x| {
+            _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+                x,
+                _mm256_set1_ps(std::f32::consts::LOG2_E),
+            ))
+        });
+        let r: [__m256; N] =
+            std::array::from_fn(|i| _mm256_fnmadd_ps(n[i], _mm256_set1_ps(LN2_HIGH), x[i]));
+        let r: [__m256; N] =
+            std::array::from_fn(|i| _mm256_fnmadd_ps(n[i], _mm256_set1_ps(LN2_LOW), r[i]));
+        let mut p = [_mm256_set1_ps(P[0]); N];
         for &c in &P[1..] {
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+            p = std::array::from_fn(|i| _mm256_fmadd_ps(p[i], r[i], _mm256_set1_ps(c)));
         }
-        let y = _mm256_add_ps(
-            _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
-            _mm256_set1_ps(1.0),
-        );
-        // 2^n from its exponent bits (n >= -126 in every live lane).
-        let biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
-        let scale = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(biased));
-        _mm256_and_ps(live, _mm256_mul_ps(y, scale))
+        std::array::from_fn(|i| {
+            let y = _mm256_add_ps(
+                _mm256_fmadd_ps(p[i], _mm256_mul_ps(r[i], r[i]), r[i]),
+                _mm256_set1_ps(1.0),
+            );
+            // 2^n from its exponent bits (n >= -126 in every live lane).
+            let biased = _mm256_add_epi32(_mm256_cvtps_epi32(n[i]), _mm256_set1_epi32(127));
+            let scale = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(biased));
+            _mm256_and_ps(live[i], _mm256_mul_ps(y, scale))
+        })
     }
 }
 
@@ -140,7 +168,7 @@ fn exp(x: __m256) -> __m256 {
 #[cfg(test)]
 pub(super) fn exp_lanes(x: [f32; LANES]) -> [f32; LANES] {
     // SAFETY: both arrays are 8 f32, as a register is.
-    unsafe { std::mem::transmute(exp(std::mem::transmute::<[f32; LANES], __m256>(x))) }
+    unsafe { std::mem::transmute(exp([std::mem::transmute::<[f32; LANES], __m256>(x)])) }
 }
 
 /// Query heads taken together in [`accumulate`]: 12 accumulators, the two value registers and

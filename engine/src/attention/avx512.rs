@@ -4,7 +4,7 @@
 use std::arch::x86_64::*;
 
 use super::portable::{LN2_HIGH, LN2_LOW, P};
-use super::{Accumulate, BLOCK_TOKENS, FLOOR, Scores};
+use super::{Accumulate, BLOCK_TOKENS, EXP_KEYS, FLOOR, Scores};
 
 const LANES: usize = 16;
 
@@ -108,42 +108,66 @@ pub(super) fn weights(scores: &[f32], max: &[f32], sum: &mut [f32], out: &mut [f
 #[target_feature(enable = "avx512f")]
 unsafe fn weights_in(scores: &[f32], max: &[f32], sum: &mut [f32], out: &mut [f32]) {
     let lanes = max.len();
+    let keys = scores.len() / lanes;
     // SAFETY: reads of `scores` and writes of `out` at `t·lanes + z + 16 <= scores.len()`,
     // of `max` and `sum` at `z + 16 <= lanes`.
     unsafe {
-        for z in (0..lanes).step_by(LANES) {
-            let m = _mm512_loadu_ps(max.as_ptr().add(z));
-            let mut total = _mm512_loadu_ps(sum.as_ptr().add(z));
-            for t in 0..scores.len() / lanes {
+        if lanes == LANES {
+            // A decode step's heads: each sum stays in a register across the keys.
+            // Keys four at a time (a call's keys are whole blocks), their weights added in order.
+            let m = _mm512_loadu_ps(max.as_ptr());
+            let mut total = _mm512_loadu_ps(sum.as_ptr());
+            for t in (0..keys).step_by(EXP_KEYS) {
+                let x: [__m512; EXP_KEYS] = std::array::from_fn(|i| {
+                    _mm512_sub_ps(_mm512_loadu_ps(scores.as_ptr().add((t + i) * lanes)), m)
+                });
+                for (i, e) in exp(x).into_iter().enumerate() {
+                    total = _mm512_add_ps(total, e);
+                    _mm512_storeu_ps(out.as_mut_ptr().add((t + i) * lanes), e);
+                }
+            }
+            _mm512_storeu_ps(sum.as_mut_ptr(), total);
+            return;
+        }
+        // A tile's: the scores in the order they lie (see the AVX2 kernel).
+        for t in 0..keys {
+            for z in (0..lanes).step_by(LANES) {
                 let s = _mm512_loadu_ps(scores.as_ptr().add(t * lanes + z));
-                let e = exp(_mm512_sub_ps(s, m));
-                total = _mm512_add_ps(total, e);
+                let [e] = exp([_mm512_sub_ps(s, _mm512_loadu_ps(max.as_ptr().add(z)))]);
+                let total = sum.as_mut_ptr().add(z);
+                _mm512_storeu_ps(total, _mm512_add_ps(_mm512_loadu_ps(total), e));
                 _mm512_storeu_ps(out.as_mut_ptr().add(t * lanes + z), e);
             }
-            _mm512_storeu_ps(sum.as_mut_ptr().add(z), total);
         }
     }
 }
 
-/// [`super::portable::exp`] in 16 lanes.
+/// [`super::portable::exp`] in 16 lanes, of `N` registers at once (see the AVX2 kernel's).
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn exp(x: __m512) -> __m512 {
-    let live = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, _mm512_set1_ps(FLOOR));
-    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
-    );
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HIGH), x);
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LOW), r);
-    let mut p = _mm512_set1_ps(P[0]);
+fn exp<const N: usize>(x: [__m512; N]) -> [__m512; N] {
+    let live = x.map(|x| _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, _mm512_set1_ps(FLOOR)));
+    let n = x.map(|x| {
+        _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+            x,
+            _mm512_set1_ps(std::f32::consts::LOG2_E),
+        ))
+    });
+    let r: [__m512; N] =
+        std::array::from_fn(|i| _mm512_fnmadd_ps(n[i], _mm512_set1_ps(LN2_HIGH), x[i]));
+    let r: [__m512; N] =
+        std::array::from_fn(|i| _mm512_fnmadd_ps(n[i], _mm512_set1_ps(LN2_LOW), r[i]));
+    let mut p = [_mm512_set1_ps(P[0]); N];
     for &c in &P[1..] {
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+        p = std::array::from_fn(|i| _mm512_fmadd_ps(p[i], r[i], _mm512_set1_ps(c)));
     }
-    let y = _mm512_add_ps(
-        _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r),
-        _mm512_set1_ps(1.0),
-    );
-    _mm512_maskz_mov_ps(live, _mm512_scalef_ps(y, n))
+    std::array::from_fn(|i| {
+        let y = _mm512_add_ps(
+            _mm512_fmadd_ps(p[i], _mm512_mul_ps(r[i], r[i]), r[i]),
+            _mm512_set1_ps(1.0),
+        );
+        _mm512_maskz_mov_ps(live[i], _mm512_scalef_ps(y, n[i]))
+    })
 }
 
 /// [`exp`] on 16 values, for the tests.
@@ -151,7 +175,7 @@ fn exp(x: __m512) -> __m512 {
 pub(super) fn exp_lanes(x: [f32; LANES]) -> [f32; LANES] {
     check();
     // SAFETY: AVX-512F was detected; both arrays are 16 f32, as a register is.
-    unsafe { std::mem::transmute(exp(std::mem::transmute::<[f32; LANES], __m512>(x))) }
+    unsafe { std::mem::transmute(exp([std::mem::transmute::<[f32; LANES], __m512>(x)])) }
 }
 
 /// Query heads taken together in [`accumulate`]: 24 accumulators, the four value registers and

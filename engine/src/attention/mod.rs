@@ -84,6 +84,10 @@ thread_local! {
 const PREFETCH_AHEAD: usize = 4;
 /// Blocks whose values are converted and weighted together.
 const VALUE_RUN: usize = 4;
+/// Keys whose weights the vector kernels take at once for a decode step's heads (one register
+/// of lanes), their `e^x` steps interleaved; a call's keys are whole blocks.
+const EXP_KEYS: usize = 4;
+const _: () = assert!(BLOCK_TOKENS.is_multiple_of(EXP_KEYS));
 /// Queries per call at most ([`tile_rows`]).
 const MAX_TILE: usize = 16;
 /// The scores a call may hold for a KV head: 16 MB of f32 per thread, so that a long prompt's
@@ -152,14 +156,14 @@ impl Isa {
         }
     }
 
-    /// The weights of a run of keys' scores (`[key][lane]`): `e^(s − max)` into `out`
+    /// The weights of a run of blocks' scores (`[key][lane]`): `e^(s − max)` into `out`
     /// (`[key][lane]`) and added to `sum` in key order.
     fn weights(self, scores: &[f32], max: &[f32], sum: &mut [f32], out: &mut [f32]) {
         let lanes = max.len();
         assert!(
             lanes.is_multiple_of(self.width())
                 && sum.len() == lanes
-                && scores.len().is_multiple_of(lanes)
+                && scores.len().is_multiple_of(lanes * BLOCK_TOKENS)
                 && out.len() == scores.len(),
             "attention weights: shapes"
         );
