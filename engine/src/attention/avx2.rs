@@ -94,8 +94,9 @@ pub(super) fn weights(scores: &[f32], max: &[f32], sum: &mut [f32], out: &mut [f
     let lanes = max.len();
     let keys = scores.len() / lanes;
     // SAFETY: AVX2 and FMA are compiled in; the caller checked the shapes (`Isa::weights`,
-    // lanes in whole registers): reads of `scores` and writes of `out` at `t·lanes + z + 8 <=
-    // scores.len()`, of `max` and `sum` at `z + 8 <= lanes`.
+    // lanes in whole registers, keys in whole blocks, so in whole `EXP_KEYS`): reads of
+    // `scores` and writes of `out` at `t·lanes + z + 8 <= scores.len()`, of `max` and `sum` at
+    // `z + 8 <= lanes`.
     unsafe {
         if lanes == LANES {
             // A decode step's heads: each sum stays in a register across the keys.

@@ -109,8 +109,8 @@ pub(super) fn weights(scores: &[f32], max: &[f32], sum: &mut [f32], out: &mut [f
 unsafe fn weights_in(scores: &[f32], max: &[f32], sum: &mut [f32], out: &mut [f32]) {
     let lanes = max.len();
     let keys = scores.len() / lanes;
-    // SAFETY: reads of `scores` and writes of `out` at `t·lanes + z + 16 <= scores.len()`,
-    // of `max` and `sum` at `z + 16 <= lanes`.
+    // SAFETY: keys come in whole blocks, so in whole `EXP_KEYS`: reads of `scores` and writes
+    // of `out` at `t·lanes + z + 16 <= scores.len()`, of `max` and `sum` at `z + 16 <= lanes`.
     unsafe {
         if lanes == LANES {
             // A decode step's heads: each sum stays in a register across the keys.
