@@ -271,10 +271,13 @@ async fn a_ttft_target_the_cluster_cannot_meet_is_refused_at_once() {
         r
     };
     // Served without a target (this also gives the router the rates its estimates use) and
-    // with one it meets.
+    // with one it meets; the quicker of the two is what serving a request takes.
+    let mut served = Duration::MAX;
     for (id, target) in [("warm", None), ("roomy", Some("60000"))] {
+        let started = Instant::now();
         let out = collect(&mut cluster.client(), with(id, target, None)).await;
         assert_eq!(out.expect(id).token_ids.len(), 4);
+        served = served.min(started.elapsed());
     }
 
     // Refused at once: its own 1 ms target, and the batch class's default.
@@ -290,10 +293,8 @@ async fn a_ttft_target_the_cluster_cannot_meet_is_refused_at_once() {
             status.metadata().get("grpc-retry-pushback-ms").is_some(),
             "{status:?}"
         );
-        assert!(
-            took < Duration::from_millis(100),
-            "{id}: refused after {took:?}"
-        );
+        // At once: sooner than the cluster serves a request, on however loaded a machine.
+        assert!(took < served, "{id}: refused after {took:?}, served in {served:?}");
     }
     let status = collect(&mut cluster.client(), with("bad", Some("soon"), None))
         .await
