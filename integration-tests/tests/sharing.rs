@@ -294,7 +294,10 @@ async fn a_ttft_target_the_cluster_cannot_meet_is_refused_at_once() {
             "{status:?}"
         );
         // At once: sooner than the cluster serves a request, on however loaded a machine.
-        assert!(took < served, "{id}: refused after {took:?}, served in {served:?}");
+        assert!(
+            took < served,
+            "{id}: refused after {took:?}, served in {served:?}"
+        );
     }
     let status = collect(&mut cluster.client(), with("bad", Some("soon"), None))
         .await
