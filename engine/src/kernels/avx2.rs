@@ -405,7 +405,7 @@ pub(super) unsafe fn tile_q6_k<const T: usize>(
                     let mut isum_hi: [__m256i; T] = std::array::from_fn(|k| {
                         _mm256_set1_epi32(-32 * i32::from(acts[k * nb + b * SUBS + j].sums[1]))
                     });
-                    for c in 0..4 {
+                    let chunk = |c: usize| {
                         let raw = _mm256_load_si256(ql.add(CHUNK * c + 4 * row0).cast());
                         let lo = _mm256_or_si256(
                             _mm256_and_si256(raw, mask),
@@ -415,11 +415,20 @@ pub(super) unsafe fn tile_q6_k<const T: usize>(
                             _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask),
                             _mm256_and_si256(two_bits_256(hh, c), high),
                         );
+                        (lo, hi)
+                    };
+                    // Two chunks' products are added in i16 before widening: a lane of each is
+                    // two products of a 6-bit quant by an activation, at most 2 · 63 · 128 =
+                    // 16128 in size, so the pair's sum fits (and is exact).
+                    for c in (0..4).step_by(2) {
+                        let ((lo0, hi0), (lo1, hi1)) = (chunk(c), chunk(c + 1));
                         for k in 0..T {
                             let a = &acts[k * nb + b * SUBS + j];
-                            let (al, ah) = (quad(a, 4 * c), quad(a, 16 + 4 * c));
-                            let pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(al));
-                            let ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(ah));
+                            let prod = |q: __m256i, at: usize| {
+                                _mm256_maddubs_epi16(q, _mm256_set1_epi32(quad(a, at)))
+                            };
+                            let pl = _mm256_add_epi16(prod(lo0, 4 * c), prod(lo1, 4 * c + 4));
+                            let ph = _mm256_add_epi16(prod(hi0, 16 + 4 * c), prod(hi1, 20 + 4 * c));
                             isum_lo[k] = _mm256_add_epi32(isum_lo[k], _mm256_madd_epi16(pl, ones));
                             isum_hi[k] = _mm256_add_epi32(isum_hi[k], _mm256_madd_epi16(ph, ones));
                         }

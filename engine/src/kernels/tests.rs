@@ -394,6 +394,44 @@ fn avx2_q5_0_sums_are_exact_at_the_extremes() {
     }
 }
 
+/// The AVX2 `Q6_K` kernel's i16 sums of two chunks' products are exact at the extremes: every
+/// quant 63 against activations all 127 or all −127, each lane's pair of chunks at ±32004.
+#[cfg(x86_v3)]
+#[test]
+fn avx2_q6_k_sums_are_exact_at_the_extremes() {
+    let block = BlockQ6K {
+        ql: [0xFF; QK_K / 2],
+        qh: [0xFF; QK_K / 4],
+        scales: [1; QK_K / 16],
+        d: half::f16::from_f32(1.0),
+    };
+    assert!(block.quants().iter().all(|&q| q == 63));
+    let packed = crate::packed::pack_all(GROUP, 1, &vec![block; GROUP], crate::packed::pack_q6_k);
+    for sign in [1.0f32, -1.0] {
+        let x = vec![2.0 * sign; QK_K];
+        let mut acts = vec![BlockQ8_1::zeroed(); QK_K / QK];
+        quantize_row_q8_1(&x, &mut acts);
+        assert!(
+            acts.iter()
+                .all(|a| a.qs.iter().all(|&q| q == 127 * sign as i8))
+        );
+        let mut out = [[0f32; GROUP]];
+        // SAFETY: AVX2/FMA/F16C are compiled in; one activation row, one block, one group.
+        unsafe { avx2::tile_q6_k::<1>(&packed, &acts, &mut out) };
+        // Each sub-block's two halves: 16 products (63 − 32)·(±127), scaled by `d·sc·d_a`.
+        let half_sum = (31 * 127 * 16) as f32 * sign;
+        let want = acts
+            .iter()
+            .flat_map(|a| [a.d; 2])
+            .fold(0f32, |acc, ad| half_sum.mul_add(ad, acc));
+        assert!(
+            out[0].iter().all(|&got| got == want),
+            "{sign}: {:?} vs {want}",
+            out[0]
+        );
+    }
+}
+
 /// A matrix fed in chunks of rows (as the loader reads a file) equals the same matrix stacked
 /// whole, for every part type and a short last chunk.
 #[test]
