@@ -1,9 +1,10 @@
 //! The kernels in AVX2, 8 lanes a register (the x86-64-v3 build guarantees AVX2 and FMA):
 //! [`super::portable`]'s steps, so its bits. Shaped for the 16 registers: four tokens by two
 //! registers of lanes for the scores, six query heads by two registers of dimensions for the
-//! values.
+//! values (a lone head by eight).
 
 use std::arch::x86_64::*;
+use std::ops::Range;
 
 use super::portable::{LN2_HIGH, LN2_LOW, P};
 use super::{Accumulate, BLOCK_TOKENS, EXP_KEYS, FLOOR, Scores};
@@ -177,58 +178,74 @@ pub(super) fn exp_lanes(x: [f32; LANES]) -> [f32; LANES] {
 const HEADS: usize = 6;
 /// Output dimensions per pass: two registers.
 const PASS: usize = 2 * LANES;
+/// Registers of dimensions a pass takes for a lone head (a decode step's seventh), so that it
+/// too keeps eight chains of multiply-adds in flight rather than two.
+const WIDE: usize = 8;
 
 /// The output dimensions up to the last whole [`PASS`]; returns where the rest starts.
 pub(super) fn accumulate(a: &Accumulate<'_>, acc: &mut [f32]) -> usize {
     let n_lanes = acc.len() / a.hd;
+    let done = a.hd - a.hd % PASS;
+    let wide = a.hd - a.hd % (WIDE * LANES);
     for first in (0..n_lanes).step_by(HEADS) {
-        // SAFETY: AVX2 and FMA are compiled in; the caller checked the shapes, and `first +
-        // count <= n_lanes`.
+        // SAFETY: AVX2 and FMA are compiled in; the caller checked the shapes, `first + count
+        // <= n_lanes`, and the ranges of dimensions are whole passes within `done`.
         unsafe {
             match (n_lanes - first).min(HEADS) {
-                6 => heads::<6>(a, first, acc),
-                5 => heads::<5>(a, first, acc),
-                4 => heads::<4>(a, first, acc),
-                3 => heads::<3>(a, first, acc),
-                2 => heads::<2>(a, first, acc),
-                _ => heads::<1>(a, first, acc),
+                6 => heads::<6, 2>(a, first, acc, 0..done),
+                5 => heads::<5, 2>(a, first, acc, 0..done),
+                4 => heads::<4, 2>(a, first, acc, 0..done),
+                3 => heads::<3, 2>(a, first, acc, 0..done),
+                2 => heads::<2, 2>(a, first, acc, 0..done),
+                _ => {
+                    heads::<1, WIDE>(a, first, acc, 0..wide);
+                    heads::<1, 2>(a, first, acc, wide..done);
+                }
             }
         }
     }
-    const { assert!(HEADS == 6) };
-    a.hd - a.hd % PASS
+    const { assert!(HEADS == 6 && (WIDE * LANES).is_multiple_of(PASS)) };
+    done
 }
 
-/// Lanes `first..first + H`, [`PASS`] dimensions at a time held in registers across the keys.
+/// Lanes `first..first + H`, `R` registers of dimensions at a time held across the keys, for
+/// the dimensions `dims`.
 ///
 /// # Safety
 ///
-/// AVX2 and FMA must be compiled in; the shapes are those `Isa::accumulate` checks and
-/// `(first + H)·hd <= acc.len()`.
+/// AVX2 and FMA must be compiled in; the shapes are those `Isa::accumulate` checks, `(first +
+/// H)·hd <= acc.len()`, and `dims` is whole passes of `R` registers within `0..hd`.
 #[inline(always)]
-unsafe fn heads<const H: usize>(a: &Accumulate<'_>, first: usize, acc: &mut [f32]) {
+unsafe fn heads<const H: usize, const R: usize>(
+    a: &Accumulate<'_>,
+    first: usize,
+    acc: &mut [f32],
+    dims: Range<usize>,
+) {
     let (hd, lanes) = (a.hd, a.lanes);
     // SAFETY: reads of `values` at `t·hd + c0 + 8k + 8 <= keys·hd`, of `weights` at `t·lanes
     // + first + h < keys·lanes`, and accesses of `acc` at `(first + h)·hd + c0 + 8k + 8 <=
     // acc.len()`.
     unsafe {
-        for c0 in (0..hd - hd % PASS).step_by(PASS) {
+        for c0 in dims.step_by(R * LANES) {
             let at = |h: usize, k: usize| (first + h) * hd + c0 + k * LANES;
-            let mut sums: [[__m256; 2]; H] = std::array::from_fn(|h| {
+            let mut sums: [[__m256; R]; H] = std::array::from_fn(|h| {
                 std::array::from_fn(|k| _mm256_loadu_ps(acc.as_ptr().add(at(h, k))))
             });
             for t in 0..a.keys() {
                 let row = a.values.as_ptr().add(t * hd + c0);
-                let v = [_mm256_loadu_ps(row), _mm256_loadu_ps(row.add(LANES))];
+                let v: [__m256; R] = std::array::from_fn(|k| _mm256_loadu_ps(row.add(k * LANES)));
                 for (h, s) in sums.iter_mut().enumerate() {
                     let w = _mm256_set1_ps(*a.weights.get_unchecked(t * lanes + first + h));
-                    s[0] = _mm256_fmadd_ps(v[0], w, s[0]);
-                    s[1] = _mm256_fmadd_ps(v[1], w, s[1]);
+                    for (s, &v) in s.iter_mut().zip(&v) {
+                        *s = _mm256_fmadd_ps(v, w, *s);
+                    }
                 }
             }
             for (h, s) in sums.iter().enumerate() {
-                _mm256_storeu_ps(acc.as_mut_ptr().add(at(h, 0)), s[0]);
-                _mm256_storeu_ps(acc.as_mut_ptr().add(at(h, 1)), s[1]);
+                for (k, &s) in s.iter().enumerate() {
+                    _mm256_storeu_ps(acc.as_mut_ptr().add(at(h, k)), s);
+                }
             }
         }
     }
