@@ -43,7 +43,7 @@ pub use error::{Error, Result};
 pub use generate::{GenerateOutput, GenerateRequest};
 pub use grammar::Grammar;
 pub use kv::{BLOCK_TOKENS, KvDtype, KvKind, KvLayout, grid_cells};
-pub use loader::ModelFingerprint;
+pub use loader::{ModelFingerprint, load_tokenizer};
 pub use memory::bound_freed_memory;
 pub use model::{Arch, Logits, ModelConfig};
 pub use prefix_cache::CacheEvent;

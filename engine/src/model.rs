@@ -20,8 +20,10 @@ use crate::kv::{KvKind, KvPool};
 use crate::quant::{BlockQ8_1, QK, quantize_row_q8_1};
 
 mod config;
+mod moe;
 
-pub use config::{Arch, ModelConfig, Rope, SlidingWindow};
+pub use config::{Arch, ModelConfig, Moe, Rope, SlidingWindow};
+pub use moe::{Expert, MoeWeights};
 
 #[derive(Debug)]
 pub struct LayerWeights {
@@ -30,23 +32,38 @@ pub struct LayerWeights {
     pub wqkv: QMatrix,
     /// Their biases, stacked the same way, where the architecture has them.
     pub qkv_bias: Option<Vec<f32>>,
-    /// Gemma's norms (see [`Arch::gemma_norms`]).
-    pub gemma: Option<GemmaNorms>,
+    /// Per-head norms of the queries and keys (see [`Arch::qk_norm`]).
+    pub qk_norm: Option<QkNorm>,
+    /// Gemma's norms of the attention and FFN outputs (see [`Arch::post_norms`]).
+    pub post_norms: Option<PostNorms>,
     pub wo: QMatrix,
     pub ffn_norm: Vec<f32>,
-    /// gate and up projections stacked: `2 * ffn` rows.
-    pub w_gate_up: QMatrix,
-    pub w_down: QMatrix,
+    pub ffn: Ffn,
 }
 
 #[derive(Debug)]
-pub struct GemmaNorms {
+pub struct QkNorm {
     /// Of each query and key head (`head_dim` weights).
     pub q: Vec<f32>,
     pub k: Vec<f32>,
+}
+
+#[derive(Debug)]
+pub struct PostNorms {
     /// Of the attention and FFN outputs (`hidden` weights).
-    pub post_attn: Vec<f32>,
-    pub post_ffn: Vec<f32>,
+    pub attn: Vec<f32>,
+    pub ffn: Vec<f32>,
+}
+
+/// A layer's feed-forward network.
+#[derive(Debug)]
+pub enum Ffn {
+    Dense {
+        /// gate and up projections stacked: `2 * ffn` rows.
+        gate_up: QMatrix,
+        down: QMatrix,
+    },
+    Moe(MoeWeights),
 }
 
 #[derive(Debug)]
@@ -203,9 +220,9 @@ impl Shape {
             cfg.n_kv_heads
         };
         Self {
-            rope_global: rope_tables(cfg.rope_theta, cfg.head_dim, rows),
+            rope_global: rope_tables(cfg.rope_theta, cfg, rows),
             rope_local: (cfg.sliding_window.as_ref())
-                .map(|sw| rope_tables(sw.rope_theta, cfg.head_dim, rows)),
+                .map(|sw| rope_tables(sw.rope_theta, cfg, rows)),
             parts,
             tiles: match parts {
                 1 => attention_tiles(rows, cfg.n_heads / cfg.n_kv_heads),
@@ -310,16 +327,24 @@ pub(crate) fn layer(
         .with_min_len(ROWS_PER_TASK)
         .for_each(|(a, q)| quantize_row_q8_1(a, q));
     lw.wo.matmul(acts_q, n, proj);
-    if let Some(g) = &lw.gemma {
-        norm_rows(proj, &g.post_attn, cfg.rms_eps);
+    if let Some(g) = &lw.post_norms {
+        norm_rows(proj, &g.attn, cfg.rms_eps);
     }
     add_norm_quantize(x, Some(proj), &lw.ffn_norm, cfg.rms_eps, xn, acts_h);
 
-    lw.w_gate_up.matmul(acts_h, n, gate_up);
-    gated_activation(cfg, gate_up, ffn_act, acts_f);
-    lw.w_down.matmul(acts_f, n, proj);
-    if let Some(g) = &lw.gemma {
-        norm_rows(proj, &g.post_ffn, cfg.rms_eps);
+    match &lw.ffn {
+        Ffn::Dense {
+            gate_up: w_gate_up,
+            down,
+        } => {
+            w_gate_up.matmul(acts_h, n, gate_up);
+            gated_activation(cfg, gate_up, ffn_act, acts_f);
+            down.matmul(acts_f, n, proj);
+        }
+        Ffn::Moe(m) => moe::forward(cfg, m, (xn, acts_h), n, proj),
+    }
+    if let Some(g) = &lw.post_norms {
+        norm_rows(proj, &g.ffn, cfg.rms_eps);
     }
     match w.layers.get(li + 1) {
         Some(next) => add_norm_quantize(x, Some(proj), &next.attn_norm, cfg.rms_eps, xn, acts_h),
@@ -328,7 +353,7 @@ pub(crate) fn layer(
 }
 
 /// Per row of `qkv`, in parallel: the q, k and v biases added (where the architecture has
-/// them), Gemma's per-head q and k norms, and the rotary embedding of the q and k heads.
+/// them), the per-head q and k norms (likewise), and the rotary embedding of the q and k heads.
 fn bias_norm_rope(
     cfg: &ModelConfig,
     lw: &LayerWeights,
@@ -344,7 +369,7 @@ fn bias_norm_rope(
             if let Some(bias) = &lw.qkv_bias {
                 add_in_place(row, bias);
             }
-            if let Some(g) = &lw.gemma {
+            if let Some(g) = &lw.qk_norm {
                 let (q, k) = row[..qd + kvd].split_at_mut(qd);
                 for head in q.chunks_exact_mut(hd) {
                     rms_norm_in_place(head, &g.q, cfg.rms_eps);
@@ -519,18 +544,21 @@ fn add_in_place(x: &mut [f32], y: &[f32]) {
 }
 
 /// Per row, the cos and sin of each rotated pair's angle, computed the way llama.cpp does
-/// (`theta = pos · base^(-2i/d)`, advanced by repeated multiplication in f32).
-fn rope_tables(base: f32, head_dim: usize, rows: &[Row<'_>]) -> Vec<(Vec<f32>, Vec<f32>)> {
-    let half = head_dim / 2;
-    let theta_scale = base.powf(-2.0 / head_dim as f32);
+/// (`theta = pos · base^(-2i/d)`, advanced by repeated multiplication in f32, and divided by
+/// the pair's frequency factor where the model has them).
+fn rope_tables(base: f32, cfg: &ModelConfig, rows: &[Row<'_>]) -> Vec<(Vec<f32>, Vec<f32>)> {
+    let half = cfg.head_dim / 2;
+    let theta_scale = base.powf(-2.0 / cfg.head_dim as f32);
+    let factors = cfg.rope_freq_factors.as_deref();
     rows.iter()
         .map(|r| {
             let mut theta = r.pos as f32;
             let mut cos = Vec::with_capacity(half);
             let mut sin = Vec::with_capacity(half);
-            for _ in 0..half {
-                cos.push(theta.cos());
-                sin.push(theta.sin());
+            for i in 0..half {
+                let angle = factors.map_or(theta, |f| theta / f[i]);
+                cos.push(angle.cos());
+                sin.push(angle.sin());
                 theta *= theta_scale;
             }
             (cos, sin)

@@ -38,11 +38,17 @@ fn matrix(
     cols: usize,
     dtype: GgmlDType,
 ) -> candle_core::Result<QTensor> {
+    tensor(rng, &[rows, cols], dtype)
+}
+
+/// A random tensor of `dims` (rows of the last one's width) in `dtype`, scaled like [`matrix`].
+fn tensor(rng: &mut ChaCha8Rng, dims: &[usize], dtype: GgmlDType) -> candle_core::Result<QTensor> {
+    let cols = dims.last().copied().unwrap_or(1);
     let scale = 1.0 / (cols as f32).sqrt();
-    let data: Vec<f32> = (0..rows * cols)
+    let data: Vec<f32> = (0..dims.iter().product())
         .map(|_| rng.random_range(-1.0f32..1.0) * scale * 2.0)
         .collect();
-    QTensor::quantize(&Tensor::from_vec(data, (rows, cols), &Device::Cpu)?, dtype)
+    QTensor::quantize(&Tensor::from_vec(data, dims, &Device::Cpu)?, dtype)
 }
 
 /// Norm weights: exactly 1 for llama (as its tiny model always had), near 1 for the others.
@@ -65,6 +71,8 @@ struct Shape {
     ffn: usize,
     /// Types of q, k, v, output, gate, up, down.
     types: [GgmlDType; 7],
+    /// A mixture's experts and how many a row uses.
+    experts: Option<(u32, u32)>,
 }
 
 fn shape(arch: Arch) -> Shape {
@@ -77,6 +85,7 @@ fn shape(arch: Arch) -> Shape {
             head_dim: HIDDEN / HEADS as usize,
             ffn: FFN,
             types: [Q4_1; 7],
+            experts: None,
         },
         Arch::Qwen2 => Shape {
             hidden: 128,
@@ -85,6 +94,7 @@ fn shape(arch: Arch) -> Shape {
             head_dim: 32,
             ffn: 256,
             types: [Q5_0, Q5_0, Q8_0, Q5_0, Q5_0, Q5_0, Q6K],
+            experts: None,
         },
         Arch::Gemma3 => Shape {
             hidden: 128,
@@ -93,6 +103,27 @@ fn shape(arch: Arch) -> Shape {
             head_dim: 64,
             ffn: 256,
             types: [Q5_0, Q5_0, Q8_0, Q4K, Q5_0, Q5_0, Q6K],
+            experts: None,
+        },
+        Arch::Qwen3 => Shape {
+            hidden: 256,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 128,
+            ffn: 512,
+            types: [Q8_0, Q8_0, Q8_0, Q4K, Q4K, Q4K, Q6K],
+            experts: None,
+        },
+        // Eight experts of which three run: enough that rows of one prompt choose different
+        // ones, so a prefill chunk's experts see different row sets.
+        Arch::Qwen3Moe => Shape {
+            hidden: 128,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+            ffn: 64,
+            types: [Q8_0, Q8_0, Q8_0, Q8_0, Q8_0, Q8_0, Q8_0],
+            experts: Some((8, 3)),
         },
     }
 }
@@ -143,19 +174,34 @@ fn build_image(arch: Arch) -> candle_core::Result<Vec<u8>> {
         "token_embd.weight".to_string(),
         matrix(&mut rng, vocab, hidden, GgmlDType::Q8_0)?,
     )];
+    // A mixture's expert tensors stack its experts' matrices: (experts, rows, cols).
+    let ffn_names = match sh.experts {
+        Some(_) => ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"],
+        None => ["ffn_gate", "ffn_up", "ffn_down"],
+    };
     for l in 0..LAYERS {
         let shapes = [
             ("attn_q", q, hidden),
             ("attn_k", kv, hidden),
             ("attn_v", kv, hidden),
             ("attn_output", hidden, q),
-            ("ffn_gate", sh.ffn, hidden),
-            ("ffn_up", sh.ffn, hidden),
-            ("ffn_down", hidden, sh.ffn),
+            (ffn_names[0], sh.ffn, hidden),
+            (ffn_names[1], sh.ffn, hidden),
+            (ffn_names[2], hidden, sh.ffn),
         ];
-        for ((name, rows, cols), dtype) in shapes.into_iter().zip(sh.types) {
-            let m = matrix(&mut rng, rows, cols, dtype)?;
+        for (i, ((name, rows, cols), dtype)) in shapes.into_iter().zip(sh.types).enumerate() {
+            let m = match (i >= 4).then_some(sh.experts).flatten() {
+                Some((n, _)) => tensor(&mut rng, &[n as usize, rows, cols], dtype)?,
+                None => matrix(&mut rng, rows, cols, dtype)?,
+            };
             tensors.push((format!("blk.{l}.{name}.weight"), m));
+        }
+        if let Some((n, _)) = sh.experts {
+            // Router weights several times the others' scale, so the choice is clear-cut.
+            let router = matrix(&mut rng, n as usize, hidden, GgmlDType::F32)?;
+            let router = (router.dequantize(&Device::Cpu)? * 4.0)?;
+            let router = QTensor::quantize(&router, GgmlDType::F32)?;
+            tensors.push((format!("blk.{l}.ffn_gate_inp.weight"), router));
         }
         if arch.qkv_bias() {
             for (name, len) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv)] {
@@ -167,13 +213,11 @@ fn build_image(arch: Arch) -> candle_core::Result<Vec<u8>> {
             }
         }
         let mut norms = vec![("attn_norm", hidden), ("ffn_norm", hidden)];
-        if arch.gemma_norms() {
-            norms.extend([
-                ("attn_q_norm", sh.head_dim),
-                ("attn_k_norm", sh.head_dim),
-                ("post_attention_norm", hidden),
-                ("post_ffw_norm", hidden),
-            ]);
+        if arch.qk_norm() {
+            norms.extend([("attn_q_norm", sh.head_dim), ("attn_k_norm", sh.head_dim)]);
+        }
+        if arch.post_norms() {
+            norms.extend([("post_attention_norm", hidden), ("post_ffw_norm", hidden)]);
         }
         for (name, len) in norms {
             let w = norm(&mut rng, arch, len)?;
@@ -203,7 +247,7 @@ fn build_image(arch: Arch) -> candle_core::Result<Vec<u8>> {
             Value::F32(1e-5),
         ),
     ];
-    if arch == Arch::Gemma3 {
+    if sh.head_dim != hidden / sh.heads as usize {
         metadata.extend([
             (
                 format!("{a}.attention.key_length"),
@@ -213,6 +257,20 @@ fn build_image(arch: Arch) -> candle_core::Result<Vec<u8>> {
                 format!("{a}.attention.value_length"),
                 Value::U32(sh.head_dim as u32),
             ),
+        ]);
+    }
+    if let Some((n, used)) = sh.experts {
+        metadata.extend([
+            (format!("{a}.expert_count"), Value::U32(n)),
+            (format!("{a}.expert_used_count"), Value::U32(used)),
+            (
+                format!("{a}.expert_feed_forward_length"),
+                Value::U32(sh.ffn as u32),
+            ),
+        ]);
+    }
+    if arch == Arch::Gemma3 {
+        metadata.extend([
             (format!("{a}.attention.sliding_window"), Value::U32(24)),
             (
                 format!("{a}.attention.sliding_window_pattern"),

@@ -67,6 +67,10 @@ const EOG_TEXTS: &[&str] = &[
 /// `LLAMA_VOCAB_PRE_TYPE_QWEN2` mirrors).
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// The pre-tokenizer split of Llama 3's tokenizer (llama.cpp's `LLAMA_VOCAB_PRE_TYPE_LLAMA3`):
+/// Qwen2's with numbers in runs of up to three digits.
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
 /// What the tokenizer is built from (read from GGUF metadata, or made by the tiny model). It is
 /// plain data and serializes to JSON, which is how workers hand it to the router.
 #[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
@@ -394,8 +398,11 @@ fn byte_pairs(spec: &mut TokenizerSpec) -> Result<Encoder> {
             ))),
         })
         .collect::<Result<Vec<_>>>()?;
+    // Llama 3 looks a whole piece up before merging it (llama.cpp's `ignore_merges`, set for
+    // its pre-tokenizer alone).
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
+        .ignore_merges(spec.pre == "llama-bpe")
         .build()
         .map_err(|e| err(format!("building BPE: {e}")))?;
     let mut inner = tokenizers::Tokenizer::new(bpe);
@@ -406,15 +413,19 @@ fn byte_pairs(spec: &mut TokenizerSpec) -> Result<Encoder> {
             Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
         }
         "default" | "gpt2" | "gpt-2" => byte_level.into(),
-        // llama.cpp's "qwen2" split (llama-vocab.cpp): GPT-4's regex with one digit per
-        // piece, then the byte-level mapping alone.
-        "qwen2" => {
+        // llama.cpp's "qwen2" and "llama-bpe" splits (llama-vocab.cpp): GPT-4's regex with
+        // one digit, or up to three, per piece, then the byte-level mapping alone.
+        pre @ ("qwen2" | "llama-bpe") => {
+            let pattern = match pre {
+                "qwen2" => QWEN2_SPLIT,
+                _ => LLAMA3_SPLIT,
+            };
             let split = Split::new(
-                SplitPattern::Regex(QWEN2_SPLIT.into()),
+                SplitPattern::Regex(pattern.into()),
                 SplitDelimiterBehavior::Isolated,
                 false,
             )
-            .map_err(|e| err(format!("the qwen2 split pattern: {e}")))?;
+            .map_err(|e| err(format!("the {pre} split pattern: {e}")))?;
             let bytes = ByteLevel::new(false, false, false);
             Sequence::new(vec![split.into(), bytes.into()]).into()
         }

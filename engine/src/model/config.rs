@@ -11,11 +11,20 @@ pub enum Arch {
     Llama,
     Qwen2,
     Gemma3,
+    Qwen3,
+    /// Qwen3's mixture of experts: Qwen3's attention, a routed FFN ([`Moe`]).
+    Qwen3Moe,
 }
 
 impl Arch {
     /// Every supported architecture.
-    pub const ALL: &[Arch] = &[Arch::Llama, Arch::Qwen2, Arch::Gemma3];
+    pub const ALL: &[Arch] = &[
+        Arch::Llama,
+        Arch::Qwen2,
+        Arch::Gemma3,
+        Arch::Qwen3,
+        Arch::Qwen3Moe,
+    ];
 
     pub fn from_gguf(name: &str) -> Option<Arch> {
         Arch::ALL.iter().copied().find(|a| a.gguf_name() == name)
@@ -27,13 +36,24 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Gemma3 => "gemma3",
+            Arch::Qwen3 => "qwen3",
+            Arch::Qwen3Moe => "qwen3moe",
         }
     }
 
-    /// Gemma's extra norms: of each Q and K head before rotary embedding, and of the attention
-    /// and FFN outputs before they join the residual.
-    pub fn gemma_norms(self) -> bool {
+    /// An RMS norm of each Q and K head before rotary embedding.
+    pub fn qk_norm(self) -> bool {
+        matches!(self, Arch::Gemma3 | Arch::Qwen3 | Arch::Qwen3Moe)
+    }
+
+    /// Gemma's norms of the attention and FFN outputs before they join the residual.
+    pub fn post_norms(self) -> bool {
         matches!(self, Arch::Gemma3)
+    }
+
+    /// Whether the FFN is a mixture of experts.
+    pub fn moe(self) -> bool {
+        matches!(self, Arch::Qwen3Moe)
     }
 
     /// Whether Q, K and V carry biases.
@@ -46,7 +66,7 @@ impl Arch {
     pub fn rope(self) -> Rope {
         match self {
             Arch::Llama => Rope::Adjacent,
-            Arch::Qwen2 | Arch::Gemma3 => Rope::Halves,
+            Arch::Qwen2 | Arch::Gemma3 | Arch::Qwen3 | Arch::Qwen3Moe => Rope::Halves,
         }
     }
 
@@ -68,6 +88,15 @@ pub struct SlidingWindow {
     pub rope_theta: f32,
 }
 
+/// A mixture of experts in place of the dense FFN (Qwen3's): a router scores every expert, the
+/// `used` best by softmax run, and their outputs are summed with the softmax weights renormalized
+/// over those chosen (llama.cpp's `build_moe_ffn` with `norm_w`, the softmax gating).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Moe {
+    pub experts: usize,
+    pub used: usize,
+}
+
 /// Which dimensions of a head rotary embedding rotates together.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Rope {
@@ -86,14 +115,18 @@ pub struct ModelConfig {
     pub n_heads: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
+    /// The FFN's width (of one expert, in a mixture of experts).
     pub ffn: usize,
     pub vocab: usize,
     pub rope_theta: f32,
+    /// Per rotated pair, the factor its angle is divided by (Llama 3's `rope_freqs.weight`).
+    pub rope_freq_factors: Option<Vec<f32>>,
     pub context_len: usize,
     pub rms_eps: f32,
     /// Token embeddings are scaled by `sqrt(hidden)` (Gemma).
     pub embed_scale: Option<f32>,
     pub sliding_window: Option<SlidingWindow>,
+    pub moe: Option<Moe>,
 }
 
 impl ModelConfig {
@@ -165,6 +198,23 @@ impl ModelConfig {
             .is_some_and(|w| w.window == 0 || w.pattern == 0)
         {
             return Err("the sliding window and its layer pattern must be positive".into());
+        }
+        if let Some(m) = self.moe
+            && (m.used == 0 || m.used > m.experts)
+        {
+            return Err(format!(
+                "expert_used_count {} must be between 1 and expert_count {}",
+                m.used, m.experts
+            ));
+        }
+        if let Some(f) = &self.rope_freq_factors
+            && f.len() != self.head_dim / 2
+        {
+            return Err(format!(
+                "rope_freqs.weight has {} factors for heads of {} dimensions",
+                f.len(),
+                self.head_dim
+            ));
         }
         Ok(())
     }

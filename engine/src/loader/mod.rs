@@ -16,11 +16,17 @@ use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
 use crate::kernels::{QMatrix, RawWeights};
-use crate::model::{Arch, GemmaNorms, LayerWeights, ModelConfig, SlidingWindow, Weights};
+use crate::model::{
+    Arch, Expert, Ffn, LayerWeights, ModelConfig, MoeWeights, PostNorms, QkNorm, Weights,
+};
 use crate::quant::{
     BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ5K, BlockQ6K, BlockQ8_0, QK, quantize_row_q8_0,
 };
 use tandem_tokenizer::Tokenizer;
+
+mod config;
+
+use config::read_config;
 
 /// The SHA-256 of a model's weights file: the KV wire format carries it, so KV computed by
 /// one model is never used by another.
@@ -147,6 +153,18 @@ fn read_header(bytes: Bytes<'_>, path: &Path) -> Result<(Content, ModelConfig, T
     Ok((content, config, tokenizer))
 }
 
+/// The tokenizer of a GGUF file, read from its metadata alone (llama.cpp's vocabulary-only
+/// files have no tensors).
+pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
+    let (file, _) = open_fingerprinted(path)?;
+    let content = Bytes::File(&file)
+        .header()
+        .map_err(|e| Error::invalid_model(path, format!("cannot parse the GGUF header: {e}")))?;
+    let spec = crate::tokenizer_gguf::spec_from_gguf(&content.metadata)
+        .map_err(|e| Error::invalid_model(path, e.to_string()))?;
+    Tokenizer::new(spec).map_err(|e| Error::invalid_model(path, e.to_string()))
+}
+
 /// A GGUF file's configuration, tokenizer and fingerprint, without its weights (a simulated
 /// model's).
 pub fn load_header(path: &Path) -> Result<(ModelConfig, Tokenizer, ModelFingerprint)> {
@@ -161,12 +179,13 @@ fn load(bytes: Bytes<'_>, fingerprint: ModelFingerprint, path: &Path) -> Result<
         path: path.to_path_buf(),
         source,
     };
-    let (content, config, tokenizer) = read_header(bytes, path)?;
+    let (content, mut config, tokenizer) = read_header(bytes, path)?;
     let arch = config.arch;
     let reader = TensorReader {
         content: &content,
         bytes,
         path,
+        read: Default::default(),
     };
     // Check that every tensor lies inside the file before reading any of them, so a
     // truncated file is reported as such.
@@ -179,46 +198,13 @@ fn load(bytes: Bytes<'_>, fingerprint: ModelFingerprint, path: &Path) -> Result<
             )));
         }
     }
-    let (h, kv) = (config.hidden, config.n_kv_heads * config.head_dim);
+    let h = config.hidden;
     let layers = (0..config.n_layers)
-        .map(|i| {
-            let t = |n: &str| format!("blk.{i}.{n}.weight");
-            let q = config.n_heads * config.head_dim;
-            let qkv = [(t("attn_q"), q), (t("attn_k"), kv), (t("attn_v"), kv)];
-            let gate_up = [(t("ffn_gate"), config.ffn), (t("ffn_up"), config.ffn)];
-            let b = |n: &str| format!("blk.{i}.{n}.bias");
-            let qkv_bias = match arch.qkv_bias() {
-                true => Some(
-                    [
-                        reader.vector(&b("attn_q"), config.n_heads * config.head_dim)?,
-                        reader.vector(&b("attn_k"), kv)?,
-                        reader.vector(&b("attn_v"), kv)?,
-                    ]
-                    .concat(),
-                ),
-                false => None,
-            };
-            let gemma = match arch.gemma_norms() {
-                true => Some(GemmaNorms {
-                    q: reader.vector(&t("attn_q_norm"), config.head_dim)?,
-                    k: reader.vector(&t("attn_k_norm"), config.head_dim)?,
-                    post_attn: reader.vector(&t("post_attention_norm"), h)?,
-                    post_ffn: reader.vector(&t("post_ffw_norm"), h)?,
-                }),
-                false => None,
-            };
-            Ok(LayerWeights {
-                attn_norm: reader.vector(&t("attn_norm"), h)?,
-                wqkv: reader.stack(&qkv, h)?,
-                qkv_bias,
-                gemma,
-                wo: reader.matrix(&t("attn_output"), h, config.n_heads * config.head_dim)?,
-                ffn_norm: reader.vector(&t("ffn_norm"), h)?,
-                w_gate_up: reader.stack(&gate_up, h)?,
-                w_down: reader.matrix(&t("ffn_down"), h, config.ffn)?,
-            })
-        })
+        .map(|i| layer_weights(&reader, &config, i))
         .collect::<Result<Vec<_>>>()?;
+    if arch == Arch::Llama && content.tensor_infos.contains_key("rope_freqs.weight") {
+        config.rope_freq_factors = Some(reader.vector("rope_freqs.weight", config.head_dim / 2)?);
+    }
     let embed = reader.matrix("token_embd.weight", config.vocab, h)?;
     let output = match content.tensor_infos.contains_key("output.weight") {
         true => Some(reader.matrix("output.weight", config.vocab, h)?),
@@ -230,6 +216,7 @@ fn load(bytes: Bytes<'_>, fingerprint: ModelFingerprint, path: &Path) -> Result<
         output_norm: reader.vector("output_norm.weight", h)?,
         layers,
     };
+    reader.refuse_unread(arch)?;
     Ok(LoadedModel {
         config,
         weights,
@@ -238,74 +225,83 @@ fn load(bytes: Bytes<'_>, fingerprint: ModelFingerprint, path: &Path) -> Result<
     })
 }
 
-fn read_config(arch: Arch, content: &Content, path: &Path) -> Result<ModelConfig> {
-    let md = &content.metadata;
-    let bad = |reason: String| Error::invalid_model(path, reason);
-    let key = |name: &str| format!("{}.{name}", arch.gguf_name());
-    let get_u = |name: &str| -> Result<usize> {
-        let key = key(name);
-        md.get(&key)
-            .ok_or_else(|| bad(format!("metadata {key} is missing")))?
-            .to_u32()
-            .map(|v| v as usize)
-            .map_err(|e| bad(format!("metadata {key}: {e}")))
+/// Layer `i`'s weights, as `config`'s architecture has them.
+fn layer_weights(
+    reader: &TensorReader<'_>,
+    config: &ModelConfig,
+    i: usize,
+) -> Result<LayerWeights> {
+    let arch = config.arch;
+    let (h, q, kv) = (config.hidden, config.q_dim(), config.kv_dim());
+    let t = |n: &str| format!("blk.{i}.{n}.weight");
+    let b = |n: &str| format!("blk.{i}.{n}.bias");
+    let qkv = [(t("attn_q"), q), (t("attn_k"), kv), (t("attn_v"), kv)];
+    let qkv_bias = match arch.qkv_bias() {
+        true => Some(
+            [
+                reader.vector(&b("attn_q"), q)?,
+                reader.vector(&b("attn_k"), kv)?,
+                reader.vector(&b("attn_v"), kv)?,
+            ]
+            .concat(),
+        ),
+        false => None,
     };
-    let get_f = |name: &str, default: f32| -> Result<f32> {
-        let key = key(name);
-        md.get(&key).map_or(Ok(default), |v| {
-            v.to_f32().map_err(|e| bad(format!("metadata {key}: {e}")))
-        })
-    };
-    let hidden = get_u("embedding_length")?;
-    let n_heads = get_u("attention.head_count")?;
-    let n_kv_heads = get_u("attention.head_count_kv").unwrap_or(n_heads);
-    let head_dim = match md.contains_key(&key("attention.key_length")) {
-        true => get_u("attention.key_length")?,
-        false => hidden.checked_div(n_heads).unwrap_or(0),
-    };
-    if md.contains_key(&key("attention.value_length"))
-        && get_u("attention.value_length")? != head_dim
-    {
-        return Err(bad(
-            "keys and values of different lengths are not supported".into(),
-        ));
-    }
-    // Gemma 3 states its window but not which layers use it, nor their rotary base: llama.cpp
-    // takes five local layers in six and a base of 10,000 for them; a file that says otherwise
-    // is read.
-    let sliding_window = match (arch, md.contains_key(&key("attention.sliding_window"))) {
-        (Arch::Gemma3, true) => Some(SlidingWindow {
-            window: get_u("attention.sliding_window")?,
-            pattern: match md.contains_key(&key("attention.sliding_window_pattern")) {
-                true => get_u("attention.sliding_window_pattern")?,
-                false => 6,
-            },
-            rope_theta: get_f("rope.freq_base_swa", 10_000.0)?,
+    let qk_norm = match arch.qk_norm() {
+        true => Some(QkNorm {
+            q: reader.vector(&t("attn_q_norm"), config.head_dim)?,
+            k: reader.vector(&t("attn_k_norm"), config.head_dim)?,
         }),
-        _ => None,
+        false => None,
     };
-    let vocab = content
-        .tensor_infos
-        .get("token_embd.weight")
-        .map(|t| t.shape.dims()[0])
-        .ok_or_else(|| bad("tensor token_embd.weight is missing".into()))?;
-    let config = ModelConfig {
-        arch,
-        n_layers: get_u("block_count")?,
-        hidden,
-        n_heads,
-        n_kv_heads,
-        head_dim,
-        ffn: get_u("feed_forward_length")?,
-        vocab,
-        rope_theta: get_f("rope.freq_base", 10_000.0)?,
-        context_len: get_u("context_length")?,
-        rms_eps: get_f("attention.layer_norm_rms_epsilon", 1e-5)?,
-        embed_scale: (arch == Arch::Gemma3).then(|| (hidden as f32).sqrt()),
-        sliding_window,
+    let post_norms = match arch.post_norms() {
+        true => Some(PostNorms {
+            attn: reader.vector(&t("post_attention_norm"), h)?,
+            ffn: reader.vector(&t("post_ffw_norm"), h)?,
+        }),
+        false => None,
     };
-    config.validate().map_err(bad)?;
-    Ok(config)
+    let ffn = match config.moe {
+        None => Ffn::Dense {
+            gate_up: reader.stack(&[(t("ffn_gate"), config.ffn), (t("ffn_up"), config.ffn)], h)?,
+            down: reader.matrix(&t("ffn_down"), h, config.ffn)?,
+        },
+        Some(moe) => {
+            let (n, f) = (moe.experts, config.ffn);
+            let experts = (0..n)
+                .map(|e| {
+                    let part = |name: &str, rows: usize, cols: usize| Slice {
+                        name: t(name),
+                        dims: vec![n, rows, cols],
+                        rows: e * rows..(e + 1) * rows,
+                    };
+                    Ok(Expert {
+                        gate_up: reader.stack_slices(
+                            &[part("ffn_gate_exps", f, h), part("ffn_up_exps", f, h)],
+                            h,
+                        )?,
+                        down: reader.stack_slices(&[part("ffn_down_exps", h, f)], f)?,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let name = t("ffn_gate_inp");
+            let info = reader.info(&name, &[n, h])?;
+            Ffn::Moe(MoeWeights {
+                router: reader.f32_values(&name, info)?,
+                experts,
+            })
+        }
+    };
+    Ok(LayerWeights {
+        attn_norm: reader.vector(&t("attn_norm"), h)?,
+        wqkv: reader.stack(&qkv, h)?,
+        qkv_bias,
+        qk_norm,
+        post_norms,
+        wo: reader.matrix(&t("attn_output"), h, q)?,
+        ffn_norm: reader.vector(&t("ffn_norm"), h)?,
+        ffn,
+    })
 }
 
 /// Rows of a matrix read and repacked at a time: a multiple of the packed groups' 16 rows,
@@ -316,6 +312,16 @@ struct TensorReader<'a> {
     content: &'a Content,
     bytes: Bytes<'a>,
     path: &'a Path,
+    /// The names of the tensors read so far.
+    read: std::cell::RefCell<std::collections::HashSet<String>>,
+}
+
+/// Rows `rows` of tensor `name` (of shape `dims`), seen as a matrix of its last dimension's
+/// width: one expert of a stacked expert tensor, or a whole 2-D tensor.
+struct Slice {
+    name: String,
+    dims: Vec<usize>,
+    rows: std::ops::Range<usize>,
 }
 
 impl TensorReader<'_> {
@@ -332,7 +338,27 @@ impl TensorReader<'_> {
             .saturating_add(size)
     }
 
+    /// A file's tensor that no part of the model read changes its arithmetic in a way the
+    /// engine does not apply: the file is refused, naming it, rather than served wrong.
+    fn refuse_unread(&self, arch: Arch) -> Result<()> {
+        let read = self.read.borrow();
+        let mut unread: Vec<&String> = (self.content.tensor_infos.keys())
+            .filter(|n| !read.contains(*n))
+            .collect();
+        unread.sort();
+        match unread.first() {
+            None => Ok(()),
+            Some(first) => Err(self.bad(format!(
+                "tensor {first} is not applied by this engine's {} architecture ({} such \
+                 tensors); refusing the file rather than serving it wrong",
+                arch.gguf_name(),
+                unread.len()
+            ))),
+        }
+    }
+
     fn info(&self, name: &str, dims: &[usize]) -> Result<&TensorInfo> {
+        self.read.borrow_mut().insert(name.to_string());
         let info = self
             .content
             .tensor_infos
@@ -406,30 +432,43 @@ impl TensorReader<'_> {
         self.stack(&[(name.to_string(), rows)], cols)
     }
 
-    /// Matrices of one width (name, rows) stacked into one, each keeping its block type, read
-    /// and repacked [`CHUNK_ROWS`] rows at a time.
+    /// Matrices of one width (name, rows) stacked into one, each keeping its block type.
     fn stack(&self, parts: &[(String, usize)], cols: usize) -> Result<QMatrix> {
+        let slices: Vec<Slice> = (parts.iter())
+            .map(|(name, rows)| Slice {
+                name: name.clone(),
+                dims: vec![*rows, cols],
+                rows: 0..*rows,
+            })
+            .collect();
+        self.stack_slices(&slices, cols)
+    }
+
+    /// Slices of one width stacked into one matrix, each keeping its block type, read and
+    /// repacked [`CHUNK_ROWS`] rows at a time.
+    fn stack_slices(&self, parts: &[Slice], cols: usize) -> Result<QMatrix> {
         let infos = parts
             .iter()
-            .map(|(name, rows)| {
-                let info = self.info(name, &[*rows, cols])?;
+            .map(|s| {
+                let info = self.info(&s.name, &s.dims)?;
                 let block = info.ggml_dtype.block_size();
                 if !cols.is_multiple_of(block) {
                     return Err(self.bad(format!(
-                        "tensor {name}: rows of {cols} values are not whole {:?} blocks of {block}",
-                        info.ggml_dtype
+                        "tensor {}: rows of {cols} values are not whole {:?} blocks of {block}",
+                        s.name, info.ggml_dtype
                     )));
                 }
-                Ok((name.as_str(), *rows, info))
+                Ok((s, info))
             })
             .collect::<Result<Vec<_>>>()?;
         QMatrix::build(
             cols,
-            infos.into_iter().map(|(name, rows, info)| {
-                let chunks = (0..rows).step_by(CHUNK_ROWS);
+            infos.into_iter().map(|(s, info)| {
+                let (first, end) = (s.rows.start, s.rows.end);
+                let chunks = (first..end).step_by(CHUNK_ROWS);
                 let read =
-                    move |r0: usize| self.rows(name, info, r0..(r0 + CHUNK_ROWS).min(rows), cols);
-                (rows, chunks.map(read))
+                    move |r0: usize| self.rows(&s.name, info, r0..(r0 + CHUNK_ROWS).min(end), cols);
+                (s.rows.len(), chunks.map(read))
             }),
         )
     }
