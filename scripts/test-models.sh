@@ -17,7 +17,8 @@
 #                                        15-20 minutes once), check that llama-quantize's Q8_0
 #                                        tensors equal the generator's, make the Q4_K_M files
 #                                        with llama-quantize, remake llama.cpp's references for
-#                                        both, and run the fidelity tests on all six files
+#                                        both and Hugging Face's renderings of the chat
+#                                        templates, and run the fidelity tests on all six files
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -93,4 +94,6 @@ EOF
   rm -f "$out/$n.f32.gguf" "$out/$n.llama-q8_0.gguf"
 done
 "$venv/bin/python" scripts/llama_reference.py --server "$bin/llama-server" --models "$out" --out "$refs"
+"$venv/bin/pip" install -q jinja2
+"$venv/bin/python" scripts/template_reference.py --vocab-dir "$vocab" --out "$refs/templates.json"
 TANDEM_TEST_MODELS_DIR=$out cargo test --release -p tandem-engine --test synthetic -- --include-ignored --nocapture

@@ -146,7 +146,7 @@ pub fn gguf_image() -> Result<Vec<u8>> {
     gguf_image_of(Arch::Llama)
 }
 
-fn gguf_image_of(arch: Arch) -> Result<Vec<u8>> {
+pub(crate) fn gguf_image_of(arch: Arch) -> Result<Vec<u8>> {
     build_image(arch).map_err(|e| Error::invalid_model(name(arch), e.to_string()))
 }
 

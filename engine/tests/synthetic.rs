@@ -253,3 +253,40 @@ fn qwen3moe_q4_k_m_agrees_with_llama_cpp() {
 fn llama3_q4_k_m_agrees_with_llama_cpp() {
     agrees_with_llama_cpp("llama3.q4_k_m");
 }
+
+/// Qwen3's and Llama 3.1's chat templates, as their files ship them, render conversations
+/// (a reasoning turn, a tool round trip) to the text Hugging Face's `apply_chat_template`
+/// renders (`scripts/template_reference.py`, in `tests/data/synthetic/templates.json`).
+#[test]
+fn chat_templates_render_as_hugging_face_renders_them() {
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/synthetic/templates.json");
+    let all: Value =
+        serde_json::from_str(&std::fs::read_to_string(path).expect("templates")).expect("json");
+    for (model, file) in [("qwen3", "qwen3.q8_0"), ("llama3", "llama3.q8_0")] {
+        let tokenizer =
+            load_tokenizer(&models_dir().join(format!("{file}.gguf"))).expect("tokenizer");
+        let bos = tokenizer.encode("").expect("encode");
+        for conv in all[model].as_array().expect("conversations") {
+            let name = conv["name"].as_str().expect("name");
+            let messages: Vec<tandem_engine::ChatMessage> =
+                serde_json::from_value(conv["messages"].clone()).expect("messages");
+            let tools = conv["tools"].as_array().expect("tools");
+            let ours = tokenizer
+                .apply_chat_template(&messages, tools)
+                .expect("render");
+            assert_eq!(
+                ours,
+                conv["rendered"].as_str().expect("rendered"),
+                "{model}: {name}"
+            );
+            // Encoded, it opens with one BOS, not two.
+            let ids = tokenizer.encode(&ours).expect("encode");
+            assert_eq!(
+                ids.iter().take_while(|&&t| Some(&t) == bos.first()).count(),
+                bos.len(),
+                "{model}: {name}"
+            );
+        }
+    }
+}

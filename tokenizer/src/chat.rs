@@ -113,6 +113,9 @@ impl Template {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
+        // Templates are written for Python's Jinja: `content.startswith(...)`,
+        // `content.split(...)`, `text.strip()` and the like (Qwen3's, Llama 3.1's).
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> Result<String, _> {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
         });

@@ -296,11 +296,14 @@ impl Tokenizer {
         Ok(())
     }
 
-    /// BOS if the model asks for it, in a vector sized for `text`'s ids.
+    /// BOS if the model asks for it, in a vector sized for `text`'s ids; not a second one where
+    /// `text` opens with it (a chat template that writes `bos_token` itself, as Llama 3's does:
+    /// llama.cpp drops the rendered one instead, to the same ids).
     fn first_ids(&self, text: &str) -> Vec<u32> {
         let mut ids = Vec::with_capacity(text.len() / 3 + 2);
         if self.header.add_bos
             && let Some(bos) = self.header.bos_id
+            && !(text.starts_with(self.token_text(bos)) && !self.token_text(bos).is_empty())
         {
             ids.push(bos);
         }

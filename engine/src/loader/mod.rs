@@ -532,3 +532,6 @@ impl TensorReader<'_> {
         Ok(RawWeights::Q8_0(blocks))
     }
 }
+
+#[cfg(test)]
+mod tests;
