@@ -68,13 +68,13 @@ MODELS = {
 BENCH = {
     "qwen3moe-30b-a3b-shapes": dict(
         arch="qwen3moe", vocab="qwen2", template="Qwen-Qwen3-0.6B.jinja",
-        layers=4, hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn=6144,
+        layers=2, hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn=6144,
         experts=128, experts_used=8, expert_ffn=768,
         rope_theta=1_000_000.0, eps=1e-6, tied=False,
     ),
     "qwen3-8b-shapes": dict(
         arch="qwen3", vocab="qwen2", template="Qwen-Qwen3-0.6B.jinja",
-        layers=4, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=12288,
+        layers=2, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=12288,
         rope_theta=1_000_000.0, eps=1e-6, tied=False,
     ),
 }

@@ -25,7 +25,8 @@ use crate::serve::{Policy, Switch, shutdown_signal};
 #[derive(Args, Debug)]
 pub(crate) struct UpArgs {
     /// The models to serve: each a catalog name (`default` is Qwen2.5-Coder-0.5B-Instruct;
-    /// `tandem model list` lists the rest), `tiny` (`tiny-qwen2`, `tiny-gemma3`) or a GGUF path.
+    /// `tandem model list` lists the rest), `tiny` (`tiny-qwen2`, `tiny-gemma3`, `tiny-qwen3`,
+    /// `tiny-qwen3moe`) or a GGUF path.
     /// Repeat the flag (or separate with commas) for several: each model gets `--prefill` and
     /// `--decode` nodes of its own, requests pick one by its id (`GET /v1/models`), and the
     /// first is the default for requests that name none.

@@ -74,8 +74,8 @@ impl ModelSource {
     /// The built-in tiny llama model, what the fast tests run.
     pub const TINY: ModelSource = ModelSource::Tiny(Arch::Llama);
 
-    /// Parses a `--model` value: `tiny` (or `tiny-qwen2`, `tiny-gemma3`), a name from the
-    /// [`catalog`] (`default` among them), or a path.
+    /// Parses a `--model` value: `tiny` (or `tiny-qwen2`, `tiny-gemma3`, `tiny-qwen3`,
+    /// `tiny-qwen3moe`), a name from the [`catalog`] (`default` among them), or a path.
     pub fn parse(spec: &str, model_dir: &Path) -> Self {
         if let Some(&arch) = Arch::ALL.iter().find(|&&a| tiny::name(a) == spec) {
             return ModelSource::Tiny(arch);
