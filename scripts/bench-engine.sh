@@ -5,7 +5,9 @@
 # batch-16 aggregate is reported beside them.
 #
 # Usage: scripts/bench-engine.sh [ROUNDS] [MODEL...]
-#   (default 3 rounds; models by catalog name, default qwen2.5-coder-0.5b; each is fetched first)
+#   (default 3 rounds; models by catalog name, default qwen2.5-coder-0.5b, each fetched first,
+#   or by the path of a GGUF file, e.g. the Qwen3 and Qwen3-30B-A3B shapes that
+#   `scripts/make_test_models.py --bench` makes)
 # Env: TANDEM (the binary, default target/release/tandem), LLAMA_BENCH (default the one
 #   ../shared/tools/build-llamacpp.sh builds).
 # Results: target/bench-engine/<model>.<system>.<round>.json and a table of medians on stdout.
@@ -24,8 +26,10 @@ llama=${LLAMA_BENCH:-$HOME/.cache/tandem-peer/build/bin/llama-bench}
 out=target/bench-engine
 mkdir -p "$out"
 echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-)" >&2
+names=()
 for model in "${models[@]}"; do
-  gguf=$("$tandem" model fetch "$model")
+  if [ -f "$model" ]; then gguf=$model; model=$(basename "$model" .gguf); else gguf=$("$tandem" model fetch "$model"); fi
+  names+=("$model")
   for round in $(seq 1 "$rounds"); do
     echo "[$model round $round/$rounds] tandem" >&2
     "$bench" engine --model "$gguf" --threads 2 --runs 1 --batch 1,16 --json \
@@ -34,7 +38,7 @@ for model in "${models[@]}"; do
     "$llama" -m "$gguf" -t 2 -p 512 -n 128 -r 1 -o json > "$out/$model.llama.$round.json" 2>/dev/null
   done
 done
-python3 - "$out" "$rounds" "${models[@]}" <<'PY'
+python3 - "$out" "$rounds" "${names[@]}" <<'PY'
 import json, statistics, sys
 out, rounds, models = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 print("| model | llama.cpp pp512 | Tandem prefill 512 | ratio | llama.cpp tg128 | Tandem decode b1 | ratio | Tandem decode b16 | peak RSS MB |")

@@ -131,8 +131,8 @@ impl Template {
         &self,
         messages: &[ChatMessage],
         tools: &[serde_json::Value],
-        bos_token: &str,
-        eos_token: &str,
+        (bos_token, eos_token): (&str, &str),
+        enable_thinking: Option<bool>,
     ) -> Result<String> {
         if messages.is_empty() {
             return Err(Error::InvalidArgument {
@@ -164,6 +164,8 @@ impl Template {
                     add_generation_prompt => true,
                     bos_token => bos_token,
                     eos_token => eos_token,
+                    // Unset stays undefined: a template tests `enable_thinking is defined`.
+                    enable_thinking => enable_thinking.map_or(Value::UNDEFINED, Value::from),
                 })
             })
             .map_err(template_error)
@@ -240,7 +242,7 @@ mod tests {
     ) -> Result<String> {
         Template::new(template.into())
             .map_err(|reason| Error::Template { reason })?
-            .render(messages, tools, bos_token, eos_token)
+            .render(messages, tools, (bos_token, eos_token), None)
     }
 
     fn render_json(template: &str, value: serde_json::Value) -> String {

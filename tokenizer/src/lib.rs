@@ -24,6 +24,7 @@ mod cache;
 mod chat;
 mod error;
 mod pieces;
+mod reasoning;
 mod spm;
 mod tools;
 
@@ -32,6 +33,7 @@ use pieces::Pieces;
 pub use cache::EncodeCache;
 pub use chat::{ChatMessage, FunctionCall, ToolCall};
 pub use error::{Error, Result};
+pub use reasoning::{ReasoningParser, Thought};
 pub use tools::{
     Arguments, BareCalls, CallGrammar, Piece, ToolCallParser, ToolFormat, quoted_lark,
     regex_grammar,
@@ -359,12 +361,19 @@ impl Tokenizer {
             .and_then(ToolFormat::of_template)
     }
 
-    /// Renders `messages`, and the `tools` offered (OpenAI tool definitions; none is `&[]`),
-    /// with the model's chat template and a generation prompt.
-    pub fn apply_chat_template(
+    /// Whether the chat template writes a `<think>` block (Qwen3's): its replies open with their
+    /// reasoning ([`ReasoningParser`]), and `enable_thinking` switches it.
+    pub fn thinks(&self) -> bool {
+        (self.header.chat_template.as_deref()).is_some_and(|t| t.contains("<think>"))
+    }
+
+    /// [`Tokenizer::apply_chat_template`] with the template's `enable_thinking` set (Qwen3's
+    /// switch; `None` leaves the template's default), as Hugging Face's template kwargs set it.
+    pub fn apply_chat_template_thinking(
         &self,
         messages: &[ChatMessage],
         tools: &[serde_json::Value],
+        enable_thinking: Option<bool>,
     ) -> Result<String> {
         let template = self.template.as_ref().map_err(|reason| Error::Template {
             reason: reason.clone(),
@@ -373,9 +382,19 @@ impl Tokenizer {
         template.render(
             messages,
             tools,
-            text(self.header.bos_id),
-            text(self.header.eos_id),
+            (text(self.header.bos_id), text(self.header.eos_id)),
+            enable_thinking,
         )
+    }
+
+    /// Renders `messages`, and the `tools` offered (OpenAI tool definitions; none is `&[]`),
+    /// with the model's chat template and a generation prompt.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[serde_json::Value],
+    ) -> Result<String> {
+        self.apply_chat_template_thinking(messages, tools, None)
     }
 }
 

@@ -84,7 +84,7 @@ pub fn render(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Result<Rendered
     })?;
     let free = |messages: &[ChatMessage]| -> Result<Rendered> {
         Ok(Rendered {
-            text: tokenizer.apply_chat_template(messages, &[])?,
+            text: tokenizer.apply_chat_template_thinking(messages, &[], r.enable_thinking)?,
             tool_grammar: None,
         })
     };
@@ -114,7 +114,8 @@ pub fn render(tokenizer: &Tokenizer, r: &pb::GenerateRequest) -> Result<Rendered
     let Some(forced) = reply_start(format, choice, function) else {
         return free(&messages);
     };
-    let text = tokenizer.apply_chat_template(&messages, &tools)? + &forced;
+    let text =
+        tokenizer.apply_chat_template_thinking(&messages, &tools, r.enable_thinking)? + &forced;
     let grammars: Vec<CallGrammar<'_>> = r
         .tools
         .iter()

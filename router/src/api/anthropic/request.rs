@@ -5,9 +5,7 @@
 //! Accepted and ignored, because ignoring them changes no output:
 //! - `cache_control` on any block or tool: Tandem's prefix cache is automatic, and every
 //!   prompt's blocks are kept and reused without breakpoints;
-//! - `thinking` (`enabled` with a `budget_tokens`, `adaptive`, `disabled`): the budget is a
-//!   ceiling, and the models Tandem serves answer without an extended-thinking phase, so the
-//!   reply has no `thinking` blocks;
+//! - `thinking`'s `budget_tokens`: the budget is a ceiling, and `max_tokens` bounds the reply;
 //! - `output_config.effort`, for the same reason: the reply is the model's one way of answering;
 //!   so is a message's own `output_config` (`effort` only), which Claude Code sends on the
 //!   system messages it adds mid-conversation;
@@ -22,6 +20,10 @@
 //!
 //! `output_config.format` (`{"type": "json_schema", "schema"}`) holds the reply to its schema
 //! by grammar, as the OpenAI APIs' structured outputs do.
+//!
+//! `thinking` (`enabled`, `adaptive`, `disabled`) switches a thinking model's reasoning on, to
+//! its default, or off (the chat template's `enable_thinking`); the reasoning comes back as
+//! `thinking` blocks. A model whose template does not think answers as it always does.
 //!
 //! Anthropic's server tools (`web_search_*`, `web_fetch_*`, `code_execution_*`,
 //! `tool_search_tool_*`) are left out, and named in the response's header
@@ -124,7 +126,7 @@ pub(crate) fn parse(
         return Err(ApiError::unsupported(key, "Tandem does not implement it"));
     }
     check_model(&body)?;
-    check_thinking(&body)?;
+    let enable_thinking = thinking(&body)?;
     check_context_management(&body)?;
     let grammar = output_config(&body)?;
     if let Some(speed) = string(&body, "speed")?
@@ -146,6 +148,7 @@ pub(crate) fn parse(
         tool_choice: choice as i32,
         tool_choice_function: function,
         model: model.to_string(),
+        enable_thinking,
         ..Default::default()
     };
     let (stream, max_tokens) = match endpoint {
@@ -311,12 +314,15 @@ fn check_context_management(body: &Map<String, Value>) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// `thinking`: accepted (see the module's doc) when it is one of Anthropic's shapes.
-fn check_thinking(body: &Map<String, Value>) -> Result<(), ApiError> {
+/// `thinking`, one of Anthropic's shapes: whether a thinking model reasons (`adaptive`: its
+/// template's default).
+fn thinking(body: &Map<String, Value>) -> Result<Option<bool>, ApiError> {
     match body.get("thinking") {
-        None | Some(Value::Null) => Ok(()),
+        None | Some(Value::Null) => Ok(None),
         Some(t) => match t.get("type").and_then(Value::as_str) {
-            Some("enabled" | "disabled" | "adaptive") => Ok(()),
+            Some("enabled") => Ok(Some(true)),
+            Some("disabled") => Ok(Some(false)),
+            Some("adaptive") => Ok(None),
             _ => Err(ApiError::invalid(
                 "thinking",
                 "'thinking' must be {\"type\": \"enabled\", \"budget_tokens\": N}, \

@@ -1,7 +1,9 @@
-//! A reply in Anthropic's shapes: its frames become content blocks (`text`, `tool_use`) and
-//! the stream's events (`content_block_start`, `content_block_delta` with `text_delta` or
-//! `input_json_delta`, `content_block_stop`, then `message_delta` and `message_stop`); the same
-//! blocks make the whole `message` of a request that does not stream.
+//! A reply in Anthropic's shapes: its frames become content blocks (`thinking`, `text`,
+//! `tool_use`) and the stream's events (`content_block_start`, `content_block_delta` with
+//! `thinking_delta`, `text_delta` or `input_json_delta`, `content_block_stop`, then
+//! `message_delta` and `message_stop`); the same blocks make the whole `message` of a request
+//! that does not stream. A thinking block's `signature` is empty: Tandem signs nothing, and an
+//! earlier turn's thinking is left out of the prompt whatever it carries.
 
 use std::sync::Arc;
 
@@ -23,8 +25,8 @@ pub(super) struct Message {
     /// Every token of the reply (to find the stop sequence that ended it).
     tokens: Vec<u32>,
     blocks: Vec<Value>,
-    /// The text block open, at index `blocks.len()`.
-    text: Option<String>,
+    /// The text or thinking block open, at index `blocks.len()`, and its text.
+    open: Option<(Streamed, String)>,
     /// The prompt's length in tokens, as known when the message starts.
     prompt_tokens: u32,
     /// The last frame's stop reason, stop sequence and usage, once it came.
@@ -46,7 +48,7 @@ impl Message {
             stops,
             tokens: Vec::new(),
             blocks: Vec::new(),
-            text: None,
+            open: None,
             prompt_tokens,
             end: None,
         }
@@ -73,7 +75,7 @@ impl Message {
             self.part(part, &mut events);
         }
         if last {
-            self.close_text(&mut events);
+            self.close_open(&mut events);
             let (reason, sequence, usage) = self.ending(f);
             events.push(json!({
                 "type": "message_delta",
@@ -88,30 +90,15 @@ impl Message {
 
     fn part(&mut self, part: Part, events: &mut Vec<Value>) {
         match part {
-            Part::Text(t) => {
-                let index = self.blocks.len();
-                let open = self.text.get_or_insert_with(|| {
-                    events.push(json!({
-                        "type": "content_block_start",
-                        "index": index,
-                        "content_block": {"type": "text", "text": ""},
-                    }));
-                    String::new()
-                });
-                open.push_str(&t);
-                events.push(json!({
-                    "type": "content_block_delta",
-                    "index": index,
-                    "delta": {"type": "text_delta", "text": t},
-                }));
-            }
+            Part::Reasoning(t) => self.stream(Streamed::Thinking, t, events),
+            Part::Text(t) => self.stream(Streamed::Text, t, events),
             Part::Call {
                 id,
                 name,
                 arguments,
                 ..
             } => {
-                self.close_text(events);
+                self.close_open(events);
                 let index = self.blocks.len();
                 events.push(json!({
                     "type": "content_block_start",
@@ -132,10 +119,32 @@ impl Message {
         }
     }
 
-    fn close_text(&mut self, events: &mut Vec<Value>) {
-        if let Some(text) = self.text.take() {
+    /// `t` added to the open block of `kind`, opening one (and closing another kind's) first.
+    fn stream(&mut self, kind: Streamed, t: String, events: &mut Vec<Value>) {
+        if self.open.as_ref().is_some_and(|(k, _)| *k != kind) {
+            self.close_open(events);
+        }
+        let index = self.blocks.len();
+        let (_, text) = self.open.get_or_insert_with(|| {
+            events.push(json!({
+                "type": "content_block_start",
+                "index": index,
+                "content_block": kind.block(""),
+            }));
+            (kind, String::new())
+        });
+        text.push_str(&t);
+        let delta = match kind {
+            Streamed::Text => json!({"type": "text_delta", "text": t}),
+            Streamed::Thinking => json!({"type": "thinking_delta", "thinking": t}),
+        };
+        events.push(json!({"type": "content_block_delta", "index": index, "delta": delta}));
+    }
+
+    fn close_open(&mut self, events: &mut Vec<Value>) {
+        if let Some((kind, text)) = self.open.take() {
             events.push(stop_block(self.blocks.len()));
-            self.blocks.push(json!({"type": "text", "text": text}));
+            self.blocks.push(kind.block(&text));
         }
     }
 
@@ -192,6 +201,22 @@ impl Events for Message {
 
     fn error(&mut self, e: &ApiError) -> Value {
         e.body_in(Shape::Anthropic)
+    }
+}
+
+/// The kinds of block whose text streams.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Streamed {
+    Text,
+    Thinking,
+}
+
+impl Streamed {
+    fn block(self, text: &str) -> Value {
+        match self {
+            Streamed::Text => json!({"type": "text", "text": text}),
+            Streamed::Thinking => json!({"type": "thinking", "thinking": text, "signature": ""}),
+        }
     }
 }
 

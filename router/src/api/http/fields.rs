@@ -284,3 +284,10 @@ pub(crate) fn function_tool(
         input_grammar: String::new(),
     })
 }
+
+/// Whether a thinking model reasons, from a reasoning effort (OpenAI's `reasoning_effort`, the
+/// Responses API's `reasoning.effort`): `none` switches it off; any other effort leaves the
+/// chat template's default (a model thinks or not: its effort is not graded).
+pub(crate) fn thinking_of_effort(effort: Option<&str>) -> Option<bool> {
+    (effort == Some("none")).then_some(false)
+}

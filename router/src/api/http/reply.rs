@@ -1,19 +1,21 @@
-//! A reply as the HTTP APIs show it: its text split into [`Part`]s, text and the tool calls
-//! the model's template markup holds, as the frames arrive; and what every HTTP API asks of the
-//! frames (the next one, the stop sequence that ended a reply).
+//! A reply as the HTTP APIs show it: its text split into [`Part`]s, as the frames arrive: the
+//! reasoning a thinking model opens with, then text and the tool calls the model's template
+//! markup holds (the reasoning never reaches the tool-call parser); and what every HTTP API asks
+//! of the frames (the next one, the stop sequence that ended a reply).
 
 use std::collections::HashMap;
 
 use serde_json::Value;
 use tandem_proto::v1 as pb;
-use tandem_tokenizer::{BareCalls, Piece, Tokenizer, ToolCallParser};
+use tandem_tokenizer::{BareCalls, Piece, ReasoningParser, Thought, Tokenizer, ToolCallParser};
 use tonic::Code;
 
 use crate::api::http::error::ApiError;
 use crate::dispatch::GenerateStream;
 
-/// One part of a reply: text, or a tool call with its index among the reply's calls.
+/// One part of a reply: reasoning, text, or a tool call with its index among the reply's calls.
 pub(crate) enum Part {
+    Reasoning(String),
     Text(String),
     Call {
         index: usize,
@@ -26,6 +28,8 @@ pub(crate) enum Part {
 /// A reply split into [`Part`]s as its text arrives: all text, or, for a chat that offered
 /// tools, text and the calls its template's markup holds.
 pub(crate) struct Reply {
+    /// For a chat whose template thinks: the reasoning split off first.
+    reasoning: Option<ReasoningParser>,
     parser: Option<ToolCallParser>,
     /// False: calls after the first are dropped (`parallel_tool_calls: false`).
     parallel: bool,
@@ -49,7 +53,10 @@ impl Reply {
             0 => format!("call_{request_id}_"),
             c => format!("call_{request_id}_{c}_"),
         };
+        let thinks =
+            !r.messages.is_empty() && tokenizer.thinks() && r.enable_thinking != Some(false);
         Self {
+            reasoning: thinks.then(|| ReasoningParser::new(false)),
             parser: tool_parser(tokenizer, r),
             parallel,
             call_id_prefix,
@@ -59,6 +66,29 @@ impl Reply {
 
     /// The parts `text` completes.
     fn push(&mut self, text: &str) -> Vec<Part> {
+        match &mut self.reasoning {
+            None => self.answer(text),
+            Some(r) => {
+                let thoughts = r.push(text);
+                self.thoughts(thoughts)
+            }
+        }
+    }
+
+    /// The parts of the reasoning and of the answer in `thoughts`.
+    fn thoughts(&mut self, thoughts: Vec<Thought>) -> Vec<Part> {
+        let mut out = Vec::new();
+        for t in thoughts {
+            match t {
+                Thought::Reasoning(r) => out.push(Part::Reasoning(r)),
+                Thought::Answer(a) => out.extend(self.answer(&a)),
+            }
+        }
+        out
+    }
+
+    /// The parts `text`, of the answer, completes.
+    fn answer(&mut self, text: &str) -> Vec<Part> {
         match &mut self.parser {
             None if text.is_empty() => Vec::new(),
             None => vec![Part::Text(text.to_string())],
@@ -80,10 +110,14 @@ impl Reply {
 
     /// The parts still held when the reply ends.
     fn finish(&mut self) -> Vec<Part> {
-        match self.parser.take() {
+        let mut out = match self.reasoning.take() {
             None => Vec::new(),
-            Some(p) => self.parts(p.finish()),
+            Some(r) => self.thoughts(r.finish()),
+        };
+        if let Some(p) = self.parser.take() {
+            out.extend(self.parts(p.finish()));
         }
+        out
     }
 
     /// Whether the reply called a tool.
@@ -186,9 +220,114 @@ pub(crate) fn stop_sequence<'a>(
 
 #[cfg(test)]
 mod tests {
-    use tandem_tokenizer::ToolFormat;
+    use tandem_tokenizer::{TokenizerSpec, ToolFormat, byte_level_chars};
 
     use super::*;
+
+    /// A byte-level tokenizer whose template thinks (a `<think>` block) and takes tools in
+    /// Hermes markup, as Qwen3's does.
+    fn thinking_tokenizer() -> Tokenizer {
+        let tokens: Vec<String> = byte_level_chars().iter().map(char::to_string).collect();
+        Tokenizer::new(TokenizerSpec {
+            kind: Default::default(),
+            pre: "default".into(),
+            token_types: vec![1; tokens.len()],
+            tokens,
+            scores: Vec::new(),
+            add_space_prefix: false,
+            merges: Vec::new(),
+            bos_id: None,
+            eos_id: None,
+            eot_id: None,
+            add_bos: false,
+            chat_template: Some(
+                "{% if tools %}<tools>{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}\
+                 {% if enable_thinking is defined and enable_thinking is false %}<think>\n\n\
+                 </think>\n\n{% endif %}<tool_call>"
+                    .into(),
+            ),
+        })
+        .expect("tokenizer")
+    }
+
+    /// What the reply `text` (fed in pieces of 3 bytes where they fall on characters) becomes.
+    fn parts_of(tokenizer: &Tokenizer, r: &pb::GenerateRequest, text: &str) -> Vec<String> {
+        let mut reply = Reply::new(tokenizer, r, true, 0);
+        let mut parts = Vec::new();
+        let mut at = 0;
+        while at < text.len() {
+            let mut end = (at + 3).min(text.len());
+            while !text.is_char_boundary(end) {
+                end += 1;
+            }
+            parts.extend(reply.push(&text[at..end]));
+            at = end;
+        }
+        parts.extend(reply.finish());
+        let mut shown: Vec<String> = Vec::new();
+        for p in parts {
+            let (kind, body) = match p {
+                Part::Reasoning(t) => ("reasoning", t),
+                Part::Text(t) => ("text", t),
+                Part::Call {
+                    name, arguments, ..
+                } => ("call", format!("{name} {arguments}")),
+            };
+            match shown.last_mut() {
+                Some(last) if last.starts_with(kind) && kind != "call" => last.push_str(&body),
+                _ => shown.push(format!("{kind}: {body}")),
+            }
+        }
+        shown
+    }
+
+    #[test]
+    fn a_thinking_models_reasoning_is_split_off_before_its_tool_calls_are_read() {
+        let tokenizer = thinking_tokenizer();
+        let mut r = pb::GenerateRequest {
+            messages: vec![pb::ChatMessage {
+                role: "user".into(),
+                content: "Weather?".into(),
+                ..Default::default()
+            }],
+            tools: vec![pb::Tool {
+                name: "get_weather".into(),
+                ..Default::default()
+            }],
+            tool_choice: pb::ToolChoice::Auto as i32,
+            ..Default::default()
+        };
+        let reply = "<think>\nCall it: <tool_call>{\"name\": \"x\"}</tool_call> is the form. é\n\
+                     </think>\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": \
+                     {\"city\": \"Paris\"}}\n</tool_call>";
+        assert_eq!(
+            parts_of(&tokenizer, &r, reply),
+            [
+                "reasoning: Call it: <tool_call>{\"name\": \"x\"}</tool_call> is the form. é",
+                "call: get_weather {\"city\":\"Paris\"}",
+            ]
+        );
+        // Thinking switched off: the template closed the block in the prompt, and a reply is
+        // read as it comes.
+        r.enable_thinking = Some(false);
+        r.tools.clear();
+        assert_eq!(
+            parts_of(&tokenizer, &r, "<think>x</think>y"),
+            ["text: <think>x</think>y"]
+        );
+        let prompt = crate::dispatch::chat::render(&tokenizer, &r)
+            .expect("render")
+            .text;
+        assert!(
+            prompt.ends_with("<think>\n\n</think>\n\n<tool_call>"),
+            "{prompt:?}"
+        );
+        r.enable_thinking = None;
+        let prompt = crate::dispatch::chat::render(&tokenizer, &r)
+            .expect("render")
+            .text;
+        assert!(!prompt.contains("<think>"), "{prompt:?}");
+    }
 
     #[test]
     fn a_bare_call_must_pass_its_tools_schema() {

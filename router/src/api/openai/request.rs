@@ -12,7 +12,7 @@ use tandem_proto::v1 as pb;
 use crate::api::http::error::ApiError;
 use crate::api::http::fields::{
     check_metadata, flag, in_bound, logit_bias, number, parallel_tool_calls, present, stop,
-    token_ids, unsigned,
+    thinking_of_effort, token_ids, unsigned,
 };
 use crate::api::http::{Call, base_sampling, check_model, json_object, string, unknown_key};
 use crate::api::openai::chat::{messages, response_format, tool_choice, tools};
@@ -101,6 +101,8 @@ const CHAT_KEYS: &[&str] = &[
     "service_tier",
     "tools",
     "tool_choice",
+    "reasoning_effort",
+    "chat_template_kwargs",
 ];
 const COMPLETION_KEYS: &[&str] = &["prompt", "echo", "best_of", "suffix"];
 
@@ -172,6 +174,36 @@ fn stream_usage(body: &Map<String, Value>, stream: bool) -> Result<StreamUsage, 
             ));
         }
     })
+}
+
+/// Whether a thinking model reasons: `chat_template_kwargs.enable_thinking` (vLLM's and
+/// llama-server's switch, the template's own variable), else `reasoning_effort` (`none` is off);
+/// `None` leaves the template's default.
+fn enable_thinking(body: &Map<String, Value>) -> Result<Option<bool>, ApiError> {
+    let effort = string(body, "reasoning_effort")?;
+    match body.get("chat_template_kwargs") {
+        None | Some(Value::Null) => Ok(thinking_of_effort(effort.as_deref())),
+        Some(Value::Object(o)) => {
+            if let Some(k) = o.keys().find(|k| *k != "enable_thinking") {
+                return Err(ApiError::unsupported(
+                    &format!("chat_template_kwargs.{k}"),
+                    "only enable_thinking is passed to the template",
+                ));
+            }
+            match o.get("enable_thinking") {
+                None | Some(Value::Null) => Ok(thinking_of_effort(effort.as_deref())),
+                Some(Value::Bool(b)) => Ok(Some(*b)),
+                Some(_) => Err(ApiError::invalid(
+                    "chat_template_kwargs.enable_thinking",
+                    "'enable_thinking' must be a boolean",
+                )),
+            }
+        }
+        Some(_) => Err(ApiError::invalid(
+            "chat_template_kwargs",
+            "'chat_template_kwargs' must be an object",
+        )),
+    }
 }
 
 /// `max_completion_tokens`, else `max_tokens`; 0 when neither is set (the router's default,
@@ -339,6 +371,7 @@ pub(crate) fn parse(
             request.tools = tools(&body, forced)?;
             request.tool_choice = choice as i32;
             request.tool_choice_function = function;
+            request.enable_thinking = enable_thinking(&body)?;
         }
         Kind::Completion => completion_prompt(&body, &mut request)?,
     }

@@ -40,7 +40,7 @@ fn finish_reason(code: i32, called: bool) -> Value {
 /// A tool call in OpenAI's shape, with its index among the reply's calls (a chunk's form).
 fn call_json(part: &Part) -> Option<Value> {
     match part {
-        Part::Text(_) => None,
+        Part::Reasoning(_) | Part::Text(_) => None,
         Part::Call {
             index,
             id,
@@ -291,6 +291,10 @@ impl Envelope {
         match (self.kind, part) {
             (Kind::Chat, None) => choice["delta"] = json!({}),
             (Kind::Chat, Some(Part::Text(t))) => choice["delta"] = json!({"content": t}),
+            // vLLM's and llama-server's field for a thinking model's reasoning.
+            (Kind::Chat, Some(Part::Reasoning(t))) => {
+                choice["delta"] = json!({"reasoning_content": t})
+            }
             (Kind::Chat, Some(call)) => choice["delta"] = json!({"tool_calls": [call_json(call)]}),
             (Kind::Completion, Some(Part::Text(t))) => choice["text"] = json!(t),
             (Kind::Completion, _) => choice["text"] = json!(""),
@@ -342,7 +346,14 @@ impl Envelope {
             .iter()
             .filter_map(|p| match p {
                 Part::Text(t) => Some(t.as_str()),
-                Part::Call { .. } => None,
+                Part::Reasoning(_) | Part::Call { .. } => None,
+            })
+            .collect();
+        let reasoning: String = parts
+            .iter()
+            .filter_map(|p| match p {
+                Part::Reasoning(t) => Some(t.as_str()),
+                _ => None,
             })
             .collect();
         let finish = finish_reason(finish.unwrap_or_default(), reply.called());
@@ -350,7 +361,7 @@ impl Envelope {
         match self.kind {
             Kind::Chat => {
                 let calls: Vec<Value> = parts.iter().filter_map(call_json).collect();
-                choice["message"] = if calls.is_empty() {
+                let mut message = if calls.is_empty() {
                     json!({"role": "assistant", "content": text})
                 } else {
                     let calls: Vec<Value> = calls
@@ -366,6 +377,10 @@ impl Envelope {
                         "tool_calls": calls,
                     })
                 };
+                if !reasoning.is_empty() {
+                    message["reasoning_content"] = json!(reasoning);
+                }
+                choice["message"] = message;
             }
             Kind::Completion => choice["text"] = json!(text),
         }

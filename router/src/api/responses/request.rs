@@ -6,9 +6,12 @@
 //! by name (an agent sends its whole history in `input`, and the prefix cache and the
 //! session's affinity make that cheap). `store` absent or false is served.
 //!
-//! Accepted and ignored, because ignoring them changes no output: `reasoning` (the models
-//! served have no reasoning phase, so a reply has no reasoning items), `reasoning` items in the
-//! history (output of another model's reasoning), `include: ["reasoning.encrypted_content"]`,
+//! `reasoning.effort` `none` switches a thinking model's reasoning off (any other effort leaves
+//! its template's default); the reasoning comes back as `reasoning` items.
+//!
+//! Accepted and ignored, because ignoring them changes no output: `reasoning.summary` (the
+//! reasoning is returned whole, as its `content`), `reasoning` items in the history (the
+//! template leaves earlier turns' reasoning out), `include: ["reasoning.encrypted_content"]`,
 //! `truncation: "disabled"`, `service_tier` (any tier: the cluster serves each request the one
 //! way it has), `metadata` (checked), `client_metadata` (Codex's turn metadata),
 //! `prompt_cache_retention` (the prefix cache keeps what it can hold, whatever is asked),
@@ -26,7 +29,9 @@ use tandem_proto::v1 as pb;
 
 use crate::api::http::dropped::Dropped;
 use crate::api::http::error::ApiError;
-use crate::api::http::fields::{check_metadata, flag, json_grammar, parallel_tool_calls, unsigned};
+use crate::api::http::fields::{
+    check_metadata, flag, json_grammar, parallel_tool_calls, thinking_of_effort, unsigned,
+};
 use crate::api::http::{Call, base_sampling, check_model, json_object, string, unknown_key};
 use crate::api::responses::tools::{Tools, qualified};
 use crate::api::session::{BodySession, session};
@@ -160,6 +165,11 @@ pub(crate) fn parse(
         tool_choice_function: function,
         sampling: Some(sampling),
         model: model.to_string(),
+        enable_thinking: thinking_of_effort(
+            (body.get("reasoning"))
+                .and_then(|r| r.get("effort"))
+                .and_then(Value::as_str),
+        ),
         ..Default::default()
     };
     let parallel_tool_calls = parallel_tool_calls(&body)?;

@@ -1,5 +1,6 @@
-//! A reply in the Responses API's shapes: its frames become output items (a `message` with
-//! `output_text`, `function_call`s) and the stream's events (`response.output_item.added`,
+//! A reply in the Responses API's shapes: its frames become output items (a thinking model's
+//! `reasoning` with its `reasoning_text`, a `message` with `output_text`, `function_call`s) and
+//! the stream's events (`response.output_item.added`, `response.reasoning_text.delta`/`.done`,
 //! `response.content_part.added`, `response.output_text.delta`/`.done`,
 //! `response.function_call_arguments.delta`/`.done`, `response.output_item.done`, and the
 //! `response` events around them); the same items make the whole response of a request that
@@ -30,6 +31,8 @@ pub(super) struct Transcript {
     items: Vec<Value>,
     /// The message item open, at index `items.len()`: its id and text.
     text: Option<(String, String)>,
+    /// The reasoning item open, at index `items.len()`: its id and text.
+    reasoning: Option<(String, String)>,
     sequence: u64,
     /// The finished response's status, incomplete details and usage.
     end: Option<(&'static str, Value, Value)>,
@@ -56,6 +59,7 @@ impl Transcript {
             tools,
             items: Vec::new(),
             text: None,
+            reasoning: None,
             sequence: 0,
             end: None,
         }
@@ -88,6 +92,7 @@ impl Transcript {
             self.part(part, &mut events);
         }
         if last {
+            self.close_reasoning(&mut events);
             self.close_text(&mut events);
             let u = f.usage.unwrap_or_default();
             let usage = json!({
@@ -115,8 +120,36 @@ impl Transcript {
     }
 
     fn part(&mut self, part: Part, events: &mut Vec<Value>) {
+        if !matches!(part, Part::Reasoning(_)) {
+            self.close_reasoning(events);
+        }
         let index = self.items.len();
         match part {
+            Part::Reasoning(t) => {
+                self.close_text(events);
+                let index = self.items.len();
+                if self.reasoning.is_none() {
+                    let id = format!("rs_{}_{index}", self.id);
+                    let item = reasoning_item(&id, "in_progress", "");
+                    let added = self.event(
+                        "response.output_item.added",
+                        json!({"output_index": index, "item": item}),
+                    );
+                    events.push(added);
+                    self.reasoning = Some((id, String::new()));
+                }
+                let Some((id, text)) = &mut self.reasoning else {
+                    return;
+                };
+                text.push_str(&t);
+                let id = id.clone();
+                let delta = self.event(
+                    "response.reasoning_text.delta",
+                    json!({"item_id": id, "output_index": index, "content_index": 0,
+                           "delta": t}),
+                );
+                events.push(delta);
+            }
             Part::Text(t) => {
                 if self.text.is_none() {
                     let id = format!("msg_{}_{index}", self.id);
@@ -213,6 +246,24 @@ impl Transcript {
         self.items.push(done);
     }
 
+    fn close_reasoning(&mut self, events: &mut Vec<Value>) {
+        let Some((id, text)) = self.reasoning.take() else {
+            return;
+        };
+        let index = self.items.len();
+        let item = reasoning_item(&id, "completed", &text);
+        let text_done = self.event(
+            "response.reasoning_text.done",
+            json!({"item_id": id, "output_index": index, "content_index": 0, "text": text}),
+        );
+        let item_done = self.event(
+            "response.output_item.done",
+            json!({"output_index": index, "item": item}),
+        );
+        events.extend([text_done, item_done]);
+        self.items.push(item);
+    }
+
     fn close_text(&mut self, events: &mut Vec<Value>) {
         let Some((id, text)) = self.text.take() else {
             return;
@@ -294,6 +345,15 @@ impl Events for Transcript {
 fn message_item(id: &str, status: &str, content: Value) -> Value {
     json!({"type": "message", "id": id, "status": status, "role": "assistant",
            "content": content})
+}
+
+/// A reasoning item: the reasoning whole as its `content` (no summary is made).
+fn reasoning_item(id: &str, status: &str, text: &str) -> Value {
+    let content = match text {
+        "" => json!([]),
+        t => json!([{"type": "reasoning_text", "text": t}]),
+    };
+    json!({"type": "reasoning", "id": id, "status": status, "summary": [], "content": content})
 }
 
 fn output_text(text: &str) -> Value {
