@@ -18,6 +18,8 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 use tandem_engine::{Engine, EngineConfig, Model, ModelSource, load_tokenizer};
 
+// The fixtures' readers are the real models' tests', not these.
+#[allow(dead_code)]
 mod common;
 use common::ids;
 

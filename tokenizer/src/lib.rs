@@ -305,7 +305,8 @@ impl Tokenizer {
         let mut ids = Vec::with_capacity(text.len() / 3 + 2);
         if self.header.add_bos
             && let Some(bos) = self.header.bos_id
-            && !(text.starts_with(self.token_text(bos)) && !self.token_text(bos).is_empty())
+            && let bos_text = self.token_text(bos)
+            && (bos_text.is_empty() || !text.starts_with(bos_text))
         {
             ids.push(bos);
         }

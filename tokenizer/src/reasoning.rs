@@ -63,15 +63,10 @@ impl ReasoningParser {
                         self.state = State::Answer;
                     }
                 }
-                State::Opened => {
-                    let rest = self.held.trim_start_matches(['\n', '\r']);
-                    if rest.is_empty() {
-                        self.held.clear();
-                        return out;
-                    }
-                    self.held = rest.to_string();
-                    self.state = State::Inside;
-                }
+                State::Opened => match self.drop_newlines() {
+                    true => self.state = State::Inside,
+                    false => return out,
+                },
                 State::Inside => match self.held.find(CLOSE) {
                     Some(at) => {
                         let reasoning = self.held[..at].trim_end_matches('\n').to_string();
@@ -95,15 +90,10 @@ impl ReasoningParser {
                         return out;
                     }
                 },
-                State::Closed => {
-                    let rest = self.held.trim_start_matches(['\n', '\r']);
-                    if rest.is_empty() {
-                        self.held.clear();
-                        return out;
-                    }
-                    self.held = rest.to_string();
-                    self.state = State::Answer;
-                }
+                State::Closed => match self.drop_newlines() {
+                    true => self.state = State::Answer,
+                    false => return out,
+                },
                 State::Answer => {
                     if !self.held.is_empty() {
                         out.push(Thought::Answer(std::mem::take(&mut self.held)));
@@ -112,6 +102,13 @@ impl ReasoningParser {
                 }
             }
         }
+    }
+
+    /// Drops the held text's leading newlines; whether anything else is held.
+    fn drop_newlines(&mut self) -> bool {
+        let newlines = self.held.len() - self.held.trim_start_matches(['\n', '\r']).len();
+        self.held.drain(..newlines);
+        !self.held.is_empty()
     }
 
     /// The thoughts still held when the reply ends.
