@@ -228,6 +228,41 @@ fn build_image(arch: Arch) -> candle_core::Result<Vec<u8>> {
     tensors.push(("output_norm.weight".into(), w));
 
     let a = arch.gguf_name();
+    let metadata = arch_metadata(arch, &sh);
+    let common: Vec<(&str, Value)> = vec![
+        ("general.architecture", Value::String(a.into())),
+        (
+            "general.name",
+            Value::String(format!("tandem-{}", name(arch))),
+        ),
+        ("tokenizer.ggml.model", Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre", Value::String("smollm".into())),
+        ("tokenizer.ggml.tokens", Value::Array(tokens)),
+        ("tokenizer.ggml.token_type", Value::Array(types)),
+        ("tokenizer.ggml.merges", Value::Array(Vec::new())),
+        ("tokenizer.ggml.bos_token_id", Value::U32(1)),
+        ("tokenizer.ggml.eos_token_id", Value::U32(2)),
+        ("tokenizer.ggml.add_bos_token", Value::Bool(false)),
+        (
+            "tokenizer.chat_template",
+            Value::String(CHAT_TEMPLATE.into()),
+        ),
+    ];
+    let md: Vec<(&str, &Value)> = common
+        .iter()
+        .map(|(k, v)| (*k, v))
+        .chain(metadata.iter().map(|(k, v)| (k.as_str(), v)))
+        .collect();
+    let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut out = Cursor::new(Vec::new());
+    gguf_file::write(&mut out, &md, &ts)?;
+    Ok(out.into_inner())
+}
+
+/// The architecture's hyperparameters (`{arch}.*` keys) of its tiny model.
+fn arch_metadata(arch: Arch, sh: &Shape) -> Vec<(String, Value)> {
+    let hidden = sh.hidden;
+    let a = arch.gguf_name();
     let mut metadata: Vec<(String, Value)> = vec![
         (format!("{a}.block_count"), Value::U32(LAYERS)),
         (format!("{a}.embedding_length"), Value::U32(hidden as u32)),
@@ -278,32 +313,5 @@ fn build_image(arch: Arch) -> candle_core::Result<Vec<u8>> {
             ),
         ]);
     }
-    let common: Vec<(&str, Value)> = vec![
-        ("general.architecture", Value::String(a.into())),
-        (
-            "general.name",
-            Value::String(format!("tandem-{}", name(arch))),
-        ),
-        ("tokenizer.ggml.model", Value::String("gpt2".into())),
-        ("tokenizer.ggml.pre", Value::String("smollm".into())),
-        ("tokenizer.ggml.tokens", Value::Array(tokens)),
-        ("tokenizer.ggml.token_type", Value::Array(types)),
-        ("tokenizer.ggml.merges", Value::Array(Vec::new())),
-        ("tokenizer.ggml.bos_token_id", Value::U32(1)),
-        ("tokenizer.ggml.eos_token_id", Value::U32(2)),
-        ("tokenizer.ggml.add_bos_token", Value::Bool(false)),
-        (
-            "tokenizer.chat_template",
-            Value::String(CHAT_TEMPLATE.into()),
-        ),
-    ];
-    let md: Vec<(&str, &Value)> = common
-        .iter()
-        .map(|(k, v)| (*k, v))
-        .chain(metadata.iter().map(|(k, v)| (k.as_str(), v)))
-        .collect();
-    let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let mut out = Cursor::new(Vec::new());
-    gguf_file::write(&mut out, &md, &ts)?;
-    Ok(out.into_inner())
+    metadata
 }

@@ -352,51 +352,6 @@ impl Tokenizer {
             .collect();
         String::from_utf8_lossy(&bytes).into_owned()
     }
-
-    /// How the chat template writes tool calls; `None` if it takes no tools (or there is no
-    /// template).
-    pub fn tool_format(&self) -> Option<ToolFormat> {
-        self.header
-            .chat_template
-            .as_deref()
-            .and_then(ToolFormat::of_template)
-    }
-
-    /// Whether the chat template writes a `<think>` block (Qwen3's): its replies open with their
-    /// reasoning ([`ReasoningParser`]), and `enable_thinking` switches it.
-    pub fn thinks(&self) -> bool {
-        (self.header.chat_template.as_deref()).is_some_and(|t| t.contains("<think>"))
-    }
-
-    /// [`Tokenizer::apply_chat_template`] with the template's `enable_thinking` set (Qwen3's
-    /// switch; `None` leaves the template's default), as Hugging Face's template kwargs set it.
-    pub fn apply_chat_template_thinking(
-        &self,
-        messages: &[ChatMessage],
-        tools: &[serde_json::Value],
-        enable_thinking: Option<bool>,
-    ) -> Result<String> {
-        let template = self.template.as_ref().map_err(|reason| Error::Template {
-            reason: reason.clone(),
-        })?;
-        let text = |id: Option<u32>| id.map_or("", |id| self.token_text(id));
-        template.render(
-            messages,
-            tools,
-            (text(self.header.bos_id), text(self.header.eos_id)),
-            enable_thinking,
-        )
-    }
-
-    /// Renders `messages`, and the `tools` offered (OpenAI tool definitions; none is `&[]`),
-    /// with the model's chat template and a generation prompt.
-    pub fn apply_chat_template(
-        &self,
-        messages: &[ChatMessage],
-        tools: &[serde_json::Value],
-    ) -> Result<String> {
-        self.apply_chat_template_thinking(messages, tools, None)
-    }
 }
 
 /// The `tokenizers` BPE of a byte-level model, its pre-tokenizer chosen by `spec.pre`. Takes the
