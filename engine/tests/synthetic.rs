@@ -108,16 +108,19 @@ fn agrees_with_llama_cpp(name: &str) {
             .iter()
             .enumerate()
         {
+            // The logits of position i: after the prompt, or a step past llama.cpp's last token.
+            if i > 0 {
+                logits = engine
+                    .step(&[(seq, generated[i - 1])])
+                    .expect("step")
+                    .row(0)
+                    .to_vec();
+            }
             let ours = log_softmax(&logits);
             // llama-server reports no probabilities for a token that ends inside a UTF-8
             // character: nothing to compare there, and its token is fed all the same.
             if top.is_null() {
                 skipped += 1;
-                logits = engine
-                    .step(&[(seq, generated[i])])
-                    .expect("step")
-                    .row(0)
-                    .to_vec();
                 continue;
             }
             let top: Vec<(usize, f64)> = top
@@ -160,11 +163,6 @@ fn agrees_with_llama_cpp(name: &str) {
                     top[0].0
                 );
             }
-            logits = engine
-                .step(&[(seq, generated[i])])
-                .expect("step")
-                .row(0)
-                .to_vec();
         }
         engine.free(seq).expect("free");
     }

@@ -55,9 +55,9 @@ pub fn load_file(path: &Path) -> Result<LoadedModel> {
     load(Bytes::File(&file), fingerprint, path)
 }
 
-/// The file at `path`, opened and rewound after its SHA-256 was taken.
-fn open_fingerprinted(path: &Path) -> Result<(std::fs::File, ModelFingerprint)> {
-    let io = |source: std::io::Error| match source.kind() {
+/// The error of reading the file at `path`: a missing one is named as such.
+fn io_error(path: &Path, source: std::io::Error) -> Error {
+    match source.kind() {
         std::io::ErrorKind::NotFound => Error::ModelNotFound {
             path: path.to_path_buf(),
             hint: String::new(),
@@ -66,7 +66,12 @@ fn open_fingerprinted(path: &Path) -> Result<(std::fs::File, ModelFingerprint)> 
             path: path.to_path_buf(),
             source,
         },
-    };
+    }
+}
+
+/// The file at `path`, opened and rewound after its SHA-256 was taken.
+fn open_fingerprinted(path: &Path) -> Result<(std::fs::File, ModelFingerprint)> {
+    let io = |source| io_error(path, source);
     let file = std::fs::File::open(path).map_err(io)?;
     let mut hasher = Sha256::new();
     std::io::copy(&mut std::io::BufReader::new(&file), &mut hasher).map_err(io)?;
@@ -156,7 +161,7 @@ fn read_header(bytes: Bytes<'_>, path: &Path) -> Result<(Content, ModelConfig, T
 /// The tokenizer of a GGUF file, read from its metadata alone (llama.cpp's vocabulary-only
 /// files have no tensors).
 pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
-    let (file, _) = open_fingerprinted(path)?;
+    let file = std::fs::File::open(path).map_err(|e| io_error(path, e))?;
     let content = Bytes::File(&file)
         .header()
         .map_err(|e| Error::invalid_model(path, format!("cannot parse the GGUF header: {e}")))?;

@@ -207,15 +207,6 @@ impl ModelConfig {
                 m.used, m.experts
             ));
         }
-        if let Some(f) = &self.rope_freq_factors
-            && f.len() != self.head_dim / 2
-        {
-            return Err(format!(
-                "rope_freqs.weight has {} factors for heads of {} dimensions",
-                f.len(),
-                self.head_dim
-            ));
-        }
         Ok(())
     }
 
